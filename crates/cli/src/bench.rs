@@ -1,0 +1,432 @@
+//! `brigade bench`: llama-bench's interface and table, plus the memory-bandwidth bound of decode
+//! and the knee of an `-ngl` sweep.
+
+use crate::common::{detect_gpus, human_bytes, open_model, place, GpuLayers};
+use anyhow::{bail, Context, Result};
+use brigade_core::{DeviceId, Stage};
+use brigade_model::pipeline::activation_dtype;
+use brigade_model::weights::StoredType;
+use brigade_model::{bandwidth, predict_slice_bytes, ModelFiles, Pipeline};
+use candle_core::quantized::GgmlDType;
+use clap::{Args, ValueEnum};
+use serde::Serialize;
+use std::path::PathBuf;
+use std::time::Instant;
+
+#[derive(Clone, Copy, Debug, ValueEnum, PartialEq, Eq)]
+pub enum OutFormat {
+    Md,
+    Csv,
+    Json,
+}
+
+#[derive(Args, Debug)]
+pub struct BenchArgs {
+    /// Model (default: the small model built into brigade).
+    #[arg(short = 'm', long = "model")]
+    pub model: Option<PathBuf>,
+    /// Prompt lengths to test (pp), comma separated; 0 skips.
+    #[arg(
+        short = 'p',
+        long = "n-prompt",
+        default_value = "512",
+        value_delimiter = ','
+    )]
+    pub n_prompt: Vec<usize>,
+    /// Generation lengths to test (tg), comma separated; 0 skips.
+    #[arg(
+        short = 'n',
+        long = "n-gen",
+        default_value = "128",
+        value_delimiter = ','
+    )]
+    pub n_gen: Vec<usize>,
+    /// Repetitions of each test.
+    #[arg(short = 'r', long = "repetitions", default_value_t = 3)]
+    pub reps: usize,
+    /// Compute threads.
+    #[arg(short = 't', long = "threads")]
+    pub threads: Option<usize>,
+    /// GPU layer counts to sweep, comma separated (`all` and `auto` allowed). Also `-ngl`.
+    #[arg(long = "n-gpu-layers", default_value = "0", value_delimiter = ',')]
+    pub ngl: Vec<GpuLayers>,
+    /// Share of free GPU memory `auto` leaves unused.
+    #[arg(long = "headroom", default_value_t = 0.10)]
+    pub headroom: f64,
+    /// Output format.
+    #[arg(short = 'o', long = "output", value_enum, default_value_t = OutFormat::Md)]
+    pub output: OutFormat,
+    /// Skip the memory bandwidth probe (and the bound it gives).
+    #[arg(long = "no-bandwidth")]
+    pub no_bandwidth: bool,
+}
+
+#[derive(Serialize, Clone)]
+struct DeviceBytes {
+    name: String,
+    layers: (usize, usize),
+    bytes: u64,
+}
+
+#[derive(Serialize, Clone)]
+struct Row {
+    ngl: String,
+    /// GPU layers actually used.
+    n_gpu_layers: usize,
+    test: String,
+    n_prompt: usize,
+    n_gen: usize,
+    avg_ts: f64,
+    stddev_ts: f64,
+    samples_ts: Vec<f64>,
+    load_ms: f64,
+    devices: Vec<DeviceBytes>,
+    /// Weight bytes read per generated token (the whole model but the embedding table).
+    read_bytes_per_token: u64,
+    bound_ts: Option<f64>,
+    fraction_of_bound: Option<f64>,
+}
+
+#[derive(Serialize)]
+struct Knee {
+    ngl: String,
+    n_gpu_layers: usize,
+    tg_ts: f64,
+    best_ts: f64,
+}
+
+#[derive(Serialize)]
+struct BenchOut {
+    model: String,
+    model_bytes: u64,
+    params: u64,
+    threads: usize,
+    bandwidth_bytes_per_s: Option<f64>,
+    rows: Vec<Row>,
+    knee: Option<Knee>,
+    notes: Vec<String>,
+}
+
+fn mean_std(xs: &[f64]) -> (f64, f64) {
+    let n = xs.len() as f64;
+    let m = xs.iter().sum::<f64>() / n;
+    let v = if xs.len() > 1 {
+        xs.iter().map(|x| (x - m).powi(2)).sum::<f64>() / (n - 1.0)
+    } else {
+        0.0
+    };
+    (m, v.sqrt())
+}
+
+/// Weight bytes one decode step reads on each device: every stage's weights except the
+/// embedding table, of which a step reads one row (unless the head is tied to it).
+fn read_bytes(files: &ModelFiles, stages: &[Stage], n_ctx: usize) -> Vec<(DeviceId, u64)> {
+    stages
+        .iter()
+        .map(|s| {
+            let w = predict_slice_bytes(files, s.layers, activation_dtype(s.device), n_ctx).weights;
+            let embed = if s.layers.is_first() {
+                files.device_bytes("token_embd.weight", activation_dtype(s.device))
+            } else {
+                0
+            };
+            let tied_here = s.layers.is_last(files.config.n_layers)
+                && files.tensor_info("output.weight").is_none();
+            (s.device, if tied_here { w } else { w - embed })
+        })
+        .collect()
+}
+
+/// Whether candle's CPU kernels batch the prompt (repacked tiles) for this type on this CPU.
+fn batched_on_cpu(ty: StoredType) -> bool {
+    let vnni = cfg!(target_arch = "x86_64") && {
+        #[cfg(target_arch = "x86_64")]
+        {
+            (std::arch::is_x86_feature_detected!("avx512f")
+                && std::arch::is_x86_feature_detected!("avx512vnni"))
+                || std::arch::is_x86_feature_detected!("avxvnni")
+        }
+        #[cfg(not(target_arch = "x86_64"))]
+        {
+            false
+        }
+    };
+    match ty {
+        StoredType::Ggml(GgmlDType::Q4K) | StoredType::Ggml(GgmlDType::Q6K) => true,
+        StoredType::Ggml(GgmlDType::Q8_0) => vnni,
+        // float weights are dense matrices (gemm), batched anyway
+        StoredType::F32 | StoredType::F16 | StoredType::BF16 => true,
+        StoredType::Ggml(GgmlDType::F32)
+        | StoredType::Ggml(GgmlDType::F16)
+        | StoredType::Ggml(GgmlDType::BF16) => true,
+        _ => false,
+    }
+}
+
+pub fn bench(a: BenchArgs) -> Result<()> {
+    if a.reps == 0 {
+        bail!("-r 0: at least one repetition");
+    }
+    let files = open_model(a.model.as_deref())?;
+    let threads = candle_core::utils::get_num_threads();
+    let gpus = detect_gpus();
+    let n_ctx = a.n_prompt.iter().max().copied().unwrap_or(0)
+        + a.n_gen.iter().max().copied().unwrap_or(0)
+        + 16;
+    let mut notes = Vec::new();
+    let off: Vec<String> = files
+        .weight_types()
+        .into_iter()
+        .filter(|(t, _)| !batched_on_cpu(*t))
+        .map(|(t, b)| format!("{} ({})", t.name(), human_bytes(b)))
+        .collect();
+    if !off.is_empty() {
+        notes.push(format!(
+            "on the CPU, candle batches prompts only for q4_k, q6_k (and q8_0 with AVX-VNNI); this file's {} run token by token in pp tests",
+            off.join(", ")
+        ));
+    }
+    let bw = if a.no_bandwidth {
+        None
+    } else {
+        Some(bandwidth::read_bandwidth(512 << 20, threads, 3))
+    };
+    if !gpus.is_empty() && bw.is_some() {
+        notes.push("the bound counts only CPU-resident weights at the measured CPU bandwidth; GPU-resident weights are not bounded here".into());
+    }
+    let label = files
+        .source
+        .rsplit('/')
+        .next()
+        .unwrap_or(&files.source)
+        .to_string();
+
+    let device = candle_core::Device::Cpu;
+    let rows = device.with_context(|| -> Result<Vec<Row>> {
+        let mut rows = Vec::new();
+        for ngl in &a.ngl {
+            let placement = place(&files, Some(*ngl), None, n_ctx, a.headroom, &gpus)?;
+            if let Some(n) = &placement.notice {
+                eprintln!("{n}");
+            }
+            let n_gpu: usize = placement
+                .stages
+                .iter()
+                .filter(|s| s.device != DeviceId::Cpu)
+                .map(|s| s.layers.len())
+                .sum();
+            let t0 = Instant::now();
+            let pipeline = Pipeline::load(&files, &placement.stages, n_ctx, |_, _| {})
+                .with_context(|| format!("loading for -ngl {ngl}"))?;
+            let load_ms = t0.elapsed().as_secs_f64() * 1e3;
+            let devices: Vec<DeviceBytes> = pipeline
+                .report()
+                .iter()
+                .map(|r| DeviceBytes {
+                    name: r.device.to_string(),
+                    layers: r.layers,
+                    bytes: r.weight_bytes + r.kv_bytes,
+                })
+                .collect();
+            let reads = read_bytes(&files, &placement.stages, n_ctx);
+            let read_total: u64 = reads.iter().map(|r| r.1).sum();
+            let cpu_read: u64 = reads
+                .iter()
+                .filter(|r| r.0 == DeviceId::Cpu)
+                .map(|r| r.1)
+                .sum();
+            let vocab = files.config.vocab as u32;
+            let token = |i: usize| ((i as u32).wrapping_mul(2_654_435_761) >> 7) % vocab;
+            // warm-up: first use of every kernel (and repacking of quantized weights)
+            {
+                let mut s = pipeline.new_session()?;
+                let w: Vec<u32> = (0..8).map(token).collect();
+                pipeline.prefill(&mut s, &w, 512)?;
+                pipeline.forward(&mut s, &[token(9)], brigade_model::Logits::Last)?;
+            }
+            for &p in a.n_prompt.iter().filter(|&&p| p > 0) {
+                let prompt: Vec<u32> = (0..p).map(token).collect();
+                let mut samples = Vec::new();
+                for _ in 0..a.reps {
+                    let mut s = pipeline.new_session()?;
+                    let t = Instant::now();
+                    pipeline.prefill(&mut s, &prompt, 512)?;
+                    samples.push(p as f64 / t.elapsed().as_secs_f64());
+                }
+                let (m, sd) = mean_std(&samples);
+                rows.push(Row {
+                    ngl: ngl.to_string(),
+                    n_gpu_layers: n_gpu,
+                    test: format!("pp{p}"),
+                    n_prompt: p,
+                    n_gen: 0,
+                    avg_ts: m,
+                    stddev_ts: sd,
+                    samples_ts: samples,
+                    load_ms,
+                    devices: devices.clone(),
+                    read_bytes_per_token: read_total,
+                    bound_ts: None,
+                    fraction_of_bound: None,
+                });
+            }
+            for &n in a.n_gen.iter().filter(|&&n| n > 0) {
+                let mut samples = Vec::new();
+                for _ in 0..a.reps {
+                    let mut s = pipeline.new_session()?;
+                    let t = Instant::now();
+                    for i in 0..n {
+                        pipeline.forward(&mut s, &[token(i + 1)], brigade_model::Logits::Last)?;
+                    }
+                    samples.push(n as f64 / t.elapsed().as_secs_f64());
+                }
+                let (m, sd) = mean_std(&samples);
+                let bound = match bw {
+                    Some(bw) if cpu_read > 0 && n_gpu == 0 => Some(bw / cpu_read as f64),
+                    _ => None,
+                };
+                rows.push(Row {
+                    ngl: ngl.to_string(),
+                    n_gpu_layers: n_gpu,
+                    test: format!("tg{n}"),
+                    n_prompt: 0,
+                    n_gen: n,
+                    avg_ts: m,
+                    stddev_ts: sd,
+                    samples_ts: samples,
+                    load_ms,
+                    devices: devices.clone(),
+                    read_bytes_per_token: read_total,
+                    bound_ts: bound,
+                    fraction_of_bound: bound.map(|b| m / b),
+                });
+            }
+        }
+        Ok(rows)
+    })?;
+
+    // the knee: the smallest -ngl whose tg reaches 90% of the best tg
+    let tg: Vec<&Row> = rows.iter().filter(|r| r.n_gen > 0).collect();
+    let knee = if a.ngl.len() > 1 && !tg.is_empty() {
+        let best = tg.iter().map(|r| r.avg_ts).fold(0.0, f64::max);
+        tg.iter()
+            .filter(|r| r.avg_ts >= 0.9 * best)
+            .min_by_key(|r| r.n_gpu_layers)
+            .map(|r| Knee {
+                ngl: r.ngl.clone(),
+                n_gpu_layers: r.n_gpu_layers,
+                tg_ts: r.avg_ts,
+                best_ts: best,
+            })
+    } else {
+        None
+    };
+    let out = BenchOut {
+        model: files.source.clone(),
+        model_bytes: files.total_bytes(),
+        params: files.n_params(),
+        threads,
+        bandwidth_bytes_per_s: bw,
+        rows,
+        knee,
+        notes,
+    };
+    match a.output {
+        OutFormat::Json => println!("{}", serde_json::to_string_pretty(&out)?),
+        OutFormat::Csv => print_csv(&out),
+        OutFormat::Md => print_md(&out, &label),
+    }
+    Ok(())
+}
+
+fn device_cols(r: &Row) -> String {
+    r.devices
+        .iter()
+        .map(|d| {
+            format!(
+                "{} [{},{}) {}",
+                d.name,
+                d.layers.0,
+                d.layers.1,
+                human_bytes(d.bytes)
+            )
+        })
+        .collect::<Vec<_>>()
+        .join("; ")
+}
+
+fn print_csv(o: &BenchOut) {
+    println!("model,model_bytes,params,threads,ngl,n_gpu_layers,test,n_prompt,n_gen,avg_ts,stddev_ts,devices,read_bytes_per_token,bound_ts,fraction_of_bound");
+    for r in &o.rows {
+        println!(
+            "\"{}\",{},{},{},{},{},{},{},{},{:.3},{:.3},\"{}\",{},{},{}",
+            o.model,
+            o.model_bytes,
+            o.params,
+            o.threads,
+            r.ngl,
+            r.n_gpu_layers,
+            r.test,
+            r.n_prompt,
+            r.n_gen,
+            r.avg_ts,
+            r.stddev_ts,
+            device_cols(r),
+            r.read_bytes_per_token,
+            r.bound_ts.map(|b| format!("{b:.3}")).unwrap_or_default(),
+            r.fraction_of_bound
+                .map(|b| format!("{b:.3}"))
+                .unwrap_or_default()
+        );
+    }
+}
+
+fn print_md(o: &BenchOut, label: &str) {
+    println!("| model | size | params | threads | ngl | test | t/s | devices |");
+    println!("| --- | ---: | ---: | ---: | ---: | ---: | ---: | --- |");
+    for r in &o.rows {
+        println!(
+            "| {} | {} | {:.2} B | {} | {} | {} | {:.2} ± {:.2} | {} |",
+            label,
+            human_bytes(o.model_bytes),
+            o.params as f64 / 1e9,
+            o.threads,
+            if r.ngl == r.n_gpu_layers.to_string() {
+                r.ngl.clone()
+            } else {
+                format!("{} ({})", r.ngl, r.n_gpu_layers)
+            },
+            r.test,
+            r.avg_ts,
+            r.stddev_ts,
+            device_cols(r)
+        );
+    }
+    println!();
+    if let Some(bw) = o.bandwidth_bytes_per_s {
+        println!(
+            "memory read bandwidth ({} threads): {:.1} GB/s",
+            o.threads,
+            bw / 1e9
+        );
+    }
+    for r in o.rows.iter().filter(|r| r.bound_ts.is_some()) {
+        if let (Some(b), Some(f)) = (r.bound_ts, r.fraction_of_bound) {
+            println!(
+                "{} at -ngl {}: {} of weights read per token -> bound {:.2} t/s; achieved {:.2} t/s = {:.2} of the bound",
+                r.test,
+                r.ngl,
+                human_bytes(r.read_bytes_per_token),
+                b,
+                r.avg_ts,
+                f
+            );
+        }
+    }
+    if let Some(k) = &o.knee {
+        println!("knee: -ngl {} ({} GPU layers) is the smallest reaching 90% of the best tg ({:.2} of {:.2} t/s)", k.ngl, k.n_gpu_layers, k.tg_ts, k.best_ts);
+    }
+    for n in &o.notes {
+        println!("note: {n}");
+    }
+}

@@ -1,0 +1,254 @@
+//! What `run` and `bench` share: opening a model (the embedded one by default), turning
+//! `-ngl` / `--device-map` into stages, and printing sizes.
+
+use anyhow::{bail, Context, Result};
+use brigade_core::{DeviceId, DeviceMap, LayerRange, Stage};
+use brigade_model::devices::{cuda_devices, CudaInfo};
+use brigade_model::pipeline::activation_dtype;
+use brigade_model::{predict_slice_bytes, ModelFiles};
+use std::path::Path;
+use std::str::FromStr;
+
+/// `-ngl`: a layer count, `all`, or `auto`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum GpuLayers {
+    N(usize),
+    All,
+    Auto,
+}
+
+impl FromStr for GpuLayers {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s.trim().to_ascii_lowercase().as_str() {
+            "auto" => Ok(GpuLayers::Auto),
+            "all" | "max" => Ok(GpuLayers::All),
+            n => n
+                .parse()
+                .map(GpuLayers::N)
+                .map_err(|_| format!("`{s}` is not a layer count, `all` or `auto`")),
+        }
+    }
+}
+
+impl std::fmt::Display for GpuLayers {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            GpuLayers::N(n) => write!(f, "{n}"),
+            GpuLayers::All => f.write_str("all"),
+            GpuLayers::Auto => f.write_str("auto"),
+        }
+    }
+}
+
+pub fn open_model(path: Option<&Path>) -> Result<ModelFiles> {
+    match path {
+        None => Ok(ModelFiles::from_static_gguf(
+            brigade_model::embedded_model(),
+            brigade_model::EMBEDDED_MODEL_NAME,
+        )?),
+        Some(p) => {
+            ModelFiles::open(p).with_context(|| format!("cannot load model {}", p.display()))
+        }
+    }
+}
+
+/// The context length: `-c` if given, else the model's, capped at 4096 (llama.cpp's habit).
+pub fn context_len(files: &ModelFiles, requested: Option<usize>) -> Result<usize> {
+    match requested {
+        Some(0) => bail!("-c 0: the context must hold at least one token"),
+        Some(c) => Ok(c),
+        None => Ok(files.config.context_length.clamp(1, 4096)),
+    }
+}
+
+/// How layers were placed, for the report.
+pub struct Placement {
+    pub stages: Vec<Stage>,
+    /// A line for stderr when the choice deserves one (auto fallbacks, fits).
+    pub notice: Option<String>,
+}
+
+/// The largest number of trailing layers (with the head) whose predicted bytes fit in `budget`.
+fn fit_gpu_layers(files: &ModelFiles, n_ctx: usize, gpu: DeviceId, budget: u64) -> usize {
+    let n = files.config.n_layers;
+    let dtype = activation_dtype(gpu);
+    (0..=n)
+        .rev()
+        .find(|&k| {
+            k == 0
+                || LayerRange::new(n - k, n)
+                    .map(|r| predict_slice_bytes(files, r, dtype, n_ctx).total() <= budget)
+                    .unwrap_or(false)
+        })
+        .unwrap_or(0)
+}
+
+fn no_cuda_reason() -> &'static str {
+    if cfg!(feature = "cuda") {
+        "no CUDA device was found"
+    } else {
+        "this brigade was built without CUDA (build with --features cuda, see scripts/build-cuda.sh)"
+    }
+}
+
+/// Resolves `-ngl` / `--device-map` into stages for a model of `n_layers`.
+pub fn place(
+    files: &ModelFiles,
+    ngl: Option<GpuLayers>,
+    device_map: Option<&str>,
+    n_ctx: usize,
+    headroom: f64,
+    gpus: &[CudaInfo],
+) -> Result<Placement> {
+    let n_layers = files.config.n_layers;
+    if !(0.0..1.0).contains(&headroom) {
+        bail!("--headroom {headroom}: must be in [0, 1)");
+    }
+    if let Some(map) = device_map {
+        if ngl.is_some() {
+            bail!("give either -ngl or --device-map, not both");
+        }
+        let map = DeviceMap::parse(map)?;
+        let stages = map.stages(n_layers)?;
+        for s in &stages {
+            if let DeviceId::Cuda(i) = s.device {
+                if !gpus.iter().any(|g| g.ordinal == i) {
+                    bail!(
+                        "--device-map places layers on {}, but {}",
+                        s.device,
+                        no_cuda_reason()
+                    );
+                }
+            }
+        }
+        return Ok(Placement {
+            stages,
+            notice: None,
+        });
+    }
+    let gpu = DeviceId::Cuda(0);
+    let (n_gpu, notice) = match ngl.unwrap_or(GpuLayers::N(0)) {
+        GpuLayers::N(0) => (0, None),
+        GpuLayers::N(n) if gpus.is_empty() => {
+            bail!("-ngl {n} asks for GPU layers, but {}", no_cuda_reason())
+        }
+        GpuLayers::All if gpus.is_empty() => {
+            bail!("-ngl all asks for GPU layers, but {}", no_cuda_reason())
+        }
+        GpuLayers::N(n) => (n.min(n_layers), None),
+        GpuLayers::All => (n_layers, None),
+        GpuLayers::Auto if gpus.is_empty() => (
+            0,
+            Some(format!(
+                "-ngl auto: {}; running all {n_layers} layers on the CPU",
+                no_cuda_reason()
+            )),
+        ),
+        GpuLayers::Auto => {
+            let g = &gpus[0];
+            let budget = (g.memory_free as f64 * (1.0 - headroom)) as u64;
+            let k = fit_gpu_layers(files, n_ctx, gpu, budget);
+            let bytes = LayerRange::new(n_layers - k.max(1), n_layers)
+                .map(|r| predict_slice_bytes(files, r, activation_dtype(gpu), n_ctx).total())
+                .unwrap_or(0);
+            (
+                k,
+                Some(format!(
+                    "-ngl auto: {k} of {n_layers} layers on {} ({}, {} predicted of {} budget = {} free - {:.0}% headroom)",
+                    gpu,
+                    g.name,
+                    human_bytes(if k == 0 { 0 } else { bytes }),
+                    human_bytes(budget),
+                    human_bytes(g.memory_free),
+                    headroom * 100.0
+                )),
+            )
+        }
+    };
+    let stages = DeviceMap::n_gpu_layers(n_layers, n_gpu, gpu)?.stages(n_layers)?;
+    Ok(Placement { stages, notice })
+}
+
+pub fn detect_gpus() -> Vec<CudaInfo> {
+    cuda_devices()
+}
+
+pub fn human_bytes(b: u64) -> String {
+    let b = b as f64;
+    if b >= 1024.0 * 1024.0 * 1024.0 {
+        format!("{:.2} GiB", b / (1024.0 * 1024.0 * 1024.0))
+    } else if b >= 1024.0 * 1024.0 {
+        format!("{:.2} MiB", b / (1024.0 * 1024.0))
+    } else if b >= 1024.0 {
+        format!("{:.1} KiB", b / 1024.0)
+    } else {
+        format!("{b:.0} B")
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn fake_gpu(free: u64) -> Vec<CudaInfo> {
+        vec![CudaInfo {
+            ordinal: 0,
+            name: "test".into(),
+            memory_total: free,
+            memory_free: free,
+        }]
+    }
+
+    #[test]
+    fn placement_rules() {
+        let files = open_model(None).unwrap();
+        let n = files.config.n_layers;
+        // no GPU: -ngl N is an error, auto falls back with a notice, the default is the CPU
+        assert!(place(&files, Some(GpuLayers::N(2)), None, 64, 0.1, &[]).is_err());
+        let p = place(&files, Some(GpuLayers::Auto), None, 64, 0.1, &[]).unwrap();
+        assert_eq!(p.stages.len(), 1);
+        assert!(p.notice.unwrap().contains("CPU"));
+        assert_eq!(
+            place(&files, None, None, 64, 0.1, &[]).unwrap().stages[0]
+                .layers
+                .len(),
+            n
+        );
+        assert!(place(&files, Some(GpuLayers::N(1)), Some("cpu:5"), 64, 0.1, &[]).is_err());
+        assert!(place(&files, None, Some("cpu:2,cuda0:3"), 64, 0.1, &[]).is_err());
+        // auto fits by predicted bytes: a budget of exactly k layers + head gives k
+        let dt = activation_dtype(DeviceId::Cuda(0));
+        for k in 1..=n {
+            let need =
+                predict_slice_bytes(&files, LayerRange::new(n - k, n).unwrap(), dt, 64).total();
+            let free = (need as f64 / 0.9).ceil() as u64 + 1;
+            let p = place(
+                &files,
+                Some(GpuLayers::Auto),
+                None,
+                64,
+                0.1,
+                &fake_gpu(free),
+            )
+            .unwrap();
+            let on_gpu: usize = p
+                .stages
+                .iter()
+                .filter(|s| s.device != DeviceId::Cpu)
+                .map(|s| s.layers.len())
+                .sum();
+            assert_eq!(on_gpu, k, "free {free}");
+        }
+        let p = place(
+            &files,
+            Some(GpuLayers::Auto),
+            None,
+            64,
+            0.1,
+            &fake_gpu(1000),
+        )
+        .unwrap();
+        assert!(p.stages.iter().all(|s| s.device == DeviceId::Cpu));
+    }
+}

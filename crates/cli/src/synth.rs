@@ -1,0 +1,130 @@
+//! `brigade synth`: random-weight models of any Llama shape, for benchmarks and tests.
+
+use crate::common::human_bytes;
+use anyhow::{bail, Result};
+use brigade_model::synth::{write_gguf, write_safetensors_dir, Shape, SynthType};
+use clap::{Args, ValueEnum};
+use std::path::PathBuf;
+
+#[derive(Clone, Copy, Debug, ValueEnum)]
+pub enum SynthFormat {
+    Gguf,
+    Safetensors,
+}
+
+#[derive(Args, Debug)]
+pub struct SynthArgs {
+    /// Output: a .gguf file, or a directory for safetensors.
+    #[arg(short = 'o', long = "output")]
+    pub output: PathBuf,
+    /// A real model's shape: llama-1b, llama-8b, llama-70b (Llama 3.x). Flags below override it.
+    #[arg(long)]
+    pub preset: Option<String>,
+    #[arg(long)]
+    pub layers: Option<usize>,
+    #[arg(long)]
+    pub hidden: Option<usize>,
+    #[arg(long)]
+    pub ffn: Option<usize>,
+    #[arg(long)]
+    pub heads: Option<usize>,
+    #[arg(long = "kv-heads")]
+    pub kv_heads: Option<usize>,
+    #[arg(long)]
+    pub vocab: Option<usize>,
+    /// The context length the file declares.
+    #[arg(long)]
+    pub context: Option<usize>,
+    /// Weight type: f32, f16, bf16, q8_0, q4_0, q4_k, q6_k (safetensors: f32, f16, bf16).
+    #[arg(long = "type", default_value = "f16")]
+    pub ty: SynthType,
+    #[arg(long, value_enum, default_value_t = SynthFormat::Gguf)]
+    pub format: SynthFormat,
+    #[arg(long, default_value_t = 0)]
+    pub seed: u64,
+    /// Print the result as JSON.
+    #[arg(long)]
+    pub json: bool,
+}
+
+pub fn synth(a: SynthArgs) -> Result<()> {
+    let mut shape = match &a.preset {
+        Some(p) => Shape::preset(p).ok_or_else(|| {
+            anyhow::anyhow!("unknown preset `{p}` (llama-1b, llama-8b, llama-70b)")
+        })?,
+        None => {
+            let (Some(layers), Some(hidden), Some(heads)) = (a.layers, a.hidden, a.heads) else {
+                bail!("give --preset, or at least --layers, --hidden and --heads");
+            };
+            Shape {
+                layers,
+                hidden,
+                ffn: hidden * 4,
+                heads,
+                kv_heads: heads,
+                vocab: 32000,
+                context: 4096,
+                rope_theta: 10000.0,
+            }
+        }
+    };
+    if let Some(v) = a.layers {
+        shape.layers = v;
+    }
+    if let Some(v) = a.hidden {
+        shape.hidden = v;
+    }
+    if let Some(v) = a.ffn {
+        shape.ffn = v;
+    }
+    if let Some(v) = a.heads {
+        shape.heads = v;
+    }
+    if let Some(v) = a.kv_heads {
+        shape.kv_heads = v;
+    }
+    if let Some(v) = a.vocab {
+        shape.vocab = v;
+    }
+    if let Some(v) = a.context {
+        shape.context = v;
+    }
+    let bar = indicatif::ProgressBar::new(0);
+    bar.set_style(
+        indicatif::ProgressStyle::with_template("writing {bar:30} {pos}/{len} tensors")
+            .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
+    );
+    let progress = |i: usize, n: usize| {
+        bar.set_length(n as u64);
+        bar.set_position(i as u64);
+    };
+    let t0 = std::time::Instant::now();
+    let bytes = match a.format {
+        SynthFormat::Gguf => write_gguf(&a.output, &shape, a.ty, a.seed, progress)?,
+        SynthFormat::Safetensors => {
+            write_safetensors_dir(&a.output, &shape, a.ty, a.seed, progress)?
+        }
+    };
+    bar.finish_and_clear();
+    if a.json {
+        println!(
+            "{}",
+            serde_json::json!({"output": a.output, "bytes": bytes, "params": shape.params(), "shape": shape, "seconds": t0.elapsed().as_secs_f64()})
+        );
+    } else {
+        eprintln!(
+            "wrote {} ({}, {:.2} B params, {} layers, hidden {}, ffn {}, {}/{} heads, vocab {}) in {:.1} s",
+            a.output.display(),
+            human_bytes(bytes),
+            shape.params() as f64 / 1e9,
+            shape.layers,
+            shape.hidden,
+            shape.ffn,
+            shape.heads,
+            shape.kv_heads,
+            shape.vocab,
+            t0.elapsed().as_secs_f64()
+        );
+    }
+    Ok(())
+}

@@ -1,0 +1,31 @@
+//! brigade's vocabulary, shared by every other crate.
+//!
+//! # Layout
+//! - [`LayerRange`]: a contiguous half-open range `[start, end)` of transformer layers.
+//! - [`DeviceId`]: a compute device of one host (`cpu`, `cuda0`, …).
+//! - [`DeviceMap`]: consecutive layer ranges placed on devices in order (`cpu:10,cuda0:22`),
+//!   the single-box form of a placement.
+//!
+//! This crate is pure on purpose: no async runtime, no I/O, no clock, no tensor library.
+//! The planner and the replicated cluster state build on it and stay testable exhaustively.
+
+mod device;
+mod layers;
+
+pub use device::{DeviceId, DeviceKind};
+pub use layers::{DeviceMap, LayerRange, Stage};
+
+/// Errors of the vocabulary types: all of them are about parsing or validating user input.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum CoreError {
+    #[error("unknown device `{0}`: expected `cpu` or `cudaN` (for example `cuda0`)")]
+    UnknownDevice(String),
+    #[error("invalid layer range [{start}, {end}): start must be below end")]
+    EmptyRange { start: usize, end: usize },
+    #[error("invalid device map entry `{entry}`: {why}")]
+    BadDeviceMapEntry { entry: String, why: String },
+    #[error("device map places {placed} layers but the model has {n_layers}")]
+    LayerCountMismatch { placed: usize, n_layers: usize },
+    #[error("device map is empty")]
+    EmptyDeviceMap,
+}

@@ -1,0 +1,505 @@
+//! A slice of a Llama-family model: transformer layers `[a, b)` on one device, plus the token
+//! embedding when `a == 0` and the final norm and output head when `b == n_layers`.
+//!
+//! Shaped like candle-transformers' `models/llama.rs`: private `Block` with `load` and `forward`,
+//! a tracing span per module. Unlike it, the KV cache is not inside the model but in a
+//! [`SliceCache`] per session, preallocated for the context length and written in place, so one
+//! loaded slice serves many sessions and a decode step appends without concatenating.
+
+use crate::config::{ModelConfig, RopeStyle};
+use crate::weights::{Embedding, Linear, ModelFiles};
+use crate::ModelError;
+use brigade_core::LayerRange;
+use candle_core::{DType, Device, Tensor, D};
+use std::sync::Arc;
+
+/// What a stage receives: token ids (first stage) or the previous stage's hidden state.
+pub enum StageInput<'a> {
+    Tokens(&'a [u32]),
+    Hidden(&'a Tensor),
+}
+
+/// Which positions the last stage computes logits for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Logits {
+    /// Only the last position (generation).
+    Last,
+    /// Every position of the chunk (reference checks).
+    All,
+}
+
+struct Block {
+    attn_norm: Tensor,
+    ffn_norm: Tensor,
+    wq: Linear,
+    wk: Linear,
+    wv: Linear,
+    wo: Linear,
+    gate: Linear,
+    up: Linear,
+    down: Linear,
+    span: tracing::Span,
+}
+
+struct Head {
+    norm: Tensor,
+    out: Linear,
+}
+
+/// The K and V cache of one session for the layers of one slice, preallocated for the context
+/// length: per layer `(1, n_kv_heads, n_ctx, head_dim)`.
+pub struct SliceCache {
+    kv: Vec<(Tensor, Tensor)>,
+    len: usize,
+    n_ctx: usize,
+}
+
+impl SliceCache {
+    /// Tokens held so far.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+    /// Forgets everything after the first `n` tokens (the storage stays allocated).
+    pub fn truncate(&mut self, n: usize) {
+        self.len = self.len.min(n);
+    }
+    pub fn bytes(&self) -> u64 {
+        self.kv
+            .iter()
+            .map(|(k, v)| ((k.elem_count() + v.elem_count()) * k.dtype().size_in_bytes()) as u64)
+            .sum()
+    }
+}
+
+pub struct Slice {
+    cfg: Arc<ModelConfig>,
+    layers: LayerRange,
+    device: Device,
+    dtype: DType,
+    embed: Option<Embedding>,
+    blocks: Vec<Block>,
+    head: Option<Head>,
+    cos: Tensor,
+    sin: Tensor,
+    n_ctx: usize,
+    weight_bytes: u64,
+    span: tracing::Span,
+}
+
+fn rms_norm(x: &Tensor, w: &Tensor, eps: f64) -> candle_core::Result<Tensor> {
+    candle_nn::ops::rms_norm(x, w, eps as f32)
+}
+
+impl Block {
+    fn load(
+        files: &ModelFiles,
+        i: usize,
+        device: &Device,
+        dtype: DType,
+    ) -> Result<Self, ModelError> {
+        let cfg = &files.config;
+        let n = |s: &str| format!("blk.{i}.{s}");
+        let bias = |s: &str| cfg.qkv_bias.then(|| n(s));
+        Ok(Block {
+            attn_norm: files.dense(&n("attn_norm.weight"), device, dtype)?,
+            ffn_norm: files.dense(&n("ffn_norm.weight"), device, dtype)?,
+            wq: files.linear(
+                &n("attn_q.weight"),
+                bias("attn_q.bias").as_deref(),
+                device,
+                dtype,
+            )?,
+            wk: files.linear(
+                &n("attn_k.weight"),
+                bias("attn_k.bias").as_deref(),
+                device,
+                dtype,
+            )?,
+            wv: files.linear(
+                &n("attn_v.weight"),
+                bias("attn_v.bias").as_deref(),
+                device,
+                dtype,
+            )?,
+            wo: files.linear(&n("attn_output.weight"), None, device, dtype)?,
+            gate: files.linear(&n("ffn_gate.weight"), None, device, dtype)?,
+            up: files.linear(&n("ffn_up.weight"), None, device, dtype)?,
+            down: files.linear(&n("ffn_down.weight"), None, device, dtype)?,
+            span: tracing::trace_span!("block", layer = i),
+        })
+    }
+
+    fn bytes(&self) -> u64 {
+        let norms = ((self.attn_norm.elem_count() + self.ffn_norm.elem_count())
+            * self.attn_norm.dtype().size_in_bytes()) as u64;
+        norms
+            + [
+                &self.wq, &self.wk, &self.wv, &self.wo, &self.gate, &self.up, &self.down,
+            ]
+            .iter()
+            .map(|l| l.storage_bytes())
+            .sum::<u64>()
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn forward(
+        &self,
+        cfg: &ModelConfig,
+        x: &Tensor,
+        kv: &mut (Tensor, Tensor),
+        pos: usize,
+        cos: &Tensor,
+        sin: &Tensor,
+        mask: Option<&Tensor>,
+    ) -> candle_core::Result<Tensor> {
+        let _g = self.span.enter();
+        let (b, t, _) = x.dims3()?;
+        let (nh, nkv, hd) = (cfg.n_heads, cfg.n_kv_heads, cfg.head_dim);
+        let h = rms_norm(x, &self.attn_norm, cfg.rms_eps)?;
+        let q = self
+            .wq
+            .forward(&h)?
+            .reshape((b, t, nh, hd))?
+            .transpose(1, 2)?
+            .contiguous()?;
+        let k = self
+            .wk
+            .forward(&h)?
+            .reshape((b, t, nkv, hd))?
+            .transpose(1, 2)?
+            .contiguous()?;
+        let v = self
+            .wv
+            .forward(&h)?
+            .reshape((b, t, nkv, hd))?
+            .transpose(1, 2)?
+            .contiguous()?;
+        let (q, k) = match cfg.rope_style {
+            RopeStyle::Interleaved => (
+                candle_nn::rotary_emb::rope_i(&q, cos, sin)?,
+                candle_nn::rotary_emb::rope_i(&k, cos, sin)?,
+            ),
+            RopeStyle::Halves => (
+                candle_nn::rotary_emb::rope(&q, cos, sin)?,
+                candle_nn::rotary_emb::rope(&k, cos, sin)?,
+            ),
+        };
+        kv.0.slice_set(&k, 2, pos)?;
+        kv.1.slice_set(&v, 2, pos)?;
+        let l = pos + t;
+        let keys = kv.0.narrow(2, 0, l)?;
+        let values = kv.1.narrow(2, 0, l)?;
+        // Grouped-query attention without repeating K/V: the query heads that share a kv head
+        // are stacked as rows of one matrix, (b, kv, groups * t, d).
+        let g = nh / nkv;
+        let qg = q.reshape((b, nkv, g * t, hd))?;
+        let scale = 1.0 / (hd as f64).sqrt();
+        let mut att = (qg.matmul(&keys.t()?)? * scale)?;
+        if let Some(m) = mask {
+            att = att
+                .reshape((b, nkv, g, t, l))?
+                .broadcast_add(m)?
+                .reshape((b, nkv, g * t, l))?;
+        }
+        let att = candle_nn::ops::softmax_last_dim(&att)?;
+        let y = att.matmul(&values)?;
+        let y = y
+            .reshape((b, nh, t, hd))?
+            .transpose(1, 2)?
+            .reshape((b, t, nh * hd))?;
+        let x = (x + self.wo.forward(&y)?)?;
+        let h = rms_norm(&x, &self.ffn_norm, cfg.rms_eps)?;
+        let gate = self.gate.forward(&h)?;
+        let up = self.up.forward(&h)?;
+        let act = (candle_nn::ops::silu(&gate)? * up)?;
+        x + self.down.forward(&act)?
+    }
+}
+
+impl Slice {
+    /// Loads layers `layers` of the model onto `device`, with rotary tables and caches sized for
+    /// `n_ctx` tokens. Activations and dense weights use `dtype` (f32 on the CPU).
+    pub fn load(
+        files: &ModelFiles,
+        layers: LayerRange,
+        device: &Device,
+        dtype: DType,
+        n_ctx: usize,
+    ) -> Result<Self, ModelError> {
+        let cfg = files.config.clone();
+        if layers.end() > cfg.n_layers {
+            return Err(ModelError::BadSlice(format!(
+                "layers {layers} of a model with {} layers",
+                cfg.n_layers
+            )));
+        }
+        if n_ctx == 0 {
+            return Err(ModelError::BadSlice("context length 0".into()));
+        }
+        let span = tracing::debug_span!("slice", start = layers.start(), end = layers.end(), device = ?device);
+        let _g = span.enter();
+        let mut weight_bytes = 0u64;
+        let embed = if layers.is_first() {
+            let e = files.embedding("token_embd.weight", device, dtype)?;
+            weight_bytes += e.storage_bytes();
+            Some(e)
+        } else {
+            None
+        };
+        let mut blocks = Vec::with_capacity(layers.len());
+        for i in layers.iter() {
+            let b = Block::load(files, i, device, dtype)?;
+            weight_bytes += b.bytes();
+            blocks.push(b);
+        }
+        let head = if layers.is_last(cfg.n_layers) {
+            let norm = files.dense("output_norm.weight", device, dtype)?;
+            weight_bytes += (norm.elem_count() * norm.dtype().size_in_bytes()) as u64;
+            let out = if files.tensor_info("output.weight").is_some() {
+                let l = files.linear("output.weight", None, device, dtype)?;
+                weight_bytes += l.storage_bytes();
+                l
+            } else if let Some(e) = &embed {
+                // tied head sharing the embedding already loaded on this device
+                Linear::from_embedding(e)
+            } else {
+                let e = files.embedding("token_embd.weight", device, dtype)?;
+                weight_bytes += e.storage_bytes();
+                Linear::from_embedding(&e)
+            };
+            Some(Head { norm, out })
+        } else {
+            None
+        };
+        let inv = cfg.rope_inv_freq();
+        let half = inv.len();
+        let mut angles = Vec::with_capacity(n_ctx * half);
+        for p in 0..n_ctx {
+            angles.extend(inv.iter().map(|f| p as f32 * f));
+        }
+        let angles = Tensor::from_vec(angles, (n_ctx, half), &Device::Cpu)?;
+        let cos = angles.cos()?.to_dtype(dtype)?.to_device(device)?;
+        let sin = angles.sin()?.to_dtype(dtype)?.to_device(device)?;
+        drop(_g);
+        Ok(Slice {
+            cfg,
+            layers,
+            device: device.clone(),
+            dtype,
+            embed,
+            blocks,
+            head,
+            cos,
+            sin,
+            n_ctx,
+            weight_bytes,
+            span,
+        })
+    }
+
+    pub fn layers(&self) -> LayerRange {
+        self.layers
+    }
+    pub fn device(&self) -> &Device {
+        &self.device
+    }
+    pub fn config(&self) -> &ModelConfig {
+        &self.cfg
+    }
+    pub fn n_ctx(&self) -> usize {
+        self.n_ctx
+    }
+    pub fn is_first(&self) -> bool {
+        self.embed.is_some()
+    }
+    pub fn is_last(&self) -> bool {
+        self.head.is_some()
+    }
+    /// Bytes of weights this slice holds on its device.
+    pub fn weight_bytes(&self) -> u64 {
+        self.weight_bytes
+    }
+    /// Bytes one session's KV cache takes on this slice's device.
+    pub fn kv_bytes(&self) -> u64 {
+        self.layers.len() as u64
+            * self.n_ctx as u64
+            * self
+                .cfg
+                .kv_bytes_per_token_layer(self.dtype.size_in_bytes())
+    }
+
+    /// Allocates an empty cache for one session.
+    pub fn new_cache(&self) -> Result<SliceCache, ModelError> {
+        let shape = (1, self.cfg.n_kv_heads, self.n_ctx, self.cfg.head_dim);
+        let kv = (0..self.blocks.len())
+            .map(|_| {
+                Ok((
+                    Tensor::zeros(shape, self.dtype, &self.device)?,
+                    Tensor::zeros(shape, self.dtype, &self.device)?,
+                ))
+            })
+            .collect::<Result<Vec<_>, candle_core::Error>>()?;
+        Ok(SliceCache {
+            kv,
+            len: 0,
+            n_ctx: self.n_ctx,
+        })
+    }
+
+    /// Runs the slice over a chunk of tokens for one session and appends to its cache. Returns
+    /// the hidden state `(1, seq, hidden)` for the next stage, or, on the last slice, logits
+    /// `(1, seq or 1, vocab)` in f32.
+    pub fn forward(
+        &self,
+        cache: &mut SliceCache,
+        input: StageInput<'_>,
+        logits: Logits,
+    ) -> Result<Tensor, ModelError> {
+        let _g = self.span.enter();
+        let pos = cache.len;
+        let mut x = match (input, &self.embed) {
+            (StageInput::Tokens(ids), Some(e)) => {
+                if ids.is_empty() {
+                    return Err(ModelError::BadInput("no tokens".into()));
+                }
+                if let Some(&bad) = ids.iter().find(|&&i| i as usize >= self.cfg.vocab) {
+                    return Err(ModelError::BadInput(format!(
+                        "token id {bad} is outside the vocabulary of {}",
+                        self.cfg.vocab
+                    )));
+                }
+                let ids = Tensor::new(ids, &self.device)?.unsqueeze(0)?;
+                e.forward(&ids)?.to_dtype(self.dtype)?
+            }
+            (StageInput::Hidden(h), None) => {
+                let (b, _, hid) = h.dims3()?;
+                if b != 1 || hid != self.cfg.hidden {
+                    return Err(ModelError::BadInput(format!(
+                        "hidden state of shape {:?}, expected (1, seq, {})",
+                        h.dims(),
+                        self.cfg.hidden
+                    )));
+                }
+                h.to_device(&self.device)?.to_dtype(self.dtype)?
+            }
+            (StageInput::Tokens(_), None) => {
+                return Err(ModelError::BadInput(format!(
+                    "slice {} takes a hidden state, not tokens",
+                    self.layers
+                )))
+            }
+            (StageInput::Hidden(_), Some(_)) => {
+                return Err(ModelError::BadInput(format!(
+                    "slice {} takes tokens, not a hidden state",
+                    self.layers
+                )))
+            }
+        };
+        let t = x.dim(1)?;
+        if pos + t > self.n_ctx.min(cache.n_ctx) {
+            return Err(ModelError::ContextFull {
+                need: pos + t,
+                n_ctx: self.n_ctx,
+            });
+        }
+        let cos = self.cos.narrow(0, pos, t)?;
+        let sin = self.sin.narrow(0, pos, t)?;
+        let mask = if t > 1 {
+            let l = pos + t;
+            let m: Vec<f32> = (0..t)
+                .flat_map(|i| {
+                    (0..l).map(move |j| if j > pos + i { f32::NEG_INFINITY } else { 0.0 })
+                })
+                .collect();
+            Some(Tensor::from_vec(m, (t, l), &self.device)?.to_dtype(self.dtype)?)
+        } else {
+            None
+        };
+        for (block, kv) in self.blocks.iter().zip(cache.kv.iter_mut()) {
+            x = block.forward(&self.cfg, &x, kv, pos, &cos, &sin, mask.as_ref())?;
+        }
+        cache.len = pos + t;
+        match &self.head {
+            None => Ok(x),
+            Some(head) => {
+                let x = match logits {
+                    Logits::Last if t > 1 => x.narrow(1, t - 1, 1)?.contiguous()?,
+                    _ => x,
+                };
+                let x = rms_norm(&x, &head.norm, self.cfg.rms_eps)?;
+                Ok(head.out.forward(&x)?.to_dtype(DType::F32)?)
+            }
+        }
+    }
+}
+
+/// Bytes a slice will hold on its device, predicted from the file before loading anything.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
+pub struct SliceBytes {
+    pub weights: u64,
+    pub kv: u64,
+}
+
+impl SliceBytes {
+    pub fn total(&self) -> u64 {
+        self.weights + self.kv
+    }
+}
+
+/// Predicts what [`Slice::load`] will allocate for `layers` (weights as [`Slice::weight_bytes`]
+/// counts them, and one session's KV cache of `n_ctx` tokens).
+pub fn predict_slice_bytes(
+    files: &ModelFiles,
+    layers: LayerRange,
+    dtype: DType,
+    n_ctx: usize,
+) -> SliceBytes {
+    let cfg = &files.config;
+    let b = |n: &str| files.device_bytes(n, dtype);
+    let mut w = 0;
+    if layers.is_first() {
+        w += b("token_embd.weight");
+    }
+    for i in layers.iter() {
+        for t in LAYER_TENSORS {
+            w += b(&format!("blk.{i}.{t}"));
+        }
+    }
+    if layers.is_last(cfg.n_layers) {
+        w += b("output_norm.weight");
+        if files.tensor_info("output.weight").is_some() {
+            w += b("output.weight");
+        } else if !layers.is_first() {
+            w += b("token_embd.weight");
+        }
+    }
+    let kv =
+        layers.len() as u64 * n_ctx as u64 * cfg.kv_bytes_per_token_layer(dtype.size_in_bytes());
+    SliceBytes { weights: w, kv }
+}
+
+/// The tensors of one transformer layer (GGUF names after `blk.N.`).
+pub const LAYER_TENSORS: [&str; 12] = [
+    "attn_norm.weight",
+    "attn_q.weight",
+    "attn_k.weight",
+    "attn_v.weight",
+    "attn_output.weight",
+    "attn_q.bias",
+    "attn_k.bias",
+    "attn_v.bias",
+    "ffn_norm.weight",
+    "ffn_gate.weight",
+    "ffn_up.weight",
+    "ffn_down.weight",
+];
+
+/// Softmax-free helper for tests and reports: index of the largest logit of the last position.
+pub fn argmax_last(logits: &Tensor) -> Result<u32, ModelError> {
+    let last = logits.squeeze(0)?;
+    let last = last.get(last.dim(0)? - 1)?;
+    Ok(last.argmax(D::Minus1)?.to_scalar::<u32>()?)
+}

@@ -1,0 +1,257 @@
+//! Several slices in one process: the single-box form of a placement. A hop between stages is a
+//! device copy of the hidden state, not a socket.
+
+use crate::llama::{Logits, Slice, SliceCache, StageInput};
+use crate::sampler::Sampler;
+use crate::weights::ModelFiles;
+use crate::ModelError;
+use brigade_core::{DeviceId, Stage};
+use candle_core::{DType, Device, Tensor};
+use serde::Serialize;
+use std::time::{Duration, Instant};
+
+/// The candle device for a brigade device id.
+pub fn candle_device(id: DeviceId) -> Result<Device, ModelError> {
+    match id {
+        DeviceId::Cpu => Ok(Device::Cpu),
+        DeviceId::Cuda(i) => {
+            if !candle_core::utils::cuda_is_available() {
+                return Err(ModelError::NoDevice(format!(
+                    "{id}: this brigade was built without CUDA (rebuild with --features cuda; see scripts/build-cuda.sh)"
+                )));
+            }
+            Device::new_cuda(i as usize).map_err(|e| ModelError::NoDevice(format!("{id}: {e}")))
+        }
+    }
+}
+
+/// The activation dtype brigade uses on a device: f32 everywhere for now (exact against the
+/// references; the CUDA path may narrow it).
+pub fn activation_dtype(_id: DeviceId) -> DType {
+    DType::F32
+}
+
+/// What one stage holds.
+#[derive(Debug, Clone, Serialize)]
+pub struct StageReport {
+    pub device: DeviceId,
+    pub layers: (usize, usize),
+    pub weight_bytes: u64,
+    pub kv_bytes: u64,
+}
+
+pub struct Pipeline {
+    stages: Vec<(DeviceId, Slice)>,
+    n_ctx: usize,
+}
+
+/// One conversation's state across all stages.
+pub struct Session {
+    caches: Vec<SliceCache>,
+    /// Every token fed so far (prompt and generated).
+    pub tokens: Vec<u32>,
+}
+
+impl Session {
+    pub fn len(&self) -> usize {
+        self.tokens.len()
+    }
+    pub fn is_empty(&self) -> bool {
+        self.tokens.is_empty()
+    }
+}
+
+impl Pipeline {
+    /// Loads each stage's slice onto its device; `progress` is told after each stage.
+    pub fn load(
+        files: &ModelFiles,
+        stages: &[Stage],
+        n_ctx: usize,
+        mut progress: impl FnMut(usize, &Stage),
+    ) -> Result<Self, ModelError> {
+        let n_layers = files.config.n_layers;
+        let mut next = 0;
+        for s in stages {
+            if s.layers.start() != next {
+                return Err(ModelError::BadSlice(format!(
+                    "stage {} does not start where the previous one ended ({next})",
+                    s.layers
+                )));
+            }
+            next = s.layers.end();
+        }
+        if next != n_layers || stages.is_empty() {
+            return Err(ModelError::BadSlice(format!(
+                "stages cover {next} of {n_layers} layers"
+            )));
+        }
+        let mut out = Vec::with_capacity(stages.len());
+        for (i, s) in stages.iter().enumerate() {
+            let dev = candle_device(s.device)?;
+            let slice = Slice::load(files, s.layers, &dev, activation_dtype(s.device), n_ctx)?;
+            out.push((s.device, slice));
+            progress(i, s);
+        }
+        Ok(Pipeline { stages: out, n_ctx })
+    }
+
+    pub fn n_ctx(&self) -> usize {
+        self.n_ctx
+    }
+
+    pub fn stages(&self) -> impl Iterator<Item = (DeviceId, &Slice)> {
+        self.stages.iter().map(|(d, s)| (*d, s))
+    }
+
+    pub fn report(&self) -> Vec<StageReport> {
+        self.stages
+            .iter()
+            .map(|(d, s)| StageReport {
+                device: *d,
+                layers: (s.layers().start(), s.layers().end()),
+                weight_bytes: s.weight_bytes(),
+                kv_bytes: s.kv_bytes(),
+            })
+            .collect()
+    }
+
+    pub fn new_session(&self) -> Result<Session, ModelError> {
+        let caches = self
+            .stages
+            .iter()
+            .map(|(_, s)| s.new_cache())
+            .collect::<Result<_, _>>()?;
+        Ok(Session {
+            caches,
+            tokens: Vec::new(),
+        })
+    }
+
+    /// Feeds `tokens` through every stage and returns the logits of the last position (or of all
+    /// positions), `(positions, vocab)` in f32 on the CPU.
+    pub fn forward(
+        &self,
+        session: &mut Session,
+        tokens: &[u32],
+        which: Logits,
+    ) -> Result<Tensor, ModelError> {
+        let mut hidden: Option<Tensor> = None;
+        for ((_, slice), cache) in self.stages.iter().zip(session.caches.iter_mut()) {
+            let input = match &hidden {
+                None => StageInput::Tokens(tokens),
+                Some(h) => StageInput::Hidden(h),
+            };
+            hidden = Some(slice.forward(cache, input, which)?);
+        }
+        session.tokens.extend_from_slice(tokens);
+        let logits = hidden.ok_or_else(|| ModelError::BadSlice("empty pipeline".into()))?;
+        Ok(logits.squeeze(0)?.to_device(&Device::Cpu)?)
+    }
+
+    /// Feeds a prompt in chunks of at most `n_batch` tokens; returns the last position's logits.
+    pub fn prefill(
+        &self,
+        session: &mut Session,
+        tokens: &[u32],
+        n_batch: usize,
+    ) -> Result<Vec<f32>, ModelError> {
+        let mut last = None;
+        for chunk in tokens.chunks(n_batch.max(1)) {
+            last = Some(self.forward(session, chunk, Logits::Last)?);
+        }
+        let l = last.ok_or_else(|| {
+            ModelError::BadInput(
+                "empty prompt: nothing to start from (the model adds no BOS)".into(),
+            )
+        })?;
+        let n = l.dim(0)?;
+        Ok(l.get(n - 1)?.to_vec1::<f32>()?)
+    }
+
+    /// Prefills `prompt`, then samples up to `n_predict` tokens, calling `on_token` with each
+    /// (return `false` from it to stop). Stops early at an end-of-generation token unless
+    /// `ignore_eos`.
+    pub fn generate(
+        &self,
+        session: &mut Session,
+        prompt: &[u32],
+        n_predict: usize,
+        sampler: &mut Sampler,
+        is_eog: impl Fn(u32) -> bool,
+        ignore_eos: bool,
+        mut on_token: impl FnMut(u32) -> bool,
+    ) -> Result<GenerationStats, ModelError> {
+        let t0 = Instant::now();
+        let mut logits = self.prefill(session, prompt, 512)?;
+        let prompt_time = t0.elapsed();
+        let t1 = Instant::now();
+        let mut generated = 0usize;
+        let mut decode_steps = 0usize;
+        let mut stop = StopReason::Length;
+        for i in 0..n_predict {
+            let id = sampler.sample(&logits, &session.tokens);
+            if !ignore_eos && is_eog(id) {
+                stop = StopReason::Eos;
+                break;
+            }
+            generated += 1;
+            if !on_token(id) {
+                stop = StopReason::Caller;
+                break;
+            }
+            if i + 1 == n_predict {
+                session.tokens.push(id);
+                break;
+            }
+            if session.len() + 1 > self.n_ctx {
+                session.tokens.push(id);
+                stop = StopReason::Context;
+                break;
+            }
+            let l = self.forward(session, &[id], Logits::Last)?;
+            decode_steps += 1;
+            logits = l.get(0)?.to_vec1::<f32>()?;
+        }
+        Ok(GenerationStats {
+            prompt_tokens: prompt.len(),
+            prompt_time,
+            generated,
+            decode_steps,
+            gen_time: t1.elapsed(),
+            stop,
+        })
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum StopReason {
+    Length,
+    Eos,
+    Context,
+    Caller,
+}
+
+#[derive(Debug, Clone)]
+pub struct GenerationStats {
+    pub prompt_tokens: usize,
+    pub prompt_time: Duration,
+    pub generated: usize,
+    /// One-token forward passes timed in `gen_time` (the first token comes from the prefill).
+    pub decode_steps: usize,
+    pub gen_time: Duration,
+    pub stop: StopReason,
+}
+
+impl GenerationStats {
+    pub fn prompt_tps(&self) -> f64 {
+        self.prompt_tokens as f64 / self.prompt_time.as_secs_f64().max(1e-9)
+    }
+    /// Tokens per second of the decode phase (one-token forward passes).
+    pub fn gen_tps(&self) -> f64 {
+        if self.decode_steps == 0 {
+            return 0.0;
+        }
+        self.decode_steps as f64 / self.gen_time.as_secs_f64().max(1e-9)
+    }
+}

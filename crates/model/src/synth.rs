@@ -1,0 +1,538 @@
+//! Random-weight models of any Llama shape, written as GGUF (loadable by brigade and llama.cpp)
+//! or as a Hugging Face safetensors directory. The same seed gives the same weights in both
+//! formats (GGUF's Q and K rows permuted for its interleaved rotary layout, as llama.cpp's
+//! converter does), so the two can be checked against each other.
+
+use crate::gguf::{self, TensorSpec, Value};
+use crate::tokenizer::{synthetic_bpe_vocab, synthetic_tokenizer_json, CHATML_TEMPLATE};
+use crate::weights::gguf_to_hf_name;
+use crate::ModelError;
+use candle_core::quantized::k_quants::{BlockQ4K, BlockQ4_0, BlockQ6K, BlockQ8_0, GgmlType};
+use candle_core::quantized::GgmlDType;
+use rayon::prelude::*;
+use serde::Serialize;
+use std::io::{BufWriter, Write};
+use std::path::Path;
+
+/// A Llama shape.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct Shape {
+    pub layers: usize,
+    pub hidden: usize,
+    pub ffn: usize,
+    pub heads: usize,
+    pub kv_heads: usize,
+    pub vocab: usize,
+    pub context: usize,
+    pub rope_theta: f32,
+}
+
+impl Shape {
+    /// The shapes of Llama 3.2 1B, Llama 3.1 8B and Llama 3.1 70B.
+    pub fn preset(name: &str) -> Option<Shape> {
+        let (layers, hidden, ffn, heads, kv_heads) = match name {
+            "llama-1b" => (16, 2048, 8192, 32, 8),
+            "llama-8b" => (32, 4096, 14336, 32, 8),
+            "llama-70b" => (80, 8192, 28672, 64, 8),
+            _ => return None,
+        };
+        Some(Shape {
+            layers,
+            hidden,
+            ffn,
+            heads,
+            kv_heads,
+            vocab: 128_256,
+            context: 131_072,
+            rope_theta: 500_000.0,
+        })
+    }
+
+    pub fn head_dim(&self) -> usize {
+        self.hidden / self.heads
+    }
+
+    pub fn validate(&self) -> Result<(), ModelError> {
+        let bad = |w: String| Err(ModelError::BadConfig(w));
+        if self.layers == 0
+            || self.hidden == 0
+            || self.ffn == 0
+            || self.heads == 0
+            || self.kv_heads == 0
+        {
+            return bad("every dimension must be nonzero".into());
+        }
+        if self.hidden % self.heads != 0
+            || self.heads % self.kv_heads != 0
+            || self.head_dim() % 2 != 0
+        {
+            return bad(format!(
+                "hidden {} over {} heads over {} kv heads does not give an even head size",
+                self.hidden, self.heads, self.kv_heads
+            ));
+        }
+        if self.vocab < 260 {
+            return bad(format!(
+                "vocab {} is below the 256 byte tokens + 4 specials a tokenizer needs",
+                self.vocab
+            ));
+        }
+        if self.hidden % 32 != 0 || self.ffn % 32 != 0 {
+            return bad(format!(
+                "hidden {} and ffn {} must be multiples of 32",
+                self.hidden, self.ffn
+            ));
+        }
+        Ok(())
+    }
+
+    /// Parameters (weights) of the model, embedding and head included (untied).
+    pub fn params(&self) -> u64 {
+        let (h, f, v) = (self.hidden as u64, self.ffn as u64, self.vocab as u64);
+        let kv = (self.kv_heads * self.head_dim()) as u64;
+        let per_layer = 2 * h * h + 2 * h * kv + 3 * h * f + 2 * h;
+        2 * v * h + h + self.layers as u64 * per_layer
+    }
+}
+
+/// The element types synth writes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SynthType {
+    F32,
+    F16,
+    BF16,
+    Q8_0,
+    Q4_0,
+    Q4K,
+    Q6K,
+}
+
+impl std::str::FromStr for SynthType {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        Ok(match s.to_ascii_lowercase().as_str() {
+            "f32" => SynthType::F32,
+            "f16" => SynthType::F16,
+            "bf16" => SynthType::BF16,
+            "q8_0" => SynthType::Q8_0,
+            "q4_0" => SynthType::Q4_0,
+            "q4_k" | "q4_k_s" | "q4_k_m" => SynthType::Q4K,
+            "q6_k" => SynthType::Q6K,
+            other => {
+                return Err(format!(
+                    "unknown type `{other}` (f32, f16, bf16, q8_0, q4_0, q4_k, q6_k)"
+                ))
+            }
+        })
+    }
+}
+
+impl SynthType {
+    fn ggml(self) -> GgmlDType {
+        match self {
+            SynthType::F32 => GgmlDType::F32,
+            SynthType::F16 => GgmlDType::F16,
+            SynthType::BF16 => GgmlDType::BF16,
+            SynthType::Q8_0 => GgmlDType::Q8_0,
+            SynthType::Q4_0 => GgmlDType::Q4_0,
+            SynthType::Q4K => GgmlDType::Q4K,
+            SynthType::Q6K => GgmlDType::Q6K,
+        }
+    }
+
+    /// llama.cpp's `general.file_type` for a file of this type.
+    fn file_type(self) -> u32 {
+        match self {
+            SynthType::F32 => 0,
+            SynthType::F16 => 1,
+            SynthType::Q4_0 => 2,
+            SynthType::Q8_0 => 7,
+            SynthType::Q4K => 14,
+            SynthType::Q6K => 18,
+            SynthType::BF16 => 32,
+        }
+    }
+}
+
+/// A row of `len` elements can be stored as `dt` (whole blocks), else llama.cpp's fallback.
+fn type_for_row(dt: GgmlDType, len: usize) -> GgmlDType {
+    if len % dt.block_size() == 0 {
+        dt
+    } else if len % 32 == 0 {
+        GgmlDType::Q8_0
+    } else {
+        GgmlDType::F16
+    }
+}
+
+/// The tensors of a model of `shape`: (GGUF name, rows, cols, kind).
+fn tensor_list(shape: &Shape) -> Vec<(String, usize, usize, Init)> {
+    let (h, f, v) = (shape.hidden, shape.ffn, shape.vocab);
+    let q = shape.heads * shape.head_dim();
+    let kv = shape.kv_heads * shape.head_dim();
+    let mut t = vec![("token_embd.weight".to_string(), v, h, Init::Weight)];
+    for i in 0..shape.layers {
+        let n = |s: &str| format!("blk.{i}.{s}");
+        t.push((n("attn_norm.weight"), 1, h, Init::Norm));
+        t.push((n("attn_q.weight"), q, h, Init::Weight));
+        t.push((n("attn_k.weight"), kv, h, Init::Weight));
+        t.push((n("attn_v.weight"), kv, h, Init::Weight));
+        t.push((n("attn_output.weight"), h, q, Init::Weight));
+        t.push((n("ffn_norm.weight"), 1, h, Init::Norm));
+        t.push((n("ffn_gate.weight"), f, h, Init::Weight));
+        t.push((n("ffn_up.weight"), f, h, Init::Weight));
+        t.push((n("ffn_down.weight"), h, f, Init::Weight));
+    }
+    t.push(("output_norm.weight".to_string(), 1, h, Init::Norm));
+    t.push(("output.weight".to_string(), v, h, Init::Weight));
+    t
+}
+
+#[derive(Debug, Clone, Copy, PartialEq)]
+enum Init {
+    Weight,
+    Norm,
+}
+
+fn splitmix(mut x: u64) -> u64 {
+    x = x.wrapping_add(0x9E37_79B9_7F4A_7C15);
+    x = (x ^ (x >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    x = (x ^ (x >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    x ^ (x >> 31)
+}
+
+fn name_hash(s: &str) -> u64 {
+    s.bytes().fold(0xcbf2_9ce4_8422_2325u64, |h, b| {
+        (h ^ b as u64).wrapping_mul(0x100_0000_01b3)
+    })
+}
+
+const ROWS_PER_CHUNK: usize = 16;
+
+/// The values of one tensor in Hugging Face orientation `[rows, cols]`, deterministic in
+/// (seed, name) and independent of the thread count.
+fn values(seed: u64, name: &str, rows: usize, cols: usize, init: Init) -> Vec<f32> {
+    let mut out = vec![0f32; rows * cols];
+    let base = splitmix(seed ^ name_hash(name));
+    // uniform on [-a, a] with standard deviation 0.02, as a freshly initialised Llama
+    let a = 0.02f32 * 3f32.sqrt();
+    out.par_chunks_mut(ROWS_PER_CHUNK * cols)
+        .enumerate()
+        .for_each(|(ci, chunk)| {
+            let mut s = splitmix(base ^ (ci as u64).wrapping_mul(0xD1B5_4A32_D192_ED03));
+            for x in chunk.iter_mut() {
+                s ^= s << 13;
+                s ^= s >> 7;
+                s ^= s << 17;
+                let u = (s >> 40) as f32 / (1u64 << 24) as f32; // [0, 1)
+                *x = match init {
+                    Init::Weight => (2.0 * u - 1.0) * a,
+                    Init::Norm => 1.0 + (u - 0.5) * 0.2,
+                };
+            }
+        });
+    out
+}
+
+/// HF's Q/K row order to llama.cpp's: within each head, row `j * d/2 + i` moves to `2i + j`.
+fn permute_rows_for_gguf(w: &[f32], rows: usize, cols: usize, n_head: usize) -> Vec<f32> {
+    let d = rows / n_head;
+    let mut out = vec![0f32; w.len()];
+    out.par_chunks_mut(cols).enumerate().for_each(|(r, dst)| {
+        let (h, rem) = (r / d, r % d);
+        let (i, j) = (rem / 2, rem % 2);
+        let src = h * d + j * (d / 2) + i;
+        dst.copy_from_slice(&w[src * cols..(src + 1) * cols]);
+    });
+    out
+}
+
+/// Rounds values as a checkpoint of type `ty` would hold them (16-bit types only).
+fn round_through(xs: &mut [f32], ty: SynthType) {
+    match ty {
+        SynthType::F16 => xs
+            .iter_mut()
+            .for_each(|x| *x = half::f16::from_f32(*x).to_f32()),
+        SynthType::BF16 => xs
+            .iter_mut()
+            .for_each(|x| *x = half::bf16::from_f32(*x).to_f32()),
+        _ => {}
+    }
+}
+
+fn quantize<T: GgmlType + Send + Sync>(xs: &[f32], cols: usize) -> Vec<u8> {
+    let blocks_per_row = cols / T::BLCK_SIZE;
+    let rows = xs.len() / cols;
+    let mut blocks = vec![T::zeros(); rows * blocks_per_row];
+    blocks
+        .par_chunks_mut(blocks_per_row * ROWS_PER_CHUNK)
+        .zip(xs.par_chunks(cols * ROWS_PER_CHUNK))
+        .for_each(|(dst, src)| {
+            T::from_float(src, dst);
+        });
+    let n = std::mem::size_of_val(blocks.as_slice());
+    // SAFETY: the ggml block types are plain old data (#[repr(C)], no padding read as values).
+    unsafe { std::slice::from_raw_parts(blocks.as_ptr() as *const u8, n) }.to_vec()
+}
+
+fn encode(xs: &[f32], cols: usize, dt: GgmlDType, out: &mut Vec<u8>) {
+    match dt {
+        GgmlDType::F32 => out.extend(xs.iter().flat_map(|x| x.to_le_bytes())),
+        GgmlDType::F16 => out.extend(
+            xs.iter()
+                .flat_map(|x| half::f16::from_f32(*x).to_le_bytes()),
+        ),
+        GgmlDType::BF16 => out.extend(
+            xs.iter()
+                .flat_map(|x| half::bf16::from_f32(*x).to_le_bytes()),
+        ),
+        GgmlDType::Q8_0 => out.extend(quantize::<BlockQ8_0>(xs, cols)),
+        GgmlDType::Q4_0 => out.extend(quantize::<BlockQ4_0>(xs, cols)),
+        GgmlDType::Q4K => out.extend(quantize::<BlockQ4K>(xs, cols)),
+        GgmlDType::Q6K => out.extend(quantize::<BlockQ6K>(xs, cols)),
+        _ => unreachable!("synth writes only the types of SynthType"),
+    }
+}
+
+fn gguf_metadata(shape: &Shape, ty: SynthType, name: &str) -> Vec<(String, Value)> {
+    let (tokens, types, merges) = synthetic_bpe_vocab(shape.vocab);
+    let n = tokens.len() as u32;
+    let s = |k: &str, v: &str| (k.to_string(), Value::String(v.to_string()));
+    let u = |k: &str, v: usize| (k.to_string(), Value::U32(v as u32));
+    vec![
+        s("general.architecture", "llama"),
+        s("general.name", name),
+        u("general.file_type", ty.file_type() as usize),
+        u("general.quantization_version", 2),
+        u("llama.context_length", shape.context),
+        u("llama.embedding_length", shape.hidden),
+        u("llama.block_count", shape.layers),
+        u("llama.feed_forward_length", shape.ffn),
+        u("llama.rope.dimension_count", shape.head_dim()),
+        u("llama.attention.head_count", shape.heads),
+        u("llama.attention.head_count_kv", shape.kv_heads),
+        (
+            "llama.attention.layer_norm_rms_epsilon".into(),
+            Value::F32(1e-5),
+        ),
+        ("llama.rope.freq_base".into(), Value::F32(shape.rope_theta)),
+        u("llama.vocab_size", shape.vocab),
+        s("tokenizer.ggml.model", "gpt2"),
+        s("tokenizer.ggml.pre", "gpt2"),
+        (
+            "tokenizer.ggml.tokens".into(),
+            Value::Array(tokens.into_iter().map(Value::String).collect()),
+        ),
+        (
+            "tokenizer.ggml.token_type".into(),
+            Value::Array(types.into_iter().map(Value::I32).collect()),
+        ),
+        (
+            "tokenizer.ggml.merges".into(),
+            Value::Array(merges.into_iter().map(Value::String).collect()),
+        ),
+        ("tokenizer.ggml.bos_token_id".into(), Value::U32(n - 4)),
+        ("tokenizer.ggml.eos_token_id".into(), Value::U32(n - 3)),
+        ("tokenizer.ggml.add_bos_token".into(), Value::Bool(true)),
+        s("tokenizer.chat_template", CHATML_TEMPLATE),
+    ]
+}
+
+/// Writes a GGUF model of `shape` with weights of type `ty`; returns the file size. Matrices
+/// whose rows are not whole blocks of `ty` fall back to q8_0 or f16 (as llama.cpp does), and
+/// with q4_k the output head is q6_k (llama.cpp's Q4_K layout).
+pub fn write_gguf(
+    path: &Path,
+    shape: &Shape,
+    ty: SynthType,
+    seed: u64,
+    mut progress: impl FnMut(usize, usize),
+) -> Result<u64, ModelError> {
+    shape.validate()?;
+    let list = tensor_list(shape);
+    let specs: Vec<TensorSpec> = list
+        .iter()
+        .map(|(name, rows, cols, init)| {
+            let dtype = match init {
+                Init::Norm => GgmlDType::F32,
+                Init::Weight if ty == SynthType::Q4K && name == "output.weight" => {
+                    type_for_row(GgmlDType::Q6K, *cols)
+                }
+                Init::Weight => type_for_row(ty.ggml(), *cols),
+            };
+            let dims = if *rows == 1 {
+                vec![*cols as u64]
+            } else {
+                vec![*cols as u64, *rows as u64]
+            };
+            TensorSpec {
+                name: name.clone(),
+                dims,
+                dtype,
+            }
+        })
+        .collect();
+    let md = gguf_metadata(
+        shape,
+        ty,
+        &format!("brigade-synth-{}L-{}h", shape.layers, shape.hidden),
+    );
+    let f = std::fs::File::create(path).map_err(|e| ModelError::Io(path.to_path_buf(), e))?;
+    let mut w = BufWriter::with_capacity(8 << 20, f);
+    let total = specs.len();
+    gguf::write_gguf(&mut w, &md, &specs, |i, buf| {
+        let (name, rows, cols, init) = &list[i];
+        let mut xs = values(seed, name, *rows, *cols, *init);
+        if *init == Init::Norm {
+            // llama.cpp's converter stores norms as f32, exactly as the 16-bit checkpoint had them
+            round_through(&mut xs, ty);
+        }
+        if name.ends_with("attn_q.weight") {
+            xs = permute_rows_for_gguf(&xs, *rows, *cols, shape.heads);
+        } else if name.ends_with("attn_k.weight") {
+            xs = permute_rows_for_gguf(&xs, *rows, *cols, shape.kv_heads);
+        }
+        buf.reserve(specs[i].n_bytes() as usize);
+        encode(&xs, *cols, specs[i].dtype, buf);
+        progress(i + 1, total);
+        Ok(())
+    })?;
+    w.flush()
+        .map_err(|e| ModelError::Io(path.to_path_buf(), e))?;
+    let len = std::fs::metadata(path)
+        .map_err(|e| ModelError::Io(path.to_path_buf(), e))?
+        .len();
+    Ok(len)
+}
+
+/// Writes a Hugging Face directory (`config.json`, `tokenizer.json`, `tokenizer_config.json`,
+/// `model.safetensors`) with the same weights [`write_gguf`] writes for the same seed.
+pub fn write_safetensors_dir(
+    dir: &Path,
+    shape: &Shape,
+    ty: SynthType,
+    seed: u64,
+    mut progress: impl FnMut(usize, usize),
+) -> Result<u64, ModelError> {
+    shape.validate()?;
+    let (st_dtype, size) = match ty {
+        SynthType::F32 => (safetensors::Dtype::F32, 4),
+        SynthType::F16 => (safetensors::Dtype::F16, 2),
+        SynthType::BF16 => (safetensors::Dtype::BF16, 2),
+        other => {
+            return Err(ModelError::BadConfig(format!(
+                "safetensors holds f32, f16 or bf16, not {other:?}"
+            )))
+        }
+    };
+    std::fs::create_dir_all(dir).map_err(|e| ModelError::Io(dir.to_path_buf(), e))?;
+    let io = |p: &Path, e| ModelError::Io(p.to_path_buf(), e);
+    let n_vocab_tokens = synthetic_bpe_vocab(shape.vocab).0.len();
+    let (bos, eos) = (n_vocab_tokens - 4, n_vocab_tokens - 3);
+    let config = serde_json::json!({
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_size": shape.hidden,
+        "intermediate_size": shape.ffn,
+        "num_hidden_layers": shape.layers,
+        "num_attention_heads": shape.heads,
+        "num_key_value_heads": shape.kv_heads,
+        "head_dim": shape.head_dim(),
+        "vocab_size": shape.vocab,
+        "max_position_embeddings": shape.context,
+        "rope_theta": shape.rope_theta,
+        "rms_norm_eps": 1e-5,
+        "tie_word_embeddings": false,
+        "bos_token_id": bos,
+        "eos_token_id": eos,
+        "torch_dtype": match ty { SynthType::F16 => "float16", SynthType::BF16 => "bfloat16", _ => "float32" },
+    });
+    let p = dir.join("config.json");
+    std::fs::write(
+        &p,
+        serde_json::to_string_pretty(&config).unwrap_or_default(),
+    )
+    .map_err(|e| io(&p, e))?;
+    let tok = synthetic_tokenizer_json(shape.vocab)?;
+    // BOS is added by a template post-processor, as Llama 3's tokenizer.json does.
+    let mut tok: serde_json::Value =
+        serde_json::from_str(&tok).map_err(|e| ModelError::Tokenizer(e.to_string()))?;
+    tok["post_processor"] = serde_json::json!({
+        "type": "TemplateProcessing",
+        "single": [{"SpecialToken": {"id": "<|begin_of_text|>", "type_id": 0}}, {"Sequence": {"id": "A", "type_id": 0}}],
+        "pair": [{"SpecialToken": {"id": "<|begin_of_text|>", "type_id": 0}}, {"Sequence": {"id": "A", "type_id": 0}},
+                 {"Sequence": {"id": "B", "type_id": 1}}],
+        "special_tokens": {"<|begin_of_text|>": {"id": "<|begin_of_text|>", "ids": [bos], "tokens": ["<|begin_of_text|>"]}}
+    });
+    let p = dir.join("tokenizer.json");
+    std::fs::write(&p, tok.to_string()).map_err(|e| io(&p, e))?;
+    let tc = serde_json::json!({
+        "bos_token": "<|begin_of_text|>",
+        "eos_token": "<|end_of_text|>",
+        "add_bos_token": true,
+        "chat_template": CHATML_TEMPLATE,
+    });
+    let p = dir.join("tokenizer_config.json");
+    std::fs::write(&p, tc.to_string()).map_err(|e| io(&p, e))?;
+
+    let list = tensor_list(shape);
+    let total = list.len();
+    let mut datas: Vec<(String, Vec<usize>, Vec<u8>)> = Vec::with_capacity(total);
+    for (i, (name, rows, cols, init)) in list.iter().enumerate() {
+        let xs = values(seed, name, *rows, *cols, *init);
+        let mut bytes = Vec::with_capacity(xs.len() * size);
+        let dt = match ty {
+            SynthType::F16 => GgmlDType::F16,
+            SynthType::BF16 => GgmlDType::BF16,
+            _ => GgmlDType::F32,
+        };
+        encode(&xs, *cols, dt, &mut bytes);
+        let hf = gguf_to_hf_name(name).unwrap_or_else(|| name.clone());
+        let shape_v = if *rows == 1 {
+            vec![*cols]
+        } else {
+            vec![*rows, *cols]
+        };
+        datas.push((hf, shape_v, bytes));
+        progress(i + 1, total);
+    }
+    let views = datas
+        .iter()
+        .map(|(n, s, b)| {
+            safetensors::tensor::TensorView::new(st_dtype, s.clone(), b).map(|v| (n.clone(), v))
+        })
+        .collect::<Result<Vec<_>, _>>()
+        .map_err(|e| ModelError::Format(e.to_string()))?;
+    let p = dir.join("model.safetensors");
+    safetensors::serialize_to_file(views, None, &p)
+        .map_err(|e| ModelError::Format(format!("{}: {e}", p.display())))?;
+    let len = std::fs::metadata(&p).map_err(|e| io(&p, e))?.len();
+    Ok(len)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn permutation_is_a_row_shuffle_per_head() {
+        let rows = 8;
+        let cols = 2;
+        let w: Vec<f32> = (0..rows * cols).map(|x| x as f32).collect();
+        let p = permute_rows_for_gguf(&w, rows, cols, 2);
+        // head size 4: HF rows [0,1 | 2,3] become [0,2,1,3]
+        let row = |v: &Vec<f32>, r: usize| v[r * cols];
+        assert_eq!(
+            (0..rows).map(|r| row(&p, r)).collect::<Vec<_>>(),
+            vec![0., 4., 2., 6., 8., 12., 10., 14.]
+        );
+    }
+
+    #[test]
+    fn values_are_deterministic() {
+        let a = values(7, "x", 40, 64, Init::Weight);
+        assert_eq!(a, values(7, "x", 40, 64, Init::Weight));
+        assert_ne!(a, values(8, "x", 40, 64, Init::Weight));
+        assert!(a.iter().all(|v| v.abs() <= 0.035));
+    }
+}

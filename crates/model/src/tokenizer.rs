@@ -1,0 +1,900 @@
+//! Tokenizers, as llama.cpp reads them from GGUF metadata and as Hugging Face ships them in
+//! `tokenizer.json`, with special-token splitting, streaming decode and chat templates.
+//!
+//! - `llama` (SentencePiece) vocabularies merge adjacent symbols by vocabulary *score*, with byte
+//!   fallback. No model of the `tokenizers` crate merges by score the way llama.cpp's SPM
+//!   tokenizer does, and brigade has to produce exactly llama.cpp's ids, so that tokenizer is
+//!   written here ([`Spm`], about a hundred lines).
+//! - `gpt2` byte-level BPE vocabularies are built into a `tokenizers` BPE model from the GGUF
+//!   tokens and merges, behind the pre-tokenizer regexes llama.cpp uses for `tokenizer.ggml.pre`.
+//! - `tokenizer.json` is loaded by the `tokenizers` crate as it is.
+
+use crate::gguf::{Gguf, Value};
+use crate::ModelError;
+use std::cmp::Ordering;
+use std::collections::{BinaryHeap, HashMap, HashSet};
+use tokenizers::models::bpe::BPE;
+use tokenizers::pre_tokenizers::byte_level::ByteLevel;
+use tokenizers::pre_tokenizers::sequence::Sequence;
+use tokenizers::pre_tokenizers::split::{Split, SplitPattern};
+use tokenizers::{PreTokenizerWrapper, SplitDelimiterBehavior};
+
+const SPM_SPACE: &str = "\u{2581}";
+
+// GGUF token types (llama.cpp `llama_token_type`).
+const TT_NORMAL: i32 = 1;
+const TT_UNKNOWN: i32 = 2;
+const TT_CONTROL: i32 = 3;
+const TT_USER_DEFINED: i32 = 4;
+const TT_UNUSED: i32 = 5;
+const TT_BYTE: i32 = 6;
+
+/// SentencePiece-style tokenizer over a vocabulary with scores (llama.cpp's `llm_tokenizer_spm`).
+struct Spm {
+    ids: HashMap<String, u32>,
+    scores: Vec<f32>,
+    byte_ids: [Option<u32>; 256],
+    unk: u32,
+}
+
+#[derive(PartialEq)]
+struct Bigram {
+    score: f32,
+    left: usize,
+    right: usize,
+    len: usize,
+}
+impl Eq for Bigram {}
+impl PartialOrd for Bigram {
+    fn partial_cmp(&self, other: &Self) -> Option<Ordering> {
+        Some(self.cmp(other))
+    }
+}
+impl Ord for Bigram {
+    // Max-heap: the highest score first; among equal scores, the leftmost pair.
+    fn cmp(&self, o: &Self) -> Ordering {
+        self.score
+            .total_cmp(&o.score)
+            .then_with(|| o.left.cmp(&self.left))
+    }
+}
+
+struct Symbol {
+    start: usize,
+    len: usize,
+    prev: Option<usize>,
+    next: Option<usize>,
+}
+
+impl Spm {
+    fn encode(&self, text: &str, out: &mut Vec<u32>) {
+        let mut syms: Vec<Symbol> = Vec::with_capacity(text.len());
+        for (i, (start, ch)) in text.char_indices().enumerate() {
+            syms.push(Symbol {
+                start,
+                len: ch.len_utf8(),
+                prev: i.checked_sub(1),
+                next: Some(i + 1),
+            });
+        }
+        if let Some(last) = syms.last_mut() {
+            last.next = None;
+        }
+        let mut heap = BinaryHeap::new();
+        let try_add = |syms: &Vec<Symbol>,
+                       heap: &mut BinaryHeap<Bigram>,
+                       l: Option<usize>,
+                       r: Option<usize>| {
+            let (Some(l), Some(r)) = (l, r) else { return };
+            let s = &text[syms[l].start..syms[r].start + syms[r].len];
+            if let Some(&id) = self.ids.get(s) {
+                heap.push(Bigram {
+                    score: self.scores[id as usize],
+                    left: l,
+                    right: r,
+                    len: s.len(),
+                });
+            }
+        };
+        for i in 1..syms.len() {
+            try_add(&syms, &mut heap, Some(i - 1), Some(i));
+        }
+        while let Some(b) = heap.pop() {
+            let (l, r) = (b.left, b.right);
+            // Skip stale pairs: one side was merged away or grew since this pair was queued.
+            if syms[l].len == 0 || syms[r].len == 0 || syms[l].len + syms[r].len != b.len {
+                continue;
+            }
+            syms[l].len += syms[r].len;
+            syms[r].len = 0;
+            syms[l].next = syms[r].next;
+            if let Some(n) = syms[r].next {
+                syms[n].prev = Some(l);
+            }
+            let (p, n) = (syms[l].prev, syms[l].next);
+            try_add(&syms, &mut heap, p, Some(l));
+            try_add(&syms, &mut heap, Some(l), n);
+        }
+        // A merged symbol is always a token (pairs are only queued when their text is one), so a
+        // final symbol is either a token or a single character that falls back to its bytes.
+        let mut i = if syms.is_empty() { None } else { Some(0) };
+        while let Some(s) = i {
+            let piece = &text[syms[s].start..syms[s].start + syms[s].len];
+            match self.ids.get(piece) {
+                Some(&id) => out.push(id),
+                None => out.extend(
+                    piece
+                        .bytes()
+                        .map(|b| self.byte_ids[b as usize].unwrap_or(self.unk)),
+                ),
+            }
+            i = syms[s].next;
+        }
+    }
+}
+
+enum Inner {
+    Spm(Spm),
+    /// Byte-level BPE: a `tokenizers` pipeline without normalizer or post-processor.
+    Bpe(Box<tokenizers::Tokenizer>),
+    /// A complete `tokenizer.json`.
+    Hf(Box<tokenizers::Tokenizer>),
+}
+
+/// A tokenizer with llama.cpp's conventions: special-token splitting, BOS as the file says,
+/// per-token byte pieces for streaming, end-of-generation ids and the chat template.
+pub struct Tokenizer {
+    inner: Inner,
+    /// The bytes each id prints as (empty for control tokens).
+    pieces: Vec<Vec<u8>>,
+    /// Control and user-defined tokens, longest first, split out of text before encoding.
+    specials: Vec<(String, u32)>,
+    pub bos: Option<u32>,
+    pub eos: Option<u32>,
+    eog: HashSet<u32>,
+    pub add_bos: bool,
+    add_space_prefix: bool,
+    pub chat_template: Option<String>,
+    vocab_size: usize,
+}
+
+fn str_array(g: &Gguf, key: &str) -> Result<Vec<String>, ModelError> {
+    let arr = g
+        .get(key)
+        .and_then(Value::as_array)
+        .ok_or_else(|| ModelError::MissingMetadata(key.to_string()))?;
+    arr.iter()
+        .map(|v| v.as_str().map(str::to_string))
+        .collect::<Option<Vec<_>>>()
+        .ok_or_else(|| ModelError::BadMetadata {
+            key: key.to_string(),
+            why: "not an array of strings".into(),
+        })
+}
+
+fn opt_id(g: &Gguf, key: &str, n: usize) -> Option<u32> {
+    g.get(key)
+        .and_then(Value::as_u64)
+        .filter(|&v| (v as usize) < n)
+        .map(|v| v as u32)
+}
+
+/// GPT-2's byte-to-unicode table: printable bytes map to themselves, the rest to U+0100 onwards.
+fn gpt2_byte_chars() -> [char; 256] {
+    let mut table = ['\0'; 256];
+    let mut n = 0u32;
+    for b in 0..256u32 {
+        let printable =
+            (33..=126).contains(&b) || (161..=172).contains(&b) || (174..=255).contains(&b);
+        table[b as usize] = if printable {
+            char::from_u32(b).unwrap_or('?')
+        } else {
+            n += 1;
+            char::from_u32(255 + n).unwrap_or('?')
+        };
+    }
+    table
+}
+
+fn byte_level_decode(token: &str, rev: &HashMap<char, u8>) -> Vec<u8> {
+    let mut out = Vec::with_capacity(token.len());
+    for c in token.chars() {
+        match rev.get(&c) {
+            Some(&b) => out.push(b),
+            None => {
+                let mut buf = [0u8; 4];
+                out.extend_from_slice(c.encode_utf8(&mut buf).as_bytes());
+            }
+        }
+    }
+    out
+}
+
+fn spm_piece(token: &str) -> Vec<u8> {
+    if let Some(hex) = token.strip_prefix("<0x").and_then(|t| t.strip_suffix('>')) {
+        if hex.len() == 2 {
+            if let Ok(b) = u8::from_str_radix(hex, 16) {
+                return vec![b];
+            }
+        }
+    }
+    token.replace(SPM_SPACE, " ").into_bytes()
+}
+
+/// The regexes llama.cpp splits text with before byte-level BPE, by `tokenizer.ggml.pre`.
+fn bpe_pre_regexes(pre: &str) -> Vec<&'static str> {
+    const GPT2: &str = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)";
+    const LLAMA3: &str = r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
+    const QWEN2: &str = r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
+    match pre {
+        "llama3" | "llama-v3" | "llama-bpe" | "falcon3" | "pixtral" => vec![LLAMA3],
+        "qwen2" | "stablelm2" | "deepseek-r1-qwen" => vec![QWEN2],
+        "smollm" | "starcoder" | "refact" | "command-r" | "codeshell" | "exaone" | "minerva-7b" => {
+            vec![r"\p{N}", GPT2]
+        }
+        "gpt2" | "mpt" | "olmo" | "jais" => vec![GPT2],
+        // llama.cpp's fallback for unknown pre-tokenizers
+        _ => vec![r"[\p{P}\$\+<=>\^~\|]+", GPT2, r"\p{N}+", r"[0-9][0-9][0-9]"],
+    }
+}
+
+fn tk_err(e: impl std::fmt::Display) -> ModelError {
+    ModelError::Tokenizer(e.to_string())
+}
+
+impl Tokenizer {
+    /// Builds the tokenizer a GGUF file describes (`tokenizer.ggml.*`).
+    pub fn from_gguf(g: &Gguf) -> Result<Self, ModelError> {
+        let model = g
+            .get("tokenizer.ggml.model")
+            .and_then(Value::as_str)
+            .unwrap_or("llama")
+            .to_string();
+        let tokens = str_array(g, "tokenizer.ggml.tokens")?;
+        let n = tokens.len();
+        if n == 0 {
+            return Err(ModelError::Tokenizer("the vocabulary is empty".into()));
+        }
+        let types: Vec<i32> = match g.get("tokenizer.ggml.token_type").and_then(Value::as_array) {
+            Some(a) if a.len() == n => a.iter().map(|v| v.as_i64().unwrap_or(1) as i32).collect(),
+            Some(a) => {
+                return Err(ModelError::BadMetadata {
+                    key: "tokenizer.ggml.token_type".into(),
+                    why: format!("{} entries for {n} tokens", a.len()),
+                })
+            }
+            None => vec![TT_NORMAL; n],
+        };
+        let is_special = |t: i32| t == TT_CONTROL || t == TT_USER_DEFINED;
+        let mut specials: Vec<(String, u32)> = tokens
+            .iter()
+            .zip(&types)
+            .enumerate()
+            .filter(|(_, (tok, &t))| is_special(t) && !tok.is_empty())
+            .map(|(i, (tok, _))| (tok.clone(), i as u32))
+            .collect();
+        specials.sort_by(|a, b| b.0.len().cmp(&a.0.len()));
+
+        let bos = opt_id(g, "tokenizer.ggml.bos_token_id", n);
+        let eos = opt_id(g, "tokenizer.ggml.eos_token_id", n);
+        let mut eog: HashSet<u32> = eos.into_iter().collect();
+        for k in ["tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id"] {
+            eog.extend(opt_id(g, k, n));
+        }
+        for (tok, id) in &specials {
+            if matches!(
+                tok.as_str(),
+                "<|eot_id|>"
+                    | "<|im_end|>"
+                    | "<|end|>"
+                    | "<end_of_turn>"
+                    | "<|endoftext|>"
+                    | "<|eom_id|>"
+            ) {
+                eog.insert(*id);
+            }
+        }
+        let chat_template = g
+            .get("tokenizer.chat_template")
+            .and_then(Value::as_str)
+            .map(str::to_string);
+        let flag = |k: &str| g.get(k).and_then(Value::as_bool);
+
+        let (inner, pieces, add_bos, add_space_prefix) = match model.as_str() {
+            "llama" | "replit" => {
+                let scores: Vec<f32> =
+                    match g.get("tokenizer.ggml.scores").and_then(Value::as_array) {
+                        Some(a) if a.len() == n => {
+                            a.iter().map(|v| v.as_f64().unwrap_or(0.0) as f32).collect()
+                        }
+                        Some(a) => {
+                            return Err(ModelError::BadMetadata {
+                                key: "tokenizer.ggml.scores".into(),
+                                why: format!("{} entries for {n} tokens", a.len()),
+                            })
+                        }
+                        None => vec![0.0; n],
+                    };
+                let mut ids = HashMap::with_capacity(n);
+                let mut byte_ids = [None; 256];
+                for (i, (tok, &t)) in tokens.iter().zip(&types).enumerate() {
+                    if t == TT_BYTE {
+                        if let [b] = spm_piece(tok)[..] {
+                            byte_ids[b as usize] = Some(i as u32);
+                        }
+                    }
+                    ids.entry(tok.clone()).or_insert(i as u32);
+                }
+                let unk = opt_id(g, "tokenizer.ggml.unknown_token_id", n).unwrap_or(0);
+                let pieces = tokens
+                    .iter()
+                    .zip(&types)
+                    .map(|(tok, &t)| match t {
+                        TT_CONTROL | TT_UNUSED => Vec::new(),
+                        TT_UNKNOWN => "\u{2585}".as_bytes().to_vec(),
+                        TT_USER_DEFINED => tok.as_bytes().to_vec(),
+                        _ => spm_piece(tok),
+                    })
+                    .collect();
+                let spm = Spm {
+                    ids,
+                    scores,
+                    byte_ids,
+                    unk,
+                };
+                (
+                    Inner::Spm(spm),
+                    pieces,
+                    flag("tokenizer.ggml.add_bos_token").unwrap_or(true),
+                    flag("tokenizer.ggml.add_space_prefix").unwrap_or(true),
+                )
+            }
+            "gpt2" => {
+                let merges = str_array(g, "tokenizer.ggml.merges")?;
+                let pre = g
+                    .get("tokenizer.ggml.pre")
+                    .and_then(Value::as_str)
+                    .unwrap_or("default")
+                    .to_string();
+                let vocab: tokenizers::models::bpe::Vocab = tokens
+                    .iter()
+                    .enumerate()
+                    .map(|(i, t)| (t.clone(), i as u32))
+                    .collect();
+                let merges: Vec<(String, String)> = merges
+                    .iter()
+                    .map(|m| {
+                        m.split_once(' ')
+                            .map(|(a, b)| (a.to_string(), b.to_string()))
+                    })
+                    .collect::<Option<_>>()
+                    .ok_or_else(|| ModelError::BadMetadata {
+                        key: "tokenizer.ggml.merges".into(),
+                        why: "an entry is not `a b`".into(),
+                    })?;
+                let bpe = BPE::builder()
+                    .vocab_and_merges(vocab, merges)
+                    .build()
+                    .map_err(tk_err)?;
+                let mut pre_toks: Vec<PreTokenizerWrapper> = Vec::new();
+                for re in bpe_pre_regexes(&pre) {
+                    let pattern = SplitPattern::Regex(re.to_string());
+                    pre_toks.push(
+                        Split::new(pattern, SplitDelimiterBehavior::Isolated, false)
+                            .map_err(tk_err)?
+                            .into(),
+                    );
+                }
+                pre_toks.push(ByteLevel::new(false, false, false).into());
+                let mut tk = tokenizers::Tokenizer::new(bpe);
+                tk.with_pre_tokenizer(Some(Sequence::new(pre_toks)));
+                let chars = gpt2_byte_chars();
+                let rev: HashMap<char, u8> = chars
+                    .iter()
+                    .enumerate()
+                    .map(|(b, &c)| (c, b as u8))
+                    .collect();
+                let pieces = tokens
+                    .iter()
+                    .zip(&types)
+                    .map(|(tok, &t)| match t {
+                        TT_CONTROL | TT_UNUSED => Vec::new(),
+                        TT_USER_DEFINED => tok.as_bytes().to_vec(),
+                        _ => byte_level_decode(tok, &rev),
+                    })
+                    .collect();
+                (
+                    Inner::Bpe(Box::new(tk)),
+                    pieces,
+                    flag("tokenizer.ggml.add_bos_token").unwrap_or(false),
+                    false,
+                )
+            }
+            other => {
+                return Err(ModelError::Tokenizer(format!(
+                    "tokenizer model `{other}` is not supported (llama, gpt2 are)"
+                )))
+            }
+        };
+        Ok(Tokenizer {
+            inner,
+            pieces,
+            specials,
+            bos,
+            eos,
+            eog,
+            add_bos,
+            add_space_prefix,
+            chat_template,
+            vocab_size: n,
+        })
+    }
+
+    /// Loads a Hugging Face `tokenizer.json`; `tokenizer_config` is the text of
+    /// `tokenizer_config.json` when present (chat template, BOS policy), `config` the model's
+    /// `config.json` (BOS/EOS ids).
+    pub fn from_hf(
+        tokenizer_json: &[u8],
+        tokenizer_config: Option<&str>,
+        config: Option<&str>,
+    ) -> Result<Self, ModelError> {
+        let tk = tokenizers::Tokenizer::from_bytes(tokenizer_json).map_err(tk_err)?;
+        let n = tk.get_vocab_size(true);
+        let tc: serde_json::Value = tokenizer_config
+            .and_then(|t| serde_json::from_str(t).ok())
+            .unwrap_or_default();
+        let cfg: serde_json::Value = config
+            .and_then(|t| serde_json::from_str(t).ok())
+            .unwrap_or_default();
+        let token_text = |v: &serde_json::Value| -> Option<String> {
+            match v {
+                serde_json::Value::String(s) => Some(s.clone()),
+                serde_json::Value::Object(o) => o
+                    .get("content")
+                    .and_then(|c| c.as_str())
+                    .map(str::to_string),
+                _ => None,
+            }
+        };
+        let id_of = |field: &str| -> Vec<u32> {
+            let mut ids = Vec::new();
+            if let Some(t) = tc
+                .get(format!("{field}_token").as_str())
+                .and_then(token_text)
+            {
+                ids.extend(tk.token_to_id(&t));
+            }
+            match cfg.get(format!("{field}_token_id").as_str()) {
+                Some(serde_json::Value::Number(x)) => ids.extend(x.as_u64().map(|v| v as u32)),
+                Some(serde_json::Value::Array(a)) => {
+                    ids.extend(a.iter().filter_map(|x| x.as_u64()).map(|v| v as u32))
+                }
+                _ => {}
+            }
+            ids.retain(|&i| (i as usize) < n);
+            ids
+        };
+        let bos = id_of("bos").first().copied();
+        let eos_ids = id_of("eos");
+        let eos = eos_ids.first().copied();
+        let mut eog: HashSet<u32> = eos_ids.into_iter().collect();
+        let added = tk.get_added_tokens_decoder();
+        let mut specials = Vec::new();
+        for (&id, t) in &added {
+            if t.special {
+                specials.push((t.content.clone(), id));
+                if matches!(
+                    t.content.as_str(),
+                    "<|eot_id|>" | "<|im_end|>" | "<|end|>" | "<end_of_turn>" | "<|endoftext|>"
+                ) {
+                    eog.insert(id);
+                }
+            }
+        }
+        specials.sort_by(|a, b| b.0.len().cmp(&a.0.len()));
+        let vocab = tk.get_vocab(true);
+        let mut by_id = vec![String::new(); n];
+        for (t, &i) in &vocab {
+            if let Some(slot) = by_id.get_mut(i as usize) {
+                *slot = t.clone();
+            }
+        }
+        let spm_style =
+            vocab.contains_key("<0x00>") || vocab.keys().any(|t| t.starts_with(SPM_SPACE));
+        let chars = gpt2_byte_chars();
+        let rev: HashMap<char, u8> = chars
+            .iter()
+            .enumerate()
+            .map(|(b, &c)| (c, b as u8))
+            .collect();
+        let special_ids: HashSet<u32> = specials.iter().map(|s| s.1).collect();
+        let pieces = by_id
+            .iter()
+            .enumerate()
+            .map(|(i, tok)| {
+                if special_ids.contains(&(i as u32)) {
+                    Vec::new()
+                } else if added.contains_key(&(i as u32)) {
+                    tok.as_bytes().to_vec()
+                } else if spm_style {
+                    spm_piece(tok)
+                } else {
+                    byte_level_decode(tok, &rev)
+                }
+            })
+            .collect();
+        let chat_template = match tc.get("chat_template") {
+            Some(serde_json::Value::String(s)) => Some(s.clone()),
+            Some(serde_json::Value::Array(a)) => a
+                .iter()
+                .find(|t| t.get("name").and_then(|x| x.as_str()) == Some("default"))
+                .or_else(|| a.first())
+                .and_then(|t| t.get("template"))
+                .and_then(|t| t.as_str())
+                .map(str::to_string),
+            _ => None,
+        };
+        let add_bos = tc
+            .get("add_bos_token")
+            .and_then(|v| v.as_bool())
+            .unwrap_or(false);
+        Ok(Tokenizer {
+            inner: Inner::Hf(Box::new(tk)),
+            pieces,
+            specials,
+            bos,
+            eos,
+            eog,
+            add_bos,
+            add_space_prefix: spm_style,
+            chat_template,
+            vocab_size: n,
+        })
+    }
+
+    pub fn vocab_size(&self) -> usize {
+        self.vocab_size
+    }
+
+    /// Whether `id` ends generation (EOS, EOT and friends).
+    pub fn is_eog(&self, id: u32) -> bool {
+        self.eog.contains(&id)
+    }
+
+    /// Encodes `text`. With `add_special`, a BOS is prepended when the model asks for one.
+    /// Control and user-defined tokens written in the text become their ids, as in llama.cpp.
+    pub fn encode(&self, text: &str, add_special: bool) -> Result<Vec<u32>, ModelError> {
+        let mut out = Vec::new();
+        if let Inner::Hf(tk) = &self.inner {
+            // tokenizer.json carries its own special-token handling and BOS post-processor.
+            let enc = tk.encode(text, add_special).map_err(tk_err)?;
+            out.extend_from_slice(enc.get_ids());
+            return Ok(out);
+        }
+        if add_special && self.add_bos {
+            if let Some(b) = self.bos {
+                out.push(b);
+            }
+        }
+        let mut prev_special = true;
+        let mut rest = text;
+        while !rest.is_empty() {
+            // the earliest special token in the rest (longest at that position)
+            let mut found: Option<(usize, &str, u32)> = None;
+            for (s, id) in &self.specials {
+                if let Some(p) = rest.find(s.as_str()) {
+                    if found.is_none_or(|(fp, fs, _)| p < fp || (p == fp && s.len() > fs.len())) {
+                        found = Some((p, s.as_str(), *id));
+                    }
+                }
+            }
+            let (text_part, special) = match found {
+                Some((p, s, id)) => (&rest[..p], Some((s, id))),
+                None => (rest, None),
+            };
+            if !text_part.is_empty() {
+                // after a text fragment comes either a special token or the end
+                self.encode_fragment(text_part, prev_special, &mut out)?;
+            }
+            match special {
+                Some((s, id)) => {
+                    out.push(id);
+                    prev_special = true;
+                    rest = &rest[text_part.len() + s.len()..];
+                }
+                None => break,
+            }
+        }
+        Ok(out)
+    }
+
+    fn encode_fragment(
+        &self,
+        text: &str,
+        prev_special: bool,
+        out: &mut Vec<u32>,
+    ) -> Result<(), ModelError> {
+        match &self.inner {
+            Inner::Spm(spm) => {
+                let mut t = String::with_capacity(text.len() + 3);
+                if self.add_space_prefix && prev_special {
+                    t.push(' ');
+                }
+                t.push_str(text);
+                let t = t.replace(' ', SPM_SPACE);
+                spm.encode(&t, out);
+            }
+            Inner::Bpe(tk) | Inner::Hf(tk) => {
+                let enc = tk.encode(text, false).map_err(tk_err)?;
+                out.extend_from_slice(enc.get_ids());
+            }
+        }
+        Ok(())
+    }
+
+    /// The bytes token `id` prints as; empty for control tokens and unknown ids.
+    pub fn piece(&self, id: u32) -> &[u8] {
+        self.pieces
+            .get(id as usize)
+            .map(Vec::as_slice)
+            .unwrap_or(&[])
+    }
+
+    /// Decodes ids to text as a stream would print them (see [`TextStream`]).
+    pub fn decode(&self, ids: &[u32], prev: Option<u32>) -> String {
+        let mut s = self.stream(prev);
+        let mut out = String::new();
+        for &id in ids {
+            out.push_str(&s.push(id));
+        }
+        out.push_str(&s.finish());
+        out
+    }
+
+    /// A streaming decoder; `prev` is the token before the first one it will see (to apply
+    /// SentencePiece's rule that a word-initial space right after BOS is not printed).
+    pub fn stream(&self, prev: Option<u32>) -> TextStream<'_> {
+        TextStream {
+            tk: self,
+            pending: Vec::new(),
+            prev,
+        }
+    }
+
+    /// Renders the model's chat template for one user message and a generation prompt.
+    pub fn apply_chat_template(&self, messages: &[(String, String)]) -> Result<String, ModelError> {
+        let template = self.chat_template.as_deref().ok_or_else(|| {
+            ModelError::Tokenizer(
+                "this model has no chat template (tokenizer.chat_template)".into(),
+            )
+        })?;
+        let mut env = minijinja::Environment::new();
+        minijinja_contrib::add_to_environment(&mut env);
+        env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
+        env.add_function(
+            "raise_exception",
+            |msg: String| -> Result<String, minijinja::Error> {
+                Err(minijinja::Error::new(
+                    minijinja::ErrorKind::InvalidOperation,
+                    msg,
+                ))
+            },
+        );
+        env.add_template("chat", template)
+            .map_err(|e| ModelError::Tokenizer(format!("chat template: {e}")))?;
+        let tok_text = |id: Option<u32>| -> String {
+            id.map(|i| String::from_utf8_lossy(&self.raw_token(i)).into_owned())
+                .unwrap_or_default()
+        };
+        let msgs: Vec<_> = messages
+            .iter()
+            .map(|(role, content)| minijinja::context! { role => role, content => content })
+            .collect();
+        let ctx = minijinja::context! {
+            messages => msgs,
+            add_generation_prompt => true,
+            bos_token => tok_text(self.bos),
+            eos_token => tok_text(self.eos),
+        };
+        env.get_template("chat")
+            .and_then(|t| t.render(ctx))
+            .map_err(|e| ModelError::Tokenizer(format!("chat template: {e}")))
+    }
+
+    /// The literal text of a special token (for templates), which `piece` hides.
+    fn raw_token(&self, id: u32) -> Vec<u8> {
+        self.specials
+            .iter()
+            .find(|(_, i)| *i == id)
+            .map(|(s, _)| s.as_bytes().to_vec())
+            .unwrap_or_else(|| self.piece(id).to_vec())
+    }
+
+    /// Tokenizes a rendered chat prompt: special tokens are parsed, and a BOS is added only
+    /// when the template did not write one.
+    pub fn encode_chat(&self, rendered: &str) -> Result<Vec<u32>, ModelError> {
+        let bos_text = self
+            .bos
+            .map(|b| String::from_utf8_lossy(&self.raw_token(b)).into_owned());
+        let has_bos = bos_text.is_some_and(|t| !t.is_empty() && rendered.starts_with(&t));
+        self.encode(rendered, !has_bos)
+    }
+}
+
+/// Turns token ids into printable text as they arrive: bytes of a character split over several
+/// tokens are held back until the character is complete.
+pub struct TextStream<'a> {
+    tk: &'a Tokenizer,
+    pending: Vec<u8>,
+    prev: Option<u32>,
+}
+
+impl TextStream<'_> {
+    pub fn push(&mut self, id: u32) -> String {
+        let mut piece = self.tk.piece(id);
+        if self.tk.add_space_prefix
+            && self.prev.is_some()
+            && self.prev == self.tk.bos
+            && piece.first() == Some(&b' ')
+        {
+            piece = &piece[1..];
+        }
+        self.prev = Some(id);
+        self.pending.extend_from_slice(piece);
+        match std::str::from_utf8(&self.pending) {
+            Ok(s) => {
+                let s = s.to_string();
+                self.pending.clear();
+                s
+            }
+            Err(e) => {
+                let valid = e.valid_up_to();
+                // an invalid sequence (not just an incomplete one) is printed lossily now
+                let cut = if e.error_len().is_some() {
+                    self.pending.len()
+                } else {
+                    valid
+                };
+                let out = String::from_utf8_lossy(&self.pending[..cut]).into_owned();
+                self.pending.drain(..cut);
+                out
+            }
+        }
+    }
+
+    /// Whatever is still held back, lossily.
+    pub fn finish(&mut self) -> String {
+        let s = String::from_utf8_lossy(&self.pending).into_owned();
+        self.pending.clear();
+        s
+    }
+}
+
+/// Builds the metadata of a byte-level BPE vocabulary (GPT-2 style) for synthetic models:
+/// 256 byte tokens, merges up to `vocab - n_special` tokens, then `<|begin_of_text|>`,
+/// `<|end_of_text|>`, `<|im_start|>`, `<|im_end|>`. Returns (tokens, types, merges).
+pub fn synthetic_bpe_vocab(vocab: usize) -> (Vec<String>, Vec<i32>, Vec<String>) {
+    const SPECIALS: [&str; 4] = [
+        "<|begin_of_text|>",
+        "<|end_of_text|>",
+        "<|im_start|>",
+        "<|im_end|>",
+    ];
+    let chars = gpt2_byte_chars();
+    let mut tokens: Vec<String> = chars.iter().map(|c| c.to_string()).collect();
+    let mut seen: HashSet<String> = tokens.iter().cloned().collect();
+    let mut merges = Vec::new();
+    let target = vocab.saturating_sub(SPECIALS.len()).max(256);
+    // Deterministic pairs: common letters first (so text tokenizes into multi-byte tokens),
+    // then combinations of earlier tokens.
+    let alpha: Vec<String> = "etaoinshrdlucmfwypvbgkjqxz"
+        .chars()
+        .map(|c| c.to_string())
+        .collect();
+    let space = chars[b' ' as usize].to_string();
+    let mut candidates: Vec<(String, String)> = Vec::new();
+    for a in &alpha {
+        candidates.push((space.clone(), a.clone()));
+    }
+    for a in &alpha {
+        for b in &alpha {
+            candidates.push((a.clone(), b.clone()));
+        }
+    }
+    let mut ci = 0usize;
+    let mut k = 0u64;
+    while tokens.len() < target {
+        let (a, b) = if ci < candidates.len() {
+            ci += 1;
+            candidates[ci - 1].clone()
+        } else {
+            // a cheap deterministic walk over earlier tokens
+            k = k
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
+            let n = tokens.len() as u64;
+            let i = ((k >> 33) % n) as usize;
+            let j = ((k >> 13) % n.min(4096)) as usize;
+            (tokens[i].clone(), tokens[j].clone())
+        };
+        let joined = format!("{a}{b}");
+        if joined.chars().count() > 16 || !seen.insert(joined.clone()) {
+            continue;
+        }
+        merges.push(format!("{a} {b}"));
+        tokens.push(joined);
+    }
+    let mut types = vec![TT_NORMAL; tokens.len()];
+    for s in SPECIALS {
+        tokens.push(s.to_string());
+        types.push(TT_CONTROL);
+    }
+    (tokens, types, merges)
+}
+
+/// The ChatML template brigade writes into synthetic models.
+pub const CHATML_TEMPLATE: &str = "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}";
+
+/// A `tokenizer.json` equal to [`synthetic_bpe_vocab`] (for safetensors directories).
+pub fn synthetic_tokenizer_json(vocab: usize) -> Result<String, ModelError> {
+    let (tokens, types, merges) = synthetic_bpe_vocab(vocab);
+    let mut v = serde_json::Map::new();
+    for (i, t) in tokens.iter().enumerate() {
+        v.insert(t.clone(), serde_json::json!(i));
+    }
+    let added: Vec<serde_json::Value> = tokens
+        .iter()
+        .zip(&types)
+        .enumerate()
+        .filter(|(_, (_, &t))| t == TT_CONTROL)
+        .map(|(i, (t, _))| {
+            serde_json::json!({"id": i, "content": t, "single_word": false, "lstrip": false,
+                               "rstrip": false, "normalized": false, "special": true})
+        })
+        .collect();
+    let j = serde_json::json!({
+        "version": "1.0",
+        "truncation": null,
+        "padding": null,
+        "added_tokens": added,
+        "normalizer": null,
+        "pre_tokenizer": {"type": "ByteLevel", "add_prefix_space": false, "trim_offsets": true, "use_regex": true},
+        "post_processor": {"type": "ByteLevel", "add_prefix_space": true, "trim_offsets": false, "use_regex": true},
+        "decoder": {"type": "ByteLevel", "add_prefix_space": true, "trim_offsets": true, "use_regex": true},
+        "model": {"type": "BPE", "dropout": null, "unk_token": null, "continuing_subword_prefix": null,
+                  "end_of_word_suffix": null, "fuse_unk": false, "byte_fallback": false,
+                  "ignore_merges": false, "vocab": v, "merges": merges}
+    });
+    serde_json::to_string(&j).map_err(tk_err)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn byte_table_is_a_bijection() {
+        let t = gpt2_byte_chars();
+        let set: HashSet<char> = t.iter().copied().collect();
+        assert_eq!(set.len(), 256);
+        assert_eq!(t[b'a' as usize], 'a');
+        assert_eq!(t[b' ' as usize], '\u{120}');
+    }
+
+    #[test]
+    fn spm_pieces() {
+        assert_eq!(spm_piece("<0x0A>"), b"\n");
+        assert_eq!(spm_piece("\u{2581}Once"), b" Once");
+        assert_eq!(spm_piece("<0xZZ>"), b"<0xZZ>");
+    }
+
+    #[test]
+    fn synthetic_vocab_has_requested_size() {
+        let (t, ty, m) = synthetic_bpe_vocab(1000);
+        assert_eq!(t.len(), 1000);
+        assert_eq!(ty.len(), 1000);
+        assert_eq!(m.len(), 1000 - 256 - 4);
+        let uniq: HashSet<&String> = t.iter().collect();
+        assert_eq!(uniq.len(), 1000);
+    }
+}
