@@ -188,6 +188,7 @@ pub fn human_bytes(b: u64) -> String {
 }
 
 #[cfg(test)]
+#[allow(clippy::unwrap_used)]
 mod tests {
     use super::*;
 

@@ -278,7 +278,7 @@ pub fn dtype_name(dtype: GgmlDType) -> &'static str {
 /// whole number of blocks or the size overflows.
 pub fn tensor_bytes(dtype: GgmlDType, row_len: u64, n_elements: u64) -> Option<u64> {
     let bs = dtype.block_size() as u64;
-    if row_len % bs != 0 {
+    if !row_len.is_multiple_of(bs) {
         return None;
     }
     (n_elements / bs).checked_mul(dtype.type_size() as u64)

@@ -171,6 +171,7 @@ impl Pipeline {
     /// Prefills `prompt`, then samples up to `n_predict` tokens, calling `on_token` with each
     /// (return `false` from it to stop). Stops early at an end-of-generation token unless
     /// `ignore_eos`.
+    #[allow(clippy::too_many_arguments)]
     pub fn generate(
         &self,
         session: &mut Session,

@@ -62,9 +62,9 @@ impl Shape {
         {
             return bad("every dimension must be nonzero".into());
         }
-        if self.hidden % self.heads != 0
-            || self.heads % self.kv_heads != 0
-            || self.head_dim() % 2 != 0
+        if !self.hidden.is_multiple_of(self.heads)
+            || !self.heads.is_multiple_of(self.kv_heads)
+            || !self.head_dim().is_multiple_of(2)
         {
             return bad(format!(
                 "hidden {} over {} heads over {} kv heads does not give an even head size",
@@ -77,7 +77,7 @@ impl Shape {
                 self.vocab
             ));
         }
-        if self.hidden % 32 != 0 || self.ffn % 32 != 0 {
+        if !self.hidden.is_multiple_of(32) || !self.ffn.is_multiple_of(32) {
             return bad(format!(
                 "hidden {} and ffn {} must be multiples of 32",
                 self.hidden, self.ffn
@@ -156,9 +156,9 @@ impl SynthType {
 
 /// A row of `len` elements can be stored as `dt` (whole blocks), else llama.cpp's fallback.
 fn type_for_row(dt: GgmlDType, len: usize) -> GgmlDType {
-    if len % dt.block_size() == 0 {
+    if len.is_multiple_of(dt.block_size()) {
         dt
-    } else if len % 32 == 0 {
+    } else if len.is_multiple_of(32) {
         GgmlDType::Q8_0
     } else {
         GgmlDType::F16

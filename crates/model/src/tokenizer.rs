@@ -134,7 +134,7 @@ impl Spm {
 }
 
 enum Inner {
-    Spm(Spm),
+    Spm(Box<Spm>),
     /// Byte-level BPE: a `tokenizers` pipeline without normalizer or post-processor.
     Bpe(Box<tokenizers::Tokenizer>),
     /// A complete `tokenizer.json`.
@@ -273,7 +273,7 @@ impl Tokenizer {
             .filter(|(_, (tok, &t))| is_special(t) && !tok.is_empty())
             .map(|(i, (tok, _))| (tok.clone(), i as u32))
             .collect();
-        specials.sort_by(|a, b| b.0.len().cmp(&a.0.len()));
+        specials.sort_by_key(|s| std::cmp::Reverse(s.0.len()));
 
         let bos = opt_id(g, "tokenizer.ggml.bos_token_id", n);
         let eos = opt_id(g, "tokenizer.ggml.eos_token_id", n);
@@ -343,7 +343,7 @@ impl Tokenizer {
                     unk,
                 };
                 (
-                    Inner::Spm(spm),
+                    Inner::Spm(Box::new(spm)),
                     pieces,
                     flag("tokenizer.ggml.add_bos_token").unwrap_or(true),
                     flag("tokenizer.ggml.add_space_prefix").unwrap_or(true),
@@ -491,7 +491,7 @@ impl Tokenizer {
                 }
             }
         }
-        specials.sort_by(|a, b| b.0.len().cmp(&a.0.len()));
+        specials.sort_by_key(|s| std::cmp::Reverse(s.0.len()));
         let vocab = tk.get_vocab(true);
         let mut by_id = vec![String::new(); n];
         for (t, &i) in &vocab {

@@ -1,9 +1,9 @@
 //! Hostile and broken model files: each is a clear error, never a panic, never a huge allocation.
 
+#![allow(clippy::unwrap_used)]
 mod common;
 use brigade_model::gguf::{self, Gguf, GgufError, TensorSpec, Value};
 use brigade_model::{ModelError, ModelFiles};
-use common::*;
 use std::path::Path;
 
 /// A GGUF header written field by field, so any field can be a lie.

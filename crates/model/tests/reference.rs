@@ -1,5 +1,6 @@
 //! brigade against independent references: HF transformers' logits and llama.cpp's greedy ids.
 
+#![allow(clippy::unwrap_used)]
 mod common;
 use brigade_model::{ModelFiles, Sampler, SamplerConfig};
 use common::*;

@@ -1,6 +1,7 @@
 //! Split invariance and format equivalence: a model cut into stages computes what the whole
 //! model computes, and the same weights in GGUF and safetensors give the same logits.
 
+#![allow(clippy::unwrap_used)]
 mod common;
 use brigade_model::synth::{write_gguf, write_safetensors_dir, Shape, SynthType};
 use brigade_model::{ModelFiles, Sampler, SamplerConfig};

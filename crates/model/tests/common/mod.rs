@@ -1,5 +1,5 @@
 //! Fixtures shared by the model crate's integration tests.
-#![allow(dead_code)]
+#![allow(dead_code, clippy::unwrap_used)]
 
 use brigade_core::DeviceMap;
 use brigade_model::{Logits, ModelFiles, Pipeline};

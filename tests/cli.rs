@@ -1,0 +1,442 @@
+//! End-to-end tests of the `brigade` binary: the acceptance checks of the runtime issue, run as a
+//! user would run them.
+
+#![allow(clippy::unwrap_used)]
+use serde_json::Value;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+
+fn root() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../..")
+}
+
+fn fixture(name: &str) -> PathBuf {
+    root().join("tests/fixtures").join(name)
+}
+
+fn brigade(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_brigade"))
+        .args(args)
+        .output()
+        .expect("running brigade")
+}
+
+fn ok_json(args: &[&str]) -> Value {
+    let out = brigade(args);
+    assert!(
+        out.status.success(),
+        "brigade {args:?} failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    serde_json::from_slice(&out.stdout)
+        .unwrap_or_else(|e| panic!("not JSON ({e}): {}", String::from_utf8_lossy(&out.stdout)))
+}
+
+fn ids(v: &Value) -> Vec<u64> {
+    v.as_array()
+        .unwrap()
+        .iter()
+        .map(|x| x.as_u64().unwrap())
+        .collect()
+}
+
+fn reference() -> Value {
+    serde_json::from_str(&std::fs::read_to_string(fixture("greedy_llamacpp.json")).unwrap())
+        .unwrap()
+}
+
+const KARPATHY: &str = "Once upon a time, there was a little girl named Lily. She loved to play outside in the park. One day, she saw a big, red ball. She wanted to play with it, but it was too high";
+
+#[test]
+fn run_matches_llama_cpp_greedy_on_all_three_stories_files() {
+    let r = reference();
+    let f32_path = root().join("crates/model/assets/stories260K.gguf");
+    for (path, key, n_match) in [
+        (f32_path, "stories260K.gguf", 60),
+        (
+            fixture("stories260K-Q8_0.gguf"),
+            "stories260K-Q8_0.gguf",
+            60,
+        ),
+        (
+            fixture("stories260K-Q4_0.gguf"),
+            "stories260K-Q4_0.gguf",
+            27,
+        ),
+    ] {
+        let j = ok_json(&[
+            "run",
+            "-m",
+            path.to_str().unwrap(),
+            "-p",
+            "",
+            "-n",
+            "60",
+            "--temp",
+            "0",
+            "--json",
+        ]);
+        let got = ids(&j["generated_ids"]);
+        let want = ids(&r[key]["greedy_ids"]);
+        assert_eq!(got.len(), 60);
+        assert_eq!(got[..n_match], want[..n_match], "{key}");
+        assert_eq!(ids(&j["prompt_ids"]), vec![1]);
+        if n_match == 60 {
+            assert_eq!(j["text"], KARPATHY, "{key}");
+        }
+        assert!(j["timings"]["generation_tokens_per_s"].as_f64().unwrap() > 0.0);
+        let dev = &j["devices"][0];
+        assert_eq!(dev["name"], "cpu");
+        assert!(dev["bytes"].as_u64().unwrap() > 0);
+    }
+}
+
+#[test]
+fn embedded_model_is_the_default_and_streams_text() {
+    let out = brigade(&["run", "-n", "60", "--temp", "0"]);
+    assert!(out.status.success());
+    let text = String::from_utf8(out.stdout).unwrap();
+    assert_eq!(text.trim_end(), KARPATHY);
+    let err = String::from_utf8(out.stderr).unwrap();
+    for want in [
+        "load time",
+        "prompt eval",
+        "generation",
+        "tokens/s",
+        "device cpu",
+        "KV cache",
+    ] {
+        assert!(err.contains(want), "stderr lacks `{want}`: {err}");
+    }
+}
+
+#[test]
+fn device_map_splits_give_the_same_tokens() {
+    let base = ok_json(&["run", "-n", "40", "--temp", "0", "--json"]);
+    for map in [
+        "cpu:1,cpu:4",
+        "cpu:2,cpu:3",
+        "cpu:4,cpu:1",
+        "cpu:1,cpu:1,cpu:1,cpu:1,cpu:1",
+    ] {
+        let j = ok_json(&[
+            "run",
+            "-n",
+            "40",
+            "--temp",
+            "0",
+            "--json",
+            "--device-map",
+            map,
+        ]);
+        assert_eq!(j["generated_ids"], base["generated_ids"], "{map}");
+        let stages = j["devices"].as_array().unwrap();
+        assert_eq!(stages.len(), map.split(',').count());
+        assert!(stages.iter().all(|d| d["bytes"].as_u64().unwrap() > 0));
+    }
+}
+
+#[test]
+fn sampling_is_seeded() {
+    let a = ok_json(&["run", "-n", "30", "--temp", "1.0", "--seed", "7", "--json"]);
+    let b = ok_json(&["run", "-n", "30", "--temp", "1.0", "--seed", "7", "--json"]);
+    let c = ok_json(&["run", "-n", "30", "--temp", "1.0", "--seed", "8", "--json"]);
+    assert_eq!(a["text"], b["text"]);
+    assert_ne!(a["generated_ids"], c["generated_ids"]);
+    assert_eq!(a["seed"], 7);
+    let k1 = ok_json(&[
+        "run", "-n", "30", "--temp", "1.5", "--top-k", "1", "--seed", "3", "--json",
+    ]);
+    let greedy = ok_json(&["run", "-n", "30", "--temp", "0", "--json"]);
+    assert_eq!(
+        k1["generated_ids"], greedy["generated_ids"],
+        "top-k 1 is greedy"
+    );
+}
+
+fn smollm2() -> PathBuf {
+    if let Ok(p) = std::env::var("BRIGADE_SMOLLM2") {
+        return PathBuf::from(p);
+    }
+    let p = root().join("target/models/SmolLM2-135M-Instruct.Q4_1.gguf");
+    if !p.exists() {
+        let st = Command::new("bash")
+            .arg(root().join("tests/fetch-smollm2.sh"))
+            .status()
+            .unwrap();
+        assert!(st.success(), "tests/fetch-smollm2.sh failed");
+    }
+    p
+}
+
+#[test]
+fn smollm2_greedy_and_chat() {
+    let m = smollm2();
+    let m = m.to_str().unwrap();
+    let r = &reference()["SmolLM2-135M-Instruct.Q4_1.gguf"];
+    let j = ok_json(&[
+        "run",
+        "-m",
+        m,
+        "-p",
+        "Once upon a time,",
+        "-n",
+        "25",
+        "--temp",
+        "0",
+        "--json",
+        "-c",
+        "256",
+    ]);
+    assert_eq!(j["prompt_ids"], r["prompt_ids"]);
+    assert_eq!(j["generated_ids"], r["greedy_ids"]);
+    assert_eq!(j["text"], r["text"]);
+    let j = ok_json(&[
+        "run",
+        "-m",
+        m,
+        "-p",
+        "What is 2+2?",
+        "-n",
+        "8",
+        "--temp",
+        "0",
+        "--chat",
+        "--json",
+        "-c",
+        "256",
+    ]);
+    let p = ids(&j["prompt_ids"]);
+    // <|im_start|>system … <|im_end|>\n<|im_start|>user\nWhat is 2+2?<|im_end|>\n<|im_start|>assistant\n
+    assert_eq!(p[0], 1);
+    assert_eq!(p.iter().filter(|&&i| i == 1).count(), 3);
+    assert_eq!(p.iter().filter(|&&i| i == 2).count(), 2);
+    assert_eq!(
+        &p[p.len() - 3..],
+        &[1, 520, 9531, 198][1..]
+            .iter()
+            .map(|&x| x as u64)
+            .collect::<Vec<_>>()[..],
+        "ends with `assistant\\n`: {p:?}"
+    );
+    assert_eq!(p[p.len() - 4], 1);
+    assert!(!j["text"].as_str().unwrap().is_empty());
+}
+
+#[test]
+fn chat_without_template_is_a_clear_error() {
+    let out = brigade(&["run", "--chat", "-p", "hi", "-n", "4"]);
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("no chat template"));
+}
+
+fn expect_error(args: &[&str], needle: &str) {
+    let out = brigade(args);
+    assert_eq!(
+        out.status.code(),
+        Some(1),
+        "brigade {args:?} should fail with exit 1"
+    );
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains(needle),
+        "brigade {args:?}: stderr lacks `{needle}`: {err}"
+    );
+    assert!(!err.contains("panicked"), "{err}");
+}
+
+#[test]
+fn bad_input_gives_clear_errors() {
+    let dir = tempfile::tempdir().unwrap();
+    let text = dir.path().join("notes.gguf");
+    std::fs::write(&text, "hello, I am not a model").unwrap();
+    expect_error(&["run", "-m", text.to_str().unwrap()], "not a GGUF file");
+    let full = std::fs::read(root().join("crates/model/assets/stories260K.gguf")).unwrap();
+    let cut = dir.path().join("cut.gguf");
+    std::fs::write(&cut, &full[..full.len() / 3]).unwrap();
+    expect_error(
+        &["run", "-m", cut.to_str().unwrap()],
+        "past the end of the file",
+    );
+    let mut bad = full.clone();
+    bad[8..16].copy_from_slice(&u64::MAX.to_le_bytes());
+    let p = dir.path().join("absurd.gguf");
+    std::fs::write(&p, &bad).unwrap();
+    expect_error(&["run", "-m", p.to_str().unwrap()], "claims");
+    expect_error(&["run", "-m", "/nonexistent/model.gguf"], "No such file");
+    expect_error(&["run", "-ngl", "4"], "without CUDA");
+    expect_error(
+        &["run", "--device-map", "cpu:2,cpu:2"],
+        "places 4 layers but the model has 5",
+    );
+    expect_error(&["run", "--device-map", "tpu:5"], "unknown device");
+    let out = brigade(&["run", "-ngl", "auto", "-n", "3"]);
+    assert!(out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("-ngl auto"));
+    // usage errors are exit 2 (clap)
+    assert_eq!(brigade(&["run", "-n", "lots"]).status.code(), Some(2));
+}
+
+#[test]
+fn synth_gguf_and_safetensors_give_the_same_tokens() {
+    let dir = tempfile::tempdir().unwrap();
+    let g = dir.path().join("m.gguf");
+    let h = dir.path().join("m-hf");
+    let shape = [
+        "--layers",
+        "3",
+        "--hidden",
+        "128",
+        "--ffn",
+        "256",
+        "--heads",
+        "4",
+        "--kv-heads",
+        "2",
+        "--vocab",
+        "512",
+    ];
+    let mut a = vec![
+        "synth",
+        "-o",
+        g.to_str().unwrap(),
+        "--type",
+        "f32",
+        "--seed",
+        "9",
+    ];
+    a.extend(shape);
+    assert!(brigade(&a).status.success());
+    let mut a = vec![
+        "synth",
+        "-o",
+        h.to_str().unwrap(),
+        "--type",
+        "f32",
+        "--seed",
+        "9",
+        "--format",
+        "safetensors",
+    ];
+    a.extend(shape);
+    assert!(brigade(&a).status.success());
+    assert!(
+        h.join("model.safetensors").exists()
+            && h.join("tokenizer.json").exists()
+            && h.join("config.json").exists()
+    );
+    let run = |m: &Path, map: &str| {
+        ok_json(&[
+            "run",
+            "-m",
+            m.to_str().unwrap(),
+            "-p",
+            "hello world",
+            "-n",
+            "16",
+            "--temp",
+            "0",
+            "--json",
+            "--device-map",
+            map,
+        ])
+    };
+    let x = run(&g, "cpu:3");
+    let y = run(&h, "cpu:1,cpu:2");
+    assert_eq!(x["prompt_ids"], y["prompt_ids"]);
+    assert_eq!(x["generated_ids"], y["generated_ids"]);
+    // --chat works on synthetic models (ChatML template)
+    let c = ok_json(&[
+        "run",
+        "-m",
+        g.to_str().unwrap(),
+        "-p",
+        "hi",
+        "-n",
+        "2",
+        "--temp",
+        "0",
+        "--chat",
+        "--json",
+    ]);
+    assert!(ids(&c["prompt_ids"]).len() > 5);
+    // presets have the real shapes
+    let p = dir.path().join("p.gguf");
+    let out = brigade(&[
+        "synth",
+        "-o",
+        p.to_str().unwrap(),
+        "--preset",
+        "llama-1b",
+        "--layers",
+        "1",
+        "--vocab",
+        "1000",
+        "--type",
+        "q4_k",
+        "--json",
+    ]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let j: Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(j["shape"]["hidden"], 2048);
+    assert_eq!(j["shape"]["ffn"], 8192);
+    assert_eq!(j["shape"]["kv_heads"], 8);
+    let j = ok_json(&[
+        "run",
+        "-m",
+        p.to_str().unwrap(),
+        "-p",
+        "a",
+        "-n",
+        "3",
+        "--temp",
+        "0",
+        "--json",
+        "-c",
+        "64",
+    ]);
+    assert_eq!(ids(&j["generated_ids"]).len(), 3);
+}
+
+#[test]
+fn bench_reports_rows_bandwidth_and_bound() {
+    let out = brigade(&["bench", "-p", "16", "-n", "8", "-r", "2", "-o", "json"]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let j: Value = serde_json::from_slice(&out.stdout).unwrap();
+    let rows = j["rows"].as_array().unwrap();
+    assert_eq!(rows.len(), 2);
+    assert_eq!(rows[0]["test"], "pp16");
+    assert_eq!(rows[1]["test"], "tg8");
+    for r in rows {
+        assert_eq!(r["samples_ts"].as_array().unwrap().len(), 2);
+        assert!(r["avg_ts"].as_f64().unwrap() > 0.0);
+        assert!(r["devices"][0]["bytes"].as_u64().unwrap() > 0);
+    }
+    assert!(j["bandwidth_bytes_per_s"].as_f64().unwrap() > 1e8);
+    let f = rows[1]["fraction_of_bound"].as_f64().unwrap();
+    assert!(f > 0.0 && f < 1.5, "fraction of bound {f}");
+    let md = brigade(&["bench", "-p", "8", "-n", "4", "-r", "1", "--no-bandwidth"]);
+    let md = String::from_utf8(md.stdout).unwrap();
+    assert!(md.contains("| pp8 |") && md.contains("| tg4 |"), "{md}");
+    let csv = brigade(&[
+        "bench",
+        "-p",
+        "8",
+        "-n",
+        "0",
+        "-r",
+        "1",
+        "-o",
+        "csv",
+        "--no-bandwidth",
+    ]);
+    assert_eq!(String::from_utf8(csv.stdout).unwrap().lines().count(), 2);
+}
