@@ -440,3 +440,204 @@ fn bench_reports_rows_bandwidth_and_bound() {
     ]);
     assert_eq!(String::from_utf8(csv.stdout).unwrap().lines().count(), 2);
 }
+
+fn clusters() -> PathBuf {
+    root().join("examples/clusters")
+}
+
+#[test]
+fn plan_prints_text_json_and_svg() {
+    let c = clusters().join("single-box.toml");
+    let out = brigade(&[
+        "plan",
+        "--shape",
+        "llama-70b",
+        "--quant",
+        "q4_k",
+        "--cluster",
+        c.to_str().unwrap(),
+    ]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let text = String::from_utf8(out.stdout).unwrap();
+    for want in [
+        "box/cuda0",
+        "box/cpu",
+        "decode:",
+        "prefill: 512 tokens",
+        "bottleneck:",
+        "why:",
+        "rejected:",
+        "does not fit by",
+    ] {
+        assert!(text.contains(want), "`{want}` missing:\n{text}");
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let svg = dir.path().join("plan.svg");
+    let j = ok_json(&[
+        "plan",
+        "--shape",
+        "llama-8b",
+        "--quant",
+        "q4_k",
+        "--cluster",
+        c.to_str().unwrap(),
+        "--json",
+        "--svg",
+        svg.to_str().unwrap(),
+    ]);
+    for key in [
+        "objective",
+        "stages",
+        "hops",
+        "decode_ms_per_token",
+        "tokens_per_s",
+        "prefill_ms_512",
+        "bottleneck",
+        "rejected",
+    ] {
+        assert!(j.get(key).is_some(), "{key} missing in {j}");
+    }
+    let st = &j["stages"][0];
+    for key in [
+        "node",
+        "device",
+        "layers",
+        "weight_bytes",
+        "kv_bytes",
+        "memory_bytes",
+        "budget_bytes",
+        "compute_ms",
+    ] {
+        assert!(st.get(key).is_some(), "{key} missing in {st}");
+    }
+    assert_eq!(st["layers"], serde_json::json!([0, 32]));
+    let picture = std::fs::read_to_string(&svg).unwrap();
+    assert!(picture.starts_with("<svg") && picture.contains("box/cuda0"));
+    // from a model file's header
+    let m = fixture("stories260K-Q8_0.gguf");
+    let j = ok_json(&[
+        "plan",
+        "-m",
+        m.to_str().unwrap(),
+        "--cluster",
+        c.to_str().unwrap(),
+        "--json",
+    ]);
+    assert_eq!(j["stages"][0]["layers"], serde_json::json!([0, 5]));
+    // a second model kept on the GPU
+    let j = ok_json(&[
+        "plan",
+        "--shape",
+        "llama-70b",
+        "--quant",
+        "q4_k",
+        "--also-shape",
+        "llama-1b",
+        "--also-quant",
+        "q8_0",
+        "--cluster",
+        c.to_str().unwrap(),
+        "--json",
+    ]);
+    assert_eq!(j["also_plan"]["stages"][0]["device"], "cuda0");
+    assert_eq!(j["reserved"][0]["device"], "cuda0");
+}
+
+#[test]
+fn plan_errors() {
+    let dir = tempfile::tempdir().unwrap();
+    let good = std::fs::read_to_string(clusters().join("gateway-edges.toml")).unwrap();
+    let cases = [
+        (good.replace("\"24 GiB\"", "\"24 gigs\""), "24 gigs"),
+        (
+            good.replacen("\"1 Gbit/s\"", "\"-1 Gbit/s\"", 1),
+            "must be positive",
+        ),
+        (
+            good.replacen("\"1 Gbit/s\"", "\"0 Gbit/s\"", 1),
+            "must be positive",
+        ),
+        (
+            good.replace("name = \"edge-3\"", "name = \"edge-2\""),
+            "appears twice",
+        ),
+        (
+            good.replacen("b = \"edge-1\"", "b = \"edge-7\"", 1),
+            "unknown node `edge-7`",
+        ),
+    ];
+    for (i, (text, needle)) in cases.iter().enumerate() {
+        let p = dir.path().join(format!("c{i}.toml"));
+        std::fs::write(&p, text).unwrap();
+        expect_error(
+            &[
+                "plan",
+                "--shape",
+                "llama-8b",
+                "--quant",
+                "q4_k",
+                "--cluster",
+                p.to_str().unwrap(),
+            ],
+            needle,
+        );
+    }
+    let c = clusters().join("gateway-edges.toml");
+    let notes = dir.path().join("notes.gguf");
+    std::fs::write(&notes, "not a model").unwrap();
+    expect_error(
+        &[
+            "plan",
+            "-m",
+            notes.to_str().unwrap(),
+            "--cluster",
+            c.to_str().unwrap(),
+        ],
+        "not a GGUF file",
+    );
+    expect_error(
+        &[
+            "plan",
+            "--shape",
+            "llama-9b",
+            "--quant",
+            "q4_k",
+            "--cluster",
+            c.to_str().unwrap(),
+        ],
+        "unknown shape",
+    );
+    expect_error(
+        &[
+            "plan",
+            "--shape",
+            "llama-8b",
+            "--quant",
+            "q4_k",
+            "--cluster",
+            c.to_str().unwrap(),
+            "--driver",
+            "moon",
+        ],
+        "driver node `moon`",
+    );
+    // infeasible: nonzero exit, JSON error with the shortfall
+    let out = brigade(&[
+        "plan",
+        "--shape",
+        "llama-70b",
+        "--quant",
+        "f16",
+        "--cluster",
+        clusters().join("small-vram.toml").to_str().unwrap(),
+        "--json",
+    ]);
+    assert_eq!(out.status.code(), Some(1));
+    let j: Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert!(j["error"].as_str().unwrap().contains("does not fit"));
+    assert!(j["shortfall_bytes"].as_u64().unwrap() > 100 << 30);
+}

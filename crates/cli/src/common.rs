@@ -2,10 +2,13 @@
 //! `-ngl` / `--device-map` into stages, and printing sizes.
 
 use anyhow::{bail, Context, Result};
-use brigade_core::{DeviceId, DeviceMap, LayerRange, Stage};
+use brigade_core::{
+    DeviceId, DeviceKind, DeviceMap, DeviceSpec, Inventory, LayerRange, NodeSpec, Stage,
+};
 use brigade_model::devices::{cuda_devices, CudaInfo};
 use brigade_model::pipeline::activation_dtype;
-use brigade_model::{predict_slice_bytes, ModelFiles};
+use brigade_model::ModelFiles;
+use brigade_planner::Policy;
 use std::path::Path;
 use std::str::FromStr;
 
@@ -69,19 +72,97 @@ pub struct Placement {
     pub notice: Option<String>,
 }
 
-/// The largest number of trailing layers (with the head) whose predicted bytes fit in `budget`.
-fn fit_gpu_layers(files: &ModelFiles, n_ctx: usize, gpu: DeviceId, budget: u64) -> usize {
-    let n = files.config.n_layers;
-    let dtype = activation_dtype(gpu);
-    (0..=n)
-        .rev()
-        .find(|&k| {
-            k == 0
-                || LayerRange::new(n - k, n)
-                    .map(|r| predict_slice_bytes(files, r, dtype, n_ctx).total() <= budget)
-                    .unwrap_or(false)
+/// This box as the planner sees it: the CPU with the memory available now, and each CUDA device
+/// with its free memory. Bandwidth and compute are nominal figures (a desktop CPU, a current GPU):
+/// placing layers on one box only needs the GPU to be the faster device, which it is.
+pub fn local_inventory(gpus: &[CudaInfo]) -> Inventory {
+    let cpu = brigade_model::devices::cpu_info();
+    let mut devices = vec![DeviceSpec {
+        name: "cpu".into(),
+        kind: DeviceKind::Cpu,
+        memory: cpu.memory_available.max(1),
+        mem_bandwidth: 40e9,
+        flops: 50e9 * cpu.threads as f64,
+        watts: None,
+        host_link: None,
+    }];
+    for g in gpus {
+        devices.push(DeviceSpec {
+            name: format!("cuda{}", g.ordinal),
+            kind: DeviceKind::Cuda,
+            memory: g.memory_free.max(1),
+            mem_bandwidth: 900e9,
+            flops: 50e12,
+            watts: None,
+            host_link: Some(brigade_planner::cluster::DEFAULT_HOST_LINK),
+        });
+    }
+    Inventory {
+        nodes: vec![NodeSpec {
+            name: "local".into(),
+            devices,
+        }],
+        links: Vec::new(),
+    }
+}
+
+/// `-ngl auto`: the planner's latency-optimal placement on this box, with the bytes the runtime
+/// will allocate (f32 KV cache and dense weights) against free memory less the headroom.
+fn auto_place(
+    files: &ModelFiles,
+    n_ctx: usize,
+    headroom: f64,
+    gpus: &[CudaInfo],
+) -> Result<Placement> {
+    let inv = local_inventory(gpus);
+    let profile = files.device_profile(4, activation_dtype(DeviceId::Cuda(0)));
+    let policy = Policy {
+        ctx: n_ctx as u64,
+        headroom,
+        ..Policy::default()
+    };
+    let plan = brigade_planner::plan(&inv, &profile, &policy)
+        .context("-ngl auto: the planner found no placement")?;
+    let mut stages = Vec::new();
+    for s in &plan.stages {
+        stages.push(Stage {
+            device: s.device.parse()?,
+            layers: LayerRange::new(s.layers.0, s.layers.1)?,
+        });
+    }
+    let n_layers = files.config.n_layers;
+    let gpu: Vec<String> = plan
+        .stages
+        .iter()
+        .filter(|s| s.device != "cpu")
+        .map(|s| {
+            format!(
+                "{} layers {}–{} ({} of {} budget)",
+                s.device,
+                s.layers.0,
+                s.layers.1 - 1,
+                human_bytes(s.memory_bytes),
+                human_bytes(s.budget_bytes)
+            )
         })
-        .unwrap_or(0)
+        .collect();
+    let on_gpu: usize = plan
+        .stages
+        .iter()
+        .filter(|s| s.device != "cpu")
+        .map(|s| s.layers.1 - s.layers.0)
+        .sum();
+    let notice = format!(
+        "-ngl auto: {on_gpu} of {n_layers} layers on the GPU{}{} (free memory less {:.0}% headroom); predicted {:.1} tokens/s",
+        if gpu.is_empty() { "" } else { ": " },
+        gpu.join(", "),
+        headroom * 100.0,
+        plan.tokens_per_s
+    );
+    Ok(Placement {
+        stages,
+        notice: Some(notice),
+    })
 }
 
 fn no_cuda_reason() -> &'static str {
@@ -145,26 +226,7 @@ pub fn place(
                 no_cuda_reason()
             )),
         ),
-        GpuLayers::Auto => {
-            let g = &gpus[0];
-            let budget = (g.memory_free as f64 * (1.0 - headroom)) as u64;
-            let k = fit_gpu_layers(files, n_ctx, gpu, budget);
-            let bytes = LayerRange::new(n_layers - k.max(1), n_layers)
-                .map(|r| predict_slice_bytes(files, r, activation_dtype(gpu), n_ctx).total())
-                .unwrap_or(0);
-            (
-                k,
-                Some(format!(
-                    "-ngl auto: {k} of {n_layers} layers on {} ({}, {} predicted of {} budget = {} free - {:.0}% headroom)",
-                    gpu,
-                    g.name,
-                    human_bytes(if k == 0 { 0 } else { bytes }),
-                    human_bytes(budget),
-                    human_bytes(g.memory_free),
-                    headroom * 100.0
-                )),
-            )
-        }
+        GpuLayers::Auto => return auto_place(files, n_ctx, headroom, gpus),
     };
     let stages = DeviceMap::n_gpu_layers(n_layers, n_gpu, gpu)?.stages(n_layers)?;
     Ok(Placement { stages, notice })
@@ -191,6 +253,7 @@ pub fn human_bytes(b: u64) -> String {
 #[allow(clippy::unwrap_used)]
 mod tests {
     use super::*;
+    use brigade_model::predict_slice_bytes;
 
     fn fake_gpu(free: u64) -> Vec<CudaInfo> {
         vec![CudaInfo {
@@ -218,7 +281,42 @@ mod tests {
         );
         assert!(place(&files, Some(GpuLayers::N(1)), Some("cpu:5"), 64, 0.1, &[]).is_err());
         assert!(place(&files, None, Some("cpu:2,cuda0:3"), 64, 0.1, &[]).is_err());
-        // auto fits by predicted bytes: a budget of exactly k layers + head gives k
+        // room for everything: the whole model on the GPU
+        let p = place(
+            &files,
+            Some(GpuLayers::Auto),
+            None,
+            64,
+            0.1,
+            &fake_gpu(1 << 30),
+        )
+        .unwrap();
+        assert_eq!(p.stages.len(), 1);
+        assert_eq!(p.stages[0].device, DeviceId::Cuda(0));
+        // a model whose layers take real time: auto fills the GPU by predicted bytes; with room for
+        // k trailing layers and the head it takes at least k layers and never exceeds its budget
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("m.gguf");
+        let shape = brigade_model::synth::Shape {
+            layers: 4,
+            hidden: 512,
+            ffn: 1024,
+            heads: 8,
+            kv_heads: 8,
+            vocab: 512,
+            context: 256,
+            rope_theta: 1e4,
+        };
+        brigade_model::synth::write_gguf(
+            &path,
+            &shape,
+            brigade_model::synth::SynthType::F32,
+            1,
+            |_, _| {},
+        )
+        .unwrap();
+        let files = open_model(Some(&path)).unwrap();
+        let n = 4;
         let dt = activation_dtype(DeviceId::Cuda(0));
         for k in 1..=n {
             let need =
@@ -233,13 +331,20 @@ mod tests {
                 &fake_gpu(free),
             )
             .unwrap();
-            let on_gpu: usize = p
+            let gpu: Vec<&Stage> = p
                 .stages
                 .iter()
                 .filter(|s| s.device != DeviceId::Cpu)
-                .map(|s| s.layers.len())
-                .sum();
-            assert_eq!(on_gpu, k, "free {free}");
+                .collect();
+            let on_gpu: usize = gpu.iter().map(|s| s.layers.len()).sum();
+            assert!(on_gpu >= k, "free {free}: {on_gpu} < {k}: {:?}", p.stages);
+            for s in gpu {
+                assert!(
+                    predict_slice_bytes(&files, s.layers, dt, 64).total() as f64
+                        <= free as f64 * 0.9
+                );
+            }
+            assert!(p.notice.as_ref().unwrap().contains("-ngl auto"));
         }
         let p = place(
             &files,

@@ -4,6 +4,7 @@
 
 mod bench;
 mod common;
+mod plan;
 mod run;
 mod synth;
 
@@ -31,6 +32,8 @@ enum Cmd {
     Bench(bench::BenchArgs),
     /// Write a random-weight model of any Llama shape (GGUF or safetensors).
     Synth(synth::SynthArgs),
+    /// Place a model's layers on a cluster's devices (what-if; nothing is loaded).
+    Plan(plan::PlanArgs),
 }
 
 /// llama.cpp spells some options with one dash and several letters (`-ngl 8`); clap's short
@@ -98,6 +101,7 @@ fn main() {
         Cmd::Run(a) => run::run(a),
         Cmd::Bench(a) => bench::bench(a),
         Cmd::Synth(a) => synth::synth(a),
+        Cmd::Plan(a) => plan::run_plan(a),
     };
     if let Err(e) = result {
         eprintln!("error: {e:#}");

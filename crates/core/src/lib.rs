@@ -5,15 +5,22 @@
 //! - [`DeviceId`]: a compute device of one host (`cpu`, `cuda0`, …).
 //! - [`DeviceMap`]: consecutive layer ranges placed on devices in order (`cpu:10,cuda0:22`),
 //!   the single-box form of a placement.
+//! - [`Inventory`] ([`NodeSpec`], [`DeviceSpec`], [`LinkSpec`]): the devices of a cluster and the
+//!   links between its nodes, in base units.
+//! - [`ModelProfile`]: what placement needs to know of a model (bytes and flops per layer).
 //!
 //! This crate is pure on purpose: no async runtime, no I/O, no clock, no tensor library.
 //! The planner and the replicated cluster state build on it and stay testable exhaustively.
 
 mod device;
+mod inventory;
 mod layers;
+mod profile;
 
 pub use device::{DeviceId, DeviceKind};
+pub use inventory::{DeviceSpec, Inventory, Link, LinkSpec, NodeSpec};
 pub use layers::{DeviceMap, LayerRange, Stage};
+pub use profile::{bits_per_weight, LlamaShape, ModelProfile};
 
 /// Errors of the vocabulary types: all of them are about parsing or validating user input.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]

@@ -513,6 +513,72 @@ impl ModelFiles {
         m
     }
 
+    /// The planner's view of this model, from the tensor table alone: stored bytes and 2 × params
+    /// flops per layer, the head (the embedding when tied) and the embedding, and a KV cache of
+    /// `kv_elem_bytes` per element.
+    pub fn profile(&self, kv_elem_bytes: u64) -> brigade_core::ModelProfile {
+        self.profile_with(kv_elem_bytes, |t| t.n_bytes())
+    }
+
+    /// Like [`ModelFiles::profile`], with bytes as a device will hold them (`dtype` for float
+    /// tensors, see [`ModelFiles::device_bytes`]).
+    pub fn device_profile(&self, kv_elem_bytes: u64, dtype: DType) -> brigade_core::ModelProfile {
+        self.profile_with(kv_elem_bytes, |t| match t.ty {
+            StoredType::Ggml(d)
+                if !matches!(d, GgmlDType::F32 | GgmlDType::F16 | GgmlDType::BF16) =>
+            {
+                t.n_bytes()
+            }
+            _ => t.shape.iter().product::<usize>() as u64 * dtype.size_in_bytes() as u64,
+        })
+    }
+
+    fn profile_with(
+        &self,
+        kv_elem_bytes: u64,
+        bytes: impl Fn(&StoredTensor) -> u64,
+    ) -> brigade_core::ModelProfile {
+        let c = &self.config;
+        let mut layer_bytes = vec![0u64; c.n_layers];
+        let mut layer_flops = vec![0f64; c.n_layers];
+        for (name, t) in &self.tensors {
+            let Some(rest) = name.strip_prefix("blk.") else {
+                continue;
+            };
+            let Some(i) = rest.split('.').next().and_then(|i| i.parse::<usize>().ok()) else {
+                continue;
+            };
+            if i >= c.n_layers {
+                continue;
+            }
+            layer_bytes[i] += bytes(t);
+            if t.shape.len() == 2 {
+                layer_flops[i] += 2.0 * t.shape.iter().product::<usize>() as f64;
+            }
+        }
+        let get = |n: &str| self.tensors.get(n).map(&bytes).unwrap_or(0);
+        let embed = get("token_embd.weight");
+        let tied = !self.tensors.contains_key("output.weight");
+        let head = if tied { embed } else { get("output.weight") } + get("output_norm.weight");
+        brigade_core::ModelProfile {
+            name: self
+                .source
+                .rsplit('/')
+                .next()
+                .unwrap_or(&self.source)
+                .to_string(),
+            layer_bytes,
+            layer_flops,
+            head_bytes: head,
+            head_flops: 2.0 * (c.hidden * c.vocab) as f64,
+            embed_bytes: embed,
+            tied,
+            kv_bytes_per_token: c.kv_bytes_per_token_layer(kv_elem_bytes as usize),
+            hidden: c.hidden,
+            vocab: c.vocab,
+        }
+    }
+
     /// Total bytes of all tensors in the file(s).
     pub fn total_bytes(&self) -> u64 {
         self.tensors.values().map(StoredTensor::n_bytes).sum()

@@ -1,0 +1,162 @@
+//! `brigade plan`: where each layer range would go on a cluster, and why (no model is loaded:
+//! only its header is read).
+
+use anyhow::{bail, Context, Result};
+use brigade_core::{bits_per_weight, LlamaShape, ModelProfile};
+use brigade_model::ModelFiles;
+use brigade_planner::{parse_cluster, plan, plan_with_second, svg, Objective, PlanError, Policy};
+use clap::{Args, ValueEnum};
+use std::path::PathBuf;
+
+#[derive(Clone, Copy, Debug, ValueEnum)]
+pub enum KvType {
+    F16,
+    F32,
+}
+
+#[derive(Args, Debug)]
+pub struct PlanArgs {
+    /// Model file (GGUF or a Hugging Face directory): only its header is read.
+    #[arg(short = 'm', long = "model", conflicts_with_all = ["shape", "quant"])]
+    pub model: Option<PathBuf>,
+    /// A model shape instead of a file: llama-1b, llama-8b, llama-70b.
+    #[arg(long, requires = "quant")]
+    pub shape: Option<String>,
+    /// The shape's quantization: f16, q8_0, q6_k, q4_k, q4_0.
+    #[arg(long)]
+    pub quant: Option<String>,
+    /// The cluster file (TOML; see examples/clusters/).
+    #[arg(long)]
+    pub cluster: PathBuf,
+    #[arg(long, default_value = "latency")]
+    pub objective: Objective,
+    /// Context length in tokens.
+    #[arg(long, default_value_t = 4096)]
+    pub ctx: u64,
+    /// Concurrent sessions.
+    #[arg(long, default_value_t = 1)]
+    pub sessions: u64,
+    /// Share of each device's memory left free.
+    #[arg(long, default_value_t = 0.10)]
+    pub headroom: f64,
+    /// The node where requests arrive (default: the first node).
+    #[arg(long)]
+    pub driver: Option<String>,
+    /// Energy objective: allowed decode time as a multiple of the best latency.
+    #[arg(long, default_value_t = 1.5)]
+    pub slack: f64,
+    /// Cap on the average power while decoding, in watts.
+    #[arg(long = "max-watts")]
+    pub max_watts: Option<f64>,
+    /// KV cache element type.
+    #[arg(long = "kv-type", value_enum, default_value_t = KvType::F16)]
+    pub kv_type: KvType,
+    /// A second model kept whole on one device (file) …
+    #[arg(long = "also-model", conflicts_with = "also_shape")]
+    pub also_model: Option<PathBuf>,
+    /// … or by shape.
+    #[arg(long = "also-shape", requires = "also_quant")]
+    pub also_shape: Option<String>,
+    #[arg(long = "also-quant")]
+    pub also_quant: Option<String>,
+    /// Print JSON.
+    #[arg(long)]
+    pub json: bool,
+    /// Also write a picture of the plan.
+    #[arg(long)]
+    pub svg: Option<PathBuf>,
+}
+
+fn profile(
+    model: Option<&PathBuf>,
+    shape: Option<&String>,
+    quant: Option<&String>,
+    kv: u64,
+) -> Result<ModelProfile> {
+    match (model, shape, quant) {
+        (Some(p), _, _) => Ok(ModelFiles::open(p)
+            .with_context(|| format!("{} is not a model brigade can read", p.display()))?
+            .profile(kv)),
+        (None, Some(s), Some(q)) => {
+            let shape = LlamaShape::preset(s).with_context(|| {
+                format!("unknown shape `{s}` ({})", LlamaShape::PRESETS.join(", "))
+            })?;
+            let bits = bits_per_weight(q).with_context(|| {
+                format!("unknown quantization `{q}` (f16, q8_0, q6_k, q4_k, q4_0)")
+            })?;
+            Ok(ModelProfile::from_shape(
+                &format!("{s} {q}"),
+                &shape,
+                bits,
+                kv,
+            ))
+        }
+        _ => bail!("give a model: -m FILE, or --shape and --quant"),
+    }
+}
+
+pub fn run_plan(a: PlanArgs) -> Result<()> {
+    let kv = match a.kv_type {
+        KvType::F16 => 2,
+        KvType::F32 => 4,
+    };
+    let main = profile(a.model.as_ref(), a.shape.as_ref(), a.quant.as_ref(), kv)?;
+    let second = match (&a.also_model, &a.also_shape) {
+        (None, None) => None,
+        (m, s) => Some(profile(m.as_ref(), s.as_ref(), a.also_quant.as_ref(), kv)?),
+    };
+    let text = std::fs::read_to_string(&a.cluster)
+        .with_context(|| format!("cannot read {}", a.cluster.display()))?;
+    let inv = parse_cluster(&text).with_context(|| format!("in {}", a.cluster.display()))?;
+    let policy = Policy {
+        objective: a.objective,
+        ctx: a.ctx,
+        sessions: a.sessions,
+        headroom: a.headroom,
+        driver: a.driver.clone(),
+        slack: a.slack,
+        max_watts: a.max_watts,
+        reserved: Vec::new(),
+    };
+    let result = match &second {
+        None => plan(&inv, &main, &policy).map(|p| (p, None)),
+        Some(s) => plan_with_second(&inv, &main, s, &policy).map(|(p, q)| (p, Some(q))),
+    };
+    let (p, also) = match result {
+        Ok(r) => r,
+        Err(e) => {
+            if a.json {
+                let short = match &e {
+                    PlanError::Infeasible {
+                        shortfall_bytes, ..
+                    } => Some(*shortfall_bytes),
+                    _ => None,
+                };
+                println!(
+                    "{}",
+                    serde_json::json!({"error": e.to_string(), "shortfall_bytes": short})
+                );
+                std::process::exit(1);
+            }
+            return Err(e.into());
+        }
+    };
+    if let Some(path) = &a.svg {
+        std::fs::write(path, svg::render(&p))
+            .with_context(|| format!("cannot write {}", path.display()))?;
+    }
+    if a.json {
+        let mut v = serde_json::to_value(&p)?;
+        if let (Some(obj), Some(q)) = (v.as_object_mut(), &also) {
+            obj.insert("also_plan".into(), serde_json::to_value(q)?);
+        }
+        println!("{}", serde_json::to_string_pretty(&v)?);
+    } else {
+        print!("{}", p.to_text());
+        if let Some(q) = also {
+            println!();
+            print!("{}", q.to_text());
+        }
+    }
+    Ok(())
+}

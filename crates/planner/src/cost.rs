@@ -1,0 +1,372 @@
+//! The cost model, in one place: every number the planner optimises and reports comes from here
+//! (the brute-force oracle in the tests evaluates plans with the same functions).
+//!
+//! A stage is one device holding layers `[a, b)`. Per decoded token:
+//! - compute: `Σ_l max(w_l / mem_bandwidth, f_l / flops)`, plus the head on the last stage;
+//! - a hop between stages carries `hidden × 4` bytes: another node → `latency + bytes /
+//!   bandwidth` of the link; the same node → the CUDA device's host link (both for cuda→cuda);
+//! - the driver sends token ids to the first stage and receives the sampled id from the last:
+//!   the link's latency (0 on the same node);
+//! - decode latency `T = Σ stages + Σ hops + driver legs`; throughput with `S` sessions
+//!   `min(S / T, 1 / max(max stage, max hop))`;
+//! - prefill of `P` tokens: `P × f_l` compute (weights read once), `P × act` on hops, the head
+//!   once (only the last position's logits are computed);
+//! - memory: `Σ w_l + kv × layers × ctx × sessions` (+ embedding on the first stage, + head on
+//!   the last; a tied head shares the embedding's copy) `≤ (1 − headroom) × memory`.
+
+use crate::{PlanError, Policy};
+use brigade_core::{DeviceKind, Inventory, Link, ModelProfile};
+
+/// A device of the problem, flattened out of its node.
+#[derive(Debug, Clone)]
+pub struct Dev {
+    pub node: usize,
+    pub node_name: String,
+    pub name: String,
+    pub kind: DeviceKind,
+    pub memory: u64,
+    pub budget: u64,
+    pub bw: f64,
+    pub flops: f64,
+    pub watts: Option<f64>,
+    pub host_link: Option<Link>,
+}
+
+impl Dev {
+    pub fn label(&self) -> String {
+        format!("{}/{}", self.node_name, self.name)
+    }
+}
+
+/// A model on an inventory under a policy, with everything precomputed that the search reads.
+pub struct Problem<'a> {
+    pub profile: &'a ModelProfile,
+    pub inv: &'a Inventory,
+    pub devs: Vec<Dev>,
+    pub n_layers: usize,
+    pub driver: usize,
+    /// Decode seconds of layers `[0, l)` on each device.
+    pub layer_t: Vec<Vec<f64>>,
+    /// Decode seconds of the head on each device.
+    pub head_t: Vec<f64>,
+    w_prefix: Vec<u64>,
+    /// KV bytes one layer holds for `ctx × sessions` tokens.
+    pub kv_layer: u64,
+    /// Hop seconds per decoded token between two devices; `None` when they cannot be neighbours.
+    pub hop: Vec<Vec<Option<f64>>>,
+    pub drv_in: Vec<Option<f64>>,
+    pub drv_out: Vec<Option<f64>>,
+    pub ctx: u64,
+    pub sessions: u64,
+}
+
+/// The path between two devices; `None` when their nodes have no link.
+pub fn path(inv: &Inventory, a: &Dev, b: &Dev) -> Option<Vec<Link>> {
+    if a.node == b.node {
+        let hosts: Vec<Link> = [a, b]
+            .iter()
+            .filter_map(|d| {
+                if d.kind == DeviceKind::Cuda {
+                    d.host_link
+                } else {
+                    None
+                }
+            })
+            .collect();
+        Some(hosts)
+    } else {
+        inv.link(&a.node_name, &b.node_name).map(|l| vec![l])
+    }
+}
+
+fn path_time(links: &[Link], bytes: f64) -> f64 {
+    links.iter().map(|l| l.time(bytes)).sum()
+}
+
+impl<'a> Problem<'a> {
+    pub fn new(
+        inv: &'a Inventory,
+        profile: &'a ModelProfile,
+        policy: &Policy,
+        ctx: u64,
+    ) -> Result<Self, PlanError> {
+        let n_layers = profile.n_layers();
+        if n_layers == 0 || profile.layer_flops.len() != n_layers {
+            return Err(PlanError::BadModel(format!(
+                "{} layer sizes and {} layer flop counts",
+                n_layers,
+                profile.layer_flops.len()
+            )));
+        }
+        let mut devs = Vec::new();
+        for (ni, n) in inv.nodes.iter().enumerate() {
+            for d in &n.devices {
+                let reserved: u64 = policy
+                    .reserved
+                    .iter()
+                    .filter(|r| r.node == n.name && r.device == d.name)
+                    .map(|r| r.bytes)
+                    .sum();
+                devs.push(Dev {
+                    node: ni,
+                    node_name: n.name.clone(),
+                    name: d.name.clone(),
+                    kind: d.kind,
+                    memory: d.memory,
+                    budget: (((1.0 - policy.headroom) * d.memory as f64).floor() as u64)
+                        .saturating_sub(reserved),
+                    bw: d.mem_bandwidth,
+                    flops: d.flops,
+                    watts: d.watts,
+                    host_link: d.host_link,
+                });
+            }
+        }
+        if devs.is_empty() {
+            return Err(PlanError::BadCluster("the cluster has no devices".into()));
+        }
+        let driver = match &policy.driver {
+            None => 0,
+            Some(name) => inv
+                .node_index(name)
+                .ok_or_else(|| PlanError::UnknownDriver(name.clone()))?,
+        };
+        let stage_time = |bytes: f64, flops: f64, d: &Dev| (bytes / d.bw).max(flops / d.flops);
+        let layer_t = devs
+            .iter()
+            .map(|d| {
+                let mut p = Vec::with_capacity(n_layers + 1);
+                p.push(0.0);
+                for l in 0..n_layers {
+                    let t = stage_time(profile.layer_bytes[l] as f64, profile.layer_flops[l], d);
+                    p.push(p[l] + t);
+                }
+                p
+            })
+            .collect();
+        let head_t = devs
+            .iter()
+            .map(|d| stage_time(profile.head_bytes as f64, profile.head_flops, d))
+            .collect();
+        let mut w_prefix = vec![0u64; n_layers + 1];
+        for l in 0..n_layers {
+            w_prefix[l + 1] = w_prefix[l] + profile.layer_bytes[l];
+        }
+        let act = profile.act_bytes() as f64;
+        let hop = devs
+            .iter()
+            .enumerate()
+            .map(|(i, a)| {
+                devs.iter()
+                    .enumerate()
+                    .map(|(j, b)| {
+                        if i == j {
+                            None
+                        } else {
+                            path(inv, a, b).map(|p| path_time(&p, act))
+                        }
+                    })
+                    .collect()
+            })
+            .collect();
+        let drv_node = &inv.nodes[driver].name;
+        let leg = |d: &Dev| -> Option<f64> {
+            if d.node == driver {
+                Some(0.0)
+            } else {
+                inv.link(drv_node, &d.node_name).map(|l| l.latency)
+            }
+        };
+        let drv_in = devs.iter().map(leg).collect();
+        let drv_out = devs.iter().map(leg).collect();
+        Ok(Problem {
+            profile,
+            inv,
+            n_layers,
+            driver,
+            layer_t,
+            head_t,
+            w_prefix,
+            kv_layer: profile
+                .kv_bytes_per_token
+                .saturating_mul(ctx)
+                .saturating_mul(policy.sessions),
+            hop,
+            drv_in,
+            drv_out,
+            ctx,
+            sessions: policy.sessions,
+            devs,
+        })
+    }
+
+    /// Bytes a stage `[a, b)` holds: weights, KV cache, embedding if first, head if last.
+    pub fn stage_mem(&self, a: usize, b: usize) -> StageMem {
+        let l = self.n_layers;
+        let p = self.profile;
+        let weights = self.w_prefix[b] - self.w_prefix[a];
+        let mut extra = 0;
+        if a == 0 {
+            extra += p.embed_bytes;
+        }
+        if b == l {
+            extra += p.head_bytes;
+            if a == 0 && p.tied {
+                extra -= p.embed_bytes.min(p.head_bytes);
+            }
+        }
+        StageMem {
+            weights: weights + extra,
+            kv: self.kv_layer.saturating_mul((b - a) as u64),
+        }
+    }
+
+    pub fn fits(&self, d: usize, a: usize, b: usize) -> bool {
+        self.stage_mem(a, b).total() <= self.devs[d].budget
+    }
+
+    /// Decode seconds per token of stage `[a, b)` on device `d`.
+    pub fn stage_time(&self, d: usize, a: usize, b: usize) -> f64 {
+        self.layer_t[d][b] - self.layer_t[d][a]
+            + if b == self.n_layers {
+                self.head_t[d]
+            } else {
+                0.0
+            }
+    }
+
+    /// Prefill seconds of `p` tokens for stage `[a, b)` on device `d`.
+    pub fn stage_prefill(&self, d: usize, a: usize, b: usize, p: f64) -> f64 {
+        let dev = &self.devs[d];
+        let prof = self.profile;
+        let mut t: f64 = (a..b)
+            .map(|l| (prof.layer_bytes[l] as f64 / dev.bw).max(p * prof.layer_flops[l] / dev.flops))
+            .sum();
+        if b == self.n_layers {
+            t += self.head_t[d];
+        }
+        t
+    }
+
+    /// Hop seconds for `bytes` between two devices (prefill moves `P × act`).
+    pub fn hop_bytes(&self, i: usize, j: usize, bytes: f64) -> Option<f64> {
+        path(self.inv, &self.devs[i], &self.devs[j]).map(|p| path_time(&p, bytes))
+    }
+
+    /// Driver leg seconds for `bytes` to or from device `d`.
+    pub fn driver_leg(&self, d: usize, bytes: f64) -> Option<f64> {
+        let dev = &self.devs[d];
+        if dev.node == self.driver {
+            Some(0.0)
+        } else {
+            self.inv
+                .link(&self.inv.nodes[self.driver].name, &dev.node_name)
+                .map(|l| l.time(bytes))
+        }
+    }
+
+    /// Seconds to move one token's hidden state between the driver's node and device `d`.
+    pub fn hop_bytes_from_driver(&self, d: usize) -> Option<f64> {
+        self.driver_leg(d, self.profile.act_bytes() as f64)
+    }
+
+    /// Evaluates a complete assignment (stages in pipeline order, covering `[0, L)`).
+    pub fn evaluate(&self, stages: &[(usize, usize, usize)]) -> Option<Metrics> {
+        let (first, last) = (stages.first()?, stages.last()?);
+        if first.1 != 0 || last.2 != self.n_layers {
+            return None;
+        }
+        let mut stage_t = Vec::with_capacity(stages.len());
+        let mut energy = 0.0;
+        let mut has_watts = true;
+        for (i, &(d, a, b)) in stages.iter().enumerate() {
+            if a >= b || (i > 0 && stages[i - 1].2 != a) || !self.fits(d, a, b) {
+                return None;
+            }
+            let t = self.stage_time(d, a, b);
+            match self.devs[d].watts {
+                Some(w) => energy += w * t,
+                None => has_watts = false,
+            }
+            stage_t.push(t);
+        }
+        let mut hops = Vec::with_capacity(stages.len().saturating_sub(1));
+        for w in stages.windows(2) {
+            if w[0].0 == w[1].0 {
+                return None;
+            }
+            hops.push(self.hop[w[0].0][w[1].0]?);
+        }
+        let d_in = self.drv_in[first.0]?;
+        let d_out = self.drv_out[last.0]?;
+        let total = d_in + d_out + stage_t.iter().sum::<f64>() + hops.iter().sum::<f64>();
+        let bottleneck = stage_t
+            .iter()
+            .chain(hops.iter())
+            .fold(0.0f64, |m, &x| m.max(x));
+        let throughput = (self.sessions as f64 / total).min(1.0 / bottleneck);
+        Some(Metrics {
+            decode_s: total,
+            stage_s: stage_t,
+            hop_s: hops,
+            driver_in_s: d_in,
+            driver_out_s: d_out,
+            bottleneck_s: bottleneck,
+            throughput,
+            energy_j: has_watts.then_some(energy),
+        })
+    }
+
+    /// Prefill seconds of `p` tokens for an assignment.
+    pub fn prefill(&self, stages: &[(usize, usize, usize)], p: usize) -> Option<f64> {
+        let pf = p as f64;
+        let act = self.profile.act_bytes() as f64 * pf;
+        let mut t = self.driver_leg(stages.first()?.0, 4.0 * pf)?
+            + self.driver_leg(stages.last()?.0, 4.0)?;
+        for &(d, a, b) in stages {
+            t += self.stage_prefill(d, a, b, pf);
+        }
+        for w in stages.windows(2) {
+            t += self.hop_bytes(w[0].0, w[1].0, act)?;
+        }
+        Some(t)
+    }
+
+    /// Every device's bytes in one place for the whole model (for "does not fit by" lines).
+    pub fn whole_model_mem(&self) -> StageMem {
+        self.stage_mem(0, self.n_layers)
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct StageMem {
+    pub weights: u64,
+    pub kv: u64,
+}
+
+impl StageMem {
+    pub fn total(&self) -> u64 {
+        self.weights + self.kv
+    }
+}
+
+/// The predicted numbers of an assignment.
+#[derive(Debug, Clone)]
+pub struct Metrics {
+    pub decode_s: f64,
+    pub stage_s: Vec<f64>,
+    pub hop_s: Vec<f64>,
+    pub driver_in_s: f64,
+    pub driver_out_s: f64,
+    pub bottleneck_s: f64,
+    pub throughput: f64,
+    /// Joules per token, when every used device has watts.
+    pub energy_j: Option<f64>,
+}
+
+impl Metrics {
+    /// Average power while decoding (J per token ÷ seconds per token).
+    pub fn avg_watts(&self) -> Option<f64> {
+        self.energy_j.map(|e| e / self.decode_s)
+    }
+}

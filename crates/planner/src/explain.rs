@@ -1,0 +1,593 @@
+//! The plan as the user sees it: stages with predicted memory and time, hops, the bottleneck, a
+//! reason for every stage, and the alternatives rejected with their numbers; and its text form.
+
+use crate::cost::{Metrics, Problem};
+use crate::dp;
+use crate::search::{self, Solution};
+use crate::{Inventory, ModelProfile, Objective, PlanError, Policy, Reservation};
+use brigade_core::DeviceKind;
+use serde::Serialize;
+
+#[derive(Debug, Clone, Serialize)]
+pub struct StagePlan {
+    pub node: String,
+    pub device: String,
+    pub kind: DeviceKind,
+    pub layers: (usize, usize),
+    pub weight_bytes: u64,
+    pub kv_bytes: u64,
+    pub memory_bytes: u64,
+    pub budget_bytes: u64,
+    pub compute_ms: f64,
+    pub prefill_ms_512: f64,
+    pub reason: String,
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct HopPlan {
+    pub from: String,
+    pub to: String,
+    pub ms: f64,
+    pub prefill_ms_512: f64,
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct Rejected {
+    pub alternative: String,
+    pub reason: String,
+    pub tokens_per_s: Option<f64>,
+    pub shortfall_bytes: Option<u64>,
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct Plan {
+    pub model: String,
+    pub objective: Objective,
+    pub ctx: u64,
+    pub sessions: u64,
+    pub headroom: f64,
+    pub driver: String,
+    /// The optimum of the cost model (false: chosen by the heuristic for large clusters).
+    pub exact: bool,
+    pub stages: Vec<StagePlan>,
+    /// Between consecutive stages, then the driver's legs (`driver → first`, `last → driver`).
+    pub hops: Vec<HopPlan>,
+    pub decode_ms_per_token: f64,
+    /// One session's decode rate.
+    pub tokens_per_s: f64,
+    /// All sessions together.
+    pub throughput_tokens_per_s: f64,
+    pub prefill_ms_512: f64,
+    pub prefill_tokens_per_s: f64,
+    pub energy_j_per_token: Option<f64>,
+    pub avg_watts: Option<f64>,
+    pub bottleneck: String,
+    pub rejected: Vec<Rejected>,
+    pub reserved: Vec<Reservation>,
+}
+
+fn ms(s: f64) -> f64 {
+    s * 1e3
+}
+
+/// Bytes in the largest binary unit that keeps the number at or above 1.
+pub fn human(b: u64) -> String {
+    let f = b as f64;
+    const K: f64 = 1024.0;
+    if f >= K * K * K {
+        format!("{:.2} GiB", f / (K * K * K))
+    } else if f >= K * K {
+        format!("{:.1} MiB", f / (K * K))
+    } else if f >= K {
+        format!("{:.1} KiB", f / K)
+    } else {
+        format!("{b} B")
+    }
+}
+
+fn check_watts(p: &Problem, policy: &Policy) -> Result<(), PlanError> {
+    if policy.objective == Objective::Energy || policy.max_watts.is_some() {
+        let missing: Vec<String> = p
+            .devs
+            .iter()
+            .filter(|d| d.watts.is_none())
+            .map(|d| d.label())
+            .collect();
+        if !missing.is_empty() {
+            return Err(PlanError::MissingWatts(missing.join(", ")));
+        }
+    }
+    Ok(())
+}
+
+/// Why nothing fits: the whole model against all the memory there is.
+fn infeasible(p: &Problem, what: &str) -> PlanError {
+    let need = p.whole_model_mem().total();
+    let have: u64 = p.devs.iter().map(|d| d.budget).sum();
+    let biggest_layer = (0..p.n_layers)
+        .map(|l| p.stage_mem(l, l + 1).total())
+        .max()
+        .unwrap_or(0);
+    let roomiest = p.devs.iter().map(|d| d.budget).max().unwrap_or(0);
+    if need > have {
+        PlanError::Infeasible {
+            shortfall_bytes: need - have,
+            detail: format!("{what} needs {} (weights + KV cache for {} tokens × {} sessions), all devices together have {} after headroom", human(need), p.ctx, p.sessions, human(have)),
+        }
+    } else if biggest_layer > roomiest {
+        PlanError::Infeasible {
+            shortfall_bytes: biggest_layer - roomiest,
+            detail: format!(
+                "one layer with its KV cache needs {}, the roomiest device has {}",
+                human(biggest_layer),
+                human(roomiest)
+            ),
+        }
+    } else {
+        PlanError::Infeasible {
+            shortfall_bytes: 0,
+            detail: format!("{what} fits in total memory ({} of {}), but no chain of linked devices reachable from the driver holds it", human(need), human(have)),
+        }
+    }
+}
+
+pub fn plan(inv: &Inventory, profile: &ModelProfile, policy: &Policy) -> Result<Plan, PlanError> {
+    policy.validate()?;
+    let mut policy = policy.clone();
+    if policy.objective == Objective::MaxContext {
+        let build = |ctx: u64| Problem::new(inv, profile, &policy, ctx);
+        match search::max_context(&build, &policy)? {
+            Some(ctx) => policy.ctx = ctx,
+            None => {
+                return Err(infeasible(
+                    &Problem::new(inv, profile, &policy, 1)?,
+                    &profile.name,
+                ))
+            }
+        }
+    }
+    let p = Problem::new(inv, profile, &policy, policy.ctx)?;
+    check_watts(&p, &policy)?;
+    let sol = search::solve(&p, &policy, policy.objective).ok_or_else(|| {
+        if policy.max_watts.is_some()
+            && search::solve(
+                &p,
+                &Policy {
+                    max_watts: None,
+                    ..policy.clone()
+                },
+                Objective::Latency,
+            )
+            .is_some()
+        {
+            PlanError::BadValue {
+                what: "--max-watts".into(),
+                value: format!("{}", policy.max_watts.unwrap_or(0.0)),
+                why: "is below the average power of every placement that fits".into(),
+            }
+        } else {
+            infeasible(&p, &profile.name)
+        }
+    })?;
+    Ok(build(&p, &policy, &sol))
+}
+
+pub fn plan_with_second(
+    inv: &Inventory,
+    main: &ModelProfile,
+    second: &ModelProfile,
+    policy: &Policy,
+) -> Result<(Plan, Plan), PlanError> {
+    policy.validate()?;
+    let p2 = Problem::new(inv, second, policy, policy.ctx)?;
+    // the device where the second model alone decodes fastest
+    let best = (0..p2.devs.len())
+        .filter_map(|d| p2.evaluate(&[(d, 0, p2.n_layers)]).map(|m| (d, m)))
+        .min_by(|a, b| a.1.decode_s.total_cmp(&b.1.decode_s).then(a.0.cmp(&b.0)));
+    let Some((d, m)) = best else {
+        return Err(match infeasible(&p2, &second.name) {
+            PlanError::Infeasible {
+                shortfall_bytes,
+                detail,
+            } => PlanError::Infeasible {
+                shortfall_bytes,
+                detail: format!("the second model must fit whole on one device: {detail}"),
+            },
+            e => e,
+        });
+    };
+    let sol2 = Solution {
+        stages: vec![(d, 0, p2.n_layers)],
+        metrics: m,
+        ctx: policy.ctx,
+        exact: true,
+        latency_bound_s: None,
+    };
+    let mut second_policy = policy.clone();
+    second_policy.objective = Objective::Latency;
+    let plan2 = build(&p2, &second_policy, &sol2);
+    let dev = &p2.devs[d];
+    let mut policy1 = policy.clone();
+    policy1.reserved.push(Reservation {
+        node: dev.node_name.clone(),
+        device: dev.name.clone(),
+        bytes: p2.stage_mem(0, p2.n_layers).total(),
+        by: second.name.clone(),
+    });
+    let plan1 = plan(inv, main, &policy1)?;
+    Ok((plan1, plan2))
+}
+
+fn stage_label(p: &Problem, d: usize, a: usize, b: usize) -> String {
+    format!("{} (layers {a}–{})", p.devs[d].label(), b - 1)
+}
+
+fn build(p: &Problem, policy: &Policy, sol: &Solution) -> Plan {
+    let m = &sol.metrics;
+    let l = p.n_layers;
+    let per_layer: Vec<f64> = sol
+        .stages
+        .iter()
+        .map(|&(d, a, b)| (p.layer_t[d][b] - p.layer_t[d][a]) / (b - a) as f64)
+        .collect();
+    let fastest = per_layer.iter().cloned().fold(f64::INFINITY, f64::min);
+    let driver_node = p.inv.nodes[p.driver].name.clone();
+    let stages: Vec<StagePlan> = sol
+        .stages
+        .iter()
+        .enumerate()
+        .map(|(i, &(d, a, b))| {
+            let dev = &p.devs[d];
+            let mem = p.stage_mem(a, b);
+            let mut why = vec![format!(
+                "{} layer{} at {:.3} ms each",
+                b - a,
+                if b - a == 1 { "" } else { "s" },
+                ms(per_layer[i])
+            )];
+            if sol.stages.len() > 1 && per_layer[i] <= fastest {
+                why.push("the fastest device used".into());
+            }
+            // full: the range cannot grow by one layer at either end
+            let full = (b < l && !p.fits(d, a, b + 1)) || (a > 0 && !p.fits(d, a - 1, b));
+            let pct = 100.0 * mem.total() as f64 / dev.budget.max(1) as f64;
+            if full {
+                why.push(format!(
+                    "{pct:.0}% of its budget: one more layer would not fit"
+                ));
+            } else {
+                why.push(format!("{pct:.0}% of its budget"));
+            }
+            if a == 0 {
+                why.push("holds the embedding".into());
+            }
+            if b == l {
+                why.push("holds the norm and head".into());
+            }
+            if dev.node != p.driver {
+                if let Some(link) = p.inv.link(&driver_node, &dev.node_name) {
+                    why.push(format!("{:.3} ms from the driver", ms(link.latency)));
+                }
+            }
+            StagePlan {
+                node: dev.node_name.clone(),
+                device: dev.name.clone(),
+                kind: dev.kind,
+                layers: (a, b),
+                weight_bytes: mem.weights,
+                kv_bytes: mem.kv,
+                memory_bytes: mem.total(),
+                budget_bytes: dev.budget,
+                compute_ms: ms(m.stage_s[i]),
+                prefill_ms_512: ms(p.stage_prefill(d, a, b, 512.0)),
+                reason: why.join("; "),
+            }
+        })
+        .collect();
+    let mut hops = Vec::new();
+    let act512 = p.profile.act_bytes() as f64 * 512.0;
+    for (i, w) in sol.stages.windows(2).enumerate() {
+        hops.push(HopPlan {
+            from: p.devs[w[0].0].label(),
+            to: p.devs[w[1].0].label(),
+            ms: ms(m.hop_s[i]),
+            prefill_ms_512: ms(p.hop_bytes(w[0].0, w[1].0, act512).unwrap_or(f64::NAN)),
+        });
+    }
+    let (first, last) = (sol.stages[0].0, sol.stages[sol.stages.len() - 1].0);
+    hops.push(HopPlan {
+        from: format!("driver {driver_node}"),
+        to: p.devs[first].label(),
+        ms: ms(m.driver_in_s),
+        prefill_ms_512: ms(p.driver_leg(first, 4.0 * 512.0).unwrap_or(f64::NAN)),
+    });
+    hops.push(HopPlan {
+        from: p.devs[last].label(),
+        to: format!("driver {driver_node}"),
+        ms: ms(m.driver_out_s),
+        prefill_ms_512: ms(p.driver_leg(last, 4.0).unwrap_or(f64::NAN)),
+    });
+    let prefill = p.prefill(&sol.stages, 512).unwrap_or(f64::NAN);
+    Plan {
+        model: p.profile.name.clone(),
+        objective: policy.objective,
+        ctx: sol.ctx,
+        sessions: policy.sessions,
+        headroom: policy.headroom,
+        driver: driver_node,
+        exact: sol.exact,
+        bottleneck: bottleneck(p, sol, policy.objective),
+        rejected: rejected(p, policy, sol),
+        stages,
+        hops,
+        decode_ms_per_token: ms(m.decode_s),
+        tokens_per_s: 1.0 / m.decode_s,
+        throughput_tokens_per_s: m.throughput,
+        prefill_ms_512: ms(prefill),
+        prefill_tokens_per_s: 512.0 / prefill,
+        energy_j_per_token: m.energy_j,
+        avg_watts: m.avg_watts(),
+        reserved: policy.reserved.clone(),
+    }
+}
+
+fn bottleneck(p: &Problem, sol: &Solution, obj: Objective) -> String {
+    let m = &sol.metrics;
+    let mut parts: Vec<(f64, String)> = sol
+        .stages
+        .iter()
+        .zip(&m.stage_s)
+        .map(|(&(d, a, b), &t)| (t, format!("stage {}", stage_label(p, d, a, b))))
+        .collect();
+    for (w, &t) in sol.stages.windows(2).zip(&m.hop_s) {
+        parts.push((
+            t,
+            format!(
+                "hop {} → {}",
+                p.devs[w[0].0].label(),
+                p.devs[w[1].0].label()
+            ),
+        ));
+    }
+    let Some((t, what)) = parts.into_iter().max_by(|a, b| a.0.total_cmp(&b.0)) else {
+        return String::new();
+    };
+    if obj == Objective::Throughput {
+        format!(
+            "{what}: {:.3} ms per token caps the pipeline at {:.1} tokens/s",
+            ms(t),
+            1.0 / t
+        )
+    } else {
+        format!(
+            "{what}: {:.3} ms of {:.3} ms per token ({:.0}%)",
+            ms(t),
+            ms(m.decode_s),
+            100.0 * t / m.decode_s
+        )
+    }
+}
+
+fn rate(obj: Objective, m: &Metrics) -> f64 {
+    if obj == Objective::Throughput {
+        m.throughput
+    } else {
+        1.0 / m.decode_s
+    }
+}
+
+/// Single-device placements and the driver's node alone, with why each lost.
+fn rejected(p: &Problem, policy: &Policy, sol: &Solution) -> Vec<Rejected> {
+    let l = p.n_layers;
+    let chosen = search::objective_value(policy.objective, &sol.metrics);
+    let mut out: Vec<(f64, Rejected)> = Vec::new();
+    let mut consider: Vec<usize> = (0..p.devs.len()).collect();
+    // on large clusters, the driver's devices and the fastest few
+    if consider.len() > 8 {
+        consider.sort_by(|&a, &b| p.layer_t[a][l].total_cmp(&p.layer_t[b][l]).then(a.cmp(&b)));
+        let mut keep: Vec<usize> = consider
+            .iter()
+            .copied()
+            .filter(|&d| p.devs[d].node == p.driver)
+            .collect();
+        keep.extend(
+            consider
+                .iter()
+                .copied()
+                .filter(|&d| p.devs[d].node != p.driver)
+                .take(3),
+        );
+        consider = keep;
+    }
+    let whole = p.whole_model_mem().total();
+    for d in consider {
+        let stages = [(d, 0, l)];
+        if sol.stages.as_slice() == stages {
+            continue;
+        }
+        let name = format!("all on {}", p.devs[d].label());
+        match p.evaluate(&stages) {
+            Some(m) => {
+                let why = match policy.objective {
+                    Objective::Energy => format!("{:.3} J/token", m.energy_j.unwrap_or(f64::NAN)),
+                    _ => format!("{:.2} tokens/s", rate(policy.objective, &m)),
+                };
+                let v = search::objective_value(policy.objective, &m);
+                if v >= chosen || policy.max_watts.is_some() {
+                    let why = match m.avg_watts() {
+                        Some(w) if policy.max_watts.is_some_and(|c| w > c) => {
+                            format!("{why}, draws {w:.0} W")
+                        }
+                        _ => why,
+                    };
+                    out.push((
+                        v,
+                        Rejected {
+                            alternative: name,
+                            reason: why,
+                            tokens_per_s: Some(rate(policy.objective, &m)),
+                            shortfall_bytes: None,
+                        },
+                    ));
+                }
+            }
+            None if whole > p.devs[d].budget => {
+                let short = whole - p.devs[d].budget;
+                out.push((
+                    f64::INFINITY,
+                    Rejected {
+                        alternative: name,
+                        reason: format!("does not fit by {}", human(short)),
+                        tokens_per_s: None,
+                        shortfall_bytes: Some(short),
+                    },
+                ));
+            }
+            None => {}
+        }
+    }
+    let driver_devs: Vec<usize> = (0..p.devs.len())
+        .filter(|&d| p.devs[d].node == p.driver)
+        .collect();
+    let uses_others = sol.stages.iter().any(|s| p.devs[s.0].node != p.driver);
+    if uses_others && driver_devs.len() > 1 && driver_devs.len() <= dp::MAX_SUBSET {
+        let name = format!("only {}'s devices", p.inv.nodes[p.driver].name);
+        match dp::min_latency(p, &driver_devs, None).and_then(|(_, s)| p.evaluate(&s)) {
+            Some(m) => out.push((
+                search::objective_value(policy.objective, &m),
+                Rejected {
+                    alternative: name,
+                    reason: format!("{:.2} tokens/s", rate(policy.objective, &m)),
+                    tokens_per_s: Some(rate(policy.objective, &m)),
+                    shortfall_bytes: None,
+                },
+            )),
+            None => {
+                let have: u64 = driver_devs.iter().map(|&d| p.devs[d].budget).sum();
+                let short = whole.saturating_sub(have);
+                out.push((
+                    f64::INFINITY,
+                    Rejected {
+                        alternative: name,
+                        reason: format!("does not fit by {}", human(short)),
+                        tokens_per_s: None,
+                        shortfall_bytes: Some(short),
+                    },
+                ));
+            }
+        }
+    }
+    out.sort_by(|a, b| {
+        a.0.total_cmp(&b.0)
+            .then(a.1.alternative.cmp(&b.1.alternative))
+    });
+    out.into_iter().map(|(_, r)| r).take(6).collect()
+}
+
+impl Plan {
+    /// The plan as text: the stage table, hops, predictions, bottleneck, reasons, alternatives.
+    pub fn to_text(&self) -> String {
+        let mut s = String::new();
+        let w = |s: &mut String, line: String| {
+            s.push_str(&line);
+            s.push('\n');
+        };
+        w(
+            &mut s,
+            format!(
+                "plan for {} — objective {}, ctx {}, {} session{}, headroom {:.0}%, driver {}{}",
+                self.model,
+                self.objective,
+                self.ctx,
+                self.sessions,
+                if self.sessions == 1 { "" } else { "s" },
+                self.headroom * 100.0,
+                self.driver,
+                if self.exact {
+                    ""
+                } else {
+                    " (heuristic device choice)"
+                }
+            ),
+        );
+        for r in &self.reserved {
+            w(
+                &mut s,
+                format!(
+                    "reserved: {} on {}/{} for {}",
+                    human(r.bytes),
+                    r.node,
+                    r.device,
+                    r.by
+                ),
+            );
+        }
+        w(
+            &mut s,
+            format!(
+                "{:>2}  {:<22} {:>9}  {:>10}  {:>10}  {:>23}  {:>9}",
+                "#", "device", "layers", "weights", "KV cache", "memory / budget", "ms/token"
+            ),
+        );
+        for (i, st) in self.stages.iter().enumerate() {
+            w(
+                &mut s,
+                format!(
+                    "{:>2}  {:<22} {:>9}  {:>10}  {:>10}  {:>23}  {:>9.3}",
+                    i + 1,
+                    format!("{}/{}", st.node, st.device),
+                    format!("{}–{}", st.layers.0, st.layers.1 - 1),
+                    human(st.weight_bytes),
+                    human(st.kv_bytes),
+                    format!("{} / {}", human(st.memory_bytes), human(st.budget_bytes)),
+                    st.compute_ms
+                ),
+            );
+        }
+        let hops: Vec<String> = self
+            .hops
+            .iter()
+            .map(|h| format!("{} → {} {:.3} ms", h.from, h.to, h.ms))
+            .collect();
+        w(&mut s, format!("hops: {}", hops.join("; ")));
+        w(
+            &mut s,
+            format!(
+                "decode: {:.3} ms/token = {:.2} tokens/s per session, {:.2} tokens/s for {} session{}",
+                self.decode_ms_per_token,
+                self.tokens_per_s,
+                self.throughput_tokens_per_s,
+                self.sessions,
+                if self.sessions == 1 { "" } else { "s" }
+            ),
+        );
+        w(
+            &mut s,
+            format!(
+                "prefill: 512 tokens in {:.1} ms = {:.1} tokens/s",
+                self.prefill_ms_512, self.prefill_tokens_per_s
+            ),
+        );
+        if let (Some(e), Some(wt)) = (self.energy_j_per_token, self.avg_watts) {
+            w(
+                &mut s,
+                format!("energy: {e:.3} J/token, {wt:.0} W average while decoding"),
+            );
+        }
+        w(&mut s, format!("bottleneck: {}", self.bottleneck));
+        w(&mut s, "why:".into());
+        for (i, st) in self.stages.iter().enumerate() {
+            w(
+                &mut s,
+                format!("  {} {}/{}: {}", i + 1, st.node, st.device, st.reason),
+            );
+        }
+        if !self.rejected.is_empty() {
+            w(&mut s, "rejected:".into());
+            for r in &self.rejected {
+                w(&mut s, format!("  {}: {}", r.alternative, r.reason));
+            }
+        }
+        s
+    }
+}

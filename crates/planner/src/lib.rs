@@ -1,0 +1,188 @@
+//! brigade's placement planner: which contiguous layer ranges go on which devices, and why.
+//!
+//! `plan(&Inventory, &ModelProfile, &Policy) -> Result<Plan, PlanError>` is pure: it never
+//! queries a device or reads a file (the caller parses cluster files with [`parse_cluster`] and
+//! reads model headers elsewhere). The result is optimal for the cost model in [`cost`] (exact up
+//! to [`search::EXACT_MAX`] devices, a measured heuristic beyond), with a predicted memory and
+//! time for every stage and hop, the bottleneck, a reason per stage, and the alternatives it
+//! rejected, with numbers.
+//!
+//! # Layout
+//! - [`units`], [`cluster`]: cluster files in human units → [`Inventory`].
+//! - [`cost`]: the cost model ([`cost::Problem`]); the only place numbers come from.
+//! - [`dp`]: the exact dynamic programs over (devices used, last device, layers placed).
+//! - [`search`]: objectives on top of the programs; the heuristic for large clusters.
+//! - [`explain`]: the [`Plan`] with reasons and rejected alternatives; text rendering.
+//! - [`svg`]: a picture of a plan.
+//!
+//! Deliberately absent: tokio, tonic, candle, raft (a test checks `cargo tree`).
+
+pub mod cluster;
+pub mod cost;
+pub mod dp;
+pub mod explain;
+pub mod search;
+pub mod svg;
+pub mod units;
+
+pub use brigade_core::{Inventory, ModelProfile};
+pub use cluster::parse_cluster;
+pub use explain::{HopPlan, Plan, Rejected, StagePlan};
+
+use serde::{Deserialize, Serialize};
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum Objective {
+    /// One stream: minimum seconds per token.
+    Latency,
+    /// Many streams: maximum tokens per second over all sessions.
+    Throughput,
+    /// The largest context that fits, planned for latency.
+    MaxContext,
+    /// Minimum joules per token within `slack` × the best latency.
+    Energy,
+}
+
+impl std::str::FromStr for Objective {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "latency" => Ok(Objective::Latency),
+            "throughput" => Ok(Objective::Throughput),
+            "max-context" => Ok(Objective::MaxContext),
+            "energy" => Ok(Objective::Energy),
+            o => Err(format!(
+                "unknown objective `{o}` (latency, throughput, max-context, energy)"
+            )),
+        }
+    }
+}
+
+impl std::fmt::Display for Objective {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Objective::Latency => "latency",
+            Objective::Throughput => "throughput",
+            Objective::MaxContext => "max-context",
+            Objective::Energy => "energy",
+        })
+    }
+}
+
+/// Memory another model already holds on a device (`--also-model`).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Reservation {
+    pub node: String,
+    pub device: String,
+    pub bytes: u64,
+    pub by: String,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Policy {
+    pub objective: Objective,
+    /// Context length in tokens (KV cache per session).
+    pub ctx: u64,
+    /// Concurrent sessions.
+    pub sessions: u64,
+    /// Share of each device's memory left free.
+    pub headroom: f64,
+    /// The node where requests arrive (default: the first node).
+    pub driver: Option<String>,
+    /// Energy objective: allowed decode time as a multiple of the best latency.
+    pub slack: f64,
+    /// A cap on the average power drawn while decoding (watts), for any objective but energy.
+    pub max_watts: Option<f64>,
+    pub reserved: Vec<Reservation>,
+}
+
+impl Default for Policy {
+    fn default() -> Self {
+        Policy {
+            objective: Objective::Latency,
+            ctx: 4096,
+            sessions: 1,
+            headroom: 0.10,
+            driver: None,
+            slack: 1.5,
+            max_watts: None,
+            reserved: Vec::new(),
+        }
+    }
+}
+
+impl Policy {
+    pub fn validate(&self) -> Result<(), PlanError> {
+        let bad = |what: &str, value: String, why: &str| {
+            Err(PlanError::BadValue {
+                what: what.into(),
+                value,
+                why: why.into(),
+            })
+        };
+        if !(0.0..1.0).contains(&self.headroom) {
+            return bad("--headroom", self.headroom.to_string(), "must be in [0, 1)");
+        }
+        if self.ctx == 0 {
+            return bad("--ctx", "0".into(), "must be at least 1");
+        }
+        if self.sessions == 0 {
+            return bad("--sessions", "0".into(), "must be at least 1");
+        }
+        if !(self.slack.is_finite() && self.slack >= 1.0) {
+            return bad("--slack", self.slack.to_string(), "must be at least 1");
+        }
+        if let Some(w) = self.max_watts {
+            if !(w.is_finite() && w > 0.0) {
+                return bad("--max-watts", w.to_string(), "must be positive");
+            }
+        }
+        Ok(())
+    }
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum PlanError {
+    #[error("{what}: `{value}` is not {expected}")]
+    BadUnit {
+        what: String,
+        value: String,
+        expected: String,
+    },
+    #[error("{what}: `{value}` {why}")]
+    BadValue {
+        what: String,
+        value: String,
+        why: String,
+    },
+    #[error("invalid cluster: {0}")]
+    BadCluster(String),
+    #[error("invalid model profile: {0}")]
+    BadModel(String),
+    #[error("driver node `{0}` is not in the cluster")]
+    UnknownDriver(String),
+    #[error("the model does not fit: {detail} (short by {shortfall_bytes} bytes)")]
+    Infeasible {
+        shortfall_bytes: u64,
+        detail: String,
+    },
+    #[error("the energy objective needs `watts` on every device; missing on {0}")]
+    MissingWatts(String),
+}
+
+/// Plans `profile` on `inv` under `policy`.
+pub fn plan(inv: &Inventory, profile: &ModelProfile, policy: &Policy) -> Result<Plan, PlanError> {
+    explain::plan(inv, profile, policy)
+}
+
+/// Plans a second, smaller model first, kept whole on the one device where it decodes fastest,
+/// then `main` on the memory left. Returns (main plan, second plan).
+pub fn plan_with_second(
+    inv: &Inventory,
+    main: &ModelProfile,
+    second: &ModelProfile,
+    policy: &Policy,
+) -> Result<(Plan, Plan), PlanError> {
+    explain::plan_with_second(inv, main, second, policy)
+}

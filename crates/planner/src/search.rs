@@ -1,0 +1,302 @@
+//! Which devices the dynamic programs see, and how each objective uses them.
+//!
+//! Up to [`EXACT_MAX`] devices the programs run over all of them: the result is the optimum of
+//! the cost model. Beyond, a heuristic:
+//! 1. score each device by its per-layer decode time plus the hop to and from the driver's node
+//!    amortised over the layers it can hold, and keep the best [`CANDIDATES`] (the driver's own
+//!    devices always among them);
+//! 2. latency: [`dp::beam_latency`] over those candidates, which keeps the [`BEAM`] best partial
+//!    chains with distinct device sets per (last device, layers placed) instead of all of them,
+//!    extending the [`BEAM_SOURCES`] best of them;
+//! 3. the other objectives: the exact programs on [`EXACT_MAX`] devices: those the latency beam
+//!    used, then the best-scored others.
+//!
+//! The gap to the exact optimum is measured by `cargo bench -p brigade-planner` on random
+//! clusters of 9–12 devices.
+
+use crate::cost::{Metrics, Problem};
+use crate::dp::{self, Second, Stages};
+use crate::{Objective, PlanError, Policy};
+
+/// Devices up to which every chain is searched.
+pub const EXACT_MAX: usize = 8;
+/// Devices the heuristic considers at all.
+pub const CANDIDATES: usize = 32;
+/// Partial chains kept per cell by the beam search.
+pub const BEAM: usize = 16;
+/// Partial chains per cell the beam search extends to each next device.
+pub const BEAM_SOURCES: usize = 2;
+
+/// A solved placement.
+pub struct Solution {
+    pub stages: Stages,
+    pub metrics: Metrics,
+    pub ctx: u64,
+    /// False when the heuristic chose the devices or a Pareto front was thinned.
+    pub exact: bool,
+    /// For the energy objective: the latency-optimal decode seconds the slack applies to.
+    pub latency_bound_s: Option<f64>,
+}
+
+/// The objective value of metrics, as a number to minimise (throughput negated).
+pub fn objective_value(obj: Objective, m: &Metrics) -> f64 {
+    match obj {
+        Objective::Latency | Objective::MaxContext => m.decode_s,
+        Objective::Throughput => -m.throughput,
+        Objective::Energy => m.energy_j.unwrap_or(f64::INFINITY),
+    }
+}
+
+fn score(p: &Problem, d: usize) -> f64 {
+    let l = p.n_layers as f64;
+    let per_layer = p.layer_t[d][p.n_layers] / l;
+    let avg_layer_bytes =
+        (p.profile.layer_bytes.iter().sum::<u64>() as f64 / l) + p.kv_layer as f64;
+    let holds = (p.devs[d].budget as f64 / avg_layer_bytes).clamp(1.0, l);
+    // a device with no direct link to the driver can still sit mid-chain: charge it the slowest
+    // hop of the cluster each way instead of excluding it
+    let legs = match (p.drv_in[d], p.drv_out[d], p.hop_bytes_from_driver(d)) {
+        (Some(i), Some(o), Some(h)) => i + o + 2.0 * h,
+        _ => {
+            4.0 * p
+                .hop
+                .iter()
+                .flatten()
+                .flatten()
+                .fold(0.0f64, |m, &x| m.max(x))
+        }
+    };
+    per_layer + legs / holds
+}
+
+/// The best-scored devices, the driver's own first.
+fn candidates(p: &Problem, ranked: &[usize], n: usize) -> Vec<usize> {
+    let mut s: Vec<usize> = ranked
+        .iter()
+        .copied()
+        .filter(|&d| p.devs[d].node == p.driver)
+        .take(n)
+        .collect();
+    for &d in ranked {
+        if s.len() >= n {
+            break;
+        }
+        if !s.contains(&d) {
+            s.push(d);
+        }
+    }
+    s
+}
+
+fn ranked(p: &Problem) -> Vec<usize> {
+    let mut v: Vec<usize> = (0..p.devs.len()).collect();
+    v.sort_by(|&a, &b| score(p, a).total_cmp(&score(p, b)).then(a.cmp(&b)));
+    v
+}
+
+/// Solves `obj` exactly on one subset of devices.
+fn solve_subset(
+    p: &Problem,
+    subset: &[usize],
+    policy: &Policy,
+    obj: Objective,
+) -> Option<(Stages, bool, Option<f64>)> {
+    match obj {
+        Objective::Latency | Objective::MaxContext => match policy.max_watts {
+            None => dp::min_latency(p, subset, None).map(|(_, s)| (s, true, None)),
+            Some(cap) => {
+                // average power ≤ cap  ⇔  Σ (watts − cap)·t_stage − cap·(hops + legs) ≤ 0
+                let coef: Vec<f64> = p
+                    .devs
+                    .iter()
+                    .map(|d| d.watts.unwrap_or(0.0) - cap)
+                    .collect();
+                let (front, exact) = dp::pareto(
+                    p,
+                    subset,
+                    &Second {
+                        coef: &coef,
+                        hop_coef: -cap,
+                    },
+                );
+                front
+                    .into_iter()
+                    .find(|(_, z, _)| *z <= 1e-12)
+                    .map(|(_, _, s)| (s, exact, None))
+            }
+        },
+        Objective::Throughput => throughput(p, subset).map(|s| (s, true, None)),
+        Objective::Energy => {
+            let (t_lat, _) = dp::min_latency(p, subset, None)?;
+            let coef: Vec<f64> = p.devs.iter().map(|d| d.watts.unwrap_or(0.0)).collect();
+            let (front, exact) = dp::pareto(
+                p,
+                subset,
+                &Second {
+                    coef: &coef,
+                    hop_coef: 0.0,
+                },
+            );
+            let limit = t_lat * policy.slack * (1.0 + 1e-12);
+            front
+                .into_iter()
+                .filter(|(t, _, _)| *t <= limit)
+                .min_by(|a, b| a.1.total_cmp(&b.1).then(a.0.total_cmp(&b.0)))
+                .map(|(_, _, s)| (s, exact, Some(t_lat)))
+        }
+    }
+}
+
+/// Maximum throughput: the best solution is the latency-optimal one under some cap on every
+/// stage and hop; the cap is one of the finitely many stage or hop times, and the objective
+/// `min(S / T(cap), 1 / cap)` rises then falls along the sorted caps, so a binary search finds it.
+fn throughput(p: &Problem, subset: &[usize]) -> Option<Stages> {
+    let l = p.n_layers;
+    let mut caps: Vec<f64> = Vec::new();
+    for &d in subset {
+        for a in 0..l {
+            for b in a + 1..=l {
+                if !p.fits(d, a, b) {
+                    break;
+                }
+                caps.push(p.stage_time(d, a, b));
+            }
+        }
+        for &e in subset {
+            if let Some(h) = p.hop[d][e] {
+                caps.push(h);
+            }
+        }
+    }
+    caps.sort_by(f64::total_cmp);
+    caps.dedup();
+    let s = p.sessions as f64;
+    let eval = |cap: f64| dp::min_latency(p, subset, Some(cap));
+    // smallest index whose latency-bound throughput reaches the cap-bound one
+    let (mut lo, mut hi) = (0usize, caps.len());
+    while lo < hi {
+        let mid = (lo + hi) / 2;
+        match eval(caps[mid]) {
+            Some((t, _)) if s / t >= 1.0 / caps[mid] => hi = mid,
+            _ => lo = mid + 1,
+        }
+    }
+    let mut best: Option<(f64, Stages)> = None;
+    for i in [lo.saturating_sub(1), lo] {
+        if let Some(&cap) = caps.get(i) {
+            if let Some((_, st)) = eval(cap) {
+                if let Some(m) = p.evaluate(&st) {
+                    if best.as_ref().is_none_or(|(v, _)| m.throughput > *v) {
+                        best = Some((m.throughput, st));
+                    }
+                }
+            }
+        }
+    }
+    best.map(|(_, s)| s)
+        .or_else(|| eval(f64::INFINITY).map(|(_, s)| s))
+}
+
+/// Solves `obj` over every device, whatever their number (up to [`dp::MAX_SUBSET`]): the
+/// reference the heuristic is measured against.
+pub fn solve_exhaustive(p: &Problem, policy: &Policy, obj: Objective) -> Option<Solution> {
+    let all: Vec<usize> = (0..p.devs.len()).collect();
+    let (stages, exact, lat) = solve_subset(p, &all, policy, obj)?;
+    let metrics = p.evaluate(&stages)?;
+    Some(Solution {
+        stages,
+        metrics,
+        ctx: p.ctx,
+        exact,
+        latency_bound_s: lat,
+    })
+}
+
+/// Solves `obj` on the problem: exactly when small, by the heuristic otherwise.
+pub fn solve(p: &Problem, policy: &Policy, obj: Objective) -> Option<Solution> {
+    let finish = |(stages, exact, lat): (Stages, bool, Option<f64>),
+                  exact_devices: bool|
+     -> Option<Solution> {
+        let metrics = p.evaluate(&stages)?;
+        Some(Solution {
+            stages,
+            metrics,
+            ctx: p.ctx,
+            exact: exact && exact_devices,
+            latency_bound_s: lat,
+        })
+    };
+    let n = p.devs.len();
+    if n <= EXACT_MAX {
+        let all: Vec<usize> = (0..n).collect();
+        return solve_subset(p, &all, policy, obj).and_then(|r| finish(r, true));
+    }
+    let ranked = ranked(p);
+    let cands = candidates(p, &ranked, CANDIDATES);
+    let beam = dp::beam_latency(p, &cands, BEAM, BEAM_SOURCES, None);
+    // exact on the devices the latency beam chose, topped up by score; for latency, the better
+    // of this and the beam
+    let mut subset: Vec<usize> = Vec::new();
+    if let Some((_, st)) = &beam {
+        subset.extend(st.iter().map(|s| s.0));
+    }
+    for &d in &cands {
+        if subset.len() >= EXACT_MAX {
+            break;
+        }
+        if !subset.contains(&d) {
+            subset.push(d);
+        }
+    }
+    subset.truncate(
+        EXACT_MAX
+            .max(beam.as_ref().map(|b| b.1.len()).unwrap_or(0))
+            .min(dp::MAX_SUBSET),
+    );
+    let refined = solve_subset(p, &subset, policy, obj).and_then(|r| finish(r, false));
+    if matches!(obj, Objective::Latency | Objective::MaxContext) && policy.max_watts.is_none() {
+        let from_beam = beam
+            .map(|(_, s)| (s, true, None))
+            .and_then(|r| finish(r, false));
+        return match (from_beam, refined) {
+            (Some(a), Some(b)) => Some(if b.metrics.decode_s < a.metrics.decode_s {
+                b
+            } else {
+                a
+            }),
+            (a, b) => a.or(b),
+        };
+    }
+    refined
+}
+
+/// The largest context (tokens) any placement can hold, by bisection over feasibility.
+pub fn max_context<'a>(
+    build: &dyn Fn(u64) -> Result<Problem<'a>, PlanError>,
+    policy: &Policy,
+) -> Result<Option<u64>, PlanError> {
+    let feasible = |ctx: u64| -> Result<bool, PlanError> {
+        let p = build(ctx)?;
+        Ok(solve(&p, policy, Objective::Latency).is_some())
+    };
+    if !feasible(1)? {
+        return Ok(None);
+    }
+    let (mut lo, mut hi) = (1u64, 2u64);
+    while feasible(hi)? {
+        lo = hi;
+        if hi >= 1 << 34 {
+            return Ok(Some(hi));
+        }
+        hi *= 2;
+    }
+    while hi - lo > 1 {
+        let mid = lo + (hi - lo) / 2;
+        if feasible(mid)? {
+            lo = mid;
+        } else {
+            hi = mid;
+        }
+    }
+    Ok(Some(lo))
+}

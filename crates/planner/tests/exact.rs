@@ -1,0 +1,272 @@
+//! The planner against brute force on random small clusters: the same objective value (to 1e-9
+//! relative), no stage over its budget, every layer placed once, contiguously, in order.
+#![allow(clippy::unwrap_used, clippy::needless_range_loop)]
+
+use brigade_core::{DeviceKind, DeviceSpec, Inventory, Link, LinkSpec, ModelProfile, NodeSpec};
+use brigade_planner::cost::{Metrics, Problem};
+use brigade_planner::{plan, Objective, PlanError, Policy};
+use proptest::prelude::*;
+
+#[derive(Debug, Clone)]
+struct Case {
+    inv: Inventory,
+    profile: ModelProfile,
+    policy: Policy,
+}
+
+fn device(i: usize, cuda: bool, mem: u64, bw: f64, fl: f64, watts: f64) -> DeviceSpec {
+    DeviceSpec {
+        name: if cuda {
+            format!("cuda{i}")
+        } else {
+            "cpu".into()
+        },
+        kind: if cuda {
+            DeviceKind::Cuda
+        } else {
+            DeviceKind::Cpu
+        },
+        memory: mem,
+        mem_bandwidth: bw,
+        flops: fl,
+        watts: Some(watts),
+        host_link: cuda.then_some(Link {
+            bandwidth: 2e9 + i as f64 * 1e9,
+            latency: 1e-5 * (1 + i) as f64,
+        }),
+    }
+}
+
+prop_compose! {
+    fn a_case()(
+        n_nodes in 1usize..=3,
+        gpus in proptest::collection::vec(0usize..=2, 3),
+        layers in 1usize..=7,
+        seed in any::<u64>(),
+        obj in 0usize..5,
+        sessions in 1u64..=4,
+        missing_link in any::<bool>(),
+    ) -> Case {
+        let mut r = seed;
+        let mut next = move || { r ^= r << 13; r ^= r >> 7; r ^= r << 17; (r >> 11) as f64 / (1u64 << 53) as f64 };
+        let mut nodes = Vec::new();
+        for n in 0..n_nodes {
+            let mut devs = vec![device(0, false, (200.0 + 900.0 * next()) as u64, 1e3 * (1.0 + 9.0 * next()), 1e4 * (1.0 + 9.0 * next()), 50.0 + 100.0 * next())];
+            for g in 0..gpus[n] {
+                devs.push(device(g, true, (100.0 + 600.0 * next()) as u64, 1e4 * (1.0 + 9.0 * next()), 1e5 * (1.0 + 9.0 * next()), 100.0 + 300.0 * next()));
+            }
+            nodes.push(NodeSpec { name: format!("n{n}"), devices: devs });
+        }
+        let mut links = Vec::new();
+        for a in 0..n_nodes {
+            for b in a + 1..n_nodes {
+                if missing_link && a == 0 && b == n_nodes - 1 && n_nodes == 3 {
+                    continue;
+                }
+                links.push(LinkSpec { a: format!("n{a}"), b: format!("n{b}"), link: Link { bandwidth: 50.0 + 500.0 * next(), latency: 0.01 * next() } });
+            }
+        }
+        let layer_bytes: Vec<u64> = (0..layers).map(|_| (20.0 + 120.0 * next()) as u64).collect();
+        let layer_flops: Vec<f64> = (0..layers).map(|_| 100.0 + 2000.0 * next()).collect();
+        let tied = next() < 0.3;
+        let embed = (10.0 + 60.0 * next()) as u64;
+        let profile = ModelProfile {
+            name: "random".into(),
+            layer_bytes,
+            layer_flops,
+            head_bytes: if tied { embed } else { (10.0 + 60.0 * next()) as u64 },
+            head_flops: 500.0 * next(),
+            embed_bytes: embed,
+            tied,
+            kv_bytes_per_token: 1 + (3.0 * next()) as u64,
+            hidden: 1 + (20.0 * next()) as usize,
+            vocab: 100,
+        };
+        let mut policy = Policy { ctx: 1 + (8.0 * next()) as u64, sessions, headroom: 0.1, driver: Some(format!("n{}", (next() * n_nodes as f64) as usize % n_nodes)), ..Policy::default() };
+        match obj {
+            0 => policy.objective = Objective::Latency,
+            1 => policy.objective = Objective::Throughput,
+            2 => policy.objective = Objective::Energy,
+            3 => { policy.objective = Objective::Latency; policy.max_watts = Some(80.0 + 200.0 * next()); }
+            _ => policy.objective = Objective::MaxContext,
+        }
+        Case { inv: Inventory { nodes, links }, profile, policy }
+    }
+}
+
+/// Every ordered chain of distinct devices with every split of the layers.
+fn all_assignments(n_dev: usize, l: usize) -> Vec<Vec<(usize, usize, usize)>> {
+    let mut out = Vec::new();
+    fn chains(n: usize, cur: &mut Vec<usize>, out: &mut Vec<Vec<usize>>) {
+        if !cur.is_empty() {
+            out.push(cur.clone());
+        }
+        for d in 0..n {
+            if !cur.contains(&d) {
+                cur.push(d);
+                chains(n, cur, out);
+                cur.pop();
+            }
+        }
+    }
+    let mut cs = Vec::new();
+    chains(n_dev, &mut Vec::new(), &mut cs);
+    for c in cs {
+        let m = c.len();
+        if m > l {
+            continue;
+        }
+        // choose m-1 cut points in 1..l
+        let mut cuts = Vec::new();
+        fn comb(
+            start: usize,
+            l: usize,
+            left: usize,
+            cur: &mut Vec<usize>,
+            out: &mut Vec<Vec<usize>>,
+        ) {
+            if left == 0 {
+                out.push(cur.clone());
+                return;
+            }
+            for c in start..l {
+                cur.push(c);
+                comb(c + 1, l, left - 1, cur, out);
+                cur.pop();
+            }
+        }
+        comb(1, l, m - 1, &mut Vec::new(), &mut cuts);
+        for cut in cuts {
+            let mut bounds = vec![0];
+            bounds.extend(cut);
+            bounds.push(l);
+            out.push(
+                c.iter()
+                    .enumerate()
+                    .map(|(i, &d)| (d, bounds[i], bounds[i + 1]))
+                    .collect(),
+            );
+        }
+    }
+    out
+}
+
+fn brute(p: &Problem, policy: &Policy) -> Option<f64> {
+    let all: Vec<Metrics> = all_assignments(p.devs.len(), p.n_layers)
+        .iter()
+        .filter_map(|a| p.evaluate(a))
+        .collect();
+    match policy.objective {
+        Objective::Latency | Objective::MaxContext => {
+            let ok = |m: &&Metrics| {
+                policy
+                    .max_watts
+                    .is_none_or(|cap| m.avg_watts().unwrap() <= cap * (1.0 + 1e-12))
+            };
+            all.iter()
+                .filter(ok)
+                .map(|m| m.decode_s)
+                .min_by(f64::total_cmp)
+        }
+        Objective::Throughput => all
+            .iter()
+            .map(|m| m.throughput)
+            .max_by(f64::total_cmp)
+            .map(|x| -x),
+        Objective::Energy => {
+            let t_lat = all.iter().map(|m| m.decode_s).min_by(f64::total_cmp)?;
+            all.iter()
+                .filter(|m| m.decode_s <= t_lat * policy.slack * (1.0 + 1e-12))
+                .map(|m| m.energy_j.unwrap())
+                .min_by(f64::total_cmp)
+        }
+    }
+}
+
+fn value_of(plan: &brigade_planner::Plan, obj: Objective) -> f64 {
+    match obj {
+        Objective::Latency | Objective::MaxContext => plan.decode_ms_per_token / 1e3,
+        Objective::Throughput => -plan.throughput_tokens_per_s,
+        Objective::Energy => plan.energy_j_per_token.unwrap(),
+    }
+}
+
+fn max_ctx_brute(c: &Case) -> Option<u64> {
+    let feasible = |ctx: u64| {
+        let p = Problem::new(&c.inv, &c.profile, &c.policy, ctx).unwrap();
+        all_assignments(p.devs.len(), p.n_layers)
+            .iter()
+            .any(|a| p.evaluate(a).is_some())
+    };
+    // feasibility is monotone in ctx: bisect between 1 and a context no device set can hold
+    if !feasible(1) {
+        return None;
+    }
+    let (mut lo, mut hi) = (1u64, 1u64 << 20);
+    while hi - lo > 1 {
+        let mid = (lo + hi) / 2;
+        if feasible(mid) {
+            lo = mid;
+        } else {
+            hi = mid;
+        }
+    }
+    Some(lo)
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 300, .. ProptestConfig::default() })]
+
+    #[test]
+    fn planner_equals_brute_force(c in a_case()) {
+        let result = plan(&c.inv, &c.profile, &c.policy);
+        let ctx = if c.policy.objective == Objective::MaxContext { max_ctx_brute(&c) } else { Some(c.policy.ctx) };
+        let want = ctx.and_then(|ctx| {
+            let p = Problem::new(&c.inv, &c.profile, &c.policy, ctx).unwrap();
+            brute(&p, &c.policy)
+        });
+        match (result, want) {
+            (Ok(plan), Some(want)) => {
+                if c.policy.objective == Objective::MaxContext {
+                    prop_assert_eq!(Some(plan.ctx), ctx);
+                }
+                let got = value_of(&plan, c.policy.objective);
+                prop_assert!((got - want).abs() <= 1e-9 * want.abs().max(1e-12), "planner {got} vs brute force {want}");
+                // every layer once, contiguous, in order; no stage over budget
+                let mut next = 0;
+                for st in &plan.stages {
+                    prop_assert_eq!(st.layers.0, next);
+                    prop_assert!(st.layers.1 > st.layers.0);
+                    prop_assert!(st.memory_bytes <= st.budget_bytes);
+                    next = st.layers.1;
+                }
+                prop_assert_eq!(next, c.profile.n_layers());
+                let mut devs: Vec<(String, String)> = plan.stages.iter().map(|s| (s.node.clone(), s.device.clone())).collect();
+                let n = devs.len();
+                devs.sort();
+                devs.dedup();
+                prop_assert_eq!(devs.len(), n, "a device used twice");
+            }
+            (Err(PlanError::Infeasible { .. }), None) => {}
+            (Err(PlanError::BadValue { what, .. }), None) if what == "--max-watts" => {}
+            (r, w) => prop_assert!(false, "planner {:?} vs brute force {:?}", r.map(|p| p.to_text()), w),
+        }
+    }
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 100, .. ProptestConfig::default() })]
+
+    /// The beam search with room for every device set is the exact program.
+    #[test]
+    fn wide_beam_equals_exact(c in a_case()) {
+        let p = Problem::new(&c.inv, &c.profile, &c.policy, c.policy.ctx).unwrap();
+        let all: Vec<usize> = (0..p.devs.len()).collect();
+        let exact = brigade_planner::dp::min_latency(&p, &all, None).map(|r| r.0);
+        let beam = brigade_planner::dp::beam_latency(&p, &all, 4096, 4096, None).map(|r| r.0);
+        match (exact, beam) {
+            (Some(e), Some(b)) => prop_assert!((e - b).abs() <= 1e-9 * e),
+            (e, b) => prop_assert_eq!(e.is_some(), b.is_some()),
+        }
+    }
+}

@@ -1,0 +1,355 @@
+//! Golden plans: the planner's text output for the example clusters, approved and reviewed in
+//! diffs. Regenerate with `BRIGADE_BLESS=1 cargo test -p brigade-planner --test golden`.
+//! The scenario tests below check the same plans' substance, not just their text.
+#![allow(clippy::unwrap_used)]
+
+use brigade_core::{bits_per_weight, LlamaShape, ModelProfile};
+use brigade_planner::{parse_cluster, plan, plan_with_second, Inventory, Objective, Plan, Policy};
+use std::path::PathBuf;
+
+fn root() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../..")
+}
+
+fn cluster(name: &str) -> Inventory {
+    let text = std::fs::read_to_string(
+        root()
+            .join("examples/clusters")
+            .join(format!("{name}.toml")),
+    )
+    .unwrap();
+    parse_cluster(&text).unwrap()
+}
+
+fn model(shape: &str, quant: &str) -> ModelProfile {
+    ModelProfile::from_shape(
+        &format!("{shape} {quant}"),
+        &LlamaShape::preset(shape).unwrap(),
+        bits_per_weight(quant).unwrap(),
+        2,
+    )
+}
+
+struct Case {
+    name: &'static str,
+    cluster: &'static str,
+    shape: &'static str,
+    quant: &'static str,
+    flags: &'static str,
+    policy: Policy,
+    also: Option<(&'static str, &'static str)>,
+}
+
+fn cases() -> Vec<Case> {
+    let p = Policy::default;
+    let c = |name, cluster, shape, quant, flags, policy, also| Case {
+        name,
+        cluster,
+        shape,
+        quant,
+        flags,
+        policy,
+        also,
+    };
+    vec![
+        c(
+            "fits-in-vram",
+            "single-box",
+            "llama-8b",
+            "q4_k",
+            "",
+            p(),
+            None,
+        ),
+        c(
+            "larger-than-vram",
+            "single-box",
+            "llama-70b",
+            "q4_k",
+            "",
+            p(),
+            None,
+        ),
+        c(
+            "small-vram",
+            "small-vram",
+            "llama-8b",
+            "q4_k",
+            "",
+            p(),
+            None,
+        ),
+        c("tiny-vram", "tiny-vram", "llama-70b", "q4_k", "", p(), None),
+        c(
+            "two-gpus-unequal",
+            "two-gpus-unequal",
+            "llama-70b",
+            "q4_k",
+            "",
+            p(),
+            None,
+        ),
+        c(
+            "gateway-edges",
+            "gateway-edges",
+            "llama-70b",
+            "q4_k",
+            "",
+            p(),
+            None,
+        ),
+        c(
+            "gateway-edges-throughput",
+            "gateway-edges",
+            "llama-70b",
+            "q4_k",
+            "--objective throughput --sessions 8",
+            Policy {
+                objective: Objective::Throughput,
+                sessions: 8,
+                ..p()
+            },
+            None,
+        ),
+        c("wifi-avoided", "wifi", "llama-8b", "q4_k", "", p(), None),
+        c(
+            "fast-behind-slow-link",
+            "fast-behind-slow-link",
+            "llama-70b",
+            "q4_k",
+            "",
+            p(),
+            None,
+        ),
+        c(
+            "hundred-nodes",
+            "hundred-nodes",
+            "llama-70b",
+            "f16",
+            "",
+            p(),
+            None,
+        ),
+        c(
+            "energy-cap",
+            "single-box",
+            "llama-8b",
+            "q4_k",
+            "--max-watts 250",
+            Policy {
+                max_watts: Some(250.0),
+                ..p()
+            },
+            None,
+        ),
+        c(
+            "energy-objective",
+            "gateway-edges",
+            "llama-70b",
+            "q4_k",
+            "--objective energy",
+            Policy {
+                objective: Objective::Energy,
+                ..p()
+            },
+            None,
+        ),
+        c(
+            "max-context",
+            "single-box",
+            "llama-8b",
+            "f16",
+            "--objective max-context",
+            Policy {
+                objective: Objective::MaxContext,
+                ..p()
+            },
+            None,
+        ),
+        c(
+            "two-models",
+            "single-box",
+            "llama-70b",
+            "q4_k",
+            "--also-shape llama-1b --also-quant q8_0",
+            p(),
+            Some(("llama-1b", "q8_0")),
+        ),
+    ]
+}
+
+fn run(case: &Case) -> (Plan, Option<Plan>) {
+    let inv = cluster(case.cluster);
+    let main = model(case.shape, case.quant);
+    match case.also {
+        None => (plan(&inv, &main, &case.policy).unwrap(), None),
+        Some((s, q)) => {
+            let (a, b) = plan_with_second(&inv, &main, &model(s, q), &case.policy).unwrap();
+            (a, Some(b))
+        }
+    }
+}
+
+#[test]
+fn golden_plans() {
+    let bless = std::env::var_os("BRIGADE_BLESS").is_some();
+    let mut failures = Vec::new();
+    for case in cases() {
+        let (main, second) = run(&case);
+        let mut text = format!(
+            "# brigade plan --shape {} --quant {} --cluster examples/clusters/{}.toml {}\n",
+            case.shape, case.quant, case.cluster, case.flags
+        );
+        text.push_str(&main.to_text());
+        if let Some(s) = second {
+            text.push('\n');
+            text.push_str(&s.to_text());
+        }
+        let path = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+            .join("tests/golden")
+            .join(format!("{}.txt", case.name));
+        if bless {
+            std::fs::write(&path, &text).unwrap();
+            continue;
+        }
+        match std::fs::read_to_string(&path) {
+            Ok(want) if want == text => {}
+            Ok(want) => failures.push(format!(
+                "{}: differs\n--- approved\n{want}\n--- now\n{text}",
+                case.name
+            )),
+            Err(_) => failures.push(format!(
+                "{}: no approved file {} (run with BRIGADE_BLESS=1)",
+                case.name,
+                path.display()
+            )),
+        }
+    }
+    assert!(failures.is_empty(), "{}", failures.join("\n"));
+}
+
+fn gpu_layers(p: &Plan) -> usize {
+    p.stages
+        .iter()
+        .filter(|s| s.device.starts_with("cuda"))
+        .map(|s| s.layers.1 - s.layers.0)
+        .sum()
+}
+
+#[test]
+fn scenario_model_fits_in_vram_runs_all_on_the_gpu() {
+    let (p, _) = run(&cases()
+        .into_iter()
+        .find(|c| c.name == "fits-in-vram")
+        .unwrap());
+    assert_eq!(p.stages.len(), 1);
+    assert_eq!(p.stages[0].device, "cuda0");
+    assert!(p.rejected.iter().any(|r| r.alternative == "all on box/cpu"));
+}
+
+#[test]
+fn scenario_model_larger_than_vram_is_hybrid() {
+    let (p, _) = run(&cases()
+        .into_iter()
+        .find(|c| c.name == "larger-than-vram")
+        .unwrap());
+    assert_eq!(p.stages.len(), 2);
+    let gpu = p.stages.iter().find(|s| s.device == "cuda0").unwrap();
+    // the GPU is filled: one more layer would not fit
+    assert!(gpu.reason.contains("would not fit"), "{}", gpu.reason);
+    assert!(p.stages.iter().any(|s| s.device == "cpu"));
+    let r = p
+        .rejected
+        .iter()
+        .find(|r| r.alternative == "all on box/cuda0")
+        .unwrap();
+    assert!(r.shortfall_bytes.unwrap() > 10 << 30, "{r:?}");
+}
+
+#[test]
+fn scenario_very_little_vram_runs_on_the_cpu() {
+    let (p, _) = run(&cases().into_iter().find(|c| c.name == "tiny-vram").unwrap());
+    assert_eq!(gpu_layers(&p), 0);
+    assert_eq!(p.stages.len(), 1);
+}
+
+#[test]
+fn scenario_two_models_share_the_gpu() {
+    let (big, small) = run(&cases()
+        .into_iter()
+        .find(|c| c.name == "two-models")
+        .unwrap());
+    let small = small.unwrap();
+    assert_eq!(small.stages.len(), 1);
+    assert_eq!(small.stages[0].device, "cuda0");
+    assert_eq!(big.reserved.len(), 1);
+    let reserved = big.reserved[0].bytes;
+    assert_eq!(reserved, small.stages[0].memory_bytes);
+    let gpu = big.stages.iter().find(|s| s.device == "cuda0").unwrap();
+    // both models' memory counted on the GPU
+    assert!(gpu.memory_bytes + reserved <= (24u64 << 30) * 9 / 10);
+    let (alone, _) = run(&cases()
+        .into_iter()
+        .find(|c| c.name == "larger-than-vram")
+        .unwrap());
+    assert!(gpu_layers(&big) < gpu_layers(&alone));
+}
+
+#[test]
+fn scenario_energy_cap_gives_a_conservative_hybrid() {
+    let (capped, _) = run(&cases()
+        .into_iter()
+        .find(|c| c.name == "energy-cap")
+        .unwrap());
+    let (free, _) = run(&cases()
+        .into_iter()
+        .find(|c| c.name == "fits-in-vram")
+        .unwrap());
+    assert!(capped.avg_watts.unwrap() <= 250.0 + 1e-9);
+    assert!(free.avg_watts.unwrap() > 250.0);
+    assert!(
+        gpu_layers(&capped) > 0 && gpu_layers(&capped) < gpu_layers(&free),
+        "{} vs {}",
+        gpu_layers(&capped),
+        gpu_layers(&free)
+    );
+}
+
+#[test]
+fn scenario_slow_wifi_is_avoided() {
+    let (p, _) = run(&cases()
+        .into_iter()
+        .find(|c| c.name == "wifi-avoided")
+        .unwrap());
+    assert!(p.stages.iter().all(|s| s.node != "den"), "{}", p.to_text());
+}
+
+#[test]
+fn throughput_balances_the_pipeline() {
+    let (t, _) = run(&cases()
+        .into_iter()
+        .find(|c| c.name == "gateway-edges-throughput")
+        .unwrap());
+    let (l, _) = run(&cases()
+        .into_iter()
+        .find(|c| c.name == "gateway-edges")
+        .unwrap());
+    assert!(t.throughput_tokens_per_s >= l.throughput_tokens_per_s * (1.0 - 1e-12));
+}
+
+#[test]
+fn hundred_nodes_plan_fast() {
+    let inv = cluster("hundred-nodes");
+    assert_eq!(inv.nodes.len(), 100);
+    // 128 layers: a 70B-sized layer stack stretched to the size
+    let mut m = model("llama-70b", "f16");
+    m.layer_bytes = (0..128).map(|i| m.layer_bytes[i % 80]).collect();
+    m.layer_flops = (0..128).map(|i| m.layer_flops[i % 80]).collect();
+    let t0 = std::time::Instant::now();
+    let p = plan(&inv, &m, &Policy::default()).unwrap();
+    let dt = t0.elapsed();
+    assert!(!p.exact);
+    assert_eq!(p.stages.last().unwrap().layers.1, 128);
+    // generous here (debug build, shared CI machine); `cargo bench -p brigade-planner` reports release timings
+    assert!(dt.as_secs_f64() < 5.0, "{dt:?}");
+}
