@@ -350,12 +350,14 @@ struct BeamEntry {
 }
 
 /// A beam-limited version of [`min_latency`] for clusters too large for 2^k states: per (last
-/// device, layers placed) it keeps only the `width` best partial chains with distinct device sets.
-/// Exact when no cell ever holds more than `width` distinct sets; otherwise a heuristic.
+/// device, layers placed) it keeps only the `width` best partial chains with distinct device sets,
+/// and extends only the `sources` best of them that have not used the next device. Exact when
+/// `width` and `sources` exceed the number of device sets a cell can see; otherwise a heuristic.
 pub fn beam_latency(
     p: &Problem,
     cands: &[usize],
     width: usize,
+    sources: usize,
     cap: Option<f64>,
 ) -> Option<(f64, Stages)> {
     let k = cands.len();
@@ -415,13 +417,13 @@ pub fn beam_latency(
                 if hop > cap {
                     continue;
                 }
-                // the two best partial chains here that have not used device j yet
+                // the best partial chains here that have not used device j yet
                 let srcs: Vec<(usize, BeamEntry)> = cells[c]
                     .iter()
                     .copied()
                     .enumerate()
                     .filter(|(_, e)| e.mask & (1 << j) == 0)
-                    .take(2)
+                    .take(sources)
                     .collect();
                 for (q, src) in srcs {
                     for b in a + 1..=l {
