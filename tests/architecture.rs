@@ -8,25 +8,10 @@ fn deps(package: &str) -> Vec<String> {
     let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
     let out = Command::new(cargo)
         .current_dir(concat!(env!("CARGO_MANIFEST_DIR"), "/../.."))
-        .args([
-            "tree",
-            "--offline",
-            "-p",
-            package,
-            "-e",
-            "normal",
-            "--prefix",
-            "none",
-            "--format",
-            "{p}",
-        ])
+        .args(["tree", "--offline", "-p", package, "-e", "normal", "--prefix", "none", "--format", "{p}"])
         .output()
         .unwrap();
-    assert!(
-        out.status.success(),
-        "cargo tree -p {package}: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    assert!(out.status.success(), "cargo tree -p {package}: {}", String::from_utf8_lossy(&out.stderr));
     String::from_utf8(out.stdout)
         .unwrap()
         .lines()
@@ -34,26 +19,14 @@ fn deps(package: &str) -> Vec<String> {
         .collect()
 }
 
-const FORBIDDEN_IN_PURE: [&str; 9] = [
-    "tokio",
-    "tonic",
-    "prost",
-    "quinn",
-    "candle-core",
-    "candle-nn",
-    "raft",
-    "raft-proto",
-    "cudarc",
-];
+const FORBIDDEN_IN_PURE: [&str; 9] =
+    ["tokio", "tonic", "prost", "quinn", "candle-core", "candle-nn", "raft", "raft-proto", "cudarc"];
 
 #[test]
 fn core_and_planner_stay_pure() {
     for package in ["brigade-core", "brigade-planner"] {
         let d = deps(package);
-        assert!(
-            d.iter().any(|x| x == package),
-            "cargo tree did not list {package}: {d:?}"
-        );
+        assert!(d.iter().any(|x| x == package), "cargo tree did not list {package}: {d:?}");
         for bad in FORBIDDEN_IN_PURE {
             assert!(!d.iter().any(|x| x == bad), "{package} depends on {bad}");
         }
@@ -69,16 +42,11 @@ fn the_check_sees_real_dependencies() {
 #[test]
 fn dependencies_point_down() {
     // core depends on no other brigade crate; planner and model only on core
-    assert!(!deps("brigade-core")
-        .iter()
-        .any(|x| x.starts_with("brigade-") && x != "brigade-core"));
+    assert!(!deps("brigade-core").iter().any(|x| x.starts_with("brigade-") && x != "brigade-core"));
     for package in ["brigade-planner", "brigade-model"] {
         for d in deps(package) {
             if d.starts_with("brigade-") {
-                assert!(
-                    d == package || d == "brigade-core",
-                    "{package} depends on {d}"
-                );
+                assert!(d == package || d == "brigade-core", "{package} depends on {d}");
             }
         }
     }

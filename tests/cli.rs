@@ -15,34 +15,22 @@ fn fixture(name: &str) -> PathBuf {
 }
 
 fn brigade(args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_brigade"))
-        .args(args)
-        .output()
-        .expect("running brigade")
+    Command::new(env!("CARGO_BIN_EXE_brigade")).args(args).output().expect("running brigade")
 }
 
 fn ok_json(args: &[&str]) -> Value {
     let out = brigade(args);
-    assert!(
-        out.status.success(),
-        "brigade {args:?} failed: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    assert!(out.status.success(), "brigade {args:?} failed: {}", String::from_utf8_lossy(&out.stderr));
     serde_json::from_slice(&out.stdout)
         .unwrap_or_else(|e| panic!("not JSON ({e}): {}", String::from_utf8_lossy(&out.stdout)))
 }
 
 fn ids(v: &Value) -> Vec<u64> {
-    v.as_array()
-        .unwrap()
-        .iter()
-        .map(|x| x.as_u64().unwrap())
-        .collect()
+    v.as_array().unwrap().iter().map(|x| x.as_u64().unwrap()).collect()
 }
 
 fn reference() -> Value {
-    serde_json::from_str(&std::fs::read_to_string(fixture("greedy_llamacpp.json")).unwrap())
-        .unwrap()
+    serde_json::from_str(&std::fs::read_to_string(fixture("greedy_llamacpp.json")).unwrap()).unwrap()
 }
 
 const KARPATHY: &str = "Once upon a time, there was a little girl named Lily. She loved to play outside in the park. One day, she saw a big, red ball. She wanted to play with it, but it was too high";
@@ -53,29 +41,10 @@ fn run_matches_llama_cpp_greedy_on_all_three_stories_files() {
     let f32_path = root().join("crates/model/assets/stories260K.gguf");
     for (path, key, n_match) in [
         (f32_path, "stories260K.gguf", 60),
-        (
-            fixture("stories260K-Q8_0.gguf"),
-            "stories260K-Q8_0.gguf",
-            60,
-        ),
-        (
-            fixture("stories260K-Q4_0.gguf"),
-            "stories260K-Q4_0.gguf",
-            27,
-        ),
+        (fixture("stories260K-Q8_0.gguf"), "stories260K-Q8_0.gguf", 60),
+        (fixture("stories260K-Q4_0.gguf"), "stories260K-Q4_0.gguf", 27),
     ] {
-        let j = ok_json(&[
-            "run",
-            "-m",
-            path.to_str().unwrap(),
-            "-p",
-            "",
-            "-n",
-            "60",
-            "--temp",
-            "0",
-            "--json",
-        ]);
+        let j = ok_json(&["run", "-m", path.to_str().unwrap(), "-p", "", "-n", "60", "--temp", "0", "--json"]);
         let got = ids(&j["generated_ids"]);
         let want = ids(&r[key]["greedy_ids"]);
         assert_eq!(got.len(), 60);
@@ -98,14 +67,7 @@ fn embedded_model_is_the_default_and_streams_text() {
     let text = String::from_utf8(out.stdout).unwrap();
     assert_eq!(text.trim_end(), KARPATHY);
     let err = String::from_utf8(out.stderr).unwrap();
-    for want in [
-        "load time",
-        "prompt eval",
-        "generation",
-        "tokens/s",
-        "device cpu",
-        "KV cache",
-    ] {
+    for want in ["load time", "prompt eval", "generation", "tokens/s", "device cpu", "KV cache"] {
         assert!(err.contains(want), "stderr lacks `{want}`: {err}");
     }
 }
@@ -113,22 +75,8 @@ fn embedded_model_is_the_default_and_streams_text() {
 #[test]
 fn device_map_splits_give_the_same_tokens() {
     let base = ok_json(&["run", "-n", "40", "--temp", "0", "--json"]);
-    for map in [
-        "cpu:1,cpu:4",
-        "cpu:2,cpu:3",
-        "cpu:4,cpu:1",
-        "cpu:1,cpu:1,cpu:1,cpu:1,cpu:1",
-    ] {
-        let j = ok_json(&[
-            "run",
-            "-n",
-            "40",
-            "--temp",
-            "0",
-            "--json",
-            "--device-map",
-            map,
-        ]);
+    for map in ["cpu:1,cpu:4", "cpu:2,cpu:3", "cpu:4,cpu:1", "cpu:1,cpu:1,cpu:1,cpu:1,cpu:1"] {
+        let j = ok_json(&["run", "-n", "40", "--temp", "0", "--json", "--device-map", map]);
         assert_eq!(j["generated_ids"], base["generated_ids"], "{map}");
         let stages = j["devices"].as_array().unwrap();
         assert_eq!(stages.len(), map.split(',').count());
@@ -144,14 +92,9 @@ fn sampling_is_seeded() {
     assert_eq!(a["text"], b["text"]);
     assert_ne!(a["generated_ids"], c["generated_ids"]);
     assert_eq!(a["seed"], 7);
-    let k1 = ok_json(&[
-        "run", "-n", "30", "--temp", "1.5", "--top-k", "1", "--seed", "3", "--json",
-    ]);
+    let k1 = ok_json(&["run", "-n", "30", "--temp", "1.5", "--top-k", "1", "--seed", "3", "--json"]);
     let greedy = ok_json(&["run", "-n", "30", "--temp", "0", "--json"]);
-    assert_eq!(
-        k1["generated_ids"], greedy["generated_ids"],
-        "top-k 1 is greedy"
-    );
+    assert_eq!(k1["generated_ids"], greedy["generated_ids"], "top-k 1 is greedy");
 }
 
 fn smollm2() -> PathBuf {
@@ -160,10 +103,7 @@ fn smollm2() -> PathBuf {
     }
     let p = root().join("target/models/SmolLM2-135M-Instruct.Q4_1.gguf");
     if !p.exists() {
-        let st = Command::new("bash")
-            .arg(root().join("tests/fetch-smollm2.sh"))
-            .status()
-            .unwrap();
+        let st = Command::new("bash").arg(root().join("tests/fetch-smollm2.sh")).status().unwrap();
         assert!(st.success(), "tests/fetch-smollm2.sh failed");
     }
     p
@@ -174,38 +114,11 @@ fn smollm2_greedy_and_chat() {
     let m = smollm2();
     let m = m.to_str().unwrap();
     let r = &reference()["SmolLM2-135M-Instruct.Q4_1.gguf"];
-    let j = ok_json(&[
-        "run",
-        "-m",
-        m,
-        "-p",
-        "Once upon a time,",
-        "-n",
-        "25",
-        "--temp",
-        "0",
-        "--json",
-        "-c",
-        "256",
-    ]);
+    let j = ok_json(&["run", "-m", m, "-p", "Once upon a time,", "-n", "25", "--temp", "0", "--json", "-c", "256"]);
     assert_eq!(j["prompt_ids"], r["prompt_ids"]);
     assert_eq!(j["generated_ids"], r["greedy_ids"]);
     assert_eq!(j["text"], r["text"]);
-    let j = ok_json(&[
-        "run",
-        "-m",
-        m,
-        "-p",
-        "What is 2+2?",
-        "-n",
-        "8",
-        "--temp",
-        "0",
-        "--chat",
-        "--json",
-        "-c",
-        "256",
-    ]);
+    let j = ok_json(&["run", "-m", m, "-p", "What is 2+2?", "-n", "8", "--temp", "0", "--chat", "--json", "-c", "256"]);
     let p = ids(&j["prompt_ids"]);
     // <|im_start|>system … <|im_end|>\n<|im_start|>user\nWhat is 2+2?<|im_end|>\n<|im_start|>assistant\n
     assert_eq!(p[0], 1);
@@ -213,10 +126,7 @@ fn smollm2_greedy_and_chat() {
     assert_eq!(p.iter().filter(|&&i| i == 2).count(), 2);
     assert_eq!(
         &p[p.len() - 3..],
-        &[1, 520, 9531, 198][1..]
-            .iter()
-            .map(|&x| x as u64)
-            .collect::<Vec<_>>()[..],
+        &[1, 520, 9531, 198][1..].iter().map(|&x| x as u64).collect::<Vec<_>>()[..],
         "ends with `assistant\\n`: {p:?}"
     );
     assert_eq!(p[p.len() - 4], 1);
@@ -232,16 +142,9 @@ fn chat_without_template_is_a_clear_error() {
 
 fn expect_error(args: &[&str], needle: &str) {
     let out = brigade(args);
-    assert_eq!(
-        out.status.code(),
-        Some(1),
-        "brigade {args:?} should fail with exit 1"
-    );
+    assert_eq!(out.status.code(), Some(1), "brigade {args:?} should fail with exit 1");
     let err = String::from_utf8_lossy(&out.stderr);
-    assert!(
-        err.contains(needle),
-        "brigade {args:?}: stderr lacks `{needle}`: {err}"
-    );
+    assert!(err.contains(needle), "brigade {args:?}: stderr lacks `{needle}`: {err}");
     assert!(!err.contains("panicked"), "{err}");
 }
 
@@ -254,10 +157,7 @@ fn bad_input_gives_clear_errors() {
     let full = std::fs::read(root().join("crates/model/assets/stories260K.gguf")).unwrap();
     let cut = dir.path().join("cut.gguf");
     std::fs::write(&cut, &full[..full.len() / 3]).unwrap();
-    expect_error(
-        &["run", "-m", cut.to_str().unwrap()],
-        "past the end of the file",
-    );
+    expect_error(&["run", "-m", cut.to_str().unwrap()], "past the end of the file");
     let mut bad = full.clone();
     bad[8..16].copy_from_slice(&u64::MAX.to_le_bytes());
     let p = dir.path().join("absurd.gguf");
@@ -265,10 +165,7 @@ fn bad_input_gives_clear_errors() {
     expect_error(&["run", "-m", p.to_str().unwrap()], "claims");
     expect_error(&["run", "-m", "/nonexistent/model.gguf"], "No such file");
     expect_error(&["run", "-ngl", "4"], "without CUDA");
-    expect_error(
-        &["run", "--device-map", "cpu:2,cpu:2"],
-        "places 4 layers but the model has 5",
-    );
+    expect_error(&["run", "--device-map", "cpu:2,cpu:2"], "places 4 layers but the model has 5");
     expect_error(&["run", "--device-map", "tpu:5"], "unknown device");
     let out = brigade(&["run", "-ngl", "auto", "-n", "3"]);
     assert!(out.status.success());
@@ -282,48 +179,16 @@ fn synth_gguf_and_safetensors_give_the_same_tokens() {
     let dir = tempfile::tempdir().unwrap();
     let g = dir.path().join("m.gguf");
     let h = dir.path().join("m-hf");
-    let shape = [
-        "--layers",
-        "3",
-        "--hidden",
-        "128",
-        "--ffn",
-        "256",
-        "--heads",
-        "4",
-        "--kv-heads",
-        "2",
-        "--vocab",
-        "512",
-    ];
-    let mut a = vec![
-        "synth",
-        "-o",
-        g.to_str().unwrap(),
-        "--type",
-        "f32",
-        "--seed",
-        "9",
-    ];
+    let shape =
+        ["--layers", "3", "--hidden", "128", "--ffn", "256", "--heads", "4", "--kv-heads", "2", "--vocab", "512"];
+    let mut a = vec!["synth", "-o", g.to_str().unwrap(), "--type", "f32", "--seed", "9"];
     a.extend(shape);
     assert!(brigade(&a).status.success());
-    let mut a = vec![
-        "synth",
-        "-o",
-        h.to_str().unwrap(),
-        "--type",
-        "f32",
-        "--seed",
-        "9",
-        "--format",
-        "safetensors",
-    ];
+    let mut a = vec!["synth", "-o", h.to_str().unwrap(), "--type", "f32", "--seed", "9", "--format", "safetensors"];
     a.extend(shape);
     assert!(brigade(&a).status.success());
     assert!(
-        h.join("model.safetensors").exists()
-            && h.join("tokenizer.json").exists()
-            && h.join("config.json").exists()
+        h.join("model.safetensors").exists() && h.join("tokenizer.json").exists() && h.join("config.json").exists()
     );
     let run = |m: &Path, map: &str| {
         ok_json(&[
@@ -346,19 +211,7 @@ fn synth_gguf_and_safetensors_give_the_same_tokens() {
     assert_eq!(x["prompt_ids"], y["prompt_ids"]);
     assert_eq!(x["generated_ids"], y["generated_ids"]);
     // --chat works on synthetic models (ChatML template)
-    let c = ok_json(&[
-        "run",
-        "-m",
-        g.to_str().unwrap(),
-        "-p",
-        "hi",
-        "-n",
-        "2",
-        "--temp",
-        "0",
-        "--chat",
-        "--json",
-    ]);
+    let c = ok_json(&["run", "-m", g.to_str().unwrap(), "-p", "hi", "-n", "2", "--temp", "0", "--chat", "--json"]);
     assert!(ids(&c["prompt_ids"]).len() > 5);
     // presets have the real shapes
     let p = dir.path().join("p.gguf");
@@ -376,40 +229,19 @@ fn synth_gguf_and_safetensors_give_the_same_tokens() {
         "q4_k",
         "--json",
     ]);
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
     let j: Value = serde_json::from_slice(&out.stdout).unwrap();
     assert_eq!(j["shape"]["hidden"], 2048);
     assert_eq!(j["shape"]["ffn"], 8192);
     assert_eq!(j["shape"]["kv_heads"], 8);
-    let j = ok_json(&[
-        "run",
-        "-m",
-        p.to_str().unwrap(),
-        "-p",
-        "a",
-        "-n",
-        "3",
-        "--temp",
-        "0",
-        "--json",
-        "-c",
-        "64",
-    ]);
+    let j = ok_json(&["run", "-m", p.to_str().unwrap(), "-p", "a", "-n", "3", "--temp", "0", "--json", "-c", "64"]);
     assert_eq!(ids(&j["generated_ids"]).len(), 3);
 }
 
 #[test]
 fn bench_reports_rows_bandwidth_and_bound() {
     let out = brigade(&["bench", "-p", "16", "-n", "8", "-r", "2", "-o", "json"]);
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
     let j: Value = serde_json::from_slice(&out.stdout).unwrap();
     let rows = j["rows"].as_array().unwrap();
     assert_eq!(rows.len(), 2);
@@ -426,18 +258,7 @@ fn bench_reports_rows_bandwidth_and_bound() {
     let md = brigade(&["bench", "-p", "8", "-n", "4", "-r", "1", "--no-bandwidth"]);
     let md = String::from_utf8(md.stdout).unwrap();
     assert!(md.contains("| pp8 |") && md.contains("| tg4 |"), "{md}");
-    let csv = brigade(&[
-        "bench",
-        "-p",
-        "8",
-        "-n",
-        "0",
-        "-r",
-        "1",
-        "-o",
-        "csv",
-        "--no-bandwidth",
-    ]);
+    let csv = brigade(&["bench", "-p", "8", "-n", "0", "-r", "1", "-o", "csv", "--no-bandwidth"]);
     assert_eq!(String::from_utf8(csv.stdout).unwrap().lines().count(), 2);
 }
 
@@ -448,20 +269,8 @@ fn clusters() -> PathBuf {
 #[test]
 fn plan_prints_text_json_and_svg() {
     let c = clusters().join("single-box.toml");
-    let out = brigade(&[
-        "plan",
-        "--shape",
-        "llama-70b",
-        "--quant",
-        "q4_k",
-        "--cluster",
-        c.to_str().unwrap(),
-    ]);
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    let out = brigade(&["plan", "--shape", "llama-70b", "--quant", "q4_k", "--cluster", c.to_str().unwrap()]);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
     let text = String::from_utf8(out.stdout).unwrap();
     for want in [
         "box/cuda0",
@@ -502,16 +311,7 @@ fn plan_prints_text_json_and_svg() {
         assert!(j.get(key).is_some(), "{key} missing in {j}");
     }
     let st = &j["stages"][0];
-    for key in [
-        "node",
-        "device",
-        "layers",
-        "weight_bytes",
-        "kv_bytes",
-        "memory_bytes",
-        "budget_bytes",
-        "compute_ms",
-    ] {
+    for key in ["node", "device", "layers", "weight_bytes", "kv_bytes", "memory_bytes", "budget_bytes", "compute_ms"] {
         assert!(st.get(key).is_some(), "{key} missing in {st}");
     }
     assert_eq!(st["layers"], serde_json::json!([0, 32]));
@@ -519,14 +319,7 @@ fn plan_prints_text_json_and_svg() {
     assert!(picture.starts_with("<svg") && picture.contains("box/cuda0"));
     // from a model file's header
     let m = fixture("stories260K-Q8_0.gguf");
-    let j = ok_json(&[
-        "plan",
-        "-m",
-        m.to_str().unwrap(),
-        "--cluster",
-        c.to_str().unwrap(),
-        "--json",
-    ]);
+    let j = ok_json(&["plan", "-m", m.to_str().unwrap(), "--cluster", c.to_str().unwrap(), "--json"]);
     assert_eq!(j["stages"][0]["layers"], serde_json::json!([0, 5]));
     // a second model kept on the GPU
     let j = ok_json(&[
@@ -553,76 +346,26 @@ fn plan_errors() {
     let good = std::fs::read_to_string(clusters().join("gateway-edges.toml")).unwrap();
     let cases = [
         (good.replace("\"24 GiB\"", "\"24 gigs\""), "24 gigs"),
-        (
-            good.replacen("\"1 Gbit/s\"", "\"-1 Gbit/s\"", 1),
-            "must be positive",
-        ),
-        (
-            good.replacen("\"1 Gbit/s\"", "\"0 Gbit/s\"", 1),
-            "must be positive",
-        ),
-        (
-            good.replace("name = \"edge-3\"", "name = \"edge-2\""),
-            "appears twice",
-        ),
-        (
-            good.replacen("b = \"edge-1\"", "b = \"edge-7\"", 1),
-            "unknown node `edge-7`",
-        ),
+        (good.replacen("\"1 Gbit/s\"", "\"-1 Gbit/s\"", 1), "must be positive"),
+        (good.replacen("\"1 Gbit/s\"", "\"0 Gbit/s\"", 1), "must be positive"),
+        (good.replace("name = \"edge-3\"", "name = \"edge-2\""), "appears twice"),
+        (good.replacen("b = \"edge-1\"", "b = \"edge-7\"", 1), "unknown node `edge-7`"),
     ];
     for (i, (text, needle)) in cases.iter().enumerate() {
         let p = dir.path().join(format!("c{i}.toml"));
         std::fs::write(&p, text).unwrap();
-        expect_error(
-            &[
-                "plan",
-                "--shape",
-                "llama-8b",
-                "--quant",
-                "q4_k",
-                "--cluster",
-                p.to_str().unwrap(),
-            ],
-            needle,
-        );
+        expect_error(&["plan", "--shape", "llama-8b", "--quant", "q4_k", "--cluster", p.to_str().unwrap()], needle);
     }
     let c = clusters().join("gateway-edges.toml");
     let notes = dir.path().join("notes.gguf");
     std::fs::write(&notes, "not a model").unwrap();
+    expect_error(&["plan", "-m", notes.to_str().unwrap(), "--cluster", c.to_str().unwrap()], "not a GGUF file");
     expect_error(
-        &[
-            "plan",
-            "-m",
-            notes.to_str().unwrap(),
-            "--cluster",
-            c.to_str().unwrap(),
-        ],
-        "not a GGUF file",
-    );
-    expect_error(
-        &[
-            "plan",
-            "--shape",
-            "llama-9b",
-            "--quant",
-            "q4_k",
-            "--cluster",
-            c.to_str().unwrap(),
-        ],
+        &["plan", "--shape", "llama-9b", "--quant", "q4_k", "--cluster", c.to_str().unwrap()],
         "unknown shape",
     );
     expect_error(
-        &[
-            "plan",
-            "--shape",
-            "llama-8b",
-            "--quant",
-            "q4_k",
-            "--cluster",
-            c.to_str().unwrap(),
-            "--driver",
-            "moon",
-        ],
+        &["plan", "--shape", "llama-8b", "--quant", "q4_k", "--cluster", c.to_str().unwrap(), "--driver", "moon"],
         "driver node `moon`",
     );
     // infeasible: nonzero exit, JSON error with the shortfall

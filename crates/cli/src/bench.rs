@@ -1,7 +1,7 @@
 //! `brigade bench`: llama-bench's interface and table, plus the memory-bandwidth bound of decode
 //! and the knee of an `-ngl` sweep.
 
-use crate::common::{detect_gpus, human_bytes, open_model, place, GpuLayers};
+use crate::common::{detect_gpus, gpu_free, human_bytes, open_model, place, GpuLayers};
 use anyhow::{bail, Context, Result};
 use brigade_core::{DeviceId, Stage};
 use brigade_model::pipeline::activation_dtype;
@@ -26,20 +26,10 @@ pub struct BenchArgs {
     #[arg(short = 'm', long = "model")]
     pub model: Option<PathBuf>,
     /// Prompt lengths to test (pp), comma separated; 0 skips.
-    #[arg(
-        short = 'p',
-        long = "n-prompt",
-        default_value = "512",
-        value_delimiter = ','
-    )]
+    #[arg(short = 'p', long = "n-prompt", default_value = "512", value_delimiter = ',')]
     pub n_prompt: Vec<usize>,
     /// Generation lengths to test (tg), comma separated; 0 skips.
-    #[arg(
-        short = 'n',
-        long = "n-gen",
-        default_value = "128",
-        value_delimiter = ','
-    )]
+    #[arg(short = 'n', long = "n-gen", default_value = "128", value_delimiter = ',')]
     pub n_gen: Vec<usize>,
     /// Repetitions of each test.
     #[arg(short = 'r', long = "repetitions", default_value_t = 3)]
@@ -85,6 +75,10 @@ struct Row {
     read_bytes_per_token: u64,
     bound_ts: Option<f64>,
     fraction_of_bound: Option<f64>,
+    /// CUDA: bytes predicted on the GPU(s) before loading, and measured (free memory before the
+    /// load minus free memory after a warm-up with one session alive).
+    gpu_predicted_bytes: Option<u64>,
+    gpu_measured_bytes: Option<u64>,
 }
 
 #[derive(Serialize)]
@@ -102,6 +96,7 @@ struct BenchOut {
     params: u64,
     threads: usize,
     bandwidth_bytes_per_s: Option<f64>,
+    gpu_bandwidth_bytes_per_s: Option<f64>,
     rows: Vec<Row>,
     knee: Option<Knee>,
     notes: Vec<String>,
@@ -110,11 +105,7 @@ struct BenchOut {
 fn mean_std(xs: &[f64]) -> (f64, f64) {
     let n = xs.len() as f64;
     let m = xs.iter().sum::<f64>() / n;
-    let v = if xs.len() > 1 {
-        xs.iter().map(|x| (x - m).powi(2)).sum::<f64>() / (n - 1.0)
-    } else {
-        0.0
-    };
+    let v = if xs.len() > 1 { xs.iter().map(|x| (x - m).powi(2)).sum::<f64>() / (n - 1.0) } else { 0.0 };
     (m, v.sqrt())
 }
 
@@ -124,14 +115,13 @@ fn read_bytes(files: &ModelFiles, stages: &[Stage], n_ctx: usize) -> Vec<(Device
     stages
         .iter()
         .map(|s| {
-            let w = predict_slice_bytes(files, s.layers, activation_dtype(s.device), n_ctx).weights;
+            let w = predict_slice_bytes(files, s.layers, activation_dtype(s.device, files), n_ctx).weights;
             let embed = if s.layers.is_first() {
-                files.device_bytes("token_embd.weight", activation_dtype(s.device))
+                files.device_bytes("token_embd.weight", activation_dtype(s.device, files))
             } else {
                 0
             };
-            let tied_here = s.layers.is_last(files.config.n_layers)
-                && files.tensor_info("output.weight").is_none();
+            let tied_here = s.layers.is_last(files.config.n_layers) && files.tensor_info("output.weight").is_none();
             (s.device, if tied_here { w } else { w - embed })
         })
         .collect()
@@ -142,8 +132,7 @@ fn batched_on_cpu(ty: StoredType) -> bool {
     let vnni = cfg!(target_arch = "x86_64") && {
         #[cfg(target_arch = "x86_64")]
         {
-            (std::arch::is_x86_feature_detected!("avx512f")
-                && std::arch::is_x86_feature_detected!("avx512vnni"))
+            (std::arch::is_x86_feature_detected!("avx512f") && std::arch::is_x86_feature_detected!("avx512vnni"))
                 || std::arch::is_x86_feature_detected!("avxvnni")
         }
         #[cfg(not(target_arch = "x86_64"))]
@@ -156,9 +145,7 @@ fn batched_on_cpu(ty: StoredType) -> bool {
         StoredType::Ggml(GgmlDType::Q8_0) => vnni,
         // float weights are dense matrices (gemm), batched anyway
         StoredType::F32 | StoredType::F16 | StoredType::BF16 => true,
-        StoredType::Ggml(GgmlDType::F32)
-        | StoredType::Ggml(GgmlDType::F16)
-        | StoredType::Ggml(GgmlDType::BF16) => true,
+        StoredType::Ggml(GgmlDType::F32) | StoredType::Ggml(GgmlDType::F16) | StoredType::Ggml(GgmlDType::BF16) => true,
         _ => false,
     }
 }
@@ -170,9 +157,7 @@ pub fn bench(a: BenchArgs) -> Result<()> {
     let files = open_model(a.model.as_deref())?;
     let threads = candle_core::utils::get_num_threads();
     let gpus = detect_gpus();
-    let n_ctx = a.n_prompt.iter().max().copied().unwrap_or(0)
-        + a.n_gen.iter().max().copied().unwrap_or(0)
-        + 16;
+    let n_ctx = a.n_prompt.iter().max().copied().unwrap_or(0) + a.n_gen.iter().max().copied().unwrap_or(0) + 16;
     let mut notes = Vec::new();
     let off: Vec<String> = files
         .weight_types()
@@ -186,35 +171,34 @@ pub fn bench(a: BenchArgs) -> Result<()> {
             off.join(", ")
         ));
     }
-    let bw = if a.no_bandwidth {
-        None
-    } else {
-        Some(bandwidth::read_bandwidth(512 << 20, threads, 3))
-    };
-    if !gpus.is_empty() && bw.is_some() {
-        notes.push("the bound counts only CPU-resident weights at the measured CPU bandwidth; GPU-resident weights are not bounded here".into());
-    }
-    let label = files
-        .source
-        .rsplit('/')
-        .next()
-        .unwrap_or(&files.source)
-        .to_string();
+    let bw = if a.no_bandwidth { None } else { Some(bandwidth::read_bandwidth(512 << 20, threads, 3)) };
 
+    let label = files.source.rsplit('/').next().unwrap_or(&files.source).to_string();
+
+    // CUDA contexts first (free memory measured around each load sees only the load), and the
+    // GPUs' copy bandwidth for the bound
+    let contexts: Vec<candle_core::Device> = gpus
+        .iter()
+        .map(|g| brigade_model::pipeline::candle_device(DeviceId::Cuda(g.ordinal)))
+        .collect::<Result<_, _>>()?;
+    let gpu_bw = if a.no_bandwidth { None } else { contexts.first().and_then(bandwidth::device_bandwidth) };
+    let sync = || {
+        for c in &contexts {
+            let _ = c.synchronize();
+        }
+    };
     let device = candle_core::Device::Cpu;
     let rows = device.with_context(|| -> Result<Vec<Row>> {
         let mut rows = Vec::new();
         for ngl in &a.ngl {
+            sync();
+            let free_before = gpu_free();
             let placement = place(&files, Some(*ngl), None, n_ctx, a.headroom, &gpus)?;
             if let Some(n) = &placement.notice {
                 eprintln!("{n}");
             }
-            let n_gpu: usize = placement
-                .stages
-                .iter()
-                .filter(|s| s.device != DeviceId::Cpu)
-                .map(|s| s.layers.len())
-                .sum();
+            let n_gpu: usize =
+                placement.stages.iter().filter(|s| s.device != DeviceId::Cpu).map(|s| s.layers.len()).sum();
             let t0 = Instant::now();
             let pipeline = Pipeline::load(&files, &placement.stages, n_ctx, |_, _| {})
                 .with_context(|| format!("loading for -ngl {ngl}"))?;
@@ -230,20 +214,37 @@ pub fn bench(a: BenchArgs) -> Result<()> {
                 .collect();
             let reads = read_bytes(&files, &placement.stages, n_ctx);
             let read_total: u64 = reads.iter().map(|r| r.1).sum();
-            let cpu_read: u64 = reads
-                .iter()
-                .filter(|r| r.0 == DeviceId::Cpu)
-                .map(|r| r.1)
-                .sum();
+            let cpu_read: u64 = reads.iter().filter(|r| r.0 == DeviceId::Cpu).map(|r| r.1).sum();
             let vocab = files.config.vocab as u32;
             let token = |i: usize| ((i as u32).wrapping_mul(2_654_435_761) >> 7) % vocab;
-            // warm-up: first use of every kernel (and repacking of quantized weights)
-            {
+            // warm-up: first use of every kernel (and repacking of quantized weights); GPU memory
+            // measured with its session (KV cache) alive
+            let (gpu_predicted, gpu_measured) = {
                 let mut s = pipeline.new_session()?;
                 let w: Vec<u32> = (0..8).map(token).collect();
                 pipeline.prefill(&mut s, &w, 512)?;
                 pipeline.forward(&mut s, &[token(9)], brigade_model::Logits::Last)?;
-            }
+                sync();
+                let free_after = gpu_free();
+                let measured: u64 = free_before
+                    .iter()
+                    .filter_map(|(i, b)| free_after.iter().find(|x| x.0 == *i).map(|x| b.saturating_sub(x.1)))
+                    .sum();
+                let predicted: u64 = placement
+                    .stages
+                    .iter()
+                    .filter(|st| st.device != DeviceId::Cpu)
+                    .map(|st| {
+                        predict_slice_bytes(&files, st.layers, activation_dtype(st.device, &files), n_ctx).total()
+                    })
+                    .sum();
+                if gpus.is_empty() {
+                    (None, None)
+                } else {
+                    (Some(predicted), Some(measured))
+                }
+            };
+            let gpu_read = read_total - cpu_read;
             for &p in a.n_prompt.iter().filter(|&&p| p > 0) {
                 let prompt: Vec<u32> = (0..p).map(token).collect();
                 let mut samples = Vec::new();
@@ -268,6 +269,8 @@ pub fn bench(a: BenchArgs) -> Result<()> {
                     read_bytes_per_token: read_total,
                     bound_ts: None,
                     fraction_of_bound: None,
+                    gpu_predicted_bytes: gpu_predicted,
+                    gpu_measured_bytes: gpu_measured,
                 });
             }
             for &n in a.n_gen.iter().filter(|&&n| n > 0) {
@@ -281,8 +284,11 @@ pub fn bench(a: BenchArgs) -> Result<()> {
                     samples.push(n as f64 / t.elapsed().as_secs_f64());
                 }
                 let (m, sd) = mean_std(&samples);
-                let bound = match bw {
-                    Some(bw) if cpu_read > 0 && n_gpu == 0 => Some(bw / cpu_read as f64),
+                // floor: CPU-resident bytes at CPU bandwidth plus GPU-resident bytes at GPU bandwidth
+                let bound = match (bw, gpu_bw, gpu_read) {
+                    (Some(bw), _, 0) => Some(1.0 / (cpu_read as f64 / bw)),
+                    (Some(bw), Some(g), _) => Some(1.0 / (cpu_read as f64 / bw + gpu_read as f64 / g)),
+                    (None, Some(g), _) if cpu_read == 0 => Some(g / gpu_read as f64),
                     _ => None,
                 };
                 rows.push(Row {
@@ -299,6 +305,8 @@ pub fn bench(a: BenchArgs) -> Result<()> {
                     read_bytes_per_token: read_total,
                     bound_ts: bound,
                     fraction_of_bound: bound.map(|b| m / b),
+                    gpu_predicted_bytes: gpu_predicted,
+                    gpu_measured_bytes: gpu_measured,
                 });
             }
         }
@@ -309,15 +317,12 @@ pub fn bench(a: BenchArgs) -> Result<()> {
     let tg: Vec<&Row> = rows.iter().filter(|r| r.n_gen > 0).collect();
     let knee = if a.ngl.len() > 1 && !tg.is_empty() {
         let best = tg.iter().map(|r| r.avg_ts).fold(0.0, f64::max);
-        tg.iter()
-            .filter(|r| r.avg_ts >= 0.9 * best)
-            .min_by_key(|r| r.n_gpu_layers)
-            .map(|r| Knee {
-                ngl: r.ngl.clone(),
-                n_gpu_layers: r.n_gpu_layers,
-                tg_ts: r.avg_ts,
-                best_ts: best,
-            })
+        tg.iter().filter(|r| r.avg_ts >= 0.9 * best).min_by_key(|r| r.n_gpu_layers).map(|r| Knee {
+            ngl: r.ngl.clone(),
+            n_gpu_layers: r.n_gpu_layers,
+            tg_ts: r.avg_ts,
+            best_ts: best,
+        })
     } else {
         None
     };
@@ -327,6 +332,7 @@ pub fn bench(a: BenchArgs) -> Result<()> {
         params: files.n_params(),
         threads,
         bandwidth_bytes_per_s: bw,
+        gpu_bandwidth_bytes_per_s: gpu_bw,
         rows,
         knee,
         notes,
@@ -342,24 +348,16 @@ pub fn bench(a: BenchArgs) -> Result<()> {
 fn device_cols(r: &Row) -> String {
     r.devices
         .iter()
-        .map(|d| {
-            format!(
-                "{} [{},{}) {}",
-                d.name,
-                d.layers.0,
-                d.layers.1,
-                human_bytes(d.bytes)
-            )
-        })
+        .map(|d| format!("{} [{},{}) {}", d.name, d.layers.0, d.layers.1, human_bytes(d.bytes)))
         .collect::<Vec<_>>()
         .join("; ")
 }
 
 fn print_csv(o: &BenchOut) {
-    println!("model,model_bytes,params,threads,ngl,n_gpu_layers,test,n_prompt,n_gen,avg_ts,stddev_ts,devices,read_bytes_per_token,bound_ts,fraction_of_bound");
+    println!("model,model_bytes,params,threads,ngl,n_gpu_layers,test,n_prompt,n_gen,avg_ts,stddev_ts,devices,read_bytes_per_token,bound_ts,fraction_of_bound,gpu_predicted_bytes,gpu_measured_bytes");
     for r in &o.rows {
         println!(
-            "\"{}\",{},{},{},{},{},{},{},{},{:.3},{:.3},\"{}\",{},{},{}",
+            "\"{}\",{},{},{},{},{},{},{},{},{:.3},{:.3},\"{}\",{},{},{},{},{}",
             o.model,
             o.model_bytes,
             o.params,
@@ -374,9 +372,9 @@ fn print_csv(o: &BenchOut) {
             device_cols(r),
             r.read_bytes_per_token,
             r.bound_ts.map(|b| format!("{b:.3}")).unwrap_or_default(),
-            r.fraction_of_bound
-                .map(|b| format!("{b:.3}"))
-                .unwrap_or_default()
+            r.fraction_of_bound.map(|b| format!("{b:.3}")).unwrap_or_default(),
+            r.gpu_predicted_bytes.map(|b| b.to_string()).unwrap_or_default(),
+            r.gpu_measured_bytes.map(|b| b.to_string()).unwrap_or_default()
         );
     }
 }
@@ -391,11 +389,7 @@ fn print_md(o: &BenchOut, label: &str) {
             human_bytes(o.model_bytes),
             o.params as f64 / 1e9,
             o.threads,
-            if r.ngl == r.n_gpu_layers.to_string() {
-                r.ngl.clone()
-            } else {
-                format!("{} ({})", r.ngl, r.n_gpu_layers)
-            },
+            if r.ngl == r.n_gpu_layers.to_string() { r.ngl.clone() } else { format!("{} ({})", r.ngl, r.n_gpu_layers) },
             r.test,
             r.avg_ts,
             r.stddev_ts,
@@ -404,11 +398,21 @@ fn print_md(o: &BenchOut, label: &str) {
     }
     println!();
     if let Some(bw) = o.bandwidth_bytes_per_s {
-        println!(
-            "memory read bandwidth ({} threads): {:.1} GB/s",
-            o.threads,
-            bw / 1e9
-        );
+        println!("memory read bandwidth ({} threads): {:.1} GB/s", o.threads, bw / 1e9);
+    }
+    if let Some(bw) = o.gpu_bandwidth_bytes_per_s {
+        println!("GPU memory bandwidth (device copy): {:.1} GB/s", bw / 1e9);
+    }
+    for r in o.rows.iter().filter(|r| r.n_gen > 0) {
+        if let (Some(p), Some(m)) = (r.gpu_predicted_bytes, r.gpu_measured_bytes) {
+            println!(
+                "-ngl {}: GPU bytes predicted {}, measured {} ({:+.1}%)",
+                r.ngl,
+                human_bytes(p),
+                human_bytes(m),
+                100.0 * (m as f64 - p as f64) / (p as f64).max(1.0)
+            );
+        }
     }
     for r in o.rows.iter().filter(|r| r.bound_ts.is_some()) {
         if let (Some(b), Some(f)) = (r.bound_ts, r.fraction_of_bound) {
@@ -424,7 +428,10 @@ fn print_md(o: &BenchOut, label: &str) {
         }
     }
     if let Some(k) = &o.knee {
-        println!("knee: -ngl {} ({} GPU layers) is the smallest reaching 90% of the best tg ({:.2} of {:.2} t/s)", k.ngl, k.n_gpu_layers, k.tg_ts, k.best_ts);
+        println!(
+            "knee: -ngl {} ({} GPU layers) is the smallest reaching 90% of the best tg ({:.2} of {:.2} t/s)",
+            k.ngl, k.n_gpu_layers, k.tg_ts, k.best_ts
+        );
     }
     for n in &o.notes {
         println!("note: {n}");

@@ -72,12 +72,7 @@ fn set_threads(args: &[String]) {
         };
         if let Some(v) = v {
             // bench accepts a list; the first value sizes the pool
-            if let Some(n) = v
-                .split(',')
-                .next()
-                .and_then(|n| n.trim().parse::<usize>().ok())
-                .filter(|&n| n > 0)
-            {
+            if let Some(n) = v.split(',').next().and_then(|n| n.trim().parse::<usize>().ok()).filter(|&n| n > 0) {
                 std::env::set_var("RAYON_NUM_THREADS", n.to_string());
                 std::env::set_var("CANDLE_NUM_THREADS", n.to_string());
             }
@@ -116,21 +111,8 @@ mod tests {
     #[test]
     fn ngl_is_rewritten() {
         let v = rewrite_llama_cpp_flags(
-            ["brigade", "run", "-ngl", "8", "-ngl=auto", "-n", "5"]
-                .iter()
-                .map(|s| s.to_string()),
+            ["brigade", "run", "-ngl", "8", "-ngl=auto", "-n", "5"].iter().map(|s| s.to_string()),
         );
-        assert_eq!(
-            v,
-            [
-                "brigade",
-                "run",
-                "--n-gpu-layers",
-                "8",
-                "--n-gpu-layers=auto",
-                "-n",
-                "5"
-            ]
-        );
+        assert_eq!(v, ["brigade", "run", "--n-gpu-layers", "8", "--n-gpu-layers=auto", "-n", "5"]);
     }
 }

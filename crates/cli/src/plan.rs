@@ -67,29 +67,17 @@ pub struct PlanArgs {
     pub svg: Option<PathBuf>,
 }
 
-fn profile(
-    model: Option<&PathBuf>,
-    shape: Option<&String>,
-    quant: Option<&String>,
-    kv: u64,
-) -> Result<ModelProfile> {
+fn profile(model: Option<&PathBuf>, shape: Option<&String>, quant: Option<&String>, kv: u64) -> Result<ModelProfile> {
     match (model, shape, quant) {
         (Some(p), _, _) => Ok(ModelFiles::open(p)
             .with_context(|| format!("{} is not a model brigade can read", p.display()))?
             .profile(kv)),
         (None, Some(s), Some(q)) => {
-            let shape = LlamaShape::preset(s).with_context(|| {
-                format!("unknown shape `{s}` ({})", LlamaShape::PRESETS.join(", "))
-            })?;
-            let bits = bits_per_weight(q).with_context(|| {
-                format!("unknown quantization `{q}` (f16, q8_0, q6_k, q4_k, q4_0)")
-            })?;
-            Ok(ModelProfile::from_shape(
-                &format!("{s} {q}"),
-                &shape,
-                bits,
-                kv,
-            ))
+            let shape = LlamaShape::preset(s)
+                .with_context(|| format!("unknown shape `{s}` ({})", LlamaShape::PRESETS.join(", ")))?;
+            let bits = bits_per_weight(q)
+                .with_context(|| format!("unknown quantization `{q}` (f16, q8_0, q6_k, q4_k, q4_0)"))?;
+            Ok(ModelProfile::from_shape(&format!("{s} {q}"), &shape, bits, kv))
         }
         _ => bail!("give a model: -m FILE, or --shape and --quant"),
     }
@@ -105,8 +93,7 @@ pub fn run_plan(a: PlanArgs) -> Result<()> {
         (None, None) => None,
         (m, s) => Some(profile(m.as_ref(), s.as_ref(), a.also_quant.as_ref(), kv)?),
     };
-    let text = std::fs::read_to_string(&a.cluster)
-        .with_context(|| format!("cannot read {}", a.cluster.display()))?;
+    let text = std::fs::read_to_string(&a.cluster).with_context(|| format!("cannot read {}", a.cluster.display()))?;
     let inv = parse_cluster(&text).with_context(|| format!("in {}", a.cluster.display()))?;
     let policy = Policy {
         objective: a.objective,
@@ -127,23 +114,17 @@ pub fn run_plan(a: PlanArgs) -> Result<()> {
         Err(e) => {
             if a.json {
                 let short = match &e {
-                    PlanError::Infeasible {
-                        shortfall_bytes, ..
-                    } => Some(*shortfall_bytes),
+                    PlanError::Infeasible { shortfall_bytes, .. } => Some(*shortfall_bytes),
                     _ => None,
                 };
-                println!(
-                    "{}",
-                    serde_json::json!({"error": e.to_string(), "shortfall_bytes": short})
-                );
+                println!("{}", serde_json::json!({"error": e.to_string(), "shortfall_bytes": short}));
                 std::process::exit(1);
             }
             return Err(e.into());
         }
     };
     if let Some(path) = &a.svg {
-        std::fs::write(path, svg::render(&p))
-            .with_context(|| format!("cannot write {}", path.display()))?;
+        std::fs::write(path, svg::render(&p)).with_context(|| format!("cannot write {}", path.display()))?;
     }
     if a.json {
         let mut v = serde_json::to_value(&p)?;

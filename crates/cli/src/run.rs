@@ -1,7 +1,10 @@
 //! `brigade run`: llama.cpp's `llama-cli -no-cnv` for one prompt, on this box.
 
-use crate::common::{context_len, detect_gpus, human_bytes, open_model, place, GpuLayers};
+use crate::common::{context_len, detect_gpus, gpu_free, human_bytes, load_with_retry, open_model, place, GpuLayers};
 use anyhow::{Context, Result};
+use brigade_core::DeviceId;
+use brigade_model::pipeline::activation_dtype;
+use brigade_model::predict_slice_bytes;
 use brigade_model::{Pipeline, Sampler, SamplerConfig};
 use clap::Args;
 use serde::Serialize;
@@ -70,6 +73,12 @@ struct DeviceOut {
     bytes: u64,
     weight_bytes: u64,
     kv_bytes: u64,
+    /// What brigade predicted before loading.
+    predicted_bytes: u64,
+    /// CUDA only: free memory before the load minus free memory at the end (all stages on the
+    /// device together).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    measured_bytes: Option<u64>,
 }
 
 #[derive(Serialize)]
@@ -92,6 +101,7 @@ struct RunOut {
     stop: brigade_model::pipeline::StopReason,
     seed: u64,
     n_ctx: usize,
+    gpus: Vec<brigade_model::devices::CudaInfo>,
     timings: Timings,
     devices: Vec<DeviceOut>,
 }
@@ -101,14 +111,7 @@ pub fn run(a: RunArgs) -> Result<()> {
     let files = open_model(a.model.as_deref())?;
     let n_ctx = context_len(&files, a.ctx)?;
     let gpus = detect_gpus();
-    let placement = place(
-        &files,
-        a.ngl,
-        a.device_map.as_deref(),
-        n_ctx,
-        a.headroom,
-        &gpus,
-    )?;
+    let placement = place(&files, a.ngl, a.device_map.as_deref(), n_ctx, a.headroom, &gpus)?;
     if let Some(n) = &placement.notice {
         eprintln!("{n}");
     }
@@ -120,9 +123,7 @@ pub fn run(a: RunArgs) -> Result<()> {
         tk.encode(&a.prompt, true)?
     };
     if prompt_ids.is_empty() {
-        anyhow::bail!(
-            "the prompt is empty and this model adds no BOS token: give a prompt with -p"
-        );
+        anyhow::bail!("the prompt is empty and this model adds no BOS token: give a prompt with -p");
     }
     if prompt_ids.len() + a.n_predict > n_ctx {
         eprintln!(
@@ -150,13 +151,34 @@ pub fn run(a: RunArgs) -> Result<()> {
     let json = a.json;
     let n_predict = a.n_predict;
     let ignore_eos = a.ignore_eos;
+    // Create the CUDA contexts first, so free memory measured around the load sees only what
+    // the load allocates.
+    let _contexts: Vec<candle_core::Device> = gpus
+        .iter()
+        .map(|g| brigade_model::pipeline::candle_device(DeviceId::Cuda(g.ordinal)))
+        .collect::<Result<_, _>>()?;
+    let free_before = gpu_free();
+    let retry = a.ngl == Some(GpuLayers::Auto);
+    let gpus_report = gpus.clone();
     let out = device.with_context(move || -> Result<RunOut> {
-        let pipeline = Pipeline::load(&files, &placement.stages, n_ctx, |_, s| {
-            bar.set_message(format!("{} on {}", s.layers, s.device));
-            bar.inc(1);
+        let n_layers = files.config.n_layers;
+        let (pipeline, stages, notes) = load_with_retry(n_layers, placement.stages.clone(), retry, |st| {
+            bar.set_length(st.len() as u64);
+            bar.set_position(0);
+            Pipeline::load(&files, st, n_ctx, |_, s| {
+                bar.set_message(format!("{} on {}", s.layers, s.device));
+                bar.inc(1);
+            })
         })
         .context("loading the model")?;
         bar.finish_and_clear();
+        for n in &notes {
+            eprintln!("{n}");
+        }
+        let predicted: Vec<u64> = stages
+            .iter()
+            .map(|s| predict_slice_bytes(&files, s.layers, activation_dtype(s.device, &files), n_ctx).total())
+            .collect();
         // The slices own their weights now; unmapping the file keeps the process's resident
         // memory equal to what the report below says it holds.
         let source = files.source.clone();
@@ -195,15 +217,26 @@ pub fn run(a: RunArgs) -> Result<()> {
             let _ = writeln!(stdout, "{}", stream.finish());
         }
         let text = tk.decode(&generated, prev);
+        // what each GPU lost to this process since before the load (weights, caches, scratch)
+        let free_after = gpu_free();
+        let measured = |d: DeviceId| -> Option<u64> {
+            let DeviceId::Cuda(i) = d else { return None };
+            let before = free_before.iter().find(|g| g.0 == i)?.1;
+            let after = free_after.iter().find(|g| g.0 == i)?.1;
+            Some(before.saturating_sub(after))
+        };
         let devices = pipeline
             .report()
             .into_iter()
-            .map(|r| DeviceOut {
+            .zip(&predicted)
+            .map(|(r, &p)| DeviceOut {
                 name: r.device.to_string(),
                 layers: r.layers,
                 bytes: r.weight_bytes + r.kv_bytes,
                 weight_bytes: r.weight_bytes,
                 kv_bytes: r.kv_bytes,
+                predicted_bytes: p,
+                measured_bytes: measured(r.device),
             })
             .collect();
         Ok(RunOut {
@@ -214,6 +247,7 @@ pub fn run(a: RunArgs) -> Result<()> {
             stop: stats.stop,
             seed,
             n_ctx,
+            gpus: gpus_report,
             timings: Timings {
                 load_ms,
                 prompt_tokens: stats.prompt_tokens,
@@ -232,10 +266,7 @@ pub fn run(a: RunArgs) -> Result<()> {
     }
     let t = &out.timings;
     eprintln!();
-    eprintln!(
-        "model       : {} (ctx {}, seed {})",
-        out.model, out.n_ctx, out.seed
-    );
+    eprintln!("model       : {} (ctx {}, seed {})", out.model, out.n_ctx, out.seed);
     eprintln!("load time   : {:10.2} ms", t.load_ms);
     eprintln!(
         "prompt eval : {:10.2} ms / {:5} tokens ({:8.2} tokens/s)",
@@ -245,9 +276,24 @@ pub fn run(a: RunArgs) -> Result<()> {
         "generation  : {:10.2} ms / {:5} tokens ({:8.2} tokens/s)",
         t.generation_ms, t.generated_tokens, t.generation_tokens_per_s
     );
-    for d in &out.devices {
+    for g in &out.gpus {
         eprintln!(
-            "device {:6}: layers [{}, {}) holds {} (weights {}, KV cache {})",
+            "gpu cuda{}   : {}, {} total, {} free at start",
+            g.ordinal,
+            g.name,
+            human_bytes(g.memory_total),
+            human_bytes(g.memory_free)
+        );
+    }
+    for d in &out.devices {
+        let measured = d
+            .measured_bytes
+            .map(|m| {
+                format!("; predicted {}, measured {} on the device", human_bytes(d.predicted_bytes), human_bytes(m))
+            })
+            .unwrap_or_default();
+        eprintln!(
+            "device {:6}: layers [{}, {}) holds {} (weights {}, KV cache {}){measured}",
             d.name,
             d.layers.0,
             d.layers.1,
@@ -262,11 +308,6 @@ pub fn run(a: RunArgs) -> Result<()> {
 fn rand_seed() -> u64 {
     use std::hash::{BuildHasher, Hasher};
     let mut h = std::collections::hash_map::RandomState::new().build_hasher();
-    h.write_u128(
-        std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .map(|d| d.as_nanos())
-            .unwrap_or(0),
-    );
+    h.write_u128(std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_nanos()).unwrap_or(0));
     h.finish()
 }

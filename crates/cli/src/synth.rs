@@ -49,9 +49,9 @@ pub struct SynthArgs {
 
 pub fn synth(a: SynthArgs) -> Result<()> {
     let mut shape = match &a.preset {
-        Some(p) => Shape::preset(p).ok_or_else(|| {
-            anyhow::anyhow!("unknown preset `{p}` (llama-1b, llama-8b, llama-70b)")
-        })?,
+        Some(p) => {
+            Shape::preset(p).ok_or_else(|| anyhow::anyhow!("unknown preset `{p}` (llama-1b, llama-8b, llama-70b)"))?
+        }
         None => {
             let (Some(layers), Some(hidden), Some(heads)) = (a.layers, a.hidden, a.heads) else {
                 bail!("give --preset, or at least --layers, --hidden and --heads");
@@ -101,9 +101,7 @@ pub fn synth(a: SynthArgs) -> Result<()> {
     let t0 = std::time::Instant::now();
     let bytes = match a.format {
         SynthFormat::Gguf => write_gguf(&a.output, &shape, a.ty, a.seed, progress)?,
-        SynthFormat::Safetensors => {
-            write_safetensors_dir(&a.output, &shape, a.ty, a.seed, progress)?
-        }
+        SynthFormat::Safetensors => write_safetensors_dir(&a.output, &shape, a.ty, a.seed, progress)?,
     };
     bar.finish_and_clear();
     if a.json {

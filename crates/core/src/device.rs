@@ -86,9 +86,6 @@ mod tests {
         assert_eq!(DeviceId::Cuda(3).to_string(), "cuda3");
         let j = serde_json::to_string(&DeviceId::Cuda(0)).unwrap();
         assert_eq!(j, "\"cuda0\"");
-        assert_eq!(
-            serde_json::from_str::<DeviceId>(&j).unwrap(),
-            DeviceId::Cuda(0)
-        );
+        assert_eq!(serde_json::from_str::<DeviceId>(&j).unwrap(), DeviceId::Cuda(0));
     }
 }

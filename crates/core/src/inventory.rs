@@ -63,9 +63,6 @@ impl Inventory {
 
     /// The link between two nodes, if any.
     pub fn link(&self, a: &str, b: &str) -> Option<Link> {
-        self.links
-            .iter()
-            .find(|l| (l.a == a && l.b == b) || (l.a == b && l.b == a))
-            .map(|l| l.link)
+        self.links.iter().find(|l| (l.a == a && l.b == b) || (l.a == b && l.b == a)).map(|l| l.link)
     }
 }

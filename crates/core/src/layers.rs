@@ -87,13 +87,10 @@ impl DeviceMap {
     pub fn parse(s: &str) -> Result<Self, CoreError> {
         let mut entries = Vec::new();
         for entry in s.split(',').map(str::trim).filter(|e| !e.is_empty()) {
-            let (dev, count) =
-                entry
-                    .rsplit_once(':')
-                    .ok_or_else(|| CoreError::BadDeviceMapEntry {
-                        entry: entry.to_string(),
-                        why: "expected DEVICE:LAYERS, for example cpu:10".into(),
-                    })?;
+            let (dev, count) = entry.rsplit_once(':').ok_or_else(|| CoreError::BadDeviceMapEntry {
+                entry: entry.to_string(),
+                why: "expected DEVICE:LAYERS, for example cpu:10".into(),
+            })?;
             let device: DeviceId = dev.parse()?;
             let count: usize = count.parse().map_err(|_| CoreError::BadDeviceMapEntry {
                 entry: entry.to_string(),
@@ -154,10 +151,7 @@ impl DeviceMap {
         let mut start = 0;
         let mut out = Vec::with_capacity(self.entries.len());
         for &(device, n) in &self.entries {
-            out.push(Stage {
-                device,
-                layers: LayerRange::new(start, start + n)?,
-            });
+            out.push(Stage { device, layers: LayerRange::new(start, start + n)? });
             start += n;
         }
         Ok(out)
@@ -197,38 +191,19 @@ mod tests {
         let s = m.stages(5).unwrap();
         assert_eq!(s.len(), 2);
         assert_eq!(s[1].layers, LayerRange::new(3, 5).unwrap());
-        assert_eq!(
-            m.stages(6),
-            Err(CoreError::LayerCountMismatch {
-                placed: 5,
-                n_layers: 6
-            })
-        );
+        assert_eq!(m.stages(6), Err(CoreError::LayerCountMismatch { placed: 5, n_layers: 6 }));
         assert!(DeviceMap::parse("cpu:0").is_err());
         assert!(DeviceMap::parse("cpu").is_err());
         assert!(DeviceMap::parse("tpu:3").is_err());
         assert!(DeviceMap::parse("").is_err());
-        assert_eq!(
-            DeviceMap::parse("cpu:10,cuda0:22").unwrap().to_string(),
-            "cpu:10,cuda0:22"
-        );
+        assert_eq!(DeviceMap::parse("cpu:10,cuda0:22").unwrap().to_string(), "cpu:10,cuda0:22");
     }
 
     #[test]
     fn ngl_shorthand() {
         let m = DeviceMap::n_gpu_layers(32, 8, DeviceId::Cuda(0)).unwrap();
         assert_eq!(m.to_string(), "cpu:24,cuda0:8");
-        assert_eq!(
-            DeviceMap::n_gpu_layers(32, 0, DeviceId::Cuda(0))
-                .unwrap()
-                .to_string(),
-            "cpu:32"
-        );
-        assert_eq!(
-            DeviceMap::n_gpu_layers(32, 99, DeviceId::Cuda(0))
-                .unwrap()
-                .to_string(),
-            "cuda0:32"
-        );
+        assert_eq!(DeviceMap::n_gpu_layers(32, 0, DeviceId::Cuda(0)).unwrap().to_string(), "cpu:32");
+        assert_eq!(DeviceMap::n_gpu_layers(32, 99, DeviceId::Cuda(0)).unwrap().to_string(), "cuda0:32");
     }
 }

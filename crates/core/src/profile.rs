@@ -41,12 +41,7 @@ impl ModelProfile {
 
     /// A profile for a Llama shape stored at `bits_per_weight` (embedding and head included), with
     /// a KV cache of `kv_dtype_bytes` per element.
-    pub fn from_shape(
-        name: &str,
-        s: &LlamaShape,
-        bits_per_weight: f64,
-        kv_dtype_bytes: u64,
-    ) -> ModelProfile {
+    pub fn from_shape(name: &str, s: &LlamaShape, bits_per_weight: f64, kv_dtype_bytes: u64) -> ModelProfile {
         let bytes = |params: u64| (params as f64 * bits_per_weight / 8.0).round() as u64;
         let hd = s.hidden / s.heads;
         let (h, f, kv) = (s.hidden as u64, s.ffn as u64, (s.kv_heads * hd) as u64);
@@ -91,15 +86,7 @@ impl LlamaShape {
             "llama-70b" => (80, 8192, 28672, 64, 8, false),
             _ => return None,
         };
-        Some(LlamaShape {
-            layers,
-            hidden,
-            ffn,
-            heads,
-            kv_heads,
-            vocab: 128_256,
-            tied,
-        })
+        Some(LlamaShape { layers, hidden, ffn, heads, kv_heads, vocab: 128_256, tied })
     }
 
     pub const PRESETS: [&'static str; 3] = ["llama-1b", "llama-8b", "llama-70b"];

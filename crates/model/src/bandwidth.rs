@@ -9,9 +9,7 @@ use std::time::Instant;
 pub fn read_bandwidth(bytes: usize, threads: usize, reps: usize) -> f64 {
     let threads = threads.max(1);
     let n = (bytes / 8).max(threads * 1024);
-    let buf: Vec<u64> = (0..n as u64)
-        .map(|i| i.wrapping_mul(0x9E37_79B9_7F4A_7C15))
-        .collect();
+    let buf: Vec<u64> = (0..n as u64).map(|i| i.wrapping_mul(0x9E37_79B9_7F4A_7C15)).collect();
     let chunk = n.div_ceil(threads);
     let mut best = 0.0f64;
     let mut sink = 0u64;
@@ -44,6 +42,27 @@ pub fn read_bandwidth(bytes: usize, threads: usize, reps: usize) -> f64 {
     best
 }
 
+/// Memory bandwidth of a GPU in bytes per second, from timed device-to-device copies of a
+/// 1 GiB buffer (read + write bytes counted); `None` on the CPU.
+pub fn device_bandwidth(device: &candle_core::Device) -> Option<f64> {
+    if device.is_cpu() {
+        return None;
+    }
+    let n = 256usize << 20; // f32 elements: 1 GiB
+    let t = candle_core::Tensor::zeros(n, candle_core::DType::F32, device).ok()?;
+    let mut best = 0.0f64;
+    for _ in 0..4 {
+        device.synchronize().ok()?;
+        let t0 = Instant::now();
+        let c = t.copy().ok()?;
+        device.synchronize().ok()?;
+        let dt = t0.elapsed().as_secs_f64();
+        drop(c);
+        best = best.max(2.0 * (n * 4) as f64 / dt);
+    }
+    Some(best)
+}
+
 #[cfg(test)]
 mod tests {
     #[test]
@@ -51,5 +70,6 @@ mod tests {
         let bw = super::read_bandwidth(64 << 20, 1, 2);
         // between 100 MB/s and 10 TB/s on any machine this runs on
         assert!(bw > 1e8 && bw < 1e13, "{bw}");
+        assert!(super::device_bandwidth(&candle_core::Device::Cpu).is_none());
     }
 }

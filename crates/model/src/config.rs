@@ -73,37 +73,24 @@ impl ModelConfig {
                 self.n_layers, self.hidden, self.ffn, self.vocab
             ));
         }
-        if self.n_heads == 0
-            || self.n_kv_heads == 0
-            || !self.n_heads.is_multiple_of(self.n_kv_heads)
-        {
+        if self.n_heads == 0 || self.n_kv_heads == 0 || !self.n_heads.is_multiple_of(self.n_kv_heads) {
             return bad(format!(
                 "{} attention heads cannot be grouped over {} kv heads",
                 self.n_heads, self.n_kv_heads
             ));
         }
         if self.head_dim == 0 || !self.head_dim.is_multiple_of(2) {
-            return bad(format!(
-                "head dim {} must be even and nonzero",
-                self.head_dim
-            ));
+            return bad(format!("head dim {} must be even and nonzero", self.head_dim));
         }
         // Generous sanity bounds: they only stop absurd values from sizing allocations.
-        if self.n_layers > 1024
-            || self.hidden > 1 << 17
-            || self.ffn > 1 << 19
-            || self.vocab > 1 << 22
-        {
+        if self.n_layers > 1024 || self.hidden > 1 << 17 || self.ffn > 1 << 19 || self.vocab > 1 << 22 {
             return bad(format!(
                 "implausible shape: {} layers, hidden {}, ffn {}, vocab {}",
                 self.n_layers, self.hidden, self.ffn, self.vocab
             ));
         }
         if self.n_heads * self.head_dim > 1 << 17 {
-            return bad(format!(
-                "implausible attention width {} x {}",
-                self.n_heads, self.head_dim
-            ));
+            return bad(format!("implausible attention width {} x {}", self.n_heads, self.head_dim));
         }
         if !(self.rope_theta.is_finite() && self.rope_theta > 0.0) {
             return bad(format!("rope theta {} must be positive", self.rope_theta));
@@ -126,19 +113,13 @@ impl ModelConfig {
     /// Inverse frequencies of the rotary embedding, one per pair of dimensions, scaling applied.
     pub fn rope_inv_freq(&self) -> Vec<f32> {
         let d = self.head_dim;
-        let base: Vec<f32> = (0..d / 2)
-            .map(|i| 1.0 / (self.rope_theta as f64).powf(2.0 * i as f64 / d as f64) as f32)
-            .collect();
+        let base: Vec<f32> =
+            (0..d / 2).map(|i| 1.0 / (self.rope_theta as f64).powf(2.0 * i as f64 / d as f64) as f32).collect();
         match &self.rope_scaling {
             RopeScaling::None => base,
             RopeScaling::Linear { factor } => base.iter().map(|f| f / factor).collect(),
             RopeScaling::FreqFactors(ff) => base.iter().zip(ff).map(|(f, s)| f / s).collect(),
-            RopeScaling::Llama3 {
-                factor,
-                low_freq_factor,
-                high_freq_factor,
-                original_max_position,
-            } => {
+            RopeScaling::Llama3 { factor, low_freq_factor, high_freq_factor, original_max_position } => {
                 let old = *original_max_position as f32;
                 let low_wavelen = old / low_freq_factor;
                 let high_wavelen = old / high_freq_factor;
@@ -150,8 +131,7 @@ impl ModelConfig {
                         } else if wavelen > low_wavelen {
                             f / factor
                         } else {
-                            let smooth = (old / wavelen - low_freq_factor)
-                                / (high_freq_factor - low_freq_factor);
+                            let smooth = (old / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor);
                             (1.0 - smooth) * f / factor + smooth * f
                         }
                     })
@@ -182,15 +162,10 @@ impl ModelConfig {
         let key = |k: &str| format!("{arch_name}.{k}");
         let req_u = |k: &str| -> Result<usize, ModelError> {
             let full = key(k);
-            let v = g
-                .get(&full)
-                .ok_or_else(|| ModelError::MissingMetadata(full.clone()))?;
+            let v = g.get(&full).ok_or_else(|| ModelError::MissingMetadata(full.clone()))?;
             v.as_u64()
                 .and_then(|v| usize::try_from(v).ok())
-                .ok_or_else(|| ModelError::BadMetadata {
-                    key: full,
-                    why: format!("{v:?} is not a count"),
-                })
+                .ok_or_else(|| ModelError::BadMetadata { key: full, why: format!("{v:?} is not a count") })
         };
         let opt_f = |k: &str| g.get(&key(k)).and_then(Value::as_f64);
         let n_layers = req_u("block_count")?;
@@ -222,10 +197,7 @@ impl ModelConfig {
                 .get("tokenizer.ggml.tokens")
                 .and_then(Value::as_array)
                 .map(<[Value]>::len)
-                .or_else(|| {
-                    g.tensor("token_embd.weight")
-                        .map(|t| t.dims.get(1).copied().unwrap_or(0) as usize)
-                })
+                .or_else(|| g.tensor("token_embd.weight").map(|t| t.dims.get(1).copied().unwrap_or(0) as usize))
                 .ok_or_else(|| ModelError::MissingMetadata("tokenizer.ggml.tokens".into()))?,
         };
         let ffn = req_u("feed_forward_length")?;
@@ -237,15 +209,9 @@ impl ModelConfig {
             RopeScaling::FreqFactors(f)
         } else {
             match g.get(&key("rope.scaling.type")).and_then(Value::as_str) {
-                Some("linear") => RopeScaling::Linear {
-                    factor: opt_f("rope.scaling.factor").unwrap_or(1.0) as f32,
-                },
+                Some("linear") => RopeScaling::Linear { factor: opt_f("rope.scaling.factor").unwrap_or(1.0) as f32 },
                 Some("none") | None => RopeScaling::None,
-                Some(other) => {
-                    return Err(ModelError::BadConfig(format!(
-                        "rope scaling `{other}` is not supported"
-                    )))
-                }
+                Some(other) => return Err(ModelError::BadConfig(format!("rope scaling `{other}` is not supported"))),
             }
         };
         let cfg = ModelConfig {
@@ -258,11 +224,7 @@ impl ModelConfig {
             head_dim,
             vocab,
             rope_theta: opt_f("rope.freq_base").unwrap_or(10_000.0) as f32,
-            rope_style: if arch == Arch::Qwen2 {
-                RopeStyle::Halves
-            } else {
-                RopeStyle::Interleaved
-            },
+            rope_style: if arch == Arch::Qwen2 { RopeStyle::Halves } else { RopeStyle::Interleaved },
             rope_scaling,
             rms_eps: opt_f("attention.layer_norm_rms_epsilon").unwrap_or(1e-5),
             context_length,
@@ -274,14 +236,9 @@ impl ModelConfig {
 
     /// Reads a Hugging Face `config.json`.
     pub fn from_hf_json(text: &str) -> Result<Self, ModelError> {
-        let hf: HfConfig = serde_json::from_str(text)
-            .map_err(|e| ModelError::BadConfig(format!("config.json: {e}")))?;
-        let arch_name = hf
-            .architectures
-            .first()
-            .cloned()
-            .or(hf.model_type.clone())
-            .unwrap_or_default();
+        let hf: HfConfig =
+            serde_json::from_str(text).map_err(|e| ModelError::BadConfig(format!("config.json: {e}")))?;
+        let arch_name = hf.architectures.first().cloned().or(hf.model_type.clone()).unwrap_or_default();
         let arch = match arch_name.as_str() {
             "LlamaForCausalLM" | "llama" => Arch::Llama,
             "MistralForCausalLM" | "mistral" => Arch::Mistral,
@@ -291,9 +248,7 @@ impl ModelConfig {
         if hf.num_attention_heads == 0 {
             return Err(ModelError::BadConfig("zero attention heads".into()));
         }
-        let head_dim = hf
-            .head_dim
-            .unwrap_or(hf.hidden_size / hf.num_attention_heads);
+        let head_dim = hf.head_dim.unwrap_or(hf.hidden_size / hf.num_attention_heads);
         let rope_scaling = match hf.rope_scaling {
             None => RopeScaling::None,
             Some(s) => match s.rope_type.as_deref().or(s.kind.as_deref()) {
@@ -303,15 +258,9 @@ impl ModelConfig {
                     high_freq_factor: s.high_freq_factor.unwrap_or(4.0),
                     original_max_position: s.original_max_position_embeddings.unwrap_or(8192),
                 },
-                Some("linear") => RopeScaling::Linear {
-                    factor: s.factor.unwrap_or(1.0),
-                },
+                Some("linear") => RopeScaling::Linear { factor: s.factor.unwrap_or(1.0) },
                 Some("default") | None => RopeScaling::None,
-                Some(other) => {
-                    return Err(ModelError::BadConfig(format!(
-                        "rope scaling `{other}` is not supported"
-                    )))
-                }
+                Some(other) => return Err(ModelError::BadConfig(format!("rope scaling `{other}` is not supported"))),
             },
         };
         let cfg = ModelConfig {

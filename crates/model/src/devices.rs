@@ -40,9 +40,7 @@ pub fn cpu_info() -> CpuInfo {
         .unwrap_or_else(|| std::env::consts::ARCH.to_string());
     CpuInfo {
         name,
-        threads: std::thread::available_parallelism()
-            .map(|n| n.get())
-            .unwrap_or(1),
+        threads: std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1),
         memory_total: meminfo_field(&mem, "MemTotal:").unwrap_or(0),
         memory_available: meminfo_field(&mem, "MemAvailable:").unwrap_or(0),
     }
@@ -67,12 +65,7 @@ pub fn cuda_devices() -> Vec<CudaInfo> {
             };
             let name = ctx.name().unwrap_or_else(|_| format!("cuda{i}"));
             let (free, total) = ctx.mem_get_info().unwrap_or((0, 0));
-            out.push(CudaInfo {
-                ordinal: i as u32,
-                name,
-                memory_total: total as u64,
-                memory_free: free as u64,
-            });
+            out.push(CudaInfo { ordinal: i as u32, name, memory_total: total as u64, memory_free: free as u64 });
         }
         out
     }
@@ -84,10 +77,7 @@ pub fn cuda_devices() -> Vec<CudaInfo> {
 
 /// Free memory of one CUDA device right now (for measuring what a load allocated).
 pub fn cuda_free_memory(ordinal: u32) -> Option<u64> {
-    cuda_devices()
-        .into_iter()
-        .find(|d| d.ordinal == ordinal)
-        .map(|d| d.memory_free)
+    cuda_devices().into_iter().find(|d| d.ordinal == ordinal).map(|d| d.memory_free)
 }
 
 #[cfg(test)]

@@ -28,22 +28,10 @@ pub enum GgufError {
     BadMagic { found: [u8; 4] },
     #[error("unsupported GGUF version {0} (brigade reads versions 2 and 3)")]
     UnsupportedVersion(u32),
-    #[error(
-        "GGUF file is truncated: {what} needs {need} bytes at offset {offset}, the file has {len}"
-    )]
-    Truncated {
-        what: String,
-        offset: u64,
-        need: u64,
-        len: u64,
-    },
+    #[error("GGUF file is truncated: {what} needs {need} bytes at offset {offset}, the file has {len}")]
+    Truncated { what: String, offset: u64, need: u64, len: u64 },
     #[error("GGUF header claims {count} {what}, but only {remaining} bytes remain (at least {min_each} bytes each)")]
-    AbsurdCount {
-        what: &'static str,
-        count: u64,
-        remaining: u64,
-        min_each: u64,
-    },
+    AbsurdCount { what: &'static str, count: u64, remaining: u64, min_each: u64 },
     #[error("GGUF metadata key `{key}` has unknown value type {type_id}")]
     UnknownValueType { key: String, type_id: u32 },
     #[error("GGUF metadata key `{key}`: arrays nested deeper than {MAX_ARRAY_NESTING} levels")]
@@ -57,26 +45,13 @@ pub enum GgufError {
     #[error("tensor `{name}` has {n_dims} dimensions (at most {MAX_DIMS} are allowed)")]
     TooManyDims { name: String, n_dims: u32 },
     #[error("tensor `{name}` has invalid dimensions {dims:?}: {why}")]
-    BadDims {
-        name: String,
-        dims: Vec<u64>,
-        why: String,
-    },
+    BadDims { name: String, dims: Vec<u64>, why: String },
     #[error("tensor `{name}` has unknown or unsupported type id {type_id}")]
     UnknownTensorType { name: String, type_id: u32 },
     #[error("tensor `{name}` data [{start}, {end}) lies past the end of the file ({len} bytes)")]
-    DataPastEnd {
-        name: String,
-        start: u64,
-        end: u64,
-        len: u64,
-    },
+    DataPastEnd { name: String, start: u64, end: u64, len: u64 },
     #[error("tensor `{name}` data offset {offset} is not a multiple of the alignment {alignment}")]
-    Misaligned {
-        name: String,
-        offset: u64,
-        alignment: u64,
-    },
+    Misaligned { name: String, offset: u64, alignment: u64 },
     #[error("GGUF general.alignment is {0}: it must be a nonzero power of two")]
     BadAlignment(u64),
     #[error("io error writing GGUF: {0}")]
@@ -352,9 +327,7 @@ impl<'a> Cursor<'a> {
             8 => Value::String(self.string(&what())?),
             9 => {
                 if depth >= MAX_ARRAY_NESTING {
-                    return Err(GgufError::TooDeep {
-                        key: key.to_string(),
-                    });
+                    return Err(GgufError::TooDeep { key: key.to_string() });
                 }
                 let elem_type = self.u32(&what())?;
                 let min_each = match elem_type {
@@ -363,22 +336,12 @@ impl<'a> Cursor<'a> {
                     4..=6 => 4,
                     8 | 10..=12 => 8,
                     9 => 12,
-                    t => {
-                        return Err(GgufError::UnknownValueType {
-                            key: key.to_string(),
-                            type_id: t,
-                        })
-                    }
+                    t => return Err(GgufError::UnknownValueType { key: key.to_string(), type_id: t }),
                 };
                 let count = self.len(&what())?;
                 let remaining = self.remaining();
                 if count > remaining / min_each {
-                    return Err(GgufError::AbsurdCount {
-                        what: "array elements",
-                        count,
-                        remaining,
-                        min_each,
-                    });
+                    return Err(GgufError::AbsurdCount { what: "array elements", count, remaining, min_each });
                 }
                 let mut items = Vec::with_capacity(count as usize);
                 for _ in 0..count {
@@ -389,12 +352,7 @@ impl<'a> Cursor<'a> {
             10 => Value::U64(u64::from_le_bytes(self.array(&what())?)),
             11 => Value::I64(i64::from_le_bytes(self.array(&what())?)),
             12 => Value::F64(f64::from_le_bytes(self.array(&what())?)),
-            t => {
-                return Err(GgufError::UnknownValueType {
-                    key: key.to_string(),
-                    type_id: t,
-                })
-            }
+            t => return Err(GgufError::UnknownValueType { key: key.to_string(), type_id: t }),
         })
     }
 }
@@ -403,11 +361,7 @@ impl Gguf {
     /// Parses the header of a GGUF file held in `buf` (usually memory-mapped) and checks every
     /// tensor's byte range against `buf.len()`.
     pub fn parse(buf: &[u8]) -> Result<Gguf, GgufError> {
-        let mut c = Cursor {
-            buf,
-            pos: 0,
-            version: 3,
-        };
+        let mut c = Cursor { buf, pos: 0, version: 3 };
         let magic: [u8; 4] = c.array("magic")?;
         if magic != MAGIC {
             return Err(GgufError::BadMagic { found: magic });
@@ -475,53 +429,30 @@ impl Gguf {
             }
             let type_id = c.u32("tensor type")?;
             let offset = c.u64("tensor offset")?;
-            let dtype = dtype_from_id(type_id).ok_or_else(|| GgufError::UnknownTensorType {
-                name: name.clone(),
-                type_id,
-            })?;
+            let dtype =
+                dtype_from_id(type_id).ok_or_else(|| GgufError::UnknownTensorType { name: name.clone(), type_id })?;
             if dims.contains(&0) {
-                return Err(GgufError::BadDims {
-                    name,
-                    dims,
-                    why: "a dimension is zero".into(),
-                });
+                return Err(GgufError::BadDims { name, dims, why: "a dimension is zero".into() });
             }
             let n_elements = dims.iter().try_fold(1u64, |acc, &d| acc.checked_mul(d));
             let Some(n_elements) = n_elements.filter(|&n| n <= i64::MAX as u64) else {
-                return Err(GgufError::BadDims {
-                    name,
-                    dims,
-                    why: "the element count overflows".into(),
-                });
+                return Err(GgufError::BadDims { name, dims, why: "the element count overflows".into() });
             };
             let Some(n_bytes) = tensor_bytes(dtype, dims[0], n_elements) else {
                 let bs = dtype.block_size();
                 return Err(GgufError::BadDims {
                     name,
                     dims,
-                    why: format!(
-                        "the row length is not a multiple of the {} block size {bs}",
-                        dtype_name(dtype)
-                    ),
+                    why: format!("the row length is not a multiple of the {} block size {bs}", dtype_name(dtype)),
                 });
             };
             if offset % alignment != 0 {
-                return Err(GgufError::Misaligned {
-                    name,
-                    offset,
-                    alignment,
-                });
+                return Err(GgufError::Misaligned { name, offset, alignment });
             }
             if index.insert(name.clone(), tensors.len()).is_some() {
                 return Err(GgufError::DuplicateTensor(name));
             }
-            tensors.push(TensorInfo {
-                name,
-                dims,
-                dtype,
-                offset,
-                n_bytes,
-            });
+            tensors.push(TensorInfo { name, dims, dtype, offset, n_bytes });
         }
 
         let header_end = c.pos as u64;
@@ -536,24 +467,14 @@ impl Gguf {
                     return Err(GgufError::DataPastEnd {
                         name: t.name.clone(),
                         start: data_start.saturating_add(t.offset),
-                        end: data_start
-                            .saturating_add(t.offset)
-                            .saturating_add(t.n_bytes),
+                        end: data_start.saturating_add(t.offset).saturating_add(t.n_bytes),
                         len,
                     })
                 }
             }
         }
 
-        Ok(Gguf {
-            version,
-            metadata,
-            keys,
-            tensors,
-            index,
-            alignment,
-            data_start,
-        })
+        Ok(Gguf { version, metadata, keys, tensors, index, alignment, data_start })
     }
 
     pub fn get(&self, key: &str) -> Option<&Value> {
@@ -646,8 +567,7 @@ pub fn write_gguf<W: Write>(
         header.extend_from_slice(&offset.to_le_bytes());
         offset = (offset + t.n_bytes()).div_ceil(DEFAULT_ALIGNMENT) * DEFAULT_ALIGNMENT;
     }
-    let pad =
-        (header.len() as u64).div_ceil(DEFAULT_ALIGNMENT) * DEFAULT_ALIGNMENT - header.len() as u64;
+    let pad = (header.len() as u64).div_ceil(DEFAULT_ALIGNMENT) * DEFAULT_ALIGNMENT - header.len() as u64;
     header.resize(header.len() + pad as usize, 0);
     w.write_all(&header)?;
     let mut buf = Vec::new();
@@ -675,26 +595,12 @@ mod tests {
 
     fn small_file() -> Vec<u8> {
         let md = vec![
-            (
-                "general.architecture".to_string(),
-                Value::String("llama".into()),
-            ),
-            (
-                "x.arr".to_string(),
-                Value::Array(vec![Value::U32(1), Value::U32(2)]),
-            ),
+            ("general.architecture".to_string(), Value::String("llama".into())),
+            ("x.arr".to_string(), Value::Array(vec![Value::U32(1), Value::U32(2)])),
         ];
         let tensors = vec![
-            TensorSpec {
-                name: "a".into(),
-                dims: vec![32, 2],
-                dtype: GgmlDType::F32,
-            },
-            TensorSpec {
-                name: "b".into(),
-                dims: vec![32],
-                dtype: GgmlDType::Q8_0,
-            },
+            TensorSpec { name: "a".into(), dims: vec![32, 2], dtype: GgmlDType::F32 },
+            TensorSpec { name: "b".into(), dims: vec![32], dtype: GgmlDType::Q8_0 },
         ];
         let mut out = Vec::new();
         write_gguf(&mut out, &md, &tensors, |i, b| {
@@ -710,10 +616,7 @@ mod tests {
         let f = small_file();
         let g = Gguf::parse(&f).unwrap();
         assert_eq!(g.version, 3);
-        assert_eq!(
-            g.get("general.architecture").and_then(Value::as_str),
-            Some("llama")
-        );
+        assert_eq!(g.get("general.architecture").and_then(Value::as_str), Some("llama"));
         let a = g.tensor("a").unwrap();
         assert_eq!(a.n_bytes, 256);
         assert_eq!(a.shape(), vec![2, 32]);
@@ -729,38 +632,21 @@ mod tests {
         for n in 0..f.len() {
             // A cut inside the padding after the last tensor can still be a valid file.
             if let Ok(g) = Gguf::parse(&f[..n]) {
-                let end = g
-                    .tensors
-                    .iter()
-                    .map(|t| t.offset + t.n_bytes)
-                    .max()
-                    .unwrap();
+                let end = g.tensors.iter().map(|t| t.offset + t.n_bytes).max().unwrap();
                 assert!(end <= n as u64);
             }
         }
-        assert!(matches!(
-            Gguf::parse(&f[..10]),
-            Err(GgufError::Truncated { .. })
-        ));
+        assert!(matches!(Gguf::parse(&f[..10]), Err(GgufError::Truncated { .. })));
     }
 
     #[test]
     fn hostile_counts() {
         let mut f = small_file();
         f[8..16].copy_from_slice(&u64::MAX.to_le_bytes());
-        assert!(matches!(
-            Gguf::parse(&f),
-            Err(GgufError::AbsurdCount {
-                what: "tensors",
-                ..
-            })
-        ));
+        assert!(matches!(Gguf::parse(&f), Err(GgufError::AbsurdCount { what: "tensors", .. })));
         let mut f = small_file();
         f[16..24].copy_from_slice(&(1u64 << 60).to_le_bytes());
-        assert!(matches!(
-            Gguf::parse(&f),
-            Err(GgufError::AbsurdCount { .. })
-        ));
+        assert!(matches!(Gguf::parse(&f), Err(GgufError::AbsurdCount { .. })));
         // the first key's length
         let mut f = small_file();
         f[24..32].copy_from_slice(&(u64::MAX - 3).to_le_bytes());
@@ -770,9 +656,6 @@ mod tests {
         assert!(matches!(Gguf::parse(&f), Err(GgufError::BadMagic { .. })));
         let mut f = small_file();
         f[4] = 9;
-        assert!(matches!(
-            Gguf::parse(&f),
-            Err(GgufError::UnsupportedVersion(9))
-        ));
+        assert!(matches!(Gguf::parse(&f), Err(GgufError::UnsupportedVersion(9))));
     }
 }

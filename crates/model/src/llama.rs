@@ -28,15 +28,66 @@ pub enum Logits {
     All,
 }
 
+/// Matmuls that share their input, stacked into one when the file's types allow it.
+enum Proj {
+    Stacked(Linear, Vec<usize>),
+    Separate(Vec<Linear>),
+}
+
+impl Proj {
+    fn load(
+        files: &ModelFiles,
+        names: &[String],
+        biases: Option<Vec<String>>,
+        device: &Device,
+        dtype: DType,
+    ) -> Result<Self, ModelError> {
+        let n: Vec<&str> = names.iter().map(String::as_str).collect();
+        let b: Option<Vec<&str>> = biases.as_ref().map(|v| v.iter().map(String::as_str).collect());
+        if let Some(l) = files.linear_stacked(&n, b.as_deref(), device, dtype)? {
+            let sizes = n.iter().map(|x| files.tensor_info(x).map(|t| t.shape[0]).unwrap_or(0)).collect();
+            return Ok(Proj::Stacked(l, sizes));
+        }
+        let parts = n
+            .iter()
+            .enumerate()
+            .map(|(i, name)| files.linear(name, b.as_ref().map(|b| b[i]), device, dtype))
+            .collect::<Result<_, _>>()?;
+        Ok(Proj::Separate(parts))
+    }
+
+    fn forward(&self, x: &Tensor) -> candle_core::Result<Vec<Tensor>> {
+        match self {
+            Proj::Stacked(l, sizes) => {
+                let y = l.forward(x)?;
+                let mut out = Vec::with_capacity(sizes.len());
+                let mut at = 0;
+                for &n in sizes {
+                    out.push(y.narrow(D::Minus1, at, n)?);
+                    at += n;
+                }
+                Ok(out)
+            }
+            Proj::Separate(ls) => ls.iter().map(|l| l.forward(x)).collect(),
+        }
+    }
+
+    fn bytes(&self) -> u64 {
+        match self {
+            Proj::Stacked(l, _) => l.storage_bytes(),
+            Proj::Separate(ls) => ls.iter().map(Linear::storage_bytes).sum(),
+        }
+    }
+}
+
 struct Block {
     attn_norm: Tensor,
     ffn_norm: Tensor,
-    wq: Linear,
-    wk: Linear,
-    wv: Linear,
+    /// q, k, v
+    qkv: Proj,
     wo: Linear,
-    gate: Linear,
-    up: Linear,
+    /// gate, up
+    gate_up: Proj,
     down: Linear,
     span: tracing::Span,
 }
@@ -67,10 +118,7 @@ impl SliceCache {
         self.len = self.len.min(n);
     }
     pub fn bytes(&self) -> u64 {
-        self.kv
-            .iter()
-            .map(|(k, v)| ((k.elem_count() + v.elem_count()) * k.dtype().size_in_bytes()) as u64)
-            .sum()
+        self.kv.iter().map(|(k, v)| ((k.elem_count() + v.elem_count()) * k.dtype().size_in_bytes()) as u64).sum()
     }
 }
 
@@ -94,39 +142,22 @@ fn rms_norm(x: &Tensor, w: &Tensor, eps: f64) -> candle_core::Result<Tensor> {
 }
 
 impl Block {
-    fn load(
-        files: &ModelFiles,
-        i: usize,
-        device: &Device,
-        dtype: DType,
-    ) -> Result<Self, ModelError> {
+    fn load(files: &ModelFiles, i: usize, device: &Device, dtype: DType) -> Result<Self, ModelError> {
         let cfg = &files.config;
         let n = |s: &str| format!("blk.{i}.{s}");
-        let bias = |s: &str| cfg.qkv_bias.then(|| n(s));
+        let qkv_bias = cfg.qkv_bias.then(|| vec![n("attn_q.bias"), n("attn_k.bias"), n("attn_v.bias")]);
         Ok(Block {
             attn_norm: files.dense(&n("attn_norm.weight"), device, dtype)?,
             ffn_norm: files.dense(&n("ffn_norm.weight"), device, dtype)?,
-            wq: files.linear(
-                &n("attn_q.weight"),
-                bias("attn_q.bias").as_deref(),
-                device,
-                dtype,
-            )?,
-            wk: files.linear(
-                &n("attn_k.weight"),
-                bias("attn_k.bias").as_deref(),
-                device,
-                dtype,
-            )?,
-            wv: files.linear(
-                &n("attn_v.weight"),
-                bias("attn_v.bias").as_deref(),
+            qkv: Proj::load(
+                files,
+                &[n("attn_q.weight"), n("attn_k.weight"), n("attn_v.weight")],
+                qkv_bias,
                 device,
                 dtype,
             )?,
             wo: files.linear(&n("attn_output.weight"), None, device, dtype)?,
-            gate: files.linear(&n("ffn_gate.weight"), None, device, dtype)?,
-            up: files.linear(&n("ffn_up.weight"), None, device, dtype)?,
+            gate_up: Proj::load(files, &[n("ffn_gate.weight"), n("ffn_up.weight")], None, device, dtype)?,
             down: files.linear(&n("ffn_down.weight"), None, device, dtype)?,
             span: tracing::trace_span!("block", layer = i),
         })
@@ -135,13 +166,7 @@ impl Block {
     fn bytes(&self) -> u64 {
         let norms = ((self.attn_norm.elem_count() + self.ffn_norm.elem_count())
             * self.attn_norm.dtype().size_in_bytes()) as u64;
-        norms
-            + [
-                &self.wq, &self.wk, &self.wv, &self.wo, &self.gate, &self.up, &self.down,
-            ]
-            .iter()
-            .map(|l| l.storage_bytes())
-            .sum::<u64>()
+        norms + self.qkv.bytes() + self.gate_up.bytes() + self.wo.storage_bytes() + self.down.storage_bytes()
     }
 
     #[allow(clippy::too_many_arguments)]
@@ -159,33 +184,17 @@ impl Block {
         let (b, t, _) = x.dims3()?;
         let (nh, nkv, hd) = (cfg.n_heads, cfg.n_kv_heads, cfg.head_dim);
         let h = rms_norm(x, &self.attn_norm, cfg.rms_eps)?;
-        let q = self
-            .wq
-            .forward(&h)?
-            .reshape((b, t, nh, hd))?
-            .transpose(1, 2)?
-            .contiguous()?;
-        let k = self
-            .wk
-            .forward(&h)?
-            .reshape((b, t, nkv, hd))?
-            .transpose(1, 2)?
-            .contiguous()?;
-        let v = self
-            .wv
-            .forward(&h)?
-            .reshape((b, t, nkv, hd))?
-            .transpose(1, 2)?
-            .contiguous()?;
+        let qkv = self.qkv.forward(&h)?;
+        let q = qkv[0].contiguous()?.reshape((b, t, nh, hd))?.transpose(1, 2)?.contiguous()?;
+        let k = qkv[1].contiguous()?.reshape((b, t, nkv, hd))?.transpose(1, 2)?.contiguous()?;
+        let v = qkv[2].contiguous()?.reshape((b, t, nkv, hd))?.transpose(1, 2)?.contiguous()?;
         let (q, k) = match cfg.rope_style {
-            RopeStyle::Interleaved => (
-                candle_nn::rotary_emb::rope_i(&q, cos, sin)?,
-                candle_nn::rotary_emb::rope_i(&k, cos, sin)?,
-            ),
-            RopeStyle::Halves => (
-                candle_nn::rotary_emb::rope(&q, cos, sin)?,
-                candle_nn::rotary_emb::rope(&k, cos, sin)?,
-            ),
+            RopeStyle::Interleaved => {
+                (candle_nn::rotary_emb::rope_i(&q, cos, sin)?, candle_nn::rotary_emb::rope_i(&k, cos, sin)?)
+            }
+            RopeStyle::Halves => {
+                (candle_nn::rotary_emb::rope(&q, cos, sin)?, candle_nn::rotary_emb::rope(&k, cos, sin)?)
+            }
         };
         kv.0.slice_set(&k, 2, pos)?;
         kv.1.slice_set(&v, 2, pos)?;
@@ -199,22 +208,15 @@ impl Block {
         let scale = 1.0 / (hd as f64).sqrt();
         let mut att = (qg.matmul(&keys.t()?)? * scale)?;
         if let Some(m) = mask {
-            att = att
-                .reshape((b, nkv, g, t, l))?
-                .broadcast_add(m)?
-                .reshape((b, nkv, g * t, l))?;
+            att = att.reshape((b, nkv, g, t, l))?.broadcast_add(m)?.reshape((b, nkv, g * t, l))?;
         }
         let att = candle_nn::ops::softmax_last_dim(&att)?;
         let y = att.matmul(&values)?;
-        let y = y
-            .reshape((b, nh, t, hd))?
-            .transpose(1, 2)?
-            .reshape((b, t, nh * hd))?;
+        let y = y.reshape((b, nh, t, hd))?.transpose(1, 2)?.reshape((b, t, nh * hd))?;
         let x = (x + self.wo.forward(&y)?)?;
         let h = rms_norm(&x, &self.ffn_norm, cfg.rms_eps)?;
-        let gate = self.gate.forward(&h)?;
-        let up = self.up.forward(&h)?;
-        let act = (candle_nn::ops::silu(&gate)? * up)?;
+        let gu = self.gate_up.forward(&h)?;
+        let act = (candle_nn::ops::silu(&gu[0])? * &gu[1])?;
         x + self.down.forward(&act)?
     }
 }
@@ -231,10 +233,7 @@ impl Slice {
     ) -> Result<Self, ModelError> {
         let cfg = files.config.clone();
         if layers.end() > cfg.n_layers {
-            return Err(ModelError::BadSlice(format!(
-                "layers {layers} of a model with {} layers",
-                cfg.n_layers
-            )));
+            return Err(ModelError::BadSlice(format!("layers {layers} of a model with {} layers", cfg.n_layers)));
         }
         if n_ctx == 0 {
             return Err(ModelError::BadSlice("context length 0".into()));
@@ -324,11 +323,7 @@ impl Slice {
     }
     /// Bytes one session's KV cache takes on this slice's device.
     pub fn kv_bytes(&self) -> u64 {
-        self.layers.len() as u64
-            * self.n_ctx as u64
-            * self
-                .cfg
-                .kv_bytes_per_token_layer(self.dtype.size_in_bytes())
+        self.layers.len() as u64 * self.n_ctx as u64 * self.cfg.kv_bytes_per_token_layer(self.dtype.size_in_bytes())
     }
 
     /// Allocates an empty cache for one session.
@@ -336,28 +331,16 @@ impl Slice {
         let shape = (1, self.cfg.n_kv_heads, self.n_ctx, self.cfg.head_dim);
         let kv = (0..self.blocks.len())
             .map(|_| {
-                Ok((
-                    Tensor::zeros(shape, self.dtype, &self.device)?,
-                    Tensor::zeros(shape, self.dtype, &self.device)?,
-                ))
+                Ok((Tensor::zeros(shape, self.dtype, &self.device)?, Tensor::zeros(shape, self.dtype, &self.device)?))
             })
             .collect::<Result<Vec<_>, candle_core::Error>>()?;
-        Ok(SliceCache {
-            kv,
-            len: 0,
-            n_ctx: self.n_ctx,
-        })
+        Ok(SliceCache { kv, len: 0, n_ctx: self.n_ctx })
     }
 
     /// Runs the slice over a chunk of tokens for one session and appends to its cache. Returns
     /// the hidden state `(1, seq, hidden)` for the next stage, or, on the last slice, logits
     /// `(1, seq or 1, vocab)` in f32.
-    pub fn forward(
-        &self,
-        cache: &mut SliceCache,
-        input: StageInput<'_>,
-        logits: Logits,
-    ) -> Result<Tensor, ModelError> {
+    pub fn forward(&self, cache: &mut SliceCache, input: StageInput<'_>, logits: Logits) -> Result<Tensor, ModelError> {
         let _g = self.span.enter();
         let pos = cache.len;
         let mut x = match (input, &self.embed) {
@@ -386,34 +369,22 @@ impl Slice {
                 h.to_device(&self.device)?.to_dtype(self.dtype)?
             }
             (StageInput::Tokens(_), None) => {
-                return Err(ModelError::BadInput(format!(
-                    "slice {} takes a hidden state, not tokens",
-                    self.layers
-                )))
+                return Err(ModelError::BadInput(format!("slice {} takes a hidden state, not tokens", self.layers)))
             }
             (StageInput::Hidden(_), Some(_)) => {
-                return Err(ModelError::BadInput(format!(
-                    "slice {} takes tokens, not a hidden state",
-                    self.layers
-                )))
+                return Err(ModelError::BadInput(format!("slice {} takes tokens, not a hidden state", self.layers)))
             }
         };
         let t = x.dim(1)?;
         if pos + t > self.n_ctx.min(cache.n_ctx) {
-            return Err(ModelError::ContextFull {
-                need: pos + t,
-                n_ctx: self.n_ctx,
-            });
+            return Err(ModelError::ContextFull { need: pos + t, n_ctx: self.n_ctx });
         }
         let cos = self.cos.narrow(0, pos, t)?;
         let sin = self.sin.narrow(0, pos, t)?;
         let mask = if t > 1 {
             let l = pos + t;
-            let m: Vec<f32> = (0..t)
-                .flat_map(|i| {
-                    (0..l).map(move |j| if j > pos + i { f32::NEG_INFINITY } else { 0.0 })
-                })
-                .collect();
+            let m: Vec<f32> =
+                (0..t).flat_map(|i| (0..l).map(move |j| if j > pos + i { f32::NEG_INFINITY } else { 0.0 })).collect();
             Some(Tensor::from_vec(m, (t, l), &self.device)?.to_dtype(self.dtype)?)
         } else {
             None
@@ -451,12 +422,7 @@ impl SliceBytes {
 
 /// Predicts what [`Slice::load`] will allocate for `layers` (weights as [`Slice::weight_bytes`]
 /// counts them, and one session's KV cache of `n_ctx` tokens).
-pub fn predict_slice_bytes(
-    files: &ModelFiles,
-    layers: LayerRange,
-    dtype: DType,
-    n_ctx: usize,
-) -> SliceBytes {
+pub fn predict_slice_bytes(files: &ModelFiles, layers: LayerRange, dtype: DType, n_ctx: usize) -> SliceBytes {
     let cfg = &files.config;
     let b = |n: &str| files.device_bytes(n, dtype);
     let mut w = 0;
@@ -476,8 +442,7 @@ pub fn predict_slice_bytes(
             w += b("token_embd.weight");
         }
     }
-    let kv =
-        layers.len() as u64 * n_ctx as u64 * cfg.kv_bytes_per_token_layer(dtype.size_in_bytes());
+    let kv = layers.len() as u64 * n_ctx as u64 * cfg.kv_bytes_per_token_layer(dtype.size_in_bytes());
     SliceBytes { weights: w, kv }
 }
 

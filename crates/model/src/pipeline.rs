@@ -25,10 +25,21 @@ pub fn candle_device(id: DeviceId) -> Result<Device, ModelError> {
     }
 }
 
-/// The activation dtype brigade uses on a device: f32 everywhere for now (exact against the
-/// references; the CUDA path may narrow it).
-pub fn activation_dtype(_id: DeviceId) -> DType {
-    DType::F32
+/// The activation dtype brigade uses on a device for a model: f32 on the CPU (exact against the
+/// references). On a GPU, the model's own float type, so dense weights stay as compact as the
+/// file has them (f16 files compute in f16, bf16 in bf16, f32 in f32); quantized files compute in
+/// bf16 (candle's quantized CUDA kernels take it, and the KV cache is half the size of f32).
+pub fn activation_dtype(id: DeviceId, files: &ModelFiles) -> DType {
+    match id {
+        DeviceId::Cpu => DType::F32,
+        DeviceId::Cuda(_) => files.dense_dtype().unwrap_or(DType::BF16),
+    }
+}
+
+/// Whether an error is a device running out of memory (CUDA reports it in its message).
+pub fn is_out_of_memory(e: &ModelError) -> bool {
+    let s = e.to_string();
+    s.contains("OUT_OF_MEMORY") || s.contains("out of memory")
 }
 
 /// What one stage holds.
@@ -81,14 +92,12 @@ impl Pipeline {
             next = s.layers.end();
         }
         if next != n_layers || stages.is_empty() {
-            return Err(ModelError::BadSlice(format!(
-                "stages cover {next} of {n_layers} layers"
-            )));
+            return Err(ModelError::BadSlice(format!("stages cover {next} of {n_layers} layers")));
         }
         let mut out = Vec::with_capacity(stages.len());
         for (i, s) in stages.iter().enumerate() {
             let dev = candle_device(s.device)?;
-            let slice = Slice::load(files, s.layers, &dev, activation_dtype(s.device), n_ctx)?;
+            let slice = Slice::load(files, s.layers, &dev, activation_dtype(s.device, files), n_ctx)?;
             out.push((s.device, slice));
             progress(i, s);
         }
@@ -116,25 +125,13 @@ impl Pipeline {
     }
 
     pub fn new_session(&self) -> Result<Session, ModelError> {
-        let caches = self
-            .stages
-            .iter()
-            .map(|(_, s)| s.new_cache())
-            .collect::<Result<_, _>>()?;
-        Ok(Session {
-            caches,
-            tokens: Vec::new(),
-        })
+        let caches = self.stages.iter().map(|(_, s)| s.new_cache()).collect::<Result<_, _>>()?;
+        Ok(Session { caches, tokens: Vec::new() })
     }
 
     /// Feeds `tokens` through every stage and returns the logits of the last position (or of all
     /// positions), `(positions, vocab)` in f32 on the CPU.
-    pub fn forward(
-        &self,
-        session: &mut Session,
-        tokens: &[u32],
-        which: Logits,
-    ) -> Result<Tensor, ModelError> {
+    pub fn forward(&self, session: &mut Session, tokens: &[u32], which: Logits) -> Result<Tensor, ModelError> {
         let mut hidden: Option<Tensor> = None;
         for ((_, slice), cache) in self.stages.iter().zip(session.caches.iter_mut()) {
             let input = match &hidden {
@@ -149,20 +146,13 @@ impl Pipeline {
     }
 
     /// Feeds a prompt in chunks of at most `n_batch` tokens; returns the last position's logits.
-    pub fn prefill(
-        &self,
-        session: &mut Session,
-        tokens: &[u32],
-        n_batch: usize,
-    ) -> Result<Vec<f32>, ModelError> {
+    pub fn prefill(&self, session: &mut Session, tokens: &[u32], n_batch: usize) -> Result<Vec<f32>, ModelError> {
         let mut last = None;
         for chunk in tokens.chunks(n_batch.max(1)) {
             last = Some(self.forward(session, chunk, Logits::Last)?);
         }
         let l = last.ok_or_else(|| {
-            ModelError::BadInput(
-                "empty prompt: nothing to start from (the model adds no BOS)".into(),
-            )
+            ModelError::BadInput("empty prompt: nothing to start from (the model adds no BOS)".into())
         })?;
         let n = l.dim(0)?;
         Ok(l.get(n - 1)?.to_vec1::<f32>()?)

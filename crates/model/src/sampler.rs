@@ -24,24 +24,13 @@ pub struct SamplerConfig {
 impl Default for SamplerConfig {
     /// llama.cpp's defaults.
     fn default() -> Self {
-        Self {
-            temperature: 0.8,
-            top_k: 40,
-            top_p: 0.95,
-            min_p: 0.05,
-            repeat_penalty: 1.0,
-            repeat_last_n: 64,
-            seed: 0,
-        }
+        Self { temperature: 0.8, top_k: 40, top_p: 0.95, min_p: 0.05, repeat_penalty: 1.0, repeat_last_n: 64, seed: 0 }
     }
 }
 
 impl SamplerConfig {
     pub fn greedy() -> Self {
-        Self {
-            temperature: 0.0,
-            ..Self::default()
-        }
+        Self { temperature: 0.0, ..Self::default() }
     }
 }
 
@@ -54,11 +43,7 @@ pub struct Sampler {
 impl Sampler {
     pub fn new(cfg: SamplerConfig) -> Self {
         let rng = ChaCha8Rng::seed_from_u64(cfg.seed);
-        Self {
-            cfg,
-            rng,
-            candidates: Vec::new(),
-        }
+        Self { cfg, rng, candidates: Vec::new() }
     }
 
     pub fn config(&self) -> &SamplerConfig {
@@ -102,18 +87,12 @@ impl Sampler {
 
         let cands = &mut self.candidates;
         cands.clear();
-        cands.extend(
-            logits
-                .iter()
-                .enumerate()
-                .filter(|(_, l)| l.is_finite())
-                .map(|(i, &l)| (i as u32, adjusted(i, l))),
-        );
+        cands
+            .extend(logits.iter().enumerate().filter(|(_, l)| l.is_finite()).map(|(i, &l)| (i as u32, adjusted(i, l))));
         if cands.is_empty() {
             return 0;
         }
-        let by_logit_desc =
-            |a: &(u32, f32), b: &(u32, f32)| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0));
+        let by_logit_desc = |a: &(u32, f32), b: &(u32, f32)| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0));
         if c.top_k > 0 && c.top_k < cands.len() {
             cands.select_nth_unstable_by(c.top_k - 1, by_logit_desc);
             cands.truncate(c.top_k);
@@ -142,10 +121,7 @@ impl Sampler {
             let keep = probs.iter().take_while(|&&p| p >= cut).count().max(1);
             cands.truncate(keep);
         }
-        let weights: Vec<f32> = cands
-            .iter()
-            .map(|(_, l)| ((l - max) / c.temperature).exp())
-            .collect();
+        let weights: Vec<f32> = cands.iter().map(|(_, l)| ((l - max) / c.temperature).exp()).collect();
         let total: f32 = weights.iter().sum();
         let mut r = self.rng.random::<f32>() * total;
         for (i, w) in weights.iter().enumerate() {
@@ -167,37 +143,21 @@ mod tests {
         let logits = [0.1, 3.0, 2.9, -1.0];
         let mut s = Sampler::new(SamplerConfig::greedy());
         assert_eq!(s.sample(&logits, &[]), 1);
-        let mut s = Sampler::new(SamplerConfig {
-            repeat_penalty: 1.5,
-            ..SamplerConfig::greedy()
-        });
+        let mut s = Sampler::new(SamplerConfig { repeat_penalty: 1.5, ..SamplerConfig::greedy() });
         assert_eq!(s.sample(&logits, &[1]), 2);
     }
 
     #[test]
     fn same_seed_same_tokens_and_cuts_hold() {
         let logits: Vec<f32> = (0..100).map(|i| (i as f32 * 0.37).sin() * 4.0).collect();
-        let cfg = SamplerConfig {
-            temperature: 1.0,
-            top_k: 5,
-            top_p: 1.0,
-            min_p: 0.0,
-            seed: 42,
-            ..Default::default()
-        };
+        let cfg = SamplerConfig { temperature: 1.0, top_k: 5, top_p: 1.0, min_p: 0.0, seed: 42, ..Default::default() };
         let draw = |cfg: &SamplerConfig| {
             let mut s = Sampler::new(cfg.clone());
             (0..200).map(|_| s.sample(&logits, &[])).collect::<Vec<_>>()
         };
         let a = draw(&cfg);
         assert_eq!(a, draw(&cfg));
-        assert_ne!(
-            a,
-            draw(&SamplerConfig {
-                seed: 43,
-                ..cfg.clone()
-            })
-        );
+        assert_ne!(a, draw(&SamplerConfig { seed: 43, ..cfg.clone() }));
         let mut top5: Vec<u32> = (0..100).collect();
         top5.sort_by(|&x, &y| logits[y as usize].total_cmp(&logits[x as usize]));
         top5.truncate(5);
@@ -206,22 +166,12 @@ mod tests {
         let distinct: std::collections::HashSet<_> = a.iter().collect();
         assert!(distinct.len() >= 3);
         // min-p 1.0 keeps only the best
-        let mut s = Sampler::new(SamplerConfig {
-            temperature: 1.0,
-            top_k: 0,
-            top_p: 1.0,
-            min_p: 1.0,
-            ..Default::default()
-        });
+        let mut s =
+            Sampler::new(SamplerConfig { temperature: 1.0, top_k: 0, top_p: 1.0, min_p: 1.0, ..Default::default() });
         assert_eq!(s.sample(&logits, &[]), top5[0]);
         // top-p tiny keeps only the best
-        let mut s = Sampler::new(SamplerConfig {
-            temperature: 1.0,
-            top_k: 0,
-            top_p: 0.0001,
-            min_p: 0.0,
-            ..Default::default()
-        });
+        let mut s =
+            Sampler::new(SamplerConfig { temperature: 1.0, top_k: 0, top_p: 0.0001, min_p: 0.0, ..Default::default() });
         assert_eq!(s.sample(&logits, &[]), top5[0]);
     }
 }

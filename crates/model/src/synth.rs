@@ -36,16 +36,7 @@ impl Shape {
             "llama-70b" => (80, 8192, 28672, 64, 8),
             _ => return None,
         };
-        Some(Shape {
-            layers,
-            hidden,
-            ffn,
-            heads,
-            kv_heads,
-            vocab: 128_256,
-            context: 131_072,
-            rope_theta: 500_000.0,
-        })
+        Some(Shape { layers, hidden, ffn, heads, kv_heads, vocab: 128_256, context: 131_072, rope_theta: 500_000.0 })
     }
 
     pub fn head_dim(&self) -> usize {
@@ -54,12 +45,7 @@ impl Shape {
 
     pub fn validate(&self) -> Result<(), ModelError> {
         let bad = |w: String| Err(ModelError::BadConfig(w));
-        if self.layers == 0
-            || self.hidden == 0
-            || self.ffn == 0
-            || self.heads == 0
-            || self.kv_heads == 0
-        {
+        if self.layers == 0 || self.hidden == 0 || self.ffn == 0 || self.heads == 0 || self.kv_heads == 0 {
             return bad("every dimension must be nonzero".into());
         }
         if !self.hidden.is_multiple_of(self.heads)
@@ -72,16 +58,10 @@ impl Shape {
             ));
         }
         if self.vocab < 260 {
-            return bad(format!(
-                "vocab {} is below the 256 byte tokens + 4 specials a tokenizer needs",
-                self.vocab
-            ));
+            return bad(format!("vocab {} is below the 256 byte tokens + 4 specials a tokenizer needs", self.vocab));
         }
         if !self.hidden.is_multiple_of(32) || !self.ffn.is_multiple_of(32) {
-            return bad(format!(
-                "hidden {} and ffn {} must be multiples of 32",
-                self.hidden, self.ffn
-            ));
+            return bad(format!("hidden {} and ffn {} must be multiples of 32", self.hidden, self.ffn));
         }
         Ok(())
     }
@@ -118,11 +98,7 @@ impl std::str::FromStr for SynthType {
             "q4_0" => SynthType::Q4_0,
             "q4_k" | "q4_k_s" | "q4_k_m" => SynthType::Q4K,
             "q6_k" => SynthType::Q6K,
-            other => {
-                return Err(format!(
-                    "unknown type `{other}` (f32, f16, bf16, q8_0, q4_0, q4_k, q6_k)"
-                ))
-            }
+            other => return Err(format!("unknown type `{other}` (f32, f16, bf16, q8_0, q4_0, q4_k, q6_k)")),
         })
     }
 }
@@ -202,9 +178,7 @@ fn splitmix(mut x: u64) -> u64 {
 }
 
 fn name_hash(s: &str) -> u64 {
-    s.bytes().fold(0xcbf2_9ce4_8422_2325u64, |h, b| {
-        (h ^ b as u64).wrapping_mul(0x100_0000_01b3)
-    })
+    s.bytes().fold(0xcbf2_9ce4_8422_2325u64, |h, b| (h ^ b as u64).wrapping_mul(0x100_0000_01b3))
 }
 
 const ROWS_PER_CHUNK: usize = 16;
@@ -216,21 +190,19 @@ fn values(seed: u64, name: &str, rows: usize, cols: usize, init: Init) -> Vec<f3
     let base = splitmix(seed ^ name_hash(name));
     // uniform on [-a, a] with standard deviation 0.02, as a freshly initialised Llama
     let a = 0.02f32 * 3f32.sqrt();
-    out.par_chunks_mut(ROWS_PER_CHUNK * cols)
-        .enumerate()
-        .for_each(|(ci, chunk)| {
-            let mut s = splitmix(base ^ (ci as u64).wrapping_mul(0xD1B5_4A32_D192_ED03));
-            for x in chunk.iter_mut() {
-                s ^= s << 13;
-                s ^= s >> 7;
-                s ^= s << 17;
-                let u = (s >> 40) as f32 / (1u64 << 24) as f32; // [0, 1)
-                *x = match init {
-                    Init::Weight => (2.0 * u - 1.0) * a,
-                    Init::Norm => 1.0 + (u - 0.5) * 0.2,
-                };
-            }
-        });
+    out.par_chunks_mut(ROWS_PER_CHUNK * cols).enumerate().for_each(|(ci, chunk)| {
+        let mut s = splitmix(base ^ (ci as u64).wrapping_mul(0xD1B5_4A32_D192_ED03));
+        for x in chunk.iter_mut() {
+            s ^= s << 13;
+            s ^= s >> 7;
+            s ^= s << 17;
+            let u = (s >> 40) as f32 / (1u64 << 24) as f32; // [0, 1)
+            *x = match init {
+                Init::Weight => (2.0 * u - 1.0) * a,
+                Init::Norm => 1.0 + (u - 0.5) * 0.2,
+            };
+        }
+    });
     out
 }
 
@@ -250,12 +222,8 @@ fn permute_rows_for_gguf(w: &[f32], rows: usize, cols: usize, n_head: usize) -> 
 /// Rounds values as a checkpoint of type `ty` would hold them (16-bit types only).
 fn round_through(xs: &mut [f32], ty: SynthType) {
     match ty {
-        SynthType::F16 => xs
-            .iter_mut()
-            .for_each(|x| *x = half::f16::from_f32(*x).to_f32()),
-        SynthType::BF16 => xs
-            .iter_mut()
-            .for_each(|x| *x = half::bf16::from_f32(*x).to_f32()),
+        SynthType::F16 => xs.iter_mut().for_each(|x| *x = half::f16::from_f32(*x).to_f32()),
+        SynthType::BF16 => xs.iter_mut().for_each(|x| *x = half::bf16::from_f32(*x).to_f32()),
         _ => {}
     }
 }
@@ -264,12 +232,11 @@ fn quantize<T: GgmlType + Send + Sync>(xs: &[f32], cols: usize) -> Vec<u8> {
     let blocks_per_row = cols / T::BLCK_SIZE;
     let rows = xs.len() / cols;
     let mut blocks = vec![T::zeros(); rows * blocks_per_row];
-    blocks
-        .par_chunks_mut(blocks_per_row * ROWS_PER_CHUNK)
-        .zip(xs.par_chunks(cols * ROWS_PER_CHUNK))
-        .for_each(|(dst, src)| {
+    blocks.par_chunks_mut(blocks_per_row * ROWS_PER_CHUNK).zip(xs.par_chunks(cols * ROWS_PER_CHUNK)).for_each(
+        |(dst, src)| {
             T::from_float(src, dst);
-        });
+        },
+    );
     let n = std::mem::size_of_val(blocks.as_slice());
     // SAFETY: the ggml block types are plain old data (#[repr(C)], no padding read as values).
     unsafe { std::slice::from_raw_parts(blocks.as_ptr() as *const u8, n) }.to_vec()
@@ -278,14 +245,8 @@ fn quantize<T: GgmlType + Send + Sync>(xs: &[f32], cols: usize) -> Vec<u8> {
 fn encode(xs: &[f32], cols: usize, dt: GgmlDType, out: &mut Vec<u8>) {
     match dt {
         GgmlDType::F32 => out.extend(xs.iter().flat_map(|x| x.to_le_bytes())),
-        GgmlDType::F16 => out.extend(
-            xs.iter()
-                .flat_map(|x| half::f16::from_f32(*x).to_le_bytes()),
-        ),
-        GgmlDType::BF16 => out.extend(
-            xs.iter()
-                .flat_map(|x| half::bf16::from_f32(*x).to_le_bytes()),
-        ),
+        GgmlDType::F16 => out.extend(xs.iter().flat_map(|x| half::f16::from_f32(*x).to_le_bytes())),
+        GgmlDType::BF16 => out.extend(xs.iter().flat_map(|x| half::bf16::from_f32(*x).to_le_bytes())),
         GgmlDType::Q8_0 => out.extend(quantize::<BlockQ8_0>(xs, cols)),
         GgmlDType::Q4_0 => out.extend(quantize::<BlockQ4_0>(xs, cols)),
         GgmlDType::Q4K => out.extend(quantize::<BlockQ4K>(xs, cols)),
@@ -311,26 +272,14 @@ fn gguf_metadata(shape: &Shape, ty: SynthType, name: &str) -> Vec<(String, Value
         u("llama.rope.dimension_count", shape.head_dim()),
         u("llama.attention.head_count", shape.heads),
         u("llama.attention.head_count_kv", shape.kv_heads),
-        (
-            "llama.attention.layer_norm_rms_epsilon".into(),
-            Value::F32(1e-5),
-        ),
+        ("llama.attention.layer_norm_rms_epsilon".into(), Value::F32(1e-5)),
         ("llama.rope.freq_base".into(), Value::F32(shape.rope_theta)),
         u("llama.vocab_size", shape.vocab),
         s("tokenizer.ggml.model", "gpt2"),
         s("tokenizer.ggml.pre", "gpt2"),
-        (
-            "tokenizer.ggml.tokens".into(),
-            Value::Array(tokens.into_iter().map(Value::String).collect()),
-        ),
-        (
-            "tokenizer.ggml.token_type".into(),
-            Value::Array(types.into_iter().map(Value::I32).collect()),
-        ),
-        (
-            "tokenizer.ggml.merges".into(),
-            Value::Array(merges.into_iter().map(Value::String).collect()),
-        ),
+        ("tokenizer.ggml.tokens".into(), Value::Array(tokens.into_iter().map(Value::String).collect())),
+        ("tokenizer.ggml.token_type".into(), Value::Array(types.into_iter().map(Value::I32).collect())),
+        ("tokenizer.ggml.merges".into(), Value::Array(merges.into_iter().map(Value::String).collect())),
         ("tokenizer.ggml.bos_token_id".into(), Value::U32(n - 4)),
         ("tokenizer.ggml.eos_token_id".into(), Value::U32(n - 3)),
         ("tokenizer.ggml.add_bos_token".into(), Value::Bool(true)),
@@ -355,28 +304,14 @@ pub fn write_gguf(
         .map(|(name, rows, cols, init)| {
             let dtype = match init {
                 Init::Norm => GgmlDType::F32,
-                Init::Weight if ty == SynthType::Q4K && name == "output.weight" => {
-                    type_for_row(GgmlDType::Q6K, *cols)
-                }
+                Init::Weight if ty == SynthType::Q4K && name == "output.weight" => type_for_row(GgmlDType::Q6K, *cols),
                 Init::Weight => type_for_row(ty.ggml(), *cols),
             };
-            let dims = if *rows == 1 {
-                vec![*cols as u64]
-            } else {
-                vec![*cols as u64, *rows as u64]
-            };
-            TensorSpec {
-                name: name.clone(),
-                dims,
-                dtype,
-            }
+            let dims = if *rows == 1 { vec![*cols as u64] } else { vec![*cols as u64, *rows as u64] };
+            TensorSpec { name: name.clone(), dims, dtype }
         })
         .collect();
-    let md = gguf_metadata(
-        shape,
-        ty,
-        &format!("brigade-synth-{}L-{}h", shape.layers, shape.hidden),
-    );
+    let md = gguf_metadata(shape, ty, &format!("brigade-synth-{}L-{}h", shape.layers, shape.hidden));
     let f = std::fs::File::create(path).map_err(|e| ModelError::Io(path.to_path_buf(), e))?;
     let mut w = BufWriter::with_capacity(8 << 20, f);
     let total = specs.len();
@@ -397,11 +332,8 @@ pub fn write_gguf(
         progress(i + 1, total);
         Ok(())
     })?;
-    w.flush()
-        .map_err(|e| ModelError::Io(path.to_path_buf(), e))?;
-    let len = std::fs::metadata(path)
-        .map_err(|e| ModelError::Io(path.to_path_buf(), e))?
-        .len();
+    w.flush().map_err(|e| ModelError::Io(path.to_path_buf(), e))?;
+    let len = std::fs::metadata(path).map_err(|e| ModelError::Io(path.to_path_buf(), e))?.len();
     Ok(len)
 }
 
@@ -419,11 +351,7 @@ pub fn write_safetensors_dir(
         SynthType::F32 => (safetensors::Dtype::F32, 4),
         SynthType::F16 => (safetensors::Dtype::F16, 2),
         SynthType::BF16 => (safetensors::Dtype::BF16, 2),
-        other => {
-            return Err(ModelError::BadConfig(format!(
-                "safetensors holds f32, f16 or bf16, not {other:?}"
-            )))
-        }
+        other => return Err(ModelError::BadConfig(format!("safetensors holds f32, f16 or bf16, not {other:?}"))),
     };
     std::fs::create_dir_all(dir).map_err(|e| ModelError::Io(dir.to_path_buf(), e))?;
     let io = |p: &Path, e| ModelError::Io(p.to_path_buf(), e);
@@ -448,15 +376,10 @@ pub fn write_safetensors_dir(
         "torch_dtype": match ty { SynthType::F16 => "float16", SynthType::BF16 => "bfloat16", _ => "float32" },
     });
     let p = dir.join("config.json");
-    std::fs::write(
-        &p,
-        serde_json::to_string_pretty(&config).unwrap_or_default(),
-    )
-    .map_err(|e| io(&p, e))?;
+    std::fs::write(&p, serde_json::to_string_pretty(&config).unwrap_or_default()).map_err(|e| io(&p, e))?;
     let tok = synthetic_tokenizer_json(shape.vocab)?;
     // BOS is added by a template post-processor, as Llama 3's tokenizer.json does.
-    let mut tok: serde_json::Value =
-        serde_json::from_str(&tok).map_err(|e| ModelError::Tokenizer(e.to_string()))?;
+    let mut tok: serde_json::Value = serde_json::from_str(&tok).map_err(|e| ModelError::Tokenizer(e.to_string()))?;
     tok["post_processor"] = serde_json::json!({
         "type": "TemplateProcessing",
         "single": [{"SpecialToken": {"id": "<|begin_of_text|>", "type_id": 0}}, {"Sequence": {"id": "A", "type_id": 0}}],
@@ -488,24 +411,17 @@ pub fn write_safetensors_dir(
         };
         encode(&xs, *cols, dt, &mut bytes);
         let hf = gguf_to_hf_name(name).unwrap_or_else(|| name.clone());
-        let shape_v = if *rows == 1 {
-            vec![*cols]
-        } else {
-            vec![*rows, *cols]
-        };
+        let shape_v = if *rows == 1 { vec![*cols] } else { vec![*rows, *cols] };
         datas.push((hf, shape_v, bytes));
         progress(i + 1, total);
     }
     let views = datas
         .iter()
-        .map(|(n, s, b)| {
-            safetensors::tensor::TensorView::new(st_dtype, s.clone(), b).map(|v| (n.clone(), v))
-        })
+        .map(|(n, s, b)| safetensors::tensor::TensorView::new(st_dtype, s.clone(), b).map(|v| (n.clone(), v)))
         .collect::<Result<Vec<_>, _>>()
         .map_err(|e| ModelError::Format(e.to_string()))?;
     let p = dir.join("model.safetensors");
-    safetensors::serialize_to_file(views, None, &p)
-        .map_err(|e| ModelError::Format(format!("{}: {e}", p.display())))?;
+    safetensors::serialize_to_file(views, None, &p).map_err(|e| ModelError::Format(format!("{}: {e}", p.display())))?;
     let len = std::fs::metadata(&p).map_err(|e| io(&p, e))?.len();
     Ok(len)
 }
@@ -522,10 +438,7 @@ mod tests {
         let p = permute_rows_for_gguf(&w, rows, cols, 2);
         // head size 4: HF rows [0,1 | 2,3] become [0,2,1,3]
         let row = |v: &Vec<f32>, r: usize| v[r * cols];
-        assert_eq!(
-            (0..rows).map(|r| row(&p, r)).collect::<Vec<_>>(),
-            vec![0., 4., 2., 6., 8., 12., 10., 14.]
-        );
+        assert_eq!((0..rows).map(|r| row(&p, r)).collect::<Vec<_>>(), vec![0., 4., 2., 6., 8., 12., 10., 14.]);
     }
 
     #[test]

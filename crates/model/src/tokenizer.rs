@@ -53,9 +53,7 @@ impl PartialOrd for Bigram {
 impl Ord for Bigram {
     // Max-heap: the highest score first; among equal scores, the leftmost pair.
     fn cmp(&self, o: &Self) -> Ordering {
-        self.score
-            .total_cmp(&o.score)
-            .then_with(|| o.left.cmp(&self.left))
+        self.score.total_cmp(&o.score).then_with(|| o.left.cmp(&self.left))
     }
 }
 
@@ -70,30 +68,17 @@ impl Spm {
     fn encode(&self, text: &str, out: &mut Vec<u32>) {
         let mut syms: Vec<Symbol> = Vec::with_capacity(text.len());
         for (i, (start, ch)) in text.char_indices().enumerate() {
-            syms.push(Symbol {
-                start,
-                len: ch.len_utf8(),
-                prev: i.checked_sub(1),
-                next: Some(i + 1),
-            });
+            syms.push(Symbol { start, len: ch.len_utf8(), prev: i.checked_sub(1), next: Some(i + 1) });
         }
         if let Some(last) = syms.last_mut() {
             last.next = None;
         }
         let mut heap = BinaryHeap::new();
-        let try_add = |syms: &Vec<Symbol>,
-                       heap: &mut BinaryHeap<Bigram>,
-                       l: Option<usize>,
-                       r: Option<usize>| {
+        let try_add = |syms: &Vec<Symbol>, heap: &mut BinaryHeap<Bigram>, l: Option<usize>, r: Option<usize>| {
             let (Some(l), Some(r)) = (l, r) else { return };
             let s = &text[syms[l].start..syms[r].start + syms[r].len];
             if let Some(&id) = self.ids.get(s) {
-                heap.push(Bigram {
-                    score: self.scores[id as usize],
-                    left: l,
-                    right: r,
-                    len: s.len(),
-                });
+                heap.push(Bigram { score: self.scores[id as usize], left: l, right: r, len: s.len() });
             }
         };
         for i in 1..syms.len() {
@@ -122,11 +107,7 @@ impl Spm {
             let piece = &text[syms[s].start..syms[s].start + syms[s].len];
             match self.ids.get(piece) {
                 Some(&id) => out.push(id),
-                None => out.extend(
-                    piece
-                        .bytes()
-                        .map(|b| self.byte_ids[b as usize].unwrap_or(self.unk)),
-                ),
+                None => out.extend(piece.bytes().map(|b| self.byte_ids[b as usize].unwrap_or(self.unk))),
             }
             i = syms[s].next;
         }
@@ -159,24 +140,15 @@ pub struct Tokenizer {
 }
 
 fn str_array(g: &Gguf, key: &str) -> Result<Vec<String>, ModelError> {
-    let arr = g
-        .get(key)
-        .and_then(Value::as_array)
-        .ok_or_else(|| ModelError::MissingMetadata(key.to_string()))?;
+    let arr = g.get(key).and_then(Value::as_array).ok_or_else(|| ModelError::MissingMetadata(key.to_string()))?;
     arr.iter()
         .map(|v| v.as_str().map(str::to_string))
         .collect::<Option<Vec<_>>>()
-        .ok_or_else(|| ModelError::BadMetadata {
-            key: key.to_string(),
-            why: "not an array of strings".into(),
-        })
+        .ok_or_else(|| ModelError::BadMetadata { key: key.to_string(), why: "not an array of strings".into() })
 }
 
 fn opt_id(g: &Gguf, key: &str, n: usize) -> Option<u32> {
-    g.get(key)
-        .and_then(Value::as_u64)
-        .filter(|&v| (v as usize) < n)
-        .map(|v| v as u32)
+    g.get(key).and_then(Value::as_u64).filter(|&v| (v as usize) < n).map(|v| v as u32)
 }
 
 /// GPT-2's byte-to-unicode table: printable bytes map to themselves, the rest to U+0100 onwards.
@@ -184,8 +156,7 @@ fn gpt2_byte_chars() -> [char; 256] {
     let mut table = ['\0'; 256];
     let mut n = 0u32;
     for b in 0..256u32 {
-        let printable =
-            (33..=126).contains(&b) || (161..=172).contains(&b) || (174..=255).contains(&b);
+        let printable = (33..=126).contains(&b) || (161..=172).contains(&b) || (174..=255).contains(&b);
         table[b as usize] = if printable {
             char::from_u32(b).unwrap_or('?')
         } else {
@@ -245,11 +216,7 @@ fn tk_err(e: impl std::fmt::Display) -> ModelError {
 impl Tokenizer {
     /// Builds the tokenizer a GGUF file describes (`tokenizer.ggml.*`).
     pub fn from_gguf(g: &Gguf) -> Result<Self, ModelError> {
-        let model = g
-            .get("tokenizer.ggml.model")
-            .and_then(Value::as_str)
-            .unwrap_or("llama")
-            .to_string();
+        let model = g.get("tokenizer.ggml.model").and_then(Value::as_str).unwrap_or("llama").to_string();
         let tokens = str_array(g, "tokenizer.ggml.tokens")?;
         let n = tokens.len();
         if n == 0 {
@@ -284,37 +251,26 @@ impl Tokenizer {
         for (tok, id) in &specials {
             if matches!(
                 tok.as_str(),
-                "<|eot_id|>"
-                    | "<|im_end|>"
-                    | "<|end|>"
-                    | "<end_of_turn>"
-                    | "<|endoftext|>"
-                    | "<|eom_id|>"
+                "<|eot_id|>" | "<|im_end|>" | "<|end|>" | "<end_of_turn>" | "<|endoftext|>" | "<|eom_id|>"
             ) {
                 eog.insert(*id);
             }
         }
-        let chat_template = g
-            .get("tokenizer.chat_template")
-            .and_then(Value::as_str)
-            .map(str::to_string);
+        let chat_template = g.get("tokenizer.chat_template").and_then(Value::as_str).map(str::to_string);
         let flag = |k: &str| g.get(k).and_then(Value::as_bool);
 
         let (inner, pieces, add_bos, add_space_prefix) = match model.as_str() {
             "llama" | "replit" => {
-                let scores: Vec<f32> =
-                    match g.get("tokenizer.ggml.scores").and_then(Value::as_array) {
-                        Some(a) if a.len() == n => {
-                            a.iter().map(|v| v.as_f64().unwrap_or(0.0) as f32).collect()
-                        }
-                        Some(a) => {
-                            return Err(ModelError::BadMetadata {
-                                key: "tokenizer.ggml.scores".into(),
-                                why: format!("{} entries for {n} tokens", a.len()),
-                            })
-                        }
-                        None => vec![0.0; n],
-                    };
+                let scores: Vec<f32> = match g.get("tokenizer.ggml.scores").and_then(Value::as_array) {
+                    Some(a) if a.len() == n => a.iter().map(|v| v.as_f64().unwrap_or(0.0) as f32).collect(),
+                    Some(a) => {
+                        return Err(ModelError::BadMetadata {
+                            key: "tokenizer.ggml.scores".into(),
+                            why: format!("{} entries for {n} tokens", a.len()),
+                        })
+                    }
+                    None => vec![0.0; n],
+                };
                 let mut ids = HashMap::with_capacity(n);
                 let mut byte_ids = [None; 256];
                 for (i, (tok, &t)) in tokens.iter().zip(&types).enumerate() {
@@ -336,12 +292,7 @@ impl Tokenizer {
                         _ => spm_piece(tok),
                     })
                     .collect();
-                let spm = Spm {
-                    ids,
-                    scores,
-                    byte_ids,
-                    unk,
-                };
+                let spm = Spm { ids, scores, byte_ids, unk };
                 (
                     Inner::Spm(Box::new(spm)),
                     pieces,
@@ -351,49 +302,28 @@ impl Tokenizer {
             }
             "gpt2" => {
                 let merges = str_array(g, "tokenizer.ggml.merges")?;
-                let pre = g
-                    .get("tokenizer.ggml.pre")
-                    .and_then(Value::as_str)
-                    .unwrap_or("default")
-                    .to_string();
-                let vocab: tokenizers::models::bpe::Vocab = tokens
-                    .iter()
-                    .enumerate()
-                    .map(|(i, t)| (t.clone(), i as u32))
-                    .collect();
+                let pre = g.get("tokenizer.ggml.pre").and_then(Value::as_str).unwrap_or("default").to_string();
+                let vocab: tokenizers::models::bpe::Vocab =
+                    tokens.iter().enumerate().map(|(i, t)| (t.clone(), i as u32)).collect();
                 let merges: Vec<(String, String)> = merges
                     .iter()
-                    .map(|m| {
-                        m.split_once(' ')
-                            .map(|(a, b)| (a.to_string(), b.to_string()))
-                    })
+                    .map(|m| m.split_once(' ').map(|(a, b)| (a.to_string(), b.to_string())))
                     .collect::<Option<_>>()
                     .ok_or_else(|| ModelError::BadMetadata {
                         key: "tokenizer.ggml.merges".into(),
                         why: "an entry is not `a b`".into(),
                     })?;
-                let bpe = BPE::builder()
-                    .vocab_and_merges(vocab, merges)
-                    .build()
-                    .map_err(tk_err)?;
+                let bpe = BPE::builder().vocab_and_merges(vocab, merges).build().map_err(tk_err)?;
                 let mut pre_toks: Vec<PreTokenizerWrapper> = Vec::new();
                 for re in bpe_pre_regexes(&pre) {
                     let pattern = SplitPattern::Regex(re.to_string());
-                    pre_toks.push(
-                        Split::new(pattern, SplitDelimiterBehavior::Isolated, false)
-                            .map_err(tk_err)?
-                            .into(),
-                    );
+                    pre_toks.push(Split::new(pattern, SplitDelimiterBehavior::Isolated, false).map_err(tk_err)?.into());
                 }
                 pre_toks.push(ByteLevel::new(false, false, false).into());
                 let mut tk = tokenizers::Tokenizer::new(bpe);
                 tk.with_pre_tokenizer(Some(Sequence::new(pre_toks)));
                 let chars = gpt2_byte_chars();
-                let rev: HashMap<char, u8> = chars
-                    .iter()
-                    .enumerate()
-                    .map(|(b, &c)| (c, b as u8))
-                    .collect();
+                let rev: HashMap<char, u8> = chars.iter().enumerate().map(|(b, &c)| (c, b as u8)).collect();
                 let pieces = tokens
                     .iter()
                     .zip(&types)
@@ -403,12 +333,7 @@ impl Tokenizer {
                         _ => byte_level_decode(tok, &rev),
                     })
                     .collect();
-                (
-                    Inner::Bpe(Box::new(tk)),
-                    pieces,
-                    flag("tokenizer.ggml.add_bos_token").unwrap_or(false),
-                    false,
-                )
+                (Inner::Bpe(Box::new(tk)), pieces, flag("tokenizer.ggml.add_bos_token").unwrap_or(false), false)
             }
             other => {
                 return Err(ModelError::Tokenizer(format!(
@@ -440,35 +365,23 @@ impl Tokenizer {
     ) -> Result<Self, ModelError> {
         let tk = tokenizers::Tokenizer::from_bytes(tokenizer_json).map_err(tk_err)?;
         let n = tk.get_vocab_size(true);
-        let tc: serde_json::Value = tokenizer_config
-            .and_then(|t| serde_json::from_str(t).ok())
-            .unwrap_or_default();
-        let cfg: serde_json::Value = config
-            .and_then(|t| serde_json::from_str(t).ok())
-            .unwrap_or_default();
+        let tc: serde_json::Value = tokenizer_config.and_then(|t| serde_json::from_str(t).ok()).unwrap_or_default();
+        let cfg: serde_json::Value = config.and_then(|t| serde_json::from_str(t).ok()).unwrap_or_default();
         let token_text = |v: &serde_json::Value| -> Option<String> {
             match v {
                 serde_json::Value::String(s) => Some(s.clone()),
-                serde_json::Value::Object(o) => o
-                    .get("content")
-                    .and_then(|c| c.as_str())
-                    .map(str::to_string),
+                serde_json::Value::Object(o) => o.get("content").and_then(|c| c.as_str()).map(str::to_string),
                 _ => None,
             }
         };
         let id_of = |field: &str| -> Vec<u32> {
             let mut ids = Vec::new();
-            if let Some(t) = tc
-                .get(format!("{field}_token").as_str())
-                .and_then(token_text)
-            {
+            if let Some(t) = tc.get(format!("{field}_token").as_str()).and_then(token_text) {
                 ids.extend(tk.token_to_id(&t));
             }
             match cfg.get(format!("{field}_token_id").as_str()) {
                 Some(serde_json::Value::Number(x)) => ids.extend(x.as_u64().map(|v| v as u32)),
-                Some(serde_json::Value::Array(a)) => {
-                    ids.extend(a.iter().filter_map(|x| x.as_u64()).map(|v| v as u32))
-                }
+                Some(serde_json::Value::Array(a)) => ids.extend(a.iter().filter_map(|x| x.as_u64()).map(|v| v as u32)),
                 _ => {}
             }
             ids.retain(|&i| (i as usize) < n);
@@ -499,14 +412,9 @@ impl Tokenizer {
                 *slot = t.clone();
             }
         }
-        let spm_style =
-            vocab.contains_key("<0x00>") || vocab.keys().any(|t| t.starts_with(SPM_SPACE));
+        let spm_style = vocab.contains_key("<0x00>") || vocab.keys().any(|t| t.starts_with(SPM_SPACE));
         let chars = gpt2_byte_chars();
-        let rev: HashMap<char, u8> = chars
-            .iter()
-            .enumerate()
-            .map(|(b, &c)| (c, b as u8))
-            .collect();
+        let rev: HashMap<char, u8> = chars.iter().enumerate().map(|(b, &c)| (c, b as u8)).collect();
         let special_ids: HashSet<u32> = specials.iter().map(|s| s.1).collect();
         let pieces = by_id
             .iter()
@@ -534,10 +442,7 @@ impl Tokenizer {
                 .map(str::to_string),
             _ => None,
         };
-        let add_bos = tc
-            .get("add_bos_token")
-            .and_then(|v| v.as_bool())
-            .unwrap_or(false);
+        let add_bos = tc.get("add_bos_token").and_then(|v| v.as_bool()).unwrap_or(false);
         Ok(Tokenizer {
             inner: Inner::Hf(Box::new(tk)),
             pieces,
@@ -608,12 +513,7 @@ impl Tokenizer {
         Ok(out)
     }
 
-    fn encode_fragment(
-        &self,
-        text: &str,
-        prev_special: bool,
-        out: &mut Vec<u32>,
-    ) -> Result<(), ModelError> {
+    fn encode_fragment(&self, text: &str, prev_special: bool, out: &mut Vec<u32>) -> Result<(), ModelError> {
         match &self.inner {
             Inner::Spm(spm) => {
                 let mut t = String::with_capacity(text.len() + 3);
@@ -634,10 +534,7 @@ impl Tokenizer {
 
     /// The bytes token `id` prints as; empty for control tokens and unknown ids.
     pub fn piece(&self, id: u32) -> &[u8] {
-        self.pieces
-            .get(id as usize)
-            .map(Vec::as_slice)
-            .unwrap_or(&[])
+        self.pieces.get(id as usize).map(Vec::as_slice).unwrap_or(&[])
     }
 
     /// Decodes ids to text as a stream would print them (see [`TextStream`]).
@@ -654,42 +551,27 @@ impl Tokenizer {
     /// A streaming decoder; `prev` is the token before the first one it will see (to apply
     /// SentencePiece's rule that a word-initial space right after BOS is not printed).
     pub fn stream(&self, prev: Option<u32>) -> TextStream<'_> {
-        TextStream {
-            tk: self,
-            pending: Vec::new(),
-            prev,
-        }
+        TextStream { tk: self, pending: Vec::new(), prev }
     }
 
     /// Renders the model's chat template for one user message and a generation prompt.
     pub fn apply_chat_template(&self, messages: &[(String, String)]) -> Result<String, ModelError> {
-        let template = self.chat_template.as_deref().ok_or_else(|| {
-            ModelError::Tokenizer(
-                "this model has no chat template (tokenizer.chat_template)".into(),
-            )
-        })?;
+        let template = self
+            .chat_template
+            .as_deref()
+            .ok_or_else(|| ModelError::Tokenizer("this model has no chat template (tokenizer.chat_template)".into()))?;
         let mut env = minijinja::Environment::new();
         minijinja_contrib::add_to_environment(&mut env);
         env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
-        env.add_function(
-            "raise_exception",
-            |msg: String| -> Result<String, minijinja::Error> {
-                Err(minijinja::Error::new(
-                    minijinja::ErrorKind::InvalidOperation,
-                    msg,
-                ))
-            },
-        );
-        env.add_template("chat", template)
-            .map_err(|e| ModelError::Tokenizer(format!("chat template: {e}")))?;
+        env.add_function("raise_exception", |msg: String| -> Result<String, minijinja::Error> {
+            Err(minijinja::Error::new(minijinja::ErrorKind::InvalidOperation, msg))
+        });
+        env.add_template("chat", template).map_err(|e| ModelError::Tokenizer(format!("chat template: {e}")))?;
         let tok_text = |id: Option<u32>| -> String {
-            id.map(|i| String::from_utf8_lossy(&self.raw_token(i)).into_owned())
-                .unwrap_or_default()
+            id.map(|i| String::from_utf8_lossy(&self.raw_token(i)).into_owned()).unwrap_or_default()
         };
-        let msgs: Vec<_> = messages
-            .iter()
-            .map(|(role, content)| minijinja::context! { role => role, content => content })
-            .collect();
+        let msgs: Vec<_> =
+            messages.iter().map(|(role, content)| minijinja::context! { role => role, content => content }).collect();
         let ctx = minijinja::context! {
             messages => msgs,
             add_generation_prompt => true,
@@ -713,9 +595,7 @@ impl Tokenizer {
     /// Tokenizes a rendered chat prompt: special tokens are parsed, and a BOS is added only
     /// when the template did not write one.
     pub fn encode_chat(&self, rendered: &str) -> Result<Vec<u32>, ModelError> {
-        let bos_text = self
-            .bos
-            .map(|b| String::from_utf8_lossy(&self.raw_token(b)).into_owned());
+        let bos_text = self.bos.map(|b| String::from_utf8_lossy(&self.raw_token(b)).into_owned());
         let has_bos = bos_text.is_some_and(|t| !t.is_empty() && rendered.starts_with(&t));
         self.encode(rendered, !has_bos)
     }
@@ -732,11 +612,7 @@ pub struct TextStream<'a> {
 impl TextStream<'_> {
     pub fn push(&mut self, id: u32) -> String {
         let mut piece = self.tk.piece(id);
-        if self.tk.add_space_prefix
-            && self.prev.is_some()
-            && self.prev == self.tk.bos
-            && piece.first() == Some(&b' ')
-        {
+        if self.tk.add_space_prefix && self.prev.is_some() && self.prev == self.tk.bos && piece.first() == Some(&b' ') {
             piece = &piece[1..];
         }
         self.prev = Some(id);
@@ -750,11 +626,7 @@ impl TextStream<'_> {
             Err(e) => {
                 let valid = e.valid_up_to();
                 // an invalid sequence (not just an incomplete one) is printed lossily now
-                let cut = if e.error_len().is_some() {
-                    self.pending.len()
-                } else {
-                    valid
-                };
+                let cut = if e.error_len().is_some() { self.pending.len() } else { valid };
                 let out = String::from_utf8_lossy(&self.pending[..cut]).into_owned();
                 self.pending.drain(..cut);
                 out
@@ -774,12 +646,7 @@ impl TextStream<'_> {
 /// 256 byte tokens, merges up to `vocab - n_special` tokens, then `<|begin_of_text|>`,
 /// `<|end_of_text|>`, `<|im_start|>`, `<|im_end|>`. Returns (tokens, types, merges).
 pub fn synthetic_bpe_vocab(vocab: usize) -> (Vec<String>, Vec<i32>, Vec<String>) {
-    const SPECIALS: [&str; 4] = [
-        "<|begin_of_text|>",
-        "<|end_of_text|>",
-        "<|im_start|>",
-        "<|im_end|>",
-    ];
+    const SPECIALS: [&str; 4] = ["<|begin_of_text|>", "<|end_of_text|>", "<|im_start|>", "<|im_end|>"];
     let chars = gpt2_byte_chars();
     let mut tokens: Vec<String> = chars.iter().map(|c| c.to_string()).collect();
     let mut seen: HashSet<String> = tokens.iter().cloned().collect();
@@ -787,10 +654,7 @@ pub fn synthetic_bpe_vocab(vocab: usize) -> (Vec<String>, Vec<i32>, Vec<String>)
     let target = vocab.saturating_sub(SPECIALS.len()).max(256);
     // Deterministic pairs: common letters first (so text tokenizes into multi-byte tokens),
     // then combinations of earlier tokens.
-    let alpha: Vec<String> = "etaoinshrdlucmfwypvbgkjqxz"
-        .chars()
-        .map(|c| c.to_string())
-        .collect();
+    let alpha: Vec<String> = "etaoinshrdlucmfwypvbgkjqxz".chars().map(|c| c.to_string()).collect();
     let space = chars[b' ' as usize].to_string();
     let mut candidates: Vec<(String, String)> = Vec::new();
     for a in &alpha {
@@ -809,9 +673,7 @@ pub fn synthetic_bpe_vocab(vocab: usize) -> (Vec<String>, Vec<i32>, Vec<String>)
             candidates[ci - 1].clone()
         } else {
             // a cheap deterministic walk over earlier tokens
-            k = k
-                .wrapping_mul(6364136223846793005)
-                .wrapping_add(1442695040888963407);
+            k = k.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
             let n = tokens.len() as u64;
             let i = ((k >> 33) % n) as usize;
             let j = ((k >> 13) % n.min(4096)) as usize;

@@ -108,7 +108,15 @@ enum LinearWeight {
 impl Linear {
     pub fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
         let y = match &self.w {
-            LinearWeight::Quant(q) => x.apply_op1_no_bwd(q.as_ref())?,
+            LinearWeight::Quant(q) => match x.apply_op1_no_bwd(q.as_ref()) {
+                Ok(y) => y,
+                // candle's CUDA fast paths take bf16/f16 activations for most quant types; its
+                // fallbacks take only f32
+                Err(_) if x.dtype() != DType::F32 => {
+                    x.to_dtype(DType::F32)?.apply_op1_no_bwd(q.as_ref())?.to_dtype(x.dtype())?
+                }
+                Err(e) => return Err(e),
+            },
             LinearWeight::Dense(w) => x.broadcast_matmul(&w.t()?)?,
         };
         match &self.bias {
@@ -129,23 +137,13 @@ impl Linear {
             LinearWeight::Quant(q) => q.storage_size_in_bytes() as u64,
             LinearWeight::Dense(w) => (w.elem_count() * w.dtype().size_in_bytes()) as u64,
         };
-        w + self
-            .bias
-            .as_ref()
-            .map(|b| (b.elem_count() * b.dtype().size_in_bytes()) as u64)
-            .unwrap_or(0)
+        w + self.bias.as_ref().map(|b| (b.elem_count() * b.dtype().size_in_bytes()) as u64).unwrap_or(0)
     }
 
     pub(crate) fn from_embedding(e: &Embedding) -> Linear {
         match e {
-            Embedding::Quant(q) => Linear {
-                w: LinearWeight::Quant(q.clone()),
-                bias: None,
-            },
-            Embedding::Dense(t) => Linear {
-                w: LinearWeight::Dense(t.clone()),
-                bias: None,
-            },
+            Embedding::Quant(q) => Linear { w: LinearWeight::Quant(q.clone()), bias: None },
+            Embedding::Dense(t) => Linear { w: LinearWeight::Dense(t.clone()), bias: None },
         }
     }
 }
@@ -225,19 +223,12 @@ impl ModelFiles {
         let rope_freqs = match g.tensor("rope_freqs.weight") {
             Some(t) if t.dtype == GgmlDType::F32 => {
                 let d = g.tensor_data(&bytes, t);
-                Some(
-                    d.chunks_exact(4)
-                        .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
-                        .collect(),
-                )
+                Some(d.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect())
             }
             Some(t) => {
                 return Err(ModelError::BadTensor {
                     name: t.name.clone(),
-                    why: format!(
-                        "rope_freqs must be f32, found {}",
-                        gguf::dtype_name(t.dtype)
-                    ),
+                    why: format!("rope_freqs must be f32, found {}", gguf::dtype_name(t.dtype)),
                 })
             }
             None => None,
@@ -266,8 +257,7 @@ impl ModelFiles {
         let config_text = read("config.json")?;
         let config = ModelConfig::from_hf_json(&config_text)?;
         let tok_path = dir.join("tokenizer.json");
-        let tok_bytes =
-            std::fs::read(&tok_path).map_err(|e| ModelError::Io(tok_path.clone(), e))?;
+        let tok_bytes = std::fs::read(&tok_path).map_err(|e| ModelError::Io(tok_path.clone(), e))?;
         let tok_config = read("tokenizer_config.json").ok();
         let tokenizer = Tokenizer::from_hf(&tok_bytes, tok_config.as_deref(), Some(&config_text))?;
 
@@ -278,10 +268,7 @@ impl ModelFiles {
             .collect();
         paths.sort();
         if paths.is_empty() {
-            return Err(ModelError::Format(format!(
-                "{}: no *.safetensors files",
-                dir.display()
-            )));
+            return Err(ModelError::Format(format!("{}: no *.safetensors files", dir.display())));
         }
         let mut files = Vec::new();
         let mut tensors = HashMap::new();
@@ -308,13 +295,7 @@ impl ModelFiles {
                 let (s, e) = info.data_offsets;
                 tensors.insert(
                     gname,
-                    StoredTensor {
-                        shape: info.shape.clone(),
-                        ty,
-                        file: fi,
-                        start: base + s,
-                        end: base + e,
-                    },
+                    StoredTensor { shape: info.shape.clone(), ty, file: fi, start: base + s, end: base + e },
                 );
             }
             files.push(bytes);
@@ -335,17 +316,9 @@ impl ModelFiles {
     /// Every tensor a full model needs is present with the shape the configuration implies.
     fn check_tensors(&self) -> Result<(), ModelError> {
         let c = &self.config;
-        let (h, q, kv, f, v) = (
-            c.hidden,
-            c.n_heads * c.head_dim,
-            c.n_kv_heads * c.head_dim,
-            c.ffn,
-            c.vocab,
-        );
-        let mut expect: Vec<(String, Vec<usize>)> = vec![
-            ("token_embd.weight".into(), vec![v, h]),
-            ("output_norm.weight".into(), vec![h]),
-        ];
+        let (h, q, kv, f, v) = (c.hidden, c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim, c.ffn, c.vocab);
+        let mut expect: Vec<(String, Vec<usize>)> =
+            vec![("token_embd.weight".into(), vec![v, h]), ("output_norm.weight".into(), vec![h])];
         if self.tensors.contains_key("output.weight") {
             expect.push(("output.weight".into(), vec![v, h]));
         }
@@ -371,10 +344,7 @@ impl ModelFiles {
             }
         }
         for (name, shape) in expect {
-            let t = self
-                .tensors
-                .get(&name)
-                .ok_or_else(|| ModelError::MissingTensor(name.clone()))?;
+            let t = self.tensors.get(&name).ok_or_else(|| ModelError::MissingTensor(name.clone()))?;
             if t.shape != shape {
                 return Err(ModelError::BadTensor {
                     name,
@@ -398,9 +368,7 @@ impl ModelFiles {
     }
 
     fn stored(&self, name: &str) -> Result<&StoredTensor, ModelError> {
-        self.tensors
-            .get(name)
-            .ok_or_else(|| ModelError::MissingTensor(name.to_string()))
+        self.tensors.get(name).ok_or_else(|| ModelError::MissingTensor(name.to_string()))
     }
 
     /// A dense tensor in `dtype` on `device` (any stored type is converted).
@@ -411,15 +379,9 @@ impl ModelFiles {
             StoredType::F32 => Tensor::from_raw_buffer(data, DType::F32, &t.shape, &Device::Cpu)?,
             StoredType::F16 => Tensor::from_raw_buffer(data, DType::F16, &t.shape, &Device::Cpu)?,
             StoredType::BF16 => Tensor::from_raw_buffer(data, DType::BF16, &t.shape, &Device::Cpu)?,
-            StoredType::Ggml(GgmlDType::F32) => {
-                Tensor::from_raw_buffer(data, DType::F32, &t.shape, &Device::Cpu)?
-            }
-            StoredType::Ggml(GgmlDType::F16) => {
-                Tensor::from_raw_buffer(data, DType::F16, &t.shape, &Device::Cpu)?
-            }
-            StoredType::Ggml(GgmlDType::BF16) => {
-                Tensor::from_raw_buffer(data, DType::BF16, &t.shape, &Device::Cpu)?
-            }
+            StoredType::Ggml(GgmlDType::F32) => Tensor::from_raw_buffer(data, DType::F32, &t.shape, &Device::Cpu)?,
+            StoredType::Ggml(GgmlDType::F16) => Tensor::from_raw_buffer(data, DType::F16, &t.shape, &Device::Cpu)?,
+            StoredType::Ggml(GgmlDType::BF16) => Tensor::from_raw_buffer(data, DType::BF16, &t.shape, &Device::Cpu)?,
             StoredType::Ggml(_) => self.qtensor(name, &Device::Cpu)?.dequantize(&Device::Cpu)?,
         };
         Ok(cpu.to_dtype(dtype)?.to_device(device)?)
@@ -428,31 +390,18 @@ impl ModelFiles {
     fn qtensor(&self, name: &str, device: &Device) -> Result<QTensor, ModelError> {
         let t = self.stored(name)?;
         let StoredType::Ggml(dt) = t.ty else {
-            return Err(ModelError::BadTensor {
-                name: name.into(),
-                why: "not a GGUF tensor".into(),
-            });
+            return Err(ModelError::BadTensor { name: name.into(), why: "not a GGUF tensor".into() });
         };
-        let storage = with_aligned(self.data(t), |d| {
-            QStorage::from_data(Cow::Borrowed(d), device, dt)
-        })?;
+        let storage = with_aligned(self.data(t), |d| QStorage::from_data(Cow::Borrowed(d), device, dt))?;
         Ok(QTensor::new(storage, t.shape.as_slice())?)
     }
 
     /// A weight `[out, in]` for matrix multiplies. Quantized GGUF weights stay quantized (candle's
     /// quantized matmul); float weights become dense tensors in `dtype`.
-    pub fn linear(
-        &self,
-        name: &str,
-        bias: Option<&str>,
-        device: &Device,
-        dtype: DType,
-    ) -> Result<Linear, ModelError> {
+    pub fn linear(&self, name: &str, bias: Option<&str>, device: &Device, dtype: DType) -> Result<Linear, ModelError> {
         let t = self.stored(name)?;
         let w = match t.ty {
-            StoredType::Ggml(d)
-                if !matches!(d, GgmlDType::F32 | GgmlDType::F16 | GgmlDType::BF16) =>
-            {
+            StoredType::Ggml(d) if !matches!(d, GgmlDType::F32 | GgmlDType::F16 | GgmlDType::BF16) => {
                 LinearWeight::Quant(Arc::new(self.qtensor(name, device)?))
             }
             _ => LinearWeight::Dense(self.dense(name, device, dtype)?),
@@ -464,17 +413,54 @@ impl ModelFiles {
         Ok(Linear { w, bias })
     }
 
-    pub fn embedding(
+    /// Several weights with the same input, stacked into one `[Σ out, in]` matmul (q/k/v, or
+    /// gate/up): one kernel launch and one pass over the activations instead of several. `None`
+    /// when their stored types differ (llama.cpp's Q4_K_M stores v as q6_k), so they cannot
+    /// share one quantized tensor.
+    pub fn linear_stacked(
         &self,
-        name: &str,
+        names: &[&str],
+        biases: Option<&[&str]>,
         device: &Device,
         dtype: DType,
-    ) -> Result<Embedding, ModelError> {
+    ) -> Result<Option<Linear>, ModelError> {
+        let parts: Vec<&StoredTensor> = names.iter().map(|n| self.stored(n)).collect::<Result<_, _>>()?;
+        let ty = parts[0].ty;
+        let cols = parts[0].shape.get(1).copied();
+        if parts.iter().any(|t| t.ty != ty || t.shape.len() != 2 || t.shape.get(1).copied() != cols) {
+            return Ok(None);
+        }
+        let rows: usize = parts.iter().map(|t| t.shape[0]).sum();
+        let cols = cols.unwrap_or(0);
+        let w = match ty {
+            StoredType::Ggml(d) if !matches!(d, GgmlDType::F32 | GgmlDType::F16 | GgmlDType::BF16) => {
+                // rows of quantized blocks are contiguous: stacking is concatenating the bytes
+                let mut bytes = Vec::with_capacity(parts.iter().map(|t| t.end - t.start).sum());
+                for t in &parts {
+                    bytes.extend_from_slice(self.data(t));
+                }
+                let storage = with_aligned(&bytes, |b| QStorage::from_data(Cow::Borrowed(b), device, d))?;
+                LinearWeight::Quant(Arc::new(QTensor::new(storage, (rows, cols))?))
+            }
+            _ => {
+                let ts = names.iter().map(|n| self.dense(n, device, dtype)).collect::<Result<Vec<_>, _>>()?;
+                LinearWeight::Dense(Tensor::cat(&ts, 0)?)
+            }
+        };
+        let bias = match biases {
+            Some(bs) => {
+                let ts = bs.iter().map(|n| self.dense(n, device, dtype)).collect::<Result<Vec<_>, _>>()?;
+                Some(Tensor::cat(&ts, 0)?)
+            }
+            None => None,
+        };
+        Ok(Some(Linear { w, bias }))
+    }
+
+    pub fn embedding(&self, name: &str, device: &Device, dtype: DType) -> Result<Embedding, ModelError> {
         let t = self.stored(name)?;
         Ok(match t.ty {
-            StoredType::Ggml(d)
-                if !matches!(d, GgmlDType::F32 | GgmlDType::F16 | GgmlDType::BF16) =>
-            {
+            StoredType::Ggml(d) if !matches!(d, GgmlDType::F32 | GgmlDType::F16 | GgmlDType::BF16) => {
                 Embedding::Quant(Arc::new(self.qtensor(name, device)?))
             }
             _ => Embedding::Dense(self.dense(name, device, dtype)?),
@@ -487,13 +473,21 @@ impl ModelFiles {
         match self.tensors.get(name) {
             None => 0,
             Some(t) => match t.ty {
-                StoredType::Ggml(d)
-                    if !matches!(d, GgmlDType::F32 | GgmlDType::F16 | GgmlDType::BF16) =>
-                {
-                    t.n_bytes()
-                }
+                StoredType::Ggml(d) if !matches!(d, GgmlDType::F32 | GgmlDType::F16 | GgmlDType::BF16) => t.n_bytes(),
                 _ => t.shape.iter().product::<usize>() as u64 * dtype.size_in_bytes() as u64,
             },
+        }
+    }
+
+    /// The float type of the model's layer matrices, when they are stored as floats (None when
+    /// they are quantized): the dtype a GPU computes such a model in.
+    pub fn dense_dtype(&self) -> Option<DType> {
+        let t = self.tensors.get("blk.0.attn_q.weight")?;
+        match t.ty {
+            StoredType::F32 | StoredType::Ggml(GgmlDType::F32) => Some(DType::F32),
+            StoredType::F16 | StoredType::Ggml(GgmlDType::F16) => Some(DType::F16),
+            StoredType::BF16 | StoredType::Ggml(GgmlDType::BF16) => Some(DType::BF16),
+            StoredType::Ggml(_) => None,
         }
     }
 
@@ -524,20 +518,12 @@ impl ModelFiles {
     /// tensors, see [`ModelFiles::device_bytes`]).
     pub fn device_profile(&self, kv_elem_bytes: u64, dtype: DType) -> brigade_core::ModelProfile {
         self.profile_with(kv_elem_bytes, |t| match t.ty {
-            StoredType::Ggml(d)
-                if !matches!(d, GgmlDType::F32 | GgmlDType::F16 | GgmlDType::BF16) =>
-            {
-                t.n_bytes()
-            }
+            StoredType::Ggml(d) if !matches!(d, GgmlDType::F32 | GgmlDType::F16 | GgmlDType::BF16) => t.n_bytes(),
             _ => t.shape.iter().product::<usize>() as u64 * dtype.size_in_bytes() as u64,
         })
     }
 
-    fn profile_with(
-        &self,
-        kv_elem_bytes: u64,
-        bytes: impl Fn(&StoredTensor) -> u64,
-    ) -> brigade_core::ModelProfile {
+    fn profile_with(&self, kv_elem_bytes: u64, bytes: impl Fn(&StoredTensor) -> u64) -> brigade_core::ModelProfile {
         let c = &self.config;
         let mut layer_bytes = vec![0u64; c.n_layers];
         let mut layer_flops = vec![0f64; c.n_layers];
@@ -561,12 +547,7 @@ impl ModelFiles {
         let tied = !self.tensors.contains_key("output.weight");
         let head = if tied { embed } else { get("output.weight") } + get("output_norm.weight");
         brigade_core::ModelProfile {
-            name: self
-                .source
-                .rsplit('/')
-                .next()
-                .unwrap_or(&self.source)
-                .to_string(),
+            name: self.source.rsplit('/').next().unwrap_or(&self.source).to_string(),
             layer_bytes,
             layer_flops,
             head_bytes: head,
@@ -586,10 +567,7 @@ impl ModelFiles {
 
     /// Parameters (elements) of all tensors.
     pub fn n_params(&self) -> u64 {
-        self.tensors
-            .values()
-            .map(|t| t.shape.iter().product::<usize>() as u64)
-            .sum()
+        self.tensors.values().map(|t| t.shape.iter().product::<usize>() as u64).sum()
     }
 }
 
@@ -662,16 +640,8 @@ mod tests {
 
     #[test]
     fn names_round_trip() {
-        for n in [
-            "token_embd.weight",
-            "output.weight",
-            "blk.12.attn_q.bias",
-            "blk.3.ffn_down.weight",
-        ] {
-            assert_eq!(
-                hf_to_gguf_name(&gguf_to_hf_name(n).unwrap()).as_deref(),
-                Some(n)
-            );
+        for n in ["token_embd.weight", "output.weight", "blk.12.attn_q.bias", "blk.3.ffn_down.weight"] {
+            assert_eq!(hf_to_gguf_name(&gguf_to_hf_name(n).unwrap()).as_deref(), Some(n));
         }
         assert!(hf_to_gguf_name("model.layers.x.mlp.up_proj.weight").is_none());
     }

@@ -50,16 +50,9 @@ fn stories_bytes() -> Vec<u8> {
 fn truncated_files_are_errors() {
     let full = stories_bytes();
     let g = Gguf::parse(&full).unwrap();
-    let data_end = g
-        .tensors
-        .iter()
-        .map(|t| t.offset + t.n_bytes)
-        .max()
-        .unwrap() as usize;
-    let cuts: Vec<usize> = (0..4096)
-        .chain((4096..full.len()).step_by(997))
-        .chain([data_end - 1, full.len() - 1])
-        .collect();
+    let data_end = g.tensors.iter().map(|t| t.offset + t.n_bytes).max().unwrap() as usize;
+    let cuts: Vec<usize> =
+        (0..4096).chain((4096..full.len()).step_by(997)).chain([data_end - 1, full.len() - 1]).collect();
     for n in cuts {
         match Gguf::parse(&full[..n]) {
             Ok(_) => assert!(n >= data_end, "a file cut at {n} of {} parsed", full.len()),
@@ -84,74 +77,33 @@ fn wrong_magic_and_version() {
     let mut b = stories_bytes();
     b[..4].copy_from_slice(b"GGML");
     assert!(matches!(Gguf::parse(&b), Err(GgufError::BadMagic { .. })));
-    let e = open_bytes(b"this is a text file, not a model\n")
-        .err()
-        .unwrap();
+    let e = open_bytes(b"this is a text file, not a model\n").err().unwrap();
     assert!(e.to_string().contains("not a GGUF file"), "{e}");
     assert!(open_bytes(b"").is_err());
     let mut b = stories_bytes();
     b[4..8].copy_from_slice(&1u32.to_le_bytes());
-    assert!(matches!(
-        Gguf::parse(&b),
-        Err(GgufError::UnsupportedVersion(1))
-    ));
+    assert!(matches!(Gguf::parse(&b), Err(GgufError::UnsupportedVersion(1))));
 }
 
 #[test]
 fn absurd_counts_and_lengths() {
     // tensor and kv counts far beyond what the file could hold
-    assert!(matches!(
-        Gguf::parse(&Raw::new(3, u64::MAX, 0).pad(64).0),
-        Err(GgufError::AbsurdCount { .. })
-    ));
-    assert!(matches!(
-        Gguf::parse(&Raw::new(3, 0, 1 << 50).pad(64).0),
-        Err(GgufError::AbsurdCount { .. })
-    ));
+    assert!(matches!(Gguf::parse(&Raw::new(3, u64::MAX, 0).pad(64).0), Err(GgufError::AbsurdCount { .. })));
+    assert!(matches!(Gguf::parse(&Raw::new(3, 0, 1 << 50).pad(64).0), Err(GgufError::AbsurdCount { .. })));
     // a key whose length is 2^63
     let r = Raw::new(3, 0, 1).u64(1 << 63).pad(32);
-    assert!(matches!(
-        Gguf::parse(&r.0),
-        Err(GgufError::Truncated { .. })
-    ));
+    assert!(matches!(Gguf::parse(&r.0), Err(GgufError::Truncated { .. })));
     // a string value claiming 1 TiB
-    let r = Raw::new(3, 0, 1)
-        .str("general.name")
-        .u32(8)
-        .u64(1 << 40)
-        .pad(32);
-    assert!(matches!(
-        Gguf::parse(&r.0),
-        Err(GgufError::Truncated { .. })
-    ));
+    let r = Raw::new(3, 0, 1).str("general.name").u32(8).u64(1 << 40).pad(32);
+    assert!(matches!(Gguf::parse(&r.0), Err(GgufError::Truncated { .. })));
     // an array claiming 2^60 u32 elements
-    let r = Raw::new(3, 0, 1)
-        .str("a")
-        .u32(9)
-        .u32(4)
-        .u64(1 << 60)
-        .pad(32);
-    assert!(matches!(
-        Gguf::parse(&r.0),
-        Err(GgufError::AbsurdCount { .. })
-    ));
+    let r = Raw::new(3, 0, 1).str("a").u32(9).u32(4).u64(1 << 60).pad(32);
+    assert!(matches!(Gguf::parse(&r.0), Err(GgufError::AbsurdCount { .. })));
     // an unknown value type
     let r = Raw::new(3, 0, 1).str("a").u32(77).pad(32);
-    assert!(matches!(
-        Gguf::parse(&r.0),
-        Err(GgufError::UnknownValueType { .. })
-    ));
+    assert!(matches!(Gguf::parse(&r.0), Err(GgufError::UnknownValueType { .. })));
     // arrays of arrays of arrays
-    let r = Raw::new(3, 0, 1)
-        .str("a")
-        .u32(9)
-        .u32(9)
-        .u64(1)
-        .u32(9)
-        .u64(1)
-        .u32(9)
-        .u64(1)
-        .pad(64);
+    let r = Raw::new(3, 0, 1).str("a").u32(9).u32(9).u64(1).u32(9).u64(1).u32(9).u64(1).pad(64);
     assert!(matches!(Gguf::parse(&r.0), Err(GgufError::TooDeep { .. })));
 }
 
@@ -164,46 +116,22 @@ fn absurd_tensor_infos() {
         }
         r.u32(ty).u64(offset).pad(512)
     };
-    assert!(matches!(
-        Gguf::parse(&tensor(9, &[1; 9], 0, 0).0),
-        Err(GgufError::TooManyDims { .. })
-    ));
-    assert!(matches!(
-        Gguf::parse(&tensor(0, &[], 0, 0).0),
-        Err(GgufError::TooManyDims { .. })
-    ));
-    assert!(matches!(
-        Gguf::parse(&tensor(2, &[1 << 40, 1 << 40], 0, 0).0),
-        Err(GgufError::BadDims { .. })
-    ));
-    assert!(matches!(
-        Gguf::parse(&tensor(2, &[0, 4], 0, 0).0),
-        Err(GgufError::BadDims { .. })
-    ));
+    assert!(matches!(Gguf::parse(&tensor(9, &[1; 9], 0, 0).0), Err(GgufError::TooManyDims { .. })));
+    assert!(matches!(Gguf::parse(&tensor(0, &[], 0, 0).0), Err(GgufError::TooManyDims { .. })));
+    assert!(matches!(Gguf::parse(&tensor(2, &[1 << 40, 1 << 40], 0, 0).0), Err(GgufError::BadDims { .. })));
+    assert!(matches!(Gguf::parse(&tensor(2, &[0, 4], 0, 0).0), Err(GgufError::BadDims { .. })));
     // q4_0 rows must be whole 32-element blocks
-    assert!(matches!(
-        Gguf::parse(&tensor(2, &[33, 2], 2, 0).0),
-        Err(GgufError::BadDims { .. })
-    ));
+    assert!(matches!(Gguf::parse(&tensor(2, &[33, 2], 2, 0).0), Err(GgufError::BadDims { .. })));
     let e = Gguf::parse(&tensor(2, &[32, 2], 99, 0).0).err().unwrap();
-    assert!(matches!(
-        e,
-        GgufError::UnknownTensorType { type_id: 99, .. }
-    ));
+    assert!(matches!(e, GgufError::UnknownTensorType { type_id: 99, .. }));
     assert!(e.to_string().contains("blk.0.attn_q.weight"));
     // data past the end of the file, and an offset that overflows
-    assert!(matches!(
-        Gguf::parse(&tensor(2, &[32, 2], 0, 1 << 20).0),
-        Err(GgufError::DataPastEnd { .. })
-    ));
+    assert!(matches!(Gguf::parse(&tensor(2, &[32, 2], 0, 1 << 20).0), Err(GgufError::DataPastEnd { .. })));
     assert!(matches!(
         Gguf::parse(&tensor(2, &[32, 2], 0, u64::MAX - 31).0),
         Err(GgufError::DataPastEnd { .. }) | Err(GgufError::Misaligned { .. })
     ));
-    assert!(matches!(
-        Gguf::parse(&tensor(2, &[32, 2], 0, 3).0),
-        Err(GgufError::Misaligned { .. })
-    ));
+    assert!(matches!(Gguf::parse(&tensor(2, &[32, 2], 0, 3).0), Err(GgufError::Misaligned { .. })));
     // a correct one parses
     assert!(Gguf::parse(&tensor(2, &[32, 2], 0, 0).0).is_ok());
 }
@@ -212,20 +140,9 @@ fn absurd_tensor_infos() {
 fn rewrite(edit: impl FnOnce(&mut Vec<(String, Value)>, &mut Vec<TensorSpec>)) -> Vec<u8> {
     let full = stories_bytes();
     let g = Gguf::parse(&full).unwrap();
-    let mut md: Vec<(String, Value)> = g
-        .keys
-        .iter()
-        .map(|k| (k.clone(), g.metadata[k].clone()))
-        .collect();
-    let mut specs: Vec<TensorSpec> = g
-        .tensors
-        .iter()
-        .map(|t| TensorSpec {
-            name: t.name.clone(),
-            dims: t.dims.clone(),
-            dtype: t.dtype,
-        })
-        .collect();
+    let mut md: Vec<(String, Value)> = g.keys.iter().map(|k| (k.clone(), g.metadata[k].clone())).collect();
+    let mut specs: Vec<TensorSpec> =
+        g.tensors.iter().map(|t| TensorSpec { name: t.name.clone(), dims: t.dims.clone(), dtype: t.dtype }).collect();
     edit(&mut md, &mut specs);
     let mut out = Vec::new();
     gguf::write_gguf(&mut out, &md, &specs, |i, buf| {
@@ -251,20 +168,14 @@ fn rewritten_file_still_loads() {
 fn missing_and_misshapen_tensors() {
     let b = rewrite(|_, t| t.retain(|s| s.name != "blk.3.ffn_up.weight"));
     let e = open_bytes(&b).err().unwrap();
-    assert!(
-        matches!(e, ModelError::MissingTensor(ref n) if n == "blk.3.ffn_up.weight"),
-        "{e}"
-    );
+    assert!(matches!(e, ModelError::MissingTensor(ref n) if n == "blk.3.ffn_up.weight"), "{e}");
     let b = rewrite(|_, t| {
         for s in t.iter_mut().filter(|s| s.name == "blk.1.attn_k.weight") {
             s.dims = vec![64, 64];
         }
     });
     let e = open_bytes(&b).err().unwrap();
-    assert!(
-        e.to_string().contains("blk.1.attn_k.weight") && e.to_string().contains("shape"),
-        "{e}"
-    );
+    assert!(e.to_string().contains("blk.1.attn_k.weight") && e.to_string().contains("shape"), "{e}");
 }
 
 #[test]
@@ -282,30 +193,17 @@ fn absurd_hyperparameters() {
                 e.1 = v.clone();
             }
         });
-        let e = open_bytes(&b)
-            .err()
-            .unwrap_or_else(|| panic!("{key} = {v:?} was accepted"));
+        let e = open_bytes(&b).err().unwrap_or_else(|| panic!("{key} = {v:?} was accepted"));
         let _ = e.to_string();
     }
     let b = rewrite(|md, _| md.retain(|e| e.0 != "llama.block_count"));
-    assert!(matches!(
-        open_bytes(&b),
-        Err(ModelError::MissingMetadata(_))
-    ));
+    assert!(matches!(open_bytes(&b), Err(ModelError::MissingMetadata(_))));
 }
 
 fn write_small_hf(dir: &Path) {
     use brigade_model::synth::{write_safetensors_dir, Shape, SynthType};
-    let shape = Shape {
-        layers: 2,
-        hidden: 64,
-        ffn: 128,
-        heads: 4,
-        kv_heads: 2,
-        vocab: 300,
-        context: 256,
-        rope_theta: 1e4,
-    };
+    let shape =
+        Shape { layers: 2, hidden: 64, ffn: 128, heads: 4, kv_heads: 2, vocab: 300, context: 256, rope_theta: 1e4 };
     write_safetensors_dir(dir, &shape, SynthType::F16, 1, |_, _| {}).unwrap();
 }
 
@@ -321,9 +219,7 @@ fn safetensors_headers_that_lie() {
 
     let try_with = |bytes: Vec<u8>| -> String {
         std::fs::write(&st, bytes).unwrap();
-        let e = ModelFiles::open(dir.path())
-            .err()
-            .expect("a lying header was accepted");
+        let e = ModelFiles::open(dir.path()).err().expect("a lying header was accepted");
         e.to_string()
     };
     // header length beyond the file

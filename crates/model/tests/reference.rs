@@ -33,30 +33,16 @@ fn stories_f32_logits_match_transformers() {
     let input = ids(&r["input_ids"]);
     let logits = all_logits(&pipeline(&files, "cpu:5", 64), &input);
     let mut worst = 0f32;
-    for (pos, top5) in r["top5_per_position"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .enumerate()
-    {
+    for (pos, top5) in r["top5_per_position"].as_array().unwrap().iter().enumerate() {
         for pair in top5.as_array().unwrap() {
             let id = pair[0].as_u64().unwrap() as usize;
             let want = pair[1].as_f64().unwrap() as f32;
             worst = worst.max((logits[pos][id] - want).abs());
         }
-        assert_eq!(
-            argmax(&logits[pos]),
-            r["argmax_next"][pos].as_u64().unwrap() as u32,
-            "position {pos}"
-        );
+        assert_eq!(argmax(&logits[pos]), r["argmax_next"][pos].as_u64().unwrap() as u32, "position {pos}");
     }
     let last = logits.last().unwrap();
-    for (i, want) in r["last_position_logits_first16"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .enumerate()
-    {
+    for (i, want) in r["last_position_logits_first16"].as_array().unwrap().iter().enumerate() {
         worst = worst.max((last[i] - want.as_f64().unwrap() as f32).abs());
     }
     // the reference rounds to 4 decimals
@@ -70,17 +56,8 @@ fn stories_q8_0_logits_close_to_transformers() {
     let input = ids(&r["input_ids"]);
     let logits = all_logits(&pipeline(&files, "cpu:5", 64), &input);
     let mut worst = 0f32;
-    for (pos, top5) in r["top5_per_position"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .enumerate()
-    {
-        assert_eq!(
-            argmax(&logits[pos]),
-            r["argmax_next"][pos].as_u64().unwrap() as u32,
-            "position {pos}"
-        );
+    for (pos, top5) in r["top5_per_position"].as_array().unwrap().iter().enumerate() {
+        assert_eq!(argmax(&logits[pos]), r["argmax_next"][pos].as_u64().unwrap() as u32, "position {pos}");
         for pair in top5.as_array().unwrap() {
             let id = pair[0].as_u64().unwrap() as usize;
             worst = worst.max((logits[pos][id] - pair[1].as_f64().unwrap() as f32).abs());
@@ -97,16 +74,8 @@ fn stories_greedy_matches_llama_cpp() {
     let r = reference("greedy_llamacpp.json");
     for (file, files, n_match) in [
         ("stories260K.gguf", stories_f32(), 60),
-        (
-            "stories260K-Q8_0.gguf",
-            ModelFiles::open(&fixture("stories260K-Q8_0.gguf")).unwrap(),
-            60,
-        ),
-        (
-            "stories260K-Q4_0.gguf",
-            ModelFiles::open(&fixture("stories260K-Q4_0.gguf")).unwrap(),
-            27,
-        ),
+        ("stories260K-Q8_0.gguf", ModelFiles::open(&fixture("stories260K-Q8_0.gguf")).unwrap(), 60),
+        ("stories260K-Q4_0.gguf", ModelFiles::open(&fixture("stories260K-Q4_0.gguf")).unwrap(), 27),
     ] {
         let want = ids(&r[file]["greedy_ids"]);
         let prompt = files.tokenizer.encode("", true).unwrap();
@@ -114,11 +83,7 @@ fn stories_greedy_matches_llama_cpp() {
         let got = greedy(&files, "cpu:5", &prompt, 60);
         assert_eq!(got[..n_match], want[..n_match], "{file}");
         // and through a two-stage pipeline
-        assert_eq!(
-            greedy(&files, "cpu:2,cpu:3", &prompt, 60),
-            got,
-            "{file} split"
-        );
+        assert_eq!(greedy(&files, "cpu:2,cpu:3", &prompt, 60), got, "{file} split");
     }
 }
 
@@ -130,18 +95,12 @@ fn stories_tokenizer_matches_llama_cpp() {
     // the reference input is BOS + the greedy story; encoding its text gives the same ids
     let input = ids(&r["input_ids"]);
     let text = tk.decode(&input[1..], Some(1));
-    assert_eq!(
-        text,
-        "Once upon a time, there was a little girl named Lily."
-    );
+    assert_eq!(text, "Once upon a time, there was a little girl named Lily.");
     assert_eq!(tk.encode(&text, true).unwrap(), input);
     // byte fallback for characters outside the 512-token vocabulary, and back
     let odd = "naïve café → ✓";
     let enc = tk.encode(odd, false).unwrap();
-    assert!(
-        enc.iter().any(|&i| (3..259).contains(&i)),
-        "byte tokens expected in {enc:?}"
-    );
+    assert!(enc.iter().any(|&i| (3..259).contains(&i)), "byte tokens expected in {enc:?}");
     assert_eq!(tk.decode(&enc, None).trim_start(), odd);
 }
 
@@ -150,44 +109,23 @@ fn smollm2_matches_references() {
     let files = ModelFiles::open(&smollm2()).unwrap();
     let r = reference("greedy_llamacpp.json");
     let case = &r["SmolLM2-135M-Instruct.Q4_1.gguf"];
-    let prompt = files
-        .tokenizer
-        .encode(case["prompt"].as_str().unwrap(), true)
-        .unwrap();
+    let prompt = files.tokenizer.encode(case["prompt"].as_str().unwrap(), true).unwrap();
     assert_eq!(prompt, ids(&case["prompt_ids"]));
     let got = greedy(&files, "cpu:30", &prompt, 25);
     assert_eq!(got, ids(&case["greedy_ids"]));
-    assert_eq!(
-        files.tokenizer.decode(&got, prompt.last().copied()),
-        case["text"].as_str().unwrap()
-    );
+    assert_eq!(files.tokenizer.decode(&got, prompt.last().copied()), case["text"].as_str().unwrap());
     let r = reference("logits_SmolLM2-135M-Instruct.Q4_1.json");
-    let logits = all_logits(
-        &pipeline(&files, "cpu:10,cpu:20", 64),
-        &ids(&r["input_ids"]),
-    );
+    let logits = all_logits(&pipeline(&files, "cpu:10,cpu:20", 64), &ids(&r["input_ids"]));
     for (pos, want) in r["argmax_next"].as_array().unwrap().iter().enumerate() {
-        assert_eq!(
-            argmax(&logits[pos]),
-            want.as_u64().unwrap() as u32,
-            "position {pos}"
-        );
+        assert_eq!(argmax(&logits[pos]), want.as_u64().unwrap() as u32, "position {pos}");
     }
     // the ChatML template renders and tokenizes with its special tokens
-    let rendered = files
-        .tokenizer
-        .apply_chat_template(&[("user".into(), "Hi there".into())])
-        .unwrap();
+    let rendered = files.tokenizer.apply_chat_template(&[("user".into(), "Hi there".into())]).unwrap();
     assert!(
-        rendered.contains("<|im_start|>user\nHi there<|im_end|>")
-            && rendered.ends_with("<|im_start|>assistant\n"),
+        rendered.contains("<|im_start|>user\nHi there<|im_end|>") && rendered.ends_with("<|im_start|>assistant\n"),
         "{rendered}"
     );
     let chat_ids = files.tokenizer.encode_chat(&rendered).unwrap();
     assert_eq!(chat_ids[0], 1, "<|im_start|> is id 1");
-    assert_eq!(
-        chat_ids.iter().filter(|&&i| i == 1).count(),
-        3,
-        "system, user, assistant turns"
-    );
+    assert_eq!(chat_ids.iter().filter(|&&i| i == 1).count(), 3, "system, user, assistant turns");
 }

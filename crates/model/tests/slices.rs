@@ -8,39 +8,19 @@ use brigade_model::{ModelFiles, Sampler, SamplerConfig};
 use common::*;
 
 fn small_shape() -> Shape {
-    Shape {
-        layers: 4,
-        hidden: 64,
-        ffn: 160,
-        heads: 4,
-        kv_heads: 2,
-        vocab: 300,
-        context: 512,
-        rope_theta: 10000.0,
-    }
+    Shape { layers: 4, hidden: 64, ffn: 160, heads: 4, kv_heads: 2, vocab: 300, context: 512, rope_theta: 10000.0 }
 }
 
 /// Prefill 12 tokens, then decode 4 one at a time; all logits rows.
 fn trace(files: &ModelFiles, map: &str) -> Vec<Vec<f32>> {
     let p = pipeline(files, map, 64);
     let mut s = p.new_session().unwrap();
-    let prompt: Vec<u32> = (0..12)
-        .map(|i| (i * 37 + 5) % files.config.vocab as u32)
-        .collect();
-    let mut rows = p
-        .forward(&mut s, &prompt, brigade_model::Logits::All)
-        .unwrap()
-        .to_vec2::<f32>()
-        .unwrap();
+    let prompt: Vec<u32> = (0..12).map(|i| (i * 37 + 5) % files.config.vocab as u32).collect();
+    let mut rows = p.forward(&mut s, &prompt, brigade_model::Logits::All).unwrap().to_vec2::<f32>().unwrap();
     for i in 0..4 {
         let next = argmax(rows.last().unwrap());
         let _ = i;
-        rows.extend(
-            p.forward(&mut s, &[next], brigade_model::Logits::Last)
-                .unwrap()
-                .to_vec2::<f32>()
-                .unwrap(),
-        );
+        rows.extend(p.forward(&mut s, &[next], brigade_model::Logits::Last).unwrap().to_vec2::<f32>().unwrap());
     }
     rows
 }
@@ -89,10 +69,7 @@ fn split_invariance_safetensors_and_format_equivalence() {
     let tg = g.tokenizer.encode(text, true).unwrap();
     assert_eq!(tg, h.tokenizer.encode(text, true).unwrap());
     assert_eq!(tg[0], g.tokenizer.bos.unwrap());
-    assert!(
-        tg.len() < text.len(),
-        "merges should shorten the text: {tg:?}"
-    );
+    assert!(tg.len() < text.len(), "merges should shorten the text: {tg:?}");
     assert_eq!(g.tokenizer.decode(&tg[1..], None), text);
     let gen = |f: &ModelFiles| {
         let p = pipeline(f, "cpu:2,cpu:2", 64);
@@ -156,12 +133,7 @@ fn quantized_synth_files_load() {
     let f32p = dir.path().join("f32.gguf");
     write_gguf(&f32p, &shape, SynthType::F32, 5, |_, _| {}).unwrap();
     let base = trace(&ModelFiles::open(&f32p).unwrap(), "cpu:2");
-    for ty in [
-        SynthType::Q8_0,
-        SynthType::Q4_0,
-        SynthType::Q4K,
-        SynthType::Q6K,
-    ] {
+    for ty in [SynthType::Q8_0, SynthType::Q4_0, SynthType::Q4K, SynthType::Q6K] {
         let p = dir.path().join(format!("{ty:?}.gguf"));
         write_gguf(&p, &shape, ty, 5, |_, _| {}).unwrap();
         let f = ModelFiles::open(&p).unwrap();
@@ -181,11 +153,7 @@ fn quantized_synth_files_load() {
             .fold(1f32, f32::min);
         // measured: q8_0 0.9998, q6_k 0.9990, q4_k 0.80, q4_0 0.78 (one 4-bit matmul alone keeps
         // 0.998; random weights compound it through every layer)
-        let want = if matches!(ty, SynthType::Q8_0 | SynthType::Q6K) {
-            0.99
-        } else {
-            0.7
-        };
+        let want = if matches!(ty, SynthType::Q8_0 | SynthType::Q6K) { 0.99 } else { 0.7 };
         assert!(cos >= want, "{ty:?}: logits cosine {cos} to the f32 model");
     }
 }

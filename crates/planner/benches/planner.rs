@@ -3,8 +3,7 @@
 #![allow(clippy::unwrap_used)]
 
 use brigade_core::{
-    bits_per_weight, DeviceKind, DeviceSpec, Inventory, Link, LinkSpec, LlamaShape, ModelProfile,
-    NodeSpec,
+    bits_per_weight, DeviceKind, DeviceSpec, Inventory, Link, LinkSpec, LlamaShape, ModelProfile, NodeSpec,
 };
 use brigade_planner::cost::Problem;
 use brigade_planner::search::{objective_value, solve, solve_exhaustive};
@@ -24,19 +23,13 @@ fn model_128() -> ModelProfile {
 }
 
 fn timing() {
-    let text = std::fs::read_to_string(concat!(
-        env!("CARGO_MANIFEST_DIR"),
-        "/../../examples/clusters/hundred-nodes.toml"
-    ))
-    .unwrap();
+    let text =
+        std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/../../examples/clusters/hundred-nodes.toml"))
+            .unwrap();
     let inv = parse_cluster(&text).unwrap();
     let m = model_128();
     for obj in [Objective::Latency, Objective::Throughput] {
-        let policy = Policy {
-            objective: obj,
-            sessions: 4,
-            ..Policy::default()
-        };
+        let policy = Policy { objective: obj, sessions: 4, ..Policy::default() };
         let _ = plan(&inv, &m, &policy).unwrap();
         let n = 5;
         let t0 = Instant::now();
@@ -44,7 +37,10 @@ fn timing() {
             std::hint::black_box(plan(&inv, &m, &policy).unwrap());
         }
         let ms = t0.elapsed().as_secs_f64() * 1e3 / n as f64;
-        println!("plan: 100 nodes / {} devices, 128 layers, objective {obj}: {ms:.1} ms per plan (mean of {n})", inv.n_devices());
+        println!(
+            "plan: 100 nodes / {} devices, 128 layers, objective {obj}: {ms:.1} ms per plan (mean of {n})",
+            inv.n_devices()
+        );
     }
 }
 
@@ -78,17 +74,11 @@ fn random_cluster(seed: u64, n_dev: usize) -> Inventory {
                 mem_bandwidth: (200.0 + 2000.0 * next()) * 1e9,
                 flops: (10.0 + 200.0 * next()) * 1e12,
                 watts: Some(300.0),
-                host_link: Some(Link {
-                    bandwidth: 25e9,
-                    latency: 1e-5,
-                }),
+                host_link: Some(Link { bandwidth: 25e9, latency: 1e-5 }),
             });
         }
         left -= devs.len();
-        nodes.push(NodeSpec {
-            name: format!("n{i}"),
-            devices: devs,
-        });
+        nodes.push(NodeSpec { name: format!("n{i}"), devices: devs });
         i += 1;
     }
     let mut links = Vec::new();
@@ -98,10 +88,7 @@ fn random_cluster(seed: u64, n_dev: usize) -> Inventory {
                 links.push(LinkSpec {
                     a: format!("n{a}"),
                     b: format!("n{b}"),
-                    link: Link {
-                        bandwidth: (0.05 + 2.0 * next()) * 1e9,
-                        latency: 1e-4 + 2e-3 * next(),
-                    },
+                    link: Link { bandwidth: (0.05 + 2.0 * next()) * 1e9, latency: 1e-4 + 2e-3 * next() },
                 });
             }
         }
@@ -110,23 +97,13 @@ fn random_cluster(seed: u64, n_dev: usize) -> Inventory {
 }
 
 fn gap() {
-    let m = ModelProfile::from_shape(
-        "llama-70b q4_k",
-        &LlamaShape::preset("llama-70b").unwrap(),
-        4.5,
-        2,
-    );
+    let m = ModelProfile::from_shape("llama-70b q4_k", &LlamaShape::preset("llama-70b").unwrap(), 4.5, 2);
     for obj in [Objective::Latency, Objective::Throughput] {
         for n_dev in 9..=12 {
-            let (mut worst, mut sum, mut count, mut optimal, mut t_h, mut t_e) =
-                (0.0f64, 0.0, 0, 0, 0.0, 0.0);
+            let (mut worst, mut sum, mut count, mut optimal, mut t_h, mut t_e) = (0.0f64, 0.0, 0, 0, 0.0, 0.0);
             for seed in 1..=20u64 {
                 let inv = random_cluster(seed * 7919 + n_dev as u64, n_dev);
-                let policy = Policy {
-                    objective: obj,
-                    sessions: 4,
-                    ..Policy::default()
-                };
+                let policy = Policy { objective: obj, sessions: 4, ..Policy::default() };
                 let p = Problem::new(&inv, &m, &policy, policy.ctx).unwrap();
                 let t0 = Instant::now();
                 let h = solve(&p, &policy, obj);
@@ -135,10 +112,7 @@ fn gap() {
                 let e = solve_exhaustive(&p, &policy, obj);
                 t_e += t0.elapsed().as_secs_f64();
                 let (Some(h), Some(e)) = (h, e) else { continue };
-                let (hv, ev) = (
-                    objective_value(obj, &h.metrics),
-                    objective_value(obj, &e.metrics),
-                );
+                let (hv, ev) = (objective_value(obj, &h.metrics), objective_value(obj, &e.metrics));
                 let g = (hv - ev).abs() / ev.abs();
                 worst = worst.max(g);
                 sum += g;

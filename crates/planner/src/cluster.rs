@@ -25,10 +25,7 @@ use serde::Deserialize;
 use std::collections::HashSet;
 
 /// PCIe 4.0 x16 as practitioners measure it: the host link of a CUDA device that names none.
-pub const DEFAULT_HOST_LINK: Link = Link {
-    bandwidth: 25e9,
-    latency: 10e-6,
-};
+pub const DEFAULT_HOST_LINK: Link = Link { bandwidth: 25e9, latency: 10e-6 };
 
 #[derive(Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -95,48 +92,29 @@ pub fn parse_cluster(text: &str) -> Result<Inventory, PlanError> {
             return Err(PlanError::BadCluster("a node has an empty name".into()));
         }
         if !names.insert(n.name.clone()) {
-            return Err(PlanError::BadCluster(format!(
-                "node `{}` appears twice",
-                n.name
-            )));
+            return Err(PlanError::BadCluster(format!("node `{}` appears twice", n.name)));
         }
         if n.device.is_empty() {
-            return Err(PlanError::BadCluster(format!(
-                "node `{}` has no [[node.device]]",
-                n.name
-            )));
+            return Err(PlanError::BadCluster(format!("node `{}` has no [[node.device]]", n.name)));
         }
         let mut devs = Vec::with_capacity(n.device.len());
         let mut dnames = HashSet::new();
         for d in n.device {
             let what = format!("node `{}` device `{}`", n.name, d.name);
             if !dnames.insert(d.name.clone()) {
-                return Err(PlanError::BadCluster(format!(
-                    "device `{}` appears twice on node `{}`",
-                    d.name, n.name
-                )));
+                return Err(PlanError::BadCluster(format!("device `{}` appears twice on node `{}`", d.name, n.name)));
             }
             let kind = match d.kind.as_str() {
                 "cuda" => DeviceKind::Cuda,
                 "cpu" => DeviceKind::Cpu,
-                k => {
-                    return Err(PlanError::BadCluster(format!(
-                        "{what}: kind `{k}` (cuda or cpu)"
-                    )))
-                }
+                k => return Err(PlanError::BadCluster(format!("{what}: kind `{k}` (cuda or cpu)"))),
             };
             let host_link = match (kind, d.host_link) {
                 (DeviceKind::Cpu, Some(_)) => {
-                    return Err(PlanError::BadCluster(format!(
-                        "{what}: host_link is for cuda devices"
-                    )))
+                    return Err(PlanError::BadCluster(format!("{what}: host_link is for cuda devices")))
                 }
                 (DeviceKind::Cpu, None) => None,
-                (DeviceKind::Cuda, Some(h)) => Some(link(
-                    &format!("{what} host_link"),
-                    &h.bandwidth,
-                    &h.latency,
-                )?),
+                (DeviceKind::Cuda, Some(h)) => Some(link(&format!("{what} host_link"), &h.bandwidth, &h.latency)?),
                 (DeviceKind::Cuda, None) => Some(DEFAULT_HOST_LINK),
             };
             if let Some(w) = d.watts {
@@ -152,54 +130,31 @@ pub fn parse_cluster(text: &str) -> Result<Inventory, PlanError> {
                 name: d.name,
                 kind,
                 memory: units::bytes(&format!("{what} memory"), &d.memory)?,
-                mem_bandwidth: units::bandwidth(
-                    &format!("{what} mem_bandwidth"),
-                    &d.mem_bandwidth,
-                )?,
+                mem_bandwidth: units::bandwidth(&format!("{what} mem_bandwidth"), &d.mem_bandwidth)?,
                 flops: units::flops(&format!("{what} flops"), &d.flops)?,
                 watts: d.watts,
                 host_link,
             });
         }
-        nodes.push(NodeSpec {
-            name: n.name,
-            devices: devs,
-        });
+        nodes.push(NodeSpec { name: n.name, devices: devs });
     }
     let mut links = Vec::with_capacity(raw.link.len());
     let mut seen = HashSet::new();
     for l in raw.link {
         for end in [&l.a, &l.b] {
             if !names.contains(end) {
-                return Err(PlanError::BadCluster(format!(
-                    "link {} – {} names unknown node `{end}`",
-                    l.a, l.b
-                )));
+                return Err(PlanError::BadCluster(format!("link {} – {} names unknown node `{end}`", l.a, l.b)));
             }
         }
         if l.a == l.b {
-            return Err(PlanError::BadCluster(format!(
-                "link from `{}` to itself",
-                l.a
-            )));
+            return Err(PlanError::BadCluster(format!("link from `{}` to itself", l.a)));
         }
-        let key = if l.a < l.b {
-            (l.a.clone(), l.b.clone())
-        } else {
-            (l.b.clone(), l.a.clone())
-        };
+        let key = if l.a < l.b { (l.a.clone(), l.b.clone()) } else { (l.b.clone(), l.a.clone()) };
         if !seen.insert(key) {
-            return Err(PlanError::BadCluster(format!(
-                "link {} – {} appears twice",
-                l.a, l.b
-            )));
+            return Err(PlanError::BadCluster(format!("link {} – {} appears twice", l.a, l.b)));
         }
         let sp = link(&format!("link {} – {}", l.a, l.b), &l.bandwidth, &l.latency)?;
-        links.push(LinkSpec {
-            a: l.a,
-            b: l.b,
-            link: sp,
-        });
+        links.push(LinkSpec { a: l.a, b: l.b, link: sp });
     }
     Ok(Inventory { nodes, links })
 }
@@ -255,14 +210,8 @@ latency = "0.5 ms"
             (OK.replace("\"24 GiB\"", "\"24 gigs\""), "24 gigs"),
             (OK.replace("\"1 Gbit/s\"", "\"0 Gbit/s\""), "positive"),
             (OK.replace("\"1 Gbit/s\"", "\"-1 Gbit/s\""), "positive"),
-            (
-                OK.replace("name = \"edge-1\"", "name = \"gateway\""),
-                "appears twice",
-            ),
-            (
-                OK.replace("b = \"edge-1\"", "b = \"edge-9\""),
-                "unknown node `edge-9`",
-            ),
+            (OK.replace("name = \"edge-1\"", "name = \"gateway\""), "appears twice"),
+            (OK.replace("b = \"edge-1\"", "b = \"edge-9\""), "unknown node `edge-9`"),
             (
                 OK.replace(
                     "name = \"cpu\"\nkind = \"cpu\"\nmemory = \"64 GiB\"",
@@ -272,21 +221,9 @@ latency = "0.5 ms"
             ),
             (OK.replace("kind = \"cuda\"", "kind = \"tpu\""), "tpu"),
             (OK.replace("watts = 350", "watts = -5"), "positive"),
-            (
-                OK.replace("flops = \"71 TFLOPS\"", "flops = \"71 TOPS\""),
-                "TOPS",
-            ),
-            (
-                OK.replace("latency = \"0.5 ms\"", "latency = \"0.5 parsecs\""),
-                "parsecs",
-            ),
-            (
-                OK.replace(
-                    "memory = \"24 GiB\"",
-                    "memory = \"24 GiB\"\ncolor = \"red\"",
-                ),
-                "color",
-            ),
+            (OK.replace("flops = \"71 TFLOPS\"", "flops = \"71 TOPS\""), "TOPS"),
+            (OK.replace("latency = \"0.5 ms\"", "latency = \"0.5 parsecs\""), "parsecs"),
+            (OK.replace("memory = \"24 GiB\"", "memory = \"24 GiB\"\ncolor = \"red\""), "color"),
             (String::from("this is not toml ["), ""),
             (String::new(), "no [[node]]"),
         ];

@@ -63,16 +63,8 @@ pub struct Problem<'a> {
 /// The path between two devices; `None` when their nodes have no link.
 pub fn path(inv: &Inventory, a: &Dev, b: &Dev) -> Option<Vec<Link>> {
     if a.node == b.node {
-        let hosts: Vec<Link> = [a, b]
-            .iter()
-            .filter_map(|d| {
-                if d.kind == DeviceKind::Cuda {
-                    d.host_link
-                } else {
-                    None
-                }
-            })
-            .collect();
+        let hosts: Vec<Link> =
+            [a, b].iter().filter_map(|d| if d.kind == DeviceKind::Cuda { d.host_link } else { None }).collect();
         Some(hosts)
     } else {
         inv.link(&a.node_name, &b.node_name).map(|l| vec![l])
@@ -84,12 +76,7 @@ fn path_time(links: &[Link], bytes: f64) -> f64 {
 }
 
 impl<'a> Problem<'a> {
-    pub fn new(
-        inv: &'a Inventory,
-        profile: &'a ModelProfile,
-        policy: &Policy,
-        ctx: u64,
-    ) -> Result<Self, PlanError> {
+    pub fn new(inv: &'a Inventory, profile: &'a ModelProfile, policy: &Policy, ctx: u64) -> Result<Self, PlanError> {
         let n_layers = profile.n_layers();
         if n_layers == 0 || profile.layer_flops.len() != n_layers {
             return Err(PlanError::BadModel(format!(
@@ -101,20 +88,15 @@ impl<'a> Problem<'a> {
         let mut devs = Vec::new();
         for (ni, n) in inv.nodes.iter().enumerate() {
             for d in &n.devices {
-                let reserved: u64 = policy
-                    .reserved
-                    .iter()
-                    .filter(|r| r.node == n.name && r.device == d.name)
-                    .map(|r| r.bytes)
-                    .sum();
+                let reserved: u64 =
+                    policy.reserved.iter().filter(|r| r.node == n.name && r.device == d.name).map(|r| r.bytes).sum();
                 devs.push(Dev {
                     node: ni,
                     node_name: n.name.clone(),
                     name: d.name.clone(),
                     kind: d.kind,
                     memory: d.memory,
-                    budget: (((1.0 - policy.headroom) * d.memory as f64).floor() as u64)
-                        .saturating_sub(reserved),
+                    budget: (((1.0 - policy.headroom) * d.memory as f64).floor() as u64).saturating_sub(reserved),
                     bw: d.mem_bandwidth,
                     flops: d.flops,
                     watts: d.watts,
@@ -127,9 +109,7 @@ impl<'a> Problem<'a> {
         }
         let driver = match &policy.driver {
             None => 0,
-            Some(name) => inv
-                .node_index(name)
-                .ok_or_else(|| PlanError::UnknownDriver(name.clone()))?,
+            Some(name) => inv.node_index(name).ok_or_else(|| PlanError::UnknownDriver(name.clone()))?,
         };
         let stage_time = |bytes: f64, flops: f64, d: &Dev| (bytes / d.bw).max(flops / d.flops);
         let layer_t = devs
@@ -144,10 +124,7 @@ impl<'a> Problem<'a> {
                 p
             })
             .collect();
-        let head_t = devs
-            .iter()
-            .map(|d| stage_time(profile.head_bytes as f64, profile.head_flops, d))
-            .collect();
+        let head_t = devs.iter().map(|d| stage_time(profile.head_bytes as f64, profile.head_flops, d)).collect();
         let mut w_prefix = vec![0u64; n_layers + 1];
         for l in 0..n_layers {
             w_prefix[l + 1] = w_prefix[l] + profile.layer_bytes[l];
@@ -159,13 +136,7 @@ impl<'a> Problem<'a> {
             .map(|(i, a)| {
                 devs.iter()
                     .enumerate()
-                    .map(|(j, b)| {
-                        if i == j {
-                            None
-                        } else {
-                            path(inv, a, b).map(|p| path_time(&p, act))
-                        }
-                    })
+                    .map(|(j, b)| if i == j { None } else { path(inv, a, b).map(|p| path_time(&p, act)) })
                     .collect()
             })
             .collect();
@@ -187,10 +158,7 @@ impl<'a> Problem<'a> {
             layer_t,
             head_t,
             w_prefix,
-            kv_layer: profile
-                .kv_bytes_per_token
-                .saturating_mul(ctx)
-                .saturating_mul(policy.sessions),
+            kv_layer: profile.kv_bytes_per_token.saturating_mul(ctx).saturating_mul(policy.sessions),
             hop,
             drv_in,
             drv_out,
@@ -215,10 +183,7 @@ impl<'a> Problem<'a> {
                 extra -= p.embed_bytes.min(p.head_bytes);
             }
         }
-        StageMem {
-            weights: weights + extra,
-            kv: self.kv_layer.saturating_mul((b - a) as u64),
-        }
+        StageMem { weights: weights + extra, kv: self.kv_layer.saturating_mul((b - a) as u64) }
     }
 
     pub fn fits(&self, d: usize, a: usize, b: usize) -> bool {
@@ -227,21 +192,15 @@ impl<'a> Problem<'a> {
 
     /// Decode seconds per token of stage `[a, b)` on device `d`.
     pub fn stage_time(&self, d: usize, a: usize, b: usize) -> f64 {
-        self.layer_t[d][b] - self.layer_t[d][a]
-            + if b == self.n_layers {
-                self.head_t[d]
-            } else {
-                0.0
-            }
+        self.layer_t[d][b] - self.layer_t[d][a] + if b == self.n_layers { self.head_t[d] } else { 0.0 }
     }
 
     /// Prefill seconds of `p` tokens for stage `[a, b)` on device `d`.
     pub fn stage_prefill(&self, d: usize, a: usize, b: usize, p: f64) -> f64 {
         let dev = &self.devs[d];
         let prof = self.profile;
-        let mut t: f64 = (a..b)
-            .map(|l| (prof.layer_bytes[l] as f64 / dev.bw).max(p * prof.layer_flops[l] / dev.flops))
-            .sum();
+        let mut t: f64 =
+            (a..b).map(|l| (prof.layer_bytes[l] as f64 / dev.bw).max(p * prof.layer_flops[l] / dev.flops)).sum();
         if b == self.n_layers {
             t += self.head_t[d];
         }
@@ -259,9 +218,7 @@ impl<'a> Problem<'a> {
         if dev.node == self.driver {
             Some(0.0)
         } else {
-            self.inv
-                .link(&self.inv.nodes[self.driver].name, &dev.node_name)
-                .map(|l| l.time(bytes))
+            self.inv.link(&self.inv.nodes[self.driver].name, &dev.node_name).map(|l| l.time(bytes))
         }
     }
 
@@ -300,10 +257,7 @@ impl<'a> Problem<'a> {
         let d_in = self.drv_in[first.0]?;
         let d_out = self.drv_out[last.0]?;
         let total = d_in + d_out + stage_t.iter().sum::<f64>() + hops.iter().sum::<f64>();
-        let bottleneck = stage_t
-            .iter()
-            .chain(hops.iter())
-            .fold(0.0f64, |m, &x| m.max(x));
+        let bottleneck = stage_t.iter().chain(hops.iter()).fold(0.0f64, |m, &x| m.max(x));
         let throughput = (self.sessions as f64 / total).min(1.0 / bottleneck);
         Some(Metrics {
             decode_s: total,
@@ -321,8 +275,7 @@ impl<'a> Problem<'a> {
     pub fn prefill(&self, stages: &[(usize, usize, usize)], p: usize) -> Option<f64> {
         let pf = p as f64;
         let act = self.profile.act_bytes() as f64 * pf;
-        let mut t = self.driver_leg(stages.first()?.0, 4.0 * pf)?
-            + self.driver_leg(stages.last()?.0, 4.0)?;
+        let mut t = self.driver_leg(stages.first()?.0, 4.0 * pf)? + self.driver_leg(stages.last()?.0, 4.0)?;
         for &(d, a, b) in stages {
             t += self.stage_prefill(d, a, b, pf);
         }

@@ -38,12 +38,7 @@ struct Table {
 impl Table {
     fn new(k: usize, l: usize) -> Self {
         let n = (1usize << k) * k * (l + 1);
-        Table {
-            k,
-            l1: l + 1,
-            val: vec![f64::INFINITY; n],
-            back: vec![(NONE, 0); n],
-        }
+        Table { k, l1: l + 1, val: vec![f64::INFINITY; n], back: vec![(NONE, 0); n] }
     }
     #[inline]
     fn idx(&self, mask: usize, last: usize, l: usize) -> usize {
@@ -248,11 +243,7 @@ pub fn pareto(p: &Problem, subset: &[usize], second: &Second) -> (Vec<(f64, f64,
                         let n = cells[src].len();
                         for q in 0..n {
                             let pt = &cells[src][q];
-                            let np = Point {
-                                t: pt.t + add_t,
-                                z: pt.z + add_z,
-                                back: (i as u8, a as u16, q as u32),
-                            };
+                            let np = Point { t: pt.t + add_t, z: pt.z + add_z, back: (i as u8, a as u16, q as u32) };
                             cells[dst].push(np);
                         }
                     }
@@ -329,9 +320,7 @@ fn prune(c: &mut Vec<Point>) -> bool {
     if !exact {
         // keep the extremes and evenly spaced points between them
         let n = out.len();
-        let keep: Vec<Point> = (0..MAX_FRONT)
-            .map(|s| out[s * (n - 1) / (MAX_FRONT - 1)].clone())
-            .collect();
+        let keep: Vec<Point> = (0..MAX_FRONT).map(|s| out[s * (n - 1) / (MAX_FRONT - 1)].clone()).collect();
         out = keep;
     }
     *c = out;
@@ -375,11 +364,7 @@ pub fn beam_latency(
         }
         if cell.len() < width {
             cell.push(e);
-        } else if let Some((worst, _)) = cell
-            .iter()
-            .enumerate()
-            .max_by(|a, b| a.1.val.total_cmp(&b.1.val))
-        {
+        } else if let Some((worst, _)) = cell.iter().enumerate().max_by(|a, b| a.1.val.total_cmp(&b.1.val)) {
             if e.val < cell[worst].val {
                 cell[worst] = e;
             }
@@ -393,14 +378,7 @@ pub fn beam_latency(
             }
             let st = p.stage_time(d, 0, b);
             if st <= cap {
-                insert(
-                    &mut cells[at(i, b)],
-                    BeamEntry {
-                        val: din + st,
-                        mask: 1 << i,
-                        back: (u16::MAX, 0, 0),
-                    },
-                );
+                insert(&mut cells[at(i, b)], BeamEntry { val: din + st, mask: 1 << i, back: (u16::MAX, 0, 0) });
             }
         }
     }

@@ -87,12 +87,7 @@ pub fn human(b: u64) -> String {
 
 fn check_watts(p: &Problem, policy: &Policy) -> Result<(), PlanError> {
     if policy.objective == Objective::Energy || policy.max_watts.is_some() {
-        let missing: Vec<String> = p
-            .devs
-            .iter()
-            .filter(|d| d.watts.is_none())
-            .map(|d| d.label())
-            .collect();
+        let missing: Vec<String> = p.devs.iter().filter(|d| d.watts.is_none()).map(|d| d.label()).collect();
         if !missing.is_empty() {
             return Err(PlanError::MissingWatts(missing.join(", ")));
         }
@@ -104,10 +99,7 @@ fn check_watts(p: &Problem, policy: &Policy) -> Result<(), PlanError> {
 fn infeasible(p: &Problem, what: &str) -> PlanError {
     let need = p.whole_model_mem().total();
     let have: u64 = p.devs.iter().map(|d| d.budget).sum();
-    let biggest_layer = (0..p.n_layers)
-        .map(|l| p.stage_mem(l, l + 1).total())
-        .max()
-        .unwrap_or(0);
+    let biggest_layer = (0..p.n_layers).map(|l| p.stage_mem(l, l + 1).total()).max().unwrap_or(0);
     let roomiest = p.devs.iter().map(|d| d.budget).max().unwrap_or(0);
     if need > have {
         PlanError::Infeasible {
@@ -138,27 +130,14 @@ pub fn plan(inv: &Inventory, profile: &ModelProfile, policy: &Policy) -> Result<
         let build = |ctx: u64| Problem::new(inv, profile, &policy, ctx);
         match search::max_context(&build, &policy)? {
             Some(ctx) => policy.ctx = ctx,
-            None => {
-                return Err(infeasible(
-                    &Problem::new(inv, profile, &policy, 1)?,
-                    &profile.name,
-                ))
-            }
+            None => return Err(infeasible(&Problem::new(inv, profile, &policy, 1)?, &profile.name)),
         }
     }
     let p = Problem::new(inv, profile, &policy, policy.ctx)?;
     check_watts(&p, &policy)?;
     let sol = search::solve(&p, &policy, policy.objective).ok_or_else(|| {
         if policy.max_watts.is_some()
-            && search::solve(
-                &p,
-                &Policy {
-                    max_watts: None,
-                    ..policy.clone()
-                },
-                Objective::Latency,
-            )
-            .is_some()
+            && search::solve(&p, &Policy { max_watts: None, ..policy.clone() }, Objective::Latency).is_some()
         {
             PlanError::BadValue {
                 what: "--max-watts".into(),
@@ -186,23 +165,15 @@ pub fn plan_with_second(
         .min_by(|a, b| a.1.decode_s.total_cmp(&b.1.decode_s).then(a.0.cmp(&b.0)));
     let Some((d, m)) = best else {
         return Err(match infeasible(&p2, &second.name) {
-            PlanError::Infeasible {
-                shortfall_bytes,
-                detail,
-            } => PlanError::Infeasible {
+            PlanError::Infeasible { shortfall_bytes, detail } => PlanError::Infeasible {
                 shortfall_bytes,
                 detail: format!("the second model must fit whole on one device: {detail}"),
             },
             e => e,
         });
     };
-    let sol2 = Solution {
-        stages: vec![(d, 0, p2.n_layers)],
-        metrics: m,
-        ctx: policy.ctx,
-        exact: true,
-        latency_bound_s: None,
-    };
+    let sol2 =
+        Solution { stages: vec![(d, 0, p2.n_layers)], metrics: m, ctx: policy.ctx, exact: true, latency_bound_s: None };
     let mut second_policy = policy.clone();
     second_policy.objective = Objective::Latency;
     let plan2 = build(&p2, &second_policy, &sol2);
@@ -225,11 +196,8 @@ fn stage_label(p: &Problem, d: usize, a: usize, b: usize) -> String {
 fn build(p: &Problem, policy: &Policy, sol: &Solution) -> Plan {
     let m = &sol.metrics;
     let l = p.n_layers;
-    let per_layer: Vec<f64> = sol
-        .stages
-        .iter()
-        .map(|&(d, a, b)| (p.layer_t[d][b] - p.layer_t[d][a]) / (b - a) as f64)
-        .collect();
+    let per_layer: Vec<f64> =
+        sol.stages.iter().map(|&(d, a, b)| (p.layer_t[d][b] - p.layer_t[d][a]) / (b - a) as f64).collect();
     let fastest = per_layer.iter().cloned().fold(f64::INFINITY, f64::min);
     let driver_node = p.inv.nodes[p.driver].name.clone();
     let stages: Vec<StagePlan> = sol
@@ -252,9 +220,7 @@ fn build(p: &Problem, policy: &Policy, sol: &Solution) -> Plan {
             let full = (b < l && !p.fits(d, a, b + 1)) || (a > 0 && !p.fits(d, a - 1, b));
             let pct = 100.0 * mem.total() as f64 / dev.budget.max(1) as f64;
             if full {
-                why.push(format!(
-                    "{pct:.0}% of its budget: one more layer would not fit"
-                ));
+                why.push(format!("{pct:.0}% of its budget: one more layer would not fit"));
             } else {
                 why.push(format!("{pct:.0}% of its budget"));
             }
@@ -340,31 +306,15 @@ fn bottleneck(p: &Problem, sol: &Solution, obj: Objective) -> String {
         .map(|(&(d, a, b), &t)| (t, format!("stage {}", stage_label(p, d, a, b))))
         .collect();
     for (w, &t) in sol.stages.windows(2).zip(&m.hop_s) {
-        parts.push((
-            t,
-            format!(
-                "hop {} → {}",
-                p.devs[w[0].0].label(),
-                p.devs[w[1].0].label()
-            ),
-        ));
+        parts.push((t, format!("hop {} → {}", p.devs[w[0].0].label(), p.devs[w[1].0].label())));
     }
     let Some((t, what)) = parts.into_iter().max_by(|a, b| a.0.total_cmp(&b.0)) else {
         return String::new();
     };
     if obj == Objective::Throughput {
-        format!(
-            "{what}: {:.3} ms per token caps the pipeline at {:.1} tokens/s",
-            ms(t),
-            1.0 / t
-        )
+        format!("{what}: {:.3} ms per token caps the pipeline at {:.1} tokens/s", ms(t), 1.0 / t)
     } else {
-        format!(
-            "{what}: {:.3} ms of {:.3} ms per token ({:.0}%)",
-            ms(t),
-            ms(m.decode_s),
-            100.0 * t / m.decode_s
-        )
+        format!("{what}: {:.3} ms of {:.3} ms per token ({:.0}%)", ms(t), ms(m.decode_s), 100.0 * t / m.decode_s)
     }
 }
 
@@ -385,18 +335,8 @@ fn rejected(p: &Problem, policy: &Policy, sol: &Solution) -> Vec<Rejected> {
     // on large clusters, the driver's devices and the fastest few
     if consider.len() > 8 {
         consider.sort_by(|&a, &b| p.layer_t[a][l].total_cmp(&p.layer_t[b][l]).then(a.cmp(&b)));
-        let mut keep: Vec<usize> = consider
-            .iter()
-            .copied()
-            .filter(|&d| p.devs[d].node == p.driver)
-            .collect();
-        keep.extend(
-            consider
-                .iter()
-                .copied()
-                .filter(|&d| p.devs[d].node != p.driver)
-                .take(3),
-        );
+        let mut keep: Vec<usize> = consider.iter().copied().filter(|&d| p.devs[d].node == p.driver).collect();
+        keep.extend(consider.iter().copied().filter(|&d| p.devs[d].node != p.driver).take(3));
         consider = keep;
     }
     let whole = p.whole_model_mem().total();
@@ -446,9 +386,7 @@ fn rejected(p: &Problem, policy: &Policy, sol: &Solution) -> Vec<Rejected> {
             None => {}
         }
     }
-    let driver_devs: Vec<usize> = (0..p.devs.len())
-        .filter(|&d| p.devs[d].node == p.driver)
-        .collect();
+    let driver_devs: Vec<usize> = (0..p.devs.len()).filter(|&d| p.devs[d].node == p.driver).collect();
     let uses_others = sol.stages.iter().any(|s| p.devs[s.0].node != p.driver);
     if uses_others && driver_devs.len() > 1 && driver_devs.len() <= dp::MAX_SUBSET {
         let name = format!("only {}'s devices", p.inv.nodes[p.driver].name);
@@ -477,10 +415,7 @@ fn rejected(p: &Problem, policy: &Policy, sol: &Solution) -> Vec<Rejected> {
             }
         }
     }
-    out.sort_by(|a, b| {
-        a.0.total_cmp(&b.0)
-            .then(a.1.alternative.cmp(&b.1.alternative))
-    });
+    out.sort_by(|a, b| a.0.total_cmp(&b.0).then(a.1.alternative.cmp(&b.1.alternative)));
     out.into_iter().map(|(_, r)| r).take(6).collect()
 }
 
@@ -503,24 +438,11 @@ impl Plan {
                 if self.sessions == 1 { "" } else { "s" },
                 self.headroom * 100.0,
                 self.driver,
-                if self.exact {
-                    ""
-                } else {
-                    " (heuristic device choice)"
-                }
+                if self.exact { "" } else { " (heuristic device choice)" }
             ),
         );
         for r in &self.reserved {
-            w(
-                &mut s,
-                format!(
-                    "reserved: {} on {}/{} for {}",
-                    human(r.bytes),
-                    r.node,
-                    r.device,
-                    r.by
-                ),
-            );
+            w(&mut s, format!("reserved: {} on {}/{} for {}", human(r.bytes), r.node, r.device, r.by));
         }
         w(
             &mut s,
@@ -544,11 +466,7 @@ impl Plan {
                 ),
             );
         }
-        let hops: Vec<String> = self
-            .hops
-            .iter()
-            .map(|h| format!("{} → {} {:.3} ms", h.from, h.to, h.ms))
-            .collect();
+        let hops: Vec<String> = self.hops.iter().map(|h| format!("{} → {} {:.3} ms", h.from, h.to, h.ms)).collect();
         w(&mut s, format!("hops: {}", hops.join("; ")));
         w(
             &mut s,
@@ -563,24 +481,15 @@ impl Plan {
         );
         w(
             &mut s,
-            format!(
-                "prefill: 512 tokens in {:.1} ms = {:.1} tokens/s",
-                self.prefill_ms_512, self.prefill_tokens_per_s
-            ),
+            format!("prefill: 512 tokens in {:.1} ms = {:.1} tokens/s", self.prefill_ms_512, self.prefill_tokens_per_s),
         );
         if let (Some(e), Some(wt)) = (self.energy_j_per_token, self.avg_watts) {
-            w(
-                &mut s,
-                format!("energy: {e:.3} J/token, {wt:.0} W average while decoding"),
-            );
+            w(&mut s, format!("energy: {e:.3} J/token, {wt:.0} W average while decoding"));
         }
         w(&mut s, format!("bottleneck: {}", self.bottleneck));
         w(&mut s, "why:".into());
         for (i, st) in self.stages.iter().enumerate() {
-            w(
-                &mut s,
-                format!("  {} {}/{}: {}", i + 1, st.node, st.device, st.reason),
-            );
+            w(&mut s, format!("  {} {}/{}: {}", i + 1, st.node, st.device, st.reason));
         }
         if !self.rejected.is_empty() {
             w(&mut s, "rejected:".into());

@@ -52,9 +52,7 @@ impl std::str::FromStr for Objective {
             "throughput" => Ok(Objective::Throughput),
             "max-context" => Ok(Objective::MaxContext),
             "energy" => Ok(Objective::Energy),
-            o => Err(format!(
-                "unknown objective `{o}` (latency, throughput, max-context, energy)"
-            )),
+            o => Err(format!("unknown objective `{o}` (latency, throughput, max-context, energy)")),
         }
     }
 }
@@ -115,11 +113,7 @@ impl Default for Policy {
 impl Policy {
     pub fn validate(&self) -> Result<(), PlanError> {
         let bad = |what: &str, value: String, why: &str| {
-            Err(PlanError::BadValue {
-                what: what.into(),
-                value,
-                why: why.into(),
-            })
+            Err(PlanError::BadValue { what: what.into(), value, why: why.into() })
         };
         if !(0.0..1.0).contains(&self.headroom) {
             return bad("--headroom", self.headroom.to_string(), "must be in [0, 1)");
@@ -145,17 +139,9 @@ impl Policy {
 #[derive(Debug, thiserror::Error)]
 pub enum PlanError {
     #[error("{what}: `{value}` is not {expected}")]
-    BadUnit {
-        what: String,
-        value: String,
-        expected: String,
-    },
+    BadUnit { what: String, value: String, expected: String },
     #[error("{what}: `{value}` {why}")]
-    BadValue {
-        what: String,
-        value: String,
-        why: String,
-    },
+    BadValue { what: String, value: String, why: String },
     #[error("invalid cluster: {0}")]
     BadCluster(String),
     #[error("invalid model profile: {0}")]
@@ -163,10 +149,7 @@ pub enum PlanError {
     #[error("driver node `{0}` is not in the cluster")]
     UnknownDriver(String),
     #[error("the model does not fit: {detail} (short by {shortfall_bytes} bytes)")]
-    Infeasible {
-        shortfall_bytes: u64,
-        detail: String,
-    },
+    Infeasible { shortfall_bytes: u64, detail: String },
     #[error("the energy objective needs `watts` on every device; missing on {0}")]
     MissingWatts(String),
 }

@@ -50,33 +50,20 @@ pub fn objective_value(obj: Objective, m: &Metrics) -> f64 {
 fn score(p: &Problem, d: usize) -> f64 {
     let l = p.n_layers as f64;
     let per_layer = p.layer_t[d][p.n_layers] / l;
-    let avg_layer_bytes =
-        (p.profile.layer_bytes.iter().sum::<u64>() as f64 / l) + p.kv_layer as f64;
+    let avg_layer_bytes = (p.profile.layer_bytes.iter().sum::<u64>() as f64 / l) + p.kv_layer as f64;
     let holds = (p.devs[d].budget as f64 / avg_layer_bytes).clamp(1.0, l);
     // a device with no direct link to the driver can still sit mid-chain: charge it the slowest
     // hop of the cluster each way instead of excluding it
     let legs = match (p.drv_in[d], p.drv_out[d], p.hop_bytes_from_driver(d)) {
         (Some(i), Some(o), Some(h)) => i + o + 2.0 * h,
-        _ => {
-            4.0 * p
-                .hop
-                .iter()
-                .flatten()
-                .flatten()
-                .fold(0.0f64, |m, &x| m.max(x))
-        }
+        _ => 4.0 * p.hop.iter().flatten().flatten().fold(0.0f64, |m, &x| m.max(x)),
     };
     per_layer + legs / holds
 }
 
 /// The best-scored devices, the driver's own first.
 fn candidates(p: &Problem, ranked: &[usize], n: usize) -> Vec<usize> {
-    let mut s: Vec<usize> = ranked
-        .iter()
-        .copied()
-        .filter(|&d| p.devs[d].node == p.driver)
-        .take(n)
-        .collect();
+    let mut s: Vec<usize> = ranked.iter().copied().filter(|&d| p.devs[d].node == p.driver).take(n).collect();
     for &d in ranked {
         if s.len() >= n {
             break;
@@ -95,48 +82,22 @@ fn ranked(p: &Problem) -> Vec<usize> {
 }
 
 /// Solves `obj` exactly on one subset of devices.
-fn solve_subset(
-    p: &Problem,
-    subset: &[usize],
-    policy: &Policy,
-    obj: Objective,
-) -> Option<(Stages, bool, Option<f64>)> {
+fn solve_subset(p: &Problem, subset: &[usize], policy: &Policy, obj: Objective) -> Option<(Stages, bool, Option<f64>)> {
     match obj {
         Objective::Latency | Objective::MaxContext => match policy.max_watts {
             None => dp::min_latency(p, subset, None).map(|(_, s)| (s, true, None)),
             Some(cap) => {
                 // average power ≤ cap  ⇔  Σ (watts − cap)·t_stage − cap·(hops + legs) ≤ 0
-                let coef: Vec<f64> = p
-                    .devs
-                    .iter()
-                    .map(|d| d.watts.unwrap_or(0.0) - cap)
-                    .collect();
-                let (front, exact) = dp::pareto(
-                    p,
-                    subset,
-                    &Second {
-                        coef: &coef,
-                        hop_coef: -cap,
-                    },
-                );
-                front
-                    .into_iter()
-                    .find(|(_, z, _)| *z <= 1e-12)
-                    .map(|(_, _, s)| (s, exact, None))
+                let coef: Vec<f64> = p.devs.iter().map(|d| d.watts.unwrap_or(0.0) - cap).collect();
+                let (front, exact) = dp::pareto(p, subset, &Second { coef: &coef, hop_coef: -cap });
+                front.into_iter().find(|(_, z, _)| *z <= 1e-12).map(|(_, _, s)| (s, exact, None))
             }
         },
         Objective::Throughput => throughput(p, subset).map(|s| (s, true, None)),
         Objective::Energy => {
             let (t_lat, _) = dp::min_latency(p, subset, None)?;
             let coef: Vec<f64> = p.devs.iter().map(|d| d.watts.unwrap_or(0.0)).collect();
-            let (front, exact) = dp::pareto(
-                p,
-                subset,
-                &Second {
-                    coef: &coef,
-                    hop_coef: 0.0,
-                },
-            );
+            let (front, exact) = dp::pareto(p, subset, &Second { coef: &coef, hop_coef: 0.0 });
             let limit = t_lat * policy.slack * (1.0 + 1e-12);
             front
                 .into_iter()
@@ -193,8 +154,7 @@ fn throughput(p: &Problem, subset: &[usize]) -> Option<Stages> {
             }
         }
     }
-    best.map(|(_, s)| s)
-        .or_else(|| eval(f64::INFINITY).map(|(_, s)| s))
+    best.map(|(_, s)| s).or_else(|| eval(f64::INFINITY).map(|(_, s)| s))
 }
 
 /// Solves `obj` over every device, whatever their number (up to [`dp::MAX_SUBSET`]): the
@@ -203,28 +163,14 @@ pub fn solve_exhaustive(p: &Problem, policy: &Policy, obj: Objective) -> Option<
     let all: Vec<usize> = (0..p.devs.len()).collect();
     let (stages, exact, lat) = solve_subset(p, &all, policy, obj)?;
     let metrics = p.evaluate(&stages)?;
-    Some(Solution {
-        stages,
-        metrics,
-        ctx: p.ctx,
-        exact,
-        latency_bound_s: lat,
-    })
+    Some(Solution { stages, metrics, ctx: p.ctx, exact, latency_bound_s: lat })
 }
 
 /// Solves `obj` on the problem: exactly when small, by the heuristic otherwise.
 pub fn solve(p: &Problem, policy: &Policy, obj: Objective) -> Option<Solution> {
-    let finish = |(stages, exact, lat): (Stages, bool, Option<f64>),
-                  exact_devices: bool|
-     -> Option<Solution> {
+    let finish = |(stages, exact, lat): (Stages, bool, Option<f64>), exact_devices: bool| -> Option<Solution> {
         let metrics = p.evaluate(&stages)?;
-        Some(Solution {
-            stages,
-            metrics,
-            ctx: p.ctx,
-            exact: exact && exact_devices,
-            latency_bound_s: lat,
-        })
+        Some(Solution { stages, metrics, ctx: p.ctx, exact: exact && exact_devices, latency_bound_s: lat })
     };
     let n = p.devs.len();
     if n <= EXACT_MAX {
@@ -248,22 +194,12 @@ pub fn solve(p: &Problem, policy: &Policy, obj: Objective) -> Option<Solution> {
             subset.push(d);
         }
     }
-    subset.truncate(
-        EXACT_MAX
-            .max(beam.as_ref().map(|b| b.1.len()).unwrap_or(0))
-            .min(dp::MAX_SUBSET),
-    );
+    subset.truncate(EXACT_MAX.max(beam.as_ref().map(|b| b.1.len()).unwrap_or(0)).min(dp::MAX_SUBSET));
     let refined = solve_subset(p, &subset, policy, obj).and_then(|r| finish(r, false));
     if matches!(obj, Objective::Latency | Objective::MaxContext) && policy.max_watts.is_none() {
-        let from_beam = beam
-            .map(|(_, s)| (s, true, None))
-            .and_then(|r| finish(r, false));
+        let from_beam = beam.map(|(_, s)| (s, true, None)).and_then(|r| finish(r, false));
         return match (from_beam, refined) {
-            (Some(a), Some(b)) => Some(if b.metrics.decode_s < a.metrics.decode_s {
-                b
-            } else {
-                a
-            }),
+            (Some(a), Some(b)) => Some(if b.metrics.decode_s < a.metrics.decode_s { b } else { a }),
             (a, b) => a.or(b),
         };
     }

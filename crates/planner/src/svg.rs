@@ -4,10 +4,7 @@
 use crate::explain::{human, Plan};
 
 fn esc(s: &str) -> String {
-    s.replace('&', "&amp;")
-        .replace('<', "&lt;")
-        .replace('>', "&gt;")
-        .replace('"', "&quot;")
+    s.replace('&', "&amp;").replace('<', "&lt;").replace('>', "&gt;").replace('"', "&quot;")
 }
 
 /// Renders `plan` as a standalone SVG document.
@@ -24,9 +21,7 @@ pub fn render(plan: &Plan) -> String {
         "<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"{width:.0}\" height=\"{height:.0}\" viewBox=\"0 0 {width:.0} {height:.0}\" font-family=\"sans-serif\" font-size=\"12\">\n"
     ));
     s.push_str("<defs><marker id=\"arrow\" viewBox=\"0 0 10 10\" refX=\"9\" refY=\"5\" markerWidth=\"8\" markerHeight=\"8\" orient=\"auto\"><path d=\"M0,0 L10,5 L0,10 z\" fill=\"#444\"/></marker></defs>\n");
-    s.push_str(&format!(
-        "<rect width=\"{width:.0}\" height=\"{height:.0}\" fill=\"#fff\"/>\n"
-    ));
+    s.push_str(&format!("<rect width=\"{width:.0}\" height=\"{height:.0}\" fill=\"#fff\"/>\n"));
     s.push_str(&format!(
         "<text x=\"20\" y=\"24\" font-size=\"15\" font-weight=\"bold\">{}</text>\n",
         esc(&format!(
@@ -46,17 +41,18 @@ pub fn render(plan: &Plan) -> String {
         let bx = x + 20.0;
         let bw = 60.0;
         let base = TOP + BAR_H;
-        s.push_str(&format!("<rect x=\"{bx:.1}\" y=\"{TOP:.1}\" width=\"{bw}\" height=\"{BAR_H}\" fill=\"#f2f2f2\" stroke=\"#888\"/>\n"));
+        s.push_str(&format!(
+            "<rect x=\"{bx:.1}\" y=\"{TOP:.1}\" width=\"{bw}\" height=\"{BAR_H}\" fill=\"#f2f2f2\" stroke=\"#888\"/>\n"
+        ));
         s.push_str(&format!(
             "<rect x=\"{bx:.1}\" y=\"{:.1}\" width=\"{bw}\" height=\"{wh:.1}\" fill=\"{}\"/>\n",
             base - wh,
-            if st.kind == brigade_core::DeviceKind::Cuda {
-                "#5b8def"
-            } else {
-                "#e39b3b"
-            }
+            if st.kind == brigade_core::DeviceKind::Cuda { "#5b8def" } else { "#e39b3b" }
         ));
-        s.push_str(&format!("<rect x=\"{bx:.1}\" y=\"{:.1}\" width=\"{bw}\" height=\"{kh:.1}\" fill=\"#9fd49b\"/>\n", base - wh - kh));
+        s.push_str(&format!(
+            "<rect x=\"{bx:.1}\" y=\"{:.1}\" width=\"{bw}\" height=\"{kh:.1}\" fill=\"#9fd49b\"/>\n",
+            base - wh - kh
+        ));
         let tx = bx + bw + 10.0;
         let lines = [
             format!("{}/{}", st.node, st.device),
@@ -96,7 +92,10 @@ pub fn render(plan: &Plan) -> String {
     s.push_str(&format!(
         "<text x=\"40\" y=\"{:.1}\" fill=\"#444\">{}</text>\n",
         ly + 24.0,
-        esc(&format!("prefill 512 tokens: {:.1} ms ({:.1} tokens/s); bars: memory used of each device's budget", plan.prefill_ms_512, plan.prefill_tokens_per_s))
+        esc(&format!(
+            "prefill 512 tokens: {:.1} ms ({:.1} tokens/s); bars: memory used of each device's budget",
+            plan.prefill_ms_512, plan.prefill_tokens_per_s
+        ))
     ));
     s.push_str("</svg>\n");
     s

