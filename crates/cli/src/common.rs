@@ -100,8 +100,11 @@ pub fn kv_elem_bytes(files: &ModelFiles, device: DeviceId) -> u64 {
 /// to spare) against free memory less the headroom.
 fn auto_place(files: &ModelFiles, n_ctx: usize, headroom: f64, gpus: &[CudaInfo]) -> Result<Placement> {
     let inv = local_inventory(gpus);
-    let profile =
-        files.device_profile(kv_elem_bytes(files, DeviceId::Cuda(0)), activation_dtype(DeviceId::Cuda(0), files));
+    let profile = files.device_profile(
+        kv_elem_bytes(files, DeviceId::Cuda(0)),
+        false,
+        activation_dtype(DeviceId::Cuda(0), files),
+    );
     let policy = Policy { ctx: n_ctx as u64, headroom, ..Policy::default() };
     let plan = brigade_planner::plan(&inv, &profile, &policy).context("-ngl auto: the planner found no placement")?;
     let mut stages = Vec::new();
@@ -320,16 +323,15 @@ mod tests {
         brigade_model::synth::write_gguf(&path, &shape, brigade_model::synth::SynthType::F32, 1, |_, _| {}).unwrap();
         let files = open_model(Some(&path)).unwrap();
         let n = 4;
-        let dt = activation_dtype(DeviceId::Cuda(0), &files);
         for k in 1..=n {
-            let need = predict_slice_bytes(&files, LayerRange::new(n - k, n).unwrap(), dt, 64).total();
+            let need = predict_slice_bytes(&files, LayerRange::new(n - k, n).unwrap(), DeviceId::Cuda(0), 64).total();
             let free = (need as f64 / 0.9).ceil() as u64 + 1;
             let p = place(&files, Some(GpuLayers::Auto), None, 64, 0.1, &fake_gpu(free)).unwrap();
             let gpu: Vec<&Stage> = p.stages.iter().filter(|s| s.device != DeviceId::Cpu).collect();
             let on_gpu: usize = gpu.iter().map(|s| s.layers.len()).sum();
             assert!(on_gpu >= k, "free {free}: {on_gpu} < {k}: {:?}", p.stages);
             for s in gpu {
-                assert!(predict_slice_bytes(&files, s.layers, dt, 64).total() as f64 <= free as f64 * 0.9);
+                assert!(predict_slice_bytes(&files, s.layers, s.device, 64).total() as f64 <= free as f64 * 0.9);
             }
             assert!(p.notice.as_ref().unwrap().contains("-ngl auto"));
         }

@@ -3,7 +3,6 @@
 use crate::common::{context_len, detect_gpus, gpu_free, human_bytes, load_with_retry, open_model, place, GpuLayers};
 use anyhow::{Context, Result};
 use brigade_core::DeviceId;
-use brigade_model::pipeline::activation_dtype;
 use brigade_model::predict_slice_bytes;
 use brigade_model::{Pipeline, Sampler, SamplerConfig};
 use clap::Args;
@@ -175,10 +174,8 @@ pub fn run(a: RunArgs) -> Result<()> {
         for n in &notes {
             eprintln!("{n}");
         }
-        let predicted: Vec<u64> = stages
-            .iter()
-            .map(|s| predict_slice_bytes(&files, s.layers, activation_dtype(s.device, &files), n_ctx).total())
-            .collect();
+        let predicted: Vec<u64> =
+            stages.iter().map(|s| predict_slice_bytes(&files, s.layers, s.device, n_ctx).total()).collect();
         // The slices own their weights now; unmapping the file keeps the process's resident
         // memory equal to what the report below says it holds.
         let source = files.source.clone();

@@ -15,6 +15,7 @@
 
 pub mod bandwidth;
 pub mod config;
+pub mod cpu_matmul;
 pub mod devices;
 pub mod gguf;
 pub mod llama;

@@ -9,7 +9,7 @@
 use crate::config::{ModelConfig, RopeStyle};
 use crate::weights::{Embedding, Linear, ModelFiles};
 use crate::ModelError;
-use brigade_core::LayerRange;
+use brigade_core::{DeviceId, LayerRange};
 use candle_core::{DType, Device, Tensor, D};
 use std::sync::Arc;
 
@@ -422,9 +422,21 @@ impl SliceBytes {
 
 /// Predicts what [`Slice::load`] will allocate for `layers` (weights as [`Slice::weight_bytes`]
 /// counts them, and one session's KV cache of `n_ctx` tokens).
-pub fn predict_slice_bytes(files: &ModelFiles, layers: LayerRange, dtype: DType, n_ctx: usize) -> SliceBytes {
+pub fn predict_slice_bytes(files: &ModelFiles, layers: LayerRange, device: DeviceId, n_ctx: usize) -> SliceBytes {
     let cfg = &files.config;
-    let b = |n: &str| files.device_bytes(n, dtype);
+    let dtype = crate::pipeline::activation_dtype(device, files);
+    let on_cpu = device == DeviceId::Cpu;
+    let b = |n: &str| {
+        // norms are always dense in the activation type
+        if n.ends_with("norm.weight") {
+            files
+                .tensor_info(n)
+                .map(|t| t.shape.iter().product::<usize>() as u64 * dtype.size_in_bytes() as u64)
+                .unwrap_or(0)
+        } else {
+            files.device_bytes(n, on_cpu, dtype)
+        }
+    };
     let mut w = 0;
     if layers.is_first() {
         w += b("token_embd.weight");

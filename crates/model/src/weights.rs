@@ -72,6 +72,20 @@ impl StoredTensor {
     pub fn n_bytes(&self) -> u64 {
         (self.end - self.start) as u64
     }
+
+    /// The ggml type the bytes are, whatever the file format.
+    pub fn ggml_type(&self) -> GgmlDType {
+        match self.ty {
+            StoredType::Ggml(d) => d,
+            StoredType::F32 => GgmlDType::F32,
+            StoredType::F16 => GgmlDType::F16,
+            StoredType::BF16 => GgmlDType::BF16,
+        }
+    }
+
+    pub fn is_float(&self) -> bool {
+        matches!(self.ggml_type(), GgmlDType::F32 | GgmlDType::F16 | GgmlDType::BF16)
+    }
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -108,6 +122,9 @@ enum LinearWeight {
 impl Linear {
     pub fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
         let y = match &self.w {
+            LinearWeight::Quant(q) if x.device().is_cpu() => {
+                x.to_dtype(DType::F32)?.contiguous()?.apply_op1_no_bwd(&crate::cpu_matmul::CpuMatMul(q.clone()))?
+            }
             LinearWeight::Quant(q) => match x.apply_op1_no_bwd(q.as_ref()) {
                 Ok(y) => y,
                 // candle's CUDA fast paths take bf16/f16 activations for most quant types; its
@@ -389,22 +406,25 @@ impl ModelFiles {
 
     fn qtensor(&self, name: &str, device: &Device) -> Result<QTensor, ModelError> {
         let t = self.stored(name)?;
-        let StoredType::Ggml(dt) = t.ty else {
-            return Err(ModelError::BadTensor { name: name.into(), why: "not a GGUF tensor".into() });
-        };
-        let storage = with_aligned(self.data(t), |d| QStorage::from_data(Cow::Borrowed(d), device, dt))?;
+        let storage = with_aligned(self.data(t), |d| QStorage::from_data(Cow::Borrowed(d), device, t.ggml_type()))?;
         Ok(QTensor::new(storage, t.shape.as_slice())?)
     }
 
-    /// A weight `[out, in]` for matrix multiplies. Quantized GGUF weights stay quantized (candle's
-    /// quantized matmul); float weights become dense tensors in `dtype`.
+    /// Whether a tensor stays in its stored form on a device: always on the CPU (brigade's own
+    /// matmul reads every ggml type, see [`crate::cpu_matmul`]); on a GPU when quantized (float
+    /// weights there become dense tensors in the activation type for cuBLAS).
+    fn keeps_stored_form(t: &StoredTensor, on_cpu: bool) -> bool {
+        on_cpu || !t.is_float()
+    }
+
+    /// A weight `[out, in]` for matrix multiplies, in the form [`ModelFiles::keeps_stored_form`]
+    /// says; plus its bias (dense).
     pub fn linear(&self, name: &str, bias: Option<&str>, device: &Device, dtype: DType) -> Result<Linear, ModelError> {
         let t = self.stored(name)?;
-        let w = match t.ty {
-            StoredType::Ggml(d) if !matches!(d, GgmlDType::F32 | GgmlDType::F16 | GgmlDType::BF16) => {
-                LinearWeight::Quant(Arc::new(self.qtensor(name, device)?))
-            }
-            _ => LinearWeight::Dense(self.dense(name, device, dtype)?),
+        let w = if Self::keeps_stored_form(t, device.is_cpu()) {
+            LinearWeight::Quant(Arc::new(self.qtensor(name, device)?))
+        } else {
+            LinearWeight::Dense(self.dense(name, device, dtype)?)
         };
         let bias = match bias {
             Some(b) => Some(self.dense(b, device, dtype)?),
@@ -432,20 +452,18 @@ impl ModelFiles {
         }
         let rows: usize = parts.iter().map(|t| t.shape[0]).sum();
         let cols = cols.unwrap_or(0);
-        let w = match ty {
-            StoredType::Ggml(d) if !matches!(d, GgmlDType::F32 | GgmlDType::F16 | GgmlDType::BF16) => {
-                // rows of quantized blocks are contiguous: stacking is concatenating the bytes
-                let mut bytes = Vec::with_capacity(parts.iter().map(|t| t.end - t.start).sum());
-                for t in &parts {
-                    bytes.extend_from_slice(self.data(t));
-                }
-                let storage = with_aligned(&bytes, |b| QStorage::from_data(Cow::Borrowed(b), device, d))?;
-                LinearWeight::Quant(Arc::new(QTensor::new(storage, (rows, cols))?))
+        let w = if Self::keeps_stored_form(parts[0], device.is_cpu()) {
+            // rows are contiguous in every ggml type: stacking is concatenating the bytes
+            let mut bytes = Vec::with_capacity(parts.iter().map(|t| t.end - t.start).sum());
+            for t in &parts {
+                bytes.extend_from_slice(self.data(t));
             }
-            _ => {
-                let ts = names.iter().map(|n| self.dense(n, device, dtype)).collect::<Result<Vec<_>, _>>()?;
-                LinearWeight::Dense(Tensor::cat(&ts, 0)?)
-            }
+            let storage =
+                with_aligned(&bytes, |b| QStorage::from_data(Cow::Borrowed(b), device, parts[0].ggml_type()))?;
+            LinearWeight::Quant(Arc::new(QTensor::new(storage, (rows, cols))?))
+        } else {
+            let ts = names.iter().map(|n| self.dense(n, device, dtype)).collect::<Result<Vec<_>, _>>()?;
+            LinearWeight::Dense(Tensor::cat(&ts, 0)?)
         };
         let bias = match biases {
             Some(bs) => {
@@ -459,23 +477,20 @@ impl ModelFiles {
 
     pub fn embedding(&self, name: &str, device: &Device, dtype: DType) -> Result<Embedding, ModelError> {
         let t = self.stored(name)?;
-        Ok(match t.ty {
-            StoredType::Ggml(d) if !matches!(d, GgmlDType::F32 | GgmlDType::F16 | GgmlDType::BF16) => {
-                Embedding::Quant(Arc::new(self.qtensor(name, device)?))
-            }
-            _ => Embedding::Dense(self.dense(name, device, dtype)?),
+        Ok(if Self::keeps_stored_form(t, device.is_cpu()) {
+            Embedding::Quant(Arc::new(self.qtensor(name, device)?))
+        } else {
+            Embedding::Dense(self.dense(name, device, dtype)?)
         })
     }
 
-    /// Bytes tensor `name` will take on a device once loaded with activations in `dtype`:
-    /// quantized GGUF tensors keep their size, float tensors become `dtype`. Zero if absent.
-    pub fn device_bytes(&self, name: &str, dtype: DType) -> u64 {
+    /// Bytes tensor `name` will take on a device kind once loaded (activations in `dtype`): its
+    /// stored size where it keeps its stored form, else elements × `dtype`. Zero if absent.
+    pub fn device_bytes(&self, name: &str, on_cpu: bool, dtype: DType) -> u64 {
         match self.tensors.get(name) {
             None => 0,
-            Some(t) => match t.ty {
-                StoredType::Ggml(d) if !matches!(d, GgmlDType::F32 | GgmlDType::F16 | GgmlDType::BF16) => t.n_bytes(),
-                _ => t.shape.iter().product::<usize>() as u64 * dtype.size_in_bytes() as u64,
-            },
+            Some(t) if Self::keeps_stored_form(t, on_cpu) => t.n_bytes(),
+            Some(t) => t.shape.iter().product::<usize>() as u64 * dtype.size_in_bytes() as u64,
         }
     }
 
@@ -514,12 +529,15 @@ impl ModelFiles {
         self.profile_with(kv_elem_bytes, |t| t.n_bytes())
     }
 
-    /// Like [`ModelFiles::profile`], with bytes as a device will hold them (`dtype` for float
-    /// tensors, see [`ModelFiles::device_bytes`]).
-    pub fn device_profile(&self, kv_elem_bytes: u64, dtype: DType) -> brigade_core::ModelProfile {
-        self.profile_with(kv_elem_bytes, |t| match t.ty {
-            StoredType::Ggml(d) if !matches!(d, GgmlDType::F32 | GgmlDType::F16 | GgmlDType::BF16) => t.n_bytes(),
-            _ => t.shape.iter().product::<usize>() as u64 * dtype.size_in_bytes() as u64,
+    /// Like [`ModelFiles::profile`], with bytes as a device kind will hold them (see
+    /// [`ModelFiles::device_bytes`]).
+    pub fn device_profile(&self, kv_elem_bytes: u64, on_cpu: bool, dtype: DType) -> brigade_core::ModelProfile {
+        self.profile_with(kv_elem_bytes, |t| {
+            if Self::keeps_stored_form(t, on_cpu) {
+                t.n_bytes()
+            } else {
+                t.shape.iter().product::<usize>() as u64 * dtype.size_in_bytes() as u64
+            }
         })
     }
 

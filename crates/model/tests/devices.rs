@@ -137,12 +137,7 @@ fn predicted_bytes_are_the_loaded_bytes(dev: DeviceId) {
         let stages = DeviceMap::parse(&format!("cpu:1,{dev}:3")).unwrap().stages(4).unwrap();
         let p = Pipeline::load(&f, &stages, 64, |_, _| {}).unwrap();
         for (r, st) in p.report().iter().zip(&stages) {
-            let want = brigade_model::predict_slice_bytes(
-                &f,
-                st.layers,
-                brigade_model::pipeline::activation_dtype(st.device, &f),
-                64,
-            );
+            let want = brigade_model::predict_slice_bytes(&f, st.layers, st.device, 64);
             assert_eq!(r.weight_bytes, want.weights, "{ty:?} {:?}", st);
             assert_eq!(r.kv_bytes, want.kv, "{ty:?} {:?}", st);
         }
