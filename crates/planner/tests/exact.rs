@@ -39,11 +39,15 @@ prop_compose! {
         let mut r = seed;
         let mut next = move || { r ^= r << 13; r ^= r >> 7; r ^= r << 17; (r >> 11) as f64 / (1u64 << 53) as f64 };
         let mut nodes = Vec::new();
+        // at most EXACT_MAX (8) devices: the range where the planner claims the optimum
+        let mut total = 0;
         for n in 0..n_nodes {
             let mut devs = vec![device(0, false, (200.0 + 900.0 * next()) as u64, 1e3 * (1.0 + 9.0 * next()), 1e4 * (1.0 + 9.0 * next()), 50.0 + 100.0 * next())];
-            for g in 0..gpus[n] {
+            let room = brigade_planner::search::EXACT_MAX - total - (n_nodes - n);
+            for g in 0..gpus[n].min(room) {
                 devs.push(device(g, true, (100.0 + 600.0 * next()) as u64, 1e4 * (1.0 + 9.0 * next()), 1e5 * (1.0 + 9.0 * next()), 100.0 + 300.0 * next()));
             }
+            total += devs.len();
             nodes.push(NodeSpec { name: format!("n{n}"), devices: devs });
         }
         let mut links = Vec::new();
