@@ -314,3 +314,62 @@ struct HfConfig {
     pub rope_scaling: Option<HfRopeScaling>,
     pub attention_bias: Option<bool>,
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const LLAMA31: &str = r#"{"architectures": ["LlamaForCausalLM"], "hidden_size": 4096, "intermediate_size": 14336,
+        "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8, "vocab_size": 128256,
+        "rope_theta": 500000.0, "rms_norm_eps": 1e-05, "max_position_embeddings": 131072,
+        "rope_scaling": {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                         "original_max_position_embeddings": 8192, "rope_type": "llama3"}}"#;
+
+    #[test]
+    fn llama3_rope_scaling_matches_transformers() {
+        let c = ModelConfig::from_hf_json(LLAMA31).unwrap();
+        assert_eq!(c.head_dim, 128);
+        assert_eq!(c.rope_style, RopeStyle::Halves);
+        let f = c.rope_inv_freq();
+        // transformers' _compute_llama3_parameters for this config
+        let want = [
+            (0, 1.0),
+            (10, 0.12868737343265052),
+            (20, 0.016560440080994446),
+            (30, 0.0013718935677611381),
+            (40, 3.428102195952591e-05),
+            (50, 4.411534674558404e-06),
+            (63, 3.068925988914511e-07),
+        ];
+        for (i, w) in want {
+            assert!((f[i] as f64 - w).abs() <= 1e-6 * w, "inv_freq[{i}] = {} vs {w}", f[i]);
+        }
+    }
+
+    #[test]
+    fn qwen2_has_biases_and_rotates_halves() {
+        let j = r#"{"architectures": ["Qwen2ForCausalLM"], "hidden_size": 896, "intermediate_size": 4864,
+            "num_hidden_layers": 24, "num_attention_heads": 14, "num_key_value_heads": 2, "vocab_size": 151936,
+            "rope_theta": 1000000.0, "rms_norm_eps": 1e-06, "max_position_embeddings": 32768}"#;
+        let c = ModelConfig::from_hf_json(j).unwrap();
+        assert_eq!(c.arch, Arch::Qwen2);
+        assert!(c.qkv_bias);
+        assert_eq!(c.rope_style, RopeStyle::Halves);
+        assert_eq!(c.head_dim, 64);
+        assert_eq!(c.kv_bytes_per_token_layer(2), 2 * 2 * 64 * 2);
+    }
+
+    #[test]
+    fn rejects_bad_configs() {
+        for bad in [
+            LLAMA31.replace("\"num_key_value_heads\": 8", "\"num_key_value_heads\": 7"),
+            LLAMA31.replace("\"num_hidden_layers\": 32", "\"num_hidden_layers\": 0"),
+            LLAMA31.replace("\"rope_type\": \"llama3\"", "\"rope_type\": \"yarn\""),
+            LLAMA31.replace("LlamaForCausalLM", "GPTNeoXForCausalLM"),
+            LLAMA31.replace("\"hidden_size\": 4096", "\"hidden_size\": 40960000000"),
+            "{}".to_string(),
+        ] {
+            assert!(ModelConfig::from_hf_json(&bad).is_err(), "{bad}");
+        }
+    }
+}

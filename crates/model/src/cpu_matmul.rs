@@ -10,7 +10,8 @@
 //! - prompts (more rows): the weight is dequantized a band of rows at a time into a reused
 //!   scratch buffer and multiplied with the `gemm` crate, so every type is batched and memory
 //!   stays at the file's size plus one band;
-//! - Q4_1, for which candle has only a scalar dot product, gets the AVX2 kernel in [`q4_1`].
+//! - Q4_1 (candle has only a scalar dot product) and Q8_0 (candle's is slow on AVX2) get the
+//!   kernels in [`avx2`].
 
 use candle_core::quantized::k_quants::{
     BlockQ2K, BlockQ3K, BlockQ4K, BlockQ4_0, BlockQ4_1, BlockQ5K, BlockQ5_0, BlockQ5_1, BlockQ6K, BlockQ8K, BlockQ8_0,
@@ -179,8 +180,10 @@ impl candle_core::CustomOp1 for CpuMatMul {
         let mut dst = vec![0f32; m * n];
         let data = self.0.data()?;
         let dt = self.0.dtype();
-        if m <= DECODE_ROWS && dt == GgmlDType::Q4_1 && q4_1::available() {
-            q4_1::matmul(blocks::<q4_1::Q4_1>(&data)?, (m, k, n), lhs, &mut dst);
+        if m <= DECODE_ROWS && dt == GgmlDType::Q4_1 && avx2::available() {
+            avx2::matmul_q4_1(blocks::<avx2::Q4_1>(&data)?, (m, k, n), lhs, &mut dst);
+        } else if m <= DECODE_ROWS && dt == GgmlDType::Q8_0 && avx2::available() {
+            avx2::matmul_q8_0(blocks::<avx2::Q8_0>(&data)?, (m, k, n), lhs, &mut dst);
         } else if m <= DECODE_ROWS {
             with_block!(dt, T => candle_core::quantized::k_quants::matmul::<T>((m, k, n), lhs, blocks::<T>(&data)?, &mut dst)?);
         } else {
@@ -192,9 +195,10 @@ impl candle_core::CustomOp1 for CpuMatMul {
     }
 }
 
-/// Q4_1 × Q8_1 dot products with AVX2 (candle 0.11 has only scalar code for this pair, and
-/// keeps the block fields private, hence the mirrored layouts).
-pub mod q4_1 {
+/// AVX2 vec-dot kernels for the types where candle's are slow on AVX2-only CPUs: Q4_1 (candle
+/// has only scalar code) and Q8_0 (measured 0.64× llama.cpp's decode). The block fields of
+/// candle's types are private, hence the mirrored layouts (ggml's, checked by size).
+pub mod avx2 {
     use half::f16;
 
     /// ggml's `block_q4_1`: 32 weights `d × q + m`, `q` in 0..16 as nibbles (low halves first).
@@ -206,6 +210,15 @@ pub mod q4_1 {
         pub qs: [u8; 16],
     }
     const _: () = assert!(std::mem::size_of::<Q4_1>() == 20);
+
+    /// ggml's `block_q8_0`: 32 values `d × q`.
+    #[repr(C)]
+    #[derive(Clone, Copy)]
+    pub struct Q8_0 {
+        pub d: f16,
+        pub qs: [i8; 32],
+    }
+    const _: () = assert!(std::mem::size_of::<Q8_0>() == 34);
 
     /// ggml's `block_q8_1`: 32 activations `d × q`, with `s = d × Σq`.
     #[repr(C)]
@@ -227,25 +240,37 @@ pub mod q4_1 {
         }
     }
 
-    /// Quantizes a row of activations to Q8_1 blocks, as ggml does.
-    pub fn quantize_row(x: &[f32], out: &mut [Q8_1]) {
+    /// Quantizes 32 activations to 8 bits as ggml does; returns (scale, Σq).
+    fn quantize_block(blk: &[f32], qs: &mut [i8; 32]) -> (f32, i32) {
+        let amax = blk.iter().fold(0f32, |m, v| m.max(v.abs()));
+        let d = amax / 127.0;
+        let id = if d > 0.0 { 1.0 / d } else { 0.0 };
+        let mut sum = 0i32;
+        for (q, v) in qs.iter_mut().zip(blk) {
+            let r = (v * id).round() as i32;
+            *q = r as i8;
+            sum += r;
+        }
+        (d, sum)
+    }
+
+    pub fn quantize_q8_1(x: &[f32], out: &mut [Q8_1]) {
         for (blk, o) in x.chunks_exact(32).zip(out.iter_mut()) {
-            let amax = blk.iter().fold(0f32, |m, v| m.max(v.abs()));
-            let d = amax / 127.0;
-            let id = if d > 0.0 { 1.0 / d } else { 0.0 };
-            let mut sum = 0i32;
-            for (q, v) in o.qs.iter_mut().zip(blk) {
-                let r = (v * id).round() as i32;
-                *q = r as i8;
-                sum += r;
-            }
+            let (d, sum) = quantize_block(blk, &mut o.qs);
             o.d = f16::from_f32(d);
             o.s = f16::from_f32(d * sum as f32);
         }
     }
 
-    /// One dot product, portable (the reference for the SIMD one).
-    pub fn dot_scalar(w: &[Q4_1], x: &[Q8_1]) -> f32 {
+    pub fn quantize_q8_0(x: &[f32], out: &mut [Q8_0]) {
+        for (blk, o) in x.chunks_exact(32).zip(out.iter_mut()) {
+            let (d, _) = quantize_block(blk, &mut o.qs);
+            o.d = f16::from_f32(d);
+        }
+    }
+
+    /// Q4_1 · Q8_1, portable (the reference for the SIMD one).
+    pub fn dot_q4_1_scalar(w: &[Q4_1], x: &[Q8_1]) -> f32 {
         let mut acc = 0f32;
         for (b, y) in w.iter().zip(x) {
             let mut s = 0i32;
@@ -257,9 +282,32 @@ pub mod q4_1 {
         acc
     }
 
+    /// Q8_0 · Q8_0, portable.
+    pub fn dot_q8_0_scalar(w: &[Q8_0], x: &[Q8_0]) -> f32 {
+        w.iter()
+            .zip(x)
+            .map(|(b, y)| {
+                b.d.to_f32()
+                    * y.d.to_f32()
+                    * b.qs.iter().zip(&y.qs).map(|(&p, &q)| p as i32 * q as i32).sum::<i32>() as f32
+            })
+            .sum()
+    }
+
     #[cfg(target_arch = "x86_64")]
     #[target_feature(enable = "avx2,fma")]
-    unsafe fn dot_avx2(w: &[Q4_1], x: &[Q8_1]) -> f32 {
+    fn hsum(acc: std::arch::x86_64::__m256) -> f32 {
+        use std::arch::x86_64::*;
+        let hi = _mm256_extractf128_ps(acc, 1);
+        let s4 = _mm_add_ps(_mm256_castps256_ps128(acc), hi);
+        let s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
+        let s1 = _mm_add_ss(s2, _mm_shuffle_ps(s2, s2, 1));
+        _mm_cvtss_f32(s1)
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "avx2,fma")]
+    unsafe fn dot_q4_1(w: &[Q4_1], x: &[Q8_1]) -> f32 {
         use std::arch::x86_64::*;
         let mut acc = _mm256_setzero_ps();
         let mut summs = 0f32;
@@ -267,49 +315,93 @@ pub mod q4_1 {
         let ones = _mm256_set1_epi16(1);
         for (b, y) in w.iter().zip(x) {
             // low nibbles are weights 0..16, high nibbles 16..32
-            // SAFETY: 16 bytes of the block's nibbles
-            let q = unsafe { _mm_loadu_si128(b.qs.as_ptr() as *const __m128i) };
-            let both = _mm256_set_m128i(_mm_srli_epi16(q, 4), q);
-            let wq = _mm256_and_si256(both, low);
-            // SAFETY: 32 bytes of the block's quants
-            let xq = unsafe { _mm256_loadu_si256(y.qs.as_ptr() as *const __m256i) };
+            // SAFETY: 16 and 32 bytes inside the blocks
+            let (q, xq) = unsafe {
+                (_mm_loadu_si128(b.qs.as_ptr() as *const __m128i), _mm256_loadu_si256(y.qs.as_ptr() as *const __m256i))
+            };
+            let wq = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(q, 4), q), low);
             // u8 × i8 pairs → i16 (at most 2 × 15 × 128: no saturation), pairs → i32
             let p32 = _mm256_madd_epi16(_mm256_maddubs_epi16(wq, xq), ones);
-            let d = _mm256_set1_ps(b.d.to_f32() * y.d.to_f32());
-            acc = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(p32), acc);
+            acc = _mm256_fmadd_ps(_mm256_set1_ps(b.d.to_f32() * y.d.to_f32()), _mm256_cvtepi32_ps(p32), acc);
             summs += b.m.to_f32() * y.s.to_f32();
         }
-        let hi = _mm256_extractf128_ps(acc, 1);
-        let s4 = _mm_add_ps(_mm256_castps256_ps128(acc), hi);
-        let s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
-        let s1 = _mm_add_ss(s2, _mm_shuffle_ps(s2, s2, 1));
-        _mm_cvtss_f32(s1) + summs
+        hsum(acc) + summs
     }
 
-    /// `dst[m, n] = lhs[m, k] @ w[n, k]ᵀ` for a few rows, weight rows split across candle's pool.
-    pub fn matmul(w: &[Q4_1], (m, k, n): (usize, usize, usize), lhs: &[f32], dst: &mut [f32]) {
-        let bpr = k / 32;
-        let zero = Q8_1 { d: f16::ZERO, s: f16::ZERO, qs: [0; 32] };
-        let mut xq = vec![zero; m * bpr];
-        for r in 0..m {
-            quantize_row(&lhs[r * k..(r + 1) * k], &mut xq[r * bpr..(r + 1) * bpr]);
+    #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "avx2,fma")]
+    unsafe fn dot_q8_0(w: &[Q8_0], x: &[Q8_0]) -> f32 {
+        use std::arch::x86_64::*;
+        let mut acc = _mm256_setzero_ps();
+        let ones = _mm256_set1_epi16(1);
+        for (b, y) in w.iter().zip(x) {
+            // SAFETY: 32 bytes inside each block
+            let (wq, xq) = unsafe {
+                (
+                    _mm256_loadu_si256(b.qs.as_ptr() as *const __m256i),
+                    _mm256_loadu_si256(y.qs.as_ptr() as *const __m256i),
+                )
+            };
+            // maddubs wants u8 × i8: |w| × (x with w's sign); at most 2 × 128 × 127, no saturation
+            let p16 = _mm256_maddubs_epi16(_mm256_sign_epi8(wq, wq), _mm256_sign_epi8(xq, wq));
+            let p32 = _mm256_madd_epi16(p16, ones);
+            acc = _mm256_fmadd_ps(_mm256_set1_ps(b.d.to_f32() * y.d.to_f32()), _mm256_cvtepi32_ps(p32), acc);
         }
+        hsum(acc)
+    }
+
+    /// `dst[m, n] = Σ dot(w row c, x row r)`: weight rows split across candle's thread pool.
+    fn matvec<W: Sync, X: Sync>(
+        w: &[W],
+        xq: &[X],
+        bpr: usize,
+        (m, n): (usize, usize),
+        dst: &mut [f32],
+        dot: impl Fn(&[W], &[X]) -> f32 + Sync,
+    ) {
         let dst_ptr = dst.as_mut_ptr() as usize;
         candle_core::utils::barrier_pool().execute_chunked(n, |cols| {
             for c in cols {
                 let wr = &w[c * bpr..(c + 1) * bpr];
                 for r in 0..m {
-                    let x = &xq[r * bpr..(r + 1) * bpr];
-                    #[cfg(target_arch = "x86_64")]
-                    // SAFETY: callers check `available()` (AVX2 + FMA).
-                    let v = unsafe { dot_avx2(wr, x) };
-                    #[cfg(not(target_arch = "x86_64"))]
-                    let v = dot_scalar(wr, x);
+                    let v = dot(wr, &xq[r * bpr..(r + 1) * bpr]);
                     // SAFETY: each (r, c) is written by exactly one work item.
                     unsafe { *(dst_ptr as *mut f32).add(r * n + c) = v };
                 }
             }
         });
+    }
+
+    /// Quantizes each of the `m` activation rows of length `k` into blocks of 32.
+    fn quantize_rows<X: Clone>(lhs: &[f32], (m, k): (usize, usize), zero: X, quantize: fn(&[f32], &mut [X])) -> Vec<X> {
+        let bpr = k / 32;
+        let mut xq = vec![zero; m * bpr];
+        for r in 0..m {
+            quantize(&lhs[r * k..(r + 1) * k], &mut xq[r * bpr..(r + 1) * bpr]);
+        }
+        xq
+    }
+
+    /// `dst[m, n] = lhs[m, k] @ w[n, k]ᵀ` for Q4_1 weights (callers check [`available`]).
+    pub fn matmul_q4_1(w: &[Q4_1], (m, k, n): (usize, usize, usize), lhs: &[f32], dst: &mut [f32]) {
+        let bpr = k / 32;
+        let xq = quantize_rows(lhs, (m, k), Q8_1 { d: f16::ZERO, s: f16::ZERO, qs: [0; 32] }, quantize_q8_1);
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: callers check `available()` (AVX2 + FMA).
+        matvec(w, &xq, bpr, (m, n), dst, |a, b| unsafe { dot_q4_1(a, b) });
+        #[cfg(not(target_arch = "x86_64"))]
+        matvec(w, &xq, bpr, (m, n), dst, dot_q4_1_scalar);
+    }
+
+    /// `dst[m, n] = lhs[m, k] @ w[n, k]ᵀ` for Q8_0 weights (callers check [`available`]).
+    pub fn matmul_q8_0(w: &[Q8_0], (m, k, n): (usize, usize, usize), lhs: &[f32], dst: &mut [f32]) {
+        let bpr = k / 32;
+        let xq = quantize_rows(lhs, (m, k), Q8_0 { d: f16::ZERO, qs: [0; 32] }, quantize_q8_0);
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: callers check `available()` (AVX2 + FMA).
+        matvec(w, &xq, bpr, (m, n), dst, |a, b| unsafe { dot_q8_0(a, b) });
+        #[cfg(not(target_arch = "x86_64"))]
+        matvec(w, &xq, bpr, (m, n), dst, dot_q8_0_scalar);
     }
 }
 
@@ -355,24 +447,33 @@ mod tests {
     }
 
     #[test]
-    fn q4_1_avx2_equals_scalar() {
-        if !q4_1::available() {
+    fn avx2_kernels_equal_scalar() {
+        if !avx2::available() {
             return;
         }
         let k = 256;
         let w = Tensor::randn(0f32, 1.0, (3, k), &Device::Cpu).unwrap();
+        let x: Vec<f32> = (0..k).map(|i| ((i * 37 % 101) as f32 - 50.0) / 7.0).collect();
+        let mut dst = vec![0f32; 3];
         let q = QTensor::quantize(&w, GgmlDType::Q4_1).unwrap();
         let data = q.data().unwrap();
-        let wb = blocks::<q4_1::Q4_1>(&data).unwrap();
-        let x: Vec<f32> = (0..k).map(|i| ((i * 37 % 101) as f32 - 50.0) / 7.0).collect();
-        let zero = q4_1::Q8_1 { d: half::f16::ZERO, s: half::f16::ZERO, qs: [0; 32] };
-        let mut xq = vec![zero; k / 32];
-        q4_1::quantize_row(&x, &mut xq);
-        let mut dst = vec![0f32; 3];
-        q4_1::matmul(wb, (1, k, 3), &x, &mut dst);
+        let wb = blocks::<avx2::Q4_1>(&data).unwrap();
+        let mut xq = vec![avx2::Q8_1 { d: half::f16::ZERO, s: half::f16::ZERO, qs: [0; 32] }; k / 32];
+        avx2::quantize_q8_1(&x, &mut xq);
+        avx2::matmul_q4_1(wb, (1, k, 3), &x, &mut dst);
         for r in 0..3 {
-            let s = q4_1::dot_scalar(&wb[r * 8..(r + 1) * 8], &xq);
-            assert!((dst[r] - s).abs() <= 1e-3 * s.abs().max(1.0), "{} vs {s}", dst[r]);
+            let s = avx2::dot_q4_1_scalar(&wb[r * 8..(r + 1) * 8], &xq);
+            assert!((dst[r] - s).abs() <= 1e-3 * s.abs().max(1.0), "q4_1 {} vs {s}", dst[r]);
+        }
+        let q = QTensor::quantize(&w, GgmlDType::Q8_0).unwrap();
+        let data = q.data().unwrap();
+        let wb = blocks::<avx2::Q8_0>(&data).unwrap();
+        let mut xq = vec![avx2::Q8_0 { d: half::f16::ZERO, qs: [0; 32] }; k / 32];
+        avx2::quantize_q8_0(&x, &mut xq);
+        avx2::matmul_q8_0(wb, (1, k, 3), &x, &mut dst);
+        for r in 0..3 {
+            let s = avx2::dot_q8_0_scalar(&wb[r * 8..(r + 1) * 8], &xq);
+            assert!((dst[r] - s).abs() <= 1e-3 * s.abs().max(1.0), "q8_0 {} vs {s}", dst[r]);
         }
     }
 }

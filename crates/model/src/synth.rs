@@ -276,7 +276,7 @@ fn gguf_metadata(shape: &Shape, ty: SynthType, name: &str) -> Vec<(String, Value
         ("llama.rope.freq_base".into(), Value::F32(shape.rope_theta)),
         u("llama.vocab_size", shape.vocab),
         s("tokenizer.ggml.model", "gpt2"),
-        s("tokenizer.ggml.pre", "gpt2"),
+        s("tokenizer.ggml.pre", "gpt-2"),
         ("tokenizer.ggml.tokens".into(), Value::Array(tokens.into_iter().map(Value::String).collect())),
         ("tokenizer.ggml.token_type".into(), Value::Array(types.into_iter().map(Value::I32).collect())),
         ("tokenizer.ggml.merges".into(), Value::Array(merges.into_iter().map(Value::String).collect())),

@@ -203,7 +203,7 @@ fn bpe_pre_regexes(pre: &str) -> Vec<&'static str> {
         "smollm" | "starcoder" | "refact" | "command-r" | "codeshell" | "exaone" | "minerva-7b" => {
             vec![r"\p{N}", GPT2]
         }
-        "gpt2" | "mpt" | "olmo" | "jais" => vec![GPT2],
+        "gpt2" | "gpt-2" | "mpt" | "olmo" | "jais" => vec![GPT2],
         // llama.cpp's fallback for unknown pre-tokenizers
         _ => vec![r"[\p{P}\$\+<=>\^~\|]+", GPT2, r"\p{N}+", r"[0-9][0-9][0-9]"],
     }

@@ -157,3 +157,58 @@ fn quantized_synth_files_load() {
         assert!(cos >= want, "{ty:?}: logits cosine {cos} to the f32 model");
     }
 }
+
+/// Qwen2 is Llama with q/k/v biases: with zero biases it computes exactly what the Llama
+/// checkpoint computes; with real biases it differs, and stays split-invariant.
+#[test]
+fn qwen2_biases() {
+    let dir = tempfile::tempdir().unwrap();
+    let llama = dir.path().join("llama");
+    write_safetensors_dir(&llama, &small_shape(), SynthType::F32, 5, |_, _| {}).unwrap();
+    let make_qwen = |name: &str, scale: f32| -> std::path::PathBuf {
+        let q = dir.path().join(name);
+        std::fs::create_dir_all(&q).unwrap();
+        for f in ["tokenizer.json", "tokenizer_config.json"] {
+            std::fs::copy(llama.join(f), q.join(f)).unwrap();
+        }
+        let cfg = std::fs::read_to_string(llama.join("config.json")).unwrap();
+        std::fs::write(
+            q.join("config.json"),
+            cfg.replace("LlamaForCausalLM", "Qwen2ForCausalLM").replace("\"llama\"", "\"qwen2\""),
+        )
+        .unwrap();
+        let bytes = std::fs::read(llama.join("model.safetensors")).unwrap();
+        let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+        let mut owned: Vec<(String, Vec<usize>, Vec<u8>)> =
+            st.tensors().into_iter().map(|(n, v)| (n, v.shape().to_vec(), v.data().to_vec())).collect();
+        let s = small_shape();
+        let hd = s.hidden / s.heads;
+        for i in 0..s.layers {
+            for (p, rows) in [("q", s.heads * hd), ("k", s.kv_heads * hd), ("v", s.kv_heads * hd)] {
+                let vals: Vec<f32> = (0..rows).map(|r| scale * (((r * 7 + i * 13) % 11) as f32 - 5.0) / 5.0).collect();
+                owned.push((
+                    format!("model.layers.{i}.self_attn.{p}_proj.bias"),
+                    vec![rows],
+                    vals.iter().flat_map(|x| x.to_le_bytes()).collect(),
+                ));
+            }
+        }
+        let views: Vec<(String, safetensors::tensor::TensorView)> = owned
+            .iter()
+            .map(|(n, sh, d)| {
+                (n.clone(), safetensors::tensor::TensorView::new(safetensors::Dtype::F32, sh.clone(), d).unwrap())
+            })
+            .collect();
+        safetensors::serialize_to_file(views, None, &q.join("model.safetensors")).unwrap();
+        q
+    };
+    let base = ModelFiles::open(&llama).unwrap();
+    let zero = ModelFiles::open(&make_qwen("qwen-zero", 0.0)).unwrap();
+    let real = ModelFiles::open(&make_qwen("qwen", 0.5)).unwrap();
+    assert_eq!(zero.config.arch, brigade_model::config::Arch::Qwen2);
+    assert!(zero.config.qkv_bias);
+    let a = trace(&base, "cpu:4");
+    assert!(max_abs_diff(&a, &trace(&zero, "cpu:4")) <= 1e-6);
+    assert!(max_abs_diff(&a, &trace(&real, "cpu:4")) > 1e-3, "biases must change the logits");
+    assert_split_invariant(&real);
+}
