@@ -232,7 +232,9 @@ pub mod avx2 {
     pub fn available() -> bool {
         #[cfg(target_arch = "x86_64")]
         {
-            std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma")
+            std::arch::is_x86_feature_detected!("avx2")
+                && std::arch::is_x86_feature_detected!("fma")
+                && std::arch::is_x86_feature_detected!("f16c")
         }
         #[cfg(not(target_arch = "x86_64"))]
         {
@@ -294,8 +296,21 @@ pub mod avx2 {
             .sum()
     }
 
+    /// One f16 broadcast to eight f32 lanes by the F16C instruction, inlined. `half`'s conversion
+    /// is an out-of-line call that made the compiler spill the accumulator every block, and a
+    /// scalar `cvtph2ps` of `_mm_cvtsi32_si128` compiled to a `vpinsrw` that merged into the
+    /// accumulator's register, a false dependency chaining every block to the last one's FMA
+    /// (together: 0.6× llama.cpp's Q8_0 decode). A broadcast from a general register has neither.
     #[cfg(target_arch = "x86_64")]
-    #[target_feature(enable = "avx2,fma")]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    #[inline]
+    fn splat(x: f16) -> std::arch::x86_64::__m256 {
+        use std::arch::x86_64::*;
+        _mm256_cvtph_ps(_mm_set1_epi16(x.to_bits() as i16))
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "avx2,fma,f16c")]
     fn hsum(acc: std::arch::x86_64::__m256) -> f32 {
         use std::arch::x86_64::*;
         let hi = _mm256_extractf128_ps(acc, 1);
@@ -306,11 +321,11 @@ pub mod avx2 {
     }
 
     #[cfg(target_arch = "x86_64")]
-    #[target_feature(enable = "avx2,fma")]
+    #[target_feature(enable = "avx2,fma,f16c")]
     unsafe fn dot_q4_1(w: &[Q4_1], x: &[Q8_1]) -> f32 {
         use std::arch::x86_64::*;
         let mut acc = _mm256_setzero_ps();
-        let mut summs = 0f32;
+        let mut summs = _mm256_setzero_ps();
         let low = _mm256_set1_epi8(0x0F);
         let ones = _mm256_set1_epi16(1);
         for (b, y) in w.iter().zip(x) {
@@ -322,19 +337,26 @@ pub mod avx2 {
             let wq = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(q, 4), q), low);
             // u8 × i8 pairs → i16 (at most 2 × 15 × 128: no saturation), pairs → i32
             let p32 = _mm256_madd_epi16(_mm256_maddubs_epi16(wq, xq), ones);
-            acc = _mm256_fmadd_ps(_mm256_set1_ps(b.d.to_f32() * y.d.to_f32()), _mm256_cvtepi32_ps(p32), acc);
-            summs += b.m.to_f32() * y.s.to_f32();
+            acc = _mm256_fmadd_ps(_mm256_mul_ps(splat(b.d), splat(y.d)), _mm256_cvtepi32_ps(p32), acc);
+            summs = _mm256_fmadd_ps(splat(b.m), splat(y.s), summs);
         }
-        hsum(acc) + summs
+        // every lane of `summs` holds the same sum
+        hsum(acc) + _mm256_cvtss_f32(summs)
     }
 
+    /// How far ahead of the block in use `dot_q8_0` asks for weight bytes: 1 KiB (30 blocks) was
+    /// the best of 512/1024/2048 in `brigade bench` on the 2-core VM, though within its noise.
     #[cfg(target_arch = "x86_64")]
-    #[target_feature(enable = "avx2,fma")]
+    const PREFETCH: usize = 1024;
+
+    #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "avx2,fma,f16c")]
     unsafe fn dot_q8_0(w: &[Q8_0], x: &[Q8_0]) -> f32 {
         use std::arch::x86_64::*;
         let mut acc = _mm256_setzero_ps();
         let ones = _mm256_set1_epi16(1);
         for (b, y) in w.iter().zip(x) {
+            _mm_prefetch::<_MM_HINT_T0>((b as *const Q8_0 as *const i8).wrapping_add(PREFETCH));
             // SAFETY: 32 bytes inside each block
             let (wq, xq) = unsafe {
                 (
@@ -345,7 +367,7 @@ pub mod avx2 {
             // maddubs wants u8 × i8: |w| × (x with w's sign); at most 2 × 128 × 127, no saturation
             let p16 = _mm256_maddubs_epi16(_mm256_sign_epi8(wq, wq), _mm256_sign_epi8(xq, wq));
             let p32 = _mm256_madd_epi16(p16, ones);
-            acc = _mm256_fmadd_ps(_mm256_set1_ps(b.d.to_f32() * y.d.to_f32()), _mm256_cvtepi32_ps(p32), acc);
+            acc = _mm256_fmadd_ps(_mm256_mul_ps(splat(b.d), splat(y.d)), _mm256_cvtepi32_ps(p32), acc);
         }
         hsum(acc)
     }
@@ -387,7 +409,7 @@ pub mod avx2 {
         let bpr = k / 32;
         let xq = quantize_rows(lhs, (m, k), Q8_1 { d: f16::ZERO, s: f16::ZERO, qs: [0; 32] }, quantize_q8_1);
         #[cfg(target_arch = "x86_64")]
-        // SAFETY: callers check `available()` (AVX2 + FMA).
+        // SAFETY: callers check `available()` (AVX2 + FMA + F16C).
         matvec(w, &xq, bpr, (m, n), dst, |a, b| unsafe { dot_q4_1(a, b) });
         #[cfg(not(target_arch = "x86_64"))]
         matvec(w, &xq, bpr, (m, n), dst, dot_q4_1_scalar);
@@ -398,7 +420,7 @@ pub mod avx2 {
         let bpr = k / 32;
         let xq = quantize_rows(lhs, (m, k), Q8_0 { d: f16::ZERO, qs: [0; 32] }, quantize_q8_0);
         #[cfg(target_arch = "x86_64")]
-        // SAFETY: callers check `available()` (AVX2 + FMA).
+        // SAFETY: callers check `available()` (AVX2 + FMA + F16C).
         matvec(w, &xq, bpr, (m, n), dst, |a, b| unsafe { dot_q8_0(a, b) });
         #[cfg(not(target_arch = "x86_64"))]
         matvec(w, &xq, bpr, (m, n), dst, dot_q8_0_scalar);
