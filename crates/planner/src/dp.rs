@@ -35,10 +35,30 @@ struct Table {
     back: Vec<(u8, u16)>,
 }
 
+type Storage = (Vec<f64>, Vec<(u8, u16)>);
+
+thread_local! {
+    static SPARE: std::cell::RefCell<Option<Storage>> = const { std::cell::RefCell::new(None) };
+}
+
+impl Drop for Table {
+    fn drop(&mut self) {
+        let storage = (std::mem::take(&mut self.val), std::mem::take(&mut self.back));
+        SPARE.with(|s| *s.borrow_mut() = Some(storage));
+    }
+}
+
 impl Table {
+    /// A table of infinities, in the storage the thread's previous table left (the throughput
+    /// search builds a few dozen 3 MB tables per plan; fresh ones cost a page fault per 4 KiB).
     fn new(k: usize, l: usize) -> Self {
         let n = (1usize << k) * k * (l + 1);
-        Table { k, l1: l + 1, val: vec![f64::INFINITY; n], back: vec![(NONE, 0); n] }
+        let (mut val, mut back) = SPARE.with(|s| s.borrow_mut().take()).unwrap_or_default();
+        val.clear();
+        val.resize(n, f64::INFINITY);
+        back.clear();
+        back.resize(n, (NONE, 0));
+        Table { k, l1: l + 1, val, back }
     }
     #[inline]
     fn idx(&self, mask: usize, last: usize, l: usize) -> usize {
@@ -57,6 +77,14 @@ impl Table {
 /// Minimum decode seconds over all chains of devices from `subset` (indices into `p.devs`), each
 /// stage and hop at most `cap` seconds if given. Returns the seconds and the stages.
 pub fn min_latency(p: &Problem, subset: &[usize], cap: Option<f64>) -> Option<(f64, Stages)> {
+    min_latency_within(p, subset, cap, f64::INFINITY)
+}
+
+/// [`min_latency`] among the chains whose decode seconds are at most `limit` (`None` if there
+/// is none). Partial chains over the limit are dropped as they appear: every later stage, hop
+/// and leg only adds time. The throughput search asks only whether a chain within `S × cap`
+/// exists, and this pruning is what keeps its many probes cheap.
+pub fn min_latency_within(p: &Problem, subset: &[usize], cap: Option<f64>, limit: f64) -> Option<(f64, Stages)> {
     let k = subset.len();
     assert!(k <= MAX_SUBSET, "subset of {k} devices");
     let l = p.n_layers;
@@ -85,7 +113,7 @@ pub fn min_latency(p: &Problem, subset: &[usize], cap: Option<f64>) -> Option<(f
                 break; // memory only grows with b (the head included)
             }
             let st = p.stage_time(d, 0, b);
-            if st <= cap {
+            if st <= cap && din + st <= limit {
                 t.relax(1 << i, i, b, din + st, (NONE, 0));
             }
         }
@@ -127,7 +155,9 @@ pub fn min_latency(p: &Problem, subset: &[usize], cap: Option<f64>) -> Option<(f
                         deque.pop_front();
                     }
                     if let Some(&(fa, key)) = deque.front() {
-                        t.relax(nmask, j, b, pj[b] + key, (i as u8, fa as u16));
+                        if pj[b] + key <= limit {
+                            t.relax(nmask, j, b, pj[b] + key, (i as u8, fa as u16));
+                        }
                     }
                 }
                 // b = L: the head's memory and time break the window; scan
@@ -135,7 +165,7 @@ pub fn min_latency(p: &Problem, subset: &[usize], cap: Option<f64>) -> Option<(f
                     let v = t.val[row + a];
                     if v.is_finite() && p.fits(dj, a, l) {
                         let st = p.stage_time(dj, a, l);
-                        if st <= cap {
+                        if st <= cap && v + hop + st <= limit {
                             t.relax(nmask, j, l, v + hop + st, (i as u8, a as u16));
                         }
                     }
@@ -148,7 +178,7 @@ pub fn min_latency(p: &Problem, subset: &[usize], cap: Option<f64>) -> Option<(f
         for (i, &d) in subset.iter().enumerate() {
             let v = t.val[t.idx(mask, i, l)];
             let Some(out) = p.drv_out[d] else { continue };
-            if v.is_finite() && best.is_none_or(|(bv, _, _)| v + out < bv) {
+            if v.is_finite() && v + out <= limit && best.is_none_or(|(bv, _, _)| v + out < bv) {
                 best = Some((v + out, mask, i));
             }
         }
