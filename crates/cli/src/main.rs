@@ -80,6 +80,11 @@ fn set_threads(args: &[String]) {
     }
 }
 
+/// mimalloc: candle allocates every intermediate tensor afresh; glibc maps and unmaps the large
+/// ones each time (a page fault per 4 KiB, 7% of a 500-token prompt), mimalloc keeps them.
+#[global_allocator]
+static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 fn main() {
     let args = rewrite_llama_cpp_flags(std::env::args());
     set_threads(&args);

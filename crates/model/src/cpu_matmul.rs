@@ -186,6 +186,9 @@ impl candle_core::CustomOp1 for CpuMatMul {
             avx2::matmul_q8_0(blocks::<avx2::Q8_0>(&data)?, (m, k, n), lhs, &mut dst);
         } else if m <= DECODE_ROWS {
             with_block!(dt, T => candle_core::quantized::k_quants::matmul::<T>((m, k, n), lhs, blocks::<T>(&data)?, &mut dst)?);
+        } else if cfg!(target_arch = "x86_64") && dt == GgmlDType::Q8_0 && avx2::available() {
+            #[cfg(target_arch = "x86_64")]
+            avx2::matmul_q8_0_prompt(blocks::<avx2::Q8_0>(&data)?, (m, k, n), lhs, &mut dst);
         } else {
             with_block!(dt, T => dequant_gemm::<T>(blocks::<T>(&data)?, (m, k, n), lhs, &mut dst));
         }
@@ -425,6 +428,119 @@ pub mod avx2 {
         #[cfg(not(target_arch = "x86_64"))]
         matvec(w, &xq, bpr, (m, n), dst, dot_q8_0_scalar);
     }
+
+    /// Activation rows a prompt tile group holds in cache while every weight row passes over
+    /// them (64 rows of k = 2048 are 139 KB of Q8_0 blocks).
+    #[cfg(target_arch = "x86_64")]
+    const PROMPT_ROWS: usize = 64;
+
+    /// `R` activation rows × `C` weight rows of Q8_0 int8 dot products, accumulated in
+    /// registers over all of `k` (each weight block loaded once for `R` rows, each activation
+    /// block once for `C`). Returns `out[i][j] = x row r0+i · w row c0+j`.
+    ///
+    /// # Safety
+    /// AVX2/FMA/F16C available; `w` holds rows `c0..c0+C` and `xq`/`dx` rows `r0..r0+R` of `bpr`
+    /// blocks each.
+    #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn tile_q8_0<const R: usize, const C: usize>(
+        w: &[Q8_0],
+        xq: &[Q8_0],
+        dx: &[f32],
+        bpr: usize,
+        (r0, c0): (usize, usize),
+    ) -> [[f32; C]; R] {
+        use std::arch::x86_64::*;
+        debug_assert!((c0 + C) * bpr <= w.len() && (r0 + R) * bpr <= xq.len() && xq.len() == dx.len());
+        let ones = _mm256_set1_epi16(1);
+        let mut acc = [[_mm256_setzero_ps(); C]; R];
+        for b in 0..bpr {
+            let mut wq = [_mm256_setzero_si256(); C];
+            let mut dw = [_mm256_setzero_ps(); C];
+            for j in 0..C {
+                // SAFETY: in bounds by the function's contract
+                let blk = unsafe { w.get_unchecked((c0 + j) * bpr + b) };
+                wq[j] = unsafe { _mm256_loadu_si256(blk.qs.as_ptr() as *const __m256i) };
+                dw[j] = splat(blk.d);
+            }
+            for (i, acc_i) in acc.iter_mut().enumerate() {
+                let at = (r0 + i) * bpr + b;
+                // SAFETY: in bounds by the function's contract
+                let (xv, d) = unsafe {
+                    (_mm256_loadu_si256(xq.get_unchecked(at).qs.as_ptr() as *const __m256i), *dx.get_unchecked(at))
+                };
+                let dv = _mm256_set1_ps(d);
+                // |x| × (w with x's sign): the absolute value taken once per activation block
+                let xa = _mm256_sign_epi8(xv, xv);
+                for (a, (&wj, &dj)) in acc_i.iter_mut().zip(wq.iter().zip(&dw)) {
+                    let p = _mm256_madd_epi16(_mm256_maddubs_epi16(xa, _mm256_sign_epi8(wj, xv)), ones);
+                    *a = _mm256_fmadd_ps(_mm256_mul_ps(dj, dv), _mm256_cvtepi32_ps(p), *a);
+                }
+            }
+        }
+        let mut out = [[0f32; C]; R];
+        for i in 0..R {
+            for j in 0..C {
+                out[i][j] = hsum(acc[i][j]);
+            }
+        }
+        out
+    }
+
+    /// `dst[m, n] = lhs[m, k] @ w[n, k]ᵀ` for Q8_0 weights and prompts: the activations quantized
+    /// to Q8_0 as llama.cpp does, then int8 dot products in 4 × 2 register tiles (32
+    /// multiply-adds per `maddubs` against 8 per f32 FMA). On llama-1b Q8_0, 2 threads: pp128
+    /// 1.3× the dequantize + f32 gemm path, pp512 equal (measured in one run each). Callers
+    /// check [`available`].
+    #[cfg(target_arch = "x86_64")]
+    pub fn matmul_q8_0_prompt(w: &[Q8_0], (m, k, n): (usize, usize, usize), lhs: &[f32], dst: &mut [f32]) {
+        const TR: usize = 4;
+        const TC: usize = 2;
+        let bpr = k / 32;
+        assert!(w.len() >= n * bpr && lhs.len() >= m * k && dst.len() >= m * n, "matmul_q8_0_prompt sizes");
+        let xq = quantize_rows(lhs, (m, k), Q8_0 { d: f16::ZERO, qs: [0; 32] }, quantize_q8_0);
+        let dx: Vec<f32> = xq.iter().map(|b| b.d.to_f32()).collect();
+        let dst_ptr = dst.as_mut_ptr() as usize;
+        for g0 in (0..m).step_by(PROMPT_ROWS) {
+            let g1 = (g0 + PROMPT_ROWS).min(m);
+            candle_core::utils::barrier_pool().execute_chunked(n.div_ceil(TC), |pairs| {
+                for pair in pairs {
+                    let c0 = pair * TC;
+                    let mut r0 = g0;
+                    while r0 < g1 {
+                        let put = |i: usize, j: usize, v: f32| {
+                            // SAFETY: (r0 + i, c0 + j) is inside dst and written by this item only
+                            unsafe { *(dst_ptr as *mut f32).add((r0 + i) * n + c0 + j) = v };
+                        };
+                        // SAFETY: available() checked by the caller; the rows are in bounds
+                        macro_rules! tile {
+                            ($r:literal, $c:literal) => {
+                                for (i, row) in
+                                    unsafe { tile_q8_0::<$r, $c>(w, &xq, &dx, bpr, (r0, c0)) }.iter().enumerate()
+                                {
+                                    for (j, &v) in row.iter().enumerate() {
+                                        put(i, j, v);
+                                    }
+                                }
+                            };
+                        }
+                        let rows = (g1 - r0).min(TR);
+                        match (rows, n - c0 >= TC) {
+                            (4, true) => tile!(4, 2),
+                            (3, true) => tile!(3, 2),
+                            (2, true) => tile!(2, 2),
+                            (1, true) => tile!(1, 2),
+                            (4, false) => tile!(4, 1),
+                            (3, false) => tile!(3, 1),
+                            (2, false) => tile!(2, 1),
+                            _ => tile!(1, 1),
+                        }
+                        r0 += rows;
+                    }
+                }
+            });
+        }
+    }
 }
 
 #[cfg(test)]
@@ -454,7 +570,7 @@ mod tests {
         ] {
             let q = Arc::new(QTensor::quantize(&w, dt).unwrap());
             let wd = q.dequantize(&Device::Cpu).unwrap();
-            for m in [1usize, 3, 4, 5, 37] {
+            for m in [1usize, 3, 4, 5, 37, 70] {
                 let x = Tensor::randn(0f32, 1.0, (1, m, k), &Device::Cpu).unwrap();
                 let want = x.broadcast_matmul(&wd.t().unwrap()).unwrap();
                 let got = x.apply_op1_no_bwd(&CpuMatMul(q.clone())).unwrap();
@@ -462,7 +578,8 @@ mod tests {
                 let scale = want.abs().unwrap().max_all().unwrap().to_scalar::<f32>().unwrap();
                 let d = (got - &want).unwrap().abs().unwrap().max_all().unwrap().to_scalar::<f32>().unwrap();
                 // vec-dots quantize the activations to 8 bits (16 for f16/bf16); gemm is exact f32
-                let tol = if m > DECODE_ROWS || dt == GgmlDType::F32 { 1e-4 } else { 3e-2 };
+                let int8_prompt = dt == GgmlDType::Q8_0 && avx2::available();
+                let tol = if (m > DECODE_ROWS && !int8_prompt) || dt == GgmlDType::F32 { 1e-4 } else { 3e-2 };
                 assert!(d <= tol * scale, "{dt:?} m={m}: {d} of {scale}");
             }
         }
@@ -496,6 +613,30 @@ mod tests {
         for r in 0..3 {
             let s = avx2::dot_q8_0_scalar(&wb[r * 8..(r + 1) * 8], &xq);
             assert!((dst[r] - s).abs() <= 1e-3 * s.abs().max(1.0), "q8_0 {} vs {s}", dst[r]);
+        }
+    }
+
+    /// The tiled prompt kernel against the one-row vec-dots, on every tile shape and edge: both
+    /// quantize the activations the same way, so they agree to float rounding.
+    #[cfg(target_arch = "x86_64")]
+    #[test]
+    fn q8_0_prompt_tiles_equal_vec_dots() {
+        if !avx2::available() {
+            return;
+        }
+        let (n, k) = (7usize, 96usize);
+        let w = Tensor::randn(0f32, 1.0, (n, k), &Device::Cpu).unwrap();
+        let q = QTensor::quantize(&w, GgmlDType::Q8_0).unwrap();
+        let data = q.data().unwrap();
+        let wb = blocks::<avx2::Q8_0>(&data).unwrap();
+        for m in [1usize, 2, 3, 4, 5, 6, 7, 8, 9, 67, 130] {
+            let x: Vec<f32> = (0..m * k).map(|i| ((i * 37 % 101) as f32 - 50.0) / 7.0).collect();
+            let (mut tiled, mut rows) = (vec![0f32; m * n], vec![0f32; m * n]);
+            avx2::matmul_q8_0_prompt(wb, (m, k, n), &x, &mut tiled);
+            avx2::matmul_q8_0(wb, (m, k, n), &x, &mut rows);
+            for (i, (a, b)) in tiled.iter().zip(&rows).enumerate() {
+                assert!((a - b).abs() <= 1e-4 * b.abs().max(1.0), "m={m} at {i}: {a} vs {b}");
+            }
         }
     }
 }
