@@ -258,6 +258,9 @@ fn bench_reports_rows_bandwidth_and_bound() {
     let md = brigade(&["bench", "-p", "8", "-n", "4", "-r", "1", "--no-bandwidth"]);
     let md = String::from_utf8(md.stdout).unwrap();
     assert!(md.contains("| pp8 |") && md.contains("| tg4 |"), "{md}");
+    // the embedded model's layer matrices are f32: the report names their kernels
+    let kernels: Vec<&str> = md.lines().filter(|l| l.starts_with("note: CPU kernels for ")).collect();
+    assert!(!kernels.is_empty() && kernels.iter().all(|l| l.contains("decode ") && l.contains(", prompt ")), "{md}");
     let csv = brigade(&["bench", "-p", "8", "-n", "0", "-r", "1", "-o", "csv", "--no-bandwidth"]);
     assert_eq!(String::from_utf8(csv.stdout).unwrap().lines().count(), 2);
 }

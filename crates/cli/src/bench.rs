@@ -5,6 +5,7 @@ use crate::common::{detect_gpus, gpu_free, human_bytes, open_model, place, GpuLa
 use anyhow::{bail, Context, Result};
 use brigade_core::{DeviceId, Stage};
 use brigade_model::pipeline::activation_dtype;
+use brigade_model::weights::StoredType;
 use brigade_model::{bandwidth, predict_slice_bytes, ModelFiles, Pipeline};
 use clap::{Args, ValueEnum};
 use serde::Serialize;
@@ -135,7 +136,16 @@ pub fn bench(a: BenchArgs) -> Result<()> {
     let threads = candle_core::utils::get_num_threads();
     let gpus = detect_gpus();
     let n_ctx = a.n_prompt.iter().max().copied().unwrap_or(0) + a.n_gen.iter().max().copied().unwrap_or(0) + 16;
-    let notes = Vec::new();
+    let mut notes = Vec::new();
+    // every type is batched for prompts (candle's own op batches only Q4_K/Q6_K/Q8_0); say
+    // which kernels this file's layer matrices go through on the CPU
+    for (ty, bytes) in files.weight_types() {
+        let (decode, prompt) = match ty {
+            StoredType::Ggml(d) => brigade_model::cpu_matmul::kernels(d),
+            _ => ("candle matmul (dense)", "candle matmul (dense)"),
+        };
+        notes.push(format!("CPU kernels for {} ({}): decode {decode}, prompt {prompt}", ty.name(), human_bytes(bytes)));
+    }
     let bw = if a.no_bandwidth { None } else { Some(bandwidth::read_bandwidth(512 << 20, threads, 3)) };
 
     let label = files.source.rsplit('/').next().unwrap_or(&files.source).to_string();

@@ -198,6 +198,22 @@ impl candle_core::CustomOp1 for CpuMatMul {
     }
 }
 
+/// Which kernels the CPU runs for a weight type: (decode, prompt), for reports.
+pub fn kernels(dt: GgmlDType) -> (&'static str, &'static str) {
+    let avx2 = avx2::available();
+    let decode = match dt {
+        GgmlDType::Q8_0 | GgmlDType::Q4_1 if avx2 => "brigade AVX2 int8 vec-dot",
+        GgmlDType::F32 | GgmlDType::F16 | GgmlDType::BF16 => "candle vec-dot (float)",
+        _ => "candle int8 vec-dot",
+    };
+    let prompt = match dt {
+        GgmlDType::Q8_0 if avx2 => "brigade AVX2 int8 4x2 tiles",
+        GgmlDType::F32 | GgmlDType::F16 | GgmlDType::BF16 => "f32 band + gemm",
+        _ => "dequantize band + f32 gemm",
+    };
+    (decode, prompt)
+}
+
 /// AVX2 vec-dot kernels for the types where candle's are slow on AVX2-only CPUs: Q4_1 (candle
 /// has only scalar code) and Q8_0 (measured 0.64× llama.cpp's decode). The block fields of
 /// candle's types are private, hence the mirrored layouts (ggml's, checked by size).
