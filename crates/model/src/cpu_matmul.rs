@@ -189,6 +189,9 @@ impl candle_core::CustomOp1 for CpuMatMul {
         } else if cfg!(target_arch = "x86_64") && dt == GgmlDType::Q8_0 && avx2::available() {
             #[cfg(target_arch = "x86_64")]
             avx2::matmul_q8_0_prompt(blocks::<avx2::Q8_0>(&data)?, (m, k, n), lhs, &mut dst);
+        } else if cfg!(target_arch = "x86_64") && dt == GgmlDType::Q4K && avx2::available() {
+            #[cfg(target_arch = "x86_64")]
+            avx2::matmul_q4k_prompt(blocks::<avx2::Q4K>(&data)?, (m, k, n), lhs, &mut dst);
         } else {
             with_block!(dt, T => dequant_gemm::<T>(blocks::<T>(&data)?, (m, k, n), lhs, &mut dst));
         }
@@ -208,6 +211,7 @@ pub fn kernels(dt: GgmlDType) -> (&'static str, &'static str) {
     };
     let prompt = match dt {
         GgmlDType::Q8_0 if avx2 => "brigade AVX2 int8 4x2 tiles",
+        GgmlDType::Q4K if avx2 => "brigade AVX2 int8 4x1 tiles (Q8_K activations)",
         GgmlDType::F32 | GgmlDType::F16 | GgmlDType::BF16 => "f32 band + gemm",
         _ => "dequantize band + f32 gemm",
     };
@@ -510,51 +514,257 @@ pub mod avx2 {
     /// check [`available`].
     #[cfg(target_arch = "x86_64")]
     pub fn matmul_q8_0_prompt(w: &[Q8_0], (m, k, n): (usize, usize, usize), lhs: &[f32], dst: &mut [f32]) {
-        const TR: usize = 4;
-        const TC: usize = 2;
         let bpr = k / 32;
         assert!(w.len() >= n * bpr && lhs.len() >= m * k && dst.len() >= m * n, "matmul_q8_0_prompt sizes");
         let xq = quantize_rows(lhs, (m, k), Q8_0 { d: f16::ZERO, qs: [0; 32] }, quantize_q8_0);
         let dx: Vec<f32> = xq.iter().map(|b| b.d.to_f32()).collect();
+        macro_rules! tile {
+            ($r:literal, $c:literal, $r0:expr, $c0:expr) => {
+                // SAFETY: available() checked by the caller; the driver passes rows in bounds
+                flat(unsafe { tile_q8_0::<$r, $c>(w, &xq, &dx, bpr, ($r0, $c0)) })
+            };
+        }
+        drive_tiles((m, n), (4, 2), dst, |r0, rows, c0, cols| match (rows, cols) {
+            (4, 2) => tile!(4, 2, r0, c0),
+            (3, 2) => tile!(3, 2, r0, c0),
+            (2, 2) => tile!(2, 2, r0, c0),
+            (1, 2) => tile!(1, 2, r0, c0),
+            (4, _) => tile!(4, 1, r0, c0),
+            (3, _) => tile!(3, 1, r0, c0),
+            (2, _) => tile!(2, 1, r0, c0),
+            _ => tile!(1, 1, r0, c0),
+        });
+    }
+
+    /// The most outputs one tile computes.
+    #[cfg(target_arch = "x86_64")]
+    const TILE_MAX: usize = 8;
+
+    /// A tile's `R × C` results, row-major, in a fixed array (no allocation per tile).
+    #[cfg(target_arch = "x86_64")]
+    fn flat<const R: usize, const C: usize>(t: [[f32; C]; R]) -> [f32; TILE_MAX] {
+        let mut out = [0f32; TILE_MAX];
+        for (i, row) in t.iter().enumerate() {
+            out[i * C..(i + 1) * C].copy_from_slice(row);
+        }
+        out
+    }
+
+    /// Runs `tile(r0, rows, c0, cols) -> out[rows × cols]` over the `m × n` output: activation
+    /// rows in groups of [`PROMPT_ROWS`] (kept in cache), weight rows split across candle's pool,
+    /// tiles of up to `tr × tc`.
+    #[cfg(target_arch = "x86_64")]
+    fn drive_tiles(
+        (m, n): (usize, usize),
+        (tr, tc): (usize, usize),
+        dst: &mut [f32],
+        tile: impl Fn(usize, usize, usize, usize) -> [f32; TILE_MAX] + Sync,
+    ) {
+        assert!(dst.len() >= m * n);
         let dst_ptr = dst.as_mut_ptr() as usize;
         for g0 in (0..m).step_by(PROMPT_ROWS) {
             let g1 = (g0 + PROMPT_ROWS).min(m);
-            candle_core::utils::barrier_pool().execute_chunked(n.div_ceil(TC), |pairs| {
-                for pair in pairs {
-                    let c0 = pair * TC;
+            candle_core::utils::barrier_pool().execute_chunked(n.div_ceil(tc), |groups| {
+                for g in groups {
+                    let c0 = g * tc;
+                    let cols = (n - c0).min(tc);
                     let mut r0 = g0;
                     while r0 < g1 {
-                        let put = |i: usize, j: usize, v: f32| {
-                            // SAFETY: (r0 + i, c0 + j) is inside dst and written by this item only
-                            unsafe { *(dst_ptr as *mut f32).add((r0 + i) * n + c0 + j) = v };
-                        };
-                        // SAFETY: available() checked by the caller; the rows are in bounds
-                        macro_rules! tile {
-                            ($r:literal, $c:literal) => {
-                                for (i, row) in
-                                    unsafe { tile_q8_0::<$r, $c>(w, &xq, &dx, bpr, (r0, c0)) }.iter().enumerate()
-                                {
-                                    for (j, &v) in row.iter().enumerate() {
-                                        put(i, j, v);
-                                    }
-                                }
-                            };
-                        }
-                        let rows = (g1 - r0).min(TR);
-                        match (rows, n - c0 >= TC) {
-                            (4, true) => tile!(4, 2),
-                            (3, true) => tile!(3, 2),
-                            (2, true) => tile!(2, 2),
-                            (1, true) => tile!(1, 2),
-                            (4, false) => tile!(4, 1),
-                            (3, false) => tile!(3, 1),
-                            (2, false) => tile!(2, 1),
-                            _ => tile!(1, 1),
+                        let rows = (g1 - r0).min(tr);
+                        let out = tile(r0, rows, c0, cols);
+                        for i in 0..rows {
+                            for j in 0..cols {
+                                // SAFETY: (r0 + i, c0 + j) is inside dst and written by this item only
+                                unsafe { *(dst_ptr as *mut f32).add((r0 + i) * n + c0 + j) = out[i * cols + j] };
+                            }
                         }
                         r0 += rows;
                     }
                 }
             });
+        }
+    }
+
+    /// ggml's `block_q4_K`: 256 weights in 8 sub-blocks of 32, weight = `d·sc·q − dmin·m` with
+    /// 6-bit `sc`, `m` per sub-block packed in `scales` and 4-bit `q`.
+    #[repr(C)]
+    #[derive(Clone, Copy)]
+    pub struct Q4K {
+        pub d: f16,
+        pub dmin: f16,
+        pub scales: [u8; 12],
+        pub qs: [u8; 128],
+    }
+    const _: () = assert!(std::mem::size_of::<Q4K>() == 144);
+
+    impl Q4K {
+        /// (scale, min) of sub-block `j` (ggml's `get_scale_min_k4`).
+        pub fn scale_min(&self, j: usize) -> (u8, u8) {
+            let q = &self.scales;
+            if j < 4 {
+                (q[j] & 63, q[j + 4] & 63)
+            } else {
+                ((q[j + 4] & 0xF) | ((q[j - 4] >> 6) << 4), (q[j + 4] >> 4) | ((q[j] >> 6) << 4))
+            }
+        }
+    }
+
+    /// Activations for Q4_K: one scale per 256 (ggml's Q8_K), so that a super-block's eight
+    /// sub-block sums combine in integers.
+    #[derive(Clone, Copy)]
+    pub struct Q8K {
+        pub d: f32,
+        pub qs: [i8; 256],
+    }
+
+    /// `R` activation rows × `C` Q4_K weight rows: per super-block, Σ_j sc_j · (q · x)_j in
+    /// int32 lanes (`maddubs` of the unsigned nibbles, `madd` by the broadcast scale), then one
+    /// FMA by `d · dx`. The mins are left to the caller.
+    ///
+    /// # Safety
+    /// AVX2/FMA/F16C available; `w` holds rows `c0..c0+C`, `xq` rows `r0..r0+R` of `bpr`
+    /// super-blocks each, `sc` `8 × bpr` scales per weight row.
+    #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn tile_q4k<const R: usize, const C: usize>(
+        w: &[Q4K],
+        xq: &[Q8K],
+        sc: &[u8],
+        bpr: usize,
+        (r0, c0): (usize, usize),
+    ) -> [[f32; C]; R] {
+        use std::arch::x86_64::*;
+        debug_assert!((c0 + C) * bpr <= w.len() && (r0 + R) * bpr <= xq.len() && sc.len() >= w.len() * 8);
+        let low = _mm256_set1_epi8(0x0F);
+        let mut acc = [[_mm256_setzero_ps(); C]; R];
+        for b in 0..bpr {
+            let mut isum = [[_mm256_setzero_si256(); C]; R];
+            for h in 0..4 {
+                let mut lo = [_mm256_setzero_si256(); C];
+                let mut hi = [_mm256_setzero_si256(); C];
+                let mut s1 = [_mm256_setzero_si256(); C];
+                let mut s2 = [_mm256_setzero_si256(); C];
+                for j in 0..C {
+                    let at = (c0 + j) * bpr + b;
+                    // SAFETY: in bounds by the function's contract
+                    let (q, (a, z)) = unsafe {
+                        (
+                            _mm256_loadu_si256(w.get_unchecked(at).qs.as_ptr().add(32 * h) as *const __m256i),
+                            (*sc.get_unchecked(at * 8 + 2 * h), *sc.get_unchecked(at * 8 + 2 * h + 1)),
+                        )
+                    };
+                    lo[j] = _mm256_and_si256(q, low);
+                    hi[j] = _mm256_and_si256(_mm256_srli_epi16(q, 4), low);
+                    s1[j] = _mm256_set1_epi16(a as i16);
+                    s2[j] = _mm256_set1_epi16(z as i16);
+                }
+                for (i, isum_i) in isum.iter_mut().enumerate() {
+                    // SAFETY: in bounds by the function's contract
+                    let (x1, x2) = unsafe {
+                        let x = xq.get_unchecked((r0 + i) * bpr + b).qs.as_ptr().add(64 * h);
+                        (_mm256_loadu_si256(x as *const __m256i), _mm256_loadu_si256(x.add(32) as *const __m256i))
+                    };
+                    for (j, t) in isum_i.iter_mut().enumerate() {
+                        // nibble × i8 pairs ≤ 2·15·127, × scale ≤ 63 in pairs: no overflow
+                        let p1 = _mm256_madd_epi16(_mm256_maddubs_epi16(lo[j], x1), s1[j]);
+                        let p2 = _mm256_madd_epi16(_mm256_maddubs_epi16(hi[j], x2), s2[j]);
+                        *t = _mm256_add_epi32(*t, _mm256_add_epi32(p1, p2));
+                    }
+                }
+            }
+            for (i, (acc_i, isum_i)) in acc.iter_mut().zip(&isum).enumerate() {
+                // SAFETY: in bounds by the function's contract
+                let dx = unsafe { xq.get_unchecked((r0 + i) * bpr + b).d };
+                for (j, (a, t)) in acc_i.iter_mut().zip(isum_i).enumerate() {
+                    // SAFETY: in bounds by the function's contract
+                    let d = splat(unsafe { w.get_unchecked((c0 + j) * bpr + b).d });
+                    *a = _mm256_fmadd_ps(_mm256_mul_ps(d, _mm256_set1_ps(dx)), _mm256_cvtepi32_ps(*t), *a);
+                }
+            }
+        }
+        let mut out = [[0f32; C]; R];
+        for (o, a) in out.iter_mut().zip(&acc) {
+            for (v, x) in o.iter_mut().zip(a) {
+                *v = hsum(*x);
+            }
+        }
+        out
+    }
+
+    /// `dst[m, n] = lhs[m, k] @ w[n, k]ᵀ` for Q4_K weights and prompts, as llama.cpp computes
+    /// it: activations quantized per 256 (Q8_K), the scaled nibble products in int8 tiles
+    /// ([`tile_q4k`]), and the mins' term `Σ dmin·m_j · dx·Σx_j` as a small f32 gemm over the
+    /// `k / 32` sub-block sums, subtracted. Callers check [`available`].
+    #[cfg(target_arch = "x86_64")]
+    pub fn matmul_q4k_prompt(w: &[Q4K], (m, k, n): (usize, usize, usize), lhs: &[f32], dst: &mut [f32]) {
+        let bpr = k / 256;
+        let kk = k / 32;
+        assert!(w.len() >= n * bpr && lhs.len() >= m * k && dst.len() >= m * n, "matmul_q4k_prompt sizes");
+        // activations: Q8_K blocks and d·Σq per sub-block
+        let mut xq = vec![Q8K { d: 0.0, qs: [0; 256] }; m * bpr];
+        let mut xs = vec![0f32; m * kk];
+        for ((x, q), sums) in lhs.chunks_exact(256).zip(xq.iter_mut()).zip(xs.chunks_exact_mut(8)) {
+            let amax = x.iter().fold(0f32, |a, v| a.max(v.abs()));
+            q.d = amax / 127.0;
+            let id = if q.d > 0.0 { 1.0 / q.d } else { 0.0 };
+            for (sub, (qq, xx)) in q.qs.chunks_exact_mut(32).zip(x.chunks_exact(32)).enumerate() {
+                let mut sum = 0i32;
+                for (o, v) in qq.iter_mut().zip(xx) {
+                    let r = (v * id).round() as i32;
+                    *o = r as i8;
+                    sum += r;
+                }
+                sums[sub] = q.d * sum as f32;
+            }
+        }
+        // weights: the scales unpacked, and dmin·m per sub-block
+        let mut sc = vec![0u8; n * bpr * 8];
+        let mut mins = vec![0f32; n * kk];
+        for ((blk, s8), m8) in w[..n * bpr].iter().zip(sc.chunks_exact_mut(8)).zip(mins.chunks_exact_mut(8)) {
+            let dmin = blk.dmin.to_f32();
+            for j in 0..8 {
+                let (a, z) = blk.scale_min(j);
+                s8[j] = a;
+                m8[j] = dmin * z as f32;
+            }
+        }
+        macro_rules! tile {
+            ($r:literal, $c:literal, $r0:expr, $c0:expr) => {
+                // SAFETY: available() checked by the caller; the driver passes rows in bounds
+                flat(unsafe { tile_q4k::<$r, $c>(w, &xq, &sc, bpr, ($r0, $c0)) })
+            };
+        }
+        drive_tiles((m, n), (4, 1), dst, |r0, rows, c0, _| match rows {
+            4 => tile!(4, 1, r0, c0),
+            3 => tile!(3, 1, r0, c0),
+            2 => tile!(2, 1, r0, c0),
+            _ => tile!(1, 1, r0, c0),
+        });
+        let threads = candle_core::utils::get_num_threads();
+        let par = if threads > 1 { gemm::Parallelism::Rayon(threads) } else { gemm::Parallelism::None };
+        // SAFETY: dst is m × n row-major, xs m × kk row-major, mins n × kk read as its transpose
+        unsafe {
+            gemm::gemm(
+                m,
+                n,
+                kk,
+                dst.as_mut_ptr(),
+                1,
+                n as isize,
+                true,
+                xs.as_ptr(),
+                1,
+                kk as isize,
+                mins.as_ptr(),
+                kk as isize,
+                1,
+                1.0f32,
+                -1.0f32,
+                false,
+                false,
+                false,
+                par,
+            );
         }
     }
 }
@@ -586,7 +796,7 @@ mod tests {
         ] {
             let q = Arc::new(QTensor::quantize(&w, dt).unwrap());
             let wd = q.dequantize(&Device::Cpu).unwrap();
-            for m in [1usize, 3, 4, 5, 37, 70] {
+            for m in [1usize, 3, 4, 5, 37, 67, 70] {
                 let x = Tensor::randn(0f32, 1.0, (1, m, k), &Device::Cpu).unwrap();
                 let want = x.broadcast_matmul(&wd.t().unwrap()).unwrap();
                 let got = x.apply_op1_no_bwd(&CpuMatMul(q.clone())).unwrap();
@@ -594,7 +804,7 @@ mod tests {
                 let scale = want.abs().unwrap().max_all().unwrap().to_scalar::<f32>().unwrap();
                 let d = (got - &want).unwrap().abs().unwrap().max_all().unwrap().to_scalar::<f32>().unwrap();
                 // vec-dots quantize the activations to 8 bits (16 for f16/bf16); gemm is exact f32
-                let int8_prompt = dt == GgmlDType::Q8_0 && avx2::available();
+                let int8_prompt = matches!(dt, GgmlDType::Q8_0 | GgmlDType::Q4K) && avx2::available();
                 let tol = if (m > DECODE_ROWS && !int8_prompt) || dt == GgmlDType::F32 { 1e-4 } else { 3e-2 };
                 assert!(d <= tol * scale, "{dt:?} m={m}: {d} of {scale}");
             }
@@ -632,6 +842,15 @@ mod tests {
         }
     }
 
+    fn random_weight((n, k): (usize, usize), dt: GgmlDType) -> QTensor {
+        QTensor::quantize(&Tensor::randn(0f32, 1.0, (n, k), &Device::Cpu).unwrap(), dt).unwrap()
+    }
+
+    /// Deterministic activations in about ±7.
+    fn ramp(len: usize) -> Vec<f32> {
+        (0..len).map(|i| ((i * 37 % 101) as f32 - 50.0) / 7.0).collect()
+    }
+
     /// The tiled prompt kernel against the one-row vec-dots, on every tile shape and edge: both
     /// quantize the activations the same way, so they agree to float rounding.
     #[cfg(target_arch = "x86_64")]
@@ -641,17 +860,51 @@ mod tests {
             return;
         }
         let (n, k) = (7usize, 96usize);
-        let w = Tensor::randn(0f32, 1.0, (n, k), &Device::Cpu).unwrap();
-        let q = QTensor::quantize(&w, GgmlDType::Q8_0).unwrap();
+        let q = random_weight((n, k), GgmlDType::Q8_0);
         let data = q.data().unwrap();
         let wb = blocks::<avx2::Q8_0>(&data).unwrap();
         for m in [1usize, 2, 3, 4, 5, 6, 7, 8, 9, 67, 130] {
-            let x: Vec<f32> = (0..m * k).map(|i| ((i * 37 % 101) as f32 - 50.0) / 7.0).collect();
+            let x = ramp(m * k);
             let (mut tiled, mut rows) = (vec![0f32; m * n], vec![0f32; m * n]);
             avx2::matmul_q8_0_prompt(wb, (m, k, n), &x, &mut tiled);
             avx2::matmul_q8_0(wb, (m, k, n), &x, &mut rows);
             for (i, (a, b)) in tiled.iter().zip(&rows).enumerate() {
                 assert!((a - b).abs() <= 1e-4 * b.abs().max(1.0), "m={m} at {i}: {a} vs {b}");
+            }
+        }
+    }
+
+    /// The Q4_K prompt kernel against the exact product of the dequantized weight and the
+    /// activations as the kernel quantizes them (per 256, to ±127): only float rounding differs,
+    /// so scales, mins and nibble order must all be right.
+    #[cfg(target_arch = "x86_64")]
+    #[test]
+    fn q4k_prompt_equals_dequantized_product() {
+        if !avx2::available() {
+            return;
+        }
+        let (n, k) = (5usize, 512usize);
+        let q = random_weight((n, k), GgmlDType::Q4K);
+        let wd: Vec<f32> = q.dequantize(&Device::Cpu).unwrap().flatten_all().unwrap().to_vec1().unwrap();
+        let data = q.data().unwrap();
+        let wb = blocks::<avx2::Q4K>(&data).unwrap();
+        for m in [1usize, 2, 3, 4, 7] {
+            let x = ramp(m * k);
+            let xd: Vec<f32> = x
+                .chunks_exact(256)
+                .flat_map(|b| {
+                    let d = b.iter().fold(0f32, |a, v| a.max(v.abs())) / 127.0;
+                    b.iter().map(move |v| if d > 0.0 { (v / d).round() * d } else { 0.0 }).collect::<Vec<_>>()
+                })
+                .collect();
+            let mut got = vec![0f32; m * n];
+            avx2::matmul_q4k_prompt(wb, (m, k, n), &x, &mut got);
+            for r in 0..m {
+                for c in 0..n {
+                    let want: f32 = (0..k).map(|i| xd[r * k + i] * wd[c * k + i]).sum();
+                    let g = got[r * n + c];
+                    assert!((g - want).abs() <= 1e-4 * want.abs().max(10.0), "m={m} ({r},{c}): {g} vs {want}");
+                }
             }
         }
     }
