@@ -183,11 +183,25 @@ pub fn min_latency_within(p: &Problem, subset: &[usize], cap: Option<f64>, limit
             }
         }
     }
-    let (total, mut mask, mut i) = best?;
-    let mut stages = Vec::new();
-    let mut b = l;
-    loop {
+    let (total, mask, i) = best?;
+    let stages = walk_back(subset, (mask, i, l, 0), |mask, i, b, _| {
         let (prev, a) = t.back[t.idx(mask, i, b)];
+        (prev, a, 0)
+    });
+    Some((total, stages))
+}
+
+/// The stages of a chain, from its cell `(mask, last device, end, index in the cell)` back to
+/// its first stage; `back` gives a cell's (previous device or [`NONE`], previous end, index
+/// in the previous cell).
+fn walk_back(
+    subset: &[usize],
+    (mut mask, mut i, mut b, mut q): (usize, usize, usize, usize),
+    back: impl Fn(usize, usize, usize, usize) -> (u8, u16, u32),
+) -> Stages {
+    let mut stages = Vec::new();
+    loop {
+        let (prev, a, pq) = back(mask, i, b, q);
         let a = if prev == NONE { 0 } else { a as usize };
         stages.push((subset[i], a, b));
         if prev == NONE {
@@ -196,9 +210,10 @@ pub fn min_latency_within(p: &Problem, subset: &[usize], cap: Option<f64>, limit
         mask &= !(1 << i);
         i = prev as usize;
         b = a;
+        q = pq as usize;
     }
     stages.reverse();
-    Some((total, stages))
+    stages
 }
 
 /// What [`pareto`] adds up besides decode seconds: `coef[d]` per second of a stage on device
@@ -298,39 +313,10 @@ pub fn pareto(p: &Problem, subset: &[usize], second: &Second) -> (Vec<(f64, f64,
     for (t, z, mask, i, q) in ends {
         if z < best_z {
             best_z = z;
-            front.push((t, z, backtrack(&cells, subset, k, l1, mask, i, l, q)));
+            front.push((t, z, walk_back(subset, (mask, i, l, q), |mask, i, b, q| cells[idx(mask, i, b)][q].back)));
         }
     }
     (front, exact)
-}
-
-#[allow(clippy::too_many_arguments)]
-fn backtrack(
-    cells: &[Vec<Point>],
-    subset: &[usize],
-    k: usize,
-    l1: usize,
-    mut mask: usize,
-    mut i: usize,
-    mut b: usize,
-    mut q: usize,
-) -> Stages {
-    let mut stages = Vec::new();
-    loop {
-        let pt = &cells[(mask * k + i) * l1 + b][q];
-        let (prev, a, pq) = pt.back;
-        let a = if prev == NONE { 0 } else { a as usize };
-        stages.push((subset[i], a, b));
-        if prev == NONE {
-            break;
-        }
-        mask &= !(1 << i);
-        i = prev as usize;
-        b = a;
-        q = pq as usize;
-    }
-    stages.reverse();
-    stages
 }
 
 /// Reduces a cell to its Pareto front (sorted by time, strictly falling second quantity), thinned
