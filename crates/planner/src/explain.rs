@@ -123,6 +123,7 @@ fn infeasible(p: &Problem, what: &str) -> PlanError {
     }
 }
 
+/// Plans `profile` on `inv` under `policy`.
 pub fn plan(inv: &Inventory, profile: &ModelProfile, policy: &Policy) -> Result<Plan, PlanError> {
     policy.validate()?;
     let mut policy = policy.clone();
@@ -151,6 +152,8 @@ pub fn plan(inv: &Inventory, profile: &ModelProfile, policy: &Policy) -> Result<
     Ok(build(&p, &policy, &sol))
 }
 
+/// Plans a second, smaller model first, kept whole on the one device where it decodes fastest,
+/// then `main` on the memory left. Returns (main plan, second plan).
 pub fn plan_with_second(
     inv: &Inventory,
     main: &ModelProfile,

@@ -27,7 +27,7 @@ pub mod units;
 
 pub use brigade_core::{Inventory, ModelProfile};
 pub use cluster::parse_cluster;
-pub use explain::{HopPlan, Plan, Rejected, StagePlan};
+pub use explain::{plan, plan_with_second, HopPlan, Plan, Rejected, StagePlan};
 
 use serde::{Deserialize, Serialize};
 
@@ -152,20 +152,4 @@ pub enum PlanError {
     Infeasible { shortfall_bytes: u64, detail: String },
     #[error("the energy objective needs `watts` on every device; missing on {0}")]
     MissingWatts(String),
-}
-
-/// Plans `profile` on `inv` under `policy`.
-pub fn plan(inv: &Inventory, profile: &ModelProfile, policy: &Policy) -> Result<Plan, PlanError> {
-    explain::plan(inv, profile, policy)
-}
-
-/// Plans a second, smaller model first, kept whole on the one device where it decodes fastest,
-/// then `main` on the memory left. Returns (main plan, second plan).
-pub fn plan_with_second(
-    inv: &Inventory,
-    main: &ModelProfile,
-    second: &ModelProfile,
-    policy: &Policy,
-) -> Result<(Plan, Plan), PlanError> {
-    explain::plan_with_second(inv, main, second, policy)
 }
