@@ -49,9 +49,9 @@ pub struct SynthArgs {
 
 pub fn synth(a: SynthArgs) -> Result<()> {
     let mut shape = match &a.preset {
-        Some(p) => {
-            Shape::preset(p).ok_or_else(|| anyhow::anyhow!("unknown preset `{p}` (llama-1b, llama-8b, llama-70b)"))?
-        }
+        Some(p) => Shape::preset(p).ok_or_else(|| {
+            anyhow::anyhow!("unknown preset `{p}` ({})", brigade_core::LlamaShape::PRESETS.join(", "))
+        })?,
         None => {
             let (Some(layers), Some(hidden), Some(heads)) = (a.layers, a.hidden, a.heads) else {
                 bail!("give --preset, or at least --layers, --hidden and --heads");

@@ -28,15 +28,21 @@ pub struct Shape {
 }
 
 impl Shape {
-    /// The shapes of Llama 3.2 1B, Llama 3.1 8B and Llama 3.1 70B.
+    /// The shapes of Llama 3.2 1B, Llama 3.1 8B and Llama 3.1 70B (the planner's presets,
+    /// [`brigade_core::LlamaShape::preset`]), with their context and rope theta. Synth always
+    /// writes an untied head.
     pub fn preset(name: &str) -> Option<Shape> {
-        let (layers, hidden, ffn, heads, kv_heads) = match name {
-            "llama-1b" => (16, 2048, 8192, 32, 8),
-            "llama-8b" => (32, 4096, 14336, 32, 8),
-            "llama-70b" => (80, 8192, 28672, 64, 8),
-            _ => return None,
-        };
-        Some(Shape { layers, hidden, ffn, heads, kv_heads, vocab: 128_256, context: 131_072, rope_theta: 500_000.0 })
+        let s = brigade_core::LlamaShape::preset(name)?;
+        Some(Shape {
+            layers: s.layers,
+            hidden: s.hidden,
+            ffn: s.ffn,
+            heads: s.heads,
+            kv_heads: s.kv_heads,
+            vocab: s.vocab,
+            context: 131_072,
+            rope_theta: 500_000.0,
+        })
     }
 
     pub fn head_dim(&self) -> usize {
