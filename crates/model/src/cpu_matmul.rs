@@ -180,20 +180,19 @@ impl candle_core::CustomOp1 for CpuMatMul {
         let mut dst = vec![0f32; m * n];
         let data = self.0.data()?;
         let dt = self.0.dtype();
-        if m <= DECODE_ROWS && dt == GgmlDType::Q4_1 && avx2::available() {
-            avx2::matmul_q4_1(blocks::<avx2::Q4_1>(&data)?, (m, k, n), lhs, &mut dst);
-        } else if m <= DECODE_ROWS && dt == GgmlDType::Q8_0 && avx2::available() {
-            avx2::matmul_q8_0(blocks::<avx2::Q8_0>(&data)?, (m, k, n), lhs, &mut dst);
-        } else if m <= DECODE_ROWS {
-            with_block!(dt, T => candle_core::quantized::k_quants::matmul::<T>((m, k, n), lhs, blocks::<T>(&data)?, &mut dst)?);
-        } else if cfg!(target_arch = "x86_64") && dt == GgmlDType::Q8_0 && avx2::available() {
+        match Kernel::choose(dt, m) {
+            Kernel::Q4_1Avx2 => avx2::matmul_q4_1(blocks::<avx2::Q4_1>(&data)?, (m, k, n), lhs, &mut dst),
+            Kernel::Q8_0Avx2 => avx2::matmul_q8_0(blocks::<avx2::Q8_0>(&data)?, (m, k, n), lhs, &mut dst),
+            Kernel::CandleVecDot => {
+                with_block!(dt, T => candle_core::quantized::k_quants::matmul::<T>((m, k, n), lhs, blocks::<T>(&data)?, &mut dst)?)
+            }
             #[cfg(target_arch = "x86_64")]
-            avx2::matmul_q8_0_prompt(blocks::<avx2::Q8_0>(&data)?, (m, k, n), lhs, &mut dst);
-        } else if cfg!(target_arch = "x86_64") && dt == GgmlDType::Q4K && avx2::available() {
+            Kernel::Q8_0Tiles => avx2::matmul_q8_0_prompt(blocks::<avx2::Q8_0>(&data)?, (m, k, n), lhs, &mut dst),
             #[cfg(target_arch = "x86_64")]
-            avx2::matmul_q4k_prompt(blocks::<avx2::Q4K>(&data)?, (m, k, n), lhs, &mut dst);
-        } else {
-            with_block!(dt, T => dequant_gemm::<T>(blocks::<T>(&data)?, (m, k, n), lhs, &mut dst));
+            Kernel::Q4KTiles => avx2::matmul_q4k_prompt(blocks::<avx2::Q4K>(&data)?, (m, k, n), lhs, &mut dst),
+            Kernel::DequantGemm => {
+                with_block!(dt, T => dequant_gemm::<T>(blocks::<T>(&data)?, (m, k, n), lhs, &mut dst))
+            }
         }
         let mut out = batch.to_vec();
         out.push(n);
@@ -201,21 +200,54 @@ impl candle_core::CustomOp1 for CpuMatMul {
     }
 }
 
+/// The CPU kernel for one matmul: chosen by [`Kernel::choose`] for the op and for reports alike.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Kernel {
+    Q4_1Avx2,
+    Q8_0Avx2,
+    CandleVecDot,
+    #[cfg(target_arch = "x86_64")]
+    Q8_0Tiles,
+    #[cfg(target_arch = "x86_64")]
+    Q4KTiles,
+    DequantGemm,
+}
+
+impl Kernel {
+    /// The kernel for `m` activation rows times a weight of type `dt`.
+    fn choose(dt: GgmlDType, m: usize) -> Kernel {
+        let avx2 = avx2::available();
+        match (m <= DECODE_ROWS, dt) {
+            (true, GgmlDType::Q4_1) if avx2 => Kernel::Q4_1Avx2,
+            (true, GgmlDType::Q8_0) if avx2 => Kernel::Q8_0Avx2,
+            (true, _) => Kernel::CandleVecDot,
+            #[cfg(target_arch = "x86_64")]
+            (false, GgmlDType::Q8_0) if avx2 => Kernel::Q8_0Tiles,
+            #[cfg(target_arch = "x86_64")]
+            (false, GgmlDType::Q4K) if avx2 => Kernel::Q4KTiles,
+            (false, _) => Kernel::DequantGemm,
+        }
+    }
+
+    fn describe(self, dt: GgmlDType) -> &'static str {
+        let float = matches!(dt, GgmlDType::F32 | GgmlDType::F16 | GgmlDType::BF16);
+        match self {
+            Kernel::Q4_1Avx2 | Kernel::Q8_0Avx2 => "brigade AVX2 int8 vec-dot",
+            Kernel::CandleVecDot if float => "candle vec-dot (float)",
+            Kernel::CandleVecDot => "candle int8 vec-dot",
+            #[cfg(target_arch = "x86_64")]
+            Kernel::Q8_0Tiles => "brigade AVX2 int8 4x2 tiles",
+            #[cfg(target_arch = "x86_64")]
+            Kernel::Q4KTiles => "brigade AVX2 int8 4x1 tiles (Q8_K activations)",
+            Kernel::DequantGemm if float => "f32 band + gemm",
+            Kernel::DequantGemm => "dequantize band + f32 gemm",
+        }
+    }
+}
+
 /// Which kernels the CPU runs for a weight type: (decode, prompt), for reports.
 pub fn kernels(dt: GgmlDType) -> (&'static str, &'static str) {
-    let avx2 = avx2::available();
-    let decode = match dt {
-        GgmlDType::Q8_0 | GgmlDType::Q4_1 if avx2 => "brigade AVX2 int8 vec-dot",
-        GgmlDType::F32 | GgmlDType::F16 | GgmlDType::BF16 => "candle vec-dot (float)",
-        _ => "candle int8 vec-dot",
-    };
-    let prompt = match dt {
-        GgmlDType::Q8_0 if avx2 => "brigade AVX2 int8 4x2 tiles",
-        GgmlDType::Q4K if avx2 => "brigade AVX2 int8 4x1 tiles (Q8_K activations)",
-        GgmlDType::F32 | GgmlDType::F16 | GgmlDType::BF16 => "f32 band + gemm",
-        _ => "dequantize band + f32 gemm",
-    };
-    (decode, prompt)
+    (Kernel::choose(dt, 1).describe(dt), Kernel::choose(dt, DECODE_ROWS + 1).describe(dt))
 }
 
 /// AVX2 vec-dot kernels for the types where candle's are slow on AVX2-only CPUs: Q4_1 (candle
@@ -804,8 +836,8 @@ mod tests {
                 let scale = want.abs().unwrap().max_all().unwrap().to_scalar::<f32>().unwrap();
                 let d = (got - &want).unwrap().abs().unwrap().max_all().unwrap().to_scalar::<f32>().unwrap();
                 // vec-dots quantize the activations to 8 bits (16 for f16/bf16); gemm is exact f32
-                let int8_prompt = matches!(dt, GgmlDType::Q8_0 | GgmlDType::Q4K) && avx2::available();
-                let tol = if (m > DECODE_ROWS && !int8_prompt) || dt == GgmlDType::F32 { 1e-4 } else { 3e-2 };
+                let exact_f32 = Kernel::choose(dt, m) == Kernel::DequantGemm;
+                let tol = if exact_f32 || dt == GgmlDType::F32 { 1e-4 } else { 3e-2 };
                 assert!(d <= tol * scale, "{dt:?} m={m}: {d} of {scale}");
             }
         }
