@@ -8,10 +8,13 @@
 //! - [`Inventory`] ([`NodeSpec`], [`DeviceSpec`], [`LinkSpec`]): the devices of a cluster and the
 //!   links between its nodes, in base units.
 //! - [`ModelProfile`]: what placement needs to know of a model (bytes and flops per layer).
+//! - [`cluster`]: the replicated cluster state (nodes, links, models, deployments) and its pure
+//!   `apply(command)`.
 //!
 //! This crate is pure on purpose: no async runtime, no I/O, no clock, no tensor library.
 //! The planner and the replicated cluster state build on it and stay testable exhaustively.
 
+pub mod cluster;
 mod device;
 mod inventory;
 mod layers;

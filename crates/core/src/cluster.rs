@@ -1,0 +1,741 @@
+//! The replicated state of a cluster: nodes and what they measured, the links between them,
+//! the models the coordinator can serve, and the deployments placed on the nodes.
+//!
+//! [`ClusterState::apply`] is the only way to change it: a pure function of the state and a
+//! [`Command`], deterministic (no clock, no randomness — times arrive inside commands), so a raft
+//! log of commands replayed on any replica gives the same state. A command that does not apply
+//! returns an error and changes nothing.
+//!
+//! What is deliberately not here: liveness (heartbeat ages are soft state of the coordinator that
+//! observes them; declaring a node down is a command), secrets (the cluster CA's key and the join
+//! token live in the coordinator's data dir), and sessions (they live on the workers).
+
+use crate::{LayerRange, Link};
+use serde::{Deserialize, Serialize};
+use std::collections::BTreeMap;
+
+/// Maximum lengths of names that arrive from outside (node and deployment names).
+pub const MAX_NAME_LEN: usize = 64;
+
+/// A name for a node or a deployment: 1–64 characters of `[A-Za-z0-9._-]`, starting with an
+/// alphanumeric (it appears in certificate names, file names and URLs).
+pub fn check_name(what: &str, name: &str) -> Result<(), StateError> {
+    let ok = !name.is_empty()
+        && name.len() <= MAX_NAME_LEN
+        && name.chars().next().is_some_and(|c| c.is_ascii_alphanumeric())
+        && name.chars().all(|c| c.is_ascii_alphanumeric() || matches!(c, '.' | '_' | '-'));
+    if ok {
+        Ok(())
+    } else {
+        Err(StateError::BadName { what: what.to_string(), name: name.chars().take(80).collect() })
+    }
+}
+
+/// How fast one of brigade's kernels runs on a device for one weight type.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct KernelFigures {
+    pub weight_type: String,
+    /// Weight bytes per second of a one-token matrix-vector product.
+    pub decode_bytes_per_s: f64,
+    /// Flop/s of a prompt matrix-matrix product.
+    pub prompt_flops: f64,
+}
+
+/// A device of a node as its worker measured it.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct DeviceFigures {
+    pub name: String,
+    pub kind: crate::DeviceKind,
+    pub model: String,
+    pub memory_total: u64,
+    pub memory_free: u64,
+    pub mem_bandwidth: f64,
+    pub flops: f64,
+    pub kernels: Vec<KernelFigures>,
+    pub threads: u32,
+    pub features: String,
+    pub host_link: Option<Link>,
+}
+
+impl DeviceFigures {
+    /// The measured rates for a weight type, if the worker measured it.
+    pub fn kernel(&self, weight_type: &str) -> Option<&KernelFigures> {
+        self.kernels.iter().find(|k| k.weight_type == weight_type)
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum NodeState {
+    Up,
+    Down,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct NodeRecord {
+    pub name: String,
+    /// `host:port` where the worker takes QUIC and gRPC from peers and the coordinator.
+    pub address: String,
+    pub devices: Vec<DeviceFigures>,
+    pub version: String,
+    pub state: NodeState,
+    /// Unix milliseconds of the last registration.
+    pub registered_ms: u64,
+}
+
+/// A link measured from one node to another (directed: each end measures its own sending side).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct LinkRecord {
+    pub from: String,
+    pub to: String,
+    pub link: Link,
+    pub measured_ms: u64,
+}
+
+/// One byte range of a model file, with its checksum.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RangeRecord {
+    pub file: String,
+    pub offset: u64,
+    pub length: u64,
+    pub sha256: String,
+    /// The tensor the range holds; empty for headers and whole small files.
+    pub tensor: String,
+}
+
+/// A model the coordinator can serve: where it is on the coordinator's machine and the checksummed
+/// ranges of its files (every header and every tensor).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ModelRecord {
+    /// Content id: `embedded` or a hash of the files' sizes and range checksums.
+    pub id: String,
+    pub name: String,
+    /// Path on the coordinator's machine (`embedded` for the model in the binary).
+    pub source: String,
+    /// File paths relative to the model, with sizes.
+    pub files: Vec<(String, u64)>,
+    pub ranges: Vec<RangeRecord>,
+    pub n_layers: usize,
+    pub context_length: usize,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase", tag = "state", content = "error")]
+pub enum StageState {
+    Pending,
+    Loading,
+    Ready,
+    Failed(String),
+}
+
+impl StageState {
+    pub fn name(&self) -> &'static str {
+        match self {
+            StageState::Pending => "pending",
+            StageState::Loading => "loading",
+            StageState::Ready => "ready",
+            StageState::Failed(_) => "failed",
+        }
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct StageRecord {
+    pub node: String,
+    pub device: String,
+    pub layers: LayerRange,
+    pub state: StageState,
+    pub weight_bytes: u64,
+    pub kv_bytes: u64,
+    pub fetched_bytes: u64,
+    /// The planner's decode seconds per token for this stage (its hop to the next included).
+    pub predicted_s: f64,
+}
+
+/// Element type of hidden states between stages.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum ActDtype {
+    F32,
+    F16,
+    Bf16,
+}
+
+impl ActDtype {
+    pub fn size(&self) -> usize {
+        match self {
+            ActDtype::F32 => 4,
+            ActDtype::F16 | ActDtype::Bf16 => 2,
+        }
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum CarrierKind {
+    Quic,
+    Grpc,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Deployment {
+    pub name: String,
+    pub model_id: String,
+    /// Bumped on every placement: workers refuse frames of another generation.
+    pub generation: u64,
+    pub n_layers: usize,
+    pub n_ctx: usize,
+    pub sessions: usize,
+    pub objective: String,
+    pub act_dtype: ActDtype,
+    pub carrier: CarrierKind,
+    /// The node that drives sessions (receives the sampled ids).
+    pub driver: String,
+    pub stages: Vec<StageRecord>,
+    pub predicted_decode_s: f64,
+    pub plan_text: String,
+    pub created_ms: u64,
+}
+
+/// What a deployment as a whole is doing.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum DeploymentState {
+    /// Some stage has not reported yet.
+    Loading,
+    Ready,
+    /// A stage failed to load.
+    Failed,
+    /// A stage's node is down.
+    Degraded,
+}
+
+impl DeploymentState {
+    pub fn name(&self) -> &'static str {
+        match self {
+            DeploymentState::Loading => "loading",
+            DeploymentState::Ready => "ready",
+            DeploymentState::Failed => "failed",
+            DeploymentState::Degraded => "degraded",
+        }
+    }
+}
+
+/// A change to the cluster state.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "op", rename_all = "snake_case")]
+pub enum Command {
+    /// A node (re-)registers with its address and measured devices; it is up.
+    RegisterNode {
+        node: NodeRecord,
+    },
+    SetNodeState {
+        name: String,
+        state: NodeState,
+    },
+    RemoveNode {
+        name: String,
+    },
+    /// The links a node measured from itself (replacing what it reported before).
+    SetLinks {
+        from: String,
+        links: Vec<LinkRecord>,
+    },
+    /// A model the coordinator can serve (replaces a record of the same id).
+    AddModel {
+        model: ModelRecord,
+    },
+    /// A new deployment; its generation is assigned by [`ClusterState::apply`].
+    CreateDeployment {
+        deployment: Deployment,
+    },
+    RemoveDeployment {
+        name: String,
+    },
+    /// A worker reports the state of one of its stages.
+    StageReport {
+        deployment: String,
+        generation: u64,
+        stage: usize,
+        node: String,
+        state: StageState,
+        weight_bytes: u64,
+        kv_bytes: u64,
+        fetched_bytes: u64,
+    },
+}
+
+/// What an applied command did, for the caller's reply.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub enum Applied {
+    Done,
+    /// The deployment was created with this generation.
+    Deployed {
+        generation: u64,
+    },
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum StateError {
+    #[error("invalid {what} name `{name}`: use 1-64 characters of letters, digits, `.`, `_`, `-`, starting with a letter or digit")]
+    BadName { what: String, name: String },
+    #[error("unknown node `{0}`")]
+    UnknownNode(String),
+    #[error("node `{node}` has no device `{device}`")]
+    UnknownDevice { node: String, device: String },
+    #[error("node `{0}` is down")]
+    NodeDown(String),
+    #[error("unknown deployment `{0}`")]
+    UnknownDeployment(String),
+    #[error("a deployment named `{0}` exists already (undeploy it first)")]
+    DeploymentExists(String),
+    #[error("unknown model `{0}`")]
+    UnknownModel(String),
+    #[error("node `{node}` still holds stages of deployment(s) {deployments}")]
+    NodeInUse { node: String, deployments: String },
+    #[error("deployment `{name}`: {why}")]
+    BadPlacement { name: String, why: String },
+    #[error("deployment `{deployment}` is at generation {current}, the report is for {reported}")]
+    StaleGeneration { deployment: String, current: u64, reported: u64 },
+    #[error("deployment `{deployment}` has {n} stages, no stage {stage}")]
+    UnknownStage { deployment: String, stage: usize, n: usize },
+    #[error("stage {stage} of `{deployment}` is on node `{owner}`, not `{node}`")]
+    NotStageOwner { deployment: String, stage: usize, owner: String, node: String },
+    #[error("invalid link from `{from}` to `{to}`: {why}")]
+    BadLink { from: String, to: String, why: String },
+}
+
+/// The whole replicated state.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct ClusterState {
+    pub nodes: BTreeMap<String, NodeRecord>,
+    /// Keyed by `from`, then `to`.
+    pub links: BTreeMap<String, BTreeMap<String, LinkRecord>>,
+    pub models: BTreeMap<String, ModelRecord>,
+    pub deployments: BTreeMap<String, Deployment>,
+    /// The generation the next placement gets.
+    pub next_generation: u64,
+    /// Commands applied so far (a raft log index where raft drives it).
+    pub applied: u64,
+}
+
+impl ClusterState {
+    pub fn new() -> Self {
+        ClusterState { next_generation: 1, ..Default::default() }
+    }
+
+    /// Applies one command. On error nothing has changed.
+    pub fn apply(&mut self, cmd: Command) -> Result<Applied, StateError> {
+        let out = match cmd {
+            Command::RegisterNode { node } => {
+                check_name("node", &node.name)?;
+                for d in &node.devices {
+                    if d.name.is_empty() || d.name.len() > MAX_NAME_LEN {
+                        return Err(StateError::UnknownDevice { node: node.name.clone(), device: d.name.clone() });
+                    }
+                }
+                self.nodes.insert(node.name.clone(), NodeRecord { state: NodeState::Up, ..node });
+                Applied::Done
+            }
+            Command::SetNodeState { name, state } => {
+                let n = self.nodes.get_mut(&name).ok_or(StateError::UnknownNode(name))?;
+                n.state = state;
+                Applied::Done
+            }
+            Command::RemoveNode { name } => {
+                if !self.nodes.contains_key(&name) {
+                    return Err(StateError::UnknownNode(name));
+                }
+                let users: Vec<&str> = self
+                    .deployments
+                    .values()
+                    .filter(|d| d.stages.iter().any(|s| s.node == name))
+                    .map(|d| d.name.as_str())
+                    .collect();
+                if !users.is_empty() {
+                    return Err(StateError::NodeInUse { node: name, deployments: users.join(", ") });
+                }
+                self.nodes.remove(&name);
+                self.links.remove(&name);
+                for to in self.links.values_mut() {
+                    to.remove(&name);
+                }
+                Applied::Done
+            }
+            Command::SetLinks { from, links } => {
+                if !self.nodes.contains_key(&from) {
+                    return Err(StateError::UnknownNode(from));
+                }
+                let mut map = BTreeMap::new();
+                for l in links {
+                    let bad =
+                        |why: &str| StateError::BadLink { from: l.from.clone(), to: l.to.clone(), why: why.into() };
+                    if l.from != from {
+                        return Err(bad("reported by another node"));
+                    }
+                    if !self.nodes.contains_key(&l.to) {
+                        return Err(StateError::UnknownNode(l.to));
+                    }
+                    if l.to == from {
+                        return Err(bad("a link to itself"));
+                    }
+                    if !(l.link.bandwidth.is_finite() && l.link.bandwidth > 0.0) {
+                        return Err(bad("bandwidth must be positive"));
+                    }
+                    if !(l.link.latency.is_finite() && l.link.latency >= 0.0) {
+                        return Err(bad("latency must be non-negative"));
+                    }
+                    map.insert(l.to.clone(), l);
+                }
+                self.links.insert(from, map);
+                Applied::Done
+            }
+            Command::AddModel { model } => {
+                if model.id.is_empty() || model.n_layers == 0 {
+                    return Err(StateError::UnknownModel(model.id));
+                }
+                self.models.insert(model.id.clone(), model);
+                Applied::Done
+            }
+            Command::CreateDeployment { deployment } => {
+                let generation = self.next_generation;
+                self.check_deployment(&deployment)?;
+                let d = Deployment {
+                    generation,
+                    stages: deployment
+                        .stages
+                        .into_iter()
+                        .map(|s| StageRecord { state: StageState::Pending, fetched_bytes: 0, ..s })
+                        .collect(),
+                    ..deployment
+                };
+                self.deployments.insert(d.name.clone(), d);
+                self.next_generation += 1;
+                Applied::Deployed { generation }
+            }
+            Command::RemoveDeployment { name } => {
+                self.deployments.remove(&name).ok_or(StateError::UnknownDeployment(name))?;
+                Applied::Done
+            }
+            Command::StageReport {
+                deployment,
+                generation,
+                stage,
+                node,
+                state,
+                weight_bytes,
+                kv_bytes,
+                fetched_bytes,
+            } => {
+                let d = self
+                    .deployments
+                    .get_mut(&deployment)
+                    .ok_or_else(|| StateError::UnknownDeployment(deployment.clone()))?;
+                if d.generation != generation {
+                    return Err(StateError::StaleGeneration {
+                        deployment,
+                        current: d.generation,
+                        reported: generation,
+                    });
+                }
+                let n = d.stages.len();
+                let s = d.stages.get_mut(stage).ok_or(StateError::UnknownStage {
+                    deployment: deployment.clone(),
+                    stage,
+                    n,
+                })?;
+                if s.node != node {
+                    return Err(StateError::NotStageOwner { deployment, stage, owner: s.node.clone(), node });
+                }
+                s.state = state;
+                s.weight_bytes = weight_bytes;
+                s.kv_bytes = kv_bytes;
+                s.fetched_bytes = fetched_bytes;
+                Applied::Done
+            }
+        };
+        self.applied += 1;
+        Ok(out)
+    }
+
+    fn check_deployment(&self, d: &Deployment) -> Result<(), StateError> {
+        check_name("deployment", &d.name)?;
+        if self.deployments.contains_key(&d.name) {
+            return Err(StateError::DeploymentExists(d.name.clone()));
+        }
+        let model = self.models.get(&d.model_id).ok_or_else(|| StateError::UnknownModel(d.model_id.clone()))?;
+        let bad = |why: String| StateError::BadPlacement { name: d.name.clone(), why };
+        if d.n_layers != model.n_layers {
+            return Err(bad(format!("{} layers, the model has {}", d.n_layers, model.n_layers)));
+        }
+        if d.stages.is_empty() {
+            return Err(bad("no stages".into()));
+        }
+        if d.n_ctx == 0 || d.sessions == 0 {
+            return Err(bad(format!("context {} and sessions {} must be positive", d.n_ctx, d.sessions)));
+        }
+        let mut next = 0;
+        for s in &d.stages {
+            if s.layers.start() != next {
+                return Err(bad(format!("stage {} does not start where the previous one ended ({next})", s.layers)));
+            }
+            next = s.layers.end();
+            let node = self.nodes.get(&s.node).ok_or_else(|| StateError::UnknownNode(s.node.clone()))?;
+            if node.state != NodeState::Up {
+                return Err(StateError::NodeDown(s.node.clone()));
+            }
+            if !node.devices.iter().any(|x| x.name == s.device) {
+                return Err(StateError::UnknownDevice { node: s.node.clone(), device: s.device.clone() });
+            }
+        }
+        if next != d.n_layers {
+            return Err(bad(format!("stages cover {next} of {} layers", d.n_layers)));
+        }
+        if !self.nodes.contains_key(&d.driver) {
+            return Err(StateError::UnknownNode(d.driver.clone()));
+        }
+        Ok(())
+    }
+
+    /// A deployment's overall state, from its stages and their nodes.
+    pub fn deployment_state(&self, d: &Deployment) -> DeploymentState {
+        if d.stages.iter().any(|s| self.nodes.get(&s.node).is_none_or(|n| n.state == NodeState::Down)) {
+            return DeploymentState::Degraded;
+        }
+        if d.stages.iter().any(|s| matches!(s.state, StageState::Failed(_))) {
+            return DeploymentState::Failed;
+        }
+        if d.stages.iter().all(|s| s.state == StageState::Ready) {
+            return DeploymentState::Ready;
+        }
+        DeploymentState::Loading
+    }
+
+    /// The stages a node holds: (deployment, stage index).
+    pub fn stages_of<'a>(&'a self, node: &'a str) -> impl Iterator<Item = (&'a Deployment, usize)> + 'a {
+        self.deployments.values().flat_map(move |d| {
+            d.stages.iter().enumerate().filter(move |(_, s)| s.node == node).map(move |(i, _)| (d, i))
+        })
+    }
+
+    /// Every measured link, both directions.
+    pub fn all_links(&self) -> impl Iterator<Item = &LinkRecord> {
+        self.links.values().flat_map(|m| m.values())
+    }
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)]
+mod tests {
+    use super::*;
+    use crate::DeviceKind;
+
+    fn node(name: &str) -> NodeRecord {
+        NodeRecord {
+            name: name.into(),
+            address: format!("{name}:1"),
+            devices: vec![DeviceFigures {
+                name: "cpu".into(),
+                kind: DeviceKind::Cpu,
+                model: "test".into(),
+                memory_total: 1 << 30,
+                memory_free: 1 << 30,
+                mem_bandwidth: 1e10,
+                flops: 1e11,
+                kernels: vec![],
+                threads: 1,
+                features: String::new(),
+                host_link: None,
+            }],
+            version: "t".into(),
+            state: NodeState::Up,
+            registered_ms: 0,
+        }
+    }
+
+    fn model() -> ModelRecord {
+        ModelRecord {
+            id: "m1".into(),
+            name: "m".into(),
+            source: "embedded".into(),
+            files: vec![],
+            ranges: vec![],
+            n_layers: 5,
+            context_length: 512,
+        }
+    }
+
+    fn stage(node: &str, a: usize, b: usize) -> StageRecord {
+        StageRecord {
+            node: node.into(),
+            device: "cpu".into(),
+            layers: LayerRange::new(a, b).unwrap(),
+            state: StageState::Ready,
+            weight_bytes: 0,
+            kv_bytes: 0,
+            fetched_bytes: 7,
+            predicted_s: 0.0,
+        }
+    }
+
+    fn deployment(name: &str, stages: Vec<StageRecord>) -> Deployment {
+        Deployment {
+            name: name.into(),
+            model_id: "m1".into(),
+            generation: 0,
+            n_layers: 5,
+            n_ctx: 64,
+            sessions: 4,
+            objective: "latency".into(),
+            act_dtype: ActDtype::F32,
+            carrier: CarrierKind::Quic,
+            driver: stages[0].node.clone(),
+            stages,
+            predicted_decode_s: 0.0,
+            plan_text: String::new(),
+            created_ms: 0,
+        }
+    }
+
+    fn cluster() -> ClusterState {
+        let mut s = ClusterState::new();
+        for n in ["a", "b", "c"] {
+            s.apply(Command::RegisterNode { node: node(n) }).unwrap();
+        }
+        s.apply(Command::AddModel { model: model() }).unwrap();
+        s
+    }
+
+    #[test]
+    fn deploy_report_and_undeploy() {
+        let mut s = cluster();
+        let d = deployment("d", vec![stage("a", 0, 2), stage("b", 2, 5)]);
+        assert_eq!(
+            s.apply(Command::CreateDeployment { deployment: d.clone() }).unwrap(),
+            Applied::Deployed { generation: 1 }
+        );
+        let got = &s.deployments["d"];
+        // stage states and fetched bytes come from the workers, never from the request
+        assert!(got.stages.iter().all(|x| x.state == StageState::Pending && x.fetched_bytes == 0));
+        assert_eq!(s.deployment_state(got), DeploymentState::Loading);
+        let report = |stage: usize, node: &str, generation: u64| Command::StageReport {
+            deployment: "d".into(),
+            generation,
+            stage,
+            node: node.into(),
+            state: StageState::Ready,
+            weight_bytes: 10,
+            kv_bytes: 2,
+            fetched_bytes: 3,
+        };
+        assert!(matches!(s.apply(report(0, "a", 9)), Err(StateError::StaleGeneration { current: 1, reported: 9, .. })));
+        assert!(matches!(s.apply(report(0, "b", 1)), Err(StateError::NotStageOwner { .. })));
+        assert!(matches!(s.apply(report(2, "a", 1)), Err(StateError::UnknownStage { n: 2, .. })));
+        s.apply(report(0, "a", 1)).unwrap();
+        s.apply(report(1, "b", 1)).unwrap();
+        assert_eq!(s.deployment_state(&s.deployments["d"]), DeploymentState::Ready);
+        // a node that holds stages cannot be removed; a down node degrades the deployment
+        assert!(matches!(s.apply(Command::RemoveNode { name: "a".into() }), Err(StateError::NodeInUse { .. })));
+        s.apply(Command::SetNodeState { name: "b".into(), state: NodeState::Down }).unwrap();
+        assert_eq!(s.deployment_state(&s.deployments["d"]), DeploymentState::Degraded);
+        // the next deployment gets the next generation
+        assert!(matches!(
+            s.apply(Command::CreateDeployment { deployment: d.clone() }),
+            Err(StateError::DeploymentExists(_))
+        ));
+        s.apply(Command::RemoveDeployment { name: "d".into() }).unwrap();
+        s.apply(Command::SetNodeState { name: "b".into(), state: NodeState::Up }).unwrap();
+        assert_eq!(s.apply(Command::CreateDeployment { deployment: d }).unwrap(), Applied::Deployed { generation: 2 });
+    }
+
+    #[test]
+    fn bad_commands_change_nothing() {
+        let s0 = cluster();
+        let bad = vec![
+            Command::CreateDeployment { deployment: deployment("gap", vec![stage("a", 0, 2), stage("b", 3, 5)]) },
+            Command::CreateDeployment { deployment: deployment("short", vec![stage("a", 0, 4)]) },
+            Command::CreateDeployment { deployment: deployment("ghost", vec![stage("zz", 0, 5)]) },
+            Command::CreateDeployment { deployment: deployment("bad name!", vec![stage("a", 0, 5)]) },
+            Command::CreateDeployment {
+                deployment: Deployment { model_id: "nope".into(), ..deployment("m", vec![stage("a", 0, 5)]) },
+            },
+            Command::CreateDeployment {
+                deployment: {
+                    let mut d = deployment("dev", vec![stage("a", 0, 5)]);
+                    d.stages[0].device = "cuda7".into();
+                    d
+                },
+            },
+            Command::RemoveDeployment { name: "none".into() },
+            Command::SetNodeState { name: "zz".into(), state: NodeState::Down },
+            Command::RegisterNode { node: node("") },
+            Command::RegisterNode { node: node(&"x".repeat(65)) },
+            Command::SetLinks {
+                from: "a".into(),
+                links: vec![LinkRecord {
+                    from: "a".into(),
+                    to: "b".into(),
+                    link: Link { bandwidth: f64::NAN, latency: 0.0 },
+                    measured_ms: 0,
+                }],
+            },
+            Command::SetLinks {
+                from: "a".into(),
+                links: vec![LinkRecord {
+                    from: "b".into(),
+                    to: "c".into(),
+                    link: Link { bandwidth: 1.0, latency: 0.0 },
+                    measured_ms: 0,
+                }],
+            },
+        ];
+        for cmd in bad {
+            let mut s = s0.clone();
+            assert!(s.apply(cmd.clone()).is_err(), "{cmd:?} applied");
+            assert_eq!(s, s0, "{cmd:?} changed the state");
+        }
+    }
+
+    #[test]
+    fn replay_gives_the_same_state() {
+        // the raft property: the same log applied anywhere gives the same state
+        let log = vec![
+            Command::RegisterNode { node: node("a") },
+            Command::RegisterNode { node: node("b") },
+            Command::AddModel { model: model() },
+            Command::SetLinks {
+                from: "a".into(),
+                links: vec![LinkRecord {
+                    from: "a".into(),
+                    to: "b".into(),
+                    link: Link { bandwidth: 1e9, latency: 1e-4 },
+                    measured_ms: 5,
+                }],
+            },
+            Command::CreateDeployment { deployment: deployment("d", vec![stage("a", 0, 1), stage("b", 1, 5)]) },
+            Command::RemoveDeployment { name: "nope".into() },
+        ];
+        let run = || {
+            let mut s = ClusterState::new();
+            for c in log.clone() {
+                let _ = s.apply(c);
+            }
+            s
+        };
+        let (x, y) = (run(), run());
+        assert_eq!(x, y);
+        assert_eq!(x.applied, 5, "the failed command is not counted");
+        let json = serde_json::to_string(&x).unwrap();
+        assert_eq!(serde_json::from_str::<ClusterState>(&json).unwrap(), x);
+        assert_eq!(x.all_links().count(), 1);
+        assert_eq!(x.stages_of("b").map(|(d, i)| (d.name.as_str(), i)).collect::<Vec<_>>(), vec![("d", 1)]);
+    }
+
+    #[test]
+    fn names() {
+        assert!(check_name("node", "w-1.local_x").is_ok());
+        for bad in ["", "-a", "a b", "a/b", "ä"] {
+            assert!(check_name("node", bad).is_err(), "{bad}");
+        }
+    }
+}
