@@ -83,6 +83,13 @@ pub struct NodeRecord {
     pub registered_ms: u64,
 }
 
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Admission {
+    /// sha256 (hex) of the DER of the certificate issued to the node.
+    pub fingerprint: String,
+    pub admitted_ms: u64,
+}
+
 /// A link measured from one node to another (directed: each end measures its own sending side).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct LinkRecord {
@@ -117,6 +124,12 @@ pub struct ModelRecord {
     pub ranges: Vec<RangeRecord>,
     pub n_layers: usize,
     pub context_length: usize,
+    /// What the planner needs of the model (CPU byte accounting: weights in their stored form,
+    /// f32 KV cache), so re-planning never reopens the file.
+    pub profile: crate::ModelProfile,
+    /// Bytes of the layers' matrices by stored type (`q4_k`, `q6_k`, …): how a device's measured
+    /// kernel rates combine into its speed on this model.
+    pub weight_types: Vec<(String, u64)>,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -225,6 +238,13 @@ impl DeploymentState {
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(tag = "op", rename_all = "snake_case")]
 pub enum Command {
+    /// A node proved it knows the join token and got a certificate (sha256 fingerprint of its
+    /// DER): from now on only that certificate speaks for the node; an earlier one is revoked.
+    AdmitNode {
+        name: String,
+        fingerprint: String,
+        admitted_ms: u64,
+    },
     /// A node (re-)registers with its address and measured devices; it is up.
     RegisterNode {
         node: NodeRecord,
@@ -281,6 +301,8 @@ pub enum StateError {
     BadName { what: String, name: String },
     #[error("unknown node `{0}`")]
     UnknownNode(String),
+    #[error("node `{0}` has not joined the cluster (it needs the join token first)")]
+    NotAdmitted(String),
     #[error("node `{node}` has no device `{device}`")]
     UnknownDevice { node: String, device: String },
     #[error("node `{0}` is down")]
@@ -308,6 +330,8 @@ pub enum StateError {
 /// The whole replicated state.
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 pub struct ClusterState {
+    /// Nodes admitted with the join token, and the certificate each holds.
+    pub admitted: BTreeMap<String, Admission>,
     pub nodes: BTreeMap<String, NodeRecord>,
     /// Keyed by `from`, then `to`.
     pub links: BTreeMap<String, BTreeMap<String, LinkRecord>>,
@@ -327,8 +351,19 @@ impl ClusterState {
     /// Applies one command. On error nothing has changed.
     pub fn apply(&mut self, cmd: Command) -> Result<Applied, StateError> {
         let out = match cmd {
+            Command::AdmitNode { name, fingerprint, admitted_ms } => {
+                check_name("node", &name)?;
+                if fingerprint.len() != 64 || !fingerprint.bytes().all(|c| c.is_ascii_hexdigit()) {
+                    return Err(StateError::BadName { what: "certificate fingerprint".into(), name: fingerprint });
+                }
+                self.admitted.insert(name, Admission { fingerprint, admitted_ms });
+                Applied::Done
+            }
             Command::RegisterNode { node } => {
                 check_name("node", &node.name)?;
+                if !self.admitted.contains_key(&node.name) {
+                    return Err(StateError::NotAdmitted(node.name));
+                }
                 for d in &node.devices {
                     if d.name.is_empty() || d.name.len() > MAX_NAME_LEN {
                         return Err(StateError::UnknownDevice { node: node.name.clone(), device: d.name.clone() });
@@ -562,6 +597,8 @@ mod tests {
             ranges: vec![],
             n_layers: 5,
             context_length: 512,
+            profile: crate::ModelProfile::from_shape("m", &crate::LlamaShape::preset("llama-1b").unwrap(), 4.5, 4),
+            weight_types: vec![("q4_k".into(), 100)],
         }
     }
 
@@ -597,9 +634,14 @@ mod tests {
         }
     }
 
+    fn admit(name: &str) -> Command {
+        Command::AdmitNode { name: name.into(), fingerprint: "ab".repeat(32), admitted_ms: 1 }
+    }
+
     fn cluster() -> ClusterState {
         let mut s = ClusterState::new();
         for n in ["a", "b", "c"] {
+            s.apply(admit(n)).unwrap();
             s.apply(Command::RegisterNode { node: node(n) }).unwrap();
         }
         s.apply(Command::AddModel { model: model() }).unwrap();
@@ -669,6 +711,8 @@ mod tests {
             Command::RemoveDeployment { name: "none".into() },
             Command::SetNodeState { name: "zz".into(), state: NodeState::Down },
             Command::RegisterNode { node: node("") },
+            Command::RegisterNode { node: node("never-admitted") },
+            Command::AdmitNode { name: "d".into(), fingerprint: "not hex".into(), admitted_ms: 0 },
             Command::RegisterNode { node: node(&"x".repeat(65)) },
             Command::SetLinks {
                 from: "a".into(),
@@ -700,6 +744,8 @@ mod tests {
     fn replay_gives_the_same_state() {
         // the raft property: the same log applied anywhere gives the same state
         let log = vec![
+            admit("a"),
+            admit("b"),
             Command::RegisterNode { node: node("a") },
             Command::RegisterNode { node: node("b") },
             Command::AddModel { model: model() },
@@ -724,7 +770,7 @@ mod tests {
         };
         let (x, y) = (run(), run());
         assert_eq!(x, y);
-        assert_eq!(x.applied, 5, "the failed command is not counted");
+        assert_eq!(x.applied, 7, "the failed command is not counted");
         let json = serde_json::to_string(&x).unwrap();
         assert_eq!(serde_json::from_str::<ClusterState>(&json).unwrap(), x);
         assert_eq!(x.all_links().count(), 1);

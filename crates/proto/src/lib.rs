@@ -10,9 +10,12 @@
 //!   key [`PROTOCOL_METADATA_KEY`]; the server refuses another one with `FAILED_PRECONDITION`
 //!   naming both versions.
 //!
-//! Deliberately lacking: conversions to brigade's own types (they belong to the crates that own
-//! those types), transport, TLS and any I/O. This crate depends only on tonic, prost and
-//! tonic-prost.
+//! - [`convert`]: wire types to and from `brigade-core`'s, with the figures checked.
+//!
+//! Deliberately lacking: transport, TLS and any I/O. This crate depends only on brigade-core,
+//! tonic, prost and tonic-prost.
+
+pub mod convert;
 
 use tonic::metadata::MetadataValue;
 use tonic::service::Interceptor;

@@ -1,0 +1,115 @@
+//! Conversions between the wire types and brigade's own (`brigade-core`), in one place.
+
+use crate::v1;
+use brigade_core::cluster::{DeviceFigures, KernelFigures};
+use brigade_core::{DeviceKind, Link};
+
+/// Unix time in milliseconds (0 if the clock is before 1970).
+pub fn unix_ms() -> u64 {
+    std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_millis() as u64).unwrap_or(0)
+}
+
+pub fn device_to_proto(d: &DeviceFigures) -> v1::Device {
+    v1::Device {
+        name: d.name.clone(),
+        kind: match d.kind {
+            DeviceKind::Cpu => v1::DeviceKind::Cpu,
+            DeviceKind::Cuda => v1::DeviceKind::Cuda,
+        } as i32,
+        model: d.model.clone(),
+        memory_total: d.memory_total,
+        memory_free: d.memory_free,
+        mem_bandwidth: d.mem_bandwidth,
+        flops: d.flops,
+        kernels: d
+            .kernels
+            .iter()
+            .map(|k| v1::KernelRate {
+                weight_type: k.weight_type.clone(),
+                decode_bytes_per_s: k.decode_bytes_per_s,
+                prompt_flops: k.prompt_flops,
+            })
+            .collect(),
+        threads: d.threads,
+        features: d.features.clone(),
+        host_link_bandwidth: d.host_link.map(|l| l.bandwidth).unwrap_or(0.0),
+        host_link_latency_s: d.host_link.map(|l| l.latency).unwrap_or(0.0),
+    }
+}
+
+/// A device as a worker reported it; `None` (with the reason) when a figure is not a number a
+/// planner can use.
+pub fn device_from_proto(d: &v1::Device) -> Result<DeviceFigures, String> {
+    let kind = match v1::DeviceKind::try_from(d.kind) {
+        Ok(v1::DeviceKind::Cpu) => DeviceKind::Cpu,
+        Ok(v1::DeviceKind::Cuda) => DeviceKind::Cuda,
+        _ => return Err(format!("device `{}` has no kind", d.name)),
+    };
+    let rate = |what: &str, x: f64| {
+        if x.is_finite() && x > 0.0 {
+            Ok(x)
+        } else {
+            Err(format!("device `{}`: {what} {x} is not a positive number", d.name))
+        }
+    };
+    rate("read bandwidth", d.mem_bandwidth)?;
+    rate("compute rate", d.flops)?;
+    let mut kernels = Vec::with_capacity(d.kernels.len());
+    for k in &d.kernels {
+        rate(&format!("{} decode rate", k.weight_type), k.decode_bytes_per_s)?;
+        rate(&format!("{} prompt rate", k.weight_type), k.prompt_flops)?;
+        kernels.push(KernelFigures {
+            weight_type: k.weight_type.clone(),
+            decode_bytes_per_s: k.decode_bytes_per_s,
+            prompt_flops: k.prompt_flops,
+        });
+    }
+    let host_link = (d.host_link_bandwidth > 0.0 && d.host_link_bandwidth.is_finite())
+        .then_some(Link { bandwidth: d.host_link_bandwidth, latency: d.host_link_latency_s.max(0.0) });
+    Ok(DeviceFigures {
+        name: d.name.clone(),
+        kind,
+        model: d.model.clone(),
+        memory_total: d.memory_total,
+        memory_free: d.memory_free,
+        mem_bandwidth: d.mem_bandwidth,
+        flops: d.flops,
+        kernels,
+        threads: d.threads,
+        features: d.features.clone(),
+        host_link,
+    })
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn devices_round_trip_and_bad_figures_are_refused() {
+        let d = DeviceFigures {
+            name: "cpu".into(),
+            kind: DeviceKind::Cpu,
+            model: "EPYC".into(),
+            memory_total: 10,
+            memory_free: 5,
+            mem_bandwidth: 2e10,
+            flops: 1e11,
+            kernels: vec![KernelFigures { weight_type: "q4_k".into(), decode_bytes_per_s: 1e10, prompt_flops: 5e10 }],
+            threads: 2,
+            features: "avx2".into(),
+            host_link: None,
+        };
+        assert_eq!(device_from_proto(&device_to_proto(&d)).unwrap(), d);
+        let mut p = device_to_proto(&d);
+        p.mem_bandwidth = f64::NAN;
+        assert!(device_from_proto(&p).unwrap_err().contains("read bandwidth"));
+        let mut p = device_to_proto(&d);
+        p.kernels[0].decode_bytes_per_s = -1.0;
+        assert!(device_from_proto(&p).unwrap_err().contains("q4_k"));
+        let mut p = device_to_proto(&d);
+        p.kind = 0;
+        assert!(device_from_proto(&p).is_err());
+    }
+}
