@@ -360,7 +360,12 @@ fn parse_head(buf: &[u8], limits: &Limits) -> Result<Option<(FrameHeader, usize)
 /// is a slice of `bytes`, not a copy.
 pub fn decode_exact(bytes: Bytes, limits: &Limits) -> Result<Frame, FrameError> {
     let Some((header, head_len)) = parse_head(&bytes, limits)? else {
-        return Err(FrameError::Truncated { have: bytes.len() as u64, need: PREFIX_LEN as u64 });
+        // parse_head has checked the header length against the limit when it is there
+        let need = match bytes.get(4..PREFIX_LEN) {
+            Some(mut len) => PREFIX_LEN as u64 + u64::from(len.get_u32_le()),
+            None => PREFIX_LEN as u64,
+        };
+        return Err(FrameError::Truncated { have: bytes.len() as u64, need });
     };
     let actual = (bytes.len() - head_len) as u64;
     if actual != header.payload_len {
@@ -496,6 +501,22 @@ mod tests {
         decoder.push(&encoded(&Frame::close()));
         assert!(decoder.poll().is_err());
         assert!(decoder.is_failed());
+    }
+
+    #[test]
+    fn a_truncated_message_says_how_much_it_needs() {
+        let frame = Frame::tokens(0, 0, &[7, 8]);
+        let bytes = Bytes::from(encoded(&frame));
+        let head = (PREFIX_LEN + frame.header.encoded_len()) as u64;
+        assert_eq!(
+            decode_exact(bytes.slice(..10), &Limits::default()),
+            Err(FrameError::Truncated { have: 10, need: head })
+        );
+        assert_eq!(decode_exact(bytes.slice(..3), &Limits::default()), Err(FrameError::Truncated { have: 3, need: 8 }));
+        assert_eq!(
+            decode_exact(bytes.slice(..bytes.len() - 1), &Limits::default()),
+            Err(FrameError::PayloadLength { header: 8, actual: 7 })
+        );
     }
 
     #[test]

@@ -9,7 +9,7 @@ use std::time::Duration;
 use brigade_proto::PROTOCOL_VERSION;
 use bytes::BytesMut;
 use quinn::crypto::rustls::{QuicClientConfig, QuicServerConfig};
-use quinn::{Connection, IdleTimeout, RecvStream, SendStream, TransportConfig, VarInt};
+use quinn::{Connection, IdleTimeout, MtuDiscoveryConfig, RecvStream, SendStream, TransportConfig, VarInt};
 use rustls::pki_types::CertificateDer;
 use tokio::sync::mpsc;
 use tracing::{debug, warn};
@@ -25,6 +25,8 @@ const CLOSE_BAD_FRAME: u32 = 1;
 const CLOSE_WRITE_FAILED: u32 = 2;
 /// How long a dropped link waits for the peer to read what was sent before closing.
 const CLOSE_GRACE: Duration = Duration::from_secs(2);
+/// A 9000-byte jumbo frame less the IPv4 and UDP headers.
+const JUMBO_UDP_PAYLOAD: u16 = 8972;
 /// Largest chunk read from a stream at once.
 const READ_CHUNK: usize = 1 << 20;
 
@@ -34,9 +36,12 @@ pub fn alpn() -> Vec<u8> {
 }
 
 /// quinn tuned for activation traffic: receive windows of several MiB so one 8 MiB prompt
-/// chunk is not throttled by flow control on fat links, keep-alives well inside the idle
-/// timeout. quinn sends stream data as soon as it is written (there is no Nagle-like delay).
+/// chunk is not throttled by flow control on fat links, path MTU discovery up to jumbo frames
+/// (datacenter links; quinn falls back on paths that drop them), keep-alives well inside the
+/// idle timeout. quinn sends stream data as soon as it is written (there is no Nagle-like delay).
 fn transport_config() -> Arc<TransportConfig> {
+    let mut mtu = MtuDiscoveryConfig::default();
+    mtu.upper_bound(JUMBO_UDP_PAYLOAD);
     let mut config = TransportConfig::default();
     config
         .stream_receive_window(VarInt::from_u32(16 << 20))
@@ -45,7 +50,8 @@ fn transport_config() -> Arc<TransportConfig> {
         .max_concurrent_bidi_streams(VarInt::from_u32(4))
         .max_concurrent_uni_streams(VarInt::from_u32(0))
         .keep_alive_interval(Some(Duration::from_secs(5)))
-        .max_idle_timeout(Some(IdleTimeout::from(VarInt::from_u32(30_000))));
+        .max_idle_timeout(Some(IdleTimeout::from(VarInt::from_u32(30_000))))
+        .mtu_discovery_config(Some(mtu));
     Arc::new(config)
 }
 
@@ -115,7 +121,8 @@ impl QuicEndpoint {
     }
 
     /// The next link a peer opened: `None` once the endpoint is closed, `Err` for an attempt that
-    /// failed (bad certificate, bad HELLO, timeout); keep accepting after an `Err`.
+    /// failed (bad certificate, bad HELLO, timeout); keep accepting after an `Err`. Attempts are
+    /// handled one at a time, each bounded by the handshake timeout.
     pub async fn accept(&self) -> Option<Result<Link>> {
         let incoming = self.endpoint.accept().await?;
         let accepting = async {
