@@ -51,3 +51,18 @@ fn dependencies_point_down() {
         }
     }
 }
+
+#[test]
+fn transport_knows_no_tensors_and_no_raft_and_proto_only_core() {
+    let transport = deps("brigade-transport");
+    assert!(transport.iter().any(|x| x == "quinn"), "cargo tree did not list quinn: {transport:?}");
+    for bad in ["candle-core", "candle-nn", "cudarc", "raft", "raft-proto", "brigade-model", "aws-lc-rs"] {
+        assert!(!transport.iter().any(|x| x == bad), "brigade-transport depends on {bad}");
+    }
+    for d in deps("brigade-proto") {
+        assert!(
+            !d.starts_with("brigade-") || d == "brigade-proto" || d == "brigade-core",
+            "brigade-proto depends on {d}"
+        );
+    }
+}

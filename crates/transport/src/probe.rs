@@ -1,0 +1,180 @@
+//! Link measurement over a [`Link`]: latency and clock offset from PING/PONG round trips,
+//! bandwidth from a burst of BULK frames. The answering side is [`Responder`], a pure function
+//! of the frame and the time; [`measure`] drives the asking side and owns the clock.
+
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use brigade_proto::v1::{FrameKind, StageTrace};
+use bytes::Bytes;
+
+use crate::error::{Result, TransportError};
+use crate::frame::{Frame, FLAG_LAST};
+use crate::link::Link;
+
+/// Round trips measured for latency and clock offset.
+pub const PINGS: u64 = 20;
+/// Bytes per BULK frame.
+pub const BULK_CHUNK: usize = 1 << 20;
+/// The bandwidth burst stops after this long or [`BULK_BYTES`], whichever comes first.
+pub const BULK_TIME: Duration = Duration::from_millis(200);
+pub const BULK_BYTES: u64 = 64 << 20;
+/// The longest wait for one answer.
+const ANSWER_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// What [`measure`] found.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct LinkFigures {
+    /// One-way latency: the median round trip over two, seconds.
+    pub latency_s: f64,
+    /// Throughput of the bulk burst, bytes per second (as `LinkFigures.bandwidth` on the wire).
+    pub bandwidth_bps: f64,
+    /// The peer's clock minus this node's, microseconds (NTP's estimate from the ping with the
+    /// shortest round trip).
+    pub clock_offset_us: i64,
+}
+
+/// Microseconds since the unix epoch by this machine's clock (0 if the clock is before 1970).
+pub fn unix_now_us() -> u64 {
+    SystemTime::now().duration_since(UNIX_EPOCH).map(|d| u64::try_from(d.as_micros()).unwrap_or(u64::MAX)).unwrap_or(0)
+}
+
+/// The answering side of a probe. Feed it every frame the link delivers; send what it returns.
+#[derive(Debug, Default)]
+pub struct Responder {
+    bulk_bytes: u64,
+}
+
+impl Responder {
+    /// PING → PONG with the same step and this clock's time (`trace[0]`, received = sent =
+    /// `now_us`); BULK → counted, and the one with [`FLAG_LAST`] → PONG with [`FLAG_LAST`] and
+    /// the bytes counted in `step`. Other frames: `None`.
+    pub fn respond(&mut self, frame: &Frame, now_us: u64) -> Option<Frame> {
+        match frame.kind()? {
+            FrameKind::Ping => Some(Frame::pong(frame.header.step).with_trace(StageTrace {
+                stage: 0,
+                received_us: now_us,
+                sent_us: now_us,
+                compute_us: 0,
+            })),
+            FrameKind::Bulk => {
+                self.bulk_bytes = self.bulk_bytes.saturating_add(frame.payload.len() as u64);
+                frame.has_flag(FLAG_LAST).then(|| {
+                    let counted = std::mem::take(&mut self.bulk_bytes);
+                    Frame::pong(counted).with_flags(FLAG_LAST)
+                })
+            }
+            _ => None,
+        }
+    }
+}
+
+/// Measures a link whose peer answers with a [`Responder`]. The link must carry nothing else
+/// meanwhile.
+pub async fn measure(link: &mut Link) -> Result<LinkFigures> {
+    let mut rtts = Vec::with_capacity(PINGS as usize);
+    let mut best: Option<(Duration, i64)> = None;
+    for step in 0..PINGS {
+        let t0 = unix_now_us();
+        let sent = Instant::now();
+        link.send(Frame::ping(step)).await?;
+        let pong = answer(link).await?;
+        let rtt = sent.elapsed();
+        let t3 = unix_now_us();
+        if pong.header.step != step {
+            return Err(TransportError::Probe(format!("pong for step {} while waiting for {step}", pong.header.step)));
+        }
+        let trace =
+            pong.header.trace.first().ok_or_else(|| TransportError::Probe(format!("pong {step} carries no time")))?;
+        // NTP: ((t1 - t0) + (t2 - t3)) / 2, in i128 so no clock value overflows
+        let offset =
+            ((i128::from(trace.received_us) - i128::from(t0)) + (i128::from(trace.sent_us) - i128::from(t3))) / 2;
+        let offset = i64::try_from(offset).unwrap_or(if offset < 0 { i64::MIN } else { i64::MAX });
+        if best.is_none_or(|(b, _)| rtt < b) {
+            best = Some((rtt, offset));
+        }
+        rtts.push(rtt);
+    }
+    rtts.sort();
+    let median = rtts.get(rtts.len() / 2).copied().unwrap_or_default();
+
+    let chunk = Bytes::from(vec![0u8; BULK_CHUNK]);
+    let start = Instant::now();
+    let mut sent: u64 = 0;
+    let mut step = 0;
+    loop {
+        let last = start.elapsed() >= BULK_TIME || sent + BULK_CHUNK as u64 >= BULK_BYTES;
+        link.send(Frame::bulk(step, chunk.clone(), last)).await?;
+        sent += BULK_CHUNK as u64;
+        step += 1;
+        if last {
+            break;
+        }
+    }
+    let pong = answer(link).await?;
+    let elapsed = start.elapsed().as_secs_f64();
+    if !pong.has_flag(FLAG_LAST) || pong.header.step != sent {
+        return Err(TransportError::Probe(format!("peer counted {} bulk bytes of {sent} sent", pong.header.step)));
+    }
+    Ok(LinkFigures {
+        latency_s: median.as_secs_f64() / 2.0,
+        bandwidth_bps: sent as f64 / elapsed.max(1e-9),
+        clock_offset_us: best.map(|(_, offset)| offset).unwrap_or(0),
+    })
+}
+
+async fn answer(link: &mut Link) -> Result<Frame> {
+    let frame = link.recv_within(ANSWER_TIMEOUT, "a probe answer").await?;
+    if frame.kind() == Some(FrameKind::Pong) {
+        Ok(frame)
+    } else {
+        Err(TransportError::UnexpectedFrame {
+            peer: link.peer.clone(),
+            expected: "PONG",
+            got: format!("kind {}", frame.header.kind),
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn responder_answers_pings_and_counts_bulk() {
+        let mut responder = Responder::default();
+        let pong = responder.respond(&Frame::ping(7), 1_000);
+        assert!(pong.as_ref().is_some_and(|p| p.kind() == Some(FrameKind::Pong)
+            && p.header.step == 7
+            && p.header.trace.first().is_some_and(|t| t.received_us == 1_000)));
+        let chunk = Bytes::from_static(&[0; 10]);
+        assert_eq!(responder.respond(&Frame::bulk(0, chunk.clone(), false), 0), None);
+        let done = responder.respond(&Frame::bulk(1, chunk, true), 0);
+        assert!(done.is_some_and(|p| p.header.step == 20 && p.has_flag(FLAG_LAST)));
+        assert_eq!(responder.respond(&Frame::close(), 0), None);
+    }
+
+    #[tokio::test]
+    async fn measure_over_an_in_memory_pair() {
+        let (mut a, mut b) = Link::pair("a", "b");
+        let echo = tokio::spawn(async move {
+            let mut responder = Responder::default();
+            while let Some(frame) = b.recv().await {
+                if let Some(reply) = responder.respond(&frame, unix_now_us()) {
+                    if b.send(reply).await.is_err() {
+                        break;
+                    }
+                }
+            }
+        });
+        let figures = tokio::time::timeout(Duration::from_secs(30), measure(&mut a)).await;
+        let Ok(Ok(figures)) = figures else {
+            panic!("measure failed: {figures:?}");
+        };
+        assert!(figures.latency_s >= 0.0 && figures.latency_s < 0.1, "{figures:?}");
+        assert!(figures.bandwidth_bps > 1e6, "{figures:?}");
+        // one clock: the offset is within the round trip
+        assert!(figures.clock_offset_us.abs() < 100_000, "{figures:?}");
+        drop(a);
+        assert!(tokio::time::timeout(Duration::from_secs(5), echo).await.is_ok());
+    }
+}
