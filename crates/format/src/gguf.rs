@@ -615,6 +615,22 @@ mod tests {
         assert!(matches!(Gguf::parse(&f), Err(GgufError::UnsupportedVersion(9))));
     }
 
+    #[test]
+    fn tensor_specs_of_impossible_sizes_write_nothing() {
+        let spec = |dims: Vec<u64>| TensorSpec { name: "t".into(), dims, dtype: GgmlType::F32 };
+        // no dimensions, an element count past u64, a row of partial q8_0 blocks
+        for s in [spec(vec![]), spec(vec![1 << 40, 1 << 40]), TensorSpec { dtype: GgmlType::Q8_0, ..spec(vec![33]) }] {
+            assert_eq!(s.n_bytes(), 0, "{:?}", s.dims);
+            let mut out = Vec::new();
+            let e = write_gguf(&mut out, &[], std::slice::from_ref(&s), |_, b| {
+                b.push(0);
+                Ok(())
+            });
+            assert!(e.is_err(), "{:?}", s.dims);
+        }
+        assert_eq!(spec(vec![3, 2]).n_bytes(), 24);
+    }
+
     /// A header with one key holding an array of `count` elements of type `elem` (`size` bytes each).
     fn one_array(elem: u32, size: usize, count: u64) -> Vec<u8> {
         let mut f = MAGIC.to_vec();

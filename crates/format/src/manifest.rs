@@ -125,6 +125,9 @@ impl Manifest {
     }
 }
 
+/// Below this many bytes a model is hashed on the calling thread.
+const PARALLEL_FROM_BYTES: u64 = 16 << 20;
+
 /// The digests of `plan`, in order, hashed by as many threads as there are cores (ranges are
 /// handed out one at a time, so a large tensor does not hold up the others).
 fn hash_all(index: &ModelIndex, plan: &[Planned]) -> Vec<String> {
@@ -134,6 +137,10 @@ fn hash_all(index: &ModelIndex, plan: &[Planned]) -> Vec<String> {
         let range = usize::try_from(p.offset).ok().zip(usize::try_from(p.offset + p.length).ok());
         range.and_then(|(s, e)| file.get(s..e)).unwrap_or_default()
     };
+    let total = plan.iter().fold(0u64, |t, p| t.saturating_add(p.length));
+    if total < PARALLEL_FROM_BYTES {
+        return plan.iter().map(|p| sha256_hex(bytes(p))).collect();
+    }
     let threads = std::thread::available_parallelism().map_or(1, |n| n.get()).clamp(1, plan.len().max(1));
     let next = AtomicUsize::new(0);
     let mut out = vec![String::new(); plan.len()];
