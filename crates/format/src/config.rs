@@ -1,5 +1,5 @@
 //! The hyper-parameters of a Llama-family model, read from GGUF metadata or a Hugging Face
-//! `config.json` (in [`hf`]). Every value is outside input: [`ModelConfig::validate`] bounds the
+//! `config.json` (in `hf`). Every value is outside input: [`ModelConfig::validate`] bounds the
 //! shape, computes every product of its fields with checked arithmetic and refuses RoPE settings
 //! that would give non-finite frequencies, before anything is sized by them.
 

@@ -4,7 +4,7 @@
 //! - `llama` (SentencePiece) vocabularies merge adjacent symbols by vocabulary *score*, with byte
 //!   fallback. No model of the `tokenizers` crate merges by score the way llama.cpp's SPM
 //!   tokenizer does, and brigade has to produce exactly llama.cpp's ids, so that tokenizer is
-//!   written here ([`Spm`], about a hundred lines).
+//!   written here (`Spm`, about a hundred lines).
 //! - `gpt2` byte-level BPE vocabularies are built into a `tokenizers` BPE model from the GGUF
 //!   tokens and merges, behind the pre-tokenizer regexes llama.cpp uses for `tokenizer.ggml.pre`.
 //! - `tokenizer.json` is loaded by the `tokenizers` crate as it is.

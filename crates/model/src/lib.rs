@@ -88,3 +88,35 @@ impl From<FormatError> for ModelError {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn file_errors_keep_their_variant_and_message() {
+        let s = || "x".to_string();
+        let io = || std::io::Error::other("gone");
+        for e in [
+            FormatError::Gguf(gguf::GgufError::BadAlignment(3)),
+            FormatError::Io(PathBuf::from("m.gguf"), io()),
+            FormatError::Invalid(s()),
+            FormatError::MissingMetadata(s()),
+            FormatError::BadMetadata { key: s(), why: s() },
+            FormatError::UnsupportedArch(s()),
+            FormatError::BadConfig(s()),
+            FormatError::MissingTensor(s()),
+            FormatError::BadTensor { name: s(), why: s() },
+            FormatError::Tokenizer(s()),
+            FormatError::BadSlice(s()),
+        ] {
+            let (text, variant) = (e.to_string(), format!("{e:?}"));
+            let m = ModelError::from(e);
+            assert_eq!(m.to_string(), text);
+            // the same variant name, but for the one renamed (Invalid is ModelError::Format)
+            let name = |d: &str| d.split(['(', ' ']).next().unwrap_or_default().to_string();
+            let want = if name(&variant) == "Invalid" { "Format".to_string() } else { name(&variant) };
+            assert_eq!(name(&format!("{m:?}")), want);
+        }
+    }
+}
