@@ -38,7 +38,7 @@ const KARPATHY: &str = "Once upon a time, there was a little girl named Lily. Sh
 #[test]
 fn run_matches_llama_cpp_greedy_on_all_three_stories_files() {
     let r = reference();
-    let f32_path = root().join("crates/model/assets/stories260K.gguf");
+    let f32_path = root().join("crates/format/assets/stories260K.gguf");
     for (path, key, n_match) in [
         (f32_path, "stories260K.gguf", 60),
         (fixture("stories260K-Q8_0.gguf"), "stories260K-Q8_0.gguf", 60),
@@ -154,7 +154,7 @@ fn bad_input_gives_clear_errors() {
     let text = dir.path().join("notes.gguf");
     std::fs::write(&text, "hello, I am not a model").unwrap();
     expect_error(&["run", "-m", text.to_str().unwrap()], "not a GGUF file");
-    let full = std::fs::read(root().join("crates/model/assets/stories260K.gguf")).unwrap();
+    let full = std::fs::read(root().join("crates/format/assets/stories260K.gguf")).unwrap();
     let cut = dir.path().join("cut.gguf");
     std::fs::write(&cut, &full[..full.len() / 3]).unwrap();
     expect_error(&["run", "-m", cut.to_str().unwrap()], "past the end of the file");

@@ -141,7 +141,7 @@ pub fn bench(a: BenchArgs) -> Result<()> {
     // which kernels this file's layer matrices go through on the CPU
     for (ty, bytes) in files.weight_types() {
         let (decode, prompt) = match ty {
-            StoredType::Ggml(d) => brigade_model::cpu_matmul::kernels(d),
+            StoredType::Ggml(d) => brigade_model::cpu_matmul::kernels(brigade_model::weights::ggml_dtype(d)),
             _ => ("candle matmul (dense)", "candle matmul (dense)"),
         };
         notes.push(format!("CPU kernels for {} ({}): decode {decode}, prompt {prompt}", ty.name(), human_bytes(bytes)));

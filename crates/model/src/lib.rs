@@ -1,30 +1,31 @@
 //! brigade's model runtime: Llama-family layer slices in candle.
 //!
 //! # Layout
-//! - [`gguf`]: a checked GGUF header reader and a writer.
-//! - [`weights`]: an opened model (GGUF file or safetensors directory), memory-mapped; builds the
-//!   weights a slice asks for, and nothing else.
-//! - [`config`]: hyper-parameters from GGUF metadata or `config.json`.
+//! - [`weights`]: [`ModelFiles`], an opened model ([`brigade_format::ModelIndex`]) that builds the
+//!   candle tensors a slice asks for, and nothing else; ggml type conversions to candle's.
+//! - [`gguf`], [`config`], [`tokenizer`]: re-exported from `brigade-format`, which reads model
+//!   files without a tensor library.
 //! - [`llama`]: a [`llama::Slice`] is layers `[a, b)` on one device (+ embedding when first,
 //!   + norm and head when last); each session's KV cache is a [`llama::SliceCache`].
 //! - [`pipeline`]: several slices in one process, prefill / decode / generate.
-//! - [`tokenizer`], [`sampler`], [`synth`] (random-weight models of any Llama shape).
-//! - [`bandwidth`]: the memory read bandwidth probe behind `brigade bench`'s bound.
+//! - [`cpu_matmul`]: brigade's CPU matmul over ggml blocks.
+//! - [`sampler`], [`synth`] (random-weight models of any Llama shape).
+//! - [`bandwidth`], [`devices`]: the memory read bandwidth probe behind `brigade bench`'s bound,
+//!   and what the host has.
 //!
 //! The crate knows nothing of sockets, raft or placement: it computes what it is told to.
 
 pub mod bandwidth;
-pub mod config;
 pub mod cpu_matmul;
 pub mod devices;
-pub mod gguf;
 pub mod llama;
 pub mod pipeline;
 pub mod sampler;
 pub mod synth;
-pub mod tokenizer;
 pub mod weights;
 
+pub use brigade_format::{config, gguf, tokenizer};
+pub use brigade_format::{embedded_model, FormatError, EMBEDDED_MODEL_NAME};
 pub use config::ModelConfig;
 pub use llama::{predict_slice_bytes, Logits, Slice, SliceBytes, SliceCache, StageInput};
 pub use pipeline::{GenerationStats, Pipeline, Session};
@@ -34,18 +35,8 @@ pub use weights::ModelFiles;
 
 use std::path::PathBuf;
 
-/// The model compiled into the binary: llama2.c's stories260K (TinyStories), as llama.cpp's CI uses.
-pub const EMBEDDED_MODEL_NAME: &str = "stories260K.gguf (embedded)";
-
-#[repr(C, align(64))]
-struct Aligned<T: ?Sized>(T);
-static EMBEDDED: &Aligned<[u8]> = &Aligned(*include_bytes!("../assets/stories260K.gguf"));
-
-/// The bytes of the embedded model (64-byte aligned).
-pub fn embedded_model() -> &'static [u8] {
-    &EMBEDDED.0
-}
-
+/// The errors of the model runtime. Reading files fails with a [`FormatError`], which converts
+/// into the variant of the same name and message here, so callers match one enum.
 #[derive(Debug, thiserror::Error)]
 pub enum ModelError {
     #[error(transparent)]
@@ -78,4 +69,54 @@ pub enum ModelError {
     NoDevice(String),
     #[error(transparent)]
     Candle(#[from] candle_core::Error),
+}
+
+impl From<FormatError> for ModelError {
+    fn from(e: FormatError) -> Self {
+        match e {
+            FormatError::Gguf(e) => ModelError::Gguf(e),
+            FormatError::Io(p, e) => ModelError::Io(p, e),
+            FormatError::Invalid(why) => ModelError::Format(why),
+            FormatError::MissingMetadata(k) => ModelError::MissingMetadata(k),
+            FormatError::BadMetadata { key, why } => ModelError::BadMetadata { key, why },
+            FormatError::UnsupportedArch(a) => ModelError::UnsupportedArch(a),
+            FormatError::BadConfig(why) => ModelError::BadConfig(why),
+            FormatError::MissingTensor(n) => ModelError::MissingTensor(n),
+            FormatError::BadTensor { name, why } => ModelError::BadTensor { name, why },
+            FormatError::Tokenizer(why) => ModelError::Tokenizer(why),
+            FormatError::BadSlice(why) => ModelError::BadSlice(why),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn file_errors_keep_their_variant_and_message() {
+        let s = || "x".to_string();
+        let io = || std::io::Error::other("gone");
+        for e in [
+            FormatError::Gguf(gguf::GgufError::BadAlignment(3)),
+            FormatError::Io(PathBuf::from("m.gguf"), io()),
+            FormatError::Invalid(s()),
+            FormatError::MissingMetadata(s()),
+            FormatError::BadMetadata { key: s(), why: s() },
+            FormatError::UnsupportedArch(s()),
+            FormatError::BadConfig(s()),
+            FormatError::MissingTensor(s()),
+            FormatError::BadTensor { name: s(), why: s() },
+            FormatError::Tokenizer(s()),
+            FormatError::BadSlice(s()),
+        ] {
+            let (text, variant) = (e.to_string(), format!("{e:?}"));
+            let m = ModelError::from(e);
+            assert_eq!(m.to_string(), text);
+            // the same variant name, but for the one renamed (Invalid is ModelError::Format)
+            let name = |d: &str| d.split(['(', ' ']).next().unwrap_or_default().to_string();
+            let want = if name(&variant) == "Invalid" { "Format".to_string() } else { name(&variant) };
+            assert_eq!(name(&format!("{m:?}")), want);
+        }
+    }
 }

@@ -10,6 +10,7 @@ use crate::config::{ModelConfig, RopeStyle};
 use crate::weights::{Embedding, Linear, ModelFiles};
 use crate::ModelError;
 use brigade_core::{DeviceId, LayerRange};
+use brigade_format::tensors::{slice_tensors, LayerTensor, OUTPUT, OUTPUT_NORM, SHARED_TENSORS, TOKEN_EMBD};
 use candle_core::{DType, Device, Tensor, D};
 use std::sync::Arc;
 
@@ -45,7 +46,7 @@ impl Proj {
         let n: Vec<&str> = names.iter().map(String::as_str).collect();
         let b: Option<Vec<&str>> = biases.as_ref().map(|v| v.iter().map(String::as_str).collect());
         if let Some(l) = files.linear_stacked(&n, b.as_deref(), device, dtype)? {
-            let sizes = n.iter().map(|x| files.tensor_info(x).map(|t| t.shape[0]).unwrap_or(0)).collect();
+            let sizes = n.iter().map(|x| files.tensor_info(x).map(|t| t.shape()[0]).unwrap_or(0)).collect();
             return Ok(Proj::Stacked(l, sizes));
         }
         let parts = n
@@ -142,23 +143,19 @@ fn rms_norm(x: &Tensor, w: &Tensor, eps: f64) -> candle_core::Result<Tensor> {
 }
 
 impl Block {
+    /// Loads layer `i`: every tensor [`LayerTensor`] says the configuration has.
     fn load(files: &ModelFiles, i: usize, device: &Device, dtype: DType) -> Result<Self, ModelError> {
-        let cfg = &files.config;
-        let n = |s: &str| format!("blk.{i}.{s}");
-        let qkv_bias = cfg.qkv_bias.then(|| vec![n("attn_q.bias"), n("attn_k.bias"), n("attn_v.bias")]);
+        use LayerTensor as T;
+        let cfg = files.config();
+        let n = |t: T| t.name(i);
+        let qkv_bias = T::AttnQBias.required(cfg).then(|| vec![n(T::AttnQBias), n(T::AttnKBias), n(T::AttnVBias)]);
         Ok(Block {
-            attn_norm: files.dense(&n("attn_norm.weight"), device, dtype)?,
-            ffn_norm: files.dense(&n("ffn_norm.weight"), device, dtype)?,
-            qkv: Proj::load(
-                files,
-                &[n("attn_q.weight"), n("attn_k.weight"), n("attn_v.weight")],
-                qkv_bias,
-                device,
-                dtype,
-            )?,
-            wo: files.linear(&n("attn_output.weight"), None, device, dtype)?,
-            gate_up: Proj::load(files, &[n("ffn_gate.weight"), n("ffn_up.weight")], None, device, dtype)?,
-            down: files.linear(&n("ffn_down.weight"), None, device, dtype)?,
+            attn_norm: files.dense(&n(T::AttnNorm), device, dtype)?,
+            ffn_norm: files.dense(&n(T::FfnNorm), device, dtype)?,
+            qkv: Proj::load(files, &[n(T::AttnQ), n(T::AttnK), n(T::AttnV)], qkv_bias, device, dtype)?,
+            wo: files.linear(&n(T::AttnOutput), None, device, dtype)?,
+            gate_up: Proj::load(files, &[n(T::FfnGate), n(T::FfnUp)], None, device, dtype)?,
+            down: files.linear(&n(T::FfnDown), None, device, dtype)?,
             span: tracing::trace_span!("block", layer = i),
         })
     }
@@ -231,7 +228,7 @@ impl Slice {
         dtype: DType,
         n_ctx: usize,
     ) -> Result<Self, ModelError> {
-        let cfg = files.config.clone();
+        let cfg = files.config().clone();
         if layers.end() > cfg.n_layers {
             return Err(ModelError::BadSlice(format!("layers {layers} of a model with {} layers", cfg.n_layers)));
         }
@@ -242,7 +239,7 @@ impl Slice {
         let _g = span.enter();
         let mut weight_bytes = 0u64;
         let embed = if layers.is_first() {
-            let e = files.embedding("token_embd.weight", device, dtype)?;
+            let e = files.embedding(TOKEN_EMBD, device, dtype)?;
             weight_bytes += e.storage_bytes();
             Some(e)
         } else {
@@ -255,17 +252,17 @@ impl Slice {
             blocks.push(b);
         }
         let head = if layers.is_last(cfg.n_layers) {
-            let norm = files.dense("output_norm.weight", device, dtype)?;
+            let norm = files.dense(OUTPUT_NORM, device, dtype)?;
             weight_bytes += (norm.elem_count() * norm.dtype().size_in_bytes()) as u64;
-            let out = if files.tensor_info("output.weight").is_some() {
-                let l = files.linear("output.weight", None, device, dtype)?;
+            let out = if !files.tied_head() {
+                let l = files.linear(OUTPUT, None, device, dtype)?;
                 weight_bytes += l.storage_bytes();
                 l
             } else if let Some(e) = &embed {
                 // tied head sharing the embedding already loaded on this device
                 Linear::from_embedding(e)
             } else {
-                let e = files.embedding("token_embd.weight", device, dtype)?;
+                let e = files.embedding(TOKEN_EMBD, device, dtype)?;
                 weight_bytes += e.storage_bytes();
                 Linear::from_embedding(&e)
             };
@@ -323,7 +320,7 @@ impl Slice {
     }
     /// Bytes one session's KV cache takes on this slice's device.
     pub fn kv_bytes(&self) -> u64 {
-        self.layers.len() as u64 * self.n_ctx as u64 * self.cfg.kv_bytes_per_token_layer(self.dtype.size_in_bytes())
+        kv_bytes(&self.cfg, self.layers, self.n_ctx, self.dtype)
     }
 
     /// Allocates an empty cache for one session.
@@ -420,59 +417,27 @@ impl SliceBytes {
     }
 }
 
-/// Predicts what [`Slice::load`] will allocate for `layers` (weights as [`Slice::weight_bytes`]
-/// counts them, and one session's KV cache of `n_ctx` tokens).
-pub fn predict_slice_bytes(files: &ModelFiles, layers: LayerRange, device: DeviceId, n_ctx: usize) -> SliceBytes {
-    let cfg = &files.config;
-    let dtype = crate::pipeline::activation_dtype(device, files);
-    let on_cpu = device == DeviceId::Cpu;
-    let b = |n: &str| {
-        // norms are always dense in the activation type
-        if n.ends_with("norm.weight") {
-            files
-                .tensor_info(n)
-                .map(|t| t.shape.iter().product::<usize>() as u64 * dtype.size_in_bytes() as u64)
-                .unwrap_or(0)
-        } else {
-            files.device_bytes(n, on_cpu, dtype)
-        }
-    };
-    let mut w = 0;
-    if layers.is_first() {
-        w += b("token_embd.weight");
-    }
-    for i in layers.iter() {
-        for t in LAYER_TENSORS {
-            w += b(&format!("blk.{i}.{t}"));
-        }
-    }
-    if layers.is_last(cfg.n_layers) {
-        w += b("output_norm.weight");
-        if files.tensor_info("output.weight").is_some() {
-            w += b("output.weight");
-        } else if !layers.is_first() {
-            w += b("token_embd.weight");
-        }
-    }
-    let kv = layers.len() as u64 * n_ctx as u64 * cfg.kv_bytes_per_token_layer(dtype.size_in_bytes());
-    SliceBytes { weights: w, kv }
+/// Bytes of one session's KV cache for `layers` and `n_ctx` tokens in `dtype` (saturating).
+fn kv_bytes(cfg: &ModelConfig, layers: LayerRange, n_ctx: usize, dtype: DType) -> u64 {
+    let per_token = cfg.kv_bytes_per_token_layer(dtype.size_in_bytes() as u64);
+    (layers.len() as u64).saturating_mul(n_ctx as u64).saturating_mul(per_token)
 }
 
-/// The tensors of one transformer layer (GGUF names after `blk.N.`).
-pub const LAYER_TENSORS: [&str; 12] = [
-    "attn_norm.weight",
-    "attn_q.weight",
-    "attn_k.weight",
-    "attn_v.weight",
-    "attn_output.weight",
-    "attn_q.bias",
-    "attn_k.bias",
-    "attn_v.bias",
-    "ffn_norm.weight",
-    "ffn_gate.weight",
-    "ffn_up.weight",
-    "ffn_down.weight",
-];
+/// Predicts what [`Slice::load`] will allocate for `layers` (weights as [`Slice::weight_bytes`]
+/// counts them: the tensors [`slice_tensors`] names, less those read into the configuration;
+/// and one session's KV cache of `n_ctx` tokens). Layers past the model's predict no weights
+/// (loading them is an error).
+pub fn predict_slice_bytes(files: &ModelFiles, layers: LayerRange, device: DeviceId, n_ctx: usize) -> SliceBytes {
+    let dtype = crate::pipeline::activation_dtype(device, files);
+    let on_cpu = device == DeviceId::Cpu;
+    let names = slice_tensors(files, layers).unwrap_or_default();
+    let weights = names
+        .iter()
+        .filter(|n| !SHARED_TENSORS.contains(&n.as_str()))
+        .map(|n| files.device_bytes(n, on_cpu, dtype))
+        .fold(0u64, u64::saturating_add);
+    SliceBytes { weights, kv: kv_bytes(files.config(), layers, n_ctx, dtype) }
+}
 
 /// Softmax-free helper for tests and reports: index of the largest logit of the last position.
 pub fn argmax_last(logits: &Tensor) -> Result<u32, ModelError> {

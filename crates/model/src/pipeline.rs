@@ -80,7 +80,7 @@ impl Pipeline {
         n_ctx: usize,
         mut progress: impl FnMut(usize, &Stage),
     ) -> Result<Self, ModelError> {
-        let n_layers = files.config.n_layers;
+        let n_layers = files.config().n_layers;
         let mut next = 0;
         for s in stages {
             if s.layers.start() != next {

@@ -3,12 +3,14 @@
 //! formats (GGUF's Q and K rows permuted for its interleaved rotary layout, as llama.cpp's
 //! converter does), so the two can be checked against each other.
 
+use crate::config::{Arch, ModelConfig, RopeScaling, RopeStyle};
 use crate::gguf::{self, TensorSpec, Value};
 use crate::tokenizer::{synthetic_bpe_vocab, synthetic_tokenizer_json, CHATML_TEMPLATE};
 use crate::weights::gguf_to_hf_name;
 use crate::ModelError;
-use candle_core::quantized::k_quants::{BlockQ4K, BlockQ4_0, BlockQ6K, BlockQ8_0, GgmlType};
-use candle_core::quantized::GgmlDType;
+use brigade_format::tensors::{shape_of, Dim, LayerTensor, OUTPUT, OUTPUT_NORM, TOKEN_EMBD};
+use brigade_format::GgmlType;
+use candle_core::quantized::k_quants::{self, BlockQ4K, BlockQ4_0, BlockQ6K, BlockQ8_0};
 use rayon::prelude::*;
 use serde::Serialize;
 use std::io::{BufWriter, Write};
@@ -72,6 +74,28 @@ impl Shape {
         Ok(())
     }
 
+    /// The configuration a model of this shape declares (untied head, no biases).
+    fn config(&self) -> ModelConfig {
+        ModelConfig {
+            arch: Arch::Llama,
+            n_layers: self.layers,
+            hidden: self.hidden,
+            ffn: self.ffn,
+            n_heads: self.heads,
+            n_kv_heads: self.kv_heads,
+            head_dim: self.head_dim(),
+            vocab: self.vocab,
+            rope_theta: self.rope_theta,
+            rope_style: RopeStyle::Interleaved,
+            rope_scaling: RopeScaling::None,
+            rms_eps: 1e-5,
+            context_length: self.context,
+            qkv_bias: false,
+            tie_word_embeddings: Some(false),
+            dtype: None,
+        }
+    }
+
     /// Parameters (weights) of the model, embedding and head included (untied).
     pub fn params(&self) -> u64 {
         let (h, f, v) = (self.hidden as u64, self.ffn as u64, self.vocab as u64);
@@ -110,15 +134,15 @@ impl std::str::FromStr for SynthType {
 }
 
 impl SynthType {
-    fn ggml(self) -> GgmlDType {
+    fn ggml(self) -> GgmlType {
         match self {
-            SynthType::F32 => GgmlDType::F32,
-            SynthType::F16 => GgmlDType::F16,
-            SynthType::BF16 => GgmlDType::BF16,
-            SynthType::Q8_0 => GgmlDType::Q8_0,
-            SynthType::Q4_0 => GgmlDType::Q4_0,
-            SynthType::Q4K => GgmlDType::Q4K,
-            SynthType::Q6K => GgmlDType::Q6K,
+            SynthType::F32 => GgmlType::F32,
+            SynthType::F16 => GgmlType::F16,
+            SynthType::BF16 => GgmlType::BF16,
+            SynthType::Q8_0 => GgmlType::Q8_0,
+            SynthType::Q4_0 => GgmlType::Q4_0,
+            SynthType::Q4K => GgmlType::Q4K,
+            SynthType::Q6K => GgmlType::Q6K,
         }
     }
 
@@ -137,37 +161,39 @@ impl SynthType {
 }
 
 /// A row of `len` elements can be stored as `dt` (whole blocks), else llama.cpp's fallback.
-fn type_for_row(dt: GgmlDType, len: usize) -> GgmlDType {
+fn type_for_row(dt: GgmlType, len: usize) -> GgmlType {
     if len.is_multiple_of(dt.block_size()) {
         dt
     } else if len.is_multiple_of(32) {
-        GgmlDType::Q8_0
+        GgmlType::Q8_0
     } else {
-        GgmlDType::F16
+        GgmlType::F16
     }
 }
 
-/// The tensors of a model of `shape`: (GGUF name, rows, cols, kind).
-fn tensor_list(shape: &Shape) -> Vec<(String, usize, usize, Init)> {
-    let (h, f, v) = (shape.hidden, shape.ffn, shape.vocab);
-    let q = shape.heads * shape.head_dim();
-    let kv = shape.kv_heads * shape.head_dim();
-    let mut t = vec![("token_embd.weight".to_string(), v, h, Init::Weight)];
+/// The tensors of a model of `shape` (the layers' from [`LayerTensor`]'s table): (GGUF name,
+/// rows, cols, kind).
+fn tensor_list(shape: &Shape) -> Result<Vec<(String, usize, usize, Init)>, ModelError> {
+    let cfg = shape.config();
+    let entry = |name: String, dims: Vec<usize>| {
+        let init = if dims.len() == 1 { Init::Norm } else { Init::Weight };
+        let (rows, cols) = match dims[..] {
+            [cols] => (1, cols),
+            [rows, cols, ..] => (rows, cols),
+            [] => (0, 0),
+        };
+        (name, rows, cols, init)
+    };
+    let global = |name: &str, dims: &[Dim]| Ok::<_, ModelError>(entry(name.to_string(), shape_of(dims, &cfg)?));
+    let mut t = vec![global(TOKEN_EMBD, &[Dim::Vocab, Dim::Hidden])?];
     for i in 0..shape.layers {
-        let n = |s: &str| format!("blk.{i}.{s}");
-        t.push((n("attn_norm.weight"), 1, h, Init::Norm));
-        t.push((n("attn_q.weight"), q, h, Init::Weight));
-        t.push((n("attn_k.weight"), kv, h, Init::Weight));
-        t.push((n("attn_v.weight"), kv, h, Init::Weight));
-        t.push((n("attn_output.weight"), h, q, Init::Weight));
-        t.push((n("ffn_norm.weight"), 1, h, Init::Norm));
-        t.push((n("ffn_gate.weight"), f, h, Init::Weight));
-        t.push((n("ffn_up.weight"), f, h, Init::Weight));
-        t.push((n("ffn_down.weight"), h, f, Init::Weight));
+        for lt in LayerTensor::required_in(&cfg) {
+            t.push(entry(lt.name(i), lt.shape(&cfg)?));
+        }
     }
-    t.push(("output_norm.weight".to_string(), 1, h, Init::Norm));
-    t.push(("output.weight".to_string(), v, h, Init::Weight));
-    t
+    t.push(global(OUTPUT_NORM, &[Dim::Hidden])?);
+    t.push(global(OUTPUT, &[Dim::Vocab, Dim::Hidden])?);
+    Ok(t)
 }
 
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -234,7 +260,7 @@ fn round_through(xs: &mut [f32], ty: SynthType) {
     }
 }
 
-fn quantize<T: GgmlType + Send + Sync>(xs: &[f32], cols: usize) -> Vec<u8> {
+fn quantize<T: k_quants::GgmlType + Send + Sync>(xs: &[f32], cols: usize) -> Vec<u8> {
     let blocks_per_row = cols / T::BLCK_SIZE;
     let rows = xs.len() / cols;
     let mut blocks = vec![T::zeros(); rows * blocks_per_row];
@@ -248,15 +274,15 @@ fn quantize<T: GgmlType + Send + Sync>(xs: &[f32], cols: usize) -> Vec<u8> {
     unsafe { std::slice::from_raw_parts(blocks.as_ptr() as *const u8, n) }.to_vec()
 }
 
-fn encode(xs: &[f32], cols: usize, dt: GgmlDType, out: &mut Vec<u8>) {
+fn encode(xs: &[f32], cols: usize, dt: GgmlType, out: &mut Vec<u8>) {
     match dt {
-        GgmlDType::F32 => out.extend(xs.iter().flat_map(|x| x.to_le_bytes())),
-        GgmlDType::F16 => out.extend(xs.iter().flat_map(|x| half::f16::from_f32(*x).to_le_bytes())),
-        GgmlDType::BF16 => out.extend(xs.iter().flat_map(|x| half::bf16::from_f32(*x).to_le_bytes())),
-        GgmlDType::Q8_0 => out.extend(quantize::<BlockQ8_0>(xs, cols)),
-        GgmlDType::Q4_0 => out.extend(quantize::<BlockQ4_0>(xs, cols)),
-        GgmlDType::Q4K => out.extend(quantize::<BlockQ4K>(xs, cols)),
-        GgmlDType::Q6K => out.extend(quantize::<BlockQ6K>(xs, cols)),
+        GgmlType::F32 => out.extend(xs.iter().flat_map(|x| x.to_le_bytes())),
+        GgmlType::F16 => out.extend(xs.iter().flat_map(|x| half::f16::from_f32(*x).to_le_bytes())),
+        GgmlType::BF16 => out.extend(xs.iter().flat_map(|x| half::bf16::from_f32(*x).to_le_bytes())),
+        GgmlType::Q8_0 => out.extend(quantize::<BlockQ8_0>(xs, cols)),
+        GgmlType::Q4_0 => out.extend(quantize::<BlockQ4_0>(xs, cols)),
+        GgmlType::Q4K => out.extend(quantize::<BlockQ4K>(xs, cols)),
+        GgmlType::Q6K => out.extend(quantize::<BlockQ6K>(xs, cols)),
         _ => unreachable!("synth writes only the types of SynthType"),
     }
 }
@@ -304,13 +330,13 @@ pub fn write_gguf(
     mut progress: impl FnMut(usize, usize),
 ) -> Result<u64, ModelError> {
     shape.validate()?;
-    let list = tensor_list(shape);
+    let list = tensor_list(shape)?;
     let specs: Vec<TensorSpec> = list
         .iter()
         .map(|(name, rows, cols, init)| {
             let dtype = match init {
-                Init::Norm => GgmlDType::F32,
-                Init::Weight if ty == SynthType::Q4K && name == "output.weight" => type_for_row(GgmlDType::Q6K, *cols),
+                Init::Norm => GgmlType::F32,
+                Init::Weight if ty == SynthType::Q4K && name == OUTPUT => type_for_row(GgmlType::Q6K, *cols),
                 Init::Weight => type_for_row(ty.ggml(), *cols),
             };
             let dims = if *rows == 1 { vec![*cols as u64] } else { vec![*cols as u64, *rows as u64] };
@@ -404,16 +430,16 @@ pub fn write_safetensors_dir(
     let p = dir.join("tokenizer_config.json");
     std::fs::write(&p, tc.to_string()).map_err(|e| io(&p, e))?;
 
-    let list = tensor_list(shape);
+    let list = tensor_list(shape)?;
     let total = list.len();
     let mut datas: Vec<(String, Vec<usize>, Vec<u8>)> = Vec::with_capacity(total);
     for (i, (name, rows, cols, init)) in list.iter().enumerate() {
         let xs = values(seed, name, *rows, *cols, *init);
         let mut bytes = Vec::with_capacity(xs.len() * size);
         let dt = match ty {
-            SynthType::F16 => GgmlDType::F16,
-            SynthType::BF16 => GgmlDType::BF16,
-            _ => GgmlDType::F32,
+            SynthType::F16 => GgmlType::F16,
+            SynthType::BF16 => GgmlType::BF16,
+            _ => GgmlType::F32,
         };
         encode(&xs, *cols, dt, &mut bytes);
         let hf = gguf_to_hf_name(name).unwrap_or_else(|| name.clone());

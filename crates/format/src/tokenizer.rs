@@ -4,13 +4,13 @@
 //! - `llama` (SentencePiece) vocabularies merge adjacent symbols by vocabulary *score*, with byte
 //!   fallback. No model of the `tokenizers` crate merges by score the way llama.cpp's SPM
 //!   tokenizer does, and brigade has to produce exactly llama.cpp's ids, so that tokenizer is
-//!   written here ([`Spm`], about a hundred lines).
+//!   written here (`Spm`, about a hundred lines).
 //! - `gpt2` byte-level BPE vocabularies are built into a `tokenizers` BPE model from the GGUF
 //!   tokens and merges, behind the pre-tokenizer regexes llama.cpp uses for `tokenizer.ggml.pre`.
 //! - `tokenizer.json` is loaded by the `tokenizers` crate as it is.
 
 use crate::gguf::{Gguf, Value};
-use crate::ModelError;
+use crate::FormatError;
 use std::cmp::Ordering;
 use std::collections::{BinaryHeap, HashMap, HashSet};
 use tokenizers::models::bpe::BPE;
@@ -18,6 +18,9 @@ use tokenizers::pre_tokenizers::byte_level::ByteLevel;
 use tokenizers::pre_tokenizers::sequence::Sequence;
 use tokenizers::pre_tokenizers::split::{Split, SplitPattern};
 use tokenizers::{PreTokenizerWrapper, SplitDelimiterBehavior};
+
+mod synthetic;
+pub use synthetic::{synthetic_bpe_vocab, synthetic_tokenizer_json, CHATML_TEMPLATE};
 
 const SPM_SPACE: &str = "\u{2581}";
 
@@ -139,12 +142,29 @@ pub struct Tokenizer {
     vocab_size: usize,
 }
 
-fn str_array(g: &Gguf, key: &str) -> Result<Vec<String>, ModelError> {
-    let arr = g.get(key).and_then(Value::as_array).ok_or_else(|| ModelError::MissingMetadata(key.to_string()))?;
+fn str_array(g: &Gguf, key: &str) -> Result<Vec<String>, FormatError> {
+    let arr = g.get(key).and_then(Value::as_array).ok_or_else(|| FormatError::MissingMetadata(key.to_string()))?;
     arr.iter()
         .map(|v| v.as_str().map(str::to_string))
         .collect::<Option<Vec<_>>>()
-        .ok_or_else(|| ModelError::BadMetadata { key: key.to_string(), why: "not an array of strings".into() })
+        .ok_or_else(|| FormatError::BadMetadata { key: key.to_string(), why: "not an array of strings".into() })
+}
+
+/// The per-token array `key` of a vocabulary of `n` tokens, `default` for each when absent.
+fn per_token<T: Clone>(
+    g: &Gguf,
+    key: &str,
+    n: usize,
+    default: T,
+    each: impl Fn(&Value) -> T,
+) -> Result<Vec<T>, FormatError> {
+    match g.get(key).and_then(Value::as_array) {
+        Some(a) if a.len() == n => Ok(a.iter().map(each).collect()),
+        Some(a) => {
+            Err(FormatError::BadMetadata { key: key.into(), why: format!("{} entries for {n} tokens", a.len()) })
+        }
+        None => Ok(vec![default; n]),
+    }
 }
 
 fn opt_id(g: &Gguf, key: &str, n: usize) -> Option<u32> {
@@ -209,29 +229,30 @@ fn bpe_pre_regexes(pre: &str) -> Vec<&'static str> {
     }
 }
 
-fn tk_err(e: impl std::fmt::Display) -> ModelError {
-    ModelError::Tokenizer(e.to_string())
+/// The special tokens that end a turn in the chat formats brigade's models use (Llama 3's
+/// end-of-turn and end-of-message, ChatML, Phi, Gemma, GPT-2's end of text), whichever file
+/// format the vocabulary came in; the ids the metadata names as EOS/EOT/EOM come on top.
+pub const EOG_TOKENS: [&str; 6] =
+    ["<|eot_id|>", "<|eom_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>", "<|endoftext|>"];
+
+fn is_eog_text(token: &str) -> bool {
+    EOG_TOKENS.contains(&token)
+}
+
+fn tk_err(e: impl std::fmt::Display) -> FormatError {
+    FormatError::Tokenizer(e.to_string())
 }
 
 impl Tokenizer {
     /// Builds the tokenizer a GGUF file describes (`tokenizer.ggml.*`).
-    pub fn from_gguf(g: &Gguf) -> Result<Self, ModelError> {
+    pub fn from_gguf(g: &Gguf) -> Result<Self, FormatError> {
         let model = g.get("tokenizer.ggml.model").and_then(Value::as_str).unwrap_or("llama").to_string();
         let tokens = str_array(g, "tokenizer.ggml.tokens")?;
         let n = tokens.len();
         if n == 0 {
-            return Err(ModelError::Tokenizer("the vocabulary is empty".into()));
+            return Err(FormatError::Tokenizer("the vocabulary is empty".into()));
         }
-        let types: Vec<i32> = match g.get("tokenizer.ggml.token_type").and_then(Value::as_array) {
-            Some(a) if a.len() == n => a.iter().map(|v| v.as_i64().unwrap_or(1) as i32).collect(),
-            Some(a) => {
-                return Err(ModelError::BadMetadata {
-                    key: "tokenizer.ggml.token_type".into(),
-                    why: format!("{} entries for {n} tokens", a.len()),
-                })
-            }
-            None => vec![TT_NORMAL; n],
-        };
+        let types = per_token(g, "tokenizer.ggml.token_type", n, TT_NORMAL, |v| v.as_i64().unwrap_or(1) as i32)?;
         let is_special = |t: i32| t == TT_CONTROL || t == TT_USER_DEFINED;
         let mut specials: Vec<(String, u32)> = tokens
             .iter()
@@ -249,10 +270,7 @@ impl Tokenizer {
             eog.extend(opt_id(g, k, n));
         }
         for (tok, id) in &specials {
-            if matches!(
-                tok.as_str(),
-                "<|eot_id|>" | "<|im_end|>" | "<|end|>" | "<end_of_turn>" | "<|endoftext|>" | "<|eom_id|>"
-            ) {
+            if is_eog_text(tok) {
                 eog.insert(*id);
             }
         }
@@ -261,16 +279,7 @@ impl Tokenizer {
 
         let (inner, pieces, add_bos, add_space_prefix) = match model.as_str() {
             "llama" | "replit" => {
-                let scores: Vec<f32> = match g.get("tokenizer.ggml.scores").and_then(Value::as_array) {
-                    Some(a) if a.len() == n => a.iter().map(|v| v.as_f64().unwrap_or(0.0) as f32).collect(),
-                    Some(a) => {
-                        return Err(ModelError::BadMetadata {
-                            key: "tokenizer.ggml.scores".into(),
-                            why: format!("{} entries for {n} tokens", a.len()),
-                        })
-                    }
-                    None => vec![0.0; n],
-                };
+                let scores = per_token(g, "tokenizer.ggml.scores", n, 0.0, |v| v.as_f64().unwrap_or(0.0) as f32)?;
                 let mut ids = HashMap::with_capacity(n);
                 let mut byte_ids = [None; 256];
                 for (i, (tok, &t)) in tokens.iter().zip(&types).enumerate() {
@@ -309,7 +318,7 @@ impl Tokenizer {
                     .iter()
                     .map(|m| m.split_once(' ').map(|(a, b)| (a.to_string(), b.to_string())))
                     .collect::<Option<_>>()
-                    .ok_or_else(|| ModelError::BadMetadata {
+                    .ok_or_else(|| FormatError::BadMetadata {
                         key: "tokenizer.ggml.merges".into(),
                         why: "an entry is not `a b`".into(),
                     })?;
@@ -336,7 +345,7 @@ impl Tokenizer {
                 (Inner::Bpe(Box::new(tk)), pieces, flag("tokenizer.ggml.add_bos_token").unwrap_or(false), false)
             }
             other => {
-                return Err(ModelError::Tokenizer(format!(
+                return Err(FormatError::Tokenizer(format!(
                     "tokenizer model `{other}` is not supported (llama, gpt2 are)"
                 )))
             }
@@ -362,7 +371,7 @@ impl Tokenizer {
         tokenizer_json: &[u8],
         tokenizer_config: Option<&str>,
         config: Option<&str>,
-    ) -> Result<Self, ModelError> {
+    ) -> Result<Self, FormatError> {
         let tk = tokenizers::Tokenizer::from_bytes(tokenizer_json).map_err(tk_err)?;
         let n = tk.get_vocab_size(true);
         let tc: serde_json::Value = tokenizer_config.and_then(|t| serde_json::from_str(t).ok()).unwrap_or_default();
@@ -396,10 +405,7 @@ impl Tokenizer {
         for (&id, t) in &added {
             if t.special {
                 specials.push((t.content.clone(), id));
-                if matches!(
-                    t.content.as_str(),
-                    "<|eot_id|>" | "<|im_end|>" | "<|end|>" | "<end_of_turn>" | "<|endoftext|>"
-                ) {
+                if is_eog_text(&t.content) {
                     eog.insert(id);
                 }
             }
@@ -468,7 +474,7 @@ impl Tokenizer {
 
     /// Encodes `text`. With `add_special`, a BOS is prepended when the model asks for one.
     /// Control and user-defined tokens written in the text become their ids, as in llama.cpp.
-    pub fn encode(&self, text: &str, add_special: bool) -> Result<Vec<u32>, ModelError> {
+    pub fn encode(&self, text: &str, add_special: bool) -> Result<Vec<u32>, FormatError> {
         let mut out = Vec::new();
         if let Inner::Hf(tk) = &self.inner {
             // tokenizer.json carries its own special-token handling and BOS post-processor.
@@ -513,7 +519,7 @@ impl Tokenizer {
         Ok(out)
     }
 
-    fn encode_fragment(&self, text: &str, prev_special: bool, out: &mut Vec<u32>) -> Result<(), ModelError> {
+    fn encode_fragment(&self, text: &str, prev_special: bool, out: &mut Vec<u32>) -> Result<(), FormatError> {
         match &self.inner {
             Inner::Spm(spm) => {
                 let mut t = String::with_capacity(text.len() + 3);
@@ -555,18 +561,17 @@ impl Tokenizer {
     }
 
     /// Renders the model's chat template for one user message and a generation prompt.
-    pub fn apply_chat_template(&self, messages: &[(String, String)]) -> Result<String, ModelError> {
-        let template = self
-            .chat_template
-            .as_deref()
-            .ok_or_else(|| ModelError::Tokenizer("this model has no chat template (tokenizer.chat_template)".into()))?;
+    pub fn apply_chat_template(&self, messages: &[(String, String)]) -> Result<String, FormatError> {
+        let template = self.chat_template.as_deref().ok_or_else(|| {
+            FormatError::Tokenizer("this model has no chat template (tokenizer.chat_template)".into())
+        })?;
         let mut env = minijinja::Environment::new();
         minijinja_contrib::add_to_environment(&mut env);
         env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
         env.add_function("raise_exception", |msg: String| -> Result<String, minijinja::Error> {
             Err(minijinja::Error::new(minijinja::ErrorKind::InvalidOperation, msg))
         });
-        env.add_template("chat", template).map_err(|e| ModelError::Tokenizer(format!("chat template: {e}")))?;
+        env.add_template("chat", template).map_err(|e| FormatError::Tokenizer(format!("chat template: {e}")))?;
         let tok_text = |id: Option<u32>| -> String {
             id.map(|i| String::from_utf8_lossy(&self.raw_token(i)).into_owned()).unwrap_or_default()
         };
@@ -580,7 +585,7 @@ impl Tokenizer {
         };
         env.get_template("chat")
             .and_then(|t| t.render(ctx))
-            .map_err(|e| ModelError::Tokenizer(format!("chat template: {e}")))
+            .map_err(|e| FormatError::Tokenizer(format!("chat template: {e}")))
     }
 
     /// The literal text of a special token (for templates), which `piece` hides.
@@ -594,7 +599,7 @@ impl Tokenizer {
 
     /// Tokenizes a rendered chat prompt: special tokens are parsed, and a BOS is added only
     /// when the template did not write one.
-    pub fn encode_chat(&self, rendered: &str) -> Result<Vec<u32>, ModelError> {
+    pub fn encode_chat(&self, rendered: &str) -> Result<Vec<u32>, FormatError> {
         let bos_text = self.bos.map(|b| String::from_utf8_lossy(&self.raw_token(b)).into_owned());
         let has_bos = bos_text.is_some_and(|t| !t.is_empty() && rendered.starts_with(&t));
         self.encode(rendered, !has_bos)
@@ -642,94 +647,6 @@ impl TextStream<'_> {
     }
 }
 
-/// Builds the metadata of a byte-level BPE vocabulary (GPT-2 style) for synthetic models:
-/// 256 byte tokens, merges up to `vocab - n_special` tokens, then `<|begin_of_text|>`,
-/// `<|end_of_text|>`, `<|im_start|>`, `<|im_end|>`. Returns (tokens, types, merges).
-pub fn synthetic_bpe_vocab(vocab: usize) -> (Vec<String>, Vec<i32>, Vec<String>) {
-    const SPECIALS: [&str; 4] = ["<|begin_of_text|>", "<|end_of_text|>", "<|im_start|>", "<|im_end|>"];
-    let chars = gpt2_byte_chars();
-    let mut tokens: Vec<String> = chars.iter().map(|c| c.to_string()).collect();
-    let mut seen: HashSet<String> = tokens.iter().cloned().collect();
-    let mut merges = Vec::new();
-    let target = vocab.saturating_sub(SPECIALS.len()).max(256);
-    // Deterministic pairs: common letters first (so text tokenizes into multi-byte tokens),
-    // then combinations of earlier tokens.
-    let alpha: Vec<String> = "etaoinshrdlucmfwypvbgkjqxz".chars().map(|c| c.to_string()).collect();
-    let space = chars[b' ' as usize].to_string();
-    let mut candidates: Vec<(String, String)> = Vec::new();
-    for a in &alpha {
-        candidates.push((space.clone(), a.clone()));
-    }
-    for a in &alpha {
-        for b in &alpha {
-            candidates.push((a.clone(), b.clone()));
-        }
-    }
-    let mut ci = 0usize;
-    let mut k = 0u64;
-    while tokens.len() < target {
-        let (a, b) = if ci < candidates.len() {
-            ci += 1;
-            candidates[ci - 1].clone()
-        } else {
-            // a cheap deterministic walk over earlier tokens
-            k = k.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
-            let n = tokens.len() as u64;
-            let i = ((k >> 33) % n) as usize;
-            let j = ((k >> 13) % n.min(4096)) as usize;
-            (tokens[i].clone(), tokens[j].clone())
-        };
-        let joined = format!("{a}{b}");
-        if joined.chars().count() > 16 || !seen.insert(joined.clone()) {
-            continue;
-        }
-        merges.push(format!("{a} {b}"));
-        tokens.push(joined);
-    }
-    let mut types = vec![TT_NORMAL; tokens.len()];
-    for s in SPECIALS {
-        tokens.push(s.to_string());
-        types.push(TT_CONTROL);
-    }
-    (tokens, types, merges)
-}
-
-/// The ChatML template brigade writes into synthetic models.
-pub const CHATML_TEMPLATE: &str = "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}";
-
-/// A `tokenizer.json` equal to [`synthetic_bpe_vocab`] (for safetensors directories).
-pub fn synthetic_tokenizer_json(vocab: usize) -> Result<String, ModelError> {
-    let (tokens, types, merges) = synthetic_bpe_vocab(vocab);
-    let mut v = serde_json::Map::new();
-    for (i, t) in tokens.iter().enumerate() {
-        v.insert(t.clone(), serde_json::json!(i));
-    }
-    let added: Vec<serde_json::Value> = tokens
-        .iter()
-        .zip(&types)
-        .enumerate()
-        .filter(|(_, (_, &t))| t == TT_CONTROL)
-        .map(|(i, (t, _))| {
-            serde_json::json!({"id": i, "content": t, "single_word": false, "lstrip": false,
-                               "rstrip": false, "normalized": false, "special": true})
-        })
-        .collect();
-    let j = serde_json::json!({
-        "version": "1.0",
-        "truncation": null,
-        "padding": null,
-        "added_tokens": added,
-        "normalizer": null,
-        "pre_tokenizer": {"type": "ByteLevel", "add_prefix_space": false, "trim_offsets": true, "use_regex": true},
-        "post_processor": {"type": "ByteLevel", "add_prefix_space": true, "trim_offsets": false, "use_regex": true},
-        "decoder": {"type": "ByteLevel", "add_prefix_space": true, "trim_offsets": true, "use_regex": true},
-        "model": {"type": "BPE", "dropout": null, "unk_token": null, "continuing_subword_prefix": null,
-                  "end_of_word_suffix": null, "fuse_unk": false, "byte_fallback": false,
-                  "ignore_merges": false, "vocab": v, "merges": merges}
-    });
-    serde_json::to_string(&j).map_err(tk_err)
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -751,12 +668,37 @@ mod tests {
     }
 
     #[test]
-    fn synthetic_vocab_has_requested_size() {
-        let (t, ty, m) = synthetic_bpe_vocab(1000);
-        assert_eq!(t.len(), 1000);
-        assert_eq!(ty.len(), 1000);
-        assert_eq!(m.len(), 1000 - 256 - 4);
-        let uniq: HashSet<&String> = t.iter().collect();
-        assert_eq!(uniq.len(), 1000);
+    fn one_list_of_end_of_generation_tokens() {
+        // a vocabulary with Llama 3's end-of-message token, as tokenizer.json and as GGUF metadata
+        let mut j: serde_json::Value = serde_json::from_str(&synthetic_tokenizer_json(300).unwrap()).unwrap();
+        let added = serde_json::json!({"id": 300, "content": "<|eom_id|>", "single_word": false, "lstrip": false,
+                                       "rstrip": false, "normalized": false, "special": true});
+        j["added_tokens"].as_array_mut().unwrap().push(added);
+        j["model"]["vocab"]["<|eom_id|>"] = serde_json::json!(300);
+        let hf = Tokenizer::from_hf(j.to_string().as_bytes(), None, None).unwrap();
+
+        let (mut tokens, mut types, merges) = synthetic_bpe_vocab(300);
+        tokens.push("<|eom_id|>".into());
+        types.push(TT_CONTROL);
+        let strings =
+            |v: Vec<String>| crate::gguf::Value::Array(v.into_iter().map(crate::gguf::Value::String).collect());
+        let md = vec![
+            ("tokenizer.ggml.model".to_string(), crate::gguf::Value::String("gpt2".into())),
+            ("tokenizer.ggml.tokens".to_string(), strings(tokens)),
+            (
+                "tokenizer.ggml.token_type".to_string(),
+                crate::gguf::Value::Array(types.into_iter().map(crate::gguf::Value::I32).collect()),
+            ),
+            ("tokenizer.ggml.merges".to_string(), strings(merges)),
+        ];
+        let mut bytes = Vec::new();
+        crate::gguf::write_gguf(&mut bytes, &md, &[], |_, _| Ok(())).unwrap();
+        let gguf = Tokenizer::from_gguf(&Gguf::parse(&bytes).unwrap()).unwrap();
+
+        assert!(hf.is_eog(300) && gguf.is_eog(300), "<|eom_id|> ends generation");
+        assert!(hf.is_eog(299) && !hf.is_eog(298), "<|im_end|> does, <|im_start|> does not");
+        for id in 0..=300 {
+            assert_eq!(hf.is_eog(id), gguf.is_eog(id), "token {id}");
+        }
     }
 }

@@ -3,12 +3,13 @@
 //! Written here rather than taken from `candle_core::quantized::gguf_file` because a model file is
 //! outside input: candle's reader sizes allocations by the string, array and tensor counts it
 //! reads (`vec![0; len]`) and panics on some malformed headers. This reader works on the mapped
-//! bytes and checks every length against the bytes that remain before it allocates anything, so
-//! a hostile header costs at most a few times its own size in memory, and every failure is a
-//! [`GgufError`] that names the problem. Tensor data is not read here: [`TensorInfo`] gives the
-//! checked byte range of each tensor inside the file.
+//! bytes and checks every length against the bytes that remain before it allocates anything, and
+//! bounds what arrays expand to (every element becomes a [`Value`], whatever its size in the
+//! file: see [`MAX_EXPANSION`]), so a hostile header costs at most a few times the file's size in
+//! memory, and every failure is a [`GgufError`] that names the problem. Tensor data is not read
+//! here: [`TensorInfo`] gives the checked byte range of each tensor inside the file.
 
-use candle_core::quantized::GgmlDType;
+pub use crate::ggml::GgmlType;
 use std::collections::HashMap;
 use std::io::Write;
 
@@ -21,6 +22,11 @@ const MAX_ARRAY_NESTING: usize = 2;
 const MIN_TENSOR_INFO_BYTES: u64 = 33;
 /// The smallest encoding of one key/value: key length (8) + 1 byte of key + type (4) + 1 byte.
 const MIN_KV_BYTES: u64 = 14;
+/// The array elements of a header, materialised as [`Value`]s, take at most this many times the
+/// file's size. A one-byte element (u8, i8, bool) becomes a whole `Value` (32 bytes on 64-bit
+/// targets), so without this bound a file of byte arrays would expand 32-fold; the largest arrays
+/// of real files (a vocabulary's strings, scores and types) stay far below it.
+pub const MAX_EXPANSION: u64 = 8;
 
 #[derive(Debug, thiserror::Error)]
 pub enum GgufError {
@@ -36,6 +42,11 @@ pub enum GgufError {
     UnknownValueType { key: String, type_id: u32 },
     #[error("GGUF metadata key `{key}`: arrays nested deeper than {MAX_ARRAY_NESTING} levels")]
     TooDeep { key: String },
+    #[error(
+        "GGUF metadata key `{key}`: {elements} array elements in all would take {bytes} bytes in memory, \
+         more than {MAX_EXPANSION} times the file's {len} bytes"
+    )]
+    ArraysTooLarge { key: String, elements: u64, bytes: u64, len: u64 },
     #[error("GGUF string at offset {offset} is not valid UTF-8")]
     BadUtf8 { offset: u64 },
     #[error("GGUF metadata key `{0}` appears twice")]
@@ -157,15 +168,16 @@ impl Value {
 pub struct TensorInfo {
     pub name: String,
     pub dims: Vec<u64>,
-    pub dtype: GgmlDType,
+    pub dtype: GgmlType,
     /// Absolute offset of the data in the file.
     pub offset: u64,
     pub n_bytes: u64,
 }
 
 impl TensorInfo {
+    /// Elements of the tensor (the parser checked that the product does not overflow).
     pub fn n_elements(&self) -> u64 {
-        self.dims.iter().product()
+        self.dims.iter().fold(1u64, |n, &d| n.saturating_mul(d))
     }
     /// The shape in candle order (outermost first): GGUF's `[ne0, ne1]` is candle's `(ne1, ne0)`.
     pub fn shape(&self) -> Vec<usize> {
@@ -186,83 +198,18 @@ pub struct Gguf {
     pub data_start: u64,
 }
 
-/// GGML type ids as the GGUF tensor table spells them (ggml.h `enum ggml_type`).
-pub fn dtype_from_id(id: u32) -> Option<GgmlDType> {
-    Some(match id {
-        0 => GgmlDType::F32,
-        1 => GgmlDType::F16,
-        2 => GgmlDType::Q4_0,
-        3 => GgmlDType::Q4_1,
-        6 => GgmlDType::Q5_0,
-        7 => GgmlDType::Q5_1,
-        8 => GgmlDType::Q8_0,
-        9 => GgmlDType::Q8_1,
-        10 => GgmlDType::Q2K,
-        11 => GgmlDType::Q3K,
-        12 => GgmlDType::Q4K,
-        13 => GgmlDType::Q5K,
-        14 => GgmlDType::Q6K,
-        15 => GgmlDType::Q8K,
-        30 => GgmlDType::BF16,
-        _ => return None,
-    })
-}
-
-pub fn dtype_id(dtype: GgmlDType) -> u32 {
-    match dtype {
-        GgmlDType::F32 => 0,
-        GgmlDType::F16 => 1,
-        GgmlDType::Q4_0 => 2,
-        GgmlDType::Q4_1 => 3,
-        GgmlDType::Q5_0 => 6,
-        GgmlDType::Q5_1 => 7,
-        GgmlDType::Q8_0 => 8,
-        GgmlDType::Q8_1 => 9,
-        GgmlDType::Q2K => 10,
-        GgmlDType::Q3K => 11,
-        GgmlDType::Q4K => 12,
-        GgmlDType::Q5K => 13,
-        GgmlDType::Q6K => 14,
-        GgmlDType::Q8K => 15,
-        GgmlDType::BF16 => 30,
-    }
-}
-
-/// The name llama.cpp prints for a type.
-pub fn dtype_name(dtype: GgmlDType) -> &'static str {
-    match dtype {
-        GgmlDType::F32 => "f32",
-        GgmlDType::F16 => "f16",
-        GgmlDType::BF16 => "bf16",
-        GgmlDType::Q4_0 => "q4_0",
-        GgmlDType::Q4_1 => "q4_1",
-        GgmlDType::Q5_0 => "q5_0",
-        GgmlDType::Q5_1 => "q5_1",
-        GgmlDType::Q8_0 => "q8_0",
-        GgmlDType::Q8_1 => "q8_1",
-        GgmlDType::Q2K => "q2_k",
-        GgmlDType::Q3K => "q3_k",
-        GgmlDType::Q4K => "q4_k",
-        GgmlDType::Q5K => "q5_k",
-        GgmlDType::Q6K => "q6_k",
-        GgmlDType::Q8K => "q8_k",
-    }
-}
-
-/// Bytes of `n_elements` of `dtype` in a row of `row_len` elements; `None` when the row is not a
+/// Bytes of `n_elements` of `dtype` in rows of `row_len` elements; `None` when a row is not a
 /// whole number of blocks or the size overflows.
-pub fn tensor_bytes(dtype: GgmlDType, row_len: u64, n_elements: u64) -> Option<u64> {
-    let bs = dtype.block_size() as u64;
-    if !row_len.is_multiple_of(bs) {
-        return None;
-    }
-    (n_elements / bs).checked_mul(dtype.type_size() as u64)
+pub fn tensor_bytes(dtype: GgmlType, row_len: u64, n_elements: u64) -> Option<u64> {
+    dtype.bytes(row_len, n_elements)
 }
 
 struct Cursor<'a> {
     buf: &'a [u8],
     pos: usize,
     version: u32,
+    /// Array elements materialised so far, against [`MAX_EXPANSION`].
+    elements: u64,
 }
 
 impl<'a> Cursor<'a> {
@@ -313,6 +260,27 @@ impl<'a> Cursor<'a> {
         String::from_utf8(bytes.to_vec()).map_err(|_| GgufError::BadUtf8 { offset: start })
     }
 
+    /// `count` items of at least `min_each` bytes fit in the bytes that remain.
+    fn fits(&self, what: &'static str, count: u64, min_each: u64) -> Result<(), GgufError> {
+        let remaining = self.remaining();
+        if count > remaining / min_each {
+            return Err(GgufError::AbsurdCount { what, count, remaining, min_each });
+        }
+        Ok(())
+    }
+
+    /// Counts `count` more array elements against the expansion bound, before they are allocated.
+    fn charge(&mut self, key: &str, count: u64) -> Result<(), GgufError> {
+        let len = self.buf.len() as u64;
+        let elements = self.elements.saturating_add(count);
+        let bytes = elements.saturating_mul(std::mem::size_of::<Value>() as u64);
+        if bytes > len.saturating_mul(MAX_EXPANSION) {
+            return Err(GgufError::ArraysTooLarge { key: key.to_string(), elements, bytes, len });
+        }
+        self.elements = elements;
+        Ok(())
+    }
+
     fn value(&mut self, key: &str, type_id: u32, depth: usize) -> Result<Value, GgufError> {
         let what = || format!("value of `{key}`");
         Ok(match type_id {
@@ -339,10 +307,8 @@ impl<'a> Cursor<'a> {
                     t => return Err(GgufError::UnknownValueType { key: key.to_string(), type_id: t }),
                 };
                 let count = self.len(&what())?;
-                let remaining = self.remaining();
-                if count > remaining / min_each {
-                    return Err(GgufError::AbsurdCount { what: "array elements", count, remaining, min_each });
-                }
+                self.fits("array elements", count, min_each)?;
+                self.charge(key, count)?;
                 let mut items = Vec::with_capacity(count as usize);
                 for _ in 0..count {
                     items.push(self.value(key, elem_type, depth + 1)?);
@@ -361,7 +327,7 @@ impl Gguf {
     /// Parses the header of a GGUF file held in `buf` (usually memory-mapped) and checks every
     /// tensor's byte range against `buf.len()`.
     pub fn parse(buf: &[u8]) -> Result<Gguf, GgufError> {
-        let mut c = Cursor { buf, pos: 0, version: 3 };
+        let mut c = Cursor { buf, pos: 0, version: 3, elements: 0 };
         let magic: [u8; 4] = c.array("magic")?;
         if magic != MAGIC {
             return Err(GgufError::BadMagic { found: magic });
@@ -373,23 +339,8 @@ impl Gguf {
         c.version = version;
         let n_tensors = c.u64("tensor count")?;
         let n_kv = c.u64("metadata count")?;
-        let remaining = c.remaining();
-        if n_kv > remaining / MIN_KV_BYTES {
-            return Err(GgufError::AbsurdCount {
-                what: "metadata entries",
-                count: n_kv,
-                remaining,
-                min_each: MIN_KV_BYTES,
-            });
-        }
-        if n_tensors > remaining / MIN_TENSOR_INFO_BYTES {
-            return Err(GgufError::AbsurdCount {
-                what: "tensors",
-                count: n_tensors,
-                remaining,
-                min_each: MIN_TENSOR_INFO_BYTES,
-            });
-        }
+        c.fits("metadata entries", n_kv, MIN_KV_BYTES)?;
+        c.fits("tensors", n_tensors, MIN_TENSOR_INFO_BYTES)?;
 
         let mut metadata = HashMap::with_capacity(n_kv as usize);
         let mut keys = Vec::with_capacity(n_kv as usize);
@@ -429,8 +380,8 @@ impl Gguf {
             }
             let type_id = c.u32("tensor type")?;
             let offset = c.u64("tensor offset")?;
-            let dtype =
-                dtype_from_id(type_id).ok_or_else(|| GgufError::UnknownTensorType { name: name.clone(), type_id })?;
+            let dtype = GgmlType::from_id(type_id)
+                .ok_or_else(|| GgufError::UnknownTensorType { name: name.clone(), type_id })?;
             if dims.contains(&0) {
                 return Err(GgufError::BadDims { name, dims, why: "a dimension is zero".into() });
             }
@@ -443,7 +394,7 @@ impl Gguf {
                 return Err(GgufError::BadDims {
                     name,
                     dims,
-                    why: format!("the row length is not a multiple of the {} block size {bs}", dtype_name(dtype)),
+                    why: format!("the row length is not a multiple of the {dtype} block size {bs}"),
                 });
             };
             if offset % alignment != 0 {
@@ -497,13 +448,18 @@ impl Gguf {
 pub struct TensorSpec {
     pub name: String,
     pub dims: Vec<u64>,
-    pub dtype: GgmlDType,
+    pub dtype: GgmlType,
 }
 
 impl TensorSpec {
+    /// Bytes of the tensor; 0 for dims that give no whole number of blocks (the writer then
+    /// refuses the bytes its callback produces).
     pub fn n_bytes(&self) -> u64 {
-        let n: u64 = self.dims.iter().product();
-        tensor_bytes(self.dtype, self.dims[0], n).unwrap_or(0)
+        let n = self.dims.iter().try_fold(1u64, |n, &d| n.checked_mul(d));
+        match (n, self.dims.first()) {
+            (Some(n), Some(&row)) => tensor_bytes(self.dtype, row, n).unwrap_or(0),
+            _ => 0,
+        }
     }
 }
 
@@ -563,7 +519,7 @@ pub fn write_gguf<W: Write>(
         for d in &t.dims {
             header.extend_from_slice(&d.to_le_bytes());
         }
-        header.extend_from_slice(&dtype_id(t.dtype).to_le_bytes());
+        header.extend_from_slice(&t.dtype.id().to_le_bytes());
         header.extend_from_slice(&offset.to_le_bytes());
         offset = (offset + t.n_bytes()).div_ceil(DEFAULT_ALIGNMENT) * DEFAULT_ALIGNMENT;
     }
@@ -599,8 +555,8 @@ mod tests {
             ("x.arr".to_string(), Value::Array(vec![Value::U32(1), Value::U32(2)])),
         ];
         let tensors = vec![
-            TensorSpec { name: "a".into(), dims: vec![32, 2], dtype: GgmlDType::F32 },
-            TensorSpec { name: "b".into(), dims: vec![32], dtype: GgmlDType::Q8_0 },
+            TensorSpec { name: "a".into(), dims: vec![32, 2], dtype: GgmlType::F32 },
+            TensorSpec { name: "b".into(), dims: vec![32], dtype: GgmlType::Q8_0 },
         ];
         let mut out = Vec::new();
         write_gguf(&mut out, &md, &tensors, |i, b| {
@@ -657,5 +613,52 @@ mod tests {
         let mut f = small_file();
         f[4] = 9;
         assert!(matches!(Gguf::parse(&f), Err(GgufError::UnsupportedVersion(9))));
+    }
+
+    #[test]
+    fn tensor_specs_of_impossible_sizes_write_nothing() {
+        let spec = |dims: Vec<u64>| TensorSpec { name: "t".into(), dims, dtype: GgmlType::F32 };
+        // no dimensions, an element count past u64, a row of partial q8_0 blocks
+        for s in [spec(vec![]), spec(vec![1 << 40, 1 << 40]), TensorSpec { dtype: GgmlType::Q8_0, ..spec(vec![33]) }] {
+            assert_eq!(s.n_bytes(), 0, "{:?}", s.dims);
+            let mut out = Vec::new();
+            let e = write_gguf(&mut out, &[], std::slice::from_ref(&s), |_, b| {
+                b.push(0);
+                Ok(())
+            });
+            assert!(e.is_err(), "{:?}", s.dims);
+        }
+        assert_eq!(spec(vec![3, 2]).n_bytes(), 24);
+    }
+
+    /// A header with one key holding an array of `count` elements of type `elem` (`size` bytes each).
+    fn one_array(elem: u32, size: usize, count: u64) -> Vec<u8> {
+        let mut f = MAGIC.to_vec();
+        f.extend(3u32.to_le_bytes());
+        f.extend(0u64.to_le_bytes());
+        f.extend(1u64.to_le_bytes());
+        f.extend(1u64.to_le_bytes());
+        f.push(b'a');
+        f.extend(9u32.to_le_bytes());
+        f.extend(elem.to_le_bytes());
+        f.extend(count.to_le_bytes());
+        f.resize(f.len() + size * count as usize, 1);
+        f
+    }
+
+    #[test]
+    fn arrays_expand_a_bounded_number_of_times() {
+        // 64 Ki one-byte elements: 64 KiB in the file, 2 MiB as values (32-fold)
+        for elem in [0, 1, 7] {
+            let e = Gguf::parse(&one_array(elem, 1, 1 << 16)).err();
+            assert!(matches!(e, Some(GgufError::ArraysTooLarge { elements: 65536, .. })), "{e:?}");
+        }
+        // u64 elements expand 4-fold: accepted
+        let g = Gguf::parse(&one_array(10, 8, 1 << 16)).unwrap();
+        assert_eq!(g.get("a").and_then(Value::as_array).map(<[Value]>::len), Some(1 << 16));
+        // a short byte array in a larger file is fine too
+        let mut f = one_array(0, 1, 100);
+        f.resize(f.len() + 4096, 0);
+        assert!(Gguf::parse(&f).is_ok());
     }
 }

@@ -1,0 +1,395 @@
+//! The hyper-parameters of a Llama-family model, read from GGUF metadata or a Hugging Face
+//! `config.json` (in `hf`). Every value is outside input: [`ModelConfig::validate`] bounds the
+//! shape, computes every product of its fields with checked arithmetic and refuses RoPE settings
+//! that would give non-finite frequencies, before anything is sized by them.
+
+mod hf;
+
+use crate::gguf::{Gguf, Value};
+use crate::{FormatError, GgmlType};
+use serde::{Deserialize, Serialize};
+
+/// Architectures brigade runs. Mistral and SmolLM/TinyLlama are Llama-shaped; Qwen2 adds q/k/v
+/// biases and rotates halves.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Arch {
+    Llama,
+    Mistral,
+    Qwen2,
+}
+
+/// How RoPE pairs the dimensions of a head.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum RopeStyle {
+    /// Pairs (2i, 2i+1): llama.cpp's "normal" rope; GGUF llama/mistral files are stored for it.
+    Interleaved,
+    /// Pairs (i, i + d/2): Hugging Face Llama checkpoints and every Qwen2 file.
+    Halves,
+}
+
+/// RoPE frequency scaling.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "type", rename_all = "snake_case")]
+pub enum RopeScaling {
+    None,
+    /// Positions divided by `factor`.
+    Linear {
+        factor: f32,
+    },
+    /// Llama 3.1's wavelength-dependent scaling.
+    Llama3 {
+        factor: f32,
+        low_freq_factor: f32,
+        high_freq_factor: f32,
+        original_max_position: usize,
+    },
+    /// Per-frequency divisors as stored in a GGUF `rope_freqs.weight` tensor.
+    FreqFactors(Vec<f32>),
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ModelConfig {
+    pub arch: Arch,
+    pub n_layers: usize,
+    pub hidden: usize,
+    pub ffn: usize,
+    pub n_heads: usize,
+    pub n_kv_heads: usize,
+    pub head_dim: usize,
+    pub vocab: usize,
+    pub rope_theta: f32,
+    pub rope_style: RopeStyle,
+    pub rope_scaling: RopeScaling,
+    pub rms_eps: f64,
+    /// The context length the model declares (`-c` defaults to at most this).
+    pub context_length: usize,
+    pub qkv_bias: bool,
+    /// `tie_word_embeddings` of a `config.json`: whether the head is the embedding matrix. `None`
+    /// (GGUF) means the tensor table decides: no `output.weight`, a tied head.
+    pub tie_word_embeddings: Option<bool>,
+    /// The float type a `config.json` declares (`dtype`, formerly `torch_dtype`); the stored
+    /// tensors' own types are what brigade computes with.
+    pub dtype: Option<GgmlType>,
+}
+
+/// Generous sanity bounds: they only stop absurd values from sizing allocations.
+const MAX_LAYERS: usize = 1024;
+const MAX_HIDDEN: usize = 1 << 17;
+const MAX_FFN: usize = 1 << 19;
+const MAX_VOCAB: usize = 1 << 22;
+/// Bound of `n_heads × head_dim` (the query width), hence of the kv width too.
+const MAX_ATTENTION_WIDTH: usize = 1 << 17;
+
+fn bad<T>(why: String) -> Result<T, FormatError> {
+    Err(FormatError::BadConfig(why))
+}
+
+/// A scaling factor must be a finite positive number, or frequencies become inf or NaN.
+fn positive(name: &str, v: f32) -> Result<(), FormatError> {
+    if v.is_finite() && v > 0.0 {
+        Ok(())
+    } else {
+        bad(format!("rope scaling {name} {v} must be a finite positive number"))
+    }
+}
+
+impl ModelConfig {
+    pub fn validate(&self) -> Result<(), FormatError> {
+        if self.n_layers == 0 || self.hidden == 0 || self.ffn == 0 || self.vocab == 0 {
+            return bad(format!(
+                "layers {}, hidden {}, ffn {}, vocab {}: none may be zero",
+                self.n_layers, self.hidden, self.ffn, self.vocab
+            ));
+        }
+        if self.n_heads == 0 || self.n_kv_heads == 0 || !self.n_heads.is_multiple_of(self.n_kv_heads) {
+            return bad(format!(
+                "{} attention heads cannot be grouped over {} kv heads",
+                self.n_heads, self.n_kv_heads
+            ));
+        }
+        if self.head_dim == 0 || !self.head_dim.is_multiple_of(2) {
+            return bad(format!("head dim {} must be even and nonzero", self.head_dim));
+        }
+        if self.n_layers > MAX_LAYERS || self.hidden > MAX_HIDDEN || self.ffn > MAX_FFN || self.vocab > MAX_VOCAB {
+            return bad(format!(
+                "implausible shape: {} layers, hidden {}, ffn {}, vocab {}",
+                self.n_layers, self.hidden, self.ffn, self.vocab
+            ));
+        }
+        // n_kv_heads divides n_heads, so the kv width is at most the query width
+        if self.q_width().is_none_or(|w| w > MAX_ATTENTION_WIDTH) {
+            return bad(format!("implausible attention width {} x {}", self.n_heads, self.head_dim));
+        }
+        if !(self.rope_theta.is_finite() && self.rope_theta > 0.0) {
+            return bad(format!("rope theta {} must be positive", self.rope_theta));
+        }
+        if !(self.rms_eps.is_finite() && self.rms_eps > 0.0) {
+            return bad(format!("rms eps {} must be positive", self.rms_eps));
+        }
+        self.validate_rope_scaling()
+    }
+
+    fn validate_rope_scaling(&self) -> Result<(), FormatError> {
+        match &self.rope_scaling {
+            RopeScaling::None => Ok(()),
+            RopeScaling::Linear { factor } => positive("factor", *factor),
+            RopeScaling::Llama3 { factor, low_freq_factor, high_freq_factor, original_max_position } => {
+                positive("factor", *factor)?;
+                positive("low_freq_factor", *low_freq_factor)?;
+                positive("high_freq_factor", *high_freq_factor)?;
+                // the smoothing between the two wavelengths divides by their difference
+                if low_freq_factor >= high_freq_factor {
+                    return bad(format!(
+                        "llama3 rope scaling needs low_freq_factor {low_freq_factor} below high_freq_factor \
+                         {high_freq_factor}"
+                    ));
+                }
+                if *original_max_position == 0 {
+                    return bad("llama3 rope scaling with original_max_position_embeddings 0".into());
+                }
+                Ok(())
+            }
+            RopeScaling::FreqFactors(f) => {
+                if f.len() != self.head_dim / 2 {
+                    return bad(format!(
+                        "rope_freqs has {} factors, expected head_dim / 2 = {}",
+                        f.len(),
+                        self.head_dim / 2
+                    ));
+                }
+                match f.iter().position(|v| !(v.is_finite() && *v > 0.0)) {
+                    Some(i) => bad(format!("rope_freqs factor {i} is {}: it must be finite and positive", f[i])),
+                    None => Ok(()),
+                }
+            }
+        }
+    }
+
+    /// `n_heads × head_dim`: the rows of the query projection; `None` on overflow (a validated
+    /// configuration never overflows).
+    pub fn q_width(&self) -> Option<usize> {
+        self.n_heads.checked_mul(self.head_dim)
+    }
+
+    /// `n_kv_heads × head_dim`: the rows of the key and value projections.
+    pub fn kv_width(&self) -> Option<usize> {
+        self.n_kv_heads.checked_mul(self.head_dim)
+    }
+
+    /// Inverse frequencies of the rotary embedding, one per pair of dimensions, scaling applied.
+    pub fn rope_inv_freq(&self) -> Vec<f32> {
+        let d = self.head_dim;
+        let base: Vec<f32> =
+            (0..d / 2).map(|i| 1.0 / (self.rope_theta as f64).powf(2.0 * i as f64 / d as f64) as f32).collect();
+        match &self.rope_scaling {
+            RopeScaling::None => base,
+            RopeScaling::Linear { factor } => base.iter().map(|f| f / factor).collect(),
+            RopeScaling::FreqFactors(ff) => base.iter().zip(ff).map(|(f, s)| f / s).collect(),
+            RopeScaling::Llama3 { factor, low_freq_factor, high_freq_factor, original_max_position } => {
+                let old = *original_max_position as f32;
+                let low_wavelen = old / low_freq_factor;
+                let high_wavelen = old / high_freq_factor;
+                base.iter()
+                    .map(|&f| {
+                        let wavelen = 2.0 * std::f32::consts::PI / f;
+                        if wavelen < high_wavelen {
+                            f
+                        } else if wavelen > low_wavelen {
+                            f / factor
+                        } else {
+                            let smooth = (old / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor);
+                            (1.0 - smooth) * f / factor + smooth * f
+                        }
+                    })
+                    .collect()
+            }
+        }
+    }
+
+    /// Bytes of K and V cache per token per layer at `elem_bytes` per element. Saturates instead
+    /// of wrapping for a configuration that was never validated (a validated one is far below).
+    pub fn kv_bytes_per_token_layer(&self, elem_bytes: u64) -> u64 {
+        [self.n_kv_heads as u64, self.head_dim as u64, elem_bytes].iter().fold(2u64, |b, &x| b.saturating_mul(x))
+    }
+
+    /// Reads the configuration from GGUF metadata (`{arch}.block_count` and friends).
+    /// `rope_freqs` is the content of a `rope_freqs.weight` tensor when the file has one.
+    pub fn from_gguf(g: &Gguf, rope_freqs: Option<Vec<f32>>) -> Result<Self, FormatError> {
+        let arch_name = g
+            .get("general.architecture")
+            .and_then(Value::as_str)
+            .ok_or_else(|| FormatError::MissingMetadata("general.architecture".into()))?
+            .to_string();
+        let arch = match arch_name.as_str() {
+            "llama" => Arch::Llama,
+            "mistral" => Arch::Mistral,
+            "qwen2" => Arch::Qwen2,
+            other => return Err(FormatError::UnsupportedArch(other.to_string())),
+        };
+        let key = |k: &str| format!("{arch_name}.{k}");
+        let req_u = |k: &str| -> Result<usize, FormatError> {
+            let full = key(k);
+            let v = g.get(&full).ok_or_else(|| FormatError::MissingMetadata(full.clone()))?;
+            v.as_u64()
+                .and_then(|v| usize::try_from(v).ok())
+                .ok_or_else(|| FormatError::BadMetadata { key: full, why: format!("{v:?} is not a count") })
+        };
+        let opt_u = |k: &str, default: usize| match g.get(&key(k)) {
+            Some(_) => req_u(k),
+            None => Ok(default),
+        };
+        let opt_f = |k: &str| g.get(&key(k)).and_then(Value::as_f64);
+        let n_layers = req_u("block_count")?;
+        let hidden = req_u("embedding_length")?;
+        let n_heads = req_u("attention.head_count")?;
+        let n_kv_heads = opt_u("attention.head_count_kv", n_heads)?;
+        if n_heads == 0 {
+            return bad("zero attention heads".into());
+        }
+        let head_dim = match g.get(&key("attention.key_length")) {
+            Some(_) => req_u("attention.key_length")?,
+            None => derived_head_dim(hidden, n_heads)?,
+        };
+        let value_dim = opt_u("attention.value_length", head_dim)?;
+        if value_dim != head_dim {
+            return bad(format!("value heads of {value_dim} dims and key heads of {head_dim} are not supported"));
+        }
+        let rope_dim = opt_u("rope.dimension_count", head_dim)?;
+        if rope_dim != head_dim {
+            return bad(format!(
+                "partial rotary embeddings (rope over {rope_dim} of {head_dim} head dims) are not supported"
+            ));
+        }
+        let vocab = match g.get(&key("vocab_size")) {
+            Some(_) => req_u("vocab_size")?,
+            None => g
+                .get("tokenizer.ggml.tokens")
+                .and_then(Value::as_array)
+                .map(<[Value]>::len)
+                .or_else(|| g.tensor("token_embd.weight").map(|t| t.dims.get(1).copied().unwrap_or(0) as usize))
+                .ok_or_else(|| FormatError::MissingMetadata("tokenizer.ggml.tokens".into()))?,
+        };
+        let ffn = req_u("feed_forward_length")?;
+        let context_length = opt_u("context_length", 2048)?;
+        let rope_scaling = match rope_freqs {
+            Some(f) => RopeScaling::FreqFactors(f),
+            None => gguf_rope_scaling(g, &key("rope.scaling.type"), opt_f("rope.scaling.factor"))?,
+        };
+        let cfg = ModelConfig {
+            arch,
+            n_layers,
+            hidden,
+            ffn,
+            n_heads,
+            n_kv_heads,
+            head_dim,
+            vocab,
+            rope_theta: opt_f("rope.freq_base").unwrap_or(10_000.0) as f32,
+            rope_style: if arch == Arch::Qwen2 { RopeStyle::Halves } else { RopeStyle::Interleaved },
+            rope_scaling,
+            rms_eps: opt_f("attention.layer_norm_rms_epsilon").unwrap_or(1e-5),
+            context_length,
+            qkv_bias: g.tensor("blk.0.attn_q.bias").is_some(),
+            tie_word_embeddings: None,
+            dtype: None,
+        };
+        cfg.validate()?;
+        Ok(cfg)
+    }
+
+    /// Reads a Hugging Face `config.json`, in the layout of transformers 4 (`rope_theta`,
+    /// `rope_scaling`, `torch_dtype`) or 5 (`rope_parameters`, `dtype`).
+    pub fn from_hf_json(text: &str) -> Result<Self, FormatError> {
+        hf::from_json(text)
+    }
+}
+
+/// `hidden / n_heads` when a file gives no head size: it must divide evenly.
+fn derived_head_dim(hidden: usize, n_heads: usize) -> Result<usize, FormatError> {
+    if n_heads == 0 || !hidden.is_multiple_of(n_heads) {
+        return bad(format!(
+            "hidden size {hidden} is not a whole number of {n_heads} heads (and no head size is given)"
+        ));
+    }
+    Ok(hidden / n_heads)
+}
+
+/// `{arch}.rope.scaling.type`, as llama.cpp reads it: a missing or zero factor means 1.
+fn gguf_rope_scaling(g: &Gguf, type_key: &str, factor: Option<f64>) -> Result<RopeScaling, FormatError> {
+    let Some(v) = g.get(type_key) else {
+        return Ok(RopeScaling::None);
+    };
+    match v.as_str() {
+        Some("none") => Ok(RopeScaling::None),
+        Some("linear") => Ok(RopeScaling::Linear { factor: factor.filter(|&f| f != 0.0).unwrap_or(1.0) as f32 }),
+        Some(other) => bad(format!("rope scaling `{other}` is not supported (none, linear are)")),
+        None => Err(FormatError::BadMetadata { key: type_key.to_string(), why: format!("{v:?} is not a string") }),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn small() -> ModelConfig {
+        ModelConfig {
+            arch: Arch::Llama,
+            n_layers: 2,
+            hidden: 64,
+            ffn: 128,
+            n_heads: 4,
+            n_kv_heads: 2,
+            head_dim: 16,
+            vocab: 300,
+            rope_theta: 10_000.0,
+            rope_style: RopeStyle::Interleaved,
+            rope_scaling: RopeScaling::None,
+            rms_eps: 1e-5,
+            context_length: 512,
+            qkv_bias: false,
+            tie_word_embeddings: None,
+            dtype: None,
+        }
+    }
+
+    #[test]
+    fn products_of_header_fields_are_checked() {
+        assert!(small().validate().is_ok());
+        // 2^32 heads of 2^32 dims: the product wraps to 0 in unchecked arithmetic
+        let wide = ModelConfig { n_heads: 1 << 32, n_kv_heads: 1 << 32, head_dim: 1 << 32, ..small() };
+        let e = wide.validate().err().map(|e| e.to_string()).unwrap_or_default();
+        assert!(e.contains("attention width"), "{e}");
+        // KV bytes of a configuration nobody validated saturate instead of wrapping
+        let huge = ModelConfig { n_kv_heads: usize::MAX / 2, head_dim: 1 << 20, ..small() };
+        assert_eq!(huge.kv_bytes_per_token_layer(4), u64::MAX);
+        assert_eq!(small().kv_bytes_per_token_layer(4), 2 * 2 * 16 * 4);
+    }
+
+    #[test]
+    fn every_rope_scaling_is_finite() {
+        let with = |s: RopeScaling| ModelConfig { rope_scaling: s, ..small() };
+        let llama3 = |factor, low, high| RopeScaling::Llama3 {
+            factor,
+            low_freq_factor: low,
+            high_freq_factor: high,
+            original_max_position: 8192,
+        };
+        assert!(with(llama3(8.0, 1.0, 4.0)).validate().is_ok());
+        for s in [
+            llama3(8.0, 2.0, 2.0),
+            llama3(0.0, 1.0, 4.0),
+            llama3(f32::NAN, 1.0, 4.0),
+            llama3(8.0, -1.0, 4.0),
+            llama3(8.0, 1.0, f32::INFINITY),
+            RopeScaling::Linear { factor: 0.0 },
+            RopeScaling::Linear { factor: f32::NEG_INFINITY },
+            RopeScaling::FreqFactors(vec![1.0; 7]),
+            RopeScaling::FreqFactors([vec![1.0; 7], vec![0.0]].concat()),
+        ] {
+            let c = with(s.clone());
+            assert!(c.validate().is_err(), "{s:?} was accepted");
+        }
+    }
+}

@@ -1,0 +1,369 @@
+//! A Hugging Face `config.json`. Transformers 5 moved the RoPE settings into `rope_parameters`
+//! and renamed `torch_dtype` to `dtype`; both layouts are read, and where a file has both they
+//! must agree. A RoPE type or parameter brigade does not implement is an error that names it:
+//! a default in its place would silently compute other numbers than the checkpoint was trained on.
+
+use super::{bad, derived_head_dim, Arch, ModelConfig, RopeScaling, RopeStyle};
+use crate::{FormatError, GgmlType};
+use serde::Deserialize;
+use serde_json::{Map, Value};
+
+/// The fields of a Hugging Face `config.json` that brigade reads.
+#[derive(Deserialize)]
+struct HfConfig {
+    #[serde(default)]
+    architectures: Vec<String>,
+    model_type: Option<String>,
+    hidden_size: usize,
+    intermediate_size: usize,
+    num_hidden_layers: usize,
+    num_attention_heads: usize,
+    num_key_value_heads: Option<usize>,
+    head_dim: Option<usize>,
+    vocab_size: usize,
+    rope_theta: Option<f64>,
+    rope_scaling: Option<Value>,
+    rope_parameters: Option<Value>,
+    partial_rotary_factor: Option<f64>,
+    rms_norm_eps: Option<f64>,
+    max_position_embeddings: Option<usize>,
+    attention_bias: Option<bool>,
+    mlp_bias: Option<bool>,
+    tie_word_embeddings: Option<bool>,
+    torch_dtype: Option<String>,
+    dtype: Option<String>,
+}
+
+/// transformers' `default_theta`.
+const DEFAULT_THETA: f64 = 10_000.0;
+
+pub(super) fn from_json(text: &str) -> Result<ModelConfig, FormatError> {
+    let hf: HfConfig = serde_json::from_str(text).map_err(|e| FormatError::BadConfig(format!("config.json: {e}")))?;
+    let arch_name = hf.architectures.first().cloned().or(hf.model_type.clone()).unwrap_or_default();
+    let arch = match arch_name.as_str() {
+        "LlamaForCausalLM" | "llama" => Arch::Llama,
+        "MistralForCausalLM" | "mistral" => Arch::Mistral,
+        "Qwen2ForCausalLM" | "qwen2" => Arch::Qwen2,
+        other => return Err(FormatError::UnsupportedArch(other.to_string())),
+    };
+    if hf.num_attention_heads == 0 {
+        return bad("zero attention heads".into());
+    }
+    // an explicit head size may differ from hidden / heads (the projections say which); without
+    // one, the heads must split the hidden size evenly
+    let head_dim = match hf.head_dim {
+        Some(d) => d,
+        None => derived_head_dim(hf.hidden_size, hf.num_attention_heads)?,
+    };
+    partial_rotary(hf.partial_rotary_factor, "partial_rotary_factor")?;
+    if hf.mlp_bias == Some(true) {
+        return bad("mlp_bias: biases on the feed-forward projections are not supported".into());
+    }
+    let (rope_theta, rope_scaling) = rope(&hf)?;
+    let cfg = ModelConfig {
+        arch,
+        n_layers: hf.num_hidden_layers,
+        hidden: hf.hidden_size,
+        ffn: hf.intermediate_size,
+        n_heads: hf.num_attention_heads,
+        n_kv_heads: hf.num_key_value_heads.unwrap_or(hf.num_attention_heads),
+        head_dim,
+        vocab: hf.vocab_size,
+        rope_theta: rope_theta as f32,
+        rope_style: RopeStyle::Halves,
+        rope_scaling,
+        rms_eps: hf.rms_norm_eps.unwrap_or(1e-5),
+        context_length: hf.max_position_embeddings.unwrap_or(2048),
+        qkv_bias: arch == Arch::Qwen2 || hf.attention_bias.unwrap_or(false),
+        tie_word_embeddings: hf.tie_word_embeddings,
+        dtype: dtype(&hf)?,
+    };
+    cfg.validate()?;
+    Ok(cfg)
+}
+
+/// `dtype` (transformers 5) or `torch_dtype` (4); both present must agree.
+fn dtype(hf: &HfConfig) -> Result<Option<GgmlType>, FormatError> {
+    let parse = |key: &str, s: &str| match s {
+        "float32" => Ok(GgmlType::F32),
+        "float16" => Ok(GgmlType::F16),
+        "bfloat16" => Ok(GgmlType::BF16),
+        other => bad(format!("{key} `{other}` is not supported (float32, float16, bfloat16 are)")),
+    };
+    let new = hf.dtype.as_deref().map(|s| parse("dtype", s)).transpose()?;
+    let old = hf.torch_dtype.as_deref().map(|s| parse("torch_dtype", s)).transpose()?;
+    match (new, old) {
+        (Some(a), Some(b)) if a != b => bad(format!("dtype {a} and torch_dtype {b} disagree")),
+        (a, b) => Ok(a.or(b)),
+    }
+}
+
+fn partial_rotary(factor: Option<f64>, key: &str) -> Result<(), FormatError> {
+    match factor {
+        Some(f) if f != 1.0 => bad(format!("{key} {f}: rotary embeddings over part of a head are not supported")),
+        _ => Ok(()),
+    }
+}
+
+/// RoPE settings of either layout: `rope_parameters`, or top-level `rope_theta` + `rope_scaling`.
+fn rope(hf: &HfConfig) -> Result<(f64, RopeScaling), FormatError> {
+    let object = |key: &str, v: &Option<Value>| -> Result<Option<Map<String, Value>>, FormatError> {
+        match v {
+            None | Some(Value::Null) => Ok(None),
+            Some(Value::Object(m)) => Ok(Some(m.clone())),
+            Some(other) => bad(format!("{key} is {other}, not an object")),
+        }
+    };
+    let new = object("rope_parameters", &hf.rope_parameters)?.map(|m| parse_rope("rope_parameters", &m)).transpose()?;
+    let old = object("rope_scaling", &hf.rope_scaling)?.map(|m| parse_rope("rope_scaling", &m)).transpose()?;
+    let theta = match (new.as_ref().and_then(|p| p.theta), hf.rope_theta) {
+        (Some(a), Some(b)) if a != b => {
+            return bad(format!("rope_parameters.rope_theta {a} and rope_theta {b} disagree"))
+        }
+        (a, b) => a.or(b).unwrap_or(DEFAULT_THETA),
+    };
+    let scaling = match (new, old) {
+        (Some(a), Some(b)) if a.scaling != b.scaling => {
+            return bad(format!("rope_parameters ({:?}) and rope_scaling ({:?}) disagree", a.scaling, b.scaling))
+        }
+        (Some(p), _) | (None, Some(p)) => p.scaling,
+        (None, None) => RopeScaling::None,
+    };
+    Ok((theta, scaling))
+}
+
+struct RopeParams {
+    theta: Option<f64>,
+    scaling: RopeScaling,
+}
+
+/// Keys every RoPE type may carry.
+const COMMON_KEYS: [&str; 4] = ["rope_type", "type", "rope_theta", "partial_rotary_factor"];
+
+/// One RoPE object (`rope_parameters` or `rope_scaling`, whose `type` is the old `rope_type`).
+fn parse_rope(key: &str, m: &Map<String, Value>) -> Result<RopeParams, FormatError> {
+    let text = |k: &str| -> Result<Option<&str>, FormatError> {
+        match m.get(k) {
+            None | Some(Value::Null) => Ok(None),
+            Some(Value::String(s)) => Ok(Some(s)),
+            Some(other) => bad(format!("{key}.{k} is {other}, not a string")),
+        }
+    };
+    let kind = match (text("rope_type")?, text("type")?) {
+        (Some(a), Some(b)) if a != b => return bad(format!("{key}: rope_type `{a}` and type `{b}` disagree")),
+        (a, b) => a.or(b).unwrap_or("default").to_string(),
+    };
+    let number = |k: &str| -> Result<Option<f64>, FormatError> {
+        match m.get(k) {
+            None | Some(Value::Null) => Ok(None),
+            Some(v) => {
+                v.as_f64().map(Some).ok_or_else(|| FormatError::BadConfig(format!("{key}.{k} is {v}, not a number")))
+            }
+        }
+    };
+    let required = |k: &str| -> Result<f64, FormatError> {
+        number(k)?.ok_or_else(|| FormatError::BadConfig(format!("{key}: rope type `{kind}` needs `{k}`")))
+    };
+    let type_keys: &[&str] = match kind.as_str() {
+        "default" => &["factor"],
+        "linear" => &["factor"],
+        "llama3" => &["factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"],
+        other => {
+            return bad(format!("{key}: rope type `{other}` is not supported (default, linear, llama3 are)"));
+        }
+    };
+    if let Some(k) = m.keys().find(|k| !COMMON_KEYS.contains(&k.as_str()) && !type_keys.contains(&k.as_str())) {
+        return bad(format!("{key}: `{k}` is not implemented for rope type `{kind}`"));
+    }
+    partial_rotary(number("partial_rotary_factor")?, &format!("{key}.partial_rotary_factor"))?;
+    let scaling = match kind.as_str() {
+        "linear" => RopeScaling::Linear { factor: required("factor")? as f32 },
+        "llama3" => {
+            let original = required("original_max_position_embeddings")?;
+            if !(original.fract() == 0.0 && original >= 0.0 && original <= u32::MAX as f64) {
+                return bad(format!("{key}.original_max_position_embeddings {original} is not a count"));
+            }
+            RopeScaling::Llama3 {
+                factor: required("factor")? as f32,
+                low_freq_factor: required("low_freq_factor")? as f32,
+                high_freq_factor: required("high_freq_factor")? as f32,
+                original_max_position: original as usize,
+            }
+        }
+        // `default` ignores a factor, as transformers does, but only a neutral one is accepted
+        _ => match number("factor")? {
+            Some(f) if f != 1.0 => return bad(format!("{key}: factor {f} with rope type `default`")),
+            _ => RopeScaling::None,
+        },
+    };
+    Ok(RopeParams { theta: number("rope_theta")?, scaling })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const LLAMA31: &str = r#"{"architectures": ["LlamaForCausalLM"], "hidden_size": 4096, "intermediate_size": 14336,
+        "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8, "vocab_size": 128256,
+        "rope_theta": 500000.0, "rms_norm_eps": 1e-05, "max_position_embeddings": 131072,
+        "rope_scaling": {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                         "original_max_position_embeddings": 8192, "rope_type": "llama3"}}"#;
+
+    /// Llama 3.1 as transformers 5 saves it.
+    const LLAMA31_V5: &str = r#"{"architectures": ["LlamaForCausalLM"], "hidden_size": 4096, "intermediate_size": 14336,
+        "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8, "vocab_size": 128256,
+        "rms_norm_eps": 1e-05, "max_position_embeddings": 131072, "dtype": "bfloat16", "head_dim": 128,
+        "tie_word_embeddings": false,
+        "rope_parameters": {"rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                            "original_max_position_embeddings": 8192, "rope_type": "llama3"}}"#;
+
+    fn parse(text: &str) -> Result<ModelConfig, FormatError> {
+        ModelConfig::from_hf_json(text)
+    }
+
+    #[test]
+    fn llama3_rope_scaling_matches_transformers() {
+        let c = parse(LLAMA31).unwrap();
+        assert_eq!(c.head_dim, 128);
+        assert_eq!(c.rope_style, RopeStyle::Halves);
+        let f = c.rope_inv_freq();
+        // transformers' _compute_llama3_parameters for this config
+        let want = [
+            (0, 1.0),
+            (10, 0.12868737343265052),
+            (20, 0.016560440080994446),
+            (30, 0.0013718935677611381),
+            (40, 3.428102195952591e-05),
+            (50, 4.411534674558404e-06),
+            (63, 3.068925988914511e-07),
+        ];
+        for (i, w) in want {
+            assert!((f[i] as f64 - w).abs() <= 1e-6 * w, "inv_freq[{i}] = {} vs {w}", f[i]);
+        }
+    }
+
+    #[test]
+    fn transformers_5_layout_reads_as_the_old_one() {
+        let old = parse(LLAMA31).unwrap();
+        let new = parse(LLAMA31_V5).unwrap();
+        assert_eq!(new.rope_theta, 500_000.0);
+        assert_eq!(new.rope_scaling, old.rope_scaling);
+        assert_eq!(new.rope_inv_freq(), old.rope_inv_freq());
+        assert_eq!(new.dtype, Some(GgmlType::BF16));
+        assert_eq!(new.tie_word_embeddings, Some(false));
+        // the default type with its theta only
+        let v5 = r#"{"architectures": ["LlamaForCausalLM"], "hidden_size": 64, "intermediate_size": 128,
+            "num_hidden_layers": 2, "num_attention_heads": 4, "vocab_size": 300, "torch_dtype": "float16",
+            "rope_parameters": {"rope_type": "default", "rope_theta": 250000.0}}"#;
+        let c = parse(v5).unwrap();
+        assert_eq!(
+            (c.rope_theta, c.rope_scaling.clone(), c.dtype),
+            (250_000.0, RopeScaling::None, Some(GgmlType::F16))
+        );
+        // the old `type` spelling of linear scaling
+        let lin =
+            v5.replace(r#"{"rope_type": "default", "rope_theta": 250000.0}"#, r#"{"type": "linear", "factor": 4}"#);
+        assert_eq!(parse(&lin).unwrap().rope_scaling, RopeScaling::Linear { factor: 4.0 });
+    }
+
+    #[test]
+    fn rope_settings_brigade_does_not_implement_are_named() {
+        for (from, to, named) in [
+            (r#""rope_type": "llama3"}"#, r#""rope_type": "yarn"}"#, "yarn"),
+            (r#""rope_type": "llama3"}"#, r#""rope_type": "dynamic"}"#, "dynamic"),
+            (r#""rope_type": "llama3"}"#, r#""rope_type": "longrope"}"#, "longrope"),
+            (r#""rope_type": "llama3"}"#, r#""rope_type": "llama3", "attention_factor": 2.0}"#, "attention_factor"),
+            (r#""rope_type": "llama3"}"#, r#""rope_type": "llama3", "partial_rotary_factor": 0.5}"#, "partial_rotary"),
+            (r#""low_freq_factor": 1.0, "#, "", "low_freq_factor"),
+            (r#""rope_theta": 500000.0, "#, r#""rope_theta": 10000.0, "#, "disagree"),
+            (r#""dtype": "bfloat16""#, r#""dtype": "float8_e4m3fn""#, "float8_e4m3fn"),
+        ] {
+            assert!(LLAMA31_V5.contains(from), "{from}");
+            let text = LLAMA31_V5.replacen(from, to, 1);
+            // the theta case: the top-level and nested values disagree
+            let text = if named == "disagree" {
+                text.replacen("\"dtype\"", "\"rope_theta\": 500000.0, \"dtype\"", 1)
+            } else {
+                text
+            };
+            let e = parse(&text).err().map(|e| e.to_string()).unwrap_or_default();
+            assert!(e.contains(named), "{named}: {e:?}");
+        }
+        // both layouts present must agree
+        let both = LLAMA31.replacen(
+            "\"rope_theta\"",
+            r#""rope_parameters": {"rope_type": "linear", "factor": 2.0}, "rope_theta""#,
+            1,
+        );
+        assert!(parse(&both).err().map(|e| e.to_string()).unwrap_or_default().contains("disagree"));
+        let top = LLAMA31.replacen("\"rope_theta\"", "\"partial_rotary_factor\": 0.25, \"rope_theta\"", 1);
+        assert!(parse(&top).is_err());
+        assert!(parse(&LLAMA31.replacen("\"rope_theta\"", "\"mlp_bias\": true, \"rope_theta\"", 1)).is_err());
+    }
+
+    #[test]
+    fn rope_factors_that_give_non_finite_frequencies_are_refused() {
+        for (from, to) in [
+            (r#""high_freq_factor": 4.0"#, r#""high_freq_factor": 1.0"#),
+            (r#""high_freq_factor": 4.0"#, r#""high_freq_factor": 0.5"#),
+            (r#""factor": 8.0"#, r#""factor": 0.0"#),
+            (r#""factor": 8.0"#, r#""factor": -2.0"#),
+            (r#""low_freq_factor": 1.0"#, r#""low_freq_factor": 0.0"#),
+            (r#""original_max_position_embeddings": 8192"#, r#""original_max_position_embeddings": 0"#),
+            (r#""original_max_position_embeddings": 8192"#, r#""original_max_position_embeddings": 81.5"#),
+            (r#""factor": 8.0"#, r#""factor": 1e999"#),
+        ] {
+            let text = LLAMA31.replacen(from, to, 1);
+            let e = parse(&text).err().map(|e| e.to_string());
+            assert!(e.is_some(), "{to} was accepted");
+        }
+        let e = parse(&LLAMA31.replacen(r#""high_freq_factor": 4.0"#, r#""high_freq_factor": 1.0"#, 1)).err();
+        let e = e.map(|e| e.to_string()).unwrap_or_default();
+        assert!(e.contains("low_freq_factor 1") && e.contains("high_freq_factor 1"), "{e}");
+        let lin = LLAMA31.replacen("\"llama3\"", "\"linear\"", 1).replacen(r#""factor": 8.0"#, r#""factor": 0.0"#, 1);
+        assert!(parse(&lin).is_err());
+    }
+
+    #[test]
+    fn qwen2_has_biases_and_rotates_halves() {
+        let j = r#"{"architectures": ["Qwen2ForCausalLM"], "hidden_size": 896, "intermediate_size": 4864,
+            "num_hidden_layers": 24, "num_attention_heads": 14, "num_key_value_heads": 2, "vocab_size": 151936,
+            "rope_theta": 1000000.0, "rms_norm_eps": 1e-06, "max_position_embeddings": 32768}"#;
+        let c = parse(j).unwrap();
+        assert_eq!(c.arch, Arch::Qwen2);
+        assert!(c.qkv_bias);
+        assert_eq!(c.rope_style, RopeStyle::Halves);
+        assert_eq!(c.head_dim, 64);
+        assert_eq!(c.kv_bytes_per_token_layer(2), 2 * 2 * 64 * 2);
+    }
+
+    #[test]
+    fn head_sizes_are_explicit_or_exact() {
+        // 100 / 6 is no head size (it was 16 once, rounded down)
+        let j = r#"{"architectures": ["LlamaForCausalLM"], "hidden_size": 96, "intermediate_size": 128,
+            "num_hidden_layers": 2, "num_attention_heads": 6, "vocab_size": 300}"#;
+        assert_eq!(parse(j).unwrap().head_dim, 16);
+        assert!(parse(&j.replace("96", "100")).is_err());
+        // an explicit head size wider than hidden / heads is the checkpoint's own (q is 6 × 32 wide)
+        let wide = j.replace("\"vocab_size\"", "\"head_dim\": 32, \"vocab_size\"");
+        let c = parse(&wide).unwrap();
+        assert_eq!((c.head_dim, c.q_width()), (32, Some(192)));
+    }
+
+    #[test]
+    fn rejects_bad_configs() {
+        for bad in [
+            LLAMA31.replace("\"num_key_value_heads\": 8", "\"num_key_value_heads\": 7"),
+            LLAMA31.replace("\"num_hidden_layers\": 32", "\"num_hidden_layers\": 0"),
+            LLAMA31.replace("\"rope_type\": \"llama3\"", "\"rope_type\": \"yarn\""),
+            LLAMA31.replace("LlamaForCausalLM", "GPTNeoXForCausalLM"),
+            LLAMA31.replace("\"hidden_size\": 4096", "\"hidden_size\": 40960000000"),
+            // head sizes whose product with the head count overflows
+            LLAMA31
+                .replace("\"num_key_value_heads\": 8", "\"num_key_value_heads\": 8, \"head_dim\": 4611686018427387904"),
+            "{}".to_string(),
+        ] {
+            assert!(parse(&bad).is_err(), "{bad}");
+        }
+    }
+}

@@ -1,0 +1,236 @@
+//! The names and shapes of a Llama-family model's tensors, in llama.cpp's GGUF spelling
+//! (`blk.3.attn_q.weight`), and which of them a slice of layers reads.
+//!
+//! [`LayerTensor`] is the one table of a transformer layer's tensors: checking a file, loading a
+//! block, predicting a slice's memory, the planner's profile and the manifest's slice ranges all
+//! read it, so a tensor added here is seen by all of them.
+
+use crate::config::ModelConfig;
+use crate::index::ModelIndex;
+use crate::FormatError;
+use brigade_core::LayerRange;
+
+pub const TOKEN_EMBD: &str = "token_embd.weight";
+pub const OUTPUT_NORM: &str = "output_norm.weight";
+pub const OUTPUT: &str = "output.weight";
+/// Llama 3.1's per-frequency RoPE divisors (GGUF only): read into the configuration when a model
+/// is opened, so every slice needs it.
+pub const ROPE_FREQS: &str = "rope_freqs.weight";
+/// The tensors outside the layers that every slice reads, whichever layers it holds.
+pub const SHARED_TENSORS: [&str; 1] = [ROPE_FREQS];
+
+/// The non-layer tensors' Hugging Face names.
+const HF_NAMES: [(&str, &str); 3] =
+    [(TOKEN_EMBD, "model.embed_tokens.weight"), (OUTPUT_NORM, "model.norm.weight"), (OUTPUT, "lm_head.weight")];
+
+/// A dimension of a tensor's shape, as the configuration gives it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Dim {
+    Hidden,
+    Ffn,
+    Vocab,
+    /// `n_heads × head_dim`.
+    QWidth,
+    /// `n_kv_heads × head_dim`.
+    KvWidth,
+}
+
+impl Dim {
+    /// The size in `c`; `None` when a product overflows (never for a validated configuration).
+    pub fn size(self, c: &ModelConfig) -> Option<usize> {
+        match self {
+            Dim::Hidden => Some(c.hidden),
+            Dim::Ffn => Some(c.ffn),
+            Dim::Vocab => Some(c.vocab),
+            Dim::QWidth => c.q_width(),
+            Dim::KvWidth => c.kv_width(),
+        }
+    }
+}
+
+/// The shape `dims` gives in `c` (candle order: outermost first).
+pub fn shape_of(dims: &[Dim], c: &ModelConfig) -> Result<Vec<usize>, FormatError> {
+    dims.iter()
+        .map(|d| d.size(c).ok_or_else(|| FormatError::BadConfig(format!("the {d:?} dimension overflows"))))
+        .collect()
+}
+
+/// Whether a layer tensor must be in the file.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Need {
+    Always,
+    /// When the configuration has q/k/v biases (Qwen2, `attention_bias`).
+    QkvBias,
+}
+
+/// One tensor of a transformer layer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum LayerTensor {
+    AttnNorm,
+    AttnQ,
+    AttnK,
+    AttnV,
+    AttnOutput,
+    AttnQBias,
+    AttnKBias,
+    AttnVBias,
+    FfnNorm,
+    FfnGate,
+    FfnUp,
+    FfnDown,
+}
+
+impl LayerTensor {
+    pub const ALL: [LayerTensor; 12] = [
+        LayerTensor::AttnNorm,
+        LayerTensor::AttnQ,
+        LayerTensor::AttnK,
+        LayerTensor::AttnV,
+        LayerTensor::AttnOutput,
+        LayerTensor::AttnQBias,
+        LayerTensor::AttnKBias,
+        LayerTensor::AttnVBias,
+        LayerTensor::FfnNorm,
+        LayerTensor::FfnGate,
+        LayerTensor::FfnUp,
+        LayerTensor::FfnDown,
+    ];
+
+    /// The table: GGUF name after `blk.N.`, Hugging Face name after `model.layers.N.`, shape
+    /// (outermost first) and when the tensor is required.
+    const fn spec(self) -> (&'static str, &'static str, &'static [Dim], Need) {
+        use Dim::*;
+        use Need::*;
+        match self {
+            LayerTensor::AttnNorm => ("attn_norm.weight", "input_layernorm.weight", &[Hidden], Always),
+            LayerTensor::AttnQ => ("attn_q.weight", "self_attn.q_proj.weight", &[QWidth, Hidden], Always),
+            LayerTensor::AttnK => ("attn_k.weight", "self_attn.k_proj.weight", &[KvWidth, Hidden], Always),
+            LayerTensor::AttnV => ("attn_v.weight", "self_attn.v_proj.weight", &[KvWidth, Hidden], Always),
+            LayerTensor::AttnOutput => ("attn_output.weight", "self_attn.o_proj.weight", &[Hidden, QWidth], Always),
+            LayerTensor::AttnQBias => ("attn_q.bias", "self_attn.q_proj.bias", &[QWidth], QkvBias),
+            LayerTensor::AttnKBias => ("attn_k.bias", "self_attn.k_proj.bias", &[KvWidth], QkvBias),
+            LayerTensor::AttnVBias => ("attn_v.bias", "self_attn.v_proj.bias", &[KvWidth], QkvBias),
+            LayerTensor::FfnNorm => ("ffn_norm.weight", "post_attention_layernorm.weight", &[Hidden], Always),
+            LayerTensor::FfnGate => ("ffn_gate.weight", "mlp.gate_proj.weight", &[Ffn, Hidden], Always),
+            LayerTensor::FfnUp => ("ffn_up.weight", "mlp.up_proj.weight", &[Ffn, Hidden], Always),
+            LayerTensor::FfnDown => ("ffn_down.weight", "mlp.down_proj.weight", &[Hidden, Ffn], Always),
+        }
+    }
+
+    /// The GGUF name after `blk.N.` (`attn_q.weight`).
+    pub fn suffix(self) -> &'static str {
+        self.spec().0
+    }
+
+    /// The Hugging Face name after `model.layers.N.` (`self_attn.q_proj.weight`).
+    pub fn hf_suffix(self) -> &'static str {
+        self.spec().1
+    }
+
+    /// The tensor's GGUF name in layer `layer`.
+    pub fn name(self, layer: usize) -> String {
+        format!("blk.{layer}.{}", self.suffix())
+    }
+
+    /// The shape the configuration implies (outermost first).
+    pub fn shape(self, c: &ModelConfig) -> Result<Vec<usize>, FormatError> {
+        shape_of(self.spec().2, c)
+    }
+
+    /// Whether a model of configuration `c` must have the tensor (and may not have it otherwise).
+    pub fn required(self, c: &ModelConfig) -> bool {
+        match self.spec().3 {
+            Need::Always => true,
+            Need::QkvBias => c.qkv_bias,
+        }
+    }
+
+    /// The tensors of a layer that a model of configuration `c` has, in table order.
+    pub fn required_in(c: &ModelConfig) -> impl Iterator<Item = LayerTensor> + '_ {
+        LayerTensor::ALL.into_iter().filter(|t| t.required(c))
+    }
+
+    /// RMS norm weights: always dense in the activation type on a device.
+    pub fn is_norm(self) -> bool {
+        matches!(self, LayerTensor::AttnNorm | LayerTensor::FfnNorm)
+    }
+
+    /// `blk.N.<suffix>` as (N, tensor).
+    pub fn parse(name: &str) -> Option<(usize, LayerTensor)> {
+        let (i, rest) = name.strip_prefix("blk.")?.split_once('.')?;
+        let t = LayerTensor::ALL.into_iter().find(|t| t.suffix() == rest)?;
+        Some((i.parse().ok()?, t))
+    }
+}
+
+/// Whether a tensor is an RMS norm weight (of a layer, or the final one).
+pub fn is_norm(name: &str) -> bool {
+    name == OUTPUT_NORM || LayerTensor::parse(name).is_some_and(|(_, t)| t.is_norm())
+}
+
+/// Hugging Face Llama/Mistral/Qwen2 tensor names to llama.cpp's GGUF names; `None` for tensors
+/// brigade does not read (rotary buffers of old checkpoints, for example).
+pub fn hf_to_gguf_name(name: &str) -> Option<String> {
+    if let Some((g, _)) = HF_NAMES.iter().find(|(_, h)| *h == name) {
+        return Some(g.to_string());
+    }
+    let (i, rest) = name.strip_prefix("model.layers.")?.split_once('.')?;
+    let i: usize = i.parse().ok()?;
+    LayerTensor::ALL.into_iter().find(|t| t.hf_suffix() == rest).map(|t| t.name(i))
+}
+
+/// llama.cpp's GGUF names to Hugging Face names (for writing safetensors).
+pub fn gguf_to_hf_name(name: &str) -> Option<String> {
+    if let Some((_, h)) = HF_NAMES.iter().find(|(g, _)| *g == name) {
+        return Some(h.to_string());
+    }
+    let (i, t) = LayerTensor::parse(name)?;
+    Some(format!("model.layers.{i}.{}", t.hf_suffix()))
+}
+
+/// The tensors a slice holding layers `[a, b)` of the model reads: the tensors every slice needs
+/// ([`SHARED_TENSORS`] the model has), the embedding when `a == 0`, the layers' tensors, and the
+/// final norm and head when `b == n_layers` (the embedding again when the head is tied to it,
+/// named once).
+pub fn slice_tensors(index: &ModelIndex, layers: LayerRange) -> Result<Vec<String>, FormatError> {
+    let c = index.config();
+    if layers.end() > c.n_layers {
+        return Err(FormatError::BadSlice(format!("layers {layers} of a model with {} layers", c.n_layers)));
+    }
+    let mut names: Vec<String> =
+        SHARED_TENSORS.iter().filter(|n| index.tensor_info(n).is_some()).map(|n| n.to_string()).collect();
+    if layers.is_first() {
+        names.push(TOKEN_EMBD.into());
+    }
+    for i in layers.iter() {
+        names.extend(LayerTensor::required_in(c).map(|t| t.name(i)));
+    }
+    if layers.is_last(c.n_layers) {
+        names.push(OUTPUT_NORM.into());
+        if !index.tied_head() {
+            names.push(OUTPUT.into());
+        } else if !layers.is_first() {
+            names.push(TOKEN_EMBD.into());
+        }
+    }
+    Ok(names)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn names_round_trip() {
+        for n in ["token_embd.weight", "output.weight", "blk.12.attn_q.bias", "blk.3.ffn_down.weight"] {
+            assert_eq!(hf_to_gguf_name(&gguf_to_hf_name(n).unwrap()).as_deref(), Some(n));
+        }
+        for t in LayerTensor::ALL {
+            assert_eq!(LayerTensor::parse(&t.name(7)), Some((7, t)));
+        }
+        assert!(hf_to_gguf_name("model.layers.x.mlp.up_proj.weight").is_none());
+        assert!(hf_to_gguf_name("model.layers.0.self_attn.rotary_emb.inv_freq").is_none());
+        assert!(LayerTensor::parse("blk.1.attn_rot_embd").is_none());
+        assert!(is_norm("blk.0.ffn_norm.weight") && is_norm(OUTPUT_NORM) && !is_norm("blk.0.ffn_up.weight"));
+    }
+}
