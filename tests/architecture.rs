@@ -78,3 +78,21 @@ fn transport_knows_no_tensors_and_no_raft_and_proto_only_core() {
         );
     }
 }
+
+#[test]
+fn the_coordinator_never_links_candle_and_the_worker_never_raft() {
+    let c = deps("brigade-coordinator");
+    assert!(c.iter().any(|x| x == "brigade-planner"), "cargo tree did not list the planner: {c:?}");
+    for bad in ["candle-core", "candle-nn", "candle-transformers", "cudarc", "brigade-model", "brigade-worker"] {
+        assert!(!c.iter().any(|x| x == bad), "brigade-coordinator depends on {bad}");
+    }
+    let w = deps("brigade-worker");
+    assert!(w.iter().any(|x| x == "candle-core"));
+    for bad in ["raft", "raft-proto", "brigade-coordinator", "brigade-planner"] {
+        assert!(!w.iter().any(|x| x == bad), "brigade-worker depends on {bad}");
+    }
+    let sdk = deps("brigade-sdk");
+    for bad in ["candle-core", "brigade-model", "brigade-coordinator", "brigade-worker", "raft"] {
+        assert!(!sdk.iter().any(|x| x == bad), "brigade-sdk depends on {bad}");
+    }
+}

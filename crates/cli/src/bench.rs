@@ -48,6 +48,12 @@ pub struct BenchArgs {
     /// Skip the memory bandwidth probe (and the bound it gives).
     #[arg(long = "no-bandwidth")]
     pub no_bandwidth: bool,
+    /// Benchmark a deployment of a cluster instead (`-m` names the deployment).
+    #[command(flatten)]
+    pub connect: crate::cluster::Connect,
+    /// Concurrent clients to test, comma separated (cluster benchmarks).
+    #[arg(long = "concurrency", default_value = "1", value_delimiter = ',')]
+    pub concurrency: Vec<usize>,
 }
 
 #[derive(Serialize, Clone)]
@@ -129,6 +135,23 @@ fn read_bytes(files: &ModelFiles, stages: &[Stage], n_ctx: usize) -> Vec<(Device
 }
 
 pub fn bench(a: BenchArgs) -> Result<()> {
+    if a.connect.coordinator.is_some() {
+        let Some(model) = a.model.as_ref().map(|m| m.display().to_string()) else {
+            bail!("with --coordinator, -m names the deployment to benchmark");
+        };
+        if a.concurrency.iter().any(|&c| c == 0 || c > 1024) {
+            bail!("--concurrency: 1 to 1024 clients");
+        }
+        return crate::cluster_bench::bench(crate::cluster_bench::ClusterBench {
+            connect: a.connect,
+            model,
+            n_prompt: a.n_prompt,
+            n_gen: a.n_gen,
+            reps: a.reps.max(1),
+            concurrency: a.concurrency,
+            json: a.output == OutFormat::Json,
+        });
+    }
     if a.reps == 0 {
         bail!("-r 0: at least one repetition");
     }

@@ -3,7 +3,10 @@
 //! Exit codes: 0 success, 1 any runtime error (bad model file, unavailable device, …), 2 usage.
 
 mod bench;
+mod cluster;
+mod cluster_bench;
 mod common;
+mod local;
 mod plan;
 mod run;
 mod synth;
@@ -34,6 +37,20 @@ enum Cmd {
     Synth(synth::SynthArgs),
     /// Place a model's layers on a cluster's devices (what-if; nothing is loaded).
     Plan(plan::PlanArgs),
+    /// Run a cluster's coordinator: admission, placement, assignments, the client API.
+    Coordinator(cluster::CoordinatorArgs),
+    /// Run a worker on this node: join a cluster, host the layers it is assigned.
+    Worker(cluster::WorkerArgs),
+    /// Deploy a model on a cluster (the planner places it unless --device-map says how).
+    Deploy(cluster::DeployArgs),
+    /// Remove a deployment from a cluster.
+    Undeploy(cluster::UndeployArgs),
+    /// Generate text with a model deployed on a cluster.
+    Generate(cluster::GenerateArgs),
+    /// A cluster's nodes, their measured figures, links and deployments.
+    Status(cluster::StatusArgs),
+    /// Clusters on this machine (`cluster local`).
+    Cluster(local::ClusterArgs),
 }
 
 /// llama.cpp spells some options with one dash and several letters (`-ngl 8`); clap's short
@@ -102,6 +119,15 @@ fn main() {
         Cmd::Bench(a) => bench::bench(a),
         Cmd::Synth(a) => synth::synth(a),
         Cmd::Plan(a) => plan::run_plan(a),
+        Cmd::Coordinator(a) => cluster::coordinator(a),
+        Cmd::Worker(a) => cluster::worker(a),
+        Cmd::Deploy(a) => cluster::deploy(a),
+        Cmd::Undeploy(a) => cluster::undeploy(a),
+        Cmd::Generate(a) => cluster::generate(a),
+        Cmd::Status(a) => cluster::status(a),
+        Cmd::Cluster(a) => match a.cmd {
+            local::ClusterCmd::Local(l) => local::local(l),
+        },
     };
     if let Err(e) = result {
         eprintln!("error: {e:#}");

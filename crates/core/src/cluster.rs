@@ -17,6 +17,21 @@ use std::collections::BTreeMap;
 /// Maximum lengths of names that arrive from outside (node and deployment names).
 pub const MAX_NAME_LEN: usize = 64;
 
+/// A node's name becomes a DNS label in its certificate (`<name>.node.brigade`): 1–63 lower-case
+/// letters, digits and `-`, not starting or ending with `-`.
+pub fn check_node_name(name: &str) -> Result<(), StateError> {
+    let ok = !name.is_empty()
+        && name.len() <= 63
+        && !name.starts_with('-')
+        && !name.ends_with('-')
+        && name.bytes().all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-');
+    if ok {
+        Ok(())
+    } else {
+        Err(StateError::BadName { what: "node".into(), name: name.chars().take(80).collect() })
+    }
+}
+
 /// A name for a node or a deployment: 1–64 characters of `[A-Za-z0-9._-]`, starting with an
 /// alphanumeric (it appears in certificate names, file names and URLs).
 pub fn check_name(what: &str, name: &str) -> Result<(), StateError> {
@@ -166,7 +181,7 @@ pub struct StageRecord {
 }
 
 /// Element type of hidden states between stages.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum ActDtype {
     F32,
@@ -183,7 +198,7 @@ impl ActDtype {
     }
 }
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum CarrierKind {
     Quic,
@@ -208,6 +223,9 @@ pub struct Deployment {
     pub predicted_decode_s: f64,
     pub plan_text: String,
     pub created_ms: u64,
+    /// Prompt tokens per chunk into the first stage (0: brigade's choice by the stage count).
+    #[serde(default)]
+    pub ubatch: usize,
 }
 
 /// What a deployment as a whole is doing.
@@ -297,7 +315,7 @@ pub enum Applied {
 
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum StateError {
-    #[error("invalid {what} name `{name}`: use 1-64 characters of letters, digits, `.`, `_`, `-`, starting with a letter or digit")]
+    #[error("invalid {what} name `{name}`: use 1-64 characters of letters, digits, `.`, `_`, `-`, starting with a letter or digit (node names: 1-63 lower-case letters, digits and `-`)")]
     BadName { what: String, name: String },
     #[error("unknown node `{0}`")]
     UnknownNode(String),
@@ -352,7 +370,7 @@ impl ClusterState {
     pub fn apply(&mut self, cmd: Command) -> Result<Applied, StateError> {
         let out = match cmd {
             Command::AdmitNode { name, fingerprint, admitted_ms } => {
-                check_name("node", &name)?;
+                check_node_name(&name)?;
                 if fingerprint.len() != 64 || !fingerprint.bytes().all(|c| c.is_ascii_hexdigit()) {
                     return Err(StateError::BadName { what: "certificate fingerprint".into(), name: fingerprint });
                 }
@@ -360,7 +378,7 @@ impl ClusterState {
                 Applied::Done
             }
             Command::RegisterNode { node } => {
-                check_name("node", &node.name)?;
+                check_node_name(&node.name)?;
                 if !self.admitted.contains_key(&node.name) {
                     return Err(StateError::NotAdmitted(node.name));
                 }
@@ -631,6 +649,7 @@ mod tests {
             predicted_decode_s: 0.0,
             plan_text: String::new(),
             created_ms: 0,
+            ubatch: 0,
         }
     }
 
@@ -779,7 +798,11 @@ mod tests {
 
     #[test]
     fn names() {
-        assert!(check_name("node", "w-1.local_x").is_ok());
+        assert!(check_node_name("w-1").is_ok());
+        for bad in ["W1", "w.1", "-w", "w-", "w_1", ""] {
+            assert!(check_node_name(bad).is_err(), "{bad}");
+        }
+        assert!(check_name("deployment", "w-1.local_x").is_ok());
         for bad in ["", "-a", "a b", "a/b", "ä"] {
             assert!(check_name("node", bad).is_err(), "{bad}");
         }

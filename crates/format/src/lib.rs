@@ -30,7 +30,7 @@ pub use config::ModelConfig;
 pub use ggml::GgmlType;
 pub use index::{Format, ModelIndex, StoredTensor, StoredType};
 pub use manifest::Manifest;
-pub use tensors::{slice_tensors, LayerTensor};
+pub use tensors::{slice_tensor_names, slice_tensors, LayerTensor};
 pub use tokenizer::Tokenizer;
 
 use std::path::PathBuf;

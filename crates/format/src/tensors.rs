@@ -216,6 +216,37 @@ pub fn slice_tensors(index: &ModelIndex, layers: LayerRange) -> Result<Vec<Strin
     Ok(names)
 }
 
+/// [`slice_tensors`] from tensor names alone (the coordinator's view of a model: its manifest):
+/// every present tensor of the slice's layers, the shared ones, the embedding when first, the
+/// final norm and head when last (the embedding again when there is no separate head).
+pub fn slice_tensor_names<'a>(
+    names: impl IntoIterator<Item = &'a str>,
+    n_layers: usize,
+    layers: LayerRange,
+) -> Result<Vec<String>, FormatError> {
+    if layers.end() > n_layers {
+        return Err(FormatError::BadSlice(format!("layers {layers} of a model with {n_layers} layers")));
+    }
+    let names: Vec<&str> = names.into_iter().collect();
+    let has = |n: &str| names.contains(&n);
+    let mut out: Vec<String> = SHARED_TENSORS.iter().filter(|n| has(n)).map(|n| n.to_string()).collect();
+    if layers.is_first() {
+        out.push(TOKEN_EMBD.into());
+    }
+    out.extend(
+        names.iter().filter(|n| LayerTensor::parse(n).is_some_and(|(i, _)| layers.contains(i))).map(|n| n.to_string()),
+    );
+    if layers.is_last(n_layers) {
+        out.push(OUTPUT_NORM.into());
+        if has(OUTPUT) {
+            out.push(OUTPUT.into());
+        } else if !layers.is_first() {
+            out.push(TOKEN_EMBD.into());
+        }
+    }
+    Ok(out)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

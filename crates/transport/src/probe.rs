@@ -16,7 +16,9 @@ pub const PINGS: u64 = 20;
 /// Bytes per BULK frame.
 pub const BULK_CHUNK: usize = 1 << 20;
 /// The bandwidth burst stops after this long or [`BULK_BYTES`], whichever comes first.
-pub const BULK_TIME: Duration = Duration::from_millis(200);
+pub const BULK_TIME: Duration = Duration::from_millis(100);
+/// Bytes of the first bulk round.
+pub const BULK_FIRST_ROUND: u64 = 64 << 10;
 pub const BULK_BYTES: u64 = 64 << 20;
 /// The longest wait for one answer.
 const ANSWER_TIMEOUT: Duration = Duration::from_secs(10);
@@ -97,27 +99,42 @@ pub async fn measure(link: &mut Link) -> Result<LinkFigures> {
     rtts.sort();
     let median = rtts.get(rtts.len() / 2).copied().unwrap_or_default();
 
+    // Bulk rounds of growing size, each answered before the next starts: the bytes in flight
+    // never exceed one round, so a slow link is not flooded (a single burst timed by the sender
+    // would fill every buffer on the way and then wait for them to drain).
     let chunk = Bytes::from(vec![0u8; BULK_CHUNK]);
-    let start = Instant::now();
-    let mut sent: u64 = 0;
+    let rtt = median.as_secs_f64();
+    let mut size = BULK_FIRST_ROUND;
+    let mut total: u64 = 0;
     let mut step = 0;
-    loop {
-        let last = start.elapsed() >= BULK_TIME || sent + BULK_CHUNK as u64 >= BULK_BYTES;
-        link.send(Frame::bulk(step, chunk.clone(), last)).await?;
-        sent += BULK_CHUNK as u64;
-        step += 1;
-        if last {
-            break;
+    let bandwidth = loop {
+        let start = Instant::now();
+        let mut sent: u64 = 0;
+        while sent < size {
+            let n = (size - sent).min(BULK_CHUNK as u64);
+            let last = sent + n >= size;
+            link.send(Frame::bulk(step, chunk.slice(..n as usize), last)).await?;
+            sent += n;
+            step += 1;
         }
-    }
-    let pong = answer(link).await?;
-    let elapsed = start.elapsed().as_secs_f64();
-    if !pong.has_flag(FLAG_LAST) || pong.header.step != sent {
-        return Err(TransportError::Probe(format!("peer counted {} bulk bytes of {sent} sent", pong.header.step)));
-    }
+        let pong = answer(link).await?;
+        let elapsed = start.elapsed().as_secs_f64();
+        if !pong.has_flag(FLAG_LAST) || pong.header.step != sent {
+            return Err(TransportError::Probe(format!("peer counted {} bulk bytes of {sent} sent", pong.header.step)));
+        }
+        total += sent;
+        // the answer's trip back is one round trip that carried no data
+        let bandwidth = sent as f64 / (elapsed - rtt).max(elapsed / 2.0).max(1e-9);
+        if elapsed >= BULK_TIME.as_secs_f64() || total + size * 4 > BULK_BYTES {
+            break bandwidth;
+        }
+        // aim the next round at about the target time
+        let scale = (BULK_TIME.as_secs_f64() * 1.5 / elapsed.max(1e-6)).clamp(2.0, 16.0);
+        size = ((size as f64 * scale) as u64).min(BULK_BYTES - total);
+    };
     Ok(LinkFigures {
         latency_s: median.as_secs_f64() / 2.0,
-        bandwidth_bps: sent as f64 / elapsed.max(1e-9),
+        bandwidth_bps: bandwidth,
         clock_offset_us: best.map(|(_, offset)| offset).unwrap_or(0),
     })
 }

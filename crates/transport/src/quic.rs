@@ -49,8 +49,8 @@ fn transport_config() -> Arc<TransportConfig> {
         .send_window(32 << 20)
         .max_concurrent_bidi_streams(VarInt::from_u32(4))
         .max_concurrent_uni_streams(VarInt::from_u32(0))
-        .keep_alive_interval(Some(Duration::from_secs(5)))
-        .max_idle_timeout(Some(IdleTimeout::from(VarInt::from_u32(30_000))))
+        .keep_alive_interval(Some(Duration::from_secs(1)))
+        .max_idle_timeout(Some(IdleTimeout::from(VarInt::from_u32(6_000))))
         .mtu_discovery_config(Some(mtu));
     Arc::new(config)
 }

@@ -61,18 +61,23 @@ pub fn install_default_provider() {
     let _ = rustls::crypto::ring::default_provider().install_default();
 }
 
-/// Checks that `name` can be a DNS label, as it becomes `<name>.node.brigade`.
+/// Checks that `name` can be a DNS label, as it becomes `<name>.node.brigade` (the cluster
+/// state's rule for node names, [`brigade_core::cluster::check_node_name`]).
 pub fn validate_node_name(name: &str) -> Result<()> {
-    let ok = !name.is_empty()
-        && name.len() <= 63
-        && !name.starts_with('-')
-        && !name.ends_with('-')
-        && name.bytes().all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-');
-    if ok {
-        Ok(())
-    } else {
-        Err(TransportError::BadNodeName { name: name.to_owned() })
-    }
+    brigade_core::cluster::check_node_name(name).map_err(|_| TransportError::BadNodeName { name: name.to_owned() })
+}
+
+/// Writes a file readable by its owner only (0600 from creation, never wider), atomically
+/// (temporary file, fsync, rename): private keys and the join token.
+pub fn write_private(path: &std::path::Path, bytes: &[u8]) -> std::io::Result<()> {
+    use std::io::Write;
+    use std::os::unix::fs::OpenOptionsExt;
+    let tmp = path.with_extension("tmp");
+    let _ = std::fs::remove_file(&tmp);
+    let mut f = std::fs::OpenOptions::new().write(true).create_new(true).mode(0o600).open(&tmp)?;
+    f.write_all(bytes)?;
+    f.sync_all()?;
+    std::fs::rename(&tmp, path)
 }
 
 /// The DNS name a node's certificate carries: `<name>.node.brigade`.
@@ -262,6 +267,18 @@ pub(crate) fn certs_from_pem(pem: &str, what: &'static str) -> Result<Vec<Certif
         return Err(TransportError::Pem { what, reason: "no certificate in the PEM".to_owned() });
     }
     Ok(certs)
+}
+
+/// The first certificate of a PEM chain, as DER.
+pub fn leaf_der_from_pem(pem: &str) -> Result<Vec<u8>> {
+    Ok(certs_from_pem(pem, "certificate")?.swap_remove(0).to_vec())
+}
+
+/// The sha256 of a certificate's DER, lower-case hex: how the coordinator remembers which
+/// certificate speaks for a node.
+pub fn fingerprint(der: &[u8]) -> String {
+    use sha2::Digest;
+    sha2::Sha256::digest(der).iter().map(|b| format!("{b:02x}")).collect()
 }
 
 /// The node a certificate is for: the `<name>` of a `<name>.node.brigade` DNS SAN, else the CN.

@@ -1,0 +1,626 @@
+//! Cluster mode from the command line: `coordinator` and `worker` (the two long-running
+//! processes), and the clients `deploy`, `undeploy`, `generate`, `status`.
+
+use anyhow::{bail, Context, Result};
+use brigade_sdk::v1::{Carrier, DeployRequest, DeploymentInfo, WireDtype};
+use brigade_sdk::{Client, ClientConfig, Event, GenerateParams};
+use clap::Args;
+use serde::Serialize;
+use std::io::Write;
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::time::Duration;
+
+pub fn runtime() -> Result<tokio::runtime::Runtime> {
+    tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .context("starting the async runtime")
+}
+
+/// Resolves when the process is asked to stop (Ctrl-C or SIGTERM).
+pub async fn stop_signal() {
+    let term = async {
+        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+            Ok(mut s) => {
+                s.recv().await;
+            }
+            Err(_) => std::future::pending::<()>().await,
+        }
+    };
+    tokio::select! {
+        _ = tokio::signal::ctrl_c() => {}
+        _ = term => {}
+    }
+}
+
+/// A size with an optional unit: `512MiB`, `2 GiB`, `1.5GB`, `1000000`.
+pub fn parse_size(s: &str) -> Result<u64, String> {
+    brigade_planner::units::bytes("--memory", s).map_err(|e| e.to_string())
+}
+
+#[derive(Args, Debug)]
+pub struct CoordinatorArgs {
+    /// Address to serve workers and clients on (gRPC over TLS).
+    #[arg(long, default_value = "127.0.0.1:7070")]
+    pub listen: SocketAddr,
+    /// Where the cluster's CA, join token and state live (created on first start).
+    #[arg(long)]
+    pub data_dir: PathBuf,
+    /// The join token workers present (default: generated on first start and printed once).
+    #[arg(long, env = "BRIGADE_JOIN_TOKEN", hide_env_values = true)]
+    pub join_token: Option<String>,
+    /// Extra names or IPs for the coordinator's certificate (what tools like grpcurl connect to).
+    #[arg(long = "san")]
+    pub sans: Vec<String>,
+    /// API keys clients must present (`authorization: Bearer KEY`); repeatable.
+    #[arg(long = "api-key", env = "BRIGADE_API_KEYS", value_delimiter = ',', hide_env_values = true)]
+    pub api_keys: Vec<String>,
+    /// Seconds of silence after which a worker is marked down.
+    #[arg(long, default_value_t = 3.0)]
+    pub node_timeout: f64,
+}
+
+pub fn coordinator(a: CoordinatorArgs) -> Result<()> {
+    if !(a.node_timeout.is_finite() && a.node_timeout > 0.2) {
+        bail!("--node-timeout {}: at least 0.2 s", a.node_timeout);
+    }
+    let cfg = brigade_coordinator::CoordinatorConfig {
+        data_dir: a.data_dir,
+        join_token: a.join_token,
+        sans: a.sans,
+        node_timeout: Duration::from_secs_f64(a.node_timeout),
+        heartbeat_interval: Duration::from_secs_f64((a.node_timeout / 4.0).clamp(0.1, 1.0)),
+        api_keys: a.api_keys.into_iter().filter(|k| !k.is_empty()).collect(),
+    };
+    let rt = runtime()?;
+    rt.block_on(async move {
+        let listener =
+            tokio::net::TcpListener::bind(a.listen).await.with_context(|| format!("binding {}", a.listen))?;
+        brigade_coordinator::run(cfg, listener, stop_signal()).await?;
+        Ok(())
+    })
+}
+
+#[derive(Args, Debug)]
+pub struct WorkerArgs {
+    /// The coordinator, host:port.
+    #[arg(long)]
+    pub coordinator: String,
+    /// Address for QUIC (UDP) and gRPC (TCP) from peers; port 0 picks a free one.
+    #[arg(long, default_value = "0.0.0.0:7071")]
+    pub listen: SocketAddr,
+    /// The address peers reach this node at (needed when listening on 0.0.0.0).
+    #[arg(long)]
+    pub advertise: Option<String>,
+    /// This node's name in the cluster.
+    #[arg(long)]
+    pub name: String,
+    /// The cluster's join token (needed on the first start only).
+    #[arg(long, env = "BRIGADE_JOIN_TOKEN", hide_env_values = true)]
+    pub join_token: Option<String>,
+    /// Where model files are (a full copy is used in place) and fetched slices are cached.
+    #[arg(long)]
+    pub models_dir: Option<PathBuf>,
+    /// Where this node's certificate, key and measured figures live.
+    #[arg(long)]
+    pub data_dir: Option<PathBuf>,
+    /// Compute threads.
+    #[arg(short = 't', long = "threads")]
+    pub threads: Option<usize>,
+    /// Memory this node offers for slices (e.g. `8GiB`); default: what is available.
+    #[arg(long, value_parser = parse_size)]
+    pub memory: Option<u64>,
+    /// How thoroughly to measure the node's kernels: `full` (a few seconds, cached) or `quick`.
+    #[arg(long, default_value = "full")]
+    pub measure: brigade_worker::measure::Effort,
+}
+
+fn home_dir(sub: &str) -> PathBuf {
+    let base = std::env::var_os("XDG_DATA_HOME")
+        .map(PathBuf::from)
+        .or_else(|| std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".local/share")))
+        .unwrap_or_else(|| PathBuf::from("."));
+    base.join("brigade").join(sub)
+}
+
+pub fn worker(a: WorkerArgs) -> Result<()> {
+    let data_dir = a.data_dir.unwrap_or_else(|| home_dir(&format!("worker-{}", a.name)));
+    let models_dir = a.models_dir.unwrap_or_else(|| home_dir("models"));
+    let threads = a.threads.unwrap_or_else(candle_core::utils::get_num_threads).max(1);
+    let cfg = brigade_worker::WorkerConfig {
+        name: a.name,
+        coordinator: a.coordinator,
+        listen: a.listen,
+        advertise: a.advertise,
+        join_token: a.join_token,
+        models_dir,
+        data_dir,
+        threads,
+        memory: a.memory.unwrap_or(0),
+        measure: a.measure,
+    };
+    let rt = runtime()?;
+    rt.block_on(brigade_worker::run(cfg, stop_signal()))?;
+    Ok(())
+}
+
+/// How a client command reaches the cluster.
+#[derive(Args, Debug, Clone)]
+pub struct Connect {
+    /// Coordinator address(es), host:port, comma separated (default: BRIGADE_COORDINATOR, then the
+    /// client config `brigade cluster local` writes).
+    #[arg(long)]
+    pub coordinator: Option<String>,
+    /// The cluster CA to trust (the coordinator's data dir has ca.pem).
+    #[arg(long)]
+    pub ca: Option<PathBuf>,
+    /// API key, if the coordinator requires one (also BRIGADE_API_KEY).
+    #[arg(long = "api-key")]
+    pub api_key: Option<String>,
+}
+
+impl Connect {
+    pub async fn client(&self) -> Result<Client> {
+        let cfg = ClientConfig::resolve(self.coordinator.as_deref(), self.ca.as_deref(), self.api_key.as_deref())?;
+        Ok(Client::connect(cfg).await?)
+    }
+}
+
+#[derive(Args, Debug)]
+pub struct DeployArgs {
+    #[command(flatten)]
+    pub connect: Connect,
+    /// The model: a path on the coordinator's machine, or `embedded`.
+    #[arg(short = 'm', long = "model", default_value = "embedded")]
+    pub model: String,
+    /// The name clients use for this deployment.
+    #[arg(long)]
+    pub name: String,
+    /// latency | throughput | max-context | energy
+    #[arg(long, default_value = "latency")]
+    pub objective: String,
+    /// Context length (default: the model's, at most 4096).
+    #[arg(short = 'c', long = "ctx")]
+    pub ctx: Option<u32>,
+    /// Concurrent sessions each stage holds a KV cache for.
+    #[arg(long, default_value_t = 4)]
+    pub sessions: u32,
+    /// Place by hand: NODE:DEVICE:LAYERS,… (e.g. w1:cpu:3,w2:cpu:2).
+    #[arg(long)]
+    pub device_map: Option<String>,
+    /// Element type of hidden states between stages.
+    #[arg(long, default_value = "f32", value_parser = ["f32", "f16", "bf16"])]
+    pub activation_dtype: String,
+    /// How activations travel: quic, or grpc where UDP is blocked.
+    #[arg(long, default_value = "quic", value_parser = ["quic", "grpc"])]
+    pub transport: String,
+    /// The node that drives sessions (default: the first stage's).
+    #[arg(long)]
+    pub driver: Option<String>,
+    /// Share of each device's memory left free.
+    #[arg(long, default_value_t = 0.10)]
+    pub headroom: f64,
+    /// Prompt tokens per chunk into the first stage (default: one chunk of 512 for one stage,
+    /// chunks of 64 that overlap across several).
+    #[arg(long, default_value_t = 0)]
+    pub ubatch: u32,
+    /// Seconds to wait for every stage to load (0: return at once).
+    #[arg(long, default_value_t = 600)]
+    pub wait: u32,
+    /// Print the plan only; deploy nothing.
+    #[arg(long)]
+    pub dry_run: bool,
+    #[arg(long)]
+    pub json: bool,
+}
+
+pub fn deploy_request(a: &DeployArgs) -> DeployRequest {
+    DeployRequest {
+        name: a.name.clone(),
+        model: a.model.clone(),
+        objective: a.objective.clone(),
+        ctx: a.ctx.unwrap_or(0),
+        device_map: a.device_map.clone().unwrap_or_default(),
+        sessions: a.sessions,
+        activation_dtype: match a.activation_dtype.as_str() {
+            "f16" => WireDtype::F16,
+            "bf16" => WireDtype::Bf16,
+            _ => WireDtype::F32,
+        } as i32,
+        carrier: if a.transport == "grpc" { Carrier::Grpc } else { Carrier::Quic } as i32,
+        driver: a.driver.clone().unwrap_or_default(),
+        wait_s: a.wait,
+        headroom: a.headroom,
+        ubatch: a.ubatch,
+    }
+}
+
+fn print_deployment(d: &DeploymentInfo) {
+    print!("{}", d.plan_text);
+    println!("deployment `{}`: {} (generation {})", d.name, d.state, d.generation);
+    for s in &d.stages {
+        println!(
+            "  stage {} on {}/{} layers {}–{}: {}{}{}",
+            s.index,
+            s.node,
+            s.device,
+            s.layer_start,
+            s.layer_end.saturating_sub(1),
+            s.state,
+            if s.fetched_bytes > 0 {
+                format!(", fetched {}", crate::common::human_bytes(s.fetched_bytes))
+            } else {
+                String::new()
+            },
+            if s.error.is_empty() { String::new() } else { format!(": {}", s.error) }
+        );
+    }
+}
+
+pub fn deploy(a: DeployArgs) -> Result<()> {
+    runtime()?.block_on(async move {
+        let mut c = a.connect.client().await?;
+        let req = deploy_request(&a);
+        if a.dry_run {
+            let p = c.plan(req).await?;
+            if a.json {
+                println!("{}", p.plan_json);
+            } else {
+                print!("{}", p.plan_text);
+            }
+            return Ok(());
+        }
+        let d = c.deploy(req).await?;
+        if a.json {
+            println!("{}", serde_json::to_string_pretty(&deployment_json(&d))?);
+        } else {
+            print_deployment(&d);
+        }
+        match d.state.as_str() {
+            "ready" => Ok(()),
+            "loading" if a.wait == 0 => Ok(()),
+            s => bail!(
+                "deployment `{}` is {s}{}",
+                d.name,
+                if d.error.is_empty() { String::new() } else { format!(": {}", d.error) }
+            ),
+        }
+    })
+}
+
+#[derive(Args, Debug)]
+pub struct UndeployArgs {
+    #[command(flatten)]
+    pub connect: Connect,
+    /// The deployment's name.
+    pub name: String,
+}
+
+pub fn undeploy(a: UndeployArgs) -> Result<()> {
+    runtime()?.block_on(async move {
+        a.connect.client().await?.undeploy(&a.name).await?;
+        println!("undeployed `{}`", a.name);
+        Ok(())
+    })
+}
+
+#[derive(Args, Debug)]
+pub struct GenerateArgs {
+    #[command(flatten)]
+    pub connect: Connect,
+    /// The deployment to generate with.
+    #[arg(long)]
+    pub model: String,
+    #[arg(short = 'p', long = "prompt", default_value = "")]
+    pub prompt: String,
+    /// Tokens to generate (-1: until end of text or a full context).
+    #[arg(short = 'n', long = "n-predict", default_value_t = 128, allow_negative_numbers = true)]
+    pub n_predict: i64,
+    #[arg(long = "temp", default_value_t = 0.8)]
+    pub temp: f32,
+    #[arg(short = 's', long = "seed")]
+    pub seed: Option<u64>,
+    #[arg(long = "top-k", default_value_t = 40)]
+    pub top_k: u32,
+    #[arg(long = "top-p", default_value_t = 0.95)]
+    pub top_p: f32,
+    #[arg(long = "min-p", default_value_t = 0.05)]
+    pub min_p: f32,
+    #[arg(long = "repeat-penalty", default_value_t = 1.0)]
+    pub repeat_penalty: f32,
+    #[arg(long = "repeat-last-n", default_value_t = 64)]
+    pub repeat_last_n: u32,
+    /// Treat the prompt as a user message and render the model's chat template.
+    #[arg(long)]
+    pub chat: bool,
+    #[arg(long)]
+    pub ignore_eos: bool,
+    /// One JSON object instead of streamed text (the fields of `brigade run --json`, plus `hops`).
+    #[arg(long)]
+    pub json: bool,
+}
+
+#[derive(Serialize)]
+struct GenTimings {
+    prompt_tokens: u32,
+    prompt_ms: f64,
+    prompt_tokens_per_s: f64,
+    generated_tokens: u32,
+    generation_ms: f64,
+    generation_tokens_per_s: f64,
+    ttft_ms: f64,
+}
+
+#[derive(Serialize)]
+struct HopOut {
+    stage: u32,
+    node: String,
+    device: String,
+    compute_ms_per_token: f64,
+    transfer_ms_per_token: f64,
+    bytes_per_token: u64,
+}
+
+#[derive(Serialize)]
+struct GenerateOut {
+    model: String,
+    text: String,
+    prompt_ids: Vec<u32>,
+    generated_ids: Vec<u32>,
+    stop: String,
+    seed: u64,
+    timings: GenTimings,
+    hops: Vec<HopOut>,
+}
+
+fn stop_name(s: i32) -> String {
+    use brigade_sdk::v1::StopReason;
+    match StopReason::try_from(s) {
+        Ok(StopReason::Length) => "length",
+        Ok(StopReason::Eos) => "eos",
+        Ok(StopReason::Context) => "context",
+        Ok(StopReason::Cancelled) => "caller",
+        _ => "unknown",
+    }
+    .into()
+}
+
+pub fn generate(a: GenerateArgs) -> Result<()> {
+    if a.n_predict < -1 {
+        bail!("-n {}: a token count, or -1 for no limit", a.n_predict);
+    }
+    let seed = a.seed.unwrap_or_else(rand::random);
+    let params = GenerateParams {
+        max_tokens: if a.n_predict < 0 { 0 } else { u32::try_from(a.n_predict).context("-n is too large")? },
+        temperature: a.temp,
+        top_k: a.top_k,
+        top_p: a.top_p,
+        min_p: a.min_p,
+        repeat_penalty: a.repeat_penalty,
+        repeat_last_n: a.repeat_last_n,
+        seed,
+        ignore_eos: a.ignore_eos,
+    };
+    if a.n_predict == 0 {
+        bail!("-n 0 generates nothing");
+    }
+    runtime()?.block_on(async move {
+        let mut c = a.connect.client().await?;
+        let mut events = if a.chat {
+            c.chat(&a.model, &[("user", a.prompt.as_str())], params).await?
+        } else {
+            c.generate(&a.model, &a.prompt, params).await?
+        };
+        let mut out = GenerateOut {
+            model: a.model.clone(),
+            text: String::new(),
+            prompt_ids: vec![],
+            generated_ids: vec![],
+            stop: String::new(),
+            seed,
+            timings: GenTimings {
+                prompt_tokens: 0,
+                prompt_ms: 0.0,
+                prompt_tokens_per_s: 0.0,
+                generated_tokens: 0,
+                generation_ms: 0.0,
+                generation_tokens_per_s: 0.0,
+                ttft_ms: 0.0,
+            },
+            hops: vec![],
+        };
+        let mut stdout = std::io::stdout().lock();
+        if !a.json && !a.chat {
+            let _ = write!(stdout, "{}", a.prompt);
+            let _ = stdout.flush();
+        }
+        while let Some(ev) = events.next().await {
+            match ev? {
+                Event::Prompt(ids) => out.prompt_ids = ids,
+                Event::Token { id, text, .. } => {
+                    out.generated_ids.push(id);
+                    out.text.push_str(&text);
+                    if !a.json && write!(stdout, "{text}").and_then(|_| stdout.flush()).is_err() {
+                        return Ok(());
+                    }
+                }
+                Event::Done(d) => {
+                    out.text.push_str(&d.text_tail);
+                    out.stop = stop_name(d.stop);
+                    if let Some(t) = d.timings {
+                        out.timings = GenTimings {
+                            prompt_tokens: t.prompt_tokens,
+                            prompt_ms: t.prompt_s * 1e3,
+                            prompt_tokens_per_s: t.prompt_tokens_per_s,
+                            generated_tokens: t.generated_tokens,
+                            generation_ms: t.generate_s * 1e3,
+                            generation_tokens_per_s: t.generate_tokens_per_s,
+                            ttft_ms: t.ttft_s * 1e3,
+                        };
+                        out.hops = t
+                            .hops
+                            .iter()
+                            .map(|h| HopOut {
+                                stage: h.stage,
+                                node: h.node.clone(),
+                                device: h.device.clone(),
+                                compute_ms_per_token: h.compute_s * 1e3,
+                                transfer_ms_per_token: h.transfer_s * 1e3,
+                                bytes_per_token: h.bytes_per_token,
+                            })
+                            .collect();
+                    }
+                    if !a.json {
+                        let _ = writeln!(stdout, "{}", d.text_tail);
+                    }
+                }
+            }
+        }
+        drop(stdout);
+        if a.json {
+            println!("{}", serde_json::to_string_pretty(&out)?);
+        } else {
+            let t = &out.timings;
+            eprintln!(
+                "prompt: {} tokens, {:.1} tokens/s; generation: {} tokens, {:.1} tokens/s ({})",
+                t.prompt_tokens, t.prompt_tokens_per_s, t.generated_tokens, t.generation_tokens_per_s, out.stop
+            );
+            for h in &out.hops {
+                eprintln!(
+                    "  stage {} {}/{}: compute {:.3} ms/token, to next {:.3} ms/token",
+                    h.stage, h.node, h.device, h.compute_ms_per_token, h.transfer_ms_per_token
+                );
+            }
+        }
+        Ok(())
+    })
+}
+
+#[derive(Args, Debug)]
+pub struct StatusArgs {
+    #[command(flatten)]
+    pub connect: Connect,
+    #[arg(long)]
+    pub json: bool,
+}
+
+#[derive(Serialize)]
+struct StatusOut {
+    version: String,
+    nodes: Vec<serde_json::Value>,
+    links: Vec<serde_json::Value>,
+    deployments: Vec<serde_json::Value>,
+}
+
+fn deployment_json(d: &DeploymentInfo) -> serde_json::Value {
+    serde_json::json!({
+        "name": d.name,
+        "source": d.source,
+        "model_id": d.model_id,
+        "generation": d.generation,
+        "state": d.state,
+        "error": d.error,
+        "n_layers": d.n_layers,
+        "n_ctx": d.n_ctx,
+        "sessions": d.sessions,
+        "objective": d.objective,
+        "driver": d.driver,
+        "predicted_decode_ms": d.predicted_decode_s * 1e3,
+        "measured_decode_ms": d.measured_decode_s * 1e3,
+        "tokens_generated": d.tokens_generated,
+        "stages": d.stages.iter().map(|s| serde_json::json!({
+            "index": s.index, "node": s.node, "device": s.device, "address": s.address,
+            "layers": [s.layer_start, s.layer_end], "state": s.state, "error": s.error,
+            "weight_bytes": s.weight_bytes, "kv_bytes": s.kv_bytes, "fetched_bytes": s.fetched_bytes,
+            "predicted_ms": s.predicted_s * 1e3, "measured_ms": s.measured_s * 1e3,
+        })).collect::<Vec<_>>(),
+        "plan": d.plan_text,
+    })
+}
+
+pub fn status(a: StatusArgs) -> Result<()> {
+    runtime()?.block_on(async move {
+        let s = a.connect.client().await?.status().await?;
+        if a.json {
+            let out = StatusOut {
+                version: s.version.clone(),
+                nodes: s
+                    .nodes
+                    .iter()
+                    .map(|n| {
+                        serde_json::json!({
+                            "name": n.name, "address": n.address, "state": n.state,
+                            "heartbeat_age_ms": n.heartbeat_age_ms, "version": n.version,
+                            "devices": n.devices.iter().map(|d| serde_json::json!({
+                                "name": d.name, "model": d.model, "memory_total": d.memory_total,
+                                "memory_free": d.memory_free, "read_bandwidth": d.mem_bandwidth,
+                                "flops": d.flops, "threads": d.threads, "features": d.features,
+                                "kernels": d.kernels.iter().map(|k| serde_json::json!({
+                                    "type": k.weight_type, "decode_bytes_per_s": k.decode_bytes_per_s,
+                                    "prompt_flops": k.prompt_flops })).collect::<Vec<_>>(),
+                            })).collect::<Vec<_>>(),
+                        })
+                    })
+                    .collect(),
+                links: s
+                    .links
+                    .iter()
+                    .map(|l| serde_json::json!({"from": l.from, "to": l.to, "latency_ms": l.latency_s * 1e3, "bandwidth_bytes_per_s": l.bandwidth}))
+                    .collect(),
+                deployments: s.deployments.iter().map(deployment_json).collect(),
+            };
+            println!("{}", serde_json::to_string_pretty(&out)?);
+            return Ok(());
+        }
+        println!("nodes:");
+        for n in &s.nodes {
+            println!("  {} {} at {} (heartbeat {} ms ago)", n.name, n.state, n.address, n.heartbeat_age_ms);
+            for d in &n.devices {
+                let q4k = d.kernels.iter().find(|k| k.weight_type == "q4_k");
+                println!(
+                    "    {} {}: {} free of {}, read {:.1} GB/s{}, {} threads [{}]",
+                    d.name,
+                    d.model,
+                    crate::common::human_bytes(d.memory_free),
+                    crate::common::human_bytes(d.memory_total),
+                    d.mem_bandwidth / 1e9,
+                    q4k.map(|k| format!(", q4_k decode {:.1} GB/s", k.decode_bytes_per_s / 1e9)).unwrap_or_default(),
+                    d.threads,
+                    d.features
+                );
+            }
+        }
+        if !s.links.is_empty() {
+            println!("links:");
+            for l in &s.links {
+                println!("  {} → {}: {:.3} ms, {:.1} MB/s", l.from, l.to, l.latency_s * 1e3, l.bandwidth / 1e6);
+            }
+        }
+        println!("deployments:");
+        for d in &s.deployments {
+            println!(
+                "  {} ({}): {}, generation {}; decode predicted {:.3} ms/token, measured {}",
+                d.name,
+                d.source,
+                d.state,
+                d.generation,
+                d.predicted_decode_s * 1e3,
+                if d.measured_decode_s > 0.0 { format!("{:.3} ms/token", d.measured_decode_s * 1e3) } else { "—".into() }
+            );
+            for st in &d.stages {
+                println!(
+                    "    stage {} {}/{} layers {}–{}: {}",
+                    st.index,
+                    st.node,
+                    st.device,
+                    st.layer_start,
+                    st.layer_end.saturating_sub(1),
+                    st.state
+                );
+            }
+        }
+        Ok(())
+    })
+}

@@ -1,0 +1,95 @@
+//! What one node must host, from the cluster state: its stages with everything a worker needs to
+//! load and connect them (the slice's manifest, the next stage, the driver), and the peers whose
+//! links it should measure.
+
+use crate::models::slice_ranges;
+use brigade_core::cluster::{ActDtype, CarrierKind, ClusterState, NodeState};
+use brigade_proto::v1::{
+    Assignments, Carrier, FileRange, ModelFile, PeerRef, SliceManifest, StageAssignment, WireDtype,
+};
+
+/// Prompt tokens per chunk into the first stage: one chunk when the pipeline has one stage; small
+/// chunks when there are several, so that stages overlap on a long prompt.
+pub fn ubatch(n_stages: usize) -> u32 {
+    if n_stages <= 1 {
+        512
+    } else {
+        64
+    }
+}
+
+fn peer(state: &ClusterState, node: &str) -> PeerRef {
+    PeerRef { node: node.to_string(), address: state.nodes.get(node).map(|n| n.address.clone()).unwrap_or_default() }
+}
+
+pub fn wire_dtype(d: ActDtype) -> WireDtype {
+    match d {
+        ActDtype::F32 => WireDtype::F32,
+        ActDtype::F16 => WireDtype::F16,
+        ActDtype::Bf16 => WireDtype::Bf16,
+    }
+}
+
+pub fn carrier(c: CarrierKind) -> Carrier {
+    match c {
+        CarrierKind::Quic => Carrier::Quic,
+        CarrierKind::Grpc => Carrier::Grpc,
+    }
+}
+
+/// The assignments of `node`.
+pub fn for_node(state: &ClusterState, node: &str) -> Assignments {
+    let threads =
+        state.nodes.get(node).and_then(|n| n.devices.iter().find(|d| d.name == "cpu")).map(|d| d.threads).unwrap_or(0);
+    let mut stages = Vec::new();
+    for (d, i) in state.stages_of(node) {
+        let Some(model) = state.models.get(&d.model_id) else { continue };
+        let s = &d.stages[i];
+        let n = d.stages.len();
+        let ranges = slice_ranges(model, s.layers);
+        let manifest = SliceManifest {
+            model_id: model.id.clone(),
+            model_name: model.name.clone(),
+            files: model.files.iter().map(|(p, size)| ModelFile { path: p.clone(), size: *size }).collect(),
+            ranges: ranges
+                .into_iter()
+                .map(|r| FileRange {
+                    file: r.file,
+                    offset: r.offset,
+                    length: r.length,
+                    sha256: r.sha256,
+                    tensor: r.tensor,
+                })
+                .collect(),
+            sources: vec!["coordinator".into()],
+        };
+        stages.push(StageAssignment {
+            deployment: d.name.clone(),
+            generation: d.generation,
+            stage: i as u32,
+            n_stages: n as u32,
+            device: s.device.clone(),
+            layer_start: s.layers.start() as u32,
+            layer_end: s.layers.end() as u32,
+            n_layers: d.n_layers as u32,
+            n_ctx: d.n_ctx as u32,
+            max_sessions: d.sessions as u32,
+            activation_dtype: wire_dtype(d.act_dtype) as i32,
+            carrier: carrier(d.carrier) as i32,
+            manifest: Some(manifest),
+            next: d.stages.get(i + 1).map(|x| peer(state, &x.node)),
+            driver: Some(peer(state, &d.driver)),
+            threads,
+            first: Some(peer(state, &d.stages[0].node)),
+            ubatch: if d.ubatch > 0 { d.ubatch.min(4096) as u32 } else { ubatch(n) },
+            is_driver: d.driver == node,
+        });
+    }
+    let peers = state
+        .nodes
+        .values()
+        .filter(|n| n.name != node && n.state == NodeState::Up)
+        .map(|n| PeerRef { node: n.name.clone(), address: n.address.clone() })
+        .collect();
+    Assignments { stages, peers }
+}

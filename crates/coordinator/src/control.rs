@@ -1,0 +1,204 @@
+//! The `Control` service: what workers call. Every call but `Join` must come with the node's
+//! certificate (issued by the cluster CA at `Join`, and still the one on record for that name),
+//! and may only speak for the node the certificate names.
+
+use crate::assign;
+use crate::server::Shared;
+use crate::CoordError;
+use brigade_core::cluster::{Command, LinkRecord, NodeRecord, NodeState, StageState};
+use brigade_core::Link;
+use brigade_proto::convert::{device_from_proto, unix_ms};
+use brigade_proto::v1::control_server::Control;
+use brigade_proto::v1::{
+    Assignments, Chunk, FetchRangeRequest, HeartbeatRequest, HeartbeatResponse, JoinRequest, JoinResponse, LinksAck,
+    LinksReport, ReadyAck, ReadyReport, RegisterRequest, RegisterResponse, WatchRequest,
+};
+use std::pin::Pin;
+use std::sync::Arc;
+use std::time::Instant;
+use tokio_stream::Stream;
+use tonic::{Request, Response, Status};
+
+type BoxStream<T> = Pin<Box<dyn Stream<Item = Result<T, Status>> + Send + 'static>>;
+
+pub struct ControlService {
+    pub shared: Arc<Shared>,
+}
+
+impl ControlService {
+    /// The node the request's certificate speaks for, checked against the admitted certificate.
+    fn node<T>(&self, req: &Request<T>, claimed: &str) -> Result<String, Status> {
+        let certs =
+            req.peer_certs().ok_or_else(|| Status::unauthenticated("no client certificate: join the cluster first"))?;
+        let leaf = certs.first().ok_or_else(|| Status::unauthenticated("no client certificate"))?;
+        let name = brigade_transport::tls::peer_name_from_cert(leaf.as_ref())
+            .ok_or_else(|| Status::unauthenticated("the client certificate names no node"))?;
+        if name != claimed {
+            return Err(Status::permission_denied(format!("a certificate of `{name}` cannot speak for `{claimed}`")));
+        }
+        let fp = brigade_transport::tls::fingerprint(leaf.as_ref());
+        let state = self.shared.state();
+        match state.admitted.get(&name) {
+            Some(a) if a.fingerprint == fp => Ok(name),
+            Some(_) => Err(Status::permission_denied(format!(
+                "this certificate of `{name}` was replaced by a later join: use the newer one or join again"
+            ))),
+            None => Err(Status::permission_denied(format!("`{name}` has not joined this cluster"))),
+        }
+    }
+}
+
+#[tonic::async_trait]
+impl Control for ControlService {
+    type WatchStream = BoxStream<Assignments>;
+    type FetchRangeStream = BoxStream<Chunk>;
+
+    async fn join(&self, req: Request<JoinRequest>) -> Result<Response<JoinResponse>, Status> {
+        let req = req.into_inner();
+        brigade_proto::check_protocol(req.protocol)?;
+        let (resp, fingerprint) = match self.shared.pki.join(&req) {
+            Ok(x) => x,
+            Err(e) => {
+                tracing::warn!("join of `{}` refused: {e}", req.name.chars().take(64).collect::<String>());
+                return Err(e.into());
+            }
+        };
+        self.shared.apply(Command::AdmitNode { name: req.name.clone(), fingerprint, admitted_ms: unix_ms() })?;
+        tracing::info!("node `{}` joined", req.name);
+        Ok(Response::new(resp))
+    }
+
+    async fn register(&self, req: Request<RegisterRequest>) -> Result<Response<RegisterResponse>, Status> {
+        let name = self.node(&req, &req.get_ref().name)?;
+        let r = req.into_inner();
+        brigade_proto::check_protocol(r.protocol)?;
+        let devices = r
+            .devices
+            .iter()
+            .map(device_from_proto)
+            .collect::<Result<Vec<_>, _>>()
+            .map_err(|e| Status::invalid_argument(format!("node `{name}`: {e}")))?;
+        if devices.is_empty() {
+            return Err(Status::invalid_argument(format!("node `{name}` registered no devices")));
+        }
+        if r.advertise.parse::<std::net::SocketAddr>().is_err() && !r.advertise.contains(':') {
+            return Err(Status::invalid_argument(format!("node `{name}`: `{}` is not host:port", r.advertise)));
+        }
+        let node = NodeRecord {
+            name: name.clone(),
+            address: r.advertise,
+            devices,
+            version: r.version,
+            state: NodeState::Up,
+            registered_ms: unix_ms(),
+        };
+        self.shared.heartbeat(&name, Vec::new());
+        self.shared.apply(Command::RegisterNode { node })?;
+        tracing::info!("node `{name}` registered");
+        Ok(Response::new(RegisterResponse {
+            heartbeat_interval_ms: self.shared.cfg.heartbeat_interval.as_millis() as u32,
+        }))
+    }
+
+    async fn heartbeat(&self, req: Request<HeartbeatRequest>) -> Result<Response<HeartbeatResponse>, Status> {
+        let name = self.node(&req, &req.get_ref().name)?;
+        let r = req.into_inner();
+        let state = self.shared.state();
+        let known_up = state.nodes.get(&name).is_some_and(|n| n.state == NodeState::Up);
+        self.shared.heartbeat(&name, r.slices);
+        Ok(Response::new(HeartbeatResponse { reregister: !known_up }))
+    }
+
+    async fn watch(&self, req: Request<WatchRequest>) -> Result<Response<Self::WatchStream>, Status> {
+        let name = self.node(&req, &req.get_ref().name)?;
+        let shared = self.shared.clone();
+        let mut changed = shared.subscribe();
+        let (tx, rx) = tokio::sync::mpsc::channel(4);
+        tokio::spawn(async move {
+            let mut last: Option<Assignments> = None;
+            loop {
+                let a = assign::for_node(&shared.state(), &name);
+                if last.as_ref() != Some(&a) {
+                    if tx.send(Ok(a.clone())).await.is_err() {
+                        return;
+                    }
+                    last = Some(a);
+                }
+                tokio::select! {
+                    r = changed.changed() => if r.is_err() { return },
+                    _ = tx.closed() => return,
+                }
+            }
+        });
+        Ok(Response::new(Box::pin(tokio_stream::wrappers::ReceiverStream::new(rx))))
+    }
+
+    async fn report_ready(&self, req: Request<ReadyReport>) -> Result<Response<ReadyAck>, Status> {
+        let name = self.node(&req, &req.get_ref().name)?;
+        let r = req.into_inner();
+        let state = match r.state.as_str() {
+            "ready" => StageState::Ready,
+            "failed" => StageState::Failed(r.error.chars().take(2000).collect()),
+            "loading" => StageState::Loading,
+            other => return Err(Status::invalid_argument(format!("stage state `{other}`"))),
+        };
+        if let StageState::Failed(e) = &state {
+            tracing::warn!("stage {} of {} on {name} failed: {e}", r.stage, r.deployment);
+        }
+        let cmd = Command::StageReport {
+            deployment: r.deployment,
+            generation: r.generation,
+            stage: r.stage as usize,
+            node: name,
+            state,
+            weight_bytes: r.weight_bytes,
+            kv_bytes: r.kv_bytes,
+            fetched_bytes: r.fetched_bytes,
+        };
+        self.shared.apply(cmd)?;
+        Ok(Response::new(ReadyAck {}))
+    }
+
+    async fn report_links(&self, req: Request<LinksReport>) -> Result<Response<LinksAck>, Status> {
+        let name = self.node(&req, &req.get_ref().name)?;
+        let r = req.into_inner();
+        let now = unix_ms();
+        let links = r
+            .links
+            .into_iter()
+            .map(|l| LinkRecord {
+                from: l.from,
+                to: l.to,
+                link: Link { bandwidth: l.bandwidth, latency: l.latency_s },
+                measured_ms: if l.measured_at_ms == 0 { now } else { l.measured_at_ms },
+            })
+            .collect();
+        self.shared.apply(Command::SetLinks { from: name, links })?;
+        Ok(Response::new(LinksAck {}))
+    }
+
+    async fn fetch_range(&self, req: Request<FetchRangeRequest>) -> Result<Response<Self::FetchRangeStream>, Status> {
+        let certs = req.peer_certs().ok_or_else(|| Status::unauthenticated("fetching needs a node certificate"))?;
+        let who = certs
+            .first()
+            .and_then(|c| brigade_transport::tls::peer_name_from_cert(c.as_ref()))
+            .ok_or_else(|| Status::unauthenticated("the client certificate names no node"))?;
+        let r = req.into_inner();
+        let model = self
+            .shared
+            .state()
+            .models
+            .get(&r.model_id)
+            .cloned()
+            .ok_or_else(|| Status::not_found(format!("unknown model {}", r.model_id)))?;
+        let shared = self.shared.clone();
+        let t0 = Instant::now();
+        let data = tokio::task::spawn_blocking(move || shared.models.read(&model, &r.file, r.offset, r.length))
+            .await
+            .map_err(|e| Status::internal(e.to_string()))?
+            .map_err(|e: CoordError| Status::from(e))?;
+        tracing::debug!("{who} fetched {} bytes in {:?}", data.len(), t0.elapsed());
+        let chunks: Vec<Result<Chunk, Status>> = data.chunks(1 << 20).map(|c| Ok(Chunk { data: c.to_vec() })).collect();
+        Ok(Response::new(Box::pin(tokio_stream::iter(chunks))))
+    }
+}

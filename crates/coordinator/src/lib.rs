@@ -1,0 +1,34 @@
+//! brigade's coordinator: the control plane of a cluster.
+//!
+//! It admits workers that know the join token and issues their certificates, keeps the cluster
+//! state (nodes, what they measured, links, models, deployments) durable in its data dir, places
+//! deployments with `brigade-planner` from the workers' own measurements, streams each worker its
+//! assignments, and serves the client API — relaying each session's events from the worker that
+//! drives it, never sitting on the token loop itself.
+//!
+//! # Layout
+//! - [`store`]: the cluster state on disk; every change is a `Command` applied by
+//!   `brigade_core::cluster::ClusterState::apply`, written before it is acknowledged.
+//! - [`pki`]: the cluster CA, the join token, the coordinator's certificate.
+//! - [`models`]: models opened through `brigade-format`, their manifests, their bytes for fetches.
+//! - [`placement`]: the planner's inventory from measured figures; planned or hand-given maps.
+//! - [`assign`]: what each node must host, as the `Watch` stream sends it.
+//! - [`control`]: the `Control` service workers call.
+//! - [`client`]: the `Client` service users call; sessions relayed from their drivers.
+//! - [`server`]: the gRPC server (TLS, reflection, health) and the background tasks.
+//!
+//! Deliberately lacking: candle (a `cargo tree` test checks it), any model computation, and
+//! sessions' state (it lives on the workers).
+
+pub mod assign;
+pub mod client;
+pub mod control;
+mod error;
+pub mod models;
+pub mod pki;
+pub mod placement;
+pub mod server;
+pub mod store;
+
+pub use error::CoordError;
+pub use server::{run, CoordinatorConfig};

@@ -1,0 +1,346 @@
+//! From the cluster state to a placement: the planner's inventory built from what the workers
+//! **measured** (their kernels' rates on this model's weight types, their free memory, the links
+//! they timed), then either the planner's choice or a hand-given map, evaluated by the same cost
+//! model so that `status` can put the prediction beside the measurement.
+
+use crate::CoordError;
+use brigade_core::cluster::{ClusterState, DeviceFigures, ModelRecord, NodeState, StageRecord, StageState};
+use brigade_core::{DeviceSpec, Inventory, LayerRange, Link, LinkSpec, NodeSpec};
+use brigade_planner::cost::Problem;
+use brigade_planner::{Objective, Policy};
+use std::collections::BTreeMap;
+
+/// A link nobody measured yet, for hand-placed maps only (the planner never places across one):
+/// a conservative gigabit LAN.
+pub const ASSUMED_LINK: Link = Link { bandwidth: 125e6, latency: 0.5e-3 };
+
+/// The rate a device decodes this model's layers at, bytes/s: the measured kernel rates of the
+/// model's weight types combined by their bytes (time adds up, so a harmonic mean). Types the
+/// worker did not measure count at half its read bandwidth.
+pub fn decode_rate(dev: &DeviceFigures, weight_types: &[(String, u64)]) -> f64 {
+    let total: u64 = weight_types.iter().map(|(_, b)| b).sum();
+    let fallback = (dev.mem_bandwidth * 0.5).max(1.0);
+    if total == 0 {
+        return dev.kernels.iter().map(|k| k.decode_bytes_per_s).fold(fallback, f64::max);
+    }
+    let secs: f64 = weight_types
+        .iter()
+        .map(|(t, b)| {
+            let rate = dev.kernel(t).map(|k| k.decode_bytes_per_s).filter(|r| *r > 0.0).unwrap_or(fallback);
+            *b as f64 / rate
+        })
+        .sum();
+    total as f64 / secs.max(1e-12)
+}
+
+/// The prompt compute rate on this model's weight types, flop/s (same combination, by bytes).
+pub fn prompt_rate(dev: &DeviceFigures, weight_types: &[(String, u64)]) -> f64 {
+    let total: u64 = weight_types.iter().map(|(_, b)| b).sum();
+    let fallback = dev.flops.max(1.0);
+    if total == 0 {
+        return fallback;
+    }
+    let secs: f64 = weight_types
+        .iter()
+        .map(|(t, b)| {
+            let rate = dev.kernel(t).map(|k| k.prompt_flops).filter(|r| *r > 0.0).unwrap_or(fallback);
+            *b as f64 / rate
+        })
+        .sum();
+    total as f64 / secs.max(1e-12)
+}
+
+/// The planner's view of the cluster for one model: every node that is up, its devices with
+/// their free memory (less `memory_cap` when the worker offered less) and their measured speed on
+/// this model; a link between two nodes where either measured it (slower direction, higher
+/// latency). With `assume_links`, unmeasured pairs get [`ASSUMED_LINK`].
+pub fn inventory(state: &ClusterState, model: &ModelRecord, assume_links: bool) -> (Inventory, Vec<String>) {
+    let mut notes = Vec::new();
+    let nodes: Vec<NodeSpec> = state
+        .nodes
+        .values()
+        .filter(|n| n.state == NodeState::Up)
+        .map(|n| NodeSpec {
+            name: n.name.clone(),
+            devices: n
+                .devices
+                .iter()
+                .map(|d| DeviceSpec {
+                    name: d.name.clone(),
+                    kind: d.kind,
+                    memory: d.memory_free.max(1),
+                    mem_bandwidth: decode_rate(d, &model.weight_types),
+                    flops: prompt_rate(d, &model.weight_types),
+                    watts: None,
+                    host_link: d.host_link,
+                })
+                .collect(),
+        })
+        .collect();
+    let mut pairs: BTreeMap<(String, String), Link> = BTreeMap::new();
+    for l in state.all_links() {
+        let key = if l.from < l.to { (l.from.clone(), l.to.clone()) } else { (l.to.clone(), l.from.clone()) };
+        pairs
+            .entry(key)
+            .and_modify(|x| {
+                x.bandwidth = x.bandwidth.min(l.link.bandwidth);
+                x.latency = x.latency.max(l.link.latency);
+            })
+            .or_insert(l.link);
+    }
+    let up: Vec<&str> = nodes.iter().map(|n| n.name.as_str()).collect();
+    let mut links = Vec::new();
+    for (i, a) in up.iter().enumerate() {
+        for b in &up[i + 1..] {
+            let key = if a < b { (a.to_string(), b.to_string()) } else { (b.to_string(), a.to_string()) };
+            match pairs.get(&key) {
+                Some(l) => links.push(LinkSpec { a: key.0, b: key.1, link: *l }),
+                None if assume_links => {
+                    notes.push(format!("link {a}–{b} not measured yet: assumed 1 Gbit/s, 0.5 ms"));
+                    links.push(LinkSpec { a: key.0, b: key.1, link: ASSUMED_LINK });
+                }
+                None => notes.push(format!("link {a}–{b} not measured yet: not used")),
+            }
+        }
+    }
+    (Inventory { nodes, links }, notes)
+}
+
+/// How a deployment is to be placed.
+#[derive(Debug, Clone)]
+pub struct PlacementRequest {
+    pub objective: Objective,
+    pub ctx: usize,
+    pub sessions: usize,
+    pub headroom: f64,
+    pub driver: Option<String>,
+    /// `NODE:DEVICE:LAYERS,…`; empty = the planner decides.
+    pub device_map: String,
+}
+
+/// A placement with its predictions.
+#[derive(Debug, Clone)]
+pub struct Placement {
+    pub stages: Vec<StageRecord>,
+    pub driver: String,
+    pub predicted_decode_s: f64,
+    pub plan_text: String,
+    pub plan_json: String,
+}
+
+/// Parses `NODE:DEVICE:N,…` into (node, device, layer count).
+pub fn parse_device_map(map: &str) -> Result<Vec<(String, String, usize)>, CoordError> {
+    let mut out = Vec::new();
+    for entry in map.split(',').map(str::trim).filter(|e| !e.is_empty()) {
+        let parts: Vec<&str> = entry.split(':').collect();
+        let bad = |why: &str| CoordError::BadRequest(format!("--device-map entry `{entry}`: {why}"));
+        let [node, device, n] = parts.as_slice() else {
+            return Err(bad("expected NODE:DEVICE:LAYERS, for example w1:cpu:8"));
+        };
+        let n: usize = n.parse().map_err(|_| bad("the layer count is not a number"))?;
+        if n == 0 {
+            return Err(bad("a stage needs at least one layer"));
+        }
+        out.push((node.to_string(), device.to_string(), n));
+    }
+    if out.is_empty() {
+        return Err(CoordError::BadRequest("--device-map is empty".into()));
+    }
+    Ok(out)
+}
+
+fn policy(req: &PlacementRequest) -> Policy {
+    Policy {
+        objective: req.objective,
+        ctx: req.ctx as u64,
+        sessions: req.sessions as u64,
+        headroom: req.headroom,
+        driver: req.driver.clone(),
+        ..Policy::default()
+    }
+}
+
+/// Places `model` on the cluster as `req` asks.
+pub fn place(state: &ClusterState, model: &ModelRecord, req: &PlacementRequest) -> Result<Placement, CoordError> {
+    if req.device_map.trim().is_empty() {
+        plan(state, model, req)
+    } else {
+        by_hand(state, model, req)
+    }
+}
+
+/// Most nodes tried as the driver when none is given (each try is one planner run).
+const DRIVER_CANDIDATES: usize = 16;
+
+fn plan(state: &ClusterState, model: &ModelRecord, req: &PlacementRequest) -> Result<Placement, CoordError> {
+    let (inv, notes) = inventory(state, model, false);
+    if inv.nodes.is_empty() {
+        return Err(CoordError::Unavailable("no worker is up: start `brigade worker` on a node first".into()));
+    }
+    // The driver closes the ring (the last stage sends it the sampled id, it feeds the first) and
+    // must hold a stage. Without `--driver`, each node is tried and the fastest plan wins.
+    let candidates: Vec<String> = match &req.driver {
+        Some(d) => vec![d.clone()],
+        None => inv.nodes.iter().take(DRIVER_CANDIDATES).map(|n| n.name.clone()).collect(),
+    };
+    let mut best: Option<brigade_planner::Plan> = None;
+    let mut first_err = None;
+    for c in &candidates {
+        let pol = Policy { driver: Some(c.clone()), ..policy(req) };
+        match brigade_planner::plan(&inv, &model.profile, &pol) {
+            Ok(p) if p.stages.iter().any(|s| &s.node == c) => {
+                if best.as_ref().is_none_or(|b| better(&p, b, req.objective)) {
+                    best = Some(p);
+                }
+            }
+            Ok(_) => {}
+            Err(e) => {
+                first_err.get_or_insert(e);
+            }
+        }
+    }
+    let p = match (best, first_err) {
+        (Some(p), _) => p,
+        (None, Some(e)) => return Err(e.into()),
+        (None, None) => {
+            return Err(CoordError::FailedPrecondition(format!(
+                "no placement has its driver among its stages (driver {})",
+                candidates.join(", ")
+            )))
+        }
+    };
+    let mut stages = Vec::with_capacity(p.stages.len());
+    for (i, s) in p.stages.iter().enumerate() {
+        let hop_ms = if i + 1 < p.stages.len() { p.hops.get(i).map(|h| h.ms).unwrap_or(0.0) } else { 0.0 };
+        stages.push(StageRecord {
+            node: s.node.clone(),
+            device: s.device.clone(),
+            layers: LayerRange::new(s.layers.0, s.layers.1)?,
+            state: StageState::Pending,
+            weight_bytes: s.weight_bytes,
+            kv_bytes: s.kv_bytes,
+            fetched_bytes: 0,
+            predicted_s: (s.compute_ms + hop_ms) / 1e3,
+        });
+    }
+    let mut text = p.to_text();
+    for n in notes {
+        text.push_str(&format!("note: {n}\n"));
+    }
+    Ok(Placement {
+        driver: p.driver.clone(),
+        predicted_decode_s: p.decode_ms_per_token / 1e3,
+        plan_json: serde_json::to_string_pretty(&p).unwrap_or_default(),
+        plan_text: text,
+        stages,
+    })
+}
+
+/// Whether plan `a` beats `b` for the objective (same model and cluster, other drivers).
+fn better(a: &brigade_planner::Plan, b: &brigade_planner::Plan, objective: Objective) -> bool {
+    match objective {
+        Objective::Throughput => a.throughput_tokens_per_s > b.throughput_tokens_per_s,
+        Objective::MaxContext => (a.ctx, -a.decode_ms_per_token) > (b.ctx, -b.decode_ms_per_token),
+        Objective::Energy => a.energy_j_per_token.unwrap_or(f64::MAX) < b.energy_j_per_token.unwrap_or(f64::MAX),
+        Objective::Latency => a.decode_ms_per_token < b.decode_ms_per_token,
+    }
+}
+
+fn by_hand(state: &ClusterState, model: &ModelRecord, req: &PlacementRequest) -> Result<Placement, CoordError> {
+    let entries = parse_device_map(&req.device_map)?;
+    let placed: usize = entries.iter().map(|e| e.2).sum();
+    if placed != model.n_layers {
+        return Err(CoordError::BadRequest(format!(
+            "--device-map places {placed} layers, the model has {}",
+            model.n_layers
+        )));
+    }
+    for (node, device, _) in &entries {
+        let n = state
+            .nodes
+            .get(node)
+            .ok_or_else(|| CoordError::BadRequest(format!("--device-map: unknown node `{node}`")))?;
+        if n.state != NodeState::Up {
+            return Err(CoordError::Unavailable(format!("--device-map: node `{node}` is down")));
+        }
+        if !n.devices.iter().any(|d| &d.name == device) {
+            let have: Vec<&str> = n.devices.iter().map(|d| d.name.as_str()).collect();
+            return Err(CoordError::BadRequest(format!(
+                "--device-map: node `{node}` has no device `{device}` (it has {})",
+                have.join(", ")
+            )));
+        }
+    }
+    let driver = req.driver.clone().unwrap_or_else(|| entries[0].0.clone());
+    if !entries.iter().any(|e| e.0 == driver) {
+        return Err(CoordError::BadRequest(format!(
+            "--driver {driver}: the driver must host a stage of the deployment"
+        )));
+    }
+    let (inv, notes) = inventory(state, model, true);
+    let pol = Policy { driver: Some(driver.clone()), ..policy(req) };
+    let problem = Problem::new(&inv, &model.profile, &pol, req.ctx as u64)?;
+    let mut idx = Vec::with_capacity(entries.len());
+    let mut at = 0;
+    for (node, device, n) in &entries {
+        let d = problem
+            .devs
+            .iter()
+            .position(|x| &x.node_name == node && &x.name == device)
+            .ok_or_else(|| CoordError::BadRequest(format!("--device-map: {node}/{device} is not available")))?;
+        idx.push((d, at, at + n));
+        at += n;
+    }
+    let mut stages = Vec::with_capacity(entries.len());
+    for (i, &(d, a, b)) in idx.iter().enumerate() {
+        let mem = problem.stage_mem(a, b);
+        if !problem.fits(d, a, b) {
+            return Err(CoordError::BadRequest(format!(
+                "--device-map: layers {a}–{} need {} bytes on {}, its budget is {} bytes",
+                b - 1,
+                mem.total(),
+                problem.devs[d].label(),
+                problem.devs[d].budget
+            )));
+        }
+        let hop = if i + 1 < idx.len() { problem.hop[d][idx[i + 1].0].unwrap_or(0.0) } else { 0.0 };
+        stages.push(StageRecord {
+            node: entries[i].0.clone(),
+            device: entries[i].1.clone(),
+            layers: LayerRange::new(a, b)?,
+            state: StageState::Pending,
+            weight_bytes: mem.weights,
+            kv_bytes: mem.kv,
+            fetched_bytes: 0,
+            predicted_s: problem.stage_time(d, a, b) + hop,
+        });
+    }
+    let metrics = problem.evaluate(&idx);
+    let predicted = metrics.as_ref().map(|m| m.decode_s).unwrap_or_else(|| stages.iter().map(|s| s.predicted_s).sum());
+    let mut text = format!(
+        "placed by hand ({}) — ctx {}, {} session(s), driver {driver}\n",
+        req.device_map, req.ctx, req.sessions
+    );
+    for (i, s) in stages.iter().enumerate() {
+        text.push_str(&format!(
+            "{:>2}  {}/{}  layers {}–{}  weights {}  KV {}  {:.3} ms/token\n",
+            i,
+            s.node,
+            s.device,
+            s.layers.start(),
+            s.layers.end() - 1,
+            brigade_planner::explain::human(s.weight_bytes),
+            brigade_planner::explain::human(s.kv_bytes),
+            s.predicted_s * 1e3
+        ));
+    }
+    text.push_str(&format!(
+        "predicted decode: {:.3} ms/token ({:.1} tokens/s)\n",
+        predicted * 1e3,
+        1.0 / predicted.max(1e-12)
+    ));
+    for n in notes {
+        text.push_str(&format!("note: {n}\n"));
+    }
+    Ok(Placement { stages, driver, predicted_decode_s: predicted, plan_text: text, plan_json: String::new() })
+}

@@ -1,0 +1,371 @@
+//! The Rust client of a brigade cluster: connect to a coordinator, generate and chat as streams of
+//! tokens, deploy and undeploy models, read the cluster's status.
+//!
+//! ```no_run
+//! # async fn example() -> Result<(), brigade_sdk::SdkError> {
+//! use brigade_sdk::{Client, ClientConfig, Event, GenerateParams};
+//! let mut client = Client::connect(ClientConfig::from_env()?).await?;
+//! let mut events = client.generate("stories", "Once upon a time", GenerateParams::greedy(32)).await?;
+//! while let Some(ev) = events.next().await {
+//!     if let Event::Token { text, .. } = ev? {
+//!         print!("{text}");
+//!     }
+//! }
+//! # Ok(()) }
+//! ```
+//!
+//! # Layout
+//! - [`ClientConfig`]: where the coordinator is, the cluster CA to trust, the API key; read from
+//!   arguments, the environment, or the client config file `brigade cluster local` writes.
+//! - [`Client`]: the calls; [`EventStream`]: a generation's events.
+//!
+//! Deliberately lacking: any model code (the cluster computes), and raft (a coordinator address
+//! list is tried in order).
+
+use brigade_proto::v1::client_client::ClientClient;
+use brigade_proto::v1::{
+    generate_event, ChatMessage, ChatRequest, ClusterStatusRequest, ClusterStatusResponse, DeployRequest,
+    DeploymentInfo, Done, GenerateOptions, GenerateRequest, ListModelsRequest, ModelInfo, PlanResponse, Sampling,
+    UndeployRequest,
+};
+use serde::Deserialize;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+use tonic::transport::{Certificate, Channel, ClientTlsConfig, Endpoint};
+
+pub use brigade_proto::v1;
+
+/// The name in the coordinator's certificate.
+pub const COORDINATOR_NAME: &str = "coordinator.brigade";
+
+#[derive(Debug, thiserror::Error)]
+pub enum SdkError {
+    #[error("{0}")]
+    Config(String),
+    #[error("cannot reach the coordinator at {addr}: {why}")]
+    Connect { addr: String, why: String },
+    #[error("{}: {}", status_name(.0.code()), .0.message())]
+    Status(#[from] tonic::Status),
+    #[error("the stream ended without a final event")]
+    Truncated,
+}
+
+fn status_name(c: tonic::Code) -> &'static str {
+    match c {
+        tonic::Code::InvalidArgument => "invalid request",
+        tonic::Code::NotFound => "not found",
+        tonic::Code::AlreadyExists => "already exists",
+        tonic::Code::PermissionDenied => "permission denied",
+        tonic::Code::Unauthenticated => "unauthenticated",
+        tonic::Code::Unavailable => "unavailable",
+        tonic::Code::FailedPrecondition => "failed precondition",
+        tonic::Code::ResourceExhausted => "busy",
+        tonic::Code::DeadlineExceeded => "timed out",
+        _ => "error",
+    }
+}
+
+/// Where and how to reach a cluster.
+#[derive(Debug, Clone, Default)]
+pub struct ClientConfig {
+    /// Coordinator addresses, `host:port` (tried in order).
+    pub endpoints: Vec<String>,
+    /// PEM of the cluster CA the coordinator's certificate must chain to.
+    pub ca_pem: String,
+    pub api_key: Option<String>,
+}
+
+#[derive(Deserialize)]
+struct FileConfig {
+    coordinator: String,
+    ca: PathBuf,
+    api_key: Option<String>,
+}
+
+impl ClientConfig {
+    /// The client config file: `$BRIGADE_CONFIG`, else `$XDG_CONFIG_HOME/brigade/client.toml`
+    /// (`~/.config/brigade/client.toml`).
+    pub fn default_path() -> Option<PathBuf> {
+        if let Some(p) = std::env::var_os("BRIGADE_CONFIG") {
+            return Some(PathBuf::from(p));
+        }
+        let base = std::env::var_os("XDG_CONFIG_HOME")
+            .map(PathBuf::from)
+            .or_else(|| std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".config")))?;
+        Some(base.join("brigade").join("client.toml"))
+    }
+
+    /// Reads a client config file (`coordinator = "host:port"`, `ca = "path"`, `api_key`).
+    pub fn from_file(path: &Path) -> Result<Self, SdkError> {
+        let text = std::fs::read_to_string(path).map_err(|e| SdkError::Config(format!("{}: {e}", path.display())))?;
+        let f: FileConfig = toml::from_str(&text).map_err(|e| SdkError::Config(format!("{}: {e}", path.display())))?;
+        let ca = if f.ca.is_absolute() { f.ca } else { path.parent().unwrap_or(Path::new(".")).join(f.ca) };
+        let ca_pem = std::fs::read_to_string(&ca).map_err(|e| SdkError::Config(format!("{}: {e}", ca.display())))?;
+        Ok(ClientConfig {
+            endpoints: f.coordinator.split(',').map(|s| s.trim().to_string()).filter(|s| !s.is_empty()).collect(),
+            ca_pem,
+            api_key: f.api_key.or_else(|| std::env::var("BRIGADE_API_KEY").ok()),
+        })
+    }
+
+    /// From explicit values, falling back to `BRIGADE_COORDINATOR`, `BRIGADE_CA`, `BRIGADE_API_KEY`
+    /// and then the client config file.
+    pub fn resolve(coordinator: Option<&str>, ca: Option<&Path>, api_key: Option<&str>) -> Result<Self, SdkError> {
+        let env_coord = std::env::var("BRIGADE_COORDINATOR").ok();
+        let env_ca = std::env::var_os("BRIGADE_CA").map(PathBuf::from);
+        let file = Self::default_path().filter(|p| p.exists()).map(|p| Self::from_file(&p)).transpose()?;
+        let endpoints: Vec<String> = match coordinator.map(str::to_string).or(env_coord) {
+            Some(c) => c.split(',').map(|s| s.trim().to_string()).filter(|s| !s.is_empty()).collect(),
+            None => file.as_ref().map(|f| f.endpoints.clone()).unwrap_or_default(),
+        };
+        if endpoints.is_empty() {
+            return Err(SdkError::Config(
+                "no coordinator: give --coordinator HOST:PORT (or run `brigade cluster local`, which writes a client config)".into(),
+            ));
+        }
+        let ca_pem = match ca.map(Path::to_path_buf).or(env_ca) {
+            Some(p) => {
+                std::fs::read_to_string(&p).map_err(|e| SdkError::Config(format!("--ca {}: {e}", p.display())))?
+            }
+            None => match &file {
+                Some(f) => f.ca_pem.clone(),
+                None => {
+                    return Err(SdkError::Config(
+                        "no cluster CA to trust: give --ca PATH (the coordinator's data dir has ca.pem)".into(),
+                    ))
+                }
+            },
+        };
+        let api_key = api_key
+            .map(str::to_string)
+            .or_else(|| std::env::var("BRIGADE_API_KEY").ok())
+            .or_else(|| file.and_then(|f| f.api_key));
+        Ok(ClientConfig { endpoints, ca_pem, api_key })
+    }
+
+    /// [`ClientConfig::resolve`] with nothing explicit.
+    pub fn from_env() -> Result<Self, SdkError> {
+        Self::resolve(None, None, None)
+    }
+}
+
+/// Sampling and length of one generation (llama.cpp's meaning for each).
+#[derive(Debug, Clone, PartialEq)]
+pub struct GenerateParams {
+    /// 0 = until an end-of-generation token or a full context.
+    pub max_tokens: u32,
+    pub temperature: f32,
+    pub top_k: u32,
+    pub top_p: f32,
+    pub min_p: f32,
+    pub repeat_penalty: f32,
+    pub repeat_last_n: u32,
+    pub seed: u64,
+    pub ignore_eos: bool,
+}
+
+impl GenerateParams {
+    pub fn greedy(max_tokens: u32) -> Self {
+        GenerateParams {
+            max_tokens,
+            temperature: 0.0,
+            top_k: 40,
+            top_p: 0.95,
+            min_p: 0.05,
+            repeat_penalty: 1.0,
+            repeat_last_n: 64,
+            seed: 0,
+            ignore_eos: false,
+        }
+    }
+
+    fn options(&self, resume: Vec<u32>) -> GenerateOptions {
+        GenerateOptions {
+            max_tokens: self.max_tokens,
+            sampling: Some(Sampling {
+                temperature: self.temperature,
+                top_k: self.top_k,
+                top_p: self.top_p,
+                min_p: self.min_p,
+                repeat_penalty: self.repeat_penalty,
+                repeat_last_n: self.repeat_last_n,
+                seed: self.seed,
+                presence_penalty: 0.0,
+                frequency_penalty: 0.0,
+            }),
+            ignore_eos: self.ignore_eos,
+            resume_ids: resume,
+        }
+    }
+}
+
+/// One event of a generation.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Event {
+    /// The prompt's ids as the model's tokenizer encoded it.
+    Prompt(Vec<u32>),
+    Token {
+        id: u32,
+        text: String,
+        index: u32,
+    },
+    Done(Done),
+}
+
+/// A generation's events, in order; ends after [`Event::Done`].
+pub struct EventStream {
+    inner: tonic::Streaming<v1::GenerateEvent>,
+    done: bool,
+}
+
+impl EventStream {
+    pub async fn next(&mut self) -> Option<Result<Event, SdkError>> {
+        if self.done {
+            return None;
+        }
+        match self.inner.message().await {
+            Ok(Some(ev)) => match ev.event {
+                Some(generate_event::Event::Prompt(p)) => Some(Ok(Event::Prompt(p.ids))),
+                Some(generate_event::Event::Token(t)) => {
+                    Some(Ok(Event::Token { id: t.id, text: t.text, index: t.index }))
+                }
+                Some(generate_event::Event::Done(d)) => {
+                    self.done = true;
+                    Some(Ok(Event::Done(d)))
+                }
+                None => Some(Err(SdkError::Truncated)),
+            },
+            Ok(None) => {
+                self.done = true;
+                Some(Err(SdkError::Truncated))
+            }
+            Err(s) => {
+                self.done = true;
+                Some(Err(s.into()))
+            }
+        }
+    }
+}
+
+#[derive(Clone)]
+struct Auth {
+    key: Option<tonic::metadata::MetadataValue<tonic::metadata::Ascii>>,
+}
+
+impl tonic::service::Interceptor for Auth {
+    fn call(&mut self, req: tonic::Request<()>) -> Result<tonic::Request<()>, tonic::Status> {
+        let mut req = brigade_proto::with_version(req);
+        if let Some(k) = &self.key {
+            req.metadata_mut().insert("authorization", k.clone());
+        }
+        Ok(req)
+    }
+}
+
+type Rpc = ClientClient<tonic::codegen::InterceptedService<Channel, Auth>>;
+
+/// A connection to a cluster's coordinator.
+#[derive(Clone)]
+pub struct Client {
+    rpc: Rpc,
+    pub endpoint: String,
+}
+
+impl Client {
+    /// Connects to the first coordinator of `cfg.endpoints` that answers.
+    pub async fn connect(cfg: ClientConfig) -> Result<Client, SdkError> {
+        let key = match &cfg.api_key {
+            Some(k) => Some(
+                format!("Bearer {k}")
+                    .parse()
+                    .map_err(|_| SdkError::Config("the API key has characters a header cannot carry".into()))?,
+            ),
+            None => None,
+        };
+        let mut last = SdkError::Config("no coordinator address".into());
+        for addr in &cfg.endpoints {
+            let tls =
+                ClientTlsConfig::new().ca_certificate(Certificate::from_pem(&cfg.ca_pem)).domain_name(COORDINATOR_NAME);
+            let ep = Endpoint::from_shared(format!("https://{addr}"))
+                .and_then(|e| e.tls_config(tls))
+                .map_err(|e| SdkError::Config(format!("{addr}: {e}")))?
+                .connect_timeout(Duration::from_secs(5))
+                .tcp_nodelay(true);
+            match ep.connect().await {
+                Ok(ch) => {
+                    let rpc = ClientClient::with_interceptor(ch, Auth { key: key.clone() })
+                        .max_decoding_message_size(64 << 20);
+                    return Ok(Client { rpc, endpoint: addr.clone() });
+                }
+                Err(e) => {
+                    let mut why = e.to_string();
+                    let mut src: Option<&dyn std::error::Error> = std::error::Error::source(&e);
+                    while let Some(s) = src {
+                        why = format!("{why}: {s}");
+                        src = s.source();
+                    }
+                    last = SdkError::Connect { addr: addr.clone(), why };
+                }
+            }
+        }
+        Err(last)
+    }
+
+    /// Generates from a text prompt.
+    pub async fn generate(&mut self, model: &str, prompt: &str, p: GenerateParams) -> Result<EventStream, SdkError> {
+        self.generate_request(GenerateRequest {
+            model: model.to_string(),
+            prompt: prompt.to_string(),
+            options: Some(p.options(Vec::new())),
+            prompt_ids: Vec::new(),
+        })
+        .await
+    }
+
+    /// Generates from a request built by hand (token ids, resume ids).
+    pub async fn generate_request(&mut self, req: GenerateRequest) -> Result<EventStream, SdkError> {
+        let s = self.rpc.generate(req).await?.into_inner();
+        Ok(EventStream { inner: s, done: false })
+    }
+
+    /// A conversation of `(role, content)` messages, rendered with the model's chat template.
+    pub async fn chat(
+        &mut self,
+        model: &str,
+        messages: &[(&str, &str)],
+        p: GenerateParams,
+    ) -> Result<EventStream, SdkError> {
+        let req = ChatRequest {
+            model: model.to_string(),
+            messages: messages
+                .iter()
+                .map(|(r, c)| ChatMessage { role: r.to_string(), content: c.to_string() })
+                .collect(),
+            options: Some(p.options(Vec::new())),
+        };
+        let s = self.rpc.chat(req).await?.into_inner();
+        Ok(EventStream { inner: s, done: false })
+    }
+
+    pub async fn deploy(&mut self, req: DeployRequest) -> Result<DeploymentInfo, SdkError> {
+        let r = self.rpc.deploy(req).await?.into_inner();
+        r.deployment.ok_or(SdkError::Truncated)
+    }
+
+    pub async fn plan(&mut self, req: DeployRequest) -> Result<PlanResponse, SdkError> {
+        Ok(self.rpc.plan(req).await?.into_inner())
+    }
+
+    pub async fn undeploy(&mut self, name: &str) -> Result<(), SdkError> {
+        self.rpc.undeploy(UndeployRequest { name: name.to_string() }).await?;
+        Ok(())
+    }
+
+    pub async fn status(&mut self) -> Result<ClusterStatusResponse, SdkError> {
+        Ok(self.rpc.cluster_status(ClusterStatusRequest {}).await?.into_inner())
+    }
+
+    pub async fn list_models(&mut self) -> Result<Vec<ModelInfo>, SdkError> {
+        Ok(self.rpc.list_models(ListModelsRequest {}).await?.into_inner().models)
+    }
+}

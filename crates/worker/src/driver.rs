@@ -1,0 +1,298 @@
+//! Driving one session from this node: the ring S1 → … → Sn → driver → S1.
+//!
+//! The driver tokenizes the request, opens the session on every stage, feeds the prompt to the
+//! first stage in chunks (so stages overlap on a long prompt), and then, for each sampled id the
+//! last stage sends back, decides — with exactly the rules of `Pipeline::generate`, so greedy
+//! output equals `brigade run`'s — whether to stop or to feed the id to the first stage. Events go
+//! to the caller (the coordinator relays them to the client) through a channel: the caller is
+//! never on the token loop's path.
+
+use crate::router::{Peer, Router};
+use crate::stage::{now_us, FLAG_EOG, FLAG_LAST};
+use crate::wire;
+use crate::WorkerError;
+use brigade_core::cluster::CarrierKind;
+use brigade_model::Tokenizer;
+use brigade_proto::v1::{
+    generate_event, Done, DriveRequest, FrameHeader, FrameKind, GenerateEvent, HopTiming, PromptIds, SessionSpec,
+    StopReason, Timings, Token,
+};
+use brigade_transport::frame::Frame;
+use prost::Message;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+use tokio::sync::{mpsc, Semaphore};
+use tonic::Status;
+
+/// How long a session waits for its next frame before it fails (a dead stage, a lost link).
+pub const STALL: Duration = Duration::from_secs(120);
+/// How long a request waits for a free session slot.
+pub const QUEUE_WAIT: Duration = Duration::from_secs(120);
+
+/// What the driver knows of a deployment it drives.
+#[derive(Clone)]
+pub struct DriveTarget {
+    pub deployment: String,
+    pub generation: u64,
+    pub n_stages: u32,
+    pub n_ctx: usize,
+    pub vocab: usize,
+    pub carrier: CarrierKind,
+    pub first: Peer,
+    pub tokenizer: Arc<Tokenizer>,
+    pub permits: Arc<Semaphore>,
+    /// Prompt tokens per chunk into the first stage.
+    pub ubatch: usize,
+}
+
+type Events = mpsc::Sender<Result<GenerateEvent, Status>>;
+
+fn ev(e: generate_event::Event) -> Result<GenerateEvent, Status> {
+    Ok(GenerateEvent { event: Some(e) })
+}
+
+/// The prompt's ids as the request gives them: ids, a chat, or text.
+pub fn prompt_ids(t: &DriveTarget, req: &DriveRequest) -> Result<Vec<u32>, WorkerError> {
+    let tk = &t.tokenizer;
+    let ids = if req.use_prompt_ids {
+        if let Some(&bad) = req.prompt_ids.iter().find(|&&i| i as usize >= t.vocab) {
+            return Err(WorkerError::BadRequest(format!("token id {bad} is outside the vocabulary of {}", t.vocab)));
+        }
+        req.prompt_ids.clone()
+    } else if !req.chat.is_empty() {
+        let msgs: Vec<(String, String)> = req.chat.iter().map(|m| (m.role.clone(), m.content.clone())).collect();
+        let rendered = tk.apply_chat_template(&msgs)?;
+        tk.encode_chat(&rendered)?
+    } else {
+        tk.encode(&req.prompt, true)?
+    };
+    if ids.is_empty() {
+        return Err(WorkerError::BadRequest("the prompt is empty and this model adds no BOS token".into()));
+    }
+    Ok(ids)
+}
+
+fn header(t: &DriveTarget, kind: FrameKind, session: u64) -> FrameHeader {
+    FrameHeader {
+        protocol: brigade_proto::PROTOCOL_VERSION,
+        kind: kind as i32,
+        generation: t.generation,
+        session,
+        deployment: t.deployment.clone(),
+        stage: 0,
+        ..Default::default()
+    }
+}
+
+fn tokens_frame(t: &DriveTarget, session: u64, step: u64, first_position: u64, ids: &[u32], last: bool) -> Frame {
+    let payload = wire::ids_to_bytes(ids);
+    let mut h = FrameHeader {
+        step,
+        first_position,
+        flags: if last { FLAG_LAST } else { 0 },
+        ..header(t, FrameKind::Tokens, session)
+    };
+    wire::set_ids_shape(&mut h, ids.len() as u32, payload.len());
+    wire::frame(h, payload)
+}
+
+/// Per-stage sums over the decode steps of a session.
+#[derive(Default)]
+struct HopSums {
+    steps: u64,
+    compute_us: Vec<u64>,
+    transfer_us: Vec<u64>,
+}
+
+impl HopSums {
+    fn add(&mut self, trace: &[brigade_proto::v1::StageTrace], sent_us: u64, received_us: u64) {
+        let n = trace.len();
+        if n == 0 {
+            return;
+        }
+        if self.compute_us.len() < n {
+            self.compute_us.resize(n, 0);
+            self.transfer_us.resize(n, 0);
+        }
+        self.steps += 1;
+        for (i, s) in trace.iter().enumerate() {
+            self.compute_us[i] += s.compute_us;
+            let arrive = if i + 1 < n { trace[i + 1].received_us } else { received_us };
+            let mut transfer = arrive.saturating_sub(s.sent_us);
+            if i + 1 == n {
+                // the ring closes through the driver: its send to the first stage counts here
+                transfer += trace[0].received_us.saturating_sub(sent_us);
+            }
+            self.transfer_us[i] += transfer;
+        }
+    }
+
+    fn timings(&self, hidden_bytes: u64) -> Vec<HopTiming> {
+        let n = self.steps.max(1) as f64;
+        (0..self.compute_us.len())
+            .map(|i| HopTiming {
+                stage: i as u32,
+                compute_s: self.compute_us[i] as f64 / n / 1e6,
+                transfer_s: self.transfer_us[i] as f64 / n / 1e6,
+                bytes_per_token: if i + 1 < self.compute_us.len() { hidden_bytes } else { 4 },
+                ..Default::default()
+            })
+            .collect()
+    }
+}
+
+/// Runs one session to its end, streaming events to `out`.
+pub async fn drive(router: Arc<Router>, t: DriveTarget, req: DriveRequest, hidden_bytes: u64, out: Events) {
+    let started = Instant::now();
+    let prompt = match prompt_ids(&t, &req) {
+        Ok(p) => p,
+        Err(e) => {
+            let _ = out.send(Err(e.into())).await;
+            return;
+        }
+    };
+    let mut feed = prompt.clone();
+    feed.extend_from_slice(&req.resume_ids);
+    if feed.len() >= t.n_ctx {
+        let _ = out
+            .send(Err(Status::invalid_argument(format!(
+                "the prompt is {} tokens, the context of {} holds at most {} with room to generate",
+                feed.len(),
+                t.deployment,
+                t.n_ctx.saturating_sub(1)
+            ))))
+            .await;
+        return;
+    }
+    let permit = match tokio::time::timeout(QUEUE_WAIT, t.permits.clone().acquire_owned()).await {
+        Ok(Ok(p)) => p,
+        _ => {
+            let _ = out
+                .send(Err(Status::resource_exhausted(format!(
+                    "every session of {} stayed busy for {}s",
+                    t.deployment,
+                    QUEUE_WAIT.as_secs()
+                ))))
+                .await;
+            return;
+        }
+    };
+    let session: u64 = rand::random();
+    let mut rx = router.register_driver(session);
+    let result = run_session(&router, &t, &req, session, &prompt, &feed, &mut rx, started, hidden_bytes, &out).await;
+    // every stage frees the session's cache, whatever happened
+    let close = wire::frame(header(&t, FrameKind::Close, session), bytes::Bytes::new());
+    let _ = router.send(&t.first, t.carrier, close).await;
+    router.unregister_driver(session);
+    drop(permit);
+    if let Err(e) = result {
+        let _ = out.send(Err(e)).await;
+    }
+}
+
+#[allow(clippy::too_many_arguments)]
+async fn run_session(
+    router: &Arc<Router>,
+    t: &DriveTarget,
+    req: &DriveRequest,
+    session: u64,
+    prompt: &[u32],
+    feed: &[u32],
+    rx: &mut mpsc::UnboundedReceiver<Frame>,
+    started: Instant,
+    hidden_bytes: u64,
+    out: &Events,
+) -> Result<(), Status> {
+    let link_err = |e: WorkerError| Status::unavailable(e.to_string());
+    let spec = SessionSpec { sampling: req.sampling, prompt_ids: feed.to_vec(), max_tokens: req.max_tokens };
+    let open = wire::frame(header(t, FrameKind::Open, session), bytes::Bytes::from(spec.encode_to_vec()));
+    router.send(&t.first, t.carrier, open).await.map_err(link_err)?;
+    let chunks: Vec<&[u32]> = feed.chunks(t.ubatch.max(1)).collect();
+    let mut pos = 0u64;
+    for (i, c) in chunks.iter().enumerate() {
+        let f = tokens_frame(t, session, 0, pos, c, i + 1 == chunks.len());
+        router.send(&t.first, t.carrier, f).await.map_err(link_err)?;
+        pos += c.len() as u64;
+    }
+    if out.send(ev(generate_event::Event::Prompt(PromptIds { ids: prompt.to_vec() }))).await.is_err() {
+        return Ok(());
+    }
+    let mut fed = feed.len();
+    let mut generated = req.resume_ids.len() as u32;
+    let mut emitted = 0u32;
+    let mut stream = t.tokenizer.stream(feed.last().copied());
+    let mut first_token_at: Option<Instant> = None;
+    let mut last_token_at = Instant::now();
+    let mut hops = HopSums::default();
+    let mut sent_us = now_us();
+    let stop = loop {
+        let frame = tokio::select! {
+            f = tokio::time::timeout(STALL, rx.recv()) => match f {
+                Ok(Some(f)) => f,
+                Ok(None) => return Err(Status::internal("the session's channel closed")),
+                Err(_) => return Err(Status::deadline_exceeded(format!(
+                    "no answer from the pipeline of {} for {}s (a stage or link is down)", t.deployment, STALL.as_secs()
+                ))),
+            },
+            _ = out.closed() => break StopReason::Cancelled,
+        };
+        let received = now_us();
+        let kind = FrameKind::try_from(frame.header.kind).unwrap_or(FrameKind::Unspecified);
+        if kind == FrameKind::Error {
+            return Err(Status::internal(frame.header.text.clone()));
+        }
+        if kind != FrameKind::Tokens {
+            continue;
+        }
+        let ids = wire::ids_from_frame(&frame.header, &frame.payload).map_err(|e| Status::internal(e.to_string()))?;
+        let [id] = ids.as_slice() else {
+            return Err(Status::internal(format!("the last stage sent {} ids for one step", ids.len())));
+        };
+        let id = *id;
+        let now = Instant::now();
+        if first_token_at.is_none() {
+            first_token_at = Some(now);
+        } else {
+            hops.add(&frame.header.trace, sent_us, received);
+        }
+        last_token_at = now;
+        let eog = frame.header.flags & FLAG_EOG != 0 || t.tokenizer.is_eog(id);
+        if !req.ignore_eos && eog {
+            break StopReason::Eos;
+        }
+        let text = stream.push(id);
+        let token = Token { id, text, index: generated };
+        generated += 1;
+        emitted += 1;
+        if out.send(ev(generate_event::Event::Token(token))).await.is_err() {
+            break StopReason::Cancelled;
+        }
+        if req.max_tokens > 0 && generated >= req.max_tokens {
+            break StopReason::Length;
+        }
+        if fed + 1 > t.n_ctx {
+            break StopReason::Context;
+        }
+        sent_us = now_us();
+        let f = tokens_frame(t, session, u64::from(generated), fed as u64, &[id], true);
+        router.send(&t.first, t.carrier, f).await.map_err(link_err)?;
+        fed += 1;
+    };
+    let first = first_token_at.unwrap_or(last_token_at);
+    let prompt_s = first.duration_since(started).as_secs_f64();
+    let generate_s = last_token_at.duration_since(first).as_secs_f64();
+    let decode_steps = hops.steps;
+    let timings = Timings {
+        prompt_tokens: prompt.len() as u32,
+        generated_tokens: emitted,
+        prompt_s,
+        generate_s,
+        prompt_tokens_per_s: feed.len() as f64 / prompt_s.max(1e-9),
+        generate_tokens_per_s: if decode_steps > 0 { decode_steps as f64 / generate_s.max(1e-9) } else { 0.0 },
+        ttft_s: prompt_s,
+        hops: hops.timings(hidden_bytes),
+    };
+    let done = Done { stop: stop as i32, timings: Some(timings), text_tail: stream.finish() };
+    let _ = out.send(ev(generate_event::Event::Done(done))).await;
+    Ok(())
+}

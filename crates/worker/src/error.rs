@@ -1,0 +1,66 @@
+//! The worker's one error type, and its one mapping to gRPC status codes.
+
+use std::path::Path;
+
+#[derive(Debug, thiserror::Error)]
+pub enum WorkerError {
+    #[error("{0}")]
+    BadRequest(String),
+    #[error("bad frame: {0}")]
+    Frame(String),
+    #[error("{0}")]
+    Busy(String),
+    #[error("bad manifest: {0}")]
+    Manifest(String),
+    #[error("fetch: {0}")]
+    Fetch(String),
+    #[error("link: {0}")]
+    Link(String),
+    #[error("coordinator: {0}")]
+    Control(String),
+    #[error("join refused: {0}")]
+    Join(String),
+    #[error("{path}: {source}")]
+    Io { path: String, source: std::io::Error },
+    #[error(transparent)]
+    Model(#[from] brigade_model::ModelError),
+    #[error(transparent)]
+    Candle(#[from] candle_core::Error),
+    #[error("tls: {0}")]
+    Tls(String),
+    #[error("internal error: {0}")]
+    Internal(String),
+}
+
+impl From<brigade_model::FormatError> for WorkerError {
+    fn from(e: brigade_model::FormatError) -> Self {
+        WorkerError::Model(e.into())
+    }
+}
+
+impl WorkerError {
+    pub fn io(path: &Path, source: std::io::Error) -> Self {
+        WorkerError::Io { path: path.display().to_string(), source }
+    }
+}
+
+impl From<WorkerError> for tonic::Status {
+    fn from(e: WorkerError) -> Self {
+        let msg = e.to_string();
+        match e {
+            WorkerError::BadRequest(_) => tonic::Status::invalid_argument(msg),
+            WorkerError::Model(ref m)
+                if matches!(
+                    m,
+                    brigade_model::ModelError::BadInput(_) | brigade_model::ModelError::ContextFull { .. }
+                ) =>
+            {
+                tonic::Status::invalid_argument(msg)
+            }
+            WorkerError::Busy(_) => tonic::Status::resource_exhausted(msg),
+            WorkerError::Link(_) | WorkerError::Control(_) => tonic::Status::unavailable(msg),
+            WorkerError::Join(_) => tonic::Status::permission_denied(msg),
+            _ => tonic::Status::internal(msg),
+        }
+    }
+}

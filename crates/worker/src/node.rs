@@ -1,0 +1,256 @@
+//! What this node hosts, kept equal to what the coordinator assigns it: slices load (fetching what
+//! is missing) when assigned, and stop when unassigned or replaced by another generation.
+
+use crate::driver::DriveTarget;
+use crate::fetch::{ensure_slice, FetchReport};
+use crate::router::{Peer, Router};
+use crate::stage::{StageHandle, StagePlace};
+use crate::{WorkerConfig, WorkerError};
+use brigade_core::cluster::{ActDtype, CarrierKind};
+use brigade_core::LayerRange;
+use brigade_model::{ModelFiles, Slice};
+use brigade_proto::v1::{Carrier, FileRange, PeerRef, SliceStatus, StageAssignment, WireDtype};
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+use std::time::Instant;
+use tokio::sync::Semaphore;
+
+/// The state of one hosted stage as the coordinator hears it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Load {
+    Loading,
+    Ready,
+    Failed(String),
+}
+
+pub struct Hosted {
+    pub assignment: StageAssignment,
+    pub load: Load,
+    pub handle: Option<StageHandle>,
+    pub fetched_bytes: u64,
+    pub load_s: f64,
+}
+
+/// The result of loading a stage, for the coordinator.
+pub struct Loaded {
+    pub deployment: String,
+    pub generation: u64,
+    pub stage: u32,
+    pub result: Result<(u64, u64, u64, f64), String>,
+}
+
+pub struct Node {
+    pub cfg: WorkerConfig,
+    pub router: Arc<Router>,
+    pub hosted: Mutex<HashMap<(String, u32), Hosted>>,
+    pub drive: Mutex<HashMap<String, DriveTarget>>,
+}
+
+pub fn peer(p: &Option<PeerRef>) -> Option<Peer> {
+    p.as_ref().map(|p| Peer { node: p.node.clone(), address: p.address.clone() })
+}
+
+pub fn act_dtype(d: i32) -> ActDtype {
+    match WireDtype::try_from(d).unwrap_or(WireDtype::F32) {
+        WireDtype::F16 => ActDtype::F16,
+        WireDtype::Bf16 => ActDtype::Bf16,
+        _ => ActDtype::F32,
+    }
+}
+
+pub fn carrier(c: i32) -> CarrierKind {
+    match Carrier::try_from(c).unwrap_or(Carrier::Quic) {
+        Carrier::Grpc => CarrierKind::Grpc,
+        _ => CarrierKind::Quic,
+    }
+}
+
+impl Node {
+    pub fn new(cfg: WorkerConfig, router: Arc<Router>) -> Arc<Node> {
+        Arc::new(Node { cfg, router, hosted: Mutex::new(HashMap::new()), drive: Mutex::new(HashMap::new()) })
+    }
+
+    /// The stages as the heartbeat reports them.
+    pub fn statuses(&self) -> Vec<SliceStatus> {
+        let Ok(h) = self.hosted.lock() else { return vec![] };
+        h.values()
+            .map(|x| SliceStatus {
+                deployment: x.assignment.deployment.clone(),
+                generation: x.assignment.generation,
+                stage: x.assignment.stage,
+                state: match &x.load {
+                    Load::Loading => "loading".into(),
+                    Load::Ready => "ready".into(),
+                    Load::Failed(_) => "failed".into(),
+                },
+                weight_bytes: x.handle.as_ref().map(|s| s.weight_bytes).unwrap_or(0),
+                kv_bytes: x
+                    .handle
+                    .as_ref()
+                    .map(|s| s.kv_bytes_per_session * u64::from(s.active.load(std::sync::atomic::Ordering::Relaxed)))
+                    .unwrap_or(0),
+                active_sessions: x
+                    .handle
+                    .as_ref()
+                    .map(|s| s.active.load(std::sync::atomic::Ordering::Relaxed))
+                    .unwrap_or(0),
+            })
+            .collect()
+    }
+
+    /// Makes the hosted stages equal to `want`. Returns the stages that must be loaded now.
+    pub fn reconcile(&self, want: &[StageAssignment]) -> Vec<StageAssignment> {
+        let mut to_load = Vec::new();
+        let mut dropped = Vec::new();
+        {
+            let Ok(mut hosted) = self.hosted.lock() else { return vec![] };
+            let keys: Vec<(String, u32)> = hosted.keys().cloned().collect();
+            for k in keys {
+                let keep = want.iter().any(|a| a.deployment == k.0 && a.stage == k.1 && hosted[&k].assignment == *a);
+                if !keep {
+                    if let Some(h) = hosted.remove(&k) {
+                        self.router.remove_stage(&k.0, k.1);
+                        tracing::info!(deployment = %k.0, stage = k.1, "stage unassigned");
+                        dropped.push(h);
+                    }
+                }
+            }
+            for a in want {
+                let k = (a.deployment.clone(), a.stage);
+                if let std::collections::hash_map::Entry::Vacant(e) = hosted.entry(k) {
+                    e.insert(Hosted {
+                        assignment: a.clone(),
+                        load: Load::Loading,
+                        handle: None,
+                        fetched_bytes: 0,
+                        load_s: 0.0,
+                    });
+                    to_load.push(a.clone());
+                }
+            }
+        }
+        if let Ok(mut d) = self.drive.lock() {
+            d.retain(|dep, t| want.iter().any(|a| &a.deployment == dep && a.generation == t.generation && a.is_driver));
+        }
+        // stopping a stage joins its thread: not on the async runtime
+        if !dropped.is_empty() {
+            std::thread::spawn(move || drop(dropped));
+        }
+        to_load
+    }
+
+    /// Loads one assigned stage (blocking: fetch, open, load), starts it and returns what to report.
+    pub fn load(
+        self: &Arc<Self>,
+        a: &StageAssignment,
+        fetch: impl FnMut(&FileRange) -> Result<Vec<u8>, WorkerError>,
+    ) -> Loaded {
+        let t0 = Instant::now();
+        let result = self.load_inner(a, fetch, t0);
+        let mut hosted = match self.hosted.lock() {
+            Ok(h) => h,
+            Err(p) => p.into_inner(),
+        };
+        let key = (a.deployment.clone(), a.stage);
+        let report = match result {
+            Ok((handle, report)) => match hosted.get_mut(&key) {
+                Some(h) if h.assignment == *a => {
+                    let (w, kv) = (handle.weight_bytes, handle.kv_bytes_per_session * u64::from(a.max_sessions));
+                    self.router.add_stage(&a.deployment, a.stage, handle.input.clone());
+                    h.handle = Some(handle);
+                    h.load = Load::Ready;
+                    h.fetched_bytes = report.fetched_bytes;
+                    h.load_s = t0.elapsed().as_secs_f64();
+                    Ok((w, kv, report.fetched_bytes, h.load_s))
+                }
+                // unassigned while loading: dropped here
+                _ => Err("unassigned while loading".to_string()),
+            },
+            Err(e) => {
+                tracing::warn!(deployment = %a.deployment, stage = a.stage, "loading failed: {e}");
+                if let Some(h) = hosted.get_mut(&key) {
+                    if h.assignment == *a {
+                        h.load = Load::Failed(e.to_string());
+                    }
+                }
+                Err(e.to_string())
+            }
+        };
+        Loaded { deployment: a.deployment.clone(), generation: a.generation, stage: a.stage, result: report }
+    }
+
+    fn load_inner(
+        self: &Arc<Self>,
+        a: &StageAssignment,
+        fetch: impl FnMut(&FileRange) -> Result<Vec<u8>, WorkerError>,
+        t0: Instant,
+    ) -> Result<(StageHandle, FetchReport), WorkerError> {
+        let manifest =
+            a.manifest.clone().ok_or_else(|| WorkerError::Manifest("the assignment has no manifest".into()))?;
+        let (files, report) = if manifest.model_id == "embedded" {
+            let f = ModelFiles::from_static_gguf(brigade_model::embedded_model(), brigade_model::EMBEDDED_MODEL_NAME)?;
+            (f, FetchReport::default())
+        } else {
+            let report = ensure_slice(&self.cfg.models_dir, &manifest, fetch)?;
+            (ModelFiles::open(&report.path)?, report)
+        };
+        let n_layers = files.config.n_layers;
+        if n_layers != a.n_layers as usize {
+            return Err(WorkerError::Manifest(format!(
+                "the model has {n_layers} layers, the assignment says {}",
+                a.n_layers
+            )));
+        }
+        let layers = LayerRange::new(a.layer_start as usize, a.layer_end as usize)
+            .map_err(|e| WorkerError::BadRequest(e.to_string()))?;
+        if a.device != "cpu" {
+            return Err(WorkerError::BadRequest(format!("device {} is not supported by this worker", a.device)));
+        }
+        let slice = Slice::load(&files, layers, &candle_core::Device::Cpu, candle_core::DType::F32, a.n_ctx as usize)?;
+        let tokenizer = files.tokenizer.clone();
+        let eog_tk = tokenizer.clone();
+        let place = StagePlace {
+            deployment: a.deployment.clone(),
+            generation: a.generation,
+            stage: a.stage,
+            n_stages: a.n_stages,
+            next: peer(&a.next),
+            driver: peer(&a.driver).ok_or_else(|| WorkerError::Manifest("the assignment names no driver".into()))?,
+            act_dtype: act_dtype(a.activation_dtype),
+            carrier: carrier(a.carrier),
+            max_sessions: a.max_sessions.max(1) as usize,
+        };
+        let hidden = files.config.hidden;
+        let vocab = files.config.vocab;
+        let handle =
+            StageHandle::start(place.clone(), slice, Box::new(move |id| eog_tk.is_eog(id)), self.router.clone())?;
+        if a.is_driver {
+            let first =
+                peer(&a.first).ok_or_else(|| WorkerError::Manifest("the assignment names no first stage".into()))?;
+            let t = DriveTarget {
+                deployment: a.deployment.clone(),
+                generation: a.generation,
+                n_stages: a.n_stages,
+                n_ctx: a.n_ctx as usize,
+                vocab,
+                carrier: place.carrier,
+                first,
+                tokenizer,
+                permits: Arc::new(Semaphore::new(a.max_sessions.max(1) as usize)),
+                ubatch: a.ubatch.max(1) as usize,
+            };
+            let _ = hidden;
+            if let Ok(mut d) = self.drive.lock() {
+                d.insert(a.deployment.clone(), t);
+            }
+        }
+        tracing::info!(
+            deployment = %a.deployment,
+            stage = a.stage,
+            "layers {layers} ready in {:.2}s ({} fetched)",
+            t0.elapsed().as_secs_f64(),
+            report.fetched_bytes
+        );
+        Ok((handle, report))
+    }
+}

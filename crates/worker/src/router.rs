@@ -1,0 +1,258 @@
+//! Where frames go. Every frame names its deployment and the stage it is for; the router hands it
+//! to the stage hosted here, to the session's driver waiting here (frames for the stage after the
+//! last), or over a link to the node that hosts it.
+//!
+//! Links to other nodes are made on first use, one per (peer, carrier), and re-made when they
+//! break; a frame to this node itself never touches a socket. Links other nodes open to this one
+//! are read the same way. Link-measurement frames (PING, BULK) are answered on the link they came
+//! in on.
+
+use crate::identity::Creds;
+use crate::WorkerError;
+use brigade_core::cluster::CarrierKind;
+use brigade_proto::v1::FrameKind;
+use brigade_transport::frame::Frame;
+use brigade_transport::Link;
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex, RwLock};
+use std::time::Duration;
+use tokio::sync::mpsc;
+
+/// Frames queued towards one peer before senders wait.
+const QUEUE: usize = 4096;
+/// How long a link is retried before the frames queued for it are dropped (their sessions fail).
+const CONNECT_GIVE_UP: Duration = Duration::from_secs(10);
+
+/// A node and the address its worker listens on.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct Peer {
+    pub node: String,
+    pub address: String,
+}
+
+type StageKey = (String, u32);
+
+pub struct Router {
+    me: String,
+    tls: Creds,
+    quic: brigade_transport::quic::QuicEndpoint,
+    /// By (node, address, carrier): a node that comes back on another address gets a new link.
+    outbound: Mutex<HashMap<(String, String, CarrierKind), mpsc::Sender<Frame>>>,
+    stages: RwLock<HashMap<StageKey, std::sync::mpsc::Sender<Frame>>>,
+    drivers: Mutex<HashMap<u64, mpsc::UnboundedSender<Frame>>>,
+    rt: tokio::runtime::Handle,
+}
+
+impl Router {
+    pub fn new(me: String, tls: Creds, quic: brigade_transport::quic::QuicEndpoint) -> Arc<Router> {
+        Arc::new(Router {
+            me,
+            tls,
+            quic,
+            outbound: Mutex::new(HashMap::new()),
+            stages: RwLock::new(HashMap::new()),
+            drivers: Mutex::new(HashMap::new()),
+            rt: tokio::runtime::Handle::current(),
+        })
+    }
+
+    pub fn me(&self) -> &str {
+        &self.me
+    }
+
+    pub fn quic(&self) -> &brigade_transport::quic::QuicEndpoint {
+        &self.quic
+    }
+
+    /// Frames for stage `stage` of `deployment` go to `input` from now on.
+    pub fn add_stage(&self, deployment: &str, stage: u32, input: std::sync::mpsc::Sender<Frame>) {
+        if let Ok(mut m) = self.stages.write() {
+            m.insert((deployment.to_string(), stage), input);
+        }
+    }
+
+    pub fn remove_stage(&self, deployment: &str, stage: u32) {
+        if let Ok(mut m) = self.stages.write() {
+            m.remove(&(deployment.to_string(), stage));
+        }
+    }
+
+    /// Frames for the driver of `session` arrive on the returned channel until [`Router::unregister`].
+    pub fn register_driver(&self, session: u64) -> mpsc::UnboundedReceiver<Frame> {
+        let (tx, rx) = mpsc::unbounded_channel();
+        if let Ok(mut m) = self.drivers.lock() {
+            m.insert(session, tx);
+        }
+        rx
+    }
+
+    pub fn unregister_driver(&self, session: u64) {
+        if let Ok(mut m) = self.drivers.lock() {
+            m.remove(&session);
+        }
+    }
+
+    /// Hands a frame that arrived (from a link, or from this node) to whoever takes it here.
+    pub fn deliver(&self, frame: Frame) {
+        let h = &frame.header;
+        let key = (h.deployment.clone(), h.stage);
+        let stage = self.stages.read().ok().and_then(|m| m.get(&key).cloned());
+        if let Some(input) = stage {
+            if input.send(frame).is_err() {
+                tracing::debug!(deployment = %key.0, stage = key.1, "frame for a stage that just stopped");
+            }
+            return;
+        }
+        let session = h.session;
+        let driver = self.drivers.lock().ok().and_then(|m| m.get(&session).cloned());
+        match driver {
+            Some(tx) => {
+                let _ = tx.send(frame);
+            }
+            None => tracing::debug!(
+                deployment = %key.0,
+                stage = key.1,
+                session,
+                kind = h.kind,
+                "frame for nothing hosted here; dropped"
+            ),
+        }
+    }
+
+    fn queue(self: &Arc<Self>, peer: &Peer, carrier: CarrierKind) -> mpsc::Sender<Frame> {
+        let mut m = match self.outbound.lock() {
+            Ok(m) => m,
+            Err(p) => p.into_inner(),
+        };
+        let key = (peer.node.clone(), peer.address.clone(), carrier);
+        if let Some(tx) = m.get(&key) {
+            if !tx.is_closed() {
+                return tx.clone();
+            }
+        }
+        let (tx, rx) = mpsc::channel(QUEUE);
+        m.insert(key, tx.clone());
+        let me = self.clone();
+        let peer = peer.clone();
+        self.rt.spawn(async move { me.outbound_task(peer, carrier, rx).await });
+        tx
+    }
+
+    /// Sends from a plain thread (a stage's compute thread): waits while the peer's queue is full.
+    pub fn send_blocking(self: &Arc<Self>, to: &Peer, carrier: CarrierKind, frame: Frame) -> Result<(), WorkerError> {
+        if to.node == self.me {
+            self.deliver(frame);
+            return Ok(());
+        }
+        self.queue(to, carrier)
+            .blocking_send(frame)
+            .map_err(|_| WorkerError::Link(format!("the link to {} is closed", to.node)))
+    }
+
+    /// Sends from async code.
+    pub async fn send(self: &Arc<Self>, to: &Peer, carrier: CarrierKind, frame: Frame) -> Result<(), WorkerError> {
+        if to.node == self.me {
+            self.deliver(frame);
+            return Ok(());
+        }
+        self.queue(to, carrier)
+            .send(frame)
+            .await
+            .map_err(|_| WorkerError::Link(format!("the link to {} is closed", to.node)))
+    }
+
+    /// Opens a link to `peer` with the given carrier.
+    pub async fn connect(&self, peer: &Peer, carrier: CarrierKind) -> Result<Link, WorkerError> {
+        let addr = peer.address.clone();
+        match carrier {
+            CarrierKind::Quic => {
+                let sa = tokio::net::lookup_host(&addr)
+                    .await
+                    .map_err(|e| WorkerError::Link(format!("{}: cannot resolve {addr}: {e}", peer.node)))?
+                    .next()
+                    .ok_or_else(|| WorkerError::Link(format!("{}: {addr} resolves to nothing", peer.node)))?;
+                self.quic.connect(sa, &peer.node).await.map_err(|e| WorkerError::Link(format!("{}: {e}", peer.node)))
+            }
+            CarrierKind::Grpc => brigade_transport::grpc::connect_grpc(
+                &format!("https://{addr}"),
+                &self.tls.identity,
+                &self.tls.ca_pem,
+                &peer.node,
+            )
+            .await
+            .map_err(|e| WorkerError::Link(format!("{} (grpc): {e}", peer.node))),
+        }
+    }
+
+    async fn outbound_task(self: Arc<Self>, peer: Peer, carrier: CarrierKind, mut rx: mpsc::Receiver<Frame>) {
+        let mut pending: Option<Frame> = None;
+        'outer: loop {
+            let started = tokio::time::Instant::now();
+            let mut delay = Duration::from_millis(50);
+            let link = loop {
+                match self.connect(&peer, carrier).await {
+                    Ok(l) => break l,
+                    Err(e) if started.elapsed() > CONNECT_GIVE_UP => {
+                        tracing::warn!("giving up on {} after {:?}: {e}", peer.node, started.elapsed());
+                        break 'outer;
+                    }
+                    Err(e) => {
+                        tracing::debug!("connecting to {}: {e}", peer.node);
+                        tokio::time::sleep(delay).await;
+                        delay = (delay * 2).min(Duration::from_secs(1));
+                    }
+                }
+            };
+            let Link { tx, rx: link_rx, .. } = link;
+            let reader = tokio::spawn(self.clone().read_link(link_rx, tx.clone()));
+            loop {
+                let frame = match pending.take() {
+                    Some(f) => f,
+                    None => match rx.recv().await {
+                        Some(f) => f,
+                        None => {
+                            reader.abort();
+                            return;
+                        }
+                    },
+                };
+                if let Err(e) = tx.send(frame).await {
+                    tracing::warn!("link to {} broke; reconnecting", peer.node);
+                    pending = Some(e.0);
+                    reader.abort();
+                    continue 'outer;
+                }
+            }
+        }
+        // the peer is gone: drop what was queued; the sessions concerned time out at their drivers
+        if let Ok(mut m) = self.outbound.lock() {
+            m.remove(&(peer.node.clone(), peer.address.clone(), carrier));
+        }
+        rx.close();
+    }
+
+    /// Reads a link until it closes: measurement frames are answered on it, the rest delivered.
+    pub async fn read_link(self: Arc<Self>, mut rx: mpsc::Receiver<Frame>, tx: mpsc::Sender<Frame>) {
+        let mut responder = brigade_transport::Responder::default();
+        while let Some(frame) = rx.recv().await {
+            let kind = FrameKind::try_from(frame.header.kind).unwrap_or(FrameKind::Unspecified);
+            match kind {
+                FrameKind::Ping | FrameKind::Bulk => {
+                    if let Some(reply) = responder.respond(&frame, brigade_transport::probe::unix_now_us()) {
+                        if tx.send(reply).await.is_err() {
+                            return;
+                        }
+                    }
+                }
+                FrameKind::Hello | FrameKind::Pong | FrameKind::Unspecified => {}
+                _ => self.deliver(frame),
+            }
+        }
+    }
+
+    /// Measures the link to `peer` over QUIC on a link of its own.
+    pub async fn measure(&self, peer: &Peer) -> Result<brigade_transport::probe::LinkFigures, WorkerError> {
+        let mut link = self.connect(peer, CarrierKind::Quic).await?;
+        brigade_transport::probe::measure(&mut link).await.map_err(|e| WorkerError::Link(format!("{}: {e}", peer.node)))
+    }
+}

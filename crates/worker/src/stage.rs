@@ -1,0 +1,325 @@
+//! One hosted stage: a slice of layers on a device, its sessions' KV caches, and the thread that
+//! computes.
+//!
+//! Frames arrive in order on one channel (from the previous stage's link, or from the driver on
+//! this node for the first stage) and are processed one at a time: while this stage computes one
+//! session's token the next stage computes another's, so concurrent sessions pipeline, and the
+//! chunks of a long prompt overlap across stages (this stage computes chunk k+1 while the next
+//! computes chunk k). Per frame:
+//! - `OPEN`: a KV cache for the session (from a pool of freed ones); the last stage also makes
+//!   the session's sampler. Forwarded down the chain.
+//! - `TOKENS` (first stage) / `HIDDEN`: the slice runs over the rows, appending to the session's
+//!   cache; the hidden state goes to the next stage, or — on the last stage, after a prompt's last
+//!   chunk or a decode step — the sampled id goes back to the driver, never the logits.
+//! - `CLOSE`: the cache returns to the pool; forwarded down the chain.
+//!
+//! A frame this stage cannot process (unknown session, a position that does not follow the cache,
+//! a failed forward) ends the session here and sends the driver an `ERROR` naming why.
+
+use crate::router::{Peer, Router};
+use crate::wire;
+use crate::WorkerError;
+use brigade_core::cluster::{ActDtype, CarrierKind};
+use brigade_model::{Logits, Sampler, SamplerConfig, Slice, SliceCache, StageInput};
+use brigade_proto::v1::{FrameHeader, FrameKind, SessionSpec, StageTrace};
+use brigade_transport::frame::Frame;
+use prost::Message;
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::mpsc;
+use std::sync::Arc;
+use std::time::Instant;
+
+/// Frame flag: the last chunk of a prompt, or a decode step: the last stage samples after it.
+pub const FLAG_LAST: u32 = 1;
+/// Frame flag on TOKENS back to the driver: the id is an end-of-generation token.
+pub const FLAG_EOG: u32 = 2;
+
+/// Where a stage sits and whom it talks to.
+#[derive(Debug, Clone)]
+pub struct StagePlace {
+    pub deployment: String,
+    pub generation: u64,
+    pub stage: u32,
+    pub n_stages: u32,
+    pub next: Option<Peer>,
+    pub driver: Peer,
+    pub act_dtype: ActDtype,
+    pub carrier: CarrierKind,
+    pub max_sessions: usize,
+}
+
+struct SessionState {
+    cache: SliceCache,
+    /// Last stage only: the sampler and every id the session has seen (repeat penalty).
+    sampler: Option<(Sampler, Vec<u32>)>,
+}
+
+/// The compute side of a stage, owned by its thread.
+pub struct StageHost {
+    place: StagePlace,
+    slice: Slice,
+    eog: Box<dyn Fn(u32) -> bool + Send>,
+    sessions: HashMap<u64, SessionState>,
+    pool: Vec<SliceCache>,
+    router: Arc<Router>,
+    active: Arc<AtomicU32>,
+}
+
+/// The handle the node keeps: the stage's input and how many sessions it holds.
+pub struct StageHandle {
+    pub place: StagePlace,
+    pub input: mpsc::Sender<Frame>,
+    pub active: Arc<AtomicU32>,
+    pub weight_bytes: u64,
+    pub kv_bytes_per_session: u64,
+    thread: Option<std::thread::JoinHandle<()>>,
+}
+
+impl StageHandle {
+    /// Starts the stage's thread.
+    pub fn start(
+        place: StagePlace,
+        slice: Slice,
+        eog: Box<dyn Fn(u32) -> bool + Send>,
+        router: Arc<Router>,
+    ) -> Result<StageHandle, WorkerError> {
+        let (tx, rx) = mpsc::channel::<Frame>();
+        let active = Arc::new(AtomicU32::new(0));
+        let weight_bytes = slice.weight_bytes();
+        let kv_bytes_per_session = slice.kv_bytes();
+        let host = StageHost {
+            place: place.clone(),
+            slice,
+            eog,
+            sessions: HashMap::new(),
+            pool: Vec::new(),
+            router,
+            active: active.clone(),
+        };
+        let name = format!("stage-{}-{}", place.deployment, place.stage);
+        let thread = std::thread::Builder::new()
+            .name(name.chars().take(15).collect())
+            .spawn(move || host.run(rx))
+            .map_err(|e| WorkerError::Internal(format!("cannot start the stage thread: {e}")))?;
+        Ok(StageHandle { place, input: tx, active, weight_bytes, kv_bytes_per_session, thread: Some(thread) })
+    }
+}
+
+impl Drop for StageHandle {
+    fn drop(&mut self) {
+        // closing the channel ends the thread after the frame it is on; the slice and caches go
+        // with it
+        let (dead, _) = mpsc::channel();
+        self.input = dead;
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+}
+
+pub fn now_us() -> u64 {
+    std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_micros() as u64).unwrap_or(0)
+}
+
+impl StageHost {
+    fn run(mut self, rx: mpsc::Receiver<Frame>) {
+        let _span =
+            tracing::debug_span!("stage", deployment = %self.place.deployment, stage = self.place.stage).entered();
+        while let Ok(frame) = rx.recv() {
+            let received = now_us();
+            let session = frame.header.session;
+            if let Err(e) = self.handle(frame, received) {
+                tracing::warn!(session, "stage {} of {}: {e}", self.place.stage, self.place.deployment);
+                self.end(session);
+                let mut h = self.header(FrameKind::Error, session);
+                h.text = format!("stage {} ({}): {e}", self.place.stage, self.place.deployment);
+                self.to_driver(wire::frame(h, bytes::Bytes::new()));
+            }
+        }
+        tracing::debug!("stage {} of {} stopped", self.place.stage, self.place.deployment);
+    }
+
+    fn is_last(&self) -> bool {
+        self.place.stage + 1 == self.place.n_stages
+    }
+
+    fn header(&self, kind: FrameKind, session: u64) -> FrameHeader {
+        FrameHeader {
+            protocol: brigade_proto::PROTOCOL_VERSION,
+            kind: kind as i32,
+            generation: self.place.generation,
+            session,
+            deployment: self.place.deployment.clone(),
+            ..Default::default()
+        }
+    }
+
+    fn to_next(&self, mut frame: Frame) {
+        let Some(next) = &self.place.next else { return };
+        frame.header.stage = self.place.stage + 1;
+        if let Err(e) = self.router.send_blocking(next, self.place.carrier, frame) {
+            tracing::warn!("to stage {}: {e}", self.place.stage + 1);
+        }
+    }
+
+    fn to_driver(&self, mut frame: Frame) {
+        frame.header.stage = self.place.n_stages;
+        if let Err(e) = self.router.send_blocking(&self.place.driver, self.place.carrier, frame) {
+            tracing::warn!("to the driver: {e}");
+        }
+    }
+
+    fn end(&mut self, session: u64) {
+        if let Some(s) = self.sessions.remove(&session) {
+            let mut cache = s.cache;
+            cache.truncate(0);
+            self.pool.push(cache);
+            self.active.store(self.sessions.len() as u32, Ordering::Relaxed);
+        }
+    }
+
+    fn handle(&mut self, frame: Frame, received: u64) -> Result<(), WorkerError> {
+        let h = &frame.header;
+        if h.generation != self.place.generation {
+            return Err(WorkerError::Frame(format!(
+                "frame of generation {}, this stage serves generation {}",
+                h.generation, self.place.generation
+            )));
+        }
+        let kind = FrameKind::try_from(h.kind).unwrap_or(FrameKind::Unspecified);
+        match kind {
+            FrameKind::Open => self.open(frame),
+            FrameKind::Close => {
+                let s = frame.header.session;
+                self.end(s);
+                self.to_next(frame);
+                Ok(())
+            }
+            FrameKind::Tokens | FrameKind::Hidden => self.compute(frame, kind, received),
+            other => Err(WorkerError::Frame(format!("a stage does not take {other:?} frames"))),
+        }
+    }
+
+    fn open(&mut self, frame: Frame) -> Result<(), WorkerError> {
+        let session = frame.header.session;
+        if self.sessions.contains_key(&session) {
+            return Err(WorkerError::Frame(format!("session {session} is open already")));
+        }
+        if self.sessions.len() >= self.place.max_sessions {
+            return Err(WorkerError::Busy(format!(
+                "all {} sessions of this stage are in use",
+                self.place.max_sessions
+            )));
+        }
+        let spec =
+            SessionSpec::decode(frame.payload.as_ref()).map_err(|e| WorkerError::Frame(format!("OPEN frame: {e}")))?;
+        let cache = match self.pool.pop() {
+            Some(c) => c,
+            None => self.slice.new_cache()?,
+        };
+        let sampler = if self.is_last() {
+            let s = spec.sampling.unwrap_or_default();
+            let cfg = SamplerConfig {
+                temperature: s.temperature,
+                top_k: s.top_k as usize,
+                top_p: if s.top_p <= 0.0 { 1.0 } else { s.top_p },
+                min_p: s.min_p,
+                repeat_penalty: if s.repeat_penalty <= 0.0 { 1.0 } else { s.repeat_penalty },
+                repeat_last_n: s.repeat_last_n as usize,
+                seed: s.seed,
+            };
+            Some((Sampler::new(cfg), spec.prompt_ids.clone()))
+        } else {
+            None
+        };
+        self.sessions.insert(session, SessionState { cache, sampler });
+        self.active.store(self.sessions.len() as u32, Ordering::Relaxed);
+        self.to_next(frame);
+        Ok(())
+    }
+
+    fn compute(&mut self, frame: Frame, kind: FrameKind, received: u64) -> Result<(), WorkerError> {
+        let t0 = Instant::now();
+        let h = frame.header;
+        let session = h.session;
+        let first = self.place.stage == 0;
+        let last = self.is_last();
+        let hidden = self.slice.config().hidden;
+        let rows = h.rows;
+        // the session's state is borrowed for the forward pass (and the sample) only
+        let (out, sampled) = {
+            let st = self
+                .sessions
+                .get_mut(&session)
+                .ok_or_else(|| WorkerError::Frame(format!("session {session} is not open on this stage")))?;
+            if h.first_position != st.cache.len() as u64 {
+                return Err(WorkerError::Frame(format!(
+                    "rows start at position {}, the session's cache holds {}",
+                    h.first_position,
+                    st.cache.len()
+                )));
+            }
+            let ids;
+            let tensor;
+            let input = match (kind, first) {
+                (FrameKind::Tokens, true) => {
+                    ids = wire::ids_from_frame(&h, &frame.payload)?;
+                    StageInput::Tokens(&ids)
+                }
+                (FrameKind::Hidden, false) => {
+                    tensor = wire::hidden_from_frame(&h, &frame.payload, hidden, self.slice.device())?;
+                    StageInput::Hidden(&tensor)
+                }
+                (k, _) => {
+                    return Err(WorkerError::Frame(format!("stage {} does not take {k:?} frames", self.place.stage)))
+                }
+            };
+            let out = self.slice.forward(&mut st.cache, input, Logits::Last)?;
+            let sampled = if last && h.flags & FLAG_LAST != 0 {
+                let logits: Vec<f32> = out.squeeze(0)?.squeeze(0)?.to_vec1::<f32>()?;
+                let (sampler, history) = st
+                    .sampler
+                    .as_mut()
+                    .ok_or_else(|| WorkerError::Internal("the last stage has no sampler for the session".into()))?;
+                let id = sampler.sample(&logits, history);
+                history.push(id);
+                Some(id)
+            } else {
+                None
+            };
+            (out, sampled)
+        };
+        let mut trace = h.trace;
+        let compute_us = t0.elapsed().as_micros() as u64;
+        let stamp = StageTrace { stage: self.place.stage, received_us: received, sent_us: 0, compute_us };
+        if !last {
+            let payload = wire::hidden_to_bytes(&out, self.place.act_dtype)?;
+            let mut nh = FrameHeader {
+                step: h.step,
+                first_position: h.first_position,
+                flags: h.flags,
+                ..self.header(FrameKind::Hidden, session)
+            };
+            wire::set_hidden_shape(&mut nh, rows, hidden, self.place.act_dtype, payload.len());
+            trace.push(StageTrace { sent_us: now_us(), ..stamp });
+            nh.trace = trace;
+            self.to_next(wire::frame(nh, payload));
+            return Ok(());
+        }
+        // a prompt chunk before the last fills the cache; there is nothing to sample yet
+        let Some(id) = sampled else { return Ok(()) };
+        let mut th = FrameHeader {
+            step: h.step,
+            first_position: h.first_position + rows as u64,
+            flags: if (self.eog)(id) { FLAG_EOG } else { 0 },
+            ..self.header(FrameKind::Tokens, session)
+        };
+        let payload = wire::ids_to_bytes(&[id]);
+        wire::set_ids_shape(&mut th, 1, payload.len());
+        trace.push(StageTrace { sent_us: now_us(), ..stamp });
+        th.trace = trace;
+        self.to_driver(wire::frame(th, payload));
+        Ok(())
+    }
+}

@@ -1,0 +1,271 @@
+//! Cluster mode end to end: a coordinator and workers as separate processes of the built binary,
+//! over loopback sockets with TLS. Greedy output must equal `brigade run` in one process, token id
+//! for token id.
+#![allow(clippy::unwrap_used)]
+
+mod support;
+
+use std::time::Duration;
+use support::*;
+
+/// Stories prompts of different lengths.
+const PROMPTS: [&str; 4] = ["Once upon a time", "The cat", "Lily went to the park and saw a big dog", "One day"];
+
+fn stage_fetched(dep: &serde_json::Value) -> Vec<u64> {
+    dep["stages"].as_array().unwrap().iter().map(|s| s["fetched_bytes"].as_u64().unwrap()).collect()
+}
+
+#[test]
+fn three_workers_generate_what_run_generates_with_sixteen_clients_at_once() {
+    let mut c = Cluster::new();
+    c.start_coordinator(&[]);
+    for w in ["w1", "w2", "w3"] {
+        c.start_worker(w, &[]);
+    }
+    c.wait_up(3);
+    let synth_path = c.path("small.gguf");
+    synth_shape(&synth_path, [6, 256, 512, 8, 4, 512], "q8_0");
+    let d = c.deploy(&["--name", "stories", "--device-map", "w1:cpu:2,w2:cpu:2,w3:cpu:1"]);
+    assert_eq!(d["state"], "ready");
+    assert_eq!(d["stages"].as_array().unwrap().len(), 3);
+    // the embedded model is in every binary: nothing is fetched
+    assert_eq!(stage_fetched(&d), vec![0, 0, 0]);
+    let s = c.deploy(&[
+        "--name",
+        "small",
+        "-m",
+        synth_path.to_str().unwrap(),
+        "--device-map",
+        "w1:cpu:2,w2:cpu:2,w3:cpu:2",
+    ]);
+    // the workers had no copy of the file: each fetched about its own third, never the whole file
+    let size = std::fs::metadata(&synth_path).unwrap().len();
+    for (i, f) in stage_fetched(&s).into_iter().enumerate() {
+        let weights = s["stages"][i]["weight_bytes"].as_u64().unwrap();
+        assert!(f > 0 && f < size * 3 / 5, "stage {i} fetched {f} of a {size}-byte file");
+        assert!(f + 64 * 1024 >= weights, "stage {i} fetched {f} bytes for {weights} bytes of weights");
+    }
+    // the same order over gRPC instead of QUIC, in another order of nodes
+    c.deploy(&["--name", "stories-grpc", "--transport", "grpc", "--device-map", "w3:cpu:2,w1:cpu:2,w2:cpu:1"]);
+
+    for p in PROMPTS {
+        let (prompt_ids, want) = run_ids(None, p, 24);
+        for model in ["stories", "stories-grpc"] {
+            let got = c.generate(model, p, 24);
+            assert_eq!(ids(&got["prompt_ids"]), prompt_ids, "{model}: {p}");
+            assert_eq!(ids(&got["generated_ids"]), want, "{model}: {p}\n{}", c.logs());
+            let hops = got["hops"].as_array().unwrap();
+            assert_eq!(hops.len(), 3, "per stage compute and per hop transfer: {got}");
+            assert!(hops.iter().all(|h| h["compute_ms_per_token"].as_f64().unwrap() > 0.0));
+        }
+        let (_, want) = run_ids(Some(&synth_path), p, 16);
+        assert_eq!(ids(&c.generate("small", p, 16)["generated_ids"]), want, "small: {p}");
+    }
+
+    // 16 clients at once, different prompts and lengths: every answer complete and right
+    let jobs: Vec<(String, usize)> = (0..16)
+        .map(|i| (format!("{} {}", PROMPTS[i % 4], ["and", "so", "then", "but"][i / 4]), 8 + (i * 5) % 24))
+        .collect();
+    let expected: Vec<Vec<u32>> = jobs.iter().map(|(p, n)| run_ids(None, p, *n).1).collect();
+    let c = std::sync::Arc::new(c);
+    let handles: Vec<_> = jobs
+        .iter()
+        .cloned()
+        .enumerate()
+        .map(|(i, (p, n))| {
+            let c = c.clone();
+            let model = if i % 2 == 0 { "stories" } else { "stories-grpc" };
+            std::thread::spawn(move || ids(&c.generate(model, &p, n)["generated_ids"]))
+        })
+        .collect();
+    for (i, h) in handles.into_iter().enumerate() {
+        assert_eq!(h.join().unwrap(), expected[i], "client {i}: {:?}", jobs[i]);
+    }
+    // status shows the planner's prediction beside what the sessions measured
+    let st = c.status();
+    let dep = st["deployments"].as_array().unwrap().iter().find(|d| d["name"] == "stories").unwrap().clone();
+    assert!(dep["measured_decode_ms"].as_f64().unwrap() > 0.0, "{dep}");
+    assert!(dep["predicted_decode_ms"].as_f64().unwrap() > 0.0, "{dep}");
+    assert_eq!(st["nodes"].as_array().unwrap().len(), 3);
+    assert!(st["nodes"][0]["devices"][0]["kernels"].as_array().unwrap().len() >= 3, "measured kernel rates");
+}
+
+#[test]
+fn a_worker_fetches_only_its_slice_and_repairs_a_corrupt_cache() {
+    let mut c = Cluster::new();
+    c.start_coordinator(&[]);
+    let model = c.path("m.gguf");
+    synth_shape(&model, [6, 256, 768, 8, 8, 512], "q8_0");
+    // w1 has the file in its models dir: used in place; w2 has nothing
+    std::fs::create_dir_all(c.path("w1/models")).unwrap();
+    std::fs::copy(&model, c.path("w1/models/m.gguf")).unwrap();
+    c.start_worker("w1", &[]);
+    c.start_worker("w2", &[]);
+    c.wait_up(2);
+    let d = c.deploy(&["--name", "m", "-m", model.to_str().unwrap(), "--device-map", "w1:cpu:3,w2:cpu:3"]);
+    let fetched = stage_fetched(&d);
+    assert_eq!(fetched[0], 0, "w1 used its own copy");
+    let size = std::fs::metadata(&model).unwrap().len();
+    assert!(fetched[1] < size * 7 / 10, "w2 fetched {} of {size} bytes", fetched[1]);
+    let (_, want) = run_ids(Some(&model), "Once upon a time", 12);
+    assert_eq!(ids(&c.generate("m", "Once upon a time", 12)["generated_ids"]), want);
+
+    // flip one byte of a tensor in w2's cache, restart w2: that tensor alone is fetched again
+    let g = brigade_model::gguf::Gguf::parse(&std::fs::read(&model).unwrap()).unwrap();
+    let t = g.tensor("blk.4.ffn_down.weight").unwrap();
+    let id = d["model_id"].as_str().unwrap().to_string();
+    let cached = c.path(&format!("w2/models/{id}/m.gguf"));
+    let mut bytes = std::fs::read(&cached).unwrap();
+    bytes[(t.offset + 17) as usize] ^= 0x10;
+    c.worker("w2").kill9();
+    std::fs::write(&cached, &bytes).unwrap();
+    c.start_worker("w2", &[]);
+    wait_until("w2 to reload its slice", Duration::from_secs(60), || {
+        let st = c.status();
+        let d = st["deployments"].as_array().unwrap().iter().find(|d| d["name"] == "m").cloned().unwrap();
+        d["state"] == "ready" && d["stages"][1]["fetched_bytes"].as_u64() == Some(t.n_bytes)
+    });
+    assert_eq!(
+        std::fs::read(&cached).unwrap()[(t.offset + 17) as usize],
+        std::fs::read(&model).unwrap()[(t.offset + 17) as usize]
+    );
+    assert_eq!(ids(&c.generate("m", "Once upon a time", 12)["generated_ids"]), want);
+}
+
+#[test]
+fn the_coordinator_comes_back_from_kill_9_with_everything() {
+    let mut c = Cluster::new();
+    c.start_coordinator(&[]);
+    c.start_worker("w1", &[]);
+    c.start_worker("w2", &[]);
+    c.wait_up(2);
+    c.deploy(&["--name", "stories", "--device-map", "w1:cpu:3,w2:cpu:2"]);
+    let (_, want) = run_ids(None, "Once upon a time", 20);
+    assert_eq!(ids(&c.generate("stories", "Once upon a time", 20)["generated_ids"]), want);
+    let token = std::fs::read(c.path("coordinator/token")).unwrap();
+    let ca = std::fs::read(c.path("coordinator/ca.pem")).unwrap();
+    let before = c.status();
+
+    c.coordinator.as_mut().unwrap().kill9();
+    c.start_coordinator(&[]);
+    // the workers reconnect by themselves; the deployment is there without redeploying
+    c.wait_up(2);
+    wait_until("the deployment to be ready again", Duration::from_secs(30), || {
+        c.status()["deployments"][0]["state"] == "ready"
+    });
+    let after = c.status();
+    assert_eq!(after["deployments"][0]["generation"], before["deployments"][0]["generation"]);
+    // the same stages on the same nodes, ready; measured timings are the new process's own
+    let stages = |v: &serde_json::Value| {
+        let mut s = v["deployments"][0]["stages"].clone();
+        for x in s.as_array_mut().unwrap() {
+            x.as_object_mut().unwrap().remove("measured_ms");
+        }
+        s
+    };
+    assert_eq!(stages(&after), stages(&before));
+    assert_eq!(std::fs::read(c.path("coordinator/token")).unwrap(), token);
+    assert_eq!(std::fs::read(c.path("coordinator/ca.pem")).unwrap(), ca);
+    assert_eq!(ids(&c.generate("stories", "Once upon a time", 20)["generated_ids"]), want);
+    // the token still admits new nodes
+    c.start_worker("w3", &[]);
+    c.wait_up(3);
+    // and the secrets are the owner's only
+    use std::os::unix::fs::PermissionsExt;
+    for f in ["token", "ca.key", "coordinator.key"] {
+        let mode = std::fs::metadata(c.path(&format!("coordinator/{f}"))).unwrap().permissions().mode();
+        assert_eq!(mode & 0o777, 0o600, "{f}");
+    }
+}
+
+#[test]
+fn intruders_are_refused_and_change_nothing() {
+    let mut c = Cluster::new();
+    c.start_coordinator(&[]);
+    c.start_worker("w1", &[]);
+    c.wait_up(1);
+    c.deploy(&["--name", "stories", "--device-map", "w1:cpu:5"]);
+    let before = c.status();
+
+    // a wrong join token: the worker stops with the reason, the cluster never hears of it
+    let mut args = c.worker_args("intruder");
+    let i = args.iter().position(|a| a == "--join-token").unwrap();
+    args[i + 1] = "brg1-not-the-token-of-this-cluster".into();
+    c.start_worker_with("intruder", args);
+    wait_until("the intruder to give up", Duration::from_secs(30), || c.worker("intruder").exited().is_some());
+    let log = c.worker("intruder").log_text();
+    assert!(log.contains("join token"), "{log}");
+    assert!(!c.worker("intruder").exited().unwrap().success());
+
+    // a node holding a certificate of another cluster's CA
+    let mut other = Cluster::new();
+    other.start_coordinator(&[]);
+    other.start_worker("alien", &[]);
+    other.wait_up(1);
+    other.worker("alien").kill9();
+    let mut args = c.worker_args("alien");
+    let i = args.iter().position(|a| a == "--data-dir").unwrap();
+    args[i + 1] = other.path("alien").display().to_string();
+    c.start_worker_with("alien", args);
+    std::thread::sleep(Duration::from_secs(3));
+    let log = c.worker("alien").log_text();
+    assert!(
+        log.contains("coordinator") && (log.to_lowercase().contains("certificate") || log.contains("tls")),
+        "{log}"
+    );
+
+    // a client of another protocol version
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let ca_pem = std::fs::read_to_string(c.ca()).unwrap();
+    let addr = c.addr();
+    let err = rt.block_on(async move {
+        use brigade_proto::v1::client_client::ClientClient;
+        use tonic::transport::{Certificate, ClientTlsConfig, Endpoint};
+        let tls =
+            ClientTlsConfig::new().ca_certificate(Certificate::from_pem(ca_pem)).domain_name("coordinator.brigade");
+        let ch =
+            Endpoint::from_shared(format!("https://{addr}")).unwrap().tls_config(tls).unwrap().connect().await.unwrap();
+        let mut cl = ClientClient::new(ch);
+        let mut req = tonic::Request::new(brigade_proto::v1::ClusterStatusRequest {});
+        req.metadata_mut().insert("brigade-protocol", "99".parse().unwrap());
+        cl.cluster_status(req).await.unwrap_err()
+    });
+    assert_eq!(err.code(), tonic::Code::FailedPrecondition);
+    assert!(err.message().contains("99") && err.message().contains('1'), "{}", err.message());
+
+    // stage links: a peer holding another CA's certificate is refused by w1's QUIC endpoint; a
+    // peer of this cluster that sends frames for no session (stale generation, garbage shapes)
+    // is answered with nothing computed
+    let w1_addr: std::net::SocketAddr = before["nodes"][0]["address"].as_str().unwrap().parse().unwrap();
+    let own_ca = brigade_transport::ClusterCa::from_pem(
+        &std::fs::read_to_string(c.path("coordinator/ca.pem")).unwrap(),
+        &std::fs::read_to_string(c.path("coordinator/ca.key")).unwrap(),
+    )
+    .unwrap();
+    rt.block_on(async {
+        use brigade_transport::{ClusterCa, Frame, QuicEndpoint, Role};
+        let other = ClusterCa::generate("other").unwrap();
+        let id = other.new_identity("w9", Role::Node).unwrap();
+        let ep = QuicEndpoint::bind("127.0.0.1:0".parse().unwrap(), &id, other.cert_pem()).unwrap();
+        let refused = tokio::time::timeout(Duration::from_secs(15), ep.connect(w1_addr, "w1")).await.unwrap();
+        assert!(refused.is_err(), "a certificate of another CA was accepted");
+        let id = own_ca.new_identity("w9", Role::Node).unwrap();
+        let ep = QuicEndpoint::bind("127.0.0.1:0".parse().unwrap(), &id, own_ca.cert_pem()).unwrap();
+        let link = ep.connect(w1_addr, "w1").await.unwrap();
+        let bogus = Frame::tokens(0, 0, &[1, 2, 3]).in_session("stories", 999, 42);
+        link.send(bogus).await.unwrap();
+        let hidden = Frame::hidden_f32(0, 5, 1, 64, &[0.5; 64], brigade_proto::v1::WireDtype::F32)
+            .unwrap()
+            .in_session("stories", 1, 43);
+        link.send(hidden).await.unwrap();
+        tokio::time::sleep(Duration::from_millis(300)).await;
+    });
+
+    // nothing changed: same nodes, same deployment, still serving
+    let after = c.status();
+    let names: Vec<&str> = after["nodes"].as_array().unwrap().iter().map(|n| n["name"].as_str().unwrap()).collect();
+    assert_eq!(names, ["w1"]);
+    assert_eq!(after["deployments"], before["deployments"]);
+    let (_, want) = run_ids(None, "The cat", 10);
+    assert_eq!(ids(&c.generate("stories", "The cat", 10)["generated_ids"]), want);
+}
