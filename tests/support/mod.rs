@@ -54,11 +54,20 @@ pub fn wait_until(what: &str, timeout: Duration, mut f: impl FnMut() -> bool) {
 /// The command prefix a process of the given name runs under (empty: none).
 pub type Wrap = Box<dyn Fn(&str) -> Vec<String> + Send + Sync>;
 
+/// A coordinator replica of a group.
+pub struct Replica {
+    pub id: u64,
+    pub port: u16,
+    pub proc: Option<Proc>,
+}
+
 pub struct Cluster {
     pub dir: tempfile::TempDir,
     pub token: String,
     pub port: u16,
     pub coordinator: Option<Proc>,
+    /// A raft group of replicas instead of one coordinator.
+    pub replicas: Vec<Replica>,
     pub workers: Vec<Proc>,
     /// Prefix for every process (e.g. `ip netns exec ns`), by process name.
     pub wrap: Wrap,
@@ -72,6 +81,7 @@ impl Cluster {
             token: format!("brg1-test-{:032x}", std::process::id() as u128 * 7919 + 12345),
             port: free_port(),
             coordinator: None,
+            replicas: Vec::new(),
             workers: Vec::new(),
             wrap: Box::new(|_| Vec::new()),
             coord_host: "127.0.0.1".into(),
@@ -82,12 +92,100 @@ impl Cluster {
         self.dir.path().join(p)
     }
 
+    /// The coordinator's address, or every replica's, comma separated.
     pub fn addr(&self) -> String {
-        format!("{}:{}", self.coord_host, self.port)
+        if self.replicas.is_empty() {
+            return format!("{}:{}", self.coord_host, self.port);
+        }
+        self.replicas.iter().map(|r| format!("{}:{}", self.coord_host, r.port)).collect::<Vec<_>>().join(",")
     }
 
     pub fn ca(&self) -> PathBuf {
-        self.path("coordinator/ca.pem")
+        if self.replicas.is_empty() {
+            self.path("coordinator/ca.pem")
+        } else {
+            self.path("coordinator-1/ca.pem")
+        }
+    }
+
+    /// A group of `n` replicas bootstrapped together (the CA made once and copied, as an
+    /// operator does), with a short raft tick and node timeout so that failures act fast.
+    pub fn start_group(&mut self, n: usize) {
+        let d1 = self.path("coordinator-1");
+        let out = Command::new(BIN)
+            .args(["coordinator", "init", "--data-dir", d1.to_str().unwrap(), "--join-token", &self.token])
+            .output()
+            .unwrap();
+        assert!(out.status.success(), "coordinator init: {}", String::from_utf8_lossy(&out.stderr));
+        for i in 2..=n {
+            let d = self.path(&format!("coordinator-{i}"));
+            std::fs::create_dir_all(&d).unwrap();
+            for f in ["ca.pem", "ca.key", "token"] {
+                std::fs::copy(d1.join(f), d.join(f)).unwrap();
+            }
+        }
+        self.replicas = (1..=n as u64).map(|id| Replica { id, port: free_port(), proc: None }).collect();
+        for id in 1..=n as u64 {
+            self.start_replica(id);
+        }
+        let addr = self.addr();
+        let _ = addr;
+    }
+
+    pub fn peers(&self) -> String {
+        self.replicas.iter().map(|r| format!("{}={}:{}", r.id, self.coord_host, r.port)).collect::<Vec<_>>().join(",")
+    }
+
+    pub fn start_replica(&mut self, id: u64) {
+        let port = self.replicas.iter().find(|r| r.id == id).unwrap().port;
+        let dir = self.path(&format!("coordinator-{id}"));
+        let listen = format!("{}:{port}", self.coord_host);
+        let (ids, peers) = (id.to_string(), self.peers());
+        let p = self.spawn(
+            &format!("coordinator-{id}"),
+            &[
+                "coordinator",
+                "--id",
+                &ids,
+                "--peers",
+                &peers,
+                "--listen",
+                &listen,
+                "--data-dir",
+                dir.to_str().unwrap(),
+                "--node-timeout",
+                "2",
+                "--raft-tick-ms",
+                "50",
+            ],
+        );
+        self.replicas.iter_mut().find(|r| r.id == id).unwrap().proc = Some(p);
+    }
+
+    pub fn kill_replica(&mut self, id: u64) {
+        if let Some(mut p) = self.replicas.iter_mut().find(|r| r.id == id).and_then(|r| r.proc.take()) {
+            p.kill9();
+        }
+    }
+
+    /// The raft status some replica answers with (any that answers).
+    pub fn raft(&self) -> Option<serde_json::Value> {
+        let out = self.brigade(&["status", "--json"]);
+        out.status
+            .success()
+            .then(|| serde_json::from_slice::<serde_json::Value>(&out.stdout).ok())
+            .flatten()
+            .map(|v| v["raft"].clone())
+    }
+
+    /// The leader's id once a leader is known to a replica that answers.
+    pub fn wait_leader(&self, timeout: Duration) -> u64 {
+        let mut id = 0;
+        wait_until("a coordinator leader", timeout, || {
+            id = self.raft().and_then(|r| r["leader"].as_u64()).unwrap_or(0);
+            id != 0
+        });
+        id
     }
 
     pub fn spawn(&self, name: &str, args: &[&str]) -> Proc {

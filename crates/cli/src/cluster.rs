@@ -41,13 +41,50 @@ pub fn parse_size(s: &str) -> Result<u64, String> {
 }
 
 #[derive(Args, Debug)]
+#[command(args_conflicts_with_subcommands = true)]
 pub struct CoordinatorArgs {
-    /// Address to serve workers and clients on (gRPC over TLS).
+    #[command(subcommand)]
+    pub cmd: Option<CoordinatorCmd>,
+    #[command(flatten)]
+    pub replica: ReplicaArgs,
+}
+
+#[derive(clap::Subcommand, Debug)]
+pub enum CoordinatorCmd {
+    /// Create a cluster's CA and join token in a data dir (to copy into every replica's data dir
+    /// before bootstrapping a group with --peers); prints the token.
+    Init {
+        #[arg(long)]
+        data_dir: PathBuf,
+        #[arg(long, env = "BRIGADE_JOIN_TOKEN", hide_env_values = true)]
+        join_token: Option<String>,
+    },
+    /// Run a new replica that joins a running group through one of its replicas.
+    Join {
+        /// A replica of the group, host:port.
+        #[arg(long)]
+        via: String,
+        #[command(flatten)]
+        replica: ReplicaArgs,
+    },
+    /// Remove a replica from the group.
+    Leave {
+        #[command(flatten)]
+        connect: Connect,
+        /// The replica's id.
+        #[arg(long)]
+        id: u64,
+    },
+}
+
+#[derive(Args, Debug)]
+pub struct ReplicaArgs {
+    /// Address to serve workers, clients and other replicas on (gRPC over TLS).
     #[arg(long, default_value = "127.0.0.1:7070")]
     pub listen: SocketAddr,
-    /// Where the cluster's CA, join token and state live (created on first start).
+    /// Where the cluster's CA, join token and raft log live (created on first start).
     #[arg(long)]
-    pub data_dir: PathBuf,
+    pub data_dir: Option<PathBuf>,
     /// The join token workers present (default: generated on first start and printed once).
     #[arg(long, env = "BRIGADE_JOIN_TOKEN", hide_env_values = true)]
     pub join_token: Option<String>,
@@ -57,35 +94,93 @@ pub struct CoordinatorArgs {
     /// API keys clients must present (`authorization: Bearer KEY`); repeatable.
     #[arg(long = "api-key", env = "BRIGADE_API_KEYS", value_delimiter = ',', hide_env_values = true)]
     pub api_keys: Vec<String>,
-    /// Seconds of silence after which a worker is marked down.
+    /// Seconds of silence after which a worker is marked down (and its layers re-placed).
     #[arg(long, default_value_t = 3.0)]
     pub node_timeout: f64,
+    /// This replica's raft id (unique in its group).
+    #[arg(long, default_value_t = 1)]
+    pub id: u64,
+    /// The replicas of a group bootstrapped together, this one included: 1=HOST:PORT,2=…,3=…
+    #[arg(long)]
+    pub peers: Option<String>,
+    /// The address other replicas and workers reach this one at (default: --listen).
+    #[arg(long)]
+    pub advertise: Option<String>,
+    /// Milliseconds of one raft tick (elections take 10 to 20 ticks).
+    #[arg(long, default_value_t = 100)]
+    pub raft_tick_ms: u64,
 }
 
-pub fn coordinator(a: CoordinatorArgs) -> Result<()> {
+fn coordinator_config(a: ReplicaArgs, join: Option<String>) -> Result<brigade_coordinator::CoordinatorConfig> {
     if !(a.node_timeout.is_finite() && a.node_timeout > 0.2) {
         bail!("--node-timeout {}: at least 0.2 s", a.node_timeout);
     }
-    let cfg = brigade_coordinator::CoordinatorConfig {
-        data_dir: a.data_dir,
+    if !(10..=5000).contains(&a.raft_tick_ms) {
+        bail!("--raft-tick-ms {}: 10 to 5000", a.raft_tick_ms);
+    }
+    let Some(data_dir) = a.data_dir else { bail!("--data-dir is required") };
+    let peers = match &a.peers {
+        Some(p) => brigade_coordinator::raft_service::parse_peers(p)?,
+        None => Default::default(),
+    };
+    if !peers.is_empty() && !peers.contains_key(&a.id) {
+        bail!("--peers does not name this replica's --id {}", a.id);
+    }
+    let advertise = a.advertise.or_else(|| peers.get(&a.id).cloned());
+    Ok(brigade_coordinator::CoordinatorConfig {
+        data_dir,
         join_token: a.join_token,
         sans: a.sans,
         node_timeout: Duration::from_secs_f64(a.node_timeout),
         heartbeat_interval: Duration::from_secs_f64((a.node_timeout / 4.0).clamp(0.1, 1.0)),
         api_keys: a.api_keys.into_iter().filter(|k| !k.is_empty()).collect(),
-    };
+        id: a.id,
+        peers,
+        advertise,
+        join,
+        raft_tick: Duration::from_millis(a.raft_tick_ms),
+        ..Default::default()
+    })
+}
+
+fn run_replica(listen: SocketAddr, cfg: brigade_coordinator::CoordinatorConfig) -> Result<()> {
     let rt = runtime()?;
     rt.block_on(async move {
-        let listener =
-            tokio::net::TcpListener::bind(a.listen).await.with_context(|| format!("binding {}", a.listen))?;
+        let listener = tokio::net::TcpListener::bind(listen).await.with_context(|| format!("binding {listen}"))?;
         brigade_coordinator::run(cfg, listener, stop_signal()).await?;
         Ok(())
     })
 }
 
+pub fn coordinator(a: CoordinatorArgs) -> Result<()> {
+    match a.cmd {
+        None => {
+            let listen = a.replica.listen;
+            run_replica(listen, coordinator_config(a.replica, None)?)
+        }
+        Some(CoordinatorCmd::Join { via, replica }) => {
+            let listen = replica.listen;
+            run_replica(listen, coordinator_config(replica, Some(via))?)
+        }
+        Some(CoordinatorCmd::Init { data_dir, join_token }) => {
+            let o = brigade_coordinator::pki::Pki::load_or_create(&data_dir, join_token.as_deref(), &[], false)?;
+            match o.new_token {
+                Some(t) => println!("cluster CA and join token created in {}; the token (shown once):\n\n    {t}\n\ncopy ca.pem, ca.key and token into the data dir of every replica of the group", data_dir.display()),
+                None => println!("{} already holds a cluster CA and token", data_dir.display()),
+            }
+            Ok(())
+        }
+        Some(CoordinatorCmd::Leave { connect, id }) => runtime()?.block_on(async move {
+            let peers = connect.client().await?.remove_replica(id).await?;
+            println!("replica {id} left the group; the group is now {}", peers.join(", "));
+            Ok(())
+        }),
+    }
+}
+
 #[derive(Args, Debug)]
 pub struct WorkerArgs {
-    /// The coordinator, host:port.
+    /// The coordinator replicas, host:port, comma separated (the worker follows the leader).
     #[arg(long)]
     pub coordinator: String,
     /// Address for QUIC (UDP) and gRPC (TCP) from peers; port 0 picks a free one.
@@ -509,6 +604,7 @@ pub struct StatusArgs {
 #[derive(Serialize)]
 struct StatusOut {
     version: String,
+    raft: serde_json::Value,
     nodes: Vec<serde_json::Value>,
     links: Vec<serde_json::Value>,
     deployments: Vec<serde_json::Value>,
@@ -544,7 +640,16 @@ pub fn status(a: StatusArgs) -> Result<()> {
     runtime()?.block_on(async move {
         let s = a.connect.client().await?.status().await?;
         if a.json {
+            let raft = s.raft.as_ref().map(|r| serde_json::json!({
+                "id": r.id, "role": r.role, "term": r.term, "leader": r.leader,
+                "leader_address": r.leader_address, "commit_index": r.commit_index,
+                "applied_index": r.applied_index,
+                "replicas": r.replicas.iter().map(|x| serde_json::json!({
+                    "id": x.id, "address": x.address, "role": x.role, "match_index": x.match_index,
+                    "is_self": x.is_self })).collect::<Vec<_>>(),
+            })).unwrap_or_default();
             let out = StatusOut {
+                raft,
                 version: s.version.clone(),
                 nodes: s
                     .nodes
@@ -574,6 +679,15 @@ pub fn status(a: StatusArgs) -> Result<()> {
             println!("{}", serde_json::to_string_pretty(&out)?);
             return Ok(());
         }
+        if let Some(r) = &s.raft {
+            println!(
+                "coordinator: replica {} ({}), term {}, leader {} {}, commit {}, applied {}",
+                r.id, r.role, r.term, r.leader, r.leader_address, r.commit_index, r.applied_index
+            );
+            for x in &r.replicas {
+                println!("  replica {} at {}: {}, log at {}{}", x.id, x.address, x.role, x.match_index, if x.is_self { " (this one)" } else { "" });
+            }
+        }
         println!("nodes:");
         for n in &s.nodes {
             println!("  {} {} at {} (heartbeat {} ms ago)", n.name, n.state, n.address, n.heartbeat_age_ms);
@@ -601,10 +715,11 @@ pub fn status(a: StatusArgs) -> Result<()> {
         println!("deployments:");
         for d in &s.deployments {
             println!(
-                "  {} ({}): {}, generation {}; decode predicted {:.3} ms/token, measured {}",
+                "  {} ({}): {}{}, generation {}; decode predicted {:.3} ms/token, measured {}",
                 d.name,
                 d.source,
                 d.state,
+                if d.error.is_empty() { String::new() } else { format!(" ({})", d.error) },
                 d.generation,
                 d.predicted_decode_s * 1e3,
                 if d.measured_decode_s > 0.0 { format!("{:.3} ms/token", d.measured_decode_s * 1e3) } else { "—".into() }

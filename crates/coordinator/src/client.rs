@@ -14,8 +14,8 @@ use brigade_proto::v1::client_server::Client;
 use brigade_proto::v1::{
     generate_event, Carrier, ChatMessageRef, ChatRequest, ClusterStatusRequest, ClusterStatusResponse, DeployRequest,
     DeployResponse, DeploymentInfo, DriveRequest, GenerateEvent, GenerateOptions, GenerateRequest, LinkFigures,
-    ListModelsRequest, ListModelsResponse, ModelInfo, NodeInfo, PlanResponse, StageInfo, UndeployRequest,
-    UndeployResponse, WireDtype,
+    ListModelsRequest, ListModelsResponse, ModelInfo, NodeInfo, PlanResponse, RaftStatus, RemoveReplicaRequest,
+    RemoveReplicaResponse, ReplicaInfo, StageInfo, UndeployRequest, UndeployResponse, WireDtype,
 };
 use std::pin::Pin;
 use std::sync::Arc;
@@ -101,6 +101,7 @@ pub fn deployment_info(state: &ClusterState, d: &Deployment, stats: Option<&Depl
         driver: d.driver.clone(),
         plan_text: d.plan_text.clone(),
         error: match st {
+            _ if !d.note.is_empty() => d.note.clone(),
             DeploymentState::Failed => d
                 .stages
                 .iter()
@@ -189,67 +190,229 @@ impl ClientService {
     }
 
     async fn relay(&self, model: &str, drive: DriveRequest) -> Result<Response<BoxStream<GenerateEvent>>, Status> {
-        let state = self.shared.state();
-        let d =
-            state.deployments.get(model).cloned().ok_or_else(|| {
-                Status::not_found(format!("no deployment named `{model}` (brigade status lists them)"))
-            })?;
-        match state.deployment_state(&d) {
-            DeploymentState::Ready => {}
-            other => {
-                let info = deployment_info(&state, &d, None);
-                return Err(Status::unavailable(format!(
-                    "deployment `{model}` is {}{}",
-                    other.name(),
-                    if info.error.is_empty() { String::new() } else { format!(": {}", info.error) }
-                )));
-            }
-        }
-        let mut worker = self.shared.worker(&d.driver).await?;
-        let drive = DriveRequest { deployment: d.name.clone(), generation: d.generation, ..drive };
-        let mut upstream = match worker.drive(drive).await {
-            Ok(s) => s.into_inner(),
-            Err(e) => {
-                if e.code() == tonic::Code::Unavailable {
-                    self.shared.forget_worker(&d.driver).await;
-                }
-                return Err(e);
-            }
-        };
+        // the first attempt answers the call: a bad prompt or an unknown model is the caller's error
+        let (upstream, generation) = open_drive(&self.shared, model, &drive).await?;
         let (tx, rx) = tokio::sync::mpsc::channel(256);
-        let shared = self.shared.clone();
-        tokio::spawn(async move {
-            loop {
-                let msg = tokio::select! {
-                    m = upstream.message() => m,
-                    _ = tx.closed() => return,
-                };
-                match msg {
-                    Ok(Some(mut ev)) => {
-                        if let Some(generate_event::Event::Done(done)) = &mut ev.event {
-                            if let Some(t) = &mut done.timings {
+        tokio::spawn(relay_session(self.shared.clone(), model.to_string(), drive, upstream, generation, tx));
+        Ok(Response::new(Box::pin(tokio_stream::wrappers::ReceiverStream::new(rx))))
+    }
+}
+
+/// How long a session waits for its deployment to be placed again after a failure.
+const RESUME_WAIT: Duration = Duration::from_secs(120);
+/// Resumptions of one session before it fails.
+const MAX_RESUMES: u32 = 8;
+
+/// Calls `Drive` on the deployment's driver.
+async fn open_drive(
+    shared: &Shared,
+    model: &str,
+    drive: &DriveRequest,
+) -> Result<(tonic::Streaming<GenerateEvent>, u64), Status> {
+    let state = shared.state();
+    let d = state
+        .deployments
+        .get(model)
+        .cloned()
+        .ok_or_else(|| Status::not_found(format!("no deployment named `{model}` (brigade status lists them)")))?;
+    match state.deployment_state(&d) {
+        DeploymentState::Ready => {}
+        other => {
+            let info = deployment_info(&state, &d, None);
+            let why = if !d.note.is_empty() { d.note.clone() } else { info.error };
+            return Err(Status::unavailable(format!(
+                "deployment `{model}` is {}{}",
+                other.name(),
+                if why.is_empty() { String::new() } else { format!(": {why}") }
+            )));
+        }
+    }
+    let mut worker = shared.worker(&d.driver).await?;
+    let req = DriveRequest { deployment: d.name.clone(), generation: d.generation, ..drive.clone() };
+    match worker.drive(req).await {
+        Ok(s) => Ok((s.into_inner(), d.generation)),
+        Err(e) => {
+            if matches!(e.code(), tonic::Code::Unavailable | tonic::Code::Unknown) {
+                shared.forget_worker(&d.driver).await;
+            }
+            Err(e)
+        }
+    }
+}
+
+/// Whether a failure of the pipeline (not of the request) ended the upstream stream.
+fn resumable(s: &Status) -> bool {
+    !matches!(
+        s.code(),
+        tonic::Code::InvalidArgument
+            | tonic::Code::NotFound
+            | tonic::Code::PermissionDenied
+            | tonic::Code::Unauthenticated
+            | tonic::Code::ResourceExhausted
+            | tonic::Code::FailedPrecondition
+    )
+}
+
+/// Waits until the deployment serves again: a newer placement that is ready, or the same one
+/// ready after a few seconds (the failure was not a node's death).
+async fn wait_ready(shared: &Shared, model: &str, failed_generation: u64) -> Result<(), Status> {
+    let t0 = tokio::time::Instant::now();
+    let mut changed = shared.subscribe();
+    loop {
+        let state = shared.state();
+        let d = state.deployments.get(model).ok_or_else(|| Status::not_found(format!("`{model}` was undeployed")))?;
+        let ready = state.deployment_state(d) == DeploymentState::Ready;
+        if ready && (d.generation > failed_generation || t0.elapsed() > Duration::from_secs(5)) {
+            return Ok(());
+        }
+        if t0.elapsed() > RESUME_WAIT {
+            return Err(Status::unavailable(format!(
+                "deployment `{model}` did not serve again within {}s{}",
+                RESUME_WAIT.as_secs(),
+                if d.note.is_empty() { String::new() } else { format!(": {}", d.note) }
+            )));
+        }
+        let _ = tokio::time::timeout(Duration::from_millis(250), changed.changed()).await;
+    }
+}
+
+/// Relays a session's events to the client. When the pipeline fails under it (a node died, the
+/// deployment was re-placed), the session resumes on the new placement from the ids already
+/// sent: the driver replays prompt + those ids to rebuild the KV caches, and the client's stream
+/// goes on with no gap and no repeat (greedy output is the same as without the failure).
+async fn relay_session(
+    shared: Arc<Shared>,
+    model: String,
+    drive: DriveRequest,
+    mut upstream: tonic::Streaming<GenerateEvent>,
+    mut generation: u64,
+    tx: tokio::sync::mpsc::Sender<Result<GenerateEvent, Status>>,
+) {
+    let mut sent: Vec<u32> = Vec::new();
+    let mut resumes = 0;
+    let mut resumed = false;
+    loop {
+        let msg = tokio::select! {
+            m = upstream.message() => m,
+            _ = tx.closed() => return,
+        };
+        let failure = match msg {
+            Ok(Some(mut ev)) => {
+                match &mut ev.event {
+                    Some(generate_event::Event::Prompt(_)) if resumed => continue,
+                    Some(generate_event::Event::Token(t)) => sent.push(t.id),
+                    Some(generate_event::Event::Done(done)) => {
+                        if let Some(t) = &mut done.timings {
+                            let state = shared.state();
+                            if let Some(d) = state.deployments.get(&model) {
                                 for h in &mut t.hops {
                                     if let Some(s) = d.stages.get(h.stage as usize) {
                                         h.node = s.node.clone();
                                         h.device = s.device.clone();
                                     }
                                 }
-                                record(&shared, &d.name, t);
                             }
+                            t.generated_tokens =
+                                (drive.resume_ids.len() + sent.len()) as u32 - drive.resume_ids.len() as u32;
+                            record(&shared, &model, t);
                         }
-                        if tx.send(Ok(ev)).await.is_err() {
-                            return;
-                        }
-                    }
-                    Ok(None) => return,
-                    Err(e) => {
-                        let _ = tx.send(Err(e)).await;
+                        let _ = tx.send(Ok(ev)).await;
                         return;
                     }
+                    _ => {}
+                }
+                if tx.send(Ok(ev)).await.is_err() {
+                    return;
+                }
+                continue;
+            }
+            Ok(None) => Status::unavailable("the driver's stream ended without a final event"),
+            Err(e) => e,
+        };
+        if !resumable(&failure) || resumes >= MAX_RESUMES {
+            let _ = tx.send(Err(failure)).await;
+            return;
+        }
+        resumes += 1;
+        tracing::warn!(
+            "a session of `{model}` lost its pipeline ({}); resuming after {} tokens",
+            failure.message(),
+            sent.len()
+        );
+        let resumed_upstream = async {
+            loop {
+                wait_ready(&shared, &model, generation).await?;
+                let mut again = drive.clone();
+                again.resume_ids.extend_from_slice(&sent);
+                match open_drive(&shared, &model, &again).await {
+                    Ok(x) => return Ok::<_, Status>(x),
+                    Err(e) if resumable(&e) => {
+                        tokio::time::sleep(Duration::from_millis(250)).await;
+                        continue;
+                    }
+                    Err(e) => return Err(e),
                 }
             }
-        });
-        Ok(Response::new(Box::pin(tokio_stream::wrappers::ReceiverStream::new(rx))))
+        };
+        let r = tokio::select! {
+            r = tokio::time::timeout(RESUME_WAIT, resumed_upstream) => r,
+            _ = tx.closed() => return,
+        };
+        match r {
+            Ok(Ok((u, g))) => {
+                upstream = u;
+                generation = g;
+                resumed = true;
+            }
+            Ok(Err(e)) => {
+                let _ = tx.send(Err(e)).await;
+                return;
+            }
+            Err(_) => {
+                let _ = tx.send(Err(Status::unavailable(format!("`{model}` did not serve again in time")))).await;
+                return;
+            }
+        }
+    }
+}
+
+/// The raft group as this replica sees it (the leader knows every replica's progress).
+fn raft_status(shared: &Shared, state: &ClusterState) -> RaftStatus {
+    let v = shared.raft.status();
+    let replicas = state
+        .replicas
+        .iter()
+        .map(|(id, addr)| {
+            let p = v.progress.iter().find(|p| p.0 == *id);
+            let role = if *id == v.id {
+                v.role.clone()
+            } else if *id == v.leader {
+                "leader".into()
+            } else {
+                match p {
+                    Some((_, _, s)) if s == "replicate" => "follower".into(),
+                    Some((_, _, s)) => s.clone(),
+                    None => "follower".into(),
+                }
+            };
+            ReplicaInfo {
+                id: *id,
+                address: addr.clone(),
+                role,
+                match_index: if *id == v.id { v.applied } else { p.map(|p| p.1).unwrap_or(0) },
+                is_self: *id == v.id,
+            }
+        })
+        .collect();
+    RaftStatus {
+        id: v.id,
+        term: v.term,
+        leader: v.leader,
+        leader_address: shared.raft.leader().map(|l| l.1).unwrap_or_default(),
+        commit_index: v.commit,
+        applied_index: v.applied,
+        role: v.role,
+        replicas,
     }
 }
 
@@ -257,7 +420,7 @@ fn record(shared: &Shared, name: &str, t: &brigade_proto::v1::Timings) {
     let Ok(mut all) = shared.stats.lock() else { return };
     let s = all.entry(name.to_string()).or_default();
     s.tokens += u64::from(t.generated_tokens);
-    let steps = u64::from(t.generated_tokens.saturating_sub(1));
+    let steps = (t.generate_tokens_per_s * t.generate_s).round() as u64;
     if steps > 0 && t.generate_s > 0.0 {
         s.decode_steps += steps;
         s.decode_s += t.generate_s;
@@ -360,12 +523,15 @@ impl Client for ClientService {
             plan_text: p.plan_text,
             created_ms: unix_ms(),
             ubatch: r.ubatch as usize,
+            replacements: 0,
+            note: String::new(),
+            by_hand: !r.device_map.trim().is_empty(),
         };
         let known = self.shared.state().models.get(&model.id) == Some(&model);
         if !known {
-            self.shared.apply(Command::AddModel { model })?;
+            self.shared.apply(Command::AddModel { model }).await?;
         }
-        self.shared.apply(Command::CreateDeployment { deployment: dep })?;
+        self.shared.apply(Command::CreateDeployment { deployment: dep }).await?;
         tracing::info!("deployed `{}`", r.name);
         if r.wait_s > 0 {
             let deadline = tokio::time::Instant::now() + Duration::from_secs(u64::from(r.wait_s.min(3600)));
@@ -388,7 +554,7 @@ impl Client for ClientService {
 
     async fn undeploy(&self, req: Request<UndeployRequest>) -> Result<Response<UndeployResponse>, Status> {
         let name = req.into_inner().name;
-        self.shared.apply(Command::RemoveDeployment { name: name.clone() })?;
+        self.shared.apply(Command::RemoveDeployment { name: name.clone() }).await?;
         if let Ok(mut s) = self.shared.stats.lock() {
             s.remove(&name);
         }
@@ -434,7 +600,29 @@ impl Client for ClientService {
             nodes,
             links,
             deployments,
+            raft: Some(raft_status(&self.shared, &s)),
         }))
+    }
+
+    async fn remove_replica(
+        &self,
+        req: Request<RemoveReplicaRequest>,
+    ) -> Result<Response<RemoveReplicaResponse>, Status> {
+        let id = req.into_inner().id;
+        let state = self.shared.current_state().await?;
+        if !state.replicas.contains_key(&id) {
+            return Err(Status::not_found(format!(
+                "replica {id} is not in the group ({:?})",
+                state.replicas.keys().collect::<Vec<_>>()
+            )));
+        }
+        if state.replicas.len() == 1 {
+            return Err(Status::failed_precondition("the last replica cannot leave its group"));
+        }
+        self.shared.raft.change_replicas(id, None).await?;
+        tracing::info!("replica {id} left the group");
+        let peers = self.shared.state().replicas.iter().map(|(i, a)| format!("{i}={a}")).collect();
+        Ok(Response::new(RemoveReplicaResponse { peers }))
     }
 
     async fn plan(&self, req: Request<DeployRequest>) -> Result<Response<PlanResponse>, Status> {

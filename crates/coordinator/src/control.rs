@@ -63,12 +63,13 @@ impl Control for ControlService {
                 return Err(e.into());
             }
         };
-        self.shared.apply(Command::AdmitNode { name: req.name.clone(), fingerprint, admitted_ms: unix_ms() })?;
+        self.shared.apply(Command::AdmitNode { name: req.name.clone(), fingerprint, admitted_ms: unix_ms() }).await?;
         tracing::info!("node `{}` joined", req.name);
         Ok(Response::new(resp))
     }
 
     async fn register(&self, req: Request<RegisterRequest>) -> Result<Response<RegisterResponse>, Status> {
+        self.shared.require_leader()?;
         let name = self.node(&req, &req.get_ref().name)?;
         let r = req.into_inner();
         brigade_proto::check_protocol(r.protocol)?;
@@ -93,7 +94,7 @@ impl Control for ControlService {
             registered_ms: unix_ms(),
         };
         self.shared.heartbeat(&name, Vec::new());
-        self.shared.apply(Command::RegisterNode { node })?;
+        self.shared.apply(Command::RegisterNode { node }).await?;
         tracing::info!("node `{name}` registered");
         Ok(Response::new(RegisterResponse {
             heartbeat_interval_ms: self.shared.cfg.heartbeat_interval.as_millis() as u32,
@@ -101,6 +102,7 @@ impl Control for ControlService {
     }
 
     async fn heartbeat(&self, req: Request<HeartbeatRequest>) -> Result<Response<HeartbeatResponse>, Status> {
+        self.shared.require_leader()?;
         let name = self.node(&req, &req.get_ref().name)?;
         let r = req.into_inner();
         let state = self.shared.state();
@@ -110,6 +112,7 @@ impl Control for ControlService {
     }
 
     async fn watch(&self, req: Request<WatchRequest>) -> Result<Response<Self::WatchStream>, Status> {
+        self.shared.require_leader()?;
         let name = self.node(&req, &req.get_ref().name)?;
         let shared = self.shared.clone();
         let mut changed = shared.subscribe();
@@ -128,12 +131,23 @@ impl Control for ControlService {
                     r = changed.changed() => if r.is_err() { return },
                     _ = tx.closed() => return,
                 }
+                if !shared.raft.is_leader() {
+                    // the node must follow the new leader: end the stream with where it is
+                    let _ = tx
+                        .send(Err(shared
+                            .require_leader()
+                            .err()
+                            .unwrap_or_else(|| Status::unavailable("leader changed"))))
+                        .await;
+                    return;
+                }
             }
         });
         Ok(Response::new(Box::pin(tokio_stream::wrappers::ReceiverStream::new(rx))))
     }
 
     async fn report_ready(&self, req: Request<ReadyReport>) -> Result<Response<ReadyAck>, Status> {
+        self.shared.require_leader()?;
         let name = self.node(&req, &req.get_ref().name)?;
         let r = req.into_inner();
         let state = match r.state.as_str() {
@@ -155,11 +169,12 @@ impl Control for ControlService {
             kv_bytes: r.kv_bytes,
             fetched_bytes: r.fetched_bytes,
         };
-        self.shared.apply(cmd)?;
+        self.shared.apply(cmd).await?;
         Ok(Response::new(ReadyAck {}))
     }
 
     async fn report_links(&self, req: Request<LinksReport>) -> Result<Response<LinksAck>, Status> {
+        self.shared.require_leader()?;
         let name = self.node(&req, &req.get_ref().name)?;
         let r = req.into_inner();
         let now = unix_ms();
@@ -173,7 +188,7 @@ impl Control for ControlService {
                 measured_ms: if l.measured_at_ms == 0 { now } else { l.measured_at_ms },
             })
             .collect();
-        self.shared.apply(Command::SetLinks { from: name, links })?;
+        self.shared.apply(Command::SetLinks { from: name, links }).await?;
         Ok(Response::new(LinksAck {}))
     }
 

@@ -7,8 +7,11 @@
 //! drives it, never sitting on the token loop itself.
 //!
 //! # Layout
-//! - [`store`]: the cluster state on disk; every change is a `Command` applied by
-//!   `brigade_core::cluster::ClusterState::apply`, written before it is acknowledged.
+//! - [`raft`]: the replicated log (raft-rs, redb): every change is a `Command` applied by
+//!   `brigade_core::cluster::ClusterState::apply` on every replica, durable before it is
+//!   acknowledged; a single coordinator is a group of one. [`raft_service`]: raft messages
+//!   between replicas and new replicas joining.
+//! - [`recover`]: the leader's liveness checks, re-placement of a dead node's stages, rebalancing.
 //! - [`pki`]: the cluster CA, the join token, the coordinator's certificate.
 //! - [`models`]: models opened through `brigade-format`, their manifests, their bytes for fetches.
 //! - [`placement`]: the planner's inventory from measured figures; planned or hand-given maps.
@@ -27,8 +30,10 @@ mod error;
 pub mod models;
 pub mod pki;
 pub mod placement;
+pub mod raft;
+pub mod raft_service;
+pub mod recover;
 pub mod server;
-pub mod store;
 
 pub use error::CoordError;
-pub use server::{run, CoordinatorConfig};
+pub use server::{run, CoordinatorConfig, LEADER_METADATA_KEY};

@@ -2,7 +2,6 @@
 //! coordinator's own certificate — every private file 0600. Created on first start; the token is
 //! printed then and never again.
 
-use crate::store::write_secret;
 use crate::CoordError;
 use brigade_proto::v1::{JoinRequest, JoinResponse};
 use brigade_transport::tls::{self, ClusterCa, Role};
@@ -37,12 +36,25 @@ impl Pki {
     /// Opens the secrets in `dir`, creating what is missing. `token` sets the join token (on
     /// first start, or to rotate it); `sans` are extra names or IPs for the coordinator's
     /// certificate (tools that check names: `grpcurl -cacert`).
-    pub fn load_or_create(dir: &Path, token: Option<&str>, sans: &[String]) -> Result<Opened, CoordError> {
+    ///
+    /// `shared`: several replicas, which must all hold the same CA — it is never created here then
+    /// (`brigade coordinator init` creates one to copy; a joining replica receives it).
+    pub fn load_or_create(
+        dir: &Path,
+        token: Option<&str>,
+        sans: &[String],
+        shared: bool,
+    ) -> Result<Opened, CoordError> {
         std::fs::create_dir_all(dir).map_err(|e| CoordError::io(dir, e))?;
         let (ca_pem, ca_key) = (dir.join("ca.pem"), dir.join("ca.key"));
         let ca = if ca_pem.exists() && ca_key.exists() {
             ClusterCa::from_pem(&read(&ca_pem)?, &read(&ca_key)?)
                 .map_err(|e| CoordError::Corrupt(format!("cluster CA: {e}")))?
+        } else if shared {
+            return Err(CoordError::FailedPrecondition(format!(
+                "{} has no cluster CA: the replicas of a group share one; create it once with `brigade coordinator init --data-dir DIR` and copy ca.pem, ca.key and token into every replica's data dir",
+                dir.display()
+            )));
         } else {
             let ca = ClusterCa::generate("brigade").map_err(|e| CoordError::Tls(e.to_string()))?;
             write_secret(&ca_key, ca.key_pem().as_bytes())?;
@@ -86,19 +98,34 @@ impl Pki {
         self.ca.cert_pem()
     }
 
+    pub fn ca_key_pem(&self) -> &str {
+        self.ca.key_pem()
+    }
+
+    pub fn token(&self) -> &str {
+        &self.token
+    }
+
+    /// The answer's proof to a replica that joins (the same HMAC as a worker's, over the CA key).
+    pub fn group_proof(&self, nonce: &join::Nonce, ca_pem: &str, ca_key_pem: &str) -> Vec<u8> {
+        join::coordinator_proof(&self.token, &self.leaf_der, nonce, ca_pem, ca_key_pem)
+    }
+
+    /// Checks a join proof for `name` (a node, or `replica-<id>` for a coordinator replica).
+    pub fn check_proof(&self, name: &str, nonce: &[u8], proof: &[u8]) -> Result<join::Nonce, CoordError> {
+        let nonce = join::nonce_from_slice(nonce).map_err(|e| CoordError::BadRequest(e.to_string()))?;
+        join::verify_worker_proof(&self.token, &self.leaf_der, &nonce, name, proof)
+            .map_err(|_| CoordError::PermissionDenied(format!("`{name}` did not present this cluster's join token")))?;
+        Ok(nonce)
+    }
+
     /// Admits a node that proves it knows the token: issues it a certificate for its name.
     pub fn join(&self, req: &JoinRequest) -> Result<(JoinResponse, String), CoordError> {
         brigade_core::cluster::check_node_name(&req.name)?;
         if req.name == COORDINATOR_CN {
             return Err(CoordError::BadRequest(format!("`{}` is the coordinator's own name", req.name)));
         }
-        let nonce = join::nonce_from_slice(&req.nonce).map_err(|e| CoordError::BadRequest(e.to_string()))?;
-        if join::verify_worker_proof(&self.token, &self.leaf_der, &nonce, &req.name, &req.proof).is_err() {
-            return Err(CoordError::PermissionDenied(format!(
-                "node `{}` did not present this cluster's join token",
-                req.name
-            )));
-        }
+        let nonce = self.check_proof(&req.name, &req.nonce, &req.proof)?;
         let cert_pem = self
             .ca
             .issue(&req.csr_pem, &req.name, Role::Node)
@@ -111,6 +138,11 @@ impl Pki {
     }
 }
 
+/// Writes a secret file readable by its owner only (0600 from creation, never wider).
+pub fn write_secret(path: &Path, bytes: &[u8]) -> Result<(), CoordError> {
+    brigade_transport::tls::write_private(path, bytes).map_err(|e| CoordError::io(path, e))
+}
+
 /// A join token must be long enough that guessing it is hopeless.
 fn check_token(t: &str) -> Result<(), CoordError> {
     if t.len() < 16 || t.len() > 256 || t.chars().any(|c| c.is_whitespace() || c.is_control()) {
@@ -120,4 +152,29 @@ fn check_token(t: &str) -> Result<(), CoordError> {
         )));
     }
     Ok(())
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn secrets_are_owner_only_and_a_shared_group_never_makes_its_own_ca() {
+        use std::os::unix::fs::PermissionsExt;
+        let dir = tempfile::tempdir().unwrap();
+        assert!(matches!(Pki::load_or_create(dir.path(), None, &[], true), Err(CoordError::FailedPrecondition(_))));
+        let first = Pki::load_or_create(dir.path(), None, &[], false).unwrap();
+        let token = first.new_token.unwrap();
+        for f in ["token", "ca.key", "coordinator.key"] {
+            let mode = std::fs::metadata(dir.path().join(f)).unwrap().permissions().mode();
+            assert_eq!(mode & 0o777, 0o600, "{f}");
+        }
+        // reopened: the same CA and token, nothing printed again
+        let again = Pki::load_or_create(dir.path(), None, &[], true).unwrap();
+        assert!(again.new_token.is_none());
+        assert_eq!(again.pki.ca_pem(), first.pki.ca_pem());
+        assert_eq!(again.pki.token(), token);
+        assert!(Pki::load_or_create(dir.path(), Some("short"), &[], false).is_err());
+    }
 }

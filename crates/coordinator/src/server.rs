@@ -1,16 +1,16 @@
-//! The coordinator process: shared state, the gRPC server (mutual TLS for workers, TLS for
-//! clients; reflection and the standard health service for tools and load balancers), and the
-//! background task that notices silent nodes.
+//! The coordinator process: shared state over the raft node, the gRPC server (mutual TLS for
+//! workers and replicas, TLS for clients; reflection and the standard health service for tools
+//! and load balancers), and the leader's background tasks (liveness, recovery, rebalancing).
 
 use crate::models::Models;
 use crate::pki::Pki;
-use crate::store::Store;
+use crate::raft::{RaftHandle, RaftOptions};
 use crate::CoordError;
-use brigade_core::cluster::{Applied, ClusterState, Command, NodeState};
+use brigade_core::cluster::{Applied, ClusterState, Command};
 use brigade_proto::v1::stage_client::StageClient;
 use brigade_proto::v1::SliceStatus;
 use brigade_proto::VersionInterceptor;
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 use std::future::Future;
 use std::net::SocketAddr;
 use std::path::PathBuf;
@@ -20,6 +20,9 @@ use tokio::sync::watch;
 use tonic::codegen::InterceptedService;
 use tonic::transport::Channel;
 
+/// The metadata key a replica that is not the leader names the leader's address in.
+pub const LEADER_METADATA_KEY: &str = "brigade-leader";
+
 #[derive(Debug, Clone)]
 pub struct CoordinatorConfig {
     pub data_dir: PathBuf,
@@ -27,10 +30,23 @@ pub struct CoordinatorConfig {
     /// Extra names and IPs for the coordinator's certificate.
     pub sans: Vec<String>,
     pub heartbeat_interval: Duration,
-    /// A node silent this long is marked down.
+    /// A node silent this long is marked down (and its deployments re-placed).
     pub node_timeout: Duration,
     /// API keys clients must present (`authorization: Bearer KEY`); empty = none needed.
     pub api_keys: Vec<String>,
+    /// This replica's raft id.
+    pub id: u64,
+    /// The replicas of a group bootstrapped together, this one included (empty: a group of one,
+    /// this replica at `advertise`).
+    pub peers: BTreeMap<u64, String>,
+    /// The address other replicas and workers reach this one at (default: the listen address).
+    pub advertise: Option<String>,
+    /// Join a running group through this replica instead of bootstrapping one.
+    pub join: Option<String>,
+    /// One raft tick (elections take 10–20).
+    pub raft_tick: Duration,
+    /// Re-place a deployment when a placement this much faster appears (0.25 = 25%).
+    pub rebalance_gain: f64,
 }
 
 impl Default for CoordinatorConfig {
@@ -42,6 +58,12 @@ impl Default for CoordinatorConfig {
             heartbeat_interval: Duration::from_millis(1000),
             node_timeout: Duration::from_secs(3),
             api_keys: Vec::new(),
+            id: 1,
+            peers: BTreeMap::new(),
+            advertise: None,
+            join: None,
+            raft_tick: Duration::from_millis(100),
+            rebalance_gain: 0.25,
         }
     }
 }
@@ -77,40 +99,56 @@ pub type StageRpc = StageClient<InterceptedService<Channel, VersionInterceptor>>
 
 pub struct Shared {
     pub cfg: CoordinatorConfig,
-    store: Mutex<Store>,
-    changed: watch::Sender<u64>,
+    pub raft: RaftHandle,
     pub pki: Pki,
     pub models: Models,
     pub live: Mutex<HashMap<String, Live>>,
     pub stats: Mutex<HashMap<String, DeployStats>>,
     workers: tokio::sync::Mutex<HashMap<String, (String, StageRpc)>>,
-    pub started: Instant,
+    /// When this replica last became the leader (heartbeat ages count from there at most).
+    pub leader_since: Mutex<Option<Instant>>,
+    /// This replica's address.
+    pub address: String,
 }
 
 impl Shared {
-    /// A copy of the current state.
+    /// This replica's applied state (see [`Shared::current_state`] for a read that is not stale).
     pub fn state(&self) -> ClusterState {
-        match self.store.lock() {
-            Ok(s) => s.state().clone(),
-            Err(p) => p.into_inner().state().clone(),
-        }
+        self.raft.state()
     }
 
-    /// Applies a command durably and wakes everyone watching the state.
-    pub fn apply(&self, cmd: Command) -> Result<Applied, CoordError> {
-        let out = {
-            let mut s = match self.store.lock() {
-                Ok(s) => s,
-                Err(p) => p.into_inner(),
-            };
-            s.apply(cmd)?
-        };
-        self.changed.send_modify(|v| *v += 1);
-        Ok(out)
+    /// The state after a read barrier: everything committed before the call is in it.
+    pub async fn current_state(&self) -> Result<ClusterState, CoordError> {
+        self.raft.read_barrier().await?;
+        Ok(self.raft.state())
+    }
+
+    /// Replicates a command and returns its result once applied here.
+    pub async fn apply(&self, cmd: Command) -> Result<Applied, CoordError> {
+        self.raft.propose(cmd).await
     }
 
     pub fn subscribe(&self) -> watch::Receiver<u64> {
-        self.changed.subscribe()
+        self.raft.subscribe()
+    }
+
+    /// Refuses a call that only the leader serves, naming the leader for the caller to follow.
+    pub fn require_leader(&self) -> Result<(), tonic::Status> {
+        if self.raft.is_leader() {
+            return Ok(());
+        }
+        let mut st = match self.raft.leader() {
+            Some((id, addr)) => {
+                let mut s = tonic::Status::unavailable(format!("not the leader; the leader is replica {id} at {addr}"));
+                if let Ok(v) = addr.parse() {
+                    s.metadata_mut().insert(LEADER_METADATA_KEY, v);
+                }
+                s
+            }
+            None => tonic::Status::unavailable("no coordinator leader yet; retry"),
+        };
+        st.metadata_mut().insert("retry-after-ms", tonic::metadata::MetadataValue::from(200u32));
+        Err(st)
     }
 
     pub fn heartbeat(&self, node: &str, slices: Vec<SliceStatus>) {
@@ -119,13 +157,26 @@ impl Shared {
         }
     }
 
-    /// Milliseconds since the node was last heard (since this process started, if never).
+    /// Time since the node was last heard: since this replica became the leader at most (a new
+    /// leader gives every node a full timeout to find it).
     pub fn heartbeat_age(&self, node: &str) -> Duration {
-        self.live
-            .lock()
-            .ok()
-            .and_then(|l| l.get(node).map(|x| x.last.elapsed()))
-            .unwrap_or_else(|| self.started.elapsed())
+        let since = self.leader_since.lock().ok().and_then(|l| *l).unwrap_or(Instant::now());
+        let last = self.live.lock().ok().and_then(|l| l.get(node).map(|x| x.last));
+        match last {
+            Some(t) if t > since => t.elapsed(),
+            _ => since.elapsed(),
+        }
+    }
+
+    /// Sessions the workers report active on a deployment's stages (from heartbeats).
+    pub fn active_sessions(&self, deployment: &str) -> u32 {
+        let Ok(l) = self.live.lock() else { return 0 };
+        l.values()
+            .flat_map(|x| x.slices.iter())
+            .filter(|s| s.deployment == deployment)
+            .map(|s| s.active_sessions)
+            .max()
+            .unwrap_or(0)
     }
 
     /// A client for a worker's `Stage` service (one channel per node, remade when its address
@@ -158,23 +209,6 @@ impl Shared {
 
     pub async fn forget_worker(&self, node: &str) {
         self.workers.lock().await.remove(node);
-    }
-}
-
-/// Marks nodes down when they fall silent, up again is their own doing (they register).
-async fn watch_liveness(shared: Arc<Shared>) {
-    let mut tick = tokio::time::interval(Duration::from_millis(250));
-    loop {
-        tick.tick().await;
-        let state = shared.state();
-        for n in state.nodes.values().filter(|n| n.state == NodeState::Up) {
-            let age = shared.heartbeat_age(&n.name);
-            if age > shared.cfg.node_timeout {
-                tracing::warn!("node `{}` silent for {:.1}s: marked down", n.name, age.as_secs_f64());
-                let _ = shared.apply(Command::SetNodeState { name: n.name.clone(), state: NodeState::Down });
-                shared.forget_worker(&n.name).await;
-            }
-        }
     }
 }
 
@@ -211,14 +245,29 @@ pub async fn run(
     listener: tokio::net::TcpListener,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> Result<(), CoordError> {
+    brigade_transport::tls::install_default_provider();
     let local: SocketAddr = listener.local_addr().map_err(|e| CoordError::Internal(e.to_string()))?;
+    let address = cfg.advertise.clone().unwrap_or_else(|| local.to_string());
     let mut sans = cfg.sans.clone();
     sans.push("localhost".into());
     sans.push("127.0.0.1".into());
     if !local.ip().is_unspecified() {
         sans.push(local.ip().to_string());
     }
-    let opened = Pki::load_or_create(&cfg.data_dir, cfg.join_token.as_deref(), &sans)?;
+    if let Some(host) = address.rsplit_once(':').map(|(h, _)| h.trim_matches(['[', ']']).to_string()) {
+        if !sans.contains(&host) {
+            sans.push(host);
+        }
+    }
+    let mut peers = cfg.peers.clone();
+    if let Some(join) = &cfg.join {
+        // a new replica: the cluster's secrets and the group's members from a running replica
+        let got =
+            crate::raft_service::join_group(join, cfg.id, &address, cfg.join_token.as_deref(), &cfg.data_dir).await?;
+        peers = got;
+    }
+    let opened =
+        Pki::load_or_create(&cfg.data_dir, cfg.join_token.as_deref(), &sans, peers.len() > 1 || cfg.join.is_some())?;
     if let Some(t) = &opened.new_token {
         eprintln!(
             "new cluster in {}; join token (shown once, kept in {}):\n\n    {t}\n",
@@ -226,26 +275,48 @@ pub async fn run(
             cfg.data_dir.join("token").display()
         );
     }
-    let store = Store::open(&cfg.data_dir)?;
-    let (changed, _) = watch::channel(0u64);
+    let bootstrap = cfg.join.is_none();
+    if peers.is_empty() {
+        peers.insert(cfg.id, address.clone());
+    }
+    if !peers.contains_key(&cfg.id) {
+        return Err(CoordError::BadRequest(format!("--peers does not name this replica's id {}", cfg.id)));
+    }
+    let raft = crate::raft::node::start(
+        RaftOptions {
+            id: cfg.id,
+            peers: if bootstrap { peers.clone() } else { BTreeMap::new() },
+            known: peers.clone(),
+            data_dir: cfg.data_dir.clone(),
+            tick: cfg.raft_tick,
+        },
+        opened.pki.identity.clone(),
+        opened.pki.ca_pem().to_string(),
+    )?;
     let shared = Arc::new(Shared {
         cfg: cfg.clone(),
-        store: Mutex::new(store),
-        changed,
+        raft,
         pki: opened.pki,
         models: Models::default(),
         live: Mutex::new(HashMap::new()),
         stats: Mutex::new(HashMap::new()),
         workers: tokio::sync::Mutex::new(HashMap::new()),
-        started: Instant::now(),
+        leader_since: Mutex::new(None),
+        address: address.clone(),
     });
     let addr_file = cfg.data_dir.join("coordinator.addr");
     std::fs::write(&addr_file, local.to_string()).map_err(|e| CoordError::io(&addr_file, e))?;
     {
         let s = shared.state();
-        eprintln!("coordinator listening on {local} ({} nodes, {} deployments)", s.nodes.len(), s.deployments.len());
+        eprintln!(
+            "coordinator replica {} listening on {local} ({} replicas, {} nodes, {} deployments known)",
+            cfg.id,
+            peers.len(),
+            s.nodes.len(),
+            s.deployments.len()
+        );
     }
-    tokio::spawn(watch_liveness(shared.clone()));
+    tokio::spawn(crate::recover::leader_tasks(shared.clone()));
 
     let (health, health_svc) = tonic_health::server::health_reporter();
     health.set_serving::<brigade_proto::v1::client_server::ClientServer<crate::client::ClientService>>().await;
@@ -268,13 +339,19 @@ pub async fn run(
             .max_decoding_message_size(16 << 20),
         api_key_check(cfg.api_keys.clone()),
     );
-    brigade_transport::tls::install_default_provider();
+    let raft_svc = InterceptedService::new(
+        brigade_proto::v1::raft_server::RaftServer::new(crate::raft_service::RaftService { shared: shared.clone() })
+            .max_decoding_message_size(256 << 20)
+            .max_encoding_message_size(256 << 20),
+        brigade_proto::require_version,
+    );
     let tls = brigade_transport::grpc::coordinator_tls_config(&shared.pki.identity, shared.pki.ca_pem());
     tonic::transport::Server::builder()
         .tls_config(tls)
         .map_err(|e| CoordError::Tls(e.to_string()))?
         .add_service(health_svc)
         .add_service(reflection)
+        .add_service(raft_svc)
         .add_service(control)
         .add_service(client)
         .serve_with_incoming_shutdown(tokio_stream::wrappers::TcpListenerStream::new(listener), shutdown)

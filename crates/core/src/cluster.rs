@@ -226,6 +226,16 @@ pub struct Deployment {
     /// Prompt tokens per chunk into the first stage (0: brigade's choice by the stage count).
     #[serde(default)]
     pub ubatch: usize,
+    /// Times the deployment was re-placed (a node died, or a better placement appeared).
+    #[serde(default)]
+    pub replacements: u32,
+    /// Why the deployment cannot serve (empty while it can): e.g. the shortfall when the model
+    /// no longer fits on the nodes that are up.
+    #[serde(default)]
+    pub note: String,
+    /// Placed by a hand-given map: never moved for a faster placement (only when a node dies).
+    #[serde(default)]
+    pub by_hand: bool,
 }
 
 /// What a deployment as a whole is doing.
@@ -234,6 +244,8 @@ pub struct Deployment {
 pub enum DeploymentState {
     /// Some stage has not reported yet.
     Loading,
+    /// Placed again (after a node died or for a better placement): stages are loading.
+    Replacing,
     Ready,
     /// A stage failed to load.
     Failed,
@@ -245,6 +257,7 @@ impl DeploymentState {
     pub fn name(&self) -> &'static str {
         match self {
             DeploymentState::Loading => "loading",
+            DeploymentState::Replacing => "re-placing",
             DeploymentState::Ready => "ready",
             DeploymentState::Failed => "failed",
             DeploymentState::Degraded => "degraded",
@@ -289,6 +302,26 @@ pub enum Command {
     },
     RemoveDeployment {
         name: String,
+    },
+    /// A new placement of an existing deployment (a node died, or a better one appeared): new
+    /// stages and driver, the next generation; the note is cleared.
+    ReplaceStages {
+        deployment: String,
+        stages: Vec<StageRecord>,
+        driver: String,
+        predicted_decode_s: f64,
+        plan_text: String,
+    },
+    /// Why a deployment cannot serve now (empty clears it).
+    SetNote {
+        deployment: String,
+        note: String,
+    },
+    /// A coordinator replica joined (`Some(address)`) or left (`None`) the raft group. Applied
+    /// from the group's configuration changes, so every replica applies it at the same index.
+    SetReplica {
+        id: u64,
+        address: Option<String>,
     },
     /// A worker reports the state of one of its stages.
     StageReport {
@@ -359,6 +392,9 @@ pub struct ClusterState {
     pub next_generation: u64,
     /// Commands applied so far (a raft log index where raft drives it).
     pub applied: u64,
+    /// The coordinator replicas (raft ids) and the addresses they serve on.
+    #[serde(default)]
+    pub replicas: BTreeMap<u64, String>,
 }
 
 impl ClusterState {
@@ -466,6 +502,44 @@ impl ClusterState {
                 self.next_generation += 1;
                 Applied::Deployed { generation }
             }
+            Command::ReplaceStages { deployment, stages, driver, predicted_decode_s, plan_text } => {
+                let generation = self.next_generation;
+                let d = self
+                    .deployments
+                    .get(&deployment)
+                    .ok_or_else(|| StateError::UnknownDeployment(deployment.clone()))?;
+                let candidate = Deployment { stages: stages.clone(), driver: driver.clone(), ..d.clone() };
+                self.check_placement(&candidate)?;
+                let d = self.deployments.get_mut(&deployment).ok_or(StateError::UnknownDeployment(deployment))?;
+                d.stages = stages
+                    .into_iter()
+                    .map(|s| StageRecord { state: StageState::Pending, fetched_bytes: 0, ..s })
+                    .collect();
+                d.driver = driver;
+                d.predicted_decode_s = predicted_decode_s;
+                d.plan_text = plan_text;
+                d.generation = generation;
+                d.replacements += 1;
+                d.note.clear();
+                self.next_generation += 1;
+                Applied::Deployed { generation }
+            }
+            Command::SetNote { deployment, note } => {
+                let d = self.deployments.get_mut(&deployment).ok_or(StateError::UnknownDeployment(deployment))?;
+                d.note = note.chars().take(4000).collect();
+                Applied::Done
+            }
+            Command::SetReplica { id, address } => {
+                match address {
+                    Some(a) => {
+                        self.replicas.insert(id, a);
+                    }
+                    None => {
+                        self.replicas.remove(&id);
+                    }
+                }
+                Applied::Done
+            }
             Command::RemoveDeployment { name } => {
                 self.deployments.remove(&name).ok_or(StateError::UnknownDeployment(name))?;
                 Applied::Done
@@ -516,6 +590,11 @@ impl ClusterState {
         if self.deployments.contains_key(&d.name) {
             return Err(StateError::DeploymentExists(d.name.clone()));
         }
+        self.check_placement(d)
+    }
+
+    /// The stages of `d` cover its model's layers on devices of nodes that are up.
+    fn check_placement(&self, d: &Deployment) -> Result<(), StateError> {
         let model = self.models.get(&d.model_id).ok_or_else(|| StateError::UnknownModel(d.model_id.clone()))?;
         let bad = |why: String| StateError::BadPlacement { name: d.name.clone(), why };
         if d.n_layers != model.n_layers {
@@ -544,8 +623,11 @@ impl ClusterState {
         if next != d.n_layers {
             return Err(bad(format!("stages cover {next} of {} layers", d.n_layers)));
         }
-        if !self.nodes.contains_key(&d.driver) {
-            return Err(StateError::UnknownNode(d.driver.clone()));
+        if !d.stages.iter().any(|s| s.node == d.driver) {
+            return Err(StateError::BadPlacement {
+                name: d.name.clone(),
+                why: format!("the driver `{}` holds no stage", d.driver),
+            });
         }
         Ok(())
     }
@@ -561,7 +643,11 @@ impl ClusterState {
         if d.stages.iter().all(|s| s.state == StageState::Ready) {
             return DeploymentState::Ready;
         }
-        DeploymentState::Loading
+        if d.replacements > 0 {
+            DeploymentState::Replacing
+        } else {
+            DeploymentState::Loading
+        }
     }
 
     /// The stages a node holds: (deployment, stage index).
@@ -650,6 +736,9 @@ mod tests {
             plan_text: String::new(),
             created_ms: 0,
             ubatch: 0,
+            replacements: 0,
+            note: String::new(),
+            by_hand: false,
         }
     }
 
@@ -707,6 +796,38 @@ mod tests {
         s.apply(Command::RemoveDeployment { name: "d".into() }).unwrap();
         s.apply(Command::SetNodeState { name: "b".into(), state: NodeState::Up }).unwrap();
         assert_eq!(s.apply(Command::CreateDeployment { deployment: d }).unwrap(), Applied::Deployed { generation: 2 });
+    }
+
+    #[test]
+    fn replacement_bumps_the_generation_and_checks_the_new_stages() {
+        let mut s = cluster();
+        s.apply(Command::CreateDeployment { deployment: deployment("d", vec![stage("a", 0, 2), stage("b", 2, 5)]) })
+            .unwrap();
+        s.apply(Command::SetNodeState { name: "b".into(), state: NodeState::Down }).unwrap();
+        assert_eq!(s.deployment_state(&s.deployments["d"]), DeploymentState::Degraded);
+        let replace = |stages: Vec<StageRecord>, driver: &str| Command::ReplaceStages {
+            deployment: "d".into(),
+            stages,
+            driver: driver.into(),
+            predicted_decode_s: 1.0,
+            plan_text: "p".into(),
+        };
+        // onto the node that is down, or with a driver that holds no stage: refused
+        let before = s.clone();
+        assert!(matches!(s.apply(replace(vec![stage("b", 0, 5)], "b")), Err(StateError::NodeDown(_))));
+        assert!(matches!(s.apply(replace(vec![stage("a", 0, 5)], "c")), Err(StateError::BadPlacement { .. })));
+        assert_eq!(s, before);
+        s.apply(Command::SetNote { deployment: "d".into(), note: "short by 3 bytes".into() }).unwrap();
+        assert_eq!(
+            s.apply(replace(vec![stage("a", 0, 3), stage("c", 3, 5)], "a")).unwrap(),
+            Applied::Deployed { generation: 2 }
+        );
+        let d = &s.deployments["d"];
+        assert_eq!((d.generation, d.replacements, d.note.as_str()), (2, 1, ""));
+        assert_eq!(s.deployment_state(d), DeploymentState::Replacing);
+        s.apply(Command::SetReplica { id: 2, address: Some("x:1".into()) }).unwrap();
+        s.apply(Command::SetReplica { id: 2, address: None }).unwrap();
+        assert!(s.replicas.is_empty());
     }
 
     #[test]

@@ -212,36 +212,107 @@ pub enum Event {
     Done(Done),
 }
 
-/// A generation's events, in order; ends after [`Event::Done`].
+/// What a stream was asked for, to ask again after a failover.
+#[derive(Clone)]
+enum Call {
+    Generate(GenerateRequest),
+    Chat(ChatRequest),
+}
+
+/// Resumptions of one stream before its error is returned.
+const MAX_RESUMES: u32 = 8;
+
+/// A generation's events, in order; ends after [`Event::Done`]. When the coordinator replica
+/// serving it dies, the stream reconnects to another replica and continues the session from the
+/// ids already received (the cluster rebuilds the state from prompt + those ids): the caller sees
+/// a pause, never a gap or a repeat.
 pub struct EventStream {
     inner: tonic::Streaming<v1::GenerateEvent>,
+    client: Client,
+    call: Call,
+    received: Vec<u32>,
+    resumed: bool,
+    resumes: u32,
     done: bool,
 }
 
+/// Whether a stream or call failed because of the replica or the pipeline (worth resuming
+/// elsewhere), not because of the request.
+fn transient(s: &tonic::Status) -> bool {
+    matches!(
+        s.code(),
+        tonic::Code::Unavailable
+            | tonic::Code::Unknown
+            | tonic::Code::Cancelled
+            | tonic::Code::Aborted
+            | tonic::Code::Internal
+    )
+}
+
 impl EventStream {
-    pub async fn next(&mut self) -> Option<Result<Event, SdkError>> {
-        if self.done {
-            return None;
+    async fn resume(&mut self, why: SdkError) -> Result<(), SdkError> {
+        if self.resumes >= MAX_RESUMES {
+            return Err(why);
         }
-        match self.inner.message().await {
-            Ok(Some(ev)) => match ev.event {
-                Some(generate_event::Event::Prompt(p)) => Some(Ok(Event::Prompt(p.ids))),
-                Some(generate_event::Event::Token(t)) => {
-                    Some(Ok(Event::Token { id: t.id, text: t.text, index: t.index }))
+        self.resumes += 1;
+        tokio::time::sleep(Duration::from_millis(100 * u64::from(self.resumes))).await;
+        self.client.reconnect_next().await?;
+        let r = match &self.call {
+            Call::Generate(g) => {
+                let mut g = g.clone();
+                if let Some(o) = g.options.as_mut() {
+                    o.resume_ids.extend_from_slice(&self.received);
                 }
-                Some(generate_event::Event::Done(d)) => {
-                    self.done = true;
-                    Some(Ok(Event::Done(d)))
-                }
-                None => Some(Err(SdkError::Truncated)),
-            },
-            Ok(None) => {
-                self.done = true;
-                Some(Err(SdkError::Truncated))
+                self.client.rpc.generate(g).await
             }
-            Err(s) => {
+            Call::Chat(c) => {
+                let mut c = c.clone();
+                if let Some(o) = c.options.as_mut() {
+                    o.resume_ids.extend_from_slice(&self.received);
+                }
+                self.client.rpc.chat(c).await
+            }
+        };
+        match r {
+            Ok(s) => {
+                self.inner = s.into_inner();
+                self.resumed = true;
+                Ok(())
+            }
+            Err(s) if transient(&s) => Box::pin(self.resume(s.into())).await,
+            Err(s) => Err(s.into()),
+        }
+    }
+
+    pub async fn next(&mut self) -> Option<Result<Event, SdkError>> {
+        loop {
+            if self.done {
+                return None;
+            }
+            let failure = match self.inner.message().await {
+                Ok(Some(ev)) => match ev.event {
+                    Some(generate_event::Event::Prompt(_)) if self.resumed => continue,
+                    Some(generate_event::Event::Prompt(p)) => return Some(Ok(Event::Prompt(p.ids))),
+                    Some(generate_event::Event::Token(t)) => {
+                        self.received.push(t.id);
+                        return Some(Ok(Event::Token { id: t.id, text: t.text, index: t.index }));
+                    }
+                    Some(generate_event::Event::Done(d)) => {
+                        self.done = true;
+                        return Some(Ok(Event::Done(d)));
+                    }
+                    None => SdkError::Truncated,
+                },
+                Ok(None) => SdkError::Truncated,
+                Err(s) if transient(&s) => SdkError::Status(s),
+                Err(s) => {
+                    self.done = true;
+                    return Some(Err(s.into()));
+                }
+            };
+            if let Err(e) = self.resume(failure).await {
                 self.done = true;
-                Some(Err(s.into()))
+                return Some(Err(e));
             }
         }
     }
@@ -264,51 +335,103 @@ impl tonic::service::Interceptor for Auth {
 
 type Rpc = ClientClient<tonic::codegen::InterceptedService<Channel, Auth>>;
 
-/// A connection to a cluster's coordinator.
+/// A connection to a cluster's coordinator (any replica; it moves to another when its replica
+/// stops answering).
 #[derive(Clone)]
 pub struct Client {
     rpc: Rpc,
+    cfg: ClientConfig,
+    /// The index in `cfg.endpoints` of the replica this client talks to.
+    at: usize,
     pub endpoint: String,
+}
+
+async fn connect_one(cfg: &ClientConfig, addr: &str) -> Result<Rpc, SdkError> {
+    let key = match &cfg.api_key {
+        Some(k) => Some(
+            format!("Bearer {k}")
+                .parse()
+                .map_err(|_| SdkError::Config("the API key has characters a header cannot carry".into()))?,
+        ),
+        None => None,
+    };
+    let tls = ClientTlsConfig::new().ca_certificate(Certificate::from_pem(&cfg.ca_pem)).domain_name(COORDINATOR_NAME);
+    let ep = Endpoint::from_shared(format!("https://{addr}"))
+        .and_then(|e| e.tls_config(tls))
+        .map_err(|e| SdkError::Config(format!("{addr}: {e}")))?
+        .connect_timeout(Duration::from_secs(5))
+        .tcp_nodelay(true);
+    match ep.connect().await {
+        Ok(ch) => Ok(ClientClient::with_interceptor(ch, Auth { key }).max_decoding_message_size(64 << 20)),
+        Err(e) => {
+            let mut why = e.to_string();
+            let mut src: Option<&dyn std::error::Error> = std::error::Error::source(&e);
+            while let Some(s) = src {
+                why = format!("{why}: {s}");
+                src = s.source();
+            }
+            Err(SdkError::Connect { addr: addr.to_string(), why })
+        }
+    }
 }
 
 impl Client {
     /// Connects to the first coordinator of `cfg.endpoints` that answers.
     pub async fn connect(cfg: ClientConfig) -> Result<Client, SdkError> {
-        let key = match &cfg.api_key {
-            Some(k) => Some(
-                format!("Bearer {k}")
-                    .parse()
-                    .map_err(|_| SdkError::Config("the API key has characters a header cannot carry".into()))?,
-            ),
-            None => None,
-        };
         let mut last = SdkError::Config("no coordinator address".into());
-        for addr in &cfg.endpoints {
-            let tls =
-                ClientTlsConfig::new().ca_certificate(Certificate::from_pem(&cfg.ca_pem)).domain_name(COORDINATOR_NAME);
-            let ep = Endpoint::from_shared(format!("https://{addr}"))
-                .and_then(|e| e.tls_config(tls))
-                .map_err(|e| SdkError::Config(format!("{addr}: {e}")))?
-                .connect_timeout(Duration::from_secs(5))
-                .tcp_nodelay(true);
-            match ep.connect().await {
-                Ok(ch) => {
-                    let rpc = ClientClient::with_interceptor(ch, Auth { key: key.clone() })
-                        .max_decoding_message_size(64 << 20);
-                    return Ok(Client { rpc, endpoint: addr.clone() });
-                }
-                Err(e) => {
-                    let mut why = e.to_string();
-                    let mut src: Option<&dyn std::error::Error> = std::error::Error::source(&e);
-                    while let Some(s) = src {
-                        why = format!("{why}: {s}");
-                        src = s.source();
-                    }
-                    last = SdkError::Connect { addr: addr.clone(), why };
-                }
+        for (i, addr) in cfg.endpoints.iter().enumerate() {
+            match connect_one(&cfg, addr).await {
+                Ok(rpc) => return Ok(Client { rpc, endpoint: addr.clone(), at: i, cfg: cfg.clone() }),
+                Err(e) => last = e,
             }
         }
         Err(last)
+    }
+
+    /// Moves to the next replica that answers (trying each once, this one last).
+    async fn reconnect_next(&mut self) -> Result<(), SdkError> {
+        let n = self.cfg.endpoints.len().max(1);
+        let mut last = SdkError::Config("no coordinator address".into());
+        for k in 1..=n {
+            let i = (self.at + k) % n;
+            let Some(addr) = self.cfg.endpoints.get(i).cloned() else { break };
+            match connect_one(&self.cfg, &addr).await {
+                Ok(rpc) => {
+                    self.rpc = rpc;
+                    self.at = i;
+                    self.endpoint = addr;
+                    return Ok(());
+                }
+                Err(e) => last = e,
+            }
+        }
+        Err(last)
+    }
+
+    /// Runs a unary call, moving to another replica (a few times) while replicas are down.
+    async fn retry<T, F, Fut>(&mut self, mut f: F) -> Result<T, SdkError>
+    where
+        F: FnMut(Rpc) -> Fut,
+        Fut: std::future::Future<Output = Result<tonic::Response<T>, tonic::Status>>,
+    {
+        let mut tries = 0;
+        loop {
+            match f(self.rpc.clone()).await {
+                Ok(r) => return Ok(r.into_inner()),
+                Err(s) if s.code() == tonic::Code::Unavailable && tries < 2 * self.cfg.endpoints.len().max(1) + 4 => {
+                    tries += 1;
+                    tokio::time::sleep(Duration::from_millis(150 * tries as u64)).await;
+                    // a transport failure means this replica is gone; "no leader yet" passes
+                    if s.message().contains("transport")
+                        || s.message().contains("connect")
+                        || s.message().contains("broken pipe")
+                    {
+                        self.reconnect_next().await?;
+                    }
+                }
+                Err(s) => return Err(s.into()),
+            }
+        }
     }
 
     /// Generates from a text prompt.
@@ -323,9 +446,20 @@ impl Client {
     }
 
     /// Generates from a request built by hand (token ids, resume ids).
-    pub async fn generate_request(&mut self, req: GenerateRequest) -> Result<EventStream, SdkError> {
-        let s = self.rpc.generate(req).await?.into_inner();
-        Ok(EventStream { inner: s, done: false })
+    pub async fn generate_request(&mut self, mut req: GenerateRequest) -> Result<EventStream, SdkError> {
+        req.options.get_or_insert_with(Default::default);
+        let r = req.clone();
+        let s = self
+            .retry(|mut rpc| {
+                let r = r.clone();
+                async move { rpc.generate(r).await }
+            })
+            .await?;
+        Ok(self.stream(s, Call::Generate(req)))
+    }
+
+    fn stream(&self, inner: tonic::Streaming<v1::GenerateEvent>, call: Call) -> EventStream {
+        EventStream { inner, client: self.clone(), call, received: Vec::new(), resumed: false, resumes: 0, done: false }
     }
 
     /// A conversation of `(role, content)` messages, rendered with the model's chat template.
@@ -343,29 +477,54 @@ impl Client {
                 .collect(),
             options: Some(p.options(Vec::new())),
         };
-        let s = self.rpc.chat(req).await?.into_inner();
-        Ok(EventStream { inner: s, done: false })
+        let r = req.clone();
+        let s = self
+            .retry(|mut rpc| {
+                let r = r.clone();
+                async move { rpc.chat(r).await }
+            })
+            .await?;
+        Ok(self.stream(s, Call::Chat(req)))
     }
 
     pub async fn deploy(&mut self, req: DeployRequest) -> Result<DeploymentInfo, SdkError> {
-        let r = self.rpc.deploy(req).await?.into_inner();
+        let r = self
+            .retry(|mut rpc| {
+                let req = req.clone();
+                async move { rpc.deploy(req).await }
+            })
+            .await?;
         r.deployment.ok_or(SdkError::Truncated)
     }
 
     pub async fn plan(&mut self, req: DeployRequest) -> Result<PlanResponse, SdkError> {
-        Ok(self.rpc.plan(req).await?.into_inner())
+        self.retry(|mut rpc| {
+            let req = req.clone();
+            async move { rpc.plan(req).await }
+        })
+        .await
     }
 
     pub async fn undeploy(&mut self, name: &str) -> Result<(), SdkError> {
-        self.rpc.undeploy(UndeployRequest { name: name.to_string() }).await?;
+        let name = name.to_string();
+        self.retry(|mut rpc| {
+            let name = name.clone();
+            async move { rpc.undeploy(UndeployRequest { name }).await }
+        })
+        .await?;
         Ok(())
     }
 
     pub async fn status(&mut self) -> Result<ClusterStatusResponse, SdkError> {
-        Ok(self.rpc.cluster_status(ClusterStatusRequest {}).await?.into_inner())
+        self.retry(|mut rpc| async move { rpc.cluster_status(ClusterStatusRequest {}).await }).await
     }
 
     pub async fn list_models(&mut self) -> Result<Vec<ModelInfo>, SdkError> {
-        Ok(self.rpc.list_models(ListModelsRequest {}).await?.into_inner().models)
+        Ok(self.retry(|mut rpc| async move { rpc.list_models(ListModelsRequest {}).await }).await?.models)
+    }
+
+    /// Removes a coordinator replica from its group; the group's replicas after it.
+    pub async fn remove_replica(&mut self, id: u64) -> Result<Vec<String>, SdkError> {
+        Ok(self.retry(|mut rpc| async move { rpc.remove_replica(v1::RemoveReplicaRequest { id }).await }).await?.peers)
     }
 }

@@ -33,6 +33,16 @@ pub async fn connect(coordinator: &str, tls: &Creds) -> Result<Control, WorkerEr
     Ok(ControlClient::with_interceptor(ch, VersionInterceptor).max_decoding_message_size(64 << 20))
 }
 
+/// A failed control call; a replica that is not the leader names the one that is.
+fn control_error(what: &str, e: tonic::Status) -> WorkerError {
+    if e.code() == tonic::Code::Unavailable {
+        if let Some(l) = e.metadata().get("brigade-leader").and_then(|v| v.to_str().ok()) {
+            return WorkerError::NotLeader(Some(l.to_string()));
+        }
+    }
+    WorkerError::Control(format!("{what}: {}", e.message()))
+}
+
 /// Bytes of one range from the coordinator.
 pub async fn fetch_range(client: &mut Control, model_id: &str, r: &FileRange) -> Result<Vec<u8>, WorkerError> {
     let req =
@@ -61,17 +71,32 @@ pub struct ControlLoop {
 }
 
 impl ControlLoop {
-    /// Runs until `shutdown` turns true.
+    /// Runs until `shutdown` turns true. The coordinator may be several replicas (`A,B,C`): the
+    /// session is with the leader; a replica that is not says which is, and the next attempt goes
+    /// there; a replica that does not answer is passed over for the next.
     pub async fn run(self: Arc<Self>, mut shutdown: watch::Receiver<bool>) {
         let mut delay = Duration::from_millis(100);
         let measured: Measured = Default::default();
+        let addrs: Vec<String> =
+            self.coordinator.split(',').map(|s| s.trim().to_string()).filter(|s| !s.is_empty()).collect();
+        let mut at = 0usize;
+        let mut hint: Option<String> = None;
         loop {
             let started = Instant::now();
+            let addr = hint.take().unwrap_or_else(|| addrs[at % addrs.len().max(1)].clone());
             tokio::select! {
-                r = self.clone().session(measured.clone()) => {
+                r = self.clone().session(&addr, measured.clone()) => {
                     match r {
                         Ok(()) => {}
-                        Err(e) => tracing::warn!("coordinator {}: {e}; reconnecting", self.coordinator),
+                        Err(WorkerError::NotLeader(Some(leader))) => {
+                            tracing::info!("coordinator {addr} is not the leader; following {leader}");
+                            hint = Some(leader);
+                            delay = Duration::from_millis(50);
+                        }
+                        Err(e) => {
+                            tracing::warn!("coordinator {addr}: {e}; reconnecting");
+                            at += 1;
+                        }
                     }
                 }
                 _ = shutdown.changed() => return,
@@ -87,8 +112,8 @@ impl ControlLoop {
         }
     }
 
-    async fn session(self: Arc<Self>, measured: Measured) -> Result<(), WorkerError> {
-        let mut client = connect(&self.coordinator, &self.tls).await?;
+    async fn session(self: Arc<Self>, addr: &str, measured: Measured) -> Result<(), WorkerError> {
+        let mut client = connect(addr, &self.tls).await?;
         let reg = RegisterRequest {
             protocol: brigade_proto::PROTOCOL_VERSION,
             name: self.node.cfg.name.clone(),
@@ -96,17 +121,13 @@ impl ControlLoop {
             devices: self.devices.iter().map(brigade_proto::convert::device_to_proto).collect(),
             version: env!("CARGO_PKG_VERSION").to_string(),
         };
-        let resp = client
-            .register(reg)
-            .await
-            .map_err(|e| WorkerError::Control(format!("register: {}", e.message())))?
-            .into_inner();
+        let resp = client.register(reg).await.map_err(|e| control_error("register", e))?.into_inner();
         let interval = Duration::from_millis(u64::from(resp.heartbeat_interval_ms.clamp(100, 10_000)));
-        tracing::info!("registered with the coordinator at {}", self.coordinator);
+        tracing::info!("registered with the coordinator at {addr}");
         let mut stream = client
             .watch(WatchRequest { name: self.node.cfg.name.clone() })
             .await
-            .map_err(|e| WorkerError::Control(format!("watch: {}", e.message())))?
+            .map_err(|e| control_error("watch", e))?
             .into_inner();
         let (loaded_tx, mut loaded_rx) = mpsc::unbounded_channel::<Loaded>();
         let mut hb = client.clone();
@@ -115,7 +136,7 @@ impl ControlLoop {
         loop {
             tokio::select! {
                 msg = stream.message() => {
-                    match msg.map_err(|e| WorkerError::Control(format!("watch: {}", e.message())))? {
+                    match msg.map_err(|e| control_error("watch", e))? {
                         Some(a) => self.assigned(a, &client, &loaded_tx, &measured),
                         None => return Err(WorkerError::Control("the assignment stream ended".into())),
                     }
@@ -143,7 +164,7 @@ impl ControlLoop {
                 }
                 _ = tick.tick() => {
                     let req = HeartbeatRequest { name: self.node.cfg.name.clone(), slices: self.node.statuses(), memory_free: 0 };
-                    let r = hb.heartbeat(req).await.map_err(|e| WorkerError::Control(format!("heartbeat: {}", e.message())))?;
+                    let r = hb.heartbeat(req).await.map_err(|e| control_error("heartbeat", e))?;
                     if r.into_inner().reregister {
                         return Err(WorkerError::Control("the coordinator asks this node to register again".into()));
                     }

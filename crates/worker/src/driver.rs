@@ -43,6 +43,9 @@ pub struct DriveTarget {
     pub permits: Arc<Semaphore>,
     /// Prompt tokens per chunk into the first stage.
     pub ubatch: usize,
+    /// Turns true when this generation of the deployment stops being served here (re-placed
+    /// or removed): its sessions end at once, and the coordinator resumes them elsewhere.
+    pub cancel: tokio::sync::watch::Receiver<bool>,
 }
 
 type Events = mpsc::Sender<Result<GenerateEvent, Status>>;
@@ -225,8 +228,12 @@ async fn run_session(
     let mut last_token_at = Instant::now();
     let mut hops = HopSums::default();
     let mut sent_us = now_us();
+    let mut cancel = t.cancel.clone();
     let stop = loop {
         let frame = tokio::select! {
+            _ = cancel.wait_for(|c| *c) => return Err(Status::unavailable(format!(
+                "{} is being re-placed; the session resumes on the new placement", t.deployment
+            ))),
             f = tokio::time::timeout(STALL, rx.recv()) => match f {
                 Ok(Some(f)) => f,
                 Ok(None) => return Err(Status::internal("the session's channel closed")),

@@ -18,6 +18,8 @@ pub enum WorkerError {
     Link(String),
     #[error("coordinator: {0}")]
     Control(String),
+    #[error("not the coordinator leader (the leader: {0:?})")]
+    NotLeader(Option<String>),
     #[error("join refused: {0}")]
     Join(String),
     #[error("{path}: {source}")]

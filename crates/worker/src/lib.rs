@@ -90,7 +90,20 @@ pub async fn run(cfg: WorkerConfig, shutdown: impl Future<Output = ()> + Send + 
                     cfg.data_dir.display()
                 ))
             })?;
-            identity::join(&cfg.coordinator, &cfg.name, token, &cfg.data_dir).await?
+            // any replica admits a node; the first that answers
+            let mut last = WorkerError::Join("no coordinator address".into());
+            let mut joined = None;
+            for addr in cfg.coordinator.split(',').map(str::trim).filter(|a| !a.is_empty()) {
+                match identity::join(addr, &cfg.name, token, &cfg.data_dir).await {
+                    Ok(c) => {
+                        joined = Some(c);
+                        break;
+                    }
+                    Err(e @ WorkerError::Join(_)) => return Err(e),
+                    Err(e) => last = e,
+                }
+            }
+            joined.ok_or(last)?
         }
     };
     let (threads, effort, memory, dir) = (cfg.threads, cfg.measure, cfg.memory, cfg.data_dir.clone());

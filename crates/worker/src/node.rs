@@ -43,7 +43,7 @@ pub struct Node {
     pub cfg: WorkerConfig,
     pub router: Arc<Router>,
     pub hosted: Mutex<HashMap<(String, u32), Hosted>>,
-    pub drive: Mutex<HashMap<String, DriveTarget>>,
+    pub drive: Mutex<HashMap<String, (DriveTarget, tokio::sync::watch::Sender<bool>)>>,
 }
 
 pub fn peer(p: &Option<PeerRef>) -> Option<Peer> {
@@ -130,7 +130,13 @@ impl Node {
             }
         }
         if let Ok(mut d) = self.drive.lock() {
-            d.retain(|dep, t| want.iter().any(|a| &a.deployment == dep && a.generation == t.generation && a.is_driver));
+            d.retain(|dep, (t, cancel)| {
+                let keep = want.iter().any(|a| &a.deployment == dep && a.generation == t.generation && a.is_driver);
+                if !keep {
+                    let _ = cancel.send(true);
+                }
+                keep
+            });
         }
         // stopping a stage joins its thread: not on the async runtime
         if !dropped.is_empty() {
@@ -227,6 +233,7 @@ impl Node {
         if a.is_driver {
             let first =
                 peer(&a.first).ok_or_else(|| WorkerError::Manifest("the assignment names no first stage".into()))?;
+            let (cancel_tx, cancel_rx) = tokio::sync::watch::channel(false);
             let t = DriveTarget {
                 deployment: a.deployment.clone(),
                 generation: a.generation,
@@ -238,10 +245,21 @@ impl Node {
                 tokenizer,
                 permits: Arc::new(Semaphore::new(a.max_sessions.max(1) as usize)),
                 ubatch: a.ubatch.max(1) as usize,
+                cancel: cancel_rx,
             };
             let _ = hidden;
             if let Ok(mut d) = self.drive.lock() {
-                d.insert(a.deployment.clone(), t);
+                // still assigned? (it may have been re-placed while this slice loaded)
+                let current = self
+                    .hosted
+                    .lock()
+                    .map(|h| h.get(&(a.deployment.clone(), a.stage)).is_some_and(|x| x.assignment == *a))
+                    .unwrap_or(false);
+                if current {
+                    if let Some((_, old)) = d.insert(a.deployment.clone(), (t, cancel_tx)) {
+                        let _ = old.send(true);
+                    }
+                }
             }
         }
         tracing::info!(

@@ -36,9 +36,9 @@ impl Stage for StageService {
         }
         let req = req.into_inner();
         let target =
-            self.node.drive.lock().ok().and_then(|d| d.get(&req.deployment).cloned()).ok_or_else(|| {
-                Status::unavailable(format!("{} is not ready on {}", req.deployment, self.node.cfg.name))
-            })?;
+            self.node.drive.lock().ok().and_then(|d| d.get(&req.deployment).map(|(t, _)| t.clone())).ok_or_else(
+                || Status::unavailable(format!("{} is not ready on {}", req.deployment, self.node.cfg.name)),
+            )?;
         if req.generation != 0 && req.generation != target.generation {
             return Err(Status::unavailable(format!(
                 "{} is at generation {} here, the request is for {}",
