@@ -263,3 +263,167 @@ fn replicas_catch_up_survive_another_loss_and_a_full_restart() {
     c.start_worker("w2", &[]);
     c.wait_up(2);
 }
+
+use support::linearizable::{check, Event as HEvent, Op, Outcome};
+
+/// The checker itself, on histories whose answer is known.
+#[test]
+fn the_checker_finds_what_is_and_is_not_linearizable() {
+    let t = Instant::now();
+    let at = |ms: u64| t + Duration::from_millis(ms);
+    let ev = |op: Op, a: u64, b: Option<u64>| HEvent { op, call: at(a), ret: b.map(at), client: 0 };
+    // sequential: deploy, read sees it, undeploy, read does not
+    let ok = vec![
+        ev(Op::Deploy("a".into(), Outcome::Ok), 0, Some(10)),
+        ev(Op::Read(vec!["a".into()]), 20, Some(30)),
+        ev(Op::Undeploy("a".into(), Outcome::Ok), 40, Some(50)),
+        ev(Op::Read(vec![]), 60, Some(70)),
+    ];
+    assert!(check(&ok).is_ok());
+    // a read after the deploy returned that does not see it: stale
+    let stale = vec![ev(Op::Deploy("a".into(), Outcome::Ok), 0, Some(10)), ev(Op::Read(vec![]), 20, Some(30))];
+    assert!(check(&stale).is_err());
+    // concurrent with the deploy, either answer is fine
+    let overlap = vec![ev(Op::Deploy("a".into(), Outcome::Ok), 0, Some(30)), ev(Op::Read(vec![]), 10, Some(20))];
+    assert!(check(&overlap).is_ok());
+    // two deploys of one name both acknowledged: impossible
+    let twice = vec![
+        ev(Op::Deploy("a".into(), Outcome::Ok), 0, Some(10)),
+        ev(Op::Deploy("a".into(), Outcome::Ok), 20, Some(30)),
+    ];
+    assert!(check(&twice).is_err());
+    // an unknown deploy may explain a later read, or not have happened
+    let unknown =
+        vec![ev(Op::Deploy("a".into(), Outcome::Unknown), 0, None), ev(Op::Read(vec!["a".into()]), 20, Some(30))];
+    assert!(check(&unknown).is_ok());
+    let unknown2 = vec![ev(Op::Deploy("a".into(), Outcome::Unknown), 0, None), ev(Op::Read(vec![]), 20, Some(30))];
+    assert!(check(&unknown2).is_ok());
+    // but a read seeing a name nobody deployed is not
+    let ghost = vec![
+        ev(Op::Read(vec!["a".into()]), 20, Some(30)),
+        ev(Op::Undeploy("a".into(), Outcome::Missing), 40, Some(50)),
+    ];
+    assert!(check(&ghost).is_err());
+}
+
+#[test]
+fn concurrent_deploys_undeploys_and_reads_under_replica_kills_are_linearizable() {
+    use brigade_proto::v1::client_client::ClientClient;
+    use std::sync::atomic::{AtomicBool, Ordering};
+    use std::sync::{Arc, Mutex};
+    let mut c = Cluster::new();
+    c.start_group(3);
+    c.wait_leader(Duration::from_secs(30));
+    c.start_worker("w1", &[]);
+    c.wait_up(1);
+    let addrs: Vec<String> = c.addr().split(',').map(str::to_string).collect();
+    let ca = std::fs::read_to_string(c.ca()).unwrap();
+    let history: Arc<Mutex<Vec<HEvent>>> = Arc::default();
+    let stop = Arc::new(AtomicBool::new(false));
+    let secs = std::env::var("BRIGADE_LIN_SECONDS").ok().and_then(|v| v.parse().ok()).unwrap_or(10u64);
+    let clients: Vec<_> = (0..4)
+        .map(|client| {
+            let (addrs, ca, history, stop) = (addrs.clone(), ca.clone(), history.clone(), stop.clone());
+            std::thread::spawn(move || {
+                let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+                rt.block_on(async move {
+                    let mut n: u64 = client as u64 * 7919 + 1;
+                    let mut next = || {
+                        n = n.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+                        (n >> 33) as usize
+                    };
+                    while !stop.load(Ordering::Relaxed) {
+                        let addr = &addrs[next() % addrs.len()];
+                        let tls = tonic::transport::ClientTlsConfig::new()
+                            .ca_certificate(tonic::transport::Certificate::from_pem(&ca))
+                            .domain_name("coordinator.brigade");
+                        let ep = tonic::transport::Endpoint::from_shared(format!("https://{addr}"))
+                            .unwrap()
+                            .tls_config(tls)
+                            .unwrap()
+                            .connect_timeout(Duration::from_millis(500));
+                        let key = format!("k{}", next() % 3);
+                        let kind = next() % 3;
+                        let call = Instant::now();
+                        let rpc = async {
+                            let ch = ep.connect().await.map_err(|e| tonic::Status::unavailable(e.to_string()))?;
+                            let mut cl = ClientClient::with_interceptor(ch, brigade_proto::VersionInterceptor);
+                            match kind {
+                                0 => cl
+                                    .deploy(brigade_proto::v1::DeployRequest {
+                                        name: key.clone(),
+                                        model: "embedded".into(),
+                                        device_map: "w1:cpu:5".into(),
+                                        sessions: 1,
+                                        ctx: 64,
+                                        ..Default::default()
+                                    })
+                                    .await
+                                    .map(|_| vec![]),
+                                1 => cl
+                                    .undeploy(brigade_proto::v1::UndeployRequest { name: key.clone() })
+                                    .await
+                                    .map(|_| vec![]),
+                                _ => cl
+                                    .cluster_status(brigade_proto::v1::ClusterStatusRequest {})
+                                    .await
+                                    .map(|r| r.into_inner().deployments.into_iter().map(|d| d.name).collect()),
+                            }
+                        };
+                        let r = tokio::time::timeout(Duration::from_secs(3), rpc).await;
+                        let ret = Instant::now();
+                        let outcome = |r: &Result<Result<Vec<String>, tonic::Status>, _>,
+                                       refused: tonic::Code,
+                                       o: Outcome| match r {
+                            Ok(Ok(_)) => (Outcome::Ok, Some(ret)),
+                            Ok(Err(s)) if s.code() == refused => (o, Some(ret)),
+                            _ => (Outcome::Unknown, None),
+                        };
+                        let op = match kind {
+                            0 => {
+                                let (o, ret) = outcome(&r, tonic::Code::AlreadyExists, Outcome::Exists);
+                                Some((Op::Deploy(key, o), ret))
+                            }
+                            1 => {
+                                let (o, ret) = outcome(&r, tonic::Code::NotFound, Outcome::Missing);
+                                Some((Op::Undeploy(key, o), ret))
+                            }
+                            _ => match r {
+                                Ok(Ok(names)) => Some((Op::Read(names), Some(ret))),
+                                _ => None, // a read that failed says nothing
+                            },
+                        };
+                        if let Some((op, ret)) = op {
+                            history.lock().unwrap().push(HEvent { op, call, ret, client });
+                        }
+                    }
+                });
+            })
+        })
+        .collect();
+    // chaos: one replica at a time killed and brought back, at uneven intervals
+    let t0 = Instant::now();
+    let mut k = 0u64;
+    while t0.elapsed() < Duration::from_secs(secs) {
+        let victim = 1 + k % 3;
+        std::thread::sleep(Duration::from_millis(700 + (k * 311) % 900));
+        c.kill_replica(victim);
+        std::thread::sleep(Duration::from_millis(400 + (k * 197) % 800));
+        c.start_replica(victim);
+        k += 1;
+    }
+    stop.store(true, Ordering::Relaxed);
+    for h in clients {
+        h.join().unwrap();
+    }
+    let h = history.lock().unwrap();
+    let acked = h.iter().filter(|e| matches!(e.op, Op::Deploy(_, Outcome::Ok) | Op::Undeploy(_, Outcome::Ok))).count();
+    let reads = h.iter().filter(|e| matches!(e.op, Op::Read(_))).count();
+    let unknown = h.iter().filter(|e| e.ret.is_none()).count();
+    eprintln!("{} operations ({acked} acknowledged changes, {reads} current reads, {unknown} unknown) under {k} replica kills", h.len());
+    assert!(acked >= 10 && reads >= 10, "too little happened to check: {acked} changes, {reads} reads");
+    match check(&h) {
+        Ok(n) => eprintln!("linearizable: {n} operation instances over 3 names"),
+        Err(e) => panic!("{e}\n{}", c.logs()),
+    }
+}

@@ -3,6 +3,9 @@
 //! is bounded; every process is killed when the test ends, passes or fails.
 #![allow(clippy::unwrap_used, dead_code)]
 
+pub mod linearizable;
+pub mod netns;
+
 use std::net::TcpListener;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Output, Stdio};
@@ -57,6 +60,7 @@ pub type Wrap = Box<dyn Fn(&str) -> Vec<String> + Send + Sync>;
 /// A coordinator replica of a group.
 pub struct Replica {
     pub id: u64,
+    pub host: String,
     pub port: u16,
     pub proc: Option<Proc>,
 }
@@ -97,7 +101,7 @@ impl Cluster {
         if self.replicas.is_empty() {
             return format!("{}:{}", self.coord_host, self.port);
         }
-        self.replicas.iter().map(|r| format!("{}:{}", self.coord_host, r.port)).collect::<Vec<_>>().join(",")
+        self.replicas.iter().map(|r| format!("{}:{}", r.host, r.port)).collect::<Vec<_>>().join(",")
     }
 
     pub fn ca(&self) -> PathBuf {
@@ -111,6 +115,13 @@ impl Cluster {
     /// A group of `n` replicas bootstrapped together (the CA made once and copied, as an
     /// operator does), with a short raft tick and node timeout so that failures act fast.
     pub fn start_group(&mut self, n: usize) {
+        let hosts = vec![self.coord_host.clone(); n];
+        self.start_group_at(&hosts);
+    }
+
+    /// A group with one replica on each host (network namespaces' addresses).
+    pub fn start_group_at(&mut self, hosts: &[String]) {
+        let n = hosts.len();
         let d1 = self.path("coordinator-1");
         let out = Command::new(BIN)
             .args(["coordinator", "init", "--data-dir", d1.to_str().unwrap(), "--join-token", &self.token])
@@ -124,22 +135,25 @@ impl Cluster {
                 std::fs::copy(d1.join(f), d.join(f)).unwrap();
             }
         }
-        self.replicas = (1..=n as u64).map(|id| Replica { id, port: free_port(), proc: None }).collect();
+        self.replicas = hosts
+            .iter()
+            .enumerate()
+            .map(|(i, h)| Replica { id: i as u64 + 1, host: h.clone(), port: free_port(), proc: None })
+            .collect();
         for id in 1..=n as u64 {
             self.start_replica(id);
         }
-        let addr = self.addr();
-        let _ = addr;
     }
 
     pub fn peers(&self) -> String {
-        self.replicas.iter().map(|r| format!("{}={}:{}", r.id, self.coord_host, r.port)).collect::<Vec<_>>().join(",")
+        self.replicas.iter().map(|r| format!("{}={}:{}", r.id, r.host, r.port)).collect::<Vec<_>>().join(",")
     }
 
     pub fn start_replica(&mut self, id: u64) {
-        let port = self.replicas.iter().find(|r| r.id == id).unwrap().port;
+        let r = self.replicas.iter().find(|r| r.id == id).unwrap();
+        let (host, port) = (r.host.clone(), r.port);
         let dir = self.path(&format!("coordinator-{id}"));
-        let listen = format!("{}:{port}", self.coord_host);
+        let listen = format!("{host}:{port}");
         let (ids, peers) = (id.to_string(), self.peers());
         let p = self.spawn(
             &format!("coordinator-{id}"),

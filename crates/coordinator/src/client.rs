@@ -502,7 +502,8 @@ impl Client for ClientService {
 
     async fn deploy(&self, req: Request<DeployRequest>) -> Result<Response<DeployResponse>, Status> {
         let r = req.into_inner();
-        if self.shared.state().deployments.contains_key(&r.name) {
+        // a current read: a stale replica must not refuse a name the group has freed
+        if self.shared.current_state().await?.deployments.contains_key(&r.name) {
             return Err(CoordError::State(brigade_core::cluster::StateError::DeploymentExists(r.name)).into());
         }
         let (model, p, ctx, sessions) = self.placement(&r).await?;
@@ -566,7 +567,8 @@ impl Client for ClientService {
         &self,
         _req: Request<ClusterStatusRequest>,
     ) -> Result<Response<ClusterStatusResponse>, Status> {
-        let s = self.shared.state();
+        // a read that promises the current state goes through raft's read index
+        let s = self.shared.current_state().await?;
         let nodes = s
             .nodes
             .values()
