@@ -111,7 +111,7 @@ fn a_cut_off_replica_cannot_commit_and_follows_the_majority_when_it_returns() {
         "leader {cut} cut off; replica {new_leader} leads the majority {:.1} s after the cut",
         t_cut.elapsed().as_secs_f64()
     );
-    let mut cmd = |args: &[&str]| {
+    let cmd = |args: &[&str]| {
         let mut k = std::process::Command::new("timeout");
         k.arg("30").args(net.exec("c")).arg(BIN).args(args).args([
             "--coordinator",
