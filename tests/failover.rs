@@ -427,3 +427,147 @@ fn concurrent_deploys_undeploys_and_reads_under_replica_kills_are_linearizable()
         Err(e) => panic!("{e}\n{}", c.logs()),
     }
 }
+
+#[test]
+fn a_model_that_no_longer_fits_is_degraded_with_the_shortfall_until_its_node_returns() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = dir.path().join("m.gguf");
+    synth_shape(&model, [8, 512, 1024, 8, 8, 512], "q8_0");
+    let size = std::fs::metadata(&model).unwrap().len();
+    let mut c = Cluster::new();
+    c.start_coordinator(&["--node-timeout", "2"]);
+    let memory = (size * 7 / 10).to_string();
+    for w in ["w1", "w2"] {
+        c.start_worker(w, &["--memory", &memory]);
+    }
+    c.wait_up(2);
+    let d = c.deploy(&["--name", "m", "-m", model.to_str().unwrap(), "--ctx", "128", "--sessions", "1"]);
+    assert_eq!(d["stages"].as_array().unwrap().len(), 2, "{}", d["plan"]);
+    let (_, want) = run_ids(Some(&model), "Once upon a time", 12);
+    c.worker("w2").kill9();
+    wait_until("the deployment to be degraded", Duration::from_secs(30), || {
+        let st = c.status();
+        let d = &st["deployments"][0];
+        d["state"] == "degraded" && d["error"].as_str().unwrap_or("").contains("short by")
+    });
+    // requests get a clear error, not a hang
+    let out = c.brigade(&["generate", "--model", "m", "-p", "Once upon a time", "-n", "4", "--temp", "0"]);
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("degraded") && err.contains("short by"), "{err}");
+    // the node returns: the deployment serves again
+    c.start_worker("w2", &["--memory", &memory]);
+    wait_until("the deployment to serve again", Duration::from_secs(60), || {
+        c.status()["deployments"][0]["state"] == "ready"
+    });
+    assert_eq!(ids(&c.generate("m", "Once upon a time", 12)["generated_ids"]), want);
+}
+
+/// The figures a worker measured, rewritten as if its kernels were `factor` times faster (the
+/// measurement cache is what a worker reports on its next start).
+fn faster(figures: &std::path::Path, factor: f64) {
+    let mut v: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(figures).unwrap()).unwrap();
+    for k in v["device"]["kernels"].as_array_mut().unwrap() {
+        for f in ["decode_bytes_per_s", "prompt_flops"] {
+            k[f] = serde_json::json!(k[f].as_f64().unwrap() * factor);
+        }
+    }
+    for f in ["mem_bandwidth", "flops"] {
+        v["device"][f] = serde_json::json!(v["device"][f].as_f64().unwrap() * factor);
+    }
+    std::fs::write(figures, serde_json::to_string(&v).unwrap()).unwrap();
+}
+
+#[test]
+fn a_much_faster_node_takes_a_planned_deployment_once_its_sessions_drain_and_nothing_flaps() {
+    let mut c = Cluster::new();
+    c.start_coordinator(&[]);
+    c.start_worker("w1", &[]);
+    c.wait_up(1);
+    let d = c.deploy(&["--name", "s", "--ctx", "64", "--sessions", "1"]);
+    assert_eq!(d["generation"], 1);
+    // a node like w1 joins (the same figures: measurements of one CPU under load differ): no
+    // faster placement, no move
+    std::fs::create_dir_all(c.path("w2")).unwrap();
+    std::fs::copy(c.path("w1/figures.json"), c.path("w2/figures.json")).unwrap();
+    c.start_worker("w2", &[]);
+    c.wait_up(2);
+    std::thread::sleep(Duration::from_secs(7));
+    assert_eq!(c.status()["deployments"][0]["generation"], 1, "re-placed for no gain");
+    // a node ten times faster joins (its figures say so): the deployment moves to it
+    std::fs::create_dir_all(c.path("w3")).unwrap();
+    std::fs::copy(c.path("w1/figures.json"), c.path("w3/figures.json")).unwrap();
+    faster(&c.path("w3/figures.json"), 10.0);
+    c.start_worker("w3", &[]);
+    c.wait_up(3);
+    wait_until("the deployment to move to w3", Duration::from_secs(30), || {
+        let st = c.status();
+        let d = &st["deployments"][0];
+        d["state"] == "ready" && d["stages"].as_array().unwrap().iter().all(|s| s["node"] == "w3")
+    });
+    let (_, want) = run_ids(None, "Once upon a time", 12);
+    assert_eq!(ids(&c.generate("s", "Once upon a time", 12)["generated_ids"]), want);
+}
+
+#[test]
+fn replicas_join_and_leave_at_run_time() {
+    let mut c = Cluster::new();
+    c.start_group(3);
+    c.wait_leader(Duration::from_secs(30));
+    c.start_worker("w1", &[]);
+    c.wait_up(1);
+    c.deploy(&["--name", "s", "--device-map", "w1:cpu:5"]);
+    // a fourth replica joins through replica 1 with the token
+    let port = free_port();
+    let d4 = c.path("coordinator-4");
+    let listen = format!("127.0.0.1:{port}");
+    let via = format!("127.0.0.1:{}", c.replicas[0].port);
+    let token = c.token.clone();
+    let p = c.spawn(
+        "coordinator-4",
+        &[
+            "coordinator",
+            "join",
+            "--via",
+            &via,
+            "--id",
+            "4",
+            "--listen",
+            &listen,
+            "--data-dir",
+            d4.to_str().unwrap(),
+            "--join-token",
+            &token,
+            "--raft-tick-ms",
+            "50",
+        ],
+    );
+    c.replicas.push(Replica { id: 4, host: "127.0.0.1".into(), port, proc: Some(p) });
+    let only = |c: &Cluster, port: u16| {
+        let ca = c.ca();
+        let out = std::process::Command::new(BIN)
+            .args(["status", "--json", "--coordinator", &format!("127.0.0.1:{port}"), "--ca", ca.to_str().unwrap()])
+            .output()
+            .unwrap();
+        serde_json::from_slice::<serde_json::Value>(&out.stdout).unwrap_or_default()
+    };
+    let t0 = Instant::now();
+    loop {
+        let st = only(&c, port);
+        if st["deployments"][0]["name"] == "s" && st["raft"]["replicas"].as_array().is_some_and(|r| r.len() == 4) {
+            break;
+        }
+        assert!(t0.elapsed() < Duration::from_secs(30), "replica 4 did not follow: {st}\n{}", c.logs());
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    // replica 1 leaves; three remain and commit
+    let out = c.brigade(&["coordinator", "leave", "--id", "1"]);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    c.kill_replica(1);
+    c.deploy(&["--name", "t", "--device-map", "w1:cpu:5"]);
+    let st = only(&c, port);
+    let ids_now: Vec<u64> =
+        st["raft"]["replicas"].as_array().unwrap().iter().map(|r| r["id"].as_u64().unwrap()).collect();
+    assert_eq!(ids_now, [2, 3, 4]);
+    assert_eq!(st["deployments"].as_array().unwrap().len(), 2);
+}

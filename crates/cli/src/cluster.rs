@@ -171,9 +171,28 @@ pub fn coordinator(a: CoordinatorArgs) -> Result<()> {
             Ok(())
         }
         Some(CoordinatorCmd::Leave { connect, id }) => runtime()?.block_on(async move {
-            let peers = connect.client().await?.remove_replica(id).await?;
-            println!("replica {id} left the group; the group is now {}", peers.join(", "));
-            Ok(())
+            // any replica but the one leaving takes the request
+            let cfg = ClientConfig::resolve(
+                connect.coordinator.as_deref(),
+                connect.ca.as_deref(),
+                connect.api_key.as_deref(),
+            )?;
+            let mut last = None;
+            for addr in &cfg.endpoints {
+                let one = ClientConfig { endpoints: vec![addr.clone()], ..cfg.clone() };
+                let Ok(mut c) = Client::connect(one).await else { continue };
+                match c.remove_replica(id).await {
+                    Ok(peers) => {
+                        println!("replica {id} left the group; the group is now {}", peers.join(", "));
+                        return Ok(());
+                    }
+                    Err(e) => last = Some(e),
+                }
+            }
+            match last {
+                Some(e) => Err(e.into()),
+                None => bail!("no replica of the group answered"),
+            }
         }),
     }
 }

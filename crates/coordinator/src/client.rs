@@ -621,6 +621,13 @@ impl Client for ClientService {
         if state.replicas.len() == 1 {
             return Err(Status::failed_precondition("the last replica cannot leave its group"));
         }
+        if id == self.shared.cfg.id {
+            // the group stops talking to a replica as soon as its removal commits: this one
+            // would never hear that it did
+            return Err(Status::failed_precondition(format!(
+                "this is replica {id}: ask another replica of the group to remove it"
+            )));
+        }
         self.shared.raft.change_replicas(id, None).await?;
         tracing::info!("replica {id} left the group");
         let peers = self.shared.state().replicas.iter().map(|(i, a)| format!("{i}={a}")).collect();

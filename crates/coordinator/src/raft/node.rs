@@ -170,9 +170,11 @@ pub fn start(
     let voters: Vec<u64> = opts.peers.keys().copied().collect();
     let opened = DiskStorage::open(&opts.data_dir, &voters, applied.clone())?;
     let mut state = opened.state;
-    if opened.snapshot_index == 0 && !opts.peers.is_empty() {
-        // the bootstrap configuration's addresses, the same on every replica that bootstraps
-        state.replicas = opts.peers.clone();
+    if opened.snapshot_index == 0 {
+        // the members' addresses before the log says anything: the bootstrap configuration
+        // (the same on every replica that bootstraps), or what a joining replica was told when
+        // it joined (the group's members then; the log's changes follow)
+        state.replicas = if opts.peers.is_empty() { opts.known.clone() } else { opts.peers.clone() };
     }
     if let Ok(mut a) = applied.write() {
         *a = (opened.snapshot_index, state.clone());

@@ -56,7 +56,13 @@ impl DiskStorage {
     /// everything from the leader.
     pub fn open(dir: &Path, voters: &[u64], applied: AppliedState) -> Result<Opened, CoordError> {
         let path = dir.join("raft.redb");
-        let db = redb::Database::create(&path).map_err(db_err)?;
+        let db = redb::Database::create(&path).map_err(|e| match e {
+            redb::DatabaseError::DatabaseAlreadyOpen => CoordError::FailedPrecondition(format!(
+                "another coordinator process is using {} (one data dir per replica)",
+                dir.display()
+            )),
+            e => db_err(e),
+        })?;
         let mem = MemStorage::new();
         let mut snapshot_index = 0;
         let mut state = ClusterState::new();
