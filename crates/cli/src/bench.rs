@@ -4,7 +4,7 @@
 use crate::common::{detect_gpus, gpu_free, human_bytes, open_model, place, GpuLayers};
 use anyhow::{bail, Context, Result};
 use brigade_core::{DeviceId, Stage};
-use brigade_model::pipeline::activation_dtype;
+use brigade_model::device::activation_dtype;
 use brigade_model::weights::StoredType;
 use brigade_model::{bandwidth, predict_slice_bytes, ModelFiles, Pipeline};
 use clap::{Args, ValueEnum};
@@ -177,7 +177,7 @@ pub fn bench(a: BenchArgs) -> Result<()> {
     // GPUs' copy bandwidth for the bound
     let contexts: Vec<candle_core::Device> = gpus
         .iter()
-        .map(|g| brigade_model::pipeline::candle_device(DeviceId::Cuda(g.ordinal)))
+        .map(|g| brigade_model::device::candle_device(DeviceId::Cuda(g.ordinal)))
         .collect::<Result<_, _>>()?;
     let gpu_bw = if a.no_bandwidth { None } else { contexts.first().and_then(bandwidth::device_bandwidth) };
     let sync = || {

@@ -3,8 +3,8 @@
 
 use anyhow::{bail, Context, Result};
 use brigade_core::{DeviceId, DeviceKind, DeviceMap, DeviceSpec, Inventory, LayerRange, NodeSpec, Stage};
+use brigade_model::device::activation_dtype;
 use brigade_model::devices::{cuda_devices, CudaInfo};
-use brigade_model::pipeline::activation_dtype;
 use brigade_model::ModelFiles;
 use brigade_planner::Policy;
 use std::path::Path;
@@ -207,7 +207,7 @@ pub fn load_with_retry<T>(
     loop {
         match load(&stages) {
             Ok(t) => return Ok((t, stages, notes)),
-            Err(e) if retry && brigade_model::pipeline::is_out_of_memory(&e) => {
+            Err(e) if retry && brigade_model::device::is_out_of_memory(&e) => {
                 let gpu = stages.iter().find(|s| s.device != DeviceId::Cpu).map(|s| s.device);
                 let on_gpu: usize = stages.iter().filter(|s| s.device != DeviceId::Cpu).map(|s| s.layers.len()).sum();
                 let Some(gpu) = gpu.filter(|_| on_gpu > 0) else {

@@ -154,7 +154,7 @@ pub fn run(a: RunArgs) -> Result<()> {
     // the load allocates.
     let _contexts: Vec<candle_core::Device> = gpus
         .iter()
-        .map(|g| brigade_model::pipeline::candle_device(DeviceId::Cuda(g.ordinal)))
+        .map(|g| brigade_model::device::candle_device(DeviceId::Cuda(g.ordinal)))
         .collect::<Result<_, _>>()?;
     let free_before = gpu_free();
     let retry = a.ngl == Some(GpuLayers::Auto);

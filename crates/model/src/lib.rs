@@ -17,11 +17,13 @@
 
 pub mod bandwidth;
 pub mod cpu_matmul;
+pub mod device;
 pub mod devices;
 pub mod llama;
 pub mod pipeline;
 pub mod sampler;
 pub mod synth;
+pub mod threads;
 pub mod weights;
 
 pub use brigade_format::{config, gguf, tokenizer};

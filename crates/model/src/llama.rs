@@ -428,7 +428,7 @@ fn kv_bytes(cfg: &ModelConfig, layers: LayerRange, n_ctx: usize, dtype: DType) -
 /// and one session's KV cache of `n_ctx` tokens). Layers past the model's predict no weights
 /// (loading them is an error).
 pub fn predict_slice_bytes(files: &ModelFiles, layers: LayerRange, device: DeviceId, n_ctx: usize) -> SliceBytes {
-    let dtype = crate::pipeline::activation_dtype(device, files);
+    let dtype = crate::device::activation_dtype(device, files);
     let on_cpu = device == DeviceId::Cpu;
     let names = slice_tensors(files, layers).unwrap_or_default();
     let weights = names
