@@ -20,6 +20,7 @@ pub mod cpu_matmul;
 pub mod device;
 pub mod devices;
 pub mod llama;
+pub mod measure;
 pub mod pipeline;
 pub mod sampler;
 pub mod synth;
