@@ -68,18 +68,22 @@ pub fn type_name(t: GgmlDType) -> &'static str {
     crate::weights::ggml_type(t).name()
 }
 
-/// The instruction sets that choose brigade's CPU kernels.
-pub fn cpu_features() -> String {
+/// The instruction sets this CPU has, of those that choose brigade's kernels (and candle's).
+pub fn instruction_sets() -> Vec<&'static str> {
     let mut f = Vec::new();
     #[cfg(target_arch = "x86_64")]
     {
         for (name, on) in [
+            ("sse4.2", std::arch::is_x86_feature_detected!("sse4.2")),
+            ("avx", std::arch::is_x86_feature_detected!("avx")),
             ("avx2", std::arch::is_x86_feature_detected!("avx2")),
             ("fma", std::arch::is_x86_feature_detected!("fma")),
             ("f16c", std::arch::is_x86_feature_detected!("f16c")),
             ("avx512f", std::arch::is_x86_feature_detected!("avx512f")),
             ("avx512bw", std::arch::is_x86_feature_detected!("avx512bw")),
+            ("avx512vl", std::arch::is_x86_feature_detected!("avx512vl")),
             ("avx512vnni", std::arch::is_x86_feature_detected!("avx512vnni")),
+            ("avx512bf16", std::arch::is_x86_feature_detected!("avx512bf16")),
             ("avxvnni", std::arch::is_x86_feature_detected!("avxvnni")),
         ] {
             if on {
@@ -89,7 +93,12 @@ pub fn cpu_features() -> String {
     }
     #[cfg(target_arch = "aarch64")]
     f.push("neon");
-    f.join(" ")
+    f
+}
+
+/// [`instruction_sets`], space separated (as device figures carry them).
+pub fn cpu_features() -> String {
+    instruction_sets().join(" ")
 }
 
 /// Where the CLI keeps measured figures: `$XDG_CACHE_HOME/brigade`, else `~/.cache/brigade`.
