@@ -11,7 +11,7 @@ use crate::sampler::Sampler;
 use crate::weights::ModelFiles;
 use crate::ModelError;
 use brigade_core::{DeviceId, Stage};
-use candle_core::{DType, Device, Tensor};
+use candle_core::{Device, Tensor};
 use serde::Serialize;
 use std::time::{Duration, Instant};
 
@@ -59,34 +59,21 @@ impl Pipeline {
         files: &ModelFiles,
         stages: &[Stage],
         n_ctx: usize,
-        progress: impl FnMut(usize, &Stage),
-    ) -> Result<Self, ModelError> {
-        Self::load_as(files, stages, n_ctx, None, progress)
-    }
-
-    /// [`Pipeline::load`], with every stage computing in `activations` when given: a GPU's
-    /// activation type on the CPU runs the numbers a GPU computes (the device tests do this in
-    /// builds without CUDA).
-    pub fn load_as(
-        files: &ModelFiles,
-        stages: &[Stage],
-        n_ctx: usize,
-        activations: Option<DType>,
         mut progress: impl FnMut(usize, &Stage),
     ) -> Result<Self, ModelError> {
         check_cover(stages.iter().map(|s| (s.layers.start(), s.layers.end())), files.config().n_layers)?;
         let mut out = Vec::with_capacity(stages.len());
         for (i, s) in stages.iter().enumerate() {
             let dev = candle_device(s.device)?;
-            let dtype = activations.unwrap_or_else(|| activation_dtype(s.device, files));
-            let slice = Slice::load(files, s.layers, &dev, dtype, n_ctx)?;
+            let slice = Slice::load(files, s.layers, &dev, activation_dtype(s.device, files), n_ctx)?;
             out.push((s.device, slice));
             progress(i, s);
         }
         Ok(Pipeline { stages: out, n_ctx })
     }
 
-    /// A pipeline of slices loaded by the caller, in order; its context is the smallest of theirs.
+    /// A pipeline of slices loaded by the caller, in order (in any activation type: a GPU's type
+    /// on the CPU runs the numbers a GPU computes); its context is the smallest of theirs.
     pub fn from_slices(stages: Vec<(DeviceId, Slice)>) -> Result<Self, ModelError> {
         let n_layers = stages.first().map_or(0, |(_, s)| s.config().n_layers);
         check_cover(stages.iter().map(|(_, s)| (s.layers().start(), s.layers().end())), n_layers)?;
