@@ -289,13 +289,16 @@ mod tests {
         assert!(notes[0].contains("ran out of memory") && notes[0].contains("retrying with 28"));
         assert_eq!(stages.iter().map(|s| s.layers.len()).sum::<usize>(), 32);
         // without -ngl auto, no retry; other errors are not retried either
-        assert!(load_with_retry(32, start.clone(), false, |_| -> Result<(), _> { Err(oom()) }).is_err());
+        let e = load_with_retry(32, start.clone(), false, |_| -> Result<(), _> { Err(oom()) }).err().unwrap();
+        assert!(e.to_string().contains("CUDA_ERROR_OUT_OF_MEMORY"), "{e}");
         let mut n = 0;
-        assert!(load_with_retry(32, start, true, |_| -> Result<(), _> {
+        let e = load_with_retry(32, start, true, |_| -> Result<(), _> {
             n += 1;
             Err(brigade_model::ModelError::BadInput("x".into()))
         })
-        .is_err());
+        .err()
+        .unwrap();
+        assert_eq!(e.to_string(), "invalid input: x");
         assert_eq!(n, 1);
     }
 
@@ -326,13 +329,17 @@ mod tests {
         let files = open_model(None).unwrap();
         let n = files.config.n_layers;
         // no GPU: -ngl N is an error, auto falls back with a notice, the default is the CPU
-        assert!(place(&files, Some(GpuLayers::N(2)), None, 64, 0.1, &[], no_machine).is_err());
+        let err = |r: Result<Placement>| r.err().map(|e| format!("{e:#}")).unwrap_or_default();
+        let e = err(place(&files, Some(GpuLayers::N(2)), None, 64, 0.1, &[], no_machine));
+        assert!(e.contains("-ngl 2 asks for GPU layers, but "), "{e}");
         let p = place(&files, Some(GpuLayers::Auto), None, 64, 0.1, &[], no_machine).unwrap();
         assert_eq!(p.stages.len(), 1);
         assert!(p.notice.unwrap().contains("CPU"));
         assert_eq!(place(&files, None, None, 64, 0.1, &[], no_machine).unwrap().stages[0].layers.len(), n);
-        assert!(place(&files, Some(GpuLayers::N(1)), Some("cpu:5"), 64, 0.1, &[], no_machine).is_err());
-        assert!(place(&files, None, Some("cpu:2,cuda0:3"), 64, 0.1, &[], no_machine).is_err());
+        let e = err(place(&files, Some(GpuLayers::N(1)), Some("cpu:5"), 64, 0.1, &[], no_machine));
+        assert!(e.contains("either -ngl or --device-map"), "{e}");
+        let e = err(place(&files, None, Some("cpu:2,cuda0:3"), 64, 0.1, &[], no_machine));
+        assert!(e.contains("--device-map places layers on cuda0, but "), "{e}");
         // room for everything: the whole model on the GPU
         let p =
             place(&files, Some(GpuLayers::Auto), None, 64, 0.1, &fake_gpu(1 << 30), || Ok(fake_machine(&[1 << 30])))

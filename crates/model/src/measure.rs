@@ -407,7 +407,8 @@ mod tests {
         assert!(flops > 1e7 && flops < 1e14, "{flops}");
         assert!(default_cache_dir().is_some_and(|d| d.ends_with("brigade")));
         if !cfg!(feature = "cuda") {
-            assert!(measure_cuda(0, Effort::Quick, None).is_err());
+            let e = measure_cuda(0, Effort::Quick, None).err().map(|e| e.to_string()).unwrap_or_default();
+            assert!(e.contains("cuda0: no such CUDA device"), "{e}");
         }
     }
 }
