@@ -1,6 +1,17 @@
 //! `brigade`: the one binary. clap arguments become validated configuration, then library calls.
 //!
 //! Exit codes: 0 success, 1 any runtime error (bad model file, unavailable device, …), 2 usage.
+//!
+//! # Layout
+//! - this file: the subcommands, llama.cpp's `-ngl` spelling (for `run`, `bench`, `serve`), the
+//!   process's compute threads from the subcommand's `-t`;
+//! - `run`, `bench` (+ `bench_report`), `plan`, `synth`, `doctor`: this box;
+//! - `common`: what they share (models, placements, llama.cpp's `-c`/`-n`), `machine`: this box
+//!   measured, as the planner sees it;
+//! - `cluster`, `cluster_bench`, `local`: cluster mode.
+//!
+//! Deliberately absent: tensors (candle is reached only through `brigade-model`) and any
+//! placement logic of its own (the planner places, with measured figures).
 
 mod bench;
 mod bench_report;
