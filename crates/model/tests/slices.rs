@@ -257,3 +257,18 @@ fn qwen2_biases() {
     assert!(max_abs_diff(&a, &trace(&real, "cpu:4")) > 1e-3, "biases must change the logits");
     assert_split_invariant(&real);
 }
+
+#[test]
+fn a_context_too_large_for_memory_is_an_error() {
+    let files = stories_f32();
+    let e = brigade_model::Slice::load(
+        &files,
+        brigade_core::LayerRange::new(0, 5).unwrap(),
+        &candle_core::Device::Cpu,
+        candle_core::DType::F32,
+        usize::MAX / 2,
+    )
+    .err()
+    .unwrap();
+    assert!(e.to_string().contains("does not fit in memory"), "{e}");
+}
