@@ -90,20 +90,21 @@ pub fn bench(a: BenchArgs) -> Result<()> {
 /// Each thread count of `-t` in a child process of this binary; their rows together.
 fn sweep(a: &BenchArgs) -> Result<BenchOut> {
     let exe = std::env::current_exe().context("finding the brigade binary")?;
-    let join = |v: Vec<String>| v.join(",");
+    let join = |v: Vec<String>| std::ffi::OsString::from(v.join(","));
     let mut merged: Option<BenchOut> = None;
     for &t in &a.threads {
         let n = brigade_model::threads::resolve(Some(t))?;
-        let mut args: Vec<String> = vec!["bench".into(), "-o".into(), "json".into(), "-t".into(), n.to_string()];
+        let mut args: Vec<std::ffi::OsString> =
+            vec!["bench".into(), "-o".into(), "json".into(), "-t".into(), n.to_string().into()];
         if let Some(m) = &a.model {
-            args.extend(["-m".into(), m.display().to_string()]);
+            args.extend(["-m".into(), m.into()]);
         }
         args.extend(["-p".into(), join(a.n_prompt.iter().map(|x| x.to_string()).collect())]);
         args.extend(["-n".into(), join(a.n_gen.iter().map(|x| x.to_string()).collect())]);
-        args.extend(["-r".into(), a.reps.to_string()]);
+        args.extend(["-r".into(), a.reps.to_string().into()]);
         args.extend(["--n-gpu-layers".into(), join(a.ngl.iter().map(|g| g.to_string()).collect())]);
-        args.extend(["--headroom".into(), a.headroom.to_string()]);
-        args.extend(["--measure".into(), format!("{:?}", a.measure).to_lowercase()]);
+        args.extend(["--headroom".into(), a.headroom.to_string().into()]);
+        args.extend(["--measure".into(), format!("{:?}", a.measure).to_lowercase().into()]);
         if a.no_bandwidth {
             args.push("--no-bandwidth".into());
         }
@@ -116,7 +117,8 @@ fn sweep(a: &BenchArgs) -> Result<BenchOut> {
         if !out.status.success() {
             bail!("the -t {n} benchmark failed ({})", out.status);
         }
-        let part: BenchOut = serde_json::from_slice(&out.stdout).context("reading the -t {n} benchmark's report")?;
+        let part: BenchOut =
+            serde_json::from_slice(&out.stdout).with_context(|| format!("reading the -t {n} benchmark's report"))?;
         merged = Some(match merged {
             None => part,
             Some(m) => m.merge(part),
