@@ -5,10 +5,20 @@
 use std::process::Command;
 
 fn deps(package: &str) -> Vec<String> {
+    tree(package, &[])
+}
+
+/// The crates `package` names in its own `[dependencies]` (and itself).
+fn direct_deps(package: &str) -> Vec<String> {
+    tree(package, &["--depth", "1"])
+}
+
+fn tree(package: &str, extra: &[&str]) -> Vec<String> {
     let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
     let out = Command::new(cargo)
         .current_dir(concat!(env!("CARGO_MANIFEST_DIR"), "/../.."))
         .args(["tree", "--offline", "-p", package, "-e", "normal", "--prefix", "none", "--format", "{p}"])
+        .args(extra)
         .output()
         .unwrap();
     assert!(out.status.success(), "cargo tree -p {package}: {}", String::from_utf8_lossy(&out.stderr));
@@ -94,5 +104,27 @@ fn the_coordinator_never_links_candle_and_the_worker_never_raft() {
     let sdk = deps("brigade-sdk");
     for bad in ["candle-core", "brigade-model", "brigade-coordinator", "brigade-worker", "raft"] {
         assert!(!sdk.iter().any(|x| x == bad), "brigade-sdk depends on {bad}");
+    }
+}
+
+#[test]
+fn the_cli_reaches_tensors_only_through_the_model_crate() {
+    let cli = direct_deps("brigade-cli");
+    assert!(cli.iter().any(|x| x == "brigade-model"), "cargo tree did not list the model crate: {cli:?}");
+    if let Some(bad) = cli.iter().find(|x| x.starts_with("candle-") || *x == "cudarc") {
+        panic!("brigade-cli depends on {bad} directly");
+    }
+}
+
+#[test]
+fn model_modules_point_down() {
+    // device → llama → pipeline: the slice never reaches up into the pipeline built from it
+    let src = |f: &str| {
+        std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/../model/src/").to_string() + f).unwrap()
+    };
+    for (file, above) in [("llama.rs", "pipeline"), ("device.rs", "pipeline"), ("device.rs", "llama")] {
+        let text = src(file);
+        assert!(!text.contains(&format!("crate::{above}")), "{file} uses crate::{above}");
+        assert!(text.contains("use crate::"), "{file} was not read");
     }
 }

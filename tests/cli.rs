@@ -14,8 +14,13 @@ fn fixture(name: &str) -> PathBuf {
     root().join("tests/fixtures").join(name)
 }
 
+/// The binary, with its measured figures cached under the target dir (not the user's cache).
 fn brigade(args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_brigade")).args(args).output().expect("running brigade")
+    Command::new(env!("CARGO_BIN_EXE_brigade"))
+        .args(args)
+        .env("XDG_CACHE_HOME", Path::new(env!("CARGO_TARGET_TMPDIR")).join("cli-cache"))
+        .output()
+        .expect("running brigade")
 }
 
 fn ok_json(args: &[&str]) -> Value {
@@ -170,8 +175,38 @@ fn bad_input_gives_clear_errors() {
     let out = brigade(&["run", "-ngl", "auto", "-n", "3"]);
     assert!(out.status.success());
     assert!(String::from_utf8_lossy(&out.stderr).contains("-ngl auto"));
-    // usage errors are exit 2 (clap)
-    assert_eq!(brigade(&["run", "-n", "lots"]).status.code(), Some(2));
+    // usage errors are exit 2 (clap), naming the value
+    let out = brigade(&["run", "-n", "lots"]);
+    assert_eq!(out.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("invalid value 'lots'"));
+    expect_error(&["run", "-n", "-2"], "-n -2: a token count, or -1 for no limit");
+    let out = brigade(&["run", "-t", "5000", "-n", "1"]);
+    assert_eq!(out.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("-t 5000: at most 1024 threads"));
+}
+
+#[test]
+fn llama_cpp_flags_mean_what_they_mean_there() {
+    // -c 0 is the model's trained context (the embedded model says 2048), -n -1 runs to its end
+    let j = ok_json(&["run", "-c", "0", "-n", "-1", "--temp", "0", "--json"]);
+    assert_eq!(j["n_ctx"], 2048);
+    assert_eq!(j["stop"], "context");
+    // the prompt's one token and 2047 generated ones fill the context; the 2048th is sampled, unfed
+    assert_eq!(ids(&j["generated_ids"]).len(), 2048);
+    // -n -1 stops at an end of text when there is one
+    let j = ok_json(&["run", "-c", "0", "-n", "-1", "--temp", "0", "--json", "-p", "Once upon a time"]);
+    assert!(["eos", "context"].contains(&j["stop"].as_str().unwrap()), "{}", j["stop"]);
+    // -t is read per subcommand: 0 is every logical CPU, and -ngl belongs to run and bench only
+    assert!(brigade(&["run", "-t", "0", "-n", "2"]).status.success());
+    let out = brigade(&["plan", "-ngl", "3", "--shape", "llama-1b", "--quant", "q4_k"]);
+    assert_eq!(out.status.code(), Some(2));
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains("unexpected argument '-n'"),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let out = brigade(&["plan", "-t", "2", "--shape", "llama-1b", "--quant", "q4_k"]);
+    assert_eq!(out.status.code(), Some(2));
 }
 
 #[test]
@@ -240,7 +275,7 @@ fn synth_gguf_and_safetensors_give_the_same_tokens() {
 
 #[test]
 fn bench_reports_rows_bandwidth_and_bound() {
-    let out = brigade(&["bench", "-p", "16", "-n", "8", "-r", "2", "-o", "json"]);
+    let out = brigade(&["bench", "-p", "16", "-n", "8", "-r", "2", "-o", "json", "--measure", "quick"]);
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
     let j: Value = serde_json::from_slice(&out.stdout).unwrap();
     let rows = j["rows"].as_array().unwrap();
@@ -252,17 +287,92 @@ fn bench_reports_rows_bandwidth_and_bound() {
         assert!(r["avg_ts"].as_f64().unwrap() > 0.0);
         assert!(r["devices"][0]["bytes"].as_u64().unwrap() > 0);
     }
-    assert!(j["bandwidth_bytes_per_s"].as_f64().unwrap() > 1e8);
+    assert!(j["bandwidth"][0]["bytes_per_s"].as_f64().unwrap() > 1e8);
     let f = rows[1]["fraction_of_bound"].as_f64().unwrap();
     assert!(f > 0.0 && f < 1.5, "fraction of bound {f}");
-    let md = brigade(&["bench", "-p", "8", "-n", "4", "-r", "1", "--no-bandwidth"]);
+    // the cost model's prediction beside each measurement, from this machine's figures
+    for r in rows {
+        let p = r["predicted_ts"].as_f64().unwrap();
+        assert!(p.is_finite() && p > 0.0, "{r}");
+    }
+    let md = brigade(&["bench", "-p", "8", "-n", "4", "-r", "1", "--no-bandwidth", "--measure", "quick"]);
     let md = String::from_utf8(md.stdout).unwrap();
     assert!(md.contains("| pp8 |") && md.contains("| tg4 |"), "{md}");
     // the embedded model's layer matrices are f32: the report names their kernels
     let kernels: Vec<&str> = md.lines().filter(|l| l.starts_with("note: CPU kernels for ")).collect();
     assert!(!kernels.is_empty() && kernels.iter().all(|l| l.contains("decode ") && l.contains(", prompt ")), "{md}");
-    let csv = brigade(&["bench", "-p", "8", "-n", "0", "-r", "1", "-o", "csv", "--no-bandwidth"]);
+    assert!(md.contains("| predicted t/s |") && md.contains("the cost model predicted"), "{md}");
+    let csv = brigade(&["bench", "-p", "8", "-n", "0", "-r", "1", "-o", "csv", "--no-bandwidth", "--measure", "quick"]);
     assert_eq!(String::from_utf8(csv.stdout).unwrap().lines().count(), 2);
+}
+
+#[test]
+fn bench_sweeps_thread_counts_in_child_processes() {
+    let j = ok_json(&["bench", "-p", "8", "-n", "4", "-r", "1", "-t", "1,2", "-o", "json", "--measure", "quick"]);
+    let rows = j["rows"].as_array().unwrap();
+    let threads: Vec<u64> = rows.iter().map(|r| r["threads"].as_u64().unwrap()).collect();
+    assert_eq!(threads, [1, 1, 2, 2]);
+    let bw: Vec<u64> = j["bandwidth"].as_array().unwrap().iter().map(|b| b["threads"].as_u64().unwrap()).collect();
+    assert_eq!(bw, [1, 2]);
+    // one -t is this process's own count
+    let j = ok_json(&[
+        "bench",
+        "-p",
+        "0",
+        "-n",
+        "2",
+        "-r",
+        "1",
+        "-t",
+        "1",
+        "-o",
+        "json",
+        "--no-bandwidth",
+        "--measure",
+        "quick",
+    ]);
+    assert_eq!(j["rows"][0]["threads"], 1);
+}
+
+#[test]
+fn doctor_describes_this_machine() {
+    let j = ok_json(&["doctor", "--json", "-t", "1"]);
+    assert_eq!(j["brigade"]["version"], env!("CARGO_PKG_VERSION"));
+    let cpu = &j["cpu"];
+    assert!(!cpu["model"].as_str().unwrap().is_empty());
+    let logical = cpu["logical_cpus"].as_u64().unwrap();
+    assert!(logical >= 1 && cpu["default_threads"].as_u64().unwrap() <= logical);
+    if cfg!(target_arch = "x86_64") {
+        let sets: Vec<&str> = cpu["instruction_sets"].as_array().unwrap().iter().map(|s| s.as_str().unwrap()).collect();
+        assert!(sets.contains(&"sse4.2"), "{sets:?}");
+    }
+    // a kernel for each weight type, Q4_K and Q8_0 among them
+    let kernels = j["kernels"].as_array().unwrap();
+    for t in ["f32", "q8_0", "q4_k", "q6_k"] {
+        let k = kernels.iter().find(|k| k["weight_type"] == t).unwrap_or_else(|| panic!("{t}: {kernels:?}"));
+        assert!(!k["decode"].as_str().unwrap().is_empty() && !k["prompt"].as_str().unwrap().is_empty());
+    }
+    let m = &j["memory"];
+    assert!(m["available_bytes"].as_u64().unwrap() <= m["total_bytes"].as_u64().unwrap());
+    assert!(m["total_bytes"].as_u64().unwrap() > 1 << 28);
+    let bw = &j["bandwidth"];
+    let read = bw["read_bytes_per_s"].as_f64().unwrap();
+    assert!(read > 1e8 && read < 1e13, "{bw}");
+    assert_eq!(bw["threads"], 1);
+    assert!(bw["buffer_bytes"].as_u64().unwrap() >= 256 << 20);
+    let libs = j["cuda_libraries"].as_array().unwrap();
+    assert!(libs.iter().any(|l| l["name"] == "libcuda.so.1"));
+    for l in libs {
+        assert!(!l["why"].as_str().unwrap().is_empty(), "{l}");
+    }
+    if !cfg!(feature = "cuda") {
+        assert!(j["gpus"].as_array().unwrap().is_empty());
+        assert!(j["notes"][0].as_str().unwrap().contains("no CUDA"));
+    }
+    let text = String::from_utf8(brigade(&["doctor", "-t", "1"]).stdout).unwrap();
+    for want in ["brigade ", "instruction sets:", "kernels (decode / prompt):", "read bandwidth:", "cuda libraries"] {
+        assert!(text.contains(want), "`{want}` missing:\n{text}");
+    }
 }
 
 fn clusters() -> PathBuf {
@@ -341,6 +451,32 @@ fn plan_prints_text_json_and_svg() {
     ]);
     assert_eq!(j["also_plan"]["stages"][0]["device"], "cuda0");
     assert_eq!(j["reserved"][0]["device"], "cuda0");
+}
+
+#[test]
+fn plan_for_this_box_uses_its_measured_figures() {
+    let m = fixture("stories260K-Q8_0.gguf");
+    let j = ok_json(&["plan", "-m", m.to_str().unwrap(), "--json", "--measure", "quick", "--ctx", "256"]);
+    let st = &j["stages"][0];
+    assert_eq!(st["node"], "local");
+    assert_eq!(st["layers"], serde_json::json!([0, 5]));
+    // the CPU keeps its KV cache in f32: 5 layers × 256 tokens × 2 × (4 kv heads × 8) × 4 bytes
+    assert_eq!(st["kv_bytes"], 5 * 256 * 2 * 32 * 4);
+    assert!(j["tokens_per_s"].as_f64().unwrap() > 0.0);
+    // --kv-type overrides it
+    let j = ok_json(&[
+        "plan",
+        "-m",
+        m.to_str().unwrap(),
+        "--json",
+        "--measure",
+        "quick",
+        "--ctx",
+        "256",
+        "--kv-type",
+        "f16",
+    ]);
+    assert_eq!(j["stages"][0]["kv_bytes"], 5 * 256 * 2 * 32 * 2);
 }
 
 #[test]

@@ -242,7 +242,8 @@ fn home_dir(sub: &str) -> PathBuf {
 pub fn worker(a: WorkerArgs) -> Result<()> {
     let data_dir = a.data_dir.unwrap_or_else(|| home_dir(&format!("worker-{}", a.name)));
     let models_dir = a.models_dir.unwrap_or_else(|| home_dir("models"));
-    let threads = a.threads.unwrap_or_else(candle_core::utils::get_num_threads).max(1);
+    // main set this process's compute pools from -t
+    let threads = brigade_model::threads::current();
     let cfg = brigade_worker::WorkerConfig {
         name: a.name,
         coordinator: a.coordinator,

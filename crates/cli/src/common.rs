@@ -1,11 +1,11 @@
 //! What `run` and `bench` share: opening a model (the embedded one by default), turning
-//! `-ngl` / `--device-map` into stages, and printing sizes.
+//! `-ngl` / `--device-map` into stages, llama.cpp's `-c` and `-n`, and printing sizes.
 
+use crate::machine::Machine;
 use anyhow::{bail, Context, Result};
-use brigade_core::{DeviceId, DeviceKind, DeviceMap, DeviceSpec, Inventory, LayerRange, NodeSpec, Stage};
+use brigade_core::{DeviceId, DeviceMap, LayerRange, Stage};
 use brigade_model::devices::{cuda_devices, CudaInfo};
-use brigade_model::pipeline::activation_dtype;
-use brigade_model::ModelFiles;
+use brigade_model::{predict_slice_bytes, ModelFiles};
 use brigade_planner::Policy;
 use std::path::Path;
 use std::str::FromStr;
@@ -46,13 +46,46 @@ pub fn open_model(path: Option<&Path>) -> Result<ModelFiles> {
     }
 }
 
-/// The context length: `-c` if given, else the model's, capped at 4096 (llama.cpp's habit).
+/// The context length: `-c N` if given, `-c 0` the model's trained context (llama.cpp's
+/// meaning), none the model's capped at 4096 (llama.cpp's default).
 pub fn context_len(files: &ModelFiles, requested: Option<usize>) -> Result<usize> {
+    let trained = files.config.context_length.max(1);
     match requested {
-        Some(0) => bail!("-c 0: the context must hold at least one token"),
+        Some(0) => Ok(trained),
         Some(c) => Ok(c),
-        None => Ok(files.config.context_length.clamp(1, 4096)),
+        None => Ok(trained.min(4096)),
     }
+}
+
+/// llama.cpp's `-n`: a token count, or -1 for no limit (until an end of text or a full context).
+pub fn n_predict(n: i64) -> Result<usize> {
+    match n {
+        -1 => Ok(usize::MAX),
+        n => usize::try_from(n).map_err(|_| anyhow::anyhow!("-n {n}: a token count, or -1 for no limit")),
+    }
+}
+
+/// Refuses a placement whose CPU stages would allocate more than the memory available now
+/// (a context as large as `-c 0` gives can need tens of GiB of f32 KV cache): an error naming
+/// the sizes instead of an allocation failure part-way through loading.
+pub fn check_cpu_memory(files: &ModelFiles, stages: &[Stage], n_ctx: usize) -> Result<()> {
+    let (mut weights, mut kv) = (0u64, 0u64);
+    for s in stages.iter().filter(|s| s.device == DeviceId::Cpu) {
+        let b = predict_slice_bytes(files, s.layers, s.device, n_ctx);
+        weights = weights.saturating_add(b.weights);
+        kv = kv.saturating_add(b.kv);
+    }
+    let available = brigade_model::devices::cpu_info().memory_available;
+    if available > 0 && weights.saturating_add(kv) > available {
+        bail!(
+            "the CPU's layers need {} (weights {}, KV cache {} for {n_ctx} tokens in f32) and {} of memory is available: lower -c",
+            human_bytes(weights.saturating_add(kv)),
+            human_bytes(weights),
+            human_bytes(kv),
+            human_bytes(available)
+        );
+    }
+    Ok(())
 }
 
 /// How layers were placed, for the report.
@@ -62,49 +95,13 @@ pub struct Placement {
     pub notice: Option<String>,
 }
 
-/// This box as the planner sees it: the CPU with the memory available now, and each CUDA device
-/// with its free memory. Bandwidth and compute are nominal figures (a desktop CPU, a current GPU):
-/// placing layers on one box only needs the GPU to be the faster device, which it is.
-pub fn local_inventory(gpus: &[CudaInfo]) -> Inventory {
-    let cpu = brigade_model::devices::cpu_info();
-    let mut devices = vec![DeviceSpec {
-        name: "cpu".into(),
-        kind: DeviceKind::Cpu,
-        memory: cpu.memory_available.max(1),
-        mem_bandwidth: 40e9,
-        flops: 50e9 * cpu.threads as f64,
-        watts: None,
-        host_link: None,
-    }];
-    for g in gpus {
-        devices.push(DeviceSpec {
-            name: format!("cuda{}", g.ordinal),
-            kind: DeviceKind::Cuda,
-            memory: g.memory_free.max(1),
-            mem_bandwidth: 900e9,
-            flops: 50e12,
-            watts: None,
-            host_link: Some(brigade_planner::cluster::DEFAULT_HOST_LINK),
-        });
-    }
-    Inventory { nodes: vec![NodeSpec { name: "local".into(), devices }], links: Vec::new() }
-}
-
-/// Bytes per KV cache element on a device for a model (the activation dtype's).
-pub fn kv_elem_bytes(files: &ModelFiles, device: DeviceId) -> u64 {
-    activation_dtype(device, files).size_in_bytes() as u64
-}
-
-/// `-ngl auto`: the planner's latency-optimal placement on this box, with the bytes the GPU
-/// will allocate (its KV cache and dense weight types; the CPU, which computes in f32, has memory
-/// to spare) against free memory less the headroom.
-fn auto_place(files: &ModelFiles, n_ctx: usize, headroom: f64, gpus: &[CudaInfo]) -> Result<Placement> {
-    let inv = local_inventory(gpus);
-    let profile = files.device_profile(
-        kv_elem_bytes(files, DeviceId::Cuda(0)),
-        false,
-        activation_dtype(DeviceId::Cuda(0), files),
-    );
+/// `-ngl auto`: the planner's latency-optimal placement on this box, with this box's measured
+/// figures ([`Machine`]) and the bytes each device will allocate (the GPU's KV cache and dense
+/// weights in its activation type, the CPU's KV cache in f32) against free memory less the
+/// headroom.
+fn auto_place(files: &ModelFiles, n_ctx: usize, headroom: f64, machine: &Machine) -> Result<Placement> {
+    let inv = machine.inventory(&crate::machine::weight_types(files));
+    let profile = crate::machine::profile(files);
     let policy = Policy { ctx: n_ctx as u64, headroom, ..Policy::default() };
     let plan = brigade_planner::plan(&inv, &profile, &policy).context("-ngl auto: the planner found no placement")?;
     let mut stages = Vec::new();
@@ -146,7 +143,8 @@ fn no_cuda_reason() -> &'static str {
     }
 }
 
-/// Resolves `-ngl` / `--device-map` into stages for a model of `n_layers`.
+/// Resolves `-ngl` / `--device-map` into stages for a model of `n_layers`. `machine` gives this
+/// box's measured figures; it is called only for `-ngl auto` with a GPU.
 pub fn place(
     files: &ModelFiles,
     ngl: Option<GpuLayers>,
@@ -154,6 +152,7 @@ pub fn place(
     n_ctx: usize,
     headroom: f64,
     gpus: &[CudaInfo],
+    machine: impl FnOnce() -> Result<Machine>,
 ) -> Result<Placement> {
     let n_layers = files.config.n_layers;
     if !(0.0..1.0).contains(&headroom) {
@@ -188,7 +187,7 @@ pub fn place(
         GpuLayers::Auto if gpus.is_empty() => {
             (0, Some(format!("-ngl auto: {}; running all {n_layers} layers on the CPU", no_cuda_reason())))
         }
-        GpuLayers::Auto => return auto_place(files, n_ctx, headroom, gpus),
+        GpuLayers::Auto => return auto_place(files, n_ctx, headroom, &machine()?),
     };
     let stages = DeviceMap::n_gpu_layers(n_layers, n_gpu, gpu)?.stages(n_layers)?;
     Ok(Placement { stages, notice })
@@ -207,7 +206,7 @@ pub fn load_with_retry<T>(
     loop {
         match load(&stages) {
             Ok(t) => return Ok((t, stages, notes)),
-            Err(e) if retry && brigade_model::pipeline::is_out_of_memory(&e) => {
+            Err(e) if retry && brigade_model::device::is_out_of_memory(&e) => {
                 let gpu = stages.iter().find(|s| s.device != DeviceId::Cpu).map(|s| s.device);
                 let on_gpu: usize = stages.iter().filter(|s| s.device != DeviceId::Cpu).map(|s| s.layers.len()).sum();
                 let Some(gpu) = gpu.filter(|_| on_gpu > 0) else {
@@ -231,6 +230,16 @@ pub fn detect_gpus() -> Vec<CudaInfo> {
     cuda_devices()
 }
 
+/// Writes a report to stdout; a closed stdout (`| head`) ends it quietly, as it ends `run`.
+pub fn print_stdout(text: &str) -> Result<()> {
+    use std::io::Write;
+    let mut out = std::io::stdout().lock();
+    match out.write_all(text.as_bytes()).and_then(|_| out.flush()) {
+        Err(e) if e.kind() != std::io::ErrorKind::BrokenPipe => Err(e.into()),
+        _ => Ok(()),
+    }
+}
+
 pub fn human_bytes(b: u64) -> String {
     let b = b as f64;
     if b >= 1024.0 * 1024.0 * 1024.0 {
@@ -248,7 +257,7 @@ pub fn human_bytes(b: u64) -> String {
 #[allow(clippy::unwrap_used)]
 mod tests {
     use super::*;
-    use brigade_model::predict_slice_bytes;
+    use crate::machine::tests::fake_machine;
 
     fn fake_gpu(free: u64) -> Vec<CudaInfo> {
         vec![CudaInfo { ordinal: 0, name: "test".into(), memory_total: free, memory_free: free }]
@@ -257,9 +266,9 @@ mod tests {
     #[test]
     fn out_of_memory_retries_with_fewer_gpu_layers() {
         let oom = || {
-            brigade_model::ModelError::Candle(candle_core::Error::Msg(
-                "DriverError(CUDA_ERROR_OUT_OF_MEMORY, \"out of memory\")".into(),
-            ))
+            brigade_model::ModelError::NoDevice(
+                "cuda0: DriverError(CUDA_ERROR_OUT_OF_MEMORY, \"out of memory\")".into(),
+            )
         };
         let start = DeviceMap::n_gpu_layers(32, 32, DeviceId::Cuda(0)).unwrap().stages(32).unwrap();
         let mut tried = Vec::new();
@@ -280,14 +289,39 @@ mod tests {
         assert!(notes[0].contains("ran out of memory") && notes[0].contains("retrying with 28"));
         assert_eq!(stages.iter().map(|s| s.layers.len()).sum::<usize>(), 32);
         // without -ngl auto, no retry; other errors are not retried either
-        assert!(load_with_retry(32, start.clone(), false, |_| -> Result<(), _> { Err(oom()) }).is_err());
+        let e = load_with_retry(32, start.clone(), false, |_| -> Result<(), _> { Err(oom()) }).err().unwrap();
+        assert!(e.to_string().contains("CUDA_ERROR_OUT_OF_MEMORY"), "{e}");
         let mut n = 0;
-        assert!(load_with_retry(32, start, true, |_| -> Result<(), _> {
+        let e = load_with_retry(32, start, true, |_| -> Result<(), _> {
             n += 1;
             Err(brigade_model::ModelError::BadInput("x".into()))
         })
-        .is_err());
+        .err()
+        .unwrap();
+        assert_eq!(e.to_string(), "invalid input: x");
         assert_eq!(n, 1);
+    }
+
+    fn no_machine() -> Result<Machine> {
+        bail!("measured without a GPU")
+    }
+
+    #[test]
+    fn llama_cpp_context_and_count_flags() {
+        let files = open_model(None).unwrap();
+        // the embedded model was trained at 2048 (its header says so)
+        assert_eq!(context_len(&files, Some(0)).unwrap(), files.config.context_length);
+        assert_eq!(context_len(&files, Some(100)).unwrap(), 100);
+        assert_eq!(context_len(&files, None).unwrap(), files.config.context_length.min(4096));
+        assert_eq!(n_predict(-1).unwrap(), usize::MAX);
+        assert_eq!(n_predict(7).unwrap(), 7);
+        let e = n_predict(-2).unwrap_err().to_string();
+        assert!(e.contains("-n -2") && e.contains("-1 for no limit"), "{e}");
+        let all = [Stage { device: DeviceId::Cpu, layers: LayerRange::new(0, files.config.n_layers).unwrap() }];
+        assert!(check_cpu_memory(&files, &all, 64).is_ok());
+        // 2^40 tokens of f32 KV cache is more memory than any machine this runs on
+        let e = check_cpu_memory(&files, &all, 1 << 40).unwrap_err().to_string();
+        assert!(e.contains("KV cache") && e.contains("lower -c"), "{e}");
     }
 
     #[test]
@@ -295,15 +329,21 @@ mod tests {
         let files = open_model(None).unwrap();
         let n = files.config.n_layers;
         // no GPU: -ngl N is an error, auto falls back with a notice, the default is the CPU
-        assert!(place(&files, Some(GpuLayers::N(2)), None, 64, 0.1, &[]).is_err());
-        let p = place(&files, Some(GpuLayers::Auto), None, 64, 0.1, &[]).unwrap();
+        let err = |r: Result<Placement>| r.err().map(|e| format!("{e:#}")).unwrap_or_default();
+        let e = err(place(&files, Some(GpuLayers::N(2)), None, 64, 0.1, &[], no_machine));
+        assert!(e.contains("-ngl 2 asks for GPU layers, but "), "{e}");
+        let p = place(&files, Some(GpuLayers::Auto), None, 64, 0.1, &[], no_machine).unwrap();
         assert_eq!(p.stages.len(), 1);
         assert!(p.notice.unwrap().contains("CPU"));
-        assert_eq!(place(&files, None, None, 64, 0.1, &[]).unwrap().stages[0].layers.len(), n);
-        assert!(place(&files, Some(GpuLayers::N(1)), Some("cpu:5"), 64, 0.1, &[]).is_err());
-        assert!(place(&files, None, Some("cpu:2,cuda0:3"), 64, 0.1, &[]).is_err());
+        assert_eq!(place(&files, None, None, 64, 0.1, &[], no_machine).unwrap().stages[0].layers.len(), n);
+        let e = err(place(&files, Some(GpuLayers::N(1)), Some("cpu:5"), 64, 0.1, &[], no_machine));
+        assert!(e.contains("either -ngl or --device-map"), "{e}");
+        let e = err(place(&files, None, Some("cpu:2,cuda0:3"), 64, 0.1, &[], no_machine));
+        assert!(e.contains("--device-map places layers on cuda0, but "), "{e}");
         // room for everything: the whole model on the GPU
-        let p = place(&files, Some(GpuLayers::Auto), None, 64, 0.1, &fake_gpu(1 << 30)).unwrap();
+        let p =
+            place(&files, Some(GpuLayers::Auto), None, 64, 0.1, &fake_gpu(1 << 30), || Ok(fake_machine(&[1 << 30])))
+                .unwrap();
         assert_eq!(p.stages.len(), 1);
         assert_eq!(p.stages[0].device, DeviceId::Cuda(0));
         // a model whose layers take real time: auto fills the GPU by predicted bytes; with room for
@@ -326,7 +366,8 @@ mod tests {
         for k in 1..=n {
             let need = predict_slice_bytes(&files, LayerRange::new(n - k, n).unwrap(), DeviceId::Cuda(0), 64).total();
             let free = (need as f64 / 0.9).ceil() as u64 + 1;
-            let p = place(&files, Some(GpuLayers::Auto), None, 64, 0.1, &fake_gpu(free)).unwrap();
+            let p = place(&files, Some(GpuLayers::Auto), None, 64, 0.1, &fake_gpu(free), || Ok(fake_machine(&[free])))
+                .unwrap();
             let gpu: Vec<&Stage> = p.stages.iter().filter(|s| s.device != DeviceId::Cpu).collect();
             let on_gpu: usize = gpu.iter().map(|s| s.layers.len()).sum();
             assert!(on_gpu >= k, "free {free}: {on_gpu} < {k}: {:?}", p.stages);
@@ -335,7 +376,8 @@ mod tests {
             }
             assert!(p.notice.as_ref().unwrap().contains("-ngl auto"));
         }
-        let p = place(&files, Some(GpuLayers::Auto), None, 64, 0.1, &fake_gpu(1000)).unwrap();
+        let p =
+            place(&files, Some(GpuLayers::Auto), None, 64, 0.1, &fake_gpu(1000), || Ok(fake_machine(&[1000]))).unwrap();
         assert!(p.stages.iter().all(|s| s.device == DeviceId::Cpu));
     }
 }

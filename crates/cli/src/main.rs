@@ -1,12 +1,26 @@
 //! `brigade`: the one binary. clap arguments become validated configuration, then library calls.
 //!
 //! Exit codes: 0 success, 1 any runtime error (bad model file, unavailable device, …), 2 usage.
+//!
+//! # Layout
+//! - this file: the subcommands, llama.cpp's `-ngl` spelling (for `run`, `bench`, `serve`), the
+//!   process's compute threads from the subcommand's `-t`;
+//! - `run`, `bench` (+ `bench_report`), `plan`, `synth`, `doctor`: this box;
+//! - `common`: what they share (models, placements, llama.cpp's `-c`/`-n`), `machine`: this box
+//!   measured, as the planner sees it;
+//! - `cluster`, `cluster_bench`, `local`: cluster mode.
+//!
+//! Deliberately absent: tensors (candle is reached only through `brigade-model`) and any
+//! placement logic of its own (the planner places, with measured figures).
 
 mod bench;
+mod bench_report;
 mod cluster;
 mod cluster_bench;
 mod common;
+mod doctor;
 mod local;
+mod machine;
 mod plan;
 mod run;
 mod synth;
@@ -35,8 +49,10 @@ enum Cmd {
     Bench(bench::BenchArgs),
     /// Write a random-weight model of any Llama shape (GGUF or safetensors).
     Synth(synth::SynthArgs),
-    /// Place a model's layers on a cluster's devices (what-if; nothing is loaded).
+    /// Place a model's layers on this box or a cluster's devices (what-if; nothing is loaded).
     Plan(plan::PlanArgs),
+    /// This machine as brigade sees it: CPU, kernels, memory, bandwidth, GPUs, CUDA libraries.
+    Doctor(doctor::DoctorArgs),
     /// Run a cluster's coordinator: admission, placement, assignments, the client API.
     Coordinator(cluster::CoordinatorArgs),
     /// Run a worker on this node: join a cluster, host the layers it is assigned.
@@ -53,47 +69,56 @@ enum Cmd {
     Cluster(local::ClusterArgs),
 }
 
-/// llama.cpp spells some options with one dash and several letters (`-ngl 8`); clap's short
-/// options are single letters, so those are rewritten to their long names first.
-fn rewrite_llama_cpp_flags(args: impl Iterator<Item = String>) -> Vec<String> {
-    args.map(|a| {
-        {
-            let (short, long) = ("-ngl", "--n-gpu-layers");
-            if a == short {
-                return long.to_string();
-            }
-            if let Some(v) = a.strip_prefix(short).and_then(|r| r.strip_prefix('=')) {
-                return format!("{long}={v}");
-            }
+/// The subcommands that take llama.cpp's `-ngl`.
+const TAKES_NGL: [&str; 3] = ["run", "bench", "serve"];
+
+/// The index of the subcommand in `args` (the first word after the program and its global
+/// options; `--log` is the one that takes a value).
+fn subcommand_index(args: &[String]) -> Option<usize> {
+    let mut i = 1;
+    while let Some(a) = args.get(i) {
+        if a == "--log" {
+            i += 2;
+        } else if a.starts_with('-') {
+            i += 1;
+        } else {
+            return Some(i);
         }
-        a
-    })
-    .collect()
+    }
+    None
 }
 
-/// Sets the compute thread count before candle's pools start. Always set: without
-/// `RAYON_NUM_THREADS`, candle asks `num_cpus` for the physical core count on every parallel op,
-/// and that reads /proc/cpuinfo each time (measured: 10x slower decode on a small model).
-fn set_threads(args: &[String]) {
-    if std::env::var_os("RAYON_NUM_THREADS").is_none() {
-        let n = candle_core::utils::get_num_threads().to_string();
-        std::env::set_var("RAYON_NUM_THREADS", &n);
-        std::env::set_var("CANDLE_NUM_THREADS", &n);
+/// llama.cpp spells some options with one dash and several letters (`-ngl 8`); clap's short
+/// options are single letters, so those are rewritten to their long names first, for the
+/// subcommands that take them only (elsewhere `-ngl` stays an error).
+fn rewrite_llama_cpp_flags(args: impl IntoIterator<Item = String>) -> Vec<String> {
+    let mut args: Vec<String> = args.into_iter().collect();
+    let Some(sub) = subcommand_index(&args) else {
+        return args;
+    };
+    if !TAKES_NGL.contains(&args[sub].as_str()) {
+        return args;
     }
-    let mut it = args.iter();
-    while let Some(a) = it.next() {
-        let v = if a == "-t" || a == "--threads" {
-            it.next().cloned()
-        } else {
-            a.strip_prefix("--threads=").map(str::to_string)
-        };
-        if let Some(v) = v {
-            // bench accepts a list; the first value sizes the pool
-            if let Some(n) = v.split(',').next().and_then(|n| n.trim().parse::<usize>().ok()).filter(|&n| n > 0) {
-                std::env::set_var("RAYON_NUM_THREADS", n.to_string());
-                std::env::set_var("CANDLE_NUM_THREADS", n.to_string());
-            }
+    let (short, long) = ("-ngl", "--n-gpu-layers");
+    for a in &mut args[sub + 1..] {
+        if a == short {
+            *a = long.to_string();
+        } else if let Some(v) = a.strip_prefix(short).and_then(|r| r.strip_prefix('=')) {
+            *a = format!("{long}={v}");
         }
+    }
+    args
+}
+
+/// The `-t` of the subcommand, for the subcommands that compute here (`bench` with several
+/// counts runs each in a child process and computes nothing itself).
+fn requested_threads(cmd: &Cmd) -> Option<i64> {
+    match cmd {
+        Cmd::Run(a) => a.threads,
+        Cmd::Bench(a) if a.threads.len() == 1 => a.threads.first().copied(),
+        Cmd::Doctor(a) => a.threads,
+        Cmd::Worker(a) => a.threads.map(|n| i64::try_from(n).unwrap_or(i64::MAX)),
+        _ => None,
     }
 }
 
@@ -104,8 +129,15 @@ static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
 fn main() {
     let args = rewrite_llama_cpp_flags(std::env::args());
-    set_threads(&args);
     let cli = Cli::parse_from(&args);
+    match brigade_model::threads::resolve(requested_threads(&cli.cmd)) {
+        // SAFETY: nothing but this thread runs yet (clap spawns none, the pools start later).
+        Ok(n) => unsafe { brigade_model::threads::set_for_process(n) },
+        Err(e) => {
+            eprintln!("error: {e}");
+            std::process::exit(2);
+        }
+    }
     let filter = std::env::var("RUST_LOG").unwrap_or_else(|_| cli.log.clone());
     tracing_subscriber::fmt()
         .with_env_filter(
@@ -119,6 +151,7 @@ fn main() {
         Cmd::Bench(a) => bench::bench(a),
         Cmd::Synth(a) => synth::synth(a),
         Cmd::Plan(a) => plan::run_plan(a),
+        Cmd::Doctor(a) => doctor::doctor(a),
         Cmd::Coordinator(a) => cluster::coordinator(a),
         Cmd::Worker(a) => cluster::worker(a),
         Cmd::Deploy(a) => cluster::deploy(a),
@@ -139,11 +172,37 @@ fn main() {
 mod tests {
     use super::*;
 
+    fn argv(a: &[&str]) -> Vec<String> {
+        a.iter().map(|s| s.to_string()).collect()
+    }
+
     #[test]
-    fn ngl_is_rewritten() {
-        let v = rewrite_llama_cpp_flags(
-            ["brigade", "run", "-ngl", "8", "-ngl=auto", "-n", "5"].iter().map(|s| s.to_string()),
-        );
+    fn ngl_is_rewritten_for_the_subcommands_that_take_it() {
+        let v = rewrite_llama_cpp_flags(argv(&["brigade", "run", "-ngl", "8", "-ngl=auto", "-n", "5"]));
         assert_eq!(v, ["brigade", "run", "--n-gpu-layers", "8", "--n-gpu-layers=auto", "-n", "5"]);
+        let v = rewrite_llama_cpp_flags(argv(&["brigade", "--log", "info", "bench", "-ngl", "0,4"]));
+        assert_eq!(v, ["brigade", "--log", "info", "bench", "--n-gpu-layers", "0,4"]);
+        // other subcommands keep it, and clap refuses it there
+        for sub in ["plan", "generate", "worker", "doctor"] {
+            let v = rewrite_llama_cpp_flags(argv(&["brigade", sub, "-ngl", "8"]));
+            assert_eq!(v[2], "-ngl", "{sub}");
+        }
+        assert!(Cli::try_parse_from(rewrite_llama_cpp_flags(argv(&["brigade", "doctor", "-ngl", "8"]))).is_err());
+        // a prompt that happens to be `-ngl` after a value-taking global option is left alone
+        let v = rewrite_llama_cpp_flags(argv(&["brigade", "--log", "run"]));
+        assert_eq!(v, ["brigade", "--log", "run"]);
+    }
+
+    #[test]
+    fn threads_come_from_the_subcommand() {
+        let t = |a: &[&str]| requested_threads(&Cli::try_parse_from(rewrite_llama_cpp_flags(argv(a))).unwrap().cmd);
+        assert_eq!(t(&["brigade", "run", "-t", "3"]), Some(3));
+        assert_eq!(t(&["brigade", "run", "-t", "0"]), Some(0));
+        assert_eq!(t(&["brigade", "run", "-t", "-1"]), Some(-1));
+        assert_eq!(t(&["brigade", "run"]), None);
+        assert_eq!(t(&["brigade", "bench", "-t", "2"]), Some(2));
+        assert_eq!(t(&["brigade", "bench", "-t", "1,2"]), None, "a sweep computes in child processes");
+        // `plan` has no -t: a `-t` there is a usage error, not a silent thread count
+        assert!(Cli::try_parse_from(argv(&["brigade", "plan", "-t", "4", "--shape", "llama-1b"])).is_err());
     }
 }

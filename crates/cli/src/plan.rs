@@ -1,8 +1,10 @@
-//! `brigade plan`: where each layer range would go on a cluster, and why (no model is loaded:
-//! only its header is read).
+//! `brigade plan`: where each layer range would go on a cluster, or on this box, and why (no
+//! model is loaded: only its header is read). This box is its measured figures
+//! ([`crate::machine::Machine`]), its KV caches in the types the runtime allocates them in.
 
 use anyhow::{bail, Context, Result};
-use brigade_core::{bits_per_weight, LlamaShape, ModelProfile};
+use brigade_core::{bits_per_weight, Inventory, LlamaShape, ModelProfile};
+use brigade_model::measure::Effort;
 use brigade_model::ModelFiles;
 use brigade_planner::{parse_cluster, plan, plan_with_second, svg, Objective, PlanError, Policy};
 use clap::{Args, ValueEnum};
@@ -12,6 +14,15 @@ use std::path::PathBuf;
 pub enum KvType {
     F16,
     F32,
+}
+
+impl KvType {
+    fn bytes(self) -> u64 {
+        match self {
+            KvType::F16 => 2,
+            KvType::F32 => 4,
+        }
+    }
 }
 
 #[derive(Args, Debug)]
@@ -25,9 +36,12 @@ pub struct PlanArgs {
     /// The shape's quantization: f16, q8_0, q6_k, q4_k, q4_0.
     #[arg(long)]
     pub quant: Option<String>,
-    /// The cluster file (TOML; see examples/clusters/).
+    /// The cluster file (TOML; see examples/clusters/). Default: this box, measured.
     #[arg(long)]
-    pub cluster: PathBuf,
+    pub cluster: Option<PathBuf>,
+    /// How this box is measured the first time (cached after), without --cluster: `full` or `quick`.
+    #[arg(long = "measure", default_value = "full")]
+    pub measure: Effort,
     #[arg(long, default_value = "latency")]
     pub objective: Objective,
     /// Context length in tokens.
@@ -48,9 +62,10 @@ pub struct PlanArgs {
     /// Cap on the average power while decoding, in watts.
     #[arg(long = "max-watts")]
     pub max_watts: Option<f64>,
-    /// KV cache element type.
-    #[arg(long = "kv-type", value_enum, default_value_t = KvType::F16)]
-    pub kv_type: KvType,
+    /// KV cache element type (default: f16 on a cluster file; on this box, what the runtime
+    /// allocates: f32 on the CPU, the activation type on a GPU).
+    #[arg(long = "kv-type", value_enum)]
+    pub kv_type: Option<KvType>,
     /// A second model kept whole on one device (file) …
     #[arg(long = "also-model", conflicts_with = "also_shape")]
     pub also_model: Option<PathBuf>,
@@ -69,9 +84,7 @@ pub struct PlanArgs {
 
 fn profile(model: Option<&PathBuf>, shape: Option<&String>, quant: Option<&String>, kv: u64) -> Result<ModelProfile> {
     match (model, shape, quant) {
-        (Some(p), _, _) => Ok(ModelFiles::open(p)
-            .with_context(|| format!("{} is not a model brigade can read", p.display()))?
-            .profile(kv)),
+        (Some(p), _, _) => Ok(open(p)?.profile(kv)),
         (None, Some(s), Some(q)) => {
             let shape = LlamaShape::preset(s)
                 .with_context(|| format!("unknown shape `{s}` ({})", LlamaShape::PRESETS.join(", ")))?;
@@ -83,18 +96,53 @@ fn profile(model: Option<&PathBuf>, shape: Option<&String>, quant: Option<&Strin
     }
 }
 
-pub fn run_plan(a: PlanArgs) -> Result<()> {
-    let kv = match a.kv_type {
-        KvType::F16 => 2,
-        KvType::F32 => 4,
+fn open(p: &std::path::Path) -> Result<ModelFiles> {
+    ModelFiles::open(p).with_context(|| format!("{} is not a model brigade can read", p.display()))
+}
+
+/// The inventory and the model's profile on it: a cluster file's devices, or this box measured.
+fn inventory_and_profile(a: &PlanArgs) -> Result<(Inventory, ModelProfile)> {
+    let kv = a.kv_type.unwrap_or(KvType::F16).bytes();
+    if let Some(path) = &a.cluster {
+        let main = profile(a.model.as_ref(), a.shape.as_ref(), a.quant.as_ref(), kv)?;
+        let text = std::fs::read_to_string(path).with_context(|| format!("cannot read {}", path.display()))?;
+        let inv = parse_cluster(&text).with_context(|| format!("in {}", path.display()))?;
+        return Ok((inv, main));
+    }
+    let machine = crate::machine::Machine::measure(&crate::common::detect_gpus(), a.measure)?;
+    let (main, types) = match &a.model {
+        Some(p) => {
+            let files = open(p)?;
+            let mut prof = crate::machine::profile(&files);
+            if let Some(k) = a.kv_type {
+                prof.kv_bytes_per_token = files.config.kv_bytes_per_token_layer(k.bytes());
+                prof.cpu_kv_bytes_per_token = None;
+            }
+            (prof, crate::machine::weight_types(&files))
+        }
+        None => {
+            // a GPU keeps a shape's cache in 16 bits (bf16, or f16 for f16 weights), the CPU in f32
+            let mut prof = profile(None, a.shape.as_ref(), a.quant.as_ref(), kv)?;
+            if a.kv_type.is_none() {
+                prof.cpu_kv_bytes_per_token = Some(prof.kv_bytes_per_token * 2);
+            }
+            // the measured kernel of the shape's type (llama.cpp's Q4_K_M/S are mostly Q4_K)
+            let q = a.quant.as_deref().unwrap_or_default().to_ascii_lowercase();
+            let name = if q.starts_with("q4_k") { "q4_k".to_string() } else { q };
+            let bytes = prof.total_weight_bytes();
+            (prof, vec![(name, bytes)])
+        }
     };
-    let main = profile(a.model.as_ref(), a.shape.as_ref(), a.quant.as_ref(), kv)?;
+    Ok((machine.inventory(&types), main))
+}
+
+pub fn run_plan(a: PlanArgs) -> Result<()> {
+    let (inv, main) = inventory_and_profile(&a)?;
+    let kv = a.kv_type.unwrap_or(KvType::F16).bytes();
     let second = match (&a.also_model, &a.also_shape) {
         (None, None) => None,
         (m, s) => Some(profile(m.as_ref(), s.as_ref(), a.also_quant.as_ref(), kv)?),
     };
-    let text = std::fs::read_to_string(&a.cluster).with_context(|| format!("cannot read {}", a.cluster.display()))?;
-    let inv = parse_cluster(&text).with_context(|| format!("in {}", a.cluster.display()))?;
     let policy = Policy {
         objective: a.objective,
         ctx: a.ctx,

@@ -1,14 +1,20 @@
 //! `brigade run`: llama.cpp's `llama-cli -no-cnv` for one prompt, on this box.
 
-use crate::common::{context_len, detect_gpus, gpu_free, human_bytes, load_with_retry, open_model, place, GpuLayers};
+use crate::common::{
+    check_cpu_memory, context_len, detect_gpus, gpu_free, human_bytes, load_with_retry, n_predict, open_model, place,
+    GpuLayers, Placement,
+};
 use anyhow::{Context, Result};
-use brigade_core::DeviceId;
-use brigade_model::predict_slice_bytes;
-use brigade_model::{Pipeline, Sampler, SamplerConfig};
+use brigade_core::{DeviceId, Stage};
+use brigade_model::device::Accelerators;
+use brigade_model::devices::CudaInfo;
+use brigade_model::measure::Effort;
+use brigade_model::{predict_slice_bytes, GenerationStats, ModelFiles, Pipeline, Sampler, SamplerConfig, Tokenizer};
 use clap::Args;
 use serde::Serialize;
 use std::io::Write;
 use std::path::PathBuf;
+use std::sync::Arc;
 use std::time::Instant;
 
 #[derive(Args, Debug)]
@@ -19,9 +25,9 @@ pub struct RunArgs {
     /// Prompt text.
     #[arg(short = 'p', long = "prompt", default_value = "")]
     pub prompt: String,
-    /// Tokens to generate.
-    #[arg(short = 'n', long = "n-predict", default_value_t = 128)]
-    pub n_predict: usize,
+    /// Tokens to generate; -1: until an end of text or a full context.
+    #[arg(short = 'n', long = "n-predict", default_value_t = 128, allow_negative_numbers = true)]
+    pub n_predict: i64,
     /// Temperature; 0 is greedy.
     #[arg(long = "temp", default_value_t = 0.8)]
     pub temp: f32,
@@ -38,12 +44,12 @@ pub struct RunArgs {
     pub repeat_penalty: f32,
     #[arg(long = "repeat-last-n", default_value_t = 64)]
     pub repeat_last_n: usize,
-    /// Context size in tokens (default: the model's, at most 4096).
+    /// Context size in tokens; 0: the model's trained context (default: the model's, at most 4096).
     #[arg(short = 'c', long = "ctx-size")]
     pub ctx: Option<usize>,
-    /// Compute threads (default: the physical cores).
-    #[arg(short = 't', long = "threads")]
-    pub threads: Option<usize>,
+    /// Compute threads; 0 or less: every logical CPU (default: the physical cores).
+    #[arg(short = 't', long = "threads", allow_negative_numbers = true)]
+    pub threads: Option<i64>,
     /// Layers on the GPU: a count (the last N layers and the head, as llama.cpp), `all`, or `auto`
     /// (as many as fit). Also spelled `-ngl`.
     #[arg(long = "n-gpu-layers")]
@@ -54,6 +60,9 @@ pub struct RunArgs {
     /// Share of free GPU memory `-ngl auto` leaves unused.
     #[arg(long = "headroom", default_value_t = 0.10)]
     pub headroom: f64,
+    /// How `-ngl auto` measures this machine the first time (cached after): `full` or `quick`.
+    #[arg(long = "measure", default_value = "full")]
+    pub measure: Effort,
     /// Treat the prompt as a user message and render the model's chat template.
     #[arg(long = "chat")]
     pub chat: bool,
@@ -105,16 +114,44 @@ struct RunOut {
     devices: Vec<DeviceOut>,
 }
 
+/// What `run` decided before loading anything.
+struct Prepared {
+    files: ModelFiles,
+    n_ctx: usize,
+    n_predict: usize,
+    placement: Placement,
+    prompt_ids: Vec<u32>,
+    sampler: SamplerConfig,
+    gpus: Vec<CudaInfo>,
+}
+
 pub fn run(a: RunArgs) -> Result<()> {
     let t_load = Instant::now();
+    let prep = prepare(&a)?;
+    let json = a.json;
+    let out = brigade_model::threads::with_compute_pool(move || generate(a, prep, t_load))?;
+    if json {
+        println!("{}", serde_json::to_string_pretty(&out)?);
+    } else {
+        report(&out);
+    }
+    Ok(())
+}
+
+/// The model, the context, the placement, the prompt's tokens and the sampler.
+fn prepare(a: &RunArgs) -> Result<Prepared> {
     let files = open_model(a.model.as_deref())?;
     let n_ctx = context_len(&files, a.ctx)?;
+    let n_predict = n_predict(a.n_predict)?;
     let gpus = detect_gpus();
-    let placement = place(&files, a.ngl, a.device_map.as_deref(), n_ctx, a.headroom, &gpus)?;
+    let placement = place(&files, a.ngl, a.device_map.as_deref(), n_ctx, a.headroom, &gpus, || {
+        crate::machine::Machine::measure(&gpus, a.measure)
+    })?;
     if let Some(n) = &placement.notice {
         eprintln!("{n}");
     }
-    let tk = files.tokenizer.clone();
+    check_cpu_memory(&files, &placement.stages, n_ctx)?;
+    let tk = &files.tokenizer;
     let prompt_ids = if a.chat {
         let rendered = tk.apply_chat_template(&[("user".to_string(), a.prompt.clone())])?;
         tk.encode_chat(&rendered)?
@@ -124,143 +161,155 @@ pub fn run(a: RunArgs) -> Result<()> {
     if prompt_ids.is_empty() {
         anyhow::bail!("the prompt is empty and this model adds no BOS token: give a prompt with -p");
     }
-    if prompt_ids.len() + a.n_predict > n_ctx {
+    if n_predict != usize::MAX && prompt_ids.len().saturating_add(n_predict) > n_ctx {
         eprintln!(
-            "note: prompt ({} tokens) + {} to generate exceed the context of {n_ctx}; generation stops when it is full",
+            "note: prompt ({} tokens) + {n_predict} to generate exceed the context of {n_ctx}; generation stops when it is full",
             prompt_ids.len(),
-            a.n_predict
         );
     }
-    let seed = a.seed.unwrap_or_else(rand_seed);
-    let sampler_cfg = SamplerConfig {
+    let sampler = SamplerConfig {
         temperature: a.temp,
         top_k: a.top_k,
         top_p: a.top_p,
         min_p: a.min_p,
         repeat_penalty: a.repeat_penalty,
         repeat_last_n: a.repeat_last_n,
-        seed,
+        seed: a.seed.unwrap_or_else(rand_seed),
     };
-    let bar = indicatif::ProgressBar::new(placement.stages.len() as u64);
+    Ok(Prepared { files, n_ctx, n_predict, placement, prompt_ids, sampler, gpus })
+}
+
+/// Loads the stages (with fewer GPU layers on an out-of-memory under `-ngl auto`), with a
+/// progress bar; returns the pipeline, the stages loaded and the bytes predicted for each.
+fn load(prep: &Prepared, retry: bool) -> Result<(Pipeline, Vec<u64>)> {
+    let bar = indicatif::ProgressBar::new(prep.placement.stages.len() as u64);
     bar.set_style(
         indicatif::ProgressStyle::with_template("loading {bar:30} {pos}/{len} stages {msg}")
             .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
     );
-    let device = candle_core::Device::Cpu;
-    let json = a.json;
-    let n_predict = a.n_predict;
-    let ignore_eos = a.ignore_eos;
-    // Create the CUDA contexts first, so free memory measured around the load sees only what
-    // the load allocates.
-    let _contexts: Vec<candle_core::Device> = gpus
-        .iter()
-        .map(|g| brigade_model::pipeline::candle_device(DeviceId::Cuda(g.ordinal)))
-        .collect::<Result<_, _>>()?;
-    let free_before = gpu_free();
-    let retry = a.ngl == Some(GpuLayers::Auto);
-    let gpus_report = gpus.clone();
-    let out = device.with_context(move || -> Result<RunOut> {
-        let n_layers = files.config.n_layers;
-        let (pipeline, stages, notes) = load_with_retry(n_layers, placement.stages.clone(), retry, |st| {
+    let files = &prep.files;
+    let (pipeline, stages, notes) =
+        load_with_retry(files.config.n_layers, prep.placement.stages.clone(), retry, |st| {
             bar.set_length(st.len() as u64);
             bar.set_position(0);
-            Pipeline::load(&files, st, n_ctx, |_, s| {
+            Pipeline::load(files, st, prep.n_ctx, |_, s| {
                 bar.set_message(format!("{} on {}", s.layers, s.device));
                 bar.inc(1);
             })
         })
         .context("loading the model")?;
-        bar.finish_and_clear();
-        for n in &notes {
-            eprintln!("{n}");
-        }
-        let predicted: Vec<u64> =
-            stages.iter().map(|s| predict_slice_bytes(&files, s.layers, s.device, n_ctx).total()).collect();
-        // The slices own their weights now; unmapping the file keeps the process's resident
-        // memory equal to what the report below says it holds.
-        let source = files.source.clone();
-        drop(files);
-        let load_ms = t_load.elapsed().as_secs_f64() * 1e3;
-        let mut session = pipeline.new_session()?;
-        let mut sampler = Sampler::new(sampler_cfg);
-        let mut generated = Vec::new();
-        let prev = prompt_ids.last().copied();
-        let mut stream = tk.stream(prev);
-        let mut stdout = std::io::stdout().lock();
-        if !json && !a.chat {
-            let _ = write!(stdout, "{}", a.prompt);
-            let _ = stdout.flush();
-        }
-        let stats = pipeline.generate(
-            &mut session,
-            &prompt_ids,
-            n_predict,
-            &mut sampler,
-            |id| tk.is_eog(id),
-            ignore_eos,
-            |id| {
-                generated.push(id);
-                if !json {
-                    let s = stream.push(id);
-                    // a closed stdout (`| head`) ends generation instead of failing it
-                    if write!(stdout, "{s}").and_then(|_| stdout.flush()).is_err() {
-                        return false;
-                    }
-                }
-                true
-            },
-        )?;
-        if !json {
-            let _ = writeln!(stdout, "{}", stream.finish());
-        }
-        let text = tk.decode(&generated, prev);
-        // what each GPU lost to this process since before the load (weights, caches, scratch)
-        let free_after = gpu_free();
-        let measured = |d: DeviceId| -> Option<u64> {
-            let DeviceId::Cuda(i) = d else { return None };
-            let before = free_before.iter().find(|g| g.0 == i)?.1;
-            let after = free_after.iter().find(|g| g.0 == i)?.1;
-            Some(before.saturating_sub(after))
-        };
-        let devices = pipeline
-            .report()
-            .into_iter()
-            .zip(&predicted)
-            .map(|(r, &p)| DeviceOut {
-                name: r.device.to_string(),
-                layers: r.layers,
-                bytes: r.weight_bytes + r.kv_bytes,
-                weight_bytes: r.weight_bytes,
-                kv_bytes: r.kv_bytes,
-                predicted_bytes: p,
-                measured_bytes: measured(r.device),
-            })
-            .collect();
-        Ok(RunOut {
-            model: source,
-            text,
-            prompt_ids,
-            generated_ids: generated,
-            stop: stats.stop,
-            seed,
-            n_ctx,
-            gpus: gpus_report,
-            timings: Timings {
-                load_ms,
-                prompt_tokens: stats.prompt_tokens,
-                prompt_ms: stats.prompt_time.as_secs_f64() * 1e3,
-                prompt_tokens_per_s: stats.prompt_tps(),
-                generated_tokens: stats.generated,
-                generation_ms: stats.gen_time.as_secs_f64() * 1e3,
-                generation_tokens_per_s: stats.gen_tps(),
-            },
-            devices,
-        })
-    })?;
-    if json {
-        println!("{}", serde_json::to_string_pretty(&out)?);
-        return Ok(());
+    bar.finish_and_clear();
+    for n in &notes {
+        eprintln!("{n}");
     }
+    let predicted =
+        stages.iter().map(|s: &Stage| predict_slice_bytes(files, s.layers, s.device, prep.n_ctx).total()).collect();
+    Ok((pipeline, predicted))
+}
+
+/// Loads, generates (streaming the text unless `--json`), and gathers the report.
+fn generate(a: RunArgs, prep: Prepared, t_load: Instant) -> Result<RunOut> {
+    // Open the CUDA devices first, so free memory measured around the load sees only what the
+    // load allocates.
+    let ordinals: Vec<u32> = prep.gpus.iter().map(|g| g.ordinal).collect();
+    let _accelerators = Accelerators::open(&ordinals)?;
+    let free_before = gpu_free();
+    let (pipeline, predicted) = load(&prep, a.ngl == Some(GpuLayers::Auto))?;
+    let Prepared { files, n_ctx, n_predict, prompt_ids, sampler, gpus, .. } = prep;
+    let tk: Arc<Tokenizer> = files.tokenizer.clone();
+    // The slices own their weights now; unmapping the file keeps the process's resident memory
+    // equal to what the report says it holds.
+    let source = files.source.clone();
+    drop(files);
+    let load_ms = t_load.elapsed().as_secs_f64() * 1e3;
+    let seed = sampler.seed;
+    let mut session = pipeline.new_session()?;
+    let mut generated = Vec::new();
+    let prev = prompt_ids.last().copied();
+    let mut stream = tk.stream(prev);
+    let mut stdout = std::io::stdout().lock();
+    if !a.json && !a.chat {
+        let _ = write!(stdout, "{}", a.prompt);
+        let _ = stdout.flush();
+    }
+    let stats = pipeline.generate(
+        &mut session,
+        &prompt_ids,
+        n_predict,
+        &mut Sampler::new(sampler),
+        |id| tk.is_eog(id),
+        a.ignore_eos,
+        |id| {
+            generated.push(id);
+            if !a.json {
+                let s = stream.push(id);
+                // a closed stdout (`| head`) ends generation instead of failing it
+                if write!(stdout, "{s}").and_then(|_| stdout.flush()).is_err() {
+                    return false;
+                }
+            }
+            true
+        },
+    )?;
+    if !a.json {
+        let _ = writeln!(stdout, "{}", stream.finish());
+    }
+    let text = tk.decode(&generated, prev);
+    let devices = device_report(&pipeline, &predicted, &free_before);
+    Ok(RunOut {
+        model: source,
+        text,
+        prompt_ids,
+        generated_ids: generated,
+        stop: stats.stop,
+        seed,
+        n_ctx,
+        gpus,
+        timings: timings(load_ms, &stats),
+        devices,
+    })
+}
+
+fn timings(load_ms: f64, stats: &GenerationStats) -> Timings {
+    Timings {
+        load_ms,
+        prompt_tokens: stats.prompt_tokens,
+        prompt_ms: stats.prompt_time.as_secs_f64() * 1e3,
+        prompt_tokens_per_s: stats.prompt_tps(),
+        generated_tokens: stats.generated,
+        generation_ms: stats.gen_time.as_secs_f64() * 1e3,
+        generation_tokens_per_s: stats.gen_tps(),
+    }
+}
+
+/// Each stage's bytes, as held, as predicted and (CUDA) as measured: what each GPU lost to this
+/// process since before the load (weights, caches, scratch).
+fn device_report(pipeline: &Pipeline, predicted: &[u64], free_before: &[(u32, u64)]) -> Vec<DeviceOut> {
+    let free_after = gpu_free();
+    let measured = |d: DeviceId| -> Option<u64> {
+        let DeviceId::Cuda(i) = d else { return None };
+        let before = free_before.iter().find(|g| g.0 == i)?.1;
+        let after = free_after.iter().find(|g| g.0 == i)?.1;
+        Some(before.saturating_sub(after))
+    };
+    pipeline
+        .report()
+        .into_iter()
+        .zip(predicted)
+        .map(|(r, &p)| DeviceOut {
+            name: r.device.to_string(),
+            layers: r.layers,
+            bytes: r.weight_bytes + r.kv_bytes,
+            weight_bytes: r.weight_bytes,
+            kv_bytes: r.kv_bytes,
+            predicted_bytes: p,
+            measured_bytes: measured(r.device),
+        })
+        .collect()
+}
+
+/// llama.cpp's timing lines and brigade's device lines, on stderr.
+fn report(out: &RunOut) {
     let t = &out.timings;
     eprintln!();
     eprintln!("model       : {} (ctx {}, seed {})", out.model, out.n_ctx, out.seed);
@@ -299,7 +348,6 @@ pub fn run(a: RunArgs) -> Result<()> {
             human_bytes(d.kv_bytes)
         );
     }
-    Ok(())
 }
 
 fn rand_seed() -> u64 {

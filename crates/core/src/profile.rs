@@ -19,6 +19,11 @@ pub struct ModelProfile {
     pub tied: bool,
     /// K and V bytes per token per layer.
     pub kv_bytes_per_token: u64,
+    /// K and V bytes per token per layer on a CPU device, where the runtime keeps the CPU's cache
+    /// in another type than the other devices' (brigade's CPU stages hold it in f32, GPUs in
+    /// bf16/f16); `None`: [`ModelProfile::kv_bytes_per_token`] on every device.
+    #[serde(default)]
+    pub cpu_kv_bytes_per_token: Option<u64>,
     pub hidden: usize,
     pub vocab: usize,
 }
@@ -26,6 +31,14 @@ pub struct ModelProfile {
 impl ModelProfile {
     pub fn n_layers(&self) -> usize {
         self.layer_bytes.len()
+    }
+
+    /// K and V bytes per token per layer on a device of `kind`.
+    pub fn kv_bytes_per_token_on(&self, kind: crate::DeviceKind) -> u64 {
+        match (kind, self.cpu_kv_bytes_per_token) {
+            (crate::DeviceKind::Cpu, Some(b)) => b,
+            _ => self.kv_bytes_per_token,
+        }
     }
 
     /// Bytes of the hidden state of one token between stages (f32 activations).
@@ -58,6 +71,7 @@ impl ModelProfile {
             embed_bytes: bytes(head_params),
             tied: s.tied,
             kv_bytes_per_token: 2 * kv * kv_dtype_bytes,
+            cpu_kv_bytes_per_token: None,
             hidden: s.hidden,
             vocab: s.vocab,
         }

@@ -527,6 +527,7 @@ impl ModelIndex {
             embed_bytes: embed,
             tied,
             kv_bytes_per_token: c.kv_bytes_per_token_layer(kv_elem_bytes),
+            cpu_kv_bytes_per_token: None,
             hidden: c.hidden,
             vocab: c.vocab,
         }

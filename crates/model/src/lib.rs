@@ -5,23 +5,32 @@
 //!   candle tensors a slice asks for, and nothing else; ggml type conversions to candle's.
 //! - [`gguf`], [`config`], [`tokenizer`]: re-exported from `brigade-format`, which reads model
 //!   files without a tensor library.
+//! - [`device`]: brigade's device ids as candle devices, the activation type on each, the CUDA
+//!   devices a caller holds open ([`device::Accelerators`]). The lowest module: `llama` and
+//!   `pipeline` read it, it reads neither.
 //! - [`llama`]: a [`llama::Slice`] is layers `[a, b)` on one device (+ embedding when first,
 //!   + norm and head when last); each session's KV cache is a [`llama::SliceCache`].
-//! - [`pipeline`]: several slices in one process, prefill / decode / generate.
+//! - [`pipeline`]: several slices in one process, prefill / decode / generate; a [`Session`]'s
+//!   tokens are exactly what its caches hold, also after a failed forward pass.
 //! - [`cpu_matmul`]: brigade's CPU matmul over ggml blocks.
 //! - [`sampler`], [`synth`] (random-weight models of any Llama shape).
-//! - [`bandwidth`], [`devices`]: the memory read bandwidth probe behind `brigade bench`'s bound,
-//!   and what the host has.
+//! - [`threads`]: llama.cpp's `-t`, set once per process (candle sizes its pools once).
+//! - [`bandwidth`], [`devices`], [`measure`]: the memory read bandwidth probe, what the host has,
+//!   and this machine measured (kernels per weight type, GPUs), shared by workers and the CLI.
 //!
-//! The crate knows nothing of sockets, raft or placement: it computes what it is told to.
+//! The crate knows nothing of sockets, raft or placement: it computes what it is told to, and
+//! measures what it is asked to; deciding where layers go is the planner's.
 
 pub mod bandwidth;
 pub mod cpu_matmul;
+pub mod device;
 pub mod devices;
 pub mod llama;
+pub mod measure;
 pub mod pipeline;
 pub mod sampler;
 pub mod synth;
+pub mod threads;
 pub mod weights;
 
 pub use brigade_format::{config, gguf, tokenizer};

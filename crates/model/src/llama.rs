@@ -272,7 +272,11 @@ impl Slice {
         };
         let inv = cfg.rope_inv_freq();
         let half = inv.len();
-        let mut angles = Vec::with_capacity(n_ctx * half);
+        // the rotary table is built on the host whatever the device: a context too large for
+        // memory is an error here, not an allocation failure
+        let too_large = || ModelError::BadSlice(format!("a context of {n_ctx} tokens does not fit in memory"));
+        let mut angles: Vec<f32> = Vec::new();
+        angles.try_reserve_exact(n_ctx.checked_mul(half).ok_or_else(too_large)?).map_err(|_| too_large())?;
         for p in 0..n_ctx {
             angles.extend(inv.iter().map(|f| p as f32 * f));
         }
@@ -428,7 +432,7 @@ fn kv_bytes(cfg: &ModelConfig, layers: LayerRange, n_ctx: usize, dtype: DType) -
 /// and one session's KV cache of `n_ctx` tokens). Layers past the model's predict no weights
 /// (loading them is an error).
 pub fn predict_slice_bytes(files: &ModelFiles, layers: LayerRange, device: DeviceId, n_ctx: usize) -> SliceBytes {
-    let dtype = crate::pipeline::activation_dtype(device, files);
+    let dtype = crate::device::activation_dtype(device, files);
     let on_cpu = device == DeviceId::Cpu;
     let names = slice_tensors(files, layers).unwrap_or_default();
     let weights = names

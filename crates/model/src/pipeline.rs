@@ -1,46 +1,19 @@
 //! Several slices in one process: the single-box form of a placement. A hop between stages is a
 //! device copy of the hidden state, not a socket.
+//!
+//! A [`Session`]'s tokens are exactly what its caches hold: a forward pass that fails in any stage
+//! leaves every stage's cache as it was before the call, and the last token `generate` samples
+//! without feeding is returned in [`GenerationStats::unfed`], not recorded as fed.
 
+use crate::device::{activation_dtype, candle_device};
 use crate::llama::{Logits, Slice, SliceCache, StageInput};
 use crate::sampler::Sampler;
 use crate::weights::ModelFiles;
 use crate::ModelError;
 use brigade_core::{DeviceId, Stage};
-use candle_core::{DType, Device, Tensor};
+use candle_core::{Device, Tensor};
 use serde::Serialize;
 use std::time::{Duration, Instant};
-
-/// The candle device for a brigade device id.
-pub fn candle_device(id: DeviceId) -> Result<Device, ModelError> {
-    match id {
-        DeviceId::Cpu => Ok(Device::Cpu),
-        DeviceId::Cuda(i) => {
-            if !candle_core::utils::cuda_is_available() {
-                return Err(ModelError::NoDevice(format!(
-                    "{id}: this brigade was built without CUDA (rebuild with --features cuda; see scripts/build-cuda.sh)"
-                )));
-            }
-            Device::new_cuda(i as usize).map_err(|e| ModelError::NoDevice(format!("{id}: {e}")))
-        }
-    }
-}
-
-/// The activation dtype brigade uses on a device for a model: f32 on the CPU (exact against the
-/// references). On a GPU, the model's own float type, so dense weights stay as compact as the
-/// file has them (f16 files compute in f16, bf16 in bf16, f32 in f32); quantized files compute in
-/// bf16 (candle's quantized CUDA kernels take it, and the KV cache is half the size of f32).
-pub fn activation_dtype(id: DeviceId, files: &ModelFiles) -> DType {
-    match id {
-        DeviceId::Cpu => DType::F32,
-        DeviceId::Cuda(_) => files.dense_dtype().unwrap_or(DType::BF16),
-    }
-}
-
-/// Whether an error is a device running out of memory (CUDA reports it in its message).
-pub fn is_out_of_memory(e: &ModelError) -> bool {
-    let s = e.to_string();
-    s.contains("OUT_OF_MEMORY") || s.contains("out of memory")
-}
 
 /// What one stage holds.
 #[derive(Debug, Clone, Serialize)]
@@ -59,41 +32,36 @@ pub struct Pipeline {
 /// One conversation's state across all stages.
 pub struct Session {
     caches: Vec<SliceCache>,
-    /// Every token fed so far (prompt and generated).
-    pub tokens: Vec<u32>,
+    tokens: Vec<u32>,
 }
 
 impl Session {
+    /// Every token fed so far (prompt and generated), in order: what every stage's cache holds.
+    pub fn tokens(&self) -> &[u32] {
+        &self.tokens
+    }
     pub fn len(&self) -> usize {
         self.tokens.len()
     }
     pub fn is_empty(&self) -> bool {
         self.tokens.is_empty()
     }
+    /// Tokens each stage's cache holds, in stage order (all equal to [`Session::len`]).
+    pub fn cache_lens(&self) -> Vec<usize> {
+        self.caches.iter().map(SliceCache::len).collect()
+    }
 }
 
 impl Pipeline {
-    /// Loads each stage's slice onto its device; `progress` is told after each stage.
+    /// Loads each stage's slice onto its device, in the device's activation type
+    /// ([`activation_dtype`]); `progress` is told after each stage.
     pub fn load(
         files: &ModelFiles,
         stages: &[Stage],
         n_ctx: usize,
         mut progress: impl FnMut(usize, &Stage),
     ) -> Result<Self, ModelError> {
-        let n_layers = files.config().n_layers;
-        let mut next = 0;
-        for s in stages {
-            if s.layers.start() != next {
-                return Err(ModelError::BadSlice(format!(
-                    "stage {} does not start where the previous one ended ({next})",
-                    s.layers
-                )));
-            }
-            next = s.layers.end();
-        }
-        if next != n_layers || stages.is_empty() {
-            return Err(ModelError::BadSlice(format!("stages cover {next} of {n_layers} layers")));
-        }
+        check_cover(stages.iter().map(|s| (s.layers.start(), s.layers.end())), files.config().n_layers)?;
         let mut out = Vec::with_capacity(stages.len());
         for (i, s) in stages.iter().enumerate() {
             let dev = candle_device(s.device)?;
@@ -102,6 +70,15 @@ impl Pipeline {
             progress(i, s);
         }
         Ok(Pipeline { stages: out, n_ctx })
+    }
+
+    /// A pipeline of slices loaded by the caller, in order (in any activation type: a GPU's type
+    /// on the CPU runs the numbers a GPU computes); its context is the smallest of theirs.
+    pub fn from_slices(stages: Vec<(DeviceId, Slice)>) -> Result<Self, ModelError> {
+        let n_layers = stages.first().map_or(0, |(_, s)| s.config().n_layers);
+        check_cover(stages.iter().map(|(_, s)| (s.layers().start(), s.layers().end())), n_layers)?;
+        let n_ctx = stages.iter().map(|(_, s)| s.n_ctx()).min().unwrap_or(0);
+        Ok(Pipeline { stages, n_ctx })
     }
 
     pub fn n_ctx(&self) -> usize {
@@ -130,8 +107,25 @@ impl Pipeline {
     }
 
     /// Feeds `tokens` through every stage and returns the logits of the last position (or of all
-    /// positions), `(positions, vocab)` in f32 on the CPU.
+    /// positions), `(positions, vocab)` in f32 on the CPU. On an error, every stage's cache is
+    /// truncated back to where it was, so the session stays usable and its tokens stay true.
     pub fn forward(&self, session: &mut Session, tokens: &[u32], which: Logits) -> Result<Tensor, ModelError> {
+        let before = session.tokens.len();
+        match self.forward_stages(session, tokens, which) {
+            Ok(logits) => {
+                session.tokens.extend_from_slice(tokens);
+                Ok(logits)
+            }
+            Err(e) => {
+                for c in &mut session.caches {
+                    c.truncate(before);
+                }
+                Err(e)
+            }
+        }
+    }
+
+    fn forward_stages(&self, session: &mut Session, tokens: &[u32], which: Logits) -> Result<Tensor, ModelError> {
         let mut hidden: Option<Tensor> = None;
         for ((_, slice), cache) in self.stages.iter().zip(session.caches.iter_mut()) {
             let input = match &hidden {
@@ -140,7 +134,6 @@ impl Pipeline {
             };
             hidden = Some(slice.forward(cache, input, which)?);
         }
-        session.tokens.extend_from_slice(tokens);
         let logits = hidden.ok_or_else(|| ModelError::BadSlice("empty pipeline".into()))?;
         Ok(logits.squeeze(0)?.to_device(&Device::Cpu)?)
     }
@@ -158,9 +151,11 @@ impl Pipeline {
         Ok(l.get(n - 1)?.to_vec1::<f32>()?)
     }
 
-    /// Prefills `prompt`, then samples up to `n_predict` tokens, calling `on_token` with each
-    /// (return `false` from it to stop). Stops early at an end-of-generation token unless
-    /// `ignore_eos`.
+    /// Prefills `prompt`, then samples up to `n_predict` tokens (`usize::MAX`: until an
+    /// end-of-generation token or a full context), calling `on_token` with each (return `false`
+    /// from it to stop). Stops early at an end-of-generation token unless `ignore_eos`. The last
+    /// token given to `on_token` is not fed (nothing needs its logits): the session's caches end
+    /// before it, and [`GenerationStats::unfed`] holds it.
     #[allow(clippy::too_many_arguments)]
     pub fn generate(
         &self,
@@ -179,6 +174,7 @@ impl Pipeline {
         let mut generated = 0usize;
         let mut decode_steps = 0usize;
         let mut stop = StopReason::Length;
+        let mut unfed = None;
         for i in 0..n_predict {
             let id = sampler.sample(&logits, &session.tokens);
             if !ignore_eos && is_eog(id) {
@@ -186,19 +182,19 @@ impl Pipeline {
                 break;
             }
             generated += 1;
+            unfed = Some(id);
             if !on_token(id) {
                 stop = StopReason::Caller;
                 break;
             }
             if i + 1 == n_predict {
-                session.tokens.push(id);
                 break;
             }
             if session.len() + 1 > self.n_ctx {
-                session.tokens.push(id);
                 stop = StopReason::Context;
                 break;
             }
+            unfed = None;
             let l = self.forward(session, &[id], Logits::Last)?;
             decode_steps += 1;
             logits = l.get(0)?.to_vec1::<f32>()?;
@@ -210,6 +206,7 @@ impl Pipeline {
             decode_steps,
             gen_time: t1.elapsed(),
             stop,
+            unfed,
         })
     }
 }
@@ -232,6 +229,10 @@ pub struct GenerationStats {
     pub decode_steps: usize,
     pub gen_time: Duration,
     pub stop: StopReason,
+    /// The last token given to `on_token`, which was not fed: the session's caches end before it
+    /// (feed it first to continue the conversation). `None` when generation stopped at an
+    /// end-of-generation token or generated nothing.
+    pub unfed: Option<u32>,
 }
 
 impl GenerationStats {
@@ -245,4 +246,24 @@ impl GenerationStats {
         }
         self.decode_steps as f64 / self.gen_time.as_secs_f64().max(1e-9)
     }
+}
+
+/// Checks that stage ranges `[a, b)` cover `[0, n_layers)` in order, each starting where the
+/// previous one ended.
+fn check_cover(ranges: impl Iterator<Item = (usize, usize)>, n_layers: usize) -> Result<(), ModelError> {
+    let mut next = 0;
+    let mut any = false;
+    for (a, b) in ranges {
+        if a != next {
+            return Err(ModelError::BadSlice(format!(
+                "stage [{a}, {b}) does not start where the previous one ended ({next})"
+            )));
+        }
+        next = b;
+        any = true;
+    }
+    if next != n_layers || !any {
+        return Err(ModelError::BadSlice(format!("stages cover {next} of {n_layers} layers")));
+    }
+    Ok(())
 }

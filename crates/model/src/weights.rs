@@ -117,9 +117,13 @@ enum LinearWeight {
 impl Linear {
     pub fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
         let y = match &self.w {
-            LinearWeight::Quant(q) if x.device().is_cpu() => {
-                x.to_dtype(DType::F32)?.contiguous()?.apply_op1_no_bwd(&crate::cpu_matmul::CpuMatMul(q.clone()))?
-            }
+            // brigade's CPU matmul computes in f32 (and takes f32 activations); its result goes
+            // back to the activations' type (a no-op in f32, brigade's CPU type)
+            LinearWeight::Quant(q) if x.device().is_cpu() => x
+                .to_dtype(DType::F32)?
+                .contiguous()?
+                .apply_op1_no_bwd(&crate::cpu_matmul::CpuMatMul(q.clone()))?
+                .to_dtype(x.dtype())?,
             LinearWeight::Quant(q) => match x.apply_op1_no_bwd(q.as_ref()) {
                 Ok(y) => y,
                 // candle's CUDA fast paths take bf16/f16 activations for most quant types; its

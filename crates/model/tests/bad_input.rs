@@ -79,7 +79,8 @@ fn wrong_magic_and_version() {
     assert!(matches!(Gguf::parse(&b), Err(GgufError::BadMagic { .. })));
     let e = open_bytes(b"this is a text file, not a model\n").err().unwrap();
     assert!(e.to_string().contains("not a GGUF file"), "{e}");
-    assert!(open_bytes(b"").is_err());
+    let e = open_bytes(b"").err().unwrap().to_string();
+    assert!(e.contains("truncated: magic needs 4 bytes at offset 0, the file has 0"), "{e}");
     let mut b = stories_bytes();
     b[4..8].copy_from_slice(&1u32.to_le_bytes());
     assert!(matches!(Gguf::parse(&b), Err(GgufError::UnsupportedVersion(1))));
@@ -180,13 +181,17 @@ fn missing_and_misshapen_tensors() {
 
 #[test]
 fn absurd_hyperparameters() {
-    for (key, v) in [
-        ("llama.block_count", Value::U32(1 << 30)),
-        ("llama.attention.head_count", Value::U32(0)),
-        ("llama.attention.head_count_kv", Value::U32(3)),
-        ("llama.embedding_length", Value::String("big".into())),
-        ("general.architecture", Value::String("gpt-j".into())),
-        ("tokenizer.ggml.model", Value::String("wordpiece".into())),
+    for (key, v, want) in [
+        ("llama.block_count", Value::U32(1 << 30), "implausible shape: 1073741824 layers"),
+        ("llama.attention.head_count", Value::U32(0), "zero attention heads"),
+        ("llama.attention.head_count_kv", Value::U32(3), "8 attention heads cannot be grouped over 3 kv heads"),
+        (
+            "llama.embedding_length",
+            Value::String("big".into()),
+            "`llama.embedding_length` is invalid: String(\"big\") is not a count",
+        ),
+        ("general.architecture", Value::String("gpt-j".into()), "architecture `gpt-j` is not supported"),
+        ("tokenizer.ggml.model", Value::String("wordpiece".into()), "tokenizer model `wordpiece` is not supported"),
     ] {
         let b = rewrite(|md, _| {
             for e in md.iter_mut().filter(|e| e.0 == key) {
@@ -194,10 +199,10 @@ fn absurd_hyperparameters() {
             }
         });
         let e = open_bytes(&b).err().unwrap_or_else(|| panic!("{key} = {v:?} was accepted"));
-        let _ = e.to_string();
+        assert!(e.to_string().contains(want), "{key} = {v:?}: `{e}` lacks `{want}`");
     }
     let b = rewrite(|md, _| md.retain(|e| e.0 != "llama.block_count"));
-    assert!(matches!(open_bytes(&b), Err(ModelError::MissingMetadata(_))));
+    assert!(matches!(open_bytes(&b), Err(ModelError::MissingMetadata(ref k)) if k == "llama.block_count"));
 }
 
 fn write_small_hf(dir: &Path) {
@@ -219,31 +224,32 @@ fn safetensors_headers_that_lie() {
 
     let try_with = |bytes: Vec<u8>| -> String {
         std::fs::write(&st, bytes).unwrap();
-        let e = ModelFiles::open(dir.path()).err().expect("a lying header was accepted");
-        e.to_string()
+        let e = ModelFiles::open(dir.path()).err().expect("a lying header was accepted").to_string();
+        assert!(e.starts_with("invalid model file: ") && e.contains("model.safetensors: "), "{e}");
+        e
     };
     // header length beyond the file
     let mut b = good.clone();
     b[..8].copy_from_slice(&(1u64 << 40).to_le_bytes());
-    try_with(b);
+    assert!(try_with(b).contains("header too large"));
     // offsets that point past the data
     let lie = header.replacen("\"data_offsets\":[0,", "\"data_offsets\":[0,9", 1);
     let mut b = (lie.len() as u64).to_le_bytes().to_vec();
     b.extend(lie.as_bytes());
     b.extend(&good[8 + n..]);
-    try_with(b);
+    assert!(try_with(b).contains("invalid shape, data type, or offset"));
     // a shape that does not match the bytes
     let lie = header.replacen("[64]", "[65]", 1);
     let mut b = (lie.len() as u64).to_le_bytes().to_vec();
     b.extend(lie.as_bytes());
     b.extend(&good[8 + n..]);
-    try_with(b);
+    assert!(try_with(b).contains("invalid shape, data type, or offset"));
     // not JSON at all
     let mut b = 16u64.to_le_bytes().to_vec();
     b.extend(b"{{{{{{{{{{{{{{{{");
-    try_with(b);
+    assert!(try_with(b).contains("invalid JSON in header"));
     // truncated data
-    try_with(good[..good.len() - 10].to_vec());
+    assert!(try_with(good[..good.len() - 10].to_vec()).contains("incomplete metadata, file not fully covered"));
     std::fs::write(&st, &good).unwrap();
     assert!(ModelFiles::open(dir.path()).is_ok());
     // no config.json

@@ -12,7 +12,8 @@
 //! - prefill of `P` tokens: `P × f_l` compute (weights read once), `P × act` on hops, the head
 //!   once (only the last position's logits are computed);
 //! - memory: `Σ w_l + kv × layers × ctx × sessions` (+ embedding on the first stage, + head on
-//!   the last; a tied head shares the embedding's copy) `≤ (1 − headroom) × memory`.
+//!   the last; a tied head shares the embedding's copy) `≤ (1 − headroom) × memory`, with `kv`
+//!   of the device's kind (a CPU may keep its cache in f32 where GPUs keep bf16).
 
 use crate::{PlanError, Policy};
 use brigade_core::{DeviceKind, Inventory, Link, ModelProfile};
@@ -53,8 +54,11 @@ pub struct Problem<'a> {
     w_prefix: Vec<u64>,
     /// Links by (node, node) index, as [`node_links`].
     links: HashMap<(usize, usize), Link>,
-    /// KV bytes one layer holds for `ctx × sessions` tokens.
+    /// KV bytes one layer holds for `ctx × sessions` tokens (on a device of the profile's default
+    /// KV type; [`Problem::kv_layer_on`] for a given device).
     pub kv_layer: u64,
+    /// The same on each device (a CPU may keep its cache in another type).
+    kv_layer_dev: Vec<u64>,
     /// Hop seconds per decoded token between two devices; `None` when they cannot be neighbours.
     pub hop: Vec<Vec<Option<f64>>>,
     pub drv_in: Vec<Option<f64>>,
@@ -177,6 +181,10 @@ impl<'a> Problem<'a> {
             w_prefix,
             links,
             kv_layer: profile.kv_bytes_per_token.saturating_mul(ctx).saturating_mul(policy.sessions),
+            kv_layer_dev: devs
+                .iter()
+                .map(|d| profile.kv_bytes_per_token_on(d.kind).saturating_mul(ctx).saturating_mul(policy.sessions))
+                .collect(),
             hop,
             drv_in,
             drv_out,
@@ -186,7 +194,20 @@ impl<'a> Problem<'a> {
         })
     }
 
-    /// Bytes a stage `[a, b)` holds: weights, KV cache, embedding if first, head if last.
+    /// KV bytes one layer holds on device `d` for `ctx × sessions` tokens.
+    pub fn kv_layer_on(&self, d: usize) -> u64 {
+        self.kv_layer_dev.get(d).copied().unwrap_or(self.kv_layer)
+    }
+
+    /// Bytes a stage `[a, b)` holds on device `d`: [`Problem::stage_mem`] with the device's KV
+    /// cache type.
+    pub fn stage_mem_on(&self, d: usize, a: usize, b: usize) -> StageMem {
+        let m = self.stage_mem(a, b);
+        StageMem { kv: self.kv_layer_on(d).saturating_mul((b - a) as u64), ..m }
+    }
+
+    /// Bytes a stage `[a, b)` holds: weights, KV cache (of the profile's default type),
+    /// embedding if first, head if last.
     pub fn stage_mem(&self, a: usize, b: usize) -> StageMem {
         let l = self.n_layers;
         let p = self.profile;
@@ -205,7 +226,7 @@ impl<'a> Problem<'a> {
     }
 
     pub fn fits(&self, d: usize, a: usize, b: usize) -> bool {
-        self.stage_mem(a, b).total() <= self.devs[d].budget
+        self.stage_mem_on(d, a, b).total() <= self.devs[d].budget
     }
 
     /// Decode seconds per token of stage `[a, b)` on device `d`.
@@ -339,5 +360,58 @@ impl Metrics {
     /// Average power while decoding (J per token ÷ seconds per token).
     pub fn avg_watts(&self) -> Option<f64> {
         self.energy_j.map(|e| e / self.decode_s)
+    }
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)]
+mod tests {
+    use super::*;
+    use brigade_core::{DeviceSpec, NodeSpec};
+
+    /// A CPU that keeps its KV cache in f32 holds fewer layers than the bf16 size says.
+    #[test]
+    fn a_cpu_counts_its_own_kv_type() {
+        let dev = |name: &str, kind| DeviceSpec {
+            name: name.into(),
+            kind,
+            memory: 1000,
+            mem_bandwidth: 1e9,
+            flops: 1e12,
+            watts: None,
+            host_link: None,
+        };
+        let inv = Inventory {
+            nodes: vec![NodeSpec {
+                name: "box".into(),
+                devices: vec![dev("cpu", DeviceKind::Cpu), dev("cuda0", DeviceKind::Cuda)],
+            }],
+            links: Vec::new(),
+        };
+        let mut profile = ModelProfile {
+            name: "m".into(),
+            layer_bytes: vec![100; 4],
+            layer_flops: vec![1.0; 4],
+            head_bytes: 0,
+            head_flops: 0.0,
+            embed_bytes: 0,
+            tied: false,
+            kv_bytes_per_token: 2,
+            cpu_kv_bytes_per_token: None,
+            hidden: 1,
+            vocab: 1,
+        };
+        let policy = Policy { headroom: 0.0, ..Policy::default() };
+        // 100 tokens: a layer is 100 + 200 bytes in bf16, 100 + 400 in f32
+        let p = Problem::new(&inv, &profile, &policy, 100).unwrap();
+        assert_eq!(p.stage_mem_on(0, 0, 3).total(), 900);
+        assert!(p.fits(0, 0, 3) && p.fits(1, 0, 3));
+        profile.cpu_kv_bytes_per_token = Some(4);
+        let p = Problem::new(&inv, &profile, &policy, 100).unwrap();
+        assert_eq!(p.stage_mem_on(0, 0, 3).total(), 1500);
+        assert_eq!(p.stage_mem_on(1, 0, 3).total(), 900, "the GPU keeps the default type");
+        assert!(!p.fits(0, 0, 3) && p.fits(0, 0, 2) && p.fits(1, 0, 3));
+        assert_eq!(p.kv_layer_on(0), 400);
+        assert_eq!(p.kv_layer_on(1), 200);
     }
 }

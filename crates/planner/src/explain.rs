@@ -209,7 +209,7 @@ fn build(p: &Problem, policy: &Policy, sol: &Solution) -> Plan {
         .enumerate()
         .map(|(i, &(d, a, b))| {
             let dev = &p.devs[d];
-            let mem = p.stage_mem(a, b);
+            let mem = p.stage_mem_on(d, a, b);
             let mut why = vec![format!(
                 "{} layer{} at {:.3} ms each",
                 b - a,

@@ -72,6 +72,7 @@ prop_compose! {
             embed_bytes: embed,
             tied,
             kv_bytes_per_token: 1 + (3.0 * next()) as u64,
+            cpu_kv_bytes_per_token: (next() < 0.5).then(|| 1 + (6.0 * next()) as u64),
             hidden: 1 + (20.0 * next()) as usize,
             vocab: 100,
         };
