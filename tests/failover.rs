@@ -467,13 +467,16 @@ fn a_model_that_no_longer_fits_is_degraded_with_the_shortfall_until_its_node_ret
 /// measurement cache is what a worker reports on its next start).
 fn faster(figures: &std::path::Path, factor: f64) {
     let mut v: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(figures).unwrap()).unwrap();
-    for k in v["device"]["kernels"].as_array_mut().unwrap() {
-        for f in ["decode_bytes_per_s", "prompt_flops"] {
-            k[f] = serde_json::json!(k[f].as_f64().unwrap() * factor);
+    for e in v["entries"].as_array_mut().unwrap() {
+        let d = &mut e["device"];
+        for k in d["kernels"].as_array_mut().unwrap() {
+            for f in ["decode_bytes_per_s", "prompt_flops"] {
+                k[f] = serde_json::json!(k[f].as_f64().unwrap() * factor);
+            }
         }
-    }
-    for f in ["mem_bandwidth", "flops"] {
-        v["device"][f] = serde_json::json!(v["device"][f].as_f64().unwrap() * factor);
+        for f in ["mem_bandwidth", "flops"] {
+            d[f] = serde_json::json!(d[f].as_f64().unwrap() * factor);
+        }
     }
     std::fs::write(figures, serde_json::to_string(&v).unwrap()).unwrap();
 }
