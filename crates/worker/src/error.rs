@@ -59,6 +59,9 @@ impl From<WorkerError> for tonic::Status {
             {
                 tonic::Status::invalid_argument(msg)
             }
+            // what the model's tokenizer cannot do with the request (no chat template, a text
+            // it cannot encode) is the request's problem: nothing to retry elsewhere
+            WorkerError::Model(brigade_model::ModelError::Tokenizer(_)) => tonic::Status::failed_precondition(msg),
             WorkerError::Busy(_) => tonic::Status::resource_exhausted(msg),
             WorkerError::Link(_) | WorkerError::Control(_) => tonic::Status::unavailable(msg),
             WorkerError::Join(_) => tonic::Status::permission_denied(msg),

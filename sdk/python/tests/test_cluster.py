@@ -99,7 +99,7 @@ def test_chat_needs_a_template(client: Client) -> None:
     # the embedded stories model has no chat template: the refusal reaches the caller
     with pytest.raises(BrigadeError) as e:
         client.chat("stories", [{"role": "user", "content": "hi"}], max_tokens=4).result()
-    assert e.value.code is not None and "chat template" in e.value.message, e.value.code
+    assert e.value.code == StatusCode.FAILED_PRECONDITION and "chat template" in e.value.message, e.value.code
 
 
 def test_api_keys(procs: Procs, tmp_path: Path) -> None:
