@@ -9,6 +9,7 @@
 //!   + norm and head when last); each session's KV cache is a [`llama::SliceCache`].
 //! - [`pipeline`]: several slices in one process, prefill / decode / generate.
 //! - [`tokenizer`], [`sampler`], [`synth`] (random-weight models of any Llama shape).
+//! - [`cpu_matmul`]: the CPU matmul by a ggml weight in place (int8 kernels per instruction set).
 //! - [`bandwidth`]: the memory read bandwidth probe behind `brigade bench`'s bound.
 //!
 //! The crate knows nothing of sockets, raft or placement: it computes what it is told to.

@@ -28,6 +28,40 @@ fn quantize(x: &[f32], q: &mut [i8]) -> (f32, i32) {
     (d, sum)
 }
 
+/// A buffer of rows `len` long that the pool's workers fill, each row by one worker.
+struct Rows<T> {
+    ptr: *mut T,
+    len: usize,
+    rows: usize,
+}
+
+// SAFETY: workers take disjoint rows (the contract of `row`)
+unsafe impl<T: Send> Sync for Rows<T> {}
+
+impl<T> Rows<T> {
+    fn new(v: &mut [T], len: usize) -> Self {
+        Rows { ptr: v.as_mut_ptr(), len, rows: v.len() / len.max(1) }
+    }
+
+    /// # Safety
+    /// No other reference to row `r` exists while this one lives.
+    #[allow(clippy::mut_from_ref)]
+    unsafe fn row(&self, r: usize) -> &mut [T] {
+        assert!(r < self.rows);
+        // SAFETY: inside the buffer (asserted); exclusive by the contract
+        unsafe { std::slice::from_raw_parts_mut(self.ptr.add(r * self.len), self.len) }
+    }
+}
+
+/// `f(r)` for rows `0..m`, split across candle's pool when there are several.
+fn each_row(m: usize, f: impl Fn(usize) + Sync) {
+    if m > 1 {
+        candle_core::utils::barrier_pool().execute_chunked(m, |rows| rows.for_each(&f));
+    } else {
+        (0..m).for_each(f);
+    }
+}
+
 /// Activation rows quantized per 32: the operand of the Q4_0, Q4_1, Q5_0, Q5_1 and Q8_0
 /// kernels. Row `r`, block `b` is `qs[r·kp + 32b..]`, `d[r·blocks + b]`, ….
 pub struct Q8Rows {
@@ -57,16 +91,23 @@ impl Q8Rows {
             blocks,
             kp,
         };
-        for (r, row) in lhs.chunks_exact(k).take(m).enumerate() {
-            let q = &mut x.qs[r * kp..r * kp + k];
-            for (b, (xb, qb)) in row.chunks_exact(32).zip(q.chunks_exact_mut(32)).enumerate() {
-                let (d, sum) = quantize(xb, qb);
-                let at = r * blocks + b;
-                x.d[at] = d;
-                x.fill[at] = -sum * (offset / 8);
-                x.s[at] = d * sum as f32;
+        let (qs, d, fill, s) = (
+            Rows::new(&mut x.qs, kp),
+            Rows::new(&mut x.d, blocks),
+            Rows::new(&mut x.fill, blocks),
+            Rows::new(&mut x.s, blocks),
+        );
+        each_row(m, |r| {
+            // SAFETY: row r is taken by this call only
+            let (qs, d, fill, s) = unsafe { (qs.row(r), d.row(r), fill.row(r), s.row(r)) };
+            let xs = lhs[r * k..(r + 1) * k].chunks_exact(32);
+            for (b, (xb, qb)) in xs.zip(qs.chunks_exact_mut(32)).enumerate() {
+                let (db, sum) = quantize(xb, qb);
+                d[b] = db;
+                fill[b] = -sum * (offset / 8);
+                s[b] = db * sum as f32;
             }
-        }
+        });
         x
     }
 
@@ -98,22 +139,28 @@ impl Q8KRows {
             bsums: vec![0; rows * bpr * 16],
             s32: vec![0.0; rows * k / 32],
         };
-        for (r, row) in lhs.chunks_exact(k).take(m).enumerate() {
-            for (b, xb) in row.chunks_exact(256).enumerate() {
-                let at = r * bpr + b;
-                let q = &mut x.qs[at * 256..(at + 1) * 256];
-                let (d, _) = quantize(xb, q);
-                x.d[at] = d;
+        let (qs, d, bsums, s32) = (
+            Rows::new(&mut x.qs, k),
+            Rows::new(&mut x.d, bpr),
+            Rows::new(&mut x.bsums, 16 * bpr),
+            Rows::new(&mut x.s32, 8 * bpr),
+        );
+        each_row(m, |r| {
+            // SAFETY: row r is taken by this call only
+            let (qs, d, bsums, s32) = unsafe { (qs.row(r), d.row(r), bsums.row(r), s32.row(r)) };
+            for (b, xb) in lhs[r * k..(r + 1) * k].chunks_exact(256).enumerate() {
+                let q = &mut qs[b * 256..(b + 1) * 256];
+                let (db, _) = quantize(xb, q);
+                d[b] = db;
                 for (j, q16) in q.chunks_exact(16).enumerate() {
                     // 16 × 127 fits i16
-                    x.bsums[at * 16 + j] = q16.iter().map(|&v| v as i16).sum();
+                    bsums[b * 16 + j] = q16.iter().map(|&v| v as i16).sum();
                 }
                 for j in 0..8 {
-                    let s = x.bsums[at * 16 + 2 * j] as f32 + x.bsums[at * 16 + 2 * j + 1] as f32;
-                    x.s32[at * 8 + j] = d * s;
+                    s32[b * 8 + j] = db * (bsums[b * 16 + 2 * j] as f32 + bsums[b * 16 + 2 * j + 1] as f32);
                 }
             }
-        }
+        });
         x
     }
 

@@ -7,10 +7,11 @@
 //! keeps its file's bytes:
 //! - Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K and Q6_K go through int8 kernels of our own, as
 //!   llama.cpp computes them (activations quantized to int8 per 32 or per 256, integer dot
-//!   products, one float scale per block): one activation row (decode) as a vec-dot per weight
-//!   row, more rows (prompts) in register tiles. The instruction set is chosen at run time:
-//!   AVX-512 VNNI (`vpdpbusd` on zmm), AVX-VNNI (ymm), AVX2, or none ([`Isa`]);
-//!   `BRIGADE_CPU_KERNELS=avx512|avxvnni|avx2|portable` picks a lesser one, to measure it.
+//!   products, one float scale per block). One activation row (decode) is a vec-dot per weight
+//!   row straight from the blocks; more rows (prompts) run in 4 × C register tiles over a panel
+//!   of weight columns unpacked once per group of rows (see `tiles`). The instruction set is
+//!   chosen at run time ([`Isa`]): AVX-512 VNNI (`vpdpbusd` on zmm), AVX-VNNI (ymm), AVX2, or
+//!   none; `BRIGADE_CPU_KERNELS=avx512|avxvnni|avx2|portable` picks a lesser one, to measure it.
 //! - the rest (Q2_K, Q3_K, floats), and every type where there is no AVX2: candle's vec-dots on
 //!   the weight's own blocks for up to [`DECODE_ROWS`] rows, else the weight dequantized a band of
 //!   rows at a time into a reused buffer and multiplied with the `gemm` crate (memory bounded by
@@ -19,16 +20,18 @@
 //! The kernels are hand-written because no crate computes on ggml blocks in place.
 //!
 //! # Layout
-//! - this file: the op, the kernel choice ([`Kernel`], [`Isa`]) and [`matmul`], the one entry
-//!   that checks lengths and instruction sets before any kernel runs;
+//! - this file: the op, the kernel choice ([`Kernel`], [`Isa`]) and [`matmul`], the one safe
+//!   entry: it checks the CPU's instructions and every length before a kernel runs;
 //! - [`blocks`]: ggml's block layouts and the checked cast of bytes to blocks;
-//! - `acts`: activations quantized to int8;
-//! - `simd`, `tiles` (x86_64): the vector operations per instruction set, and the kernels
-//!   written once over them;
+//! - `acts`: activations quantized to int8 (per 32, or per 256 for the K-quants);
+//! - `simd` (x86_64): the vector operations of each instruction set behind one trait, whose
+//!   values prove the CPU has it; `unpack`: each type's blocks to bytes; `tiles`: the vec-dots,
+//!   panels and tiles written once over `simd`, and their drivers on candle's thread pool;
 //! - `tests`: every kernel on every instruction set this CPU has, against a scalar reference.
 //!
-//! Deliberately absent: repacking weights into another layout (it would cost memory, the point
-//! of this module), and kernels for Q2_K/Q3_K (rare in practice).
+//! Deliberately absent: weights kept in another layout (it would cost memory, the point of this
+//! module; prompts unpack a few columns at a time into a per-thread panel instead), and int8
+//! kernels for Q2_K/Q3_K (rare in practice).
 
 mod acts;
 pub mod blocks;

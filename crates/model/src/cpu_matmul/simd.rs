@@ -50,6 +50,8 @@ pub trait Simd: Copy + Send + Sync + 'static {
     /// A 256-bit vector in the low half, zeros above.
     fn widen(self, v: __m256i) -> Self::I;
     fn add32(self, a: Self::I, b: Self::I) -> Self::I;
+    /// `8 · a` in i32 lanes.
+    fn times8(self, a: Self::I) -> Self::I;
     /// `x ^ 0x80` per byte: a signed byte as `x + 128`, unsigned.
     fn flip(self, a: Self::I) -> Self::I;
     /// `acc + Σ u·x` over each 4 bytes into i32 lanes (`u` unsigned, `x` signed). Without VNNI the
@@ -71,6 +73,8 @@ pub trait Simd: Copy + Send + Sync + 'static {
     fn mul(self, a: Self::F, b: Self::F) -> Self::F;
     fn set1(self, v: f32) -> Self::F;
     fn hsum(self, a: Self::F) -> f32;
+    /// Lane 0.
+    fn first(self, a: Self::F) -> f32;
     /// `v[t]` over the 8 lanes of 32-byte block `t`, for each of the `W / 32` blocks.
     fn per_block(self, v: [f32; 2]) -> Self::F;
     fn per_block_f16(self, v: [f16; 2]) -> Self::F;
@@ -80,11 +84,6 @@ pub trait Simd: Copy + Send + Sync + 'static {
     /// # Safety
     /// `p` points to `W / 32` readable floats.
     unsafe fn per_block_at(self, p: *const f32) -> Self::F;
-    /// [`Simd::per_block_i32`] of the `W / 32` values at `p`.
-    ///
-    /// # Safety
-    /// `p` points to `W / 32` readable values.
-    unsafe fn per_block_i32_at(self, p: *const i32) -> Self::I;
 
     /// [`tiles::q0_dot`] compiled for this instruction set.
     ///
@@ -128,7 +127,6 @@ pub trait Simd: Copy + Send + Sync + 'static {
         rows: (usize, usize),
         out: Out,
         p: &mut Panel,
-        mins: *mut f32,
     );
 }
 
@@ -227,10 +225,9 @@ macro_rules! entry_points {
                 rows: (usize, usize),
                 out: Out,
                 p: &mut Panel,
-                mins: *mut f32,
             ) {
                 // SAFETY: the caller's contract
-                unsafe { tiles::k_group::<T, $isa>(s, w, bpr, cols, x, rows, out, p, mins) }
+                unsafe { tiles::k_group::<T, $isa>(s, w, bpr, cols, x, rows, out, p) }
             }
         }
     };
@@ -281,11 +278,10 @@ macro_rules! forward_entries {
             rows: (usize, usize),
             out: Out,
             p: &mut Panel,
-            mins: *mut f32,
         ) {
             let $s = self;
             // SAFETY: as above
-            unsafe { match $on { $($p => $module::k_group($token, w, bpr, cols, x, rows, out, p, mins)),+ } }
+            unsafe { match $on { $($p => $module::k_group($token, w, bpr, cols, x, rows, out, p)),+ } }
         }
     };
 }
@@ -339,6 +335,10 @@ impl<const V: u8> Simd for Ymm<V> {
     #[inline(always)]
     fn add32(self, a: __m256i, b: __m256i) -> __m256i {
         unsafe { _mm256_add_epi32(a, b) }
+    }
+    #[inline(always)]
+    fn times8(self, a: __m256i) -> __m256i {
+        unsafe { _mm256_slli_epi32::<3>(a) }
     }
     #[inline(always)]
     fn flip(self, a: __m256i) -> __m256i {
@@ -413,6 +413,10 @@ impl<const V: u8> Simd for Ymm<V> {
         }
     }
     #[inline(always)]
+    fn first(self, a: __m256) -> f32 {
+        unsafe { _mm256_cvtss_f32(a) }
+    }
+    #[inline(always)]
     fn per_block(self, v: [f32; 2]) -> __m256 {
         unsafe { _mm256_set1_ps(v[0]) }
     }
@@ -431,10 +435,6 @@ impl<const V: u8> Simd for Ymm<V> {
     #[inline(always)]
     unsafe fn per_block_at(self, p: *const f32) -> __m256 {
         unsafe { _mm256_broadcast_ss(&*p) }
-    }
-    #[inline(always)]
-    unsafe fn per_block_i32_at(self, p: *const i32) -> __m256i {
-        unsafe { _mm256_set1_epi32(*p) }
     }
 
     forward_entries!(_s, V;
@@ -493,6 +493,10 @@ impl Simd for Zmm {
         unsafe { _mm512_add_epi32(a, b) }
     }
     #[inline(always)]
+    fn times8(self, a: __m512i) -> __m512i {
+        unsafe { _mm512_slli_epi32::<3>(a) }
+    }
+    #[inline(always)]
     fn flip(self, a: __m512i) -> __m512i {
         unsafe { _mm512_xor_si512(a, _mm512_set1_epi8(-128)) }
     }
@@ -545,6 +549,10 @@ impl Simd for Zmm {
         unsafe { _mm512_reduce_add_ps(a) }
     }
     #[inline(always)]
+    fn first(self, a: __m512) -> f32 {
+        unsafe { _mm512_cvtss_f32(a) }
+    }
+    #[inline(always)]
     fn per_block(self, [a, b]: [f32; 2]) -> __m512 {
         unsafe {
             let lo = _mm512_castps_pd(_mm512_castps256_ps512(_mm256_set1_ps(a)));
@@ -566,13 +574,6 @@ impl Simd for Zmm {
         unsafe {
             let two = _mm512_castpd_ps(_mm512_castpd128_pd512(_mm_load_sd(p.cast())));
             _mm512_permutexvar_ps(_mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0), two)
-        }
-    }
-    #[inline(always)]
-    unsafe fn per_block_i32_at(self, p: *const i32) -> __m512i {
-        unsafe {
-            let two = _mm512_castsi128_si512(_mm_loadl_epi64(p.cast()));
-            _mm512_permutexvar_epi32(_mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0), two)
         }
     }
 

@@ -8,13 +8,14 @@
 //!   row, so the `C` weight columns of a tile are first unpacked into a [`Panel`] (quants as
 //!   bytes, scales as the vectors the kernel multiplies by) and the tile kernels ([`q0_tile`],
 //!   [`k_tile`]) only load, multiply and add; a panel serves the [`PROMPT_ROWS`] activation rows
-//!   of a group. The min terms (Q4_1, Q5_1, Q4_K, Q5_K) are added afterwards as one small f32
-//!   gemm over the per-32 sums ([`add_product`]), cheaper than in every tile.
+//!   of a group. The min terms (Q4_1, Q5_1, Q4_K, Q5_K) are added once per group as a small
+//!   f32 product over the per-32 sums ([`add_mins`]), cheaper than in every tile.
 //!
 //! No function here takes a closure into a kernel: a closure is compiled without the kernel's
 //! target features, so its intrinsics would become calls (see [`Simd::join`]).
 
 use super::acts::{Q8KRows, Q8Rows};
+use super::blocks::Q0Block;
 use super::simd::Simd;
 use super::unpack::{KScales, KUnpack, Q0Unpack};
 use half::f16;
@@ -53,7 +54,7 @@ pub unsafe fn q0_dot<T: Q0Unpack, S: Simd>(s: S, w: &[T], bpr: usize, c: usize, 
     let a2 = s.avx2();
     let two = S::W == 64;
     let flip = T::SIGNED && S::VNNI;
-    let fill = T::OFFSET != 0 || flip;
+    let fill = q0_offset::<T, S>() != 0;
     let mut acc = s.zero_f();
     let mut b0 = 0;
     while b0 < x.blocks {
@@ -121,11 +122,11 @@ pub unsafe fn k_dot<T: KUnpack, S: Simd>(s: S, w: &[T], bpr: usize, c: usize, x:
         let (dx, bs) = unsafe { (*x.d.get_unchecked(b), a2.load(x.bsums.as_ptr().add(16 * b).cast())) };
         let corr = a2.madd(bs, ks.corr);
         if T::HAS_MIN {
-            accm = a2.fmadd(a2.set1(ks.dmin * dx), a2.cvt(corr), accm);
+            accm = a2.fmadd(a2.mul(a2.per_block_f16([ks.dmin; 2]), a2.set1(dx)), a2.cvt(corr), accm);
         } else {
             isum = s.add32(isum, s.widen(corr));
         }
-        acc = s.fmadd(s.set1(ks.d * dx), s.cvt(isum), acc);
+        acc = s.fmadd(s.mul(s.per_block_f16([ks.d; 2]), s.set1(dx)), s.cvt(isum), acc);
     }
     s.hsum(acc) - if T::HAS_MIN { a2.hsum(accm) } else { 0.0 }
 }
@@ -142,12 +143,33 @@ pub struct Panel {
     d: Vec<f32>,
     /// Q6_K: `−32·sc` per 16 weights.
     corr: Vec<i16>,
+    /// Q4_K/Q5_K with VNNI: `q` holds `q · (sc mod 8)` and this `q · (sc div 8)` (see [`k_tile`]).
+    hi: Vec<u8>,
+    /// The min terms' weights, per 32 weights: Q4_1/Q5_1's `m`, Q4_K/Q5_K's `−dmin·m`.
+    mins: Vec<f32>,
     /// Bytes of `q` per column.
     kq: usize,
 }
 
 thread_local! {
     static PANEL: RefCell<Panel> = RefCell::new(Panel::default());
+}
+
+/// What a 32-weight type's unsigned quants are offset by: Q4_0's 8, Q5_0's 16, and on VNNI the
+/// 128 that makes Q8_0's signed bytes unsigned (AVX2 multiplies those by their sign instead).
+const fn q0_offset<T: Q0Block, S: Simd>() -> i32 {
+    if T::SIGNED && S::VNNI {
+        128
+    } else {
+        T::OFFSET
+    }
+}
+
+/// Whether a 32-weight type has a term per block besides `d_w·d_x·Σ q·x`: the min (Q4_1,
+/// Q5_1, `m · d_x·Σx`) or the offset (`−offset·d_w · d_x·Σx`). Prompts add it once per group
+/// ([`add_mins`]); decode starts each block's integer sum from the activations' `fill`.
+const fn q0_has_terms<T: Q0Block, S: Simd>() -> bool {
+    T::HAS_MIN || q0_offset::<T, S>() != 0
 }
 
 /// Unpacks columns `c0..c0 + cols` of a 32-weight type into `p`, blocks padded with zeros to
@@ -167,12 +189,17 @@ unsafe fn fill_q0<T: Q0Unpack, S: Simd>(
     p.kq = 32 * blocks;
     p.q.resize(cols * p.kq, 0);
     p.d.resize(cols * blocks * 8, 0.0);
+    p.mins.resize(if q0_has_terms::<T, S>() { cols * bpr } else { 0 }, 0.0);
     for j in 0..cols {
         for b in 0..blocks {
             let at = j * blocks + b;
             let (mut v, d) = if b < bpr {
                 // SAFETY: column c0 + j, block b < bpr is in `w`
                 let blk = unsafe { w.get_unchecked((c0 + j) * bpr + b) };
+                if q0_has_terms::<T, S>() {
+                    p.mins[j * bpr + b] =
+                        if T::HAS_MIN { blk.m().to_f32() } else { -q0_offset::<T, S>() as f32 * blk.d().to_f32() };
+                }
                 (blk.unpack(a2), blk.d().to_f32())
             } else {
                 (a2.zero(), 0.0)
@@ -189,60 +216,112 @@ unsafe fn fill_q0<T: Q0Unpack, S: Simd>(
     }
 }
 
-/// Unpacks columns `c0..c0 + cols` of a 256-weight type into `p`; with `mins`, writes their
-/// `dmin · m` per 32 weights into its rows `c0..` (`k / 32` each).
+/// Unpacks columns `c0..c0 + cols` of a 256-weight type into `p`.
 ///
 /// # Safety
-/// `w` holds those columns of `bpr` super-blocks each; `mins`, if not null, `n × bpr·8` floats.
+/// `w` holds those columns of `bpr` super-blocks each.
 #[inline(always)]
-unsafe fn fill_k<T: KUnpack, S: Simd>(
-    s: S,
-    w: &[T],
-    bpr: usize,
-    (c0, cols): (usize, usize),
-    p: &mut Panel,
-    mins: *mut f32,
-) {
+unsafe fn fill_k<T: KUnpack, S: Simd>(s: S, w: &[T], bpr: usize, (c0, cols): (usize, usize), p: &mut Panel) {
     let a2 = s.avx2();
     p.kq = 256 * bpr;
     p.q.resize(cols * p.kq, 0);
-    p.sc.resize(cols * p.kq / 2, 0);
+    p.sc.resize(if S::VNNI && T::HAS_MIN { 0 } else { cols * p.kq / 2 }, 0);
     p.d.resize(cols * bpr, 0.0);
     p.corr.resize(cols * bpr * 16, 0);
+    p.mins.resize(if T::HAS_MIN { cols * bpr * 8 } else { 0 }, 0.0);
+    let split = S::VNNI && T::HAS_MIN;
+    p.hi.resize(if split { cols * p.kq } else { 0 }, 0);
     for j in 0..cols {
         for b in 0..bpr {
             let at = j * bpr + b;
             // SAFETY: column c0 + j, super-block b is in `w`
             let blk = unsafe { w.get_unchecked((c0 + j) * bpr + b) };
             let ks: KScales = blk.scales(a2);
-            p.d[at] = ks.d;
-            for st in 0..256 / S::W {
-                let t = st * (S::W / 32);
-                let hi = if S::W == 64 { blk.chunk(a2, t + 1) } else { a2.zero() };
-                // SAFETY: W bytes of `q` and W/2 i16 of `sc` inside the panel, sized above
-                unsafe {
-                    s.store(p.q.as_mut_ptr().add(256 * at + st * S::W), s.join(blk.chunk(a2, t), hi));
-                    s.store(p.sc.as_mut_ptr().add(128 * at + st * S::W / 2).cast(), s.scales(ks.sc, st));
-                }
-            }
-            let mut corr = [0i16; 16];
-            // SAFETY: 16 i16 inside the panel and on the stack
+            p.d[at] = a2.first(a2.per_block_f16([ks.d; 2]));
+            let (mut corr, mut sc) = ([0i16; 16], [0i8; 16]);
+            // SAFETY: 16 i16 inside the panel and on the stack, 16 i8 on the stack
             unsafe {
                 a2.store(p.corr.as_mut_ptr().add(16 * at).cast(), ks.corr);
                 a2.store(corr.as_mut_ptr().cast(), ks.corr);
+                _mm_storeu_si128(sc.as_mut_ptr().cast(), ks.sc);
             }
-            if !mins.is_null() {
+            if split {
+                // q · (sc mod 8) and q · (sc div 8), each below 256: a 16-bit multiply of the
+                // byte pairs keeps them apart
+                for t in 0..8 {
+                    let q = blk.chunk(a2, t);
+                    // SAFETY: AVX2 (the token); 32 bytes inside `q` and `hi`, sized above
+                    unsafe {
+                        let (lo, hi) =
+                            (_mm256_set1_epi16((sc[2 * t] & 7) as i16), _mm256_set1_epi16((sc[2 * t] >> 3) as i16));
+                        a2.store(p.q.as_mut_ptr().add(256 * at + 32 * t), _mm256_mullo_epi16(q, lo));
+                        a2.store(p.hi.as_mut_ptr().add(256 * at + 32 * t), _mm256_mullo_epi16(q, hi));
+                    }
+                }
+            } else {
+                for st in 0..256 / S::W {
+                    let t = st * (S::W / 32);
+                    let hi = if S::W == 64 { blk.chunk(a2, t + 1) } else { a2.zero() };
+                    // SAFETY: W bytes of `q` and W/2 i16 of `sc` inside the panel, sized above
+                    unsafe {
+                        s.store(p.q.as_mut_ptr().add(256 * at + st * S::W), s.join(blk.chunk(a2, t), hi));
+                        s.store(p.sc.as_mut_ptr().add(128 * at + st * S::W / 2).cast(), s.scales(ks.sc, st));
+                    }
+                }
+            }
+            if T::HAS_MIN {
+                let dmin = a2.first(a2.per_block_f16([ks.dmin; 2]));
                 for (jj, m) in corr.iter().step_by(2).enumerate() {
-                    // SAFETY: row c0 + j of the n × bpr·8 mins
-                    unsafe { *mins.add((c0 + j) * bpr * 8 + b * 8 + jj) = ks.dmin * *m as f32 };
+                    p.mins[(j * bpr + b) * 8 + jj] = -dmin * *m as f32;
                 }
             }
         }
     }
 }
 
+/// Adds the min terms `Σ_b mins[c][b] · xs[r][b]` of the panel's columns to rows `g0..g1` of
+/// the output (each `kk` long, `xs` rows `stride` apart): a small product, in f32.
+///
+/// # Safety
+/// `xs` holds rows `g0..g1` of `stride ≥ kk` values; the panel `cols × kk` mins; only this call
+/// writes those outputs.
+#[inline(always)]
+unsafe fn add_mins<S: Simd>(
+    s: S,
+    p: &Panel,
+    (c0, cols): (usize, usize),
+    kk: usize,
+    (xs, stride): (&[f32], usize),
+    (g0, g1): (usize, usize),
+    out: Out,
+) {
+    let lanes = S::W / 4;
+    for r in g0..g1.min(out.m) {
+        for j in 0..cols {
+            let (mut acc, mut b) = (s.zero_f(), 0);
+            // SAFETY: row r of `xs`, column j of the panel's mins, within `kk`
+            unsafe {
+                while b + lanes <= kk {
+                    acc = s.fmadd(
+                        s.load_f(xs.as_ptr().add(r * stride + b)),
+                        s.load_f(p.mins.as_ptr().add(j * kk + b)),
+                        acc,
+                    );
+                    b += lanes;
+                }
+                let mut v = s.hsum(acc);
+                while b < kk {
+                    v += *xs.get_unchecked(r * stride + b) * *p.mins.get_unchecked(j * kk + b);
+                    b += 1;
+                }
+                *(out.ptr as *mut f32).add(r * out.n + c0 + j) += v;
+            }
+        }
+    }
+}
+
 /// Activation rows `r0..r0 + 4` × panel columns `j0..j0 + C` of a 32-weight type: per step
-/// `Σ q·x` (from the activations' `fill`) times `d_w·d_x`. Q4_1/Q5_1's mins are the caller's.
+/// `Σ q·x` times `d_w·d_x`; the min or offset terms are the caller's ([`q0_has_terms`]).
 ///
 /// # Safety
 /// The panel holds columns `j0..j0 + C` of `x.blocks` blocks; `x` holds rows `r0..r0 + 4`.
@@ -254,7 +333,6 @@ unsafe fn q0_tile<T: Q0Unpack, S: Simd, const C: usize>(
     x: &Q8Rows,
     r0: usize,
 ) -> [[f32; C]; 4] {
-    let fill = T::OFFSET != 0 || (T::SIGNED && S::VNNI);
     let mut acc = [[s.zero_f(); C]; 4];
     let mut b0 = 0;
     while b0 < x.blocks {
@@ -270,15 +348,11 @@ unsafe fn q0_tile<T: Q0Unpack, S: Simd, const C: usize>(
         for (i, acc_i) in acc.iter_mut().enumerate() {
             let at = (r0 + i) * x.blocks + b0;
             // SAFETY: row r0 + i, blocks b0..b0 + W/32 of `x`
-            let (xv, dx, init) = unsafe {
-                (
-                    s.load(x.qs.as_ptr().add((r0 + i) * x.kp + 32 * b0)),
-                    s.per_block_at(x.d.as_ptr().add(at)),
-                    if fill { s.per_block_i32_at(x.fill.as_ptr().add(at)) } else { s.zero() },
-                )
-            };
+            let (xv, dx) =
+                unsafe { (s.load(x.qs.as_ptr().add((r0 + i) * x.kp + 32 * b0)), s.per_block_at(x.d.as_ptr().add(at))) };
             for (a, j) in acc_i.iter_mut().zip(0..C) {
-                let q = if T::SIGNED && !S::VNNI { s.dot_s8(init, wv[j], xv) } else { s.dot_u8(init, wv[j], xv) };
+                let q =
+                    if T::SIGNED && !S::VNNI { s.dot_s8(s.zero(), wv[j], xv) } else { s.dot_u8(s.zero(), wv[j], xv) };
                 *a = s.fmadd(s.mul(dw[j], dx), s.cvt(q), *a);
             }
         }
@@ -293,9 +367,14 @@ unsafe fn q0_tile<T: Q0Unpack, S: Simd, const C: usize>(
     out
 }
 
-/// Activation rows `r0..r0 + 4` × panel columns `j0..j0 + C` of a 256-weight type: per
+/// Activation rows `r0..r0 + R` × panel columns `j0..j0 + C` of a 256-weight type: per
 /// super-block `Σ sc · q·x` in i32 lanes (plus Q6_K's −32 in integers), times `d_w·d_x`.
 /// Q4_K/Q5_K's mins are the caller's.
+///
+/// With VNNI, Q4_K/Q5_K's 6-bit scales are split as `sc = 8·(sc div 8) + sc mod 8` and each
+/// half multiplied into the quants when the panel is filled (`q · 7 < 256`): two `vpdpbusd` per
+/// 64 weights and no scale vectors, against `vpmaddubsw` + `vpdpwssd` (which LLVM splits into
+/// `vpmaddwd` + `vpaddd` where it tunes for a generic CPU).
 ///
 /// # Safety
 /// The panel holds columns `j0..j0 + C` of `bpr` super-blocks; `x` holds rows `r0..r0 + 4`.
@@ -309,9 +388,11 @@ unsafe fn k_tile<T: KUnpack, S: Simd, const R: usize, const C: usize>(
     r0: usize,
 ) -> [[f32; C]; R] {
     let a2 = s.avx2();
+    let split = S::VNNI && T::HAS_MIN;
     let mut acc = [[s.zero_f(); C]; R];
     for b in 0..bpr {
         let mut isum = [[s.zero(); C]; R];
+        let mut ihi = [[s.zero(); C]; R];
         for st in 0..256 / S::W {
             let mut wv = [s.zero(); C];
             let mut sc = [s.zero(); C];
@@ -320,29 +401,35 @@ unsafe fn k_tile<T: KUnpack, S: Simd, const R: usize, const C: usize>(
                 // SAFETY: column j0 + j, super-block b, step st of the panel
                 unsafe {
                     wv[j] = s.load(p.q.as_ptr().add(at).cast());
-                    sc[j] = s.load(p.sc.as_ptr().add(at / 2).cast());
+                    sc[j] = if split {
+                        s.load(p.hi.as_ptr().add(at).cast())
+                    } else {
+                        s.load(p.sc.as_ptr().add(at / 2).cast())
+                    };
                 }
             }
-            for (i, isum_i) in isum.iter_mut().enumerate() {
+            for (i, (isum_i, ihi_i)) in isum.iter_mut().zip(ihi.iter_mut()).enumerate() {
                 // SAFETY: row r0 + i, super-block b, bytes st·W.. of its 256
                 let xv = unsafe { s.load(x.qs.as_ptr().add(((r0 + i) * bpr + b) * 256 + st * S::W)) };
-                for (t, j) in isum_i.iter_mut().zip(0..C) {
-                    *t = s.dot_scaled(*t, wv[j], xv, sc[j]);
+                for j in 0..C {
+                    if split {
+                        isum_i[j] = s.dot_u8(isum_i[j], wv[j], xv);
+                        ihi_i[j] = s.dot_u8(ihi_i[j], sc[j], xv);
+                    } else {
+                        isum_i[j] = s.dot_scaled(isum_i[j], wv[j], xv, sc[j]);
+                    }
                 }
             }
         }
-        // d_w·d_x as one vector product per pair: both broadcast straight from memory
-        let mut dw = [s.zero_f(); C];
-        for (j, d) in dw.iter_mut().enumerate() {
-            // SAFETY: column j0 + j, super-block b of the panel
-            *d = s.set1(unsafe { *p.d.get_unchecked((j0 + j) * bpr + b) });
-        }
-        for (i, (acc_i, isum_i)) in acc.iter_mut().zip(&isum).enumerate() {
+        for (i, acc_i) in acc.iter_mut().enumerate() {
             let at = (r0 + i) * bpr + b;
             // SAFETY: row r0 + i, super-block b
             let dx = s.set1(unsafe { *x.d.get_unchecked(at) });
             for j in 0..C {
-                let mut t = isum_i[j];
+                let mut t = isum[i][j];
+                if split {
+                    t = s.add32(t, s.times8(ihi[i][j]));
+                }
                 if !T::HAS_MIN {
                     // SAFETY: row r0 + i, super-block b; column j0 + j, super-block b of the panel
                     let (bs, corr) = unsafe {
@@ -353,7 +440,10 @@ unsafe fn k_tile<T: KUnpack, S: Simd, const R: usize, const C: usize>(
                     };
                     t = s.add32(t, s.widen(a2.madd(bs, corr)));
                 }
-                acc_i[j] = s.fmadd(s.mul(dw[j], dx), s.cvt(t), acc_i[j]);
+                // SAFETY: column j0 + j, super-block b of the panel
+                let dw = s.set1(unsafe { *p.d.get_unchecked((j0 + j) * bpr + b) });
+                // (Σ · d_x) · d_w: both factors broadcast from memory into the arithmetic
+                acc_i[j] = s.fmadd(s.mul(s.cvt(t), dx), dw, acc_i[j]);
             }
         }
     }
@@ -393,7 +483,8 @@ impl Out {
 /// Columns `c0..c0 + cols` (at most `S::Q0_C`) of activation rows `g0..g1` of a 32-weight type.
 ///
 /// # Safety
-/// As [`fill_q0`] and [`q0_tile`] for those columns and rows; only this call writes them.
+/// As [`fill_q0`], [`q0_tile`] and [`add_mins`] for those columns and rows; only this call
+/// writes them.
 #[inline(always)]
 #[allow(clippy::too_many_arguments)]
 pub unsafe fn q0_group<T: Q0Unpack, S: Simd>(
@@ -418,14 +509,17 @@ pub unsafe fn q0_group<T: Q0Unpack, S: Simd>(
                 }
             }
         }
+        if q0_has_terms::<T, S>() {
+            add_mins(s, p, (c0, cols), bpr, (&x.s, x.blocks), (g0, g1), out);
+        }
     }
 }
 
-/// Columns `c0..c0 + cols` (at most `S::K_C`) of activation rows `g0..g1` of a 256-weight type;
-/// with `mins` not null, also their mins (see [`fill_k`]).
+/// Columns `c0..c0 + cols` (at most `S::K_C`) of activation rows `g0..g1` of a 256-weight type.
 ///
 /// # Safety
-/// As [`fill_k`] and [`k_tile`] for those columns and rows; only this call writes them.
+/// As [`fill_k`], [`k_tile`] and [`add_mins`] for those columns and rows; only this call writes
+/// them.
 #[inline(always)]
 #[allow(clippy::too_many_arguments)]
 pub unsafe fn k_group<T: KUnpack, S: Simd>(
@@ -437,11 +531,10 @@ pub unsafe fn k_group<T: KUnpack, S: Simd>(
     (g0, g1): (usize, usize),
     out: Out,
     p: &mut Panel,
-    mins: *mut f32,
 ) {
     // SAFETY: the caller's contract
     unsafe {
-        fill_k::<T, S>(s, w, bpr, (c0, cols), p, mins);
+        fill_k::<T, S>(s, w, bpr, (c0, cols), p);
         for r0 in (g0..g1).step_by(TILE_ROWS) {
             if S::K_C == 2 && cols == 2 {
                 out.put(k_tile::<T, S, 4, 2>(s, p, 0, bpr, x, r0), (r0, g1), c0);
@@ -450,6 +543,9 @@ pub unsafe fn k_group<T: KUnpack, S: Simd>(
                     out.put(k_tile::<T, S, 4, 1>(s, p, j, bpr, x, r0), (r0, g1), c0 + j);
                 }
             }
+        }
+        if T::HAS_MIN {
+            add_mins(s, p, (c0, cols), 8 * bpr, (&x.s32, 8 * bpr), (g0, g1), out);
         }
     }
 }
@@ -481,38 +577,6 @@ fn each_column_group(n: usize, tc: usize, group: impl Fn((usize, usize), &mut Pa
     });
 }
 
-/// `dst[m, n] += beta · xs[m, kk] @ wm[n, kk]ᵀ` (`xs` rows `stride` apart): the min terms.
-fn add_product(dst: &mut [f32], (m, n, kk): (usize, usize, usize), xs: &[f32], stride: usize, wm: &[f32], beta: f32) {
-    assert!(dst.len() >= m * n && wm.len() >= n * kk && xs.len() >= (m - 1) * stride + kk && stride >= kk);
-    let threads = candle_core::utils::get_num_threads();
-    let par = if threads > 1 { gemm::Parallelism::Rayon(threads) } else { gemm::Parallelism::None };
-    // SAFETY: dst is m × n row-major, xs m × kk with row stride `stride`, wm n × kk read as its
-    // transpose; lengths asserted above
-    unsafe {
-        gemm::gemm(
-            m,
-            n,
-            kk,
-            dst.as_mut_ptr(),
-            1,
-            n as isize,
-            true,
-            xs.as_ptr(),
-            1,
-            stride as isize,
-            wm.as_ptr(),
-            kk as isize,
-            1,
-            1.0f32,
-            beta,
-            false,
-            false,
-            false,
-            par,
-        );
-    }
-}
-
 /// `dst[m, n] = lhs[m, k] @ w[n, k]ᵀ` for a 32-weight block type.
 ///
 /// # Safety
@@ -526,7 +590,7 @@ pub unsafe fn matmul_q0<T: Q0Unpack, S: Simd>(
 ) {
     let bpr = k / 32;
     let blocks = bpr.next_multiple_of(S::W / 32);
-    let offset = if T::SIGNED && S::VNNI { 128 } else { T::OFFSET };
+    let offset = q0_offset::<T, S>();
     if m == 1 {
         let x = Q8Rows::new(lhs, (1, k), 1, blocks, offset);
         // SAFETY: column c < n is in `w`, row 0 in `x`, quantized as the kernel expects
@@ -539,10 +603,6 @@ pub unsafe fn matmul_q0<T: Q0Unpack, S: Simd>(
         let rows = (g0, (g0 + PROMPT_ROWS).min(m));
         // SAFETY: each group writes its own columns of these rows; rows are padded to tiles
         each_column_group(n, S::Q0_C, |cols, p| unsafe { s.q0_group(w, bpr, cols, &x, rows, out, p) });
-    }
-    if T::HAS_MIN {
-        let mins: Vec<f32> = w.iter().map(|b| b.m().to_f32()).collect();
-        add_product(dst, (m, n, bpr), &x.s, x.blocks, &mins, 1.0);
     }
 }
 
@@ -566,17 +626,9 @@ pub unsafe fn matmul_k<T: KUnpack, S: Simd>(
     }
     let x = Q8KRows::new(lhs, (m, k), m.next_multiple_of(TILE_ROWS));
     let out = Out { ptr: dst.as_mut_ptr() as usize, m, n };
-    let mut mins = if T::HAS_MIN { vec![0f32; n * bpr * 8] } else { Vec::new() };
-    let mins_ptr = mins.as_mut_ptr() as usize;
     for g0 in (0..m).step_by(PROMPT_ROWS) {
         let rows = (g0, (g0 + PROMPT_ROWS).min(m));
-        // the first row group also writes the mins
-        let mp = if T::HAS_MIN && g0 == 0 { mins_ptr } else { 0 };
-        // SAFETY: each group writes its own columns of these rows (and of the mins); rows are
-        // padded to tiles
-        each_column_group(n, S::K_C, |cols, p| unsafe { s.k_group(w, bpr, cols, &x, rows, out, p, mp as *mut f32) });
-    }
-    if T::HAS_MIN {
-        add_product(dst, (m, n, k / 32), &x.s32, k / 32, &mins, -1.0);
+        // SAFETY: each group writes its own columns of these rows; rows are padded to tiles
+        each_column_group(n, S::K_C, |cols, p| unsafe { s.k_group(w, bpr, cols, &x, rows, out, p) });
     }
 }

@@ -3,6 +3,7 @@
 
 use super::blocks::{KBlock, Q0Block, Q4K, Q4_0, Q4_1, Q5K, Q5_0, Q5_1, Q6K, Q8_0};
 use super::simd::Avx2;
+use half::f16;
 use std::arch::x86_64::*;
 
 /// A 32-weight block's weights as bytes.
@@ -25,24 +26,18 @@ pub struct KScales {
     pub sc: __m128i,
     /// Per 16 weights, i16: Q4_K/Q5_K's min (times `dmin`), Q6_K's `−32·sc` (times `d`).
     pub corr: __m256i,
-    pub d: f32,
-    pub dmin: f32,
-}
-
-/// Two f16 in the low and high halves of `bits` as f32 (F16C, no call into `half`).
-#[inline(always)]
-fn two_f16(_: Avx2, bits: u32) -> (f32, f32) {
-    unsafe {
-        let v = _mm_cvtph_ps(_mm_cvtsi32_si128(bits as i32));
-        (_mm_cvtss_f32(v), _mm_cvtss_f32(_mm_movehdup_ps(v)))
-    }
+    /// Kept as f16 for the kernels to broadcast and convert whole vectors: a scalar conversion
+    /// of one loaded half compiles to a `vpinsrw` that merges into whatever register is free,
+    /// the accumulator included, a false dependency chaining each block to the last.
+    pub d: f16,
+    pub dmin: f16,
 }
 
 /// Q4_K/Q5_K's 12 scale bytes as 8 six-bit scales and 8 mins (ggml's arrangement: scales 0..4
 /// and mins 0..4 in the low 6 bits of bytes 0..4 and 4..8, the rest's low 4 bits in bytes 8..12
 /// and high 2 bits on top of bytes 0..8), each over its 32 weights' two 16s.
 #[inline(always)]
-fn k4_scales(a: Avx2, d_dmin: u32, q: &[u8; 12]) -> KScales {
+fn k4_scales(_: Avx2, (d, dmin): (f16, f16), q: &[u8; 12]) -> KScales {
     const LOW6: u32 = 0x3f3f_3f3f;
     const LOW4: u32 = 0x0f0f_0f0f;
     const LOW2: u32 = 0x0303_0303;
@@ -52,7 +47,6 @@ fn k4_scales(a: Avx2, d_dmin: u32, q: &[u8; 12]) -> KScales {
     let sc_hi = (u2 & LOW4) | (((u0 >> 6) & LOW2) << 4);
     let m_lo = u1 & LOW6;
     let m_hi = ((u2 >> 4) & LOW4) | (((u1 >> 6) & LOW2) << 4);
-    let (d, dmin) = two_f16(a, d_dmin);
     unsafe {
         let v = _mm_set_epi32(m_hi as i32, m_lo as i32, sc_hi as i32, sc_lo as i32);
         let pairs = _mm_set_epi64x(0x0707_0606_0505_0404, 0x0303_0202_0101_0000);
@@ -141,7 +135,7 @@ impl KUnpack for Q4K {
     }
     #[inline(always)]
     fn scales(&self, a: Avx2) -> KScales {
-        k4_scales(a, self.d.to_bits() as u32 | (self.dmin.to_bits() as u32) << 16, &self.scales)
+        k4_scales(a, (self.d, self.dmin), &self.scales)
     }
 }
 
@@ -157,7 +151,7 @@ impl KUnpack for Q5K {
     }
     #[inline(always)]
     fn scales(&self, a: Avx2) -> KScales {
-        k4_scales(a, self.d.to_bits() as u32 | (self.dmin.to_bits() as u32) << 16, &self.scales)
+        k4_scales(a, (self.d, self.dmin), &self.scales)
     }
 }
 
@@ -175,11 +169,11 @@ impl KUnpack for Q6K {
         }
     }
     #[inline(always)]
-    fn scales(&self, a: Avx2) -> KScales {
+    fn scales(&self, _: Avx2) -> KScales {
         unsafe {
             let sc = _mm_loadu_si128(self.scales.as_ptr().cast());
             let corr = _mm256_sub_epi16(_mm256_setzero_si256(), _mm256_slli_epi16::<5>(_mm256_cvtepi8_epi16(sc)));
-            KScales { sc, corr, d: two_f16(a, self.d.to_bits() as u32).0, dmin: 0.0 }
+            KScales { sc, corr, d: self.d, dmin: f16::ZERO }
         }
     }
 }
