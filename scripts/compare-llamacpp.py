@@ -1,15 +1,16 @@
 #!/usr/bin/env python3
 """brigade against llama.cpp on the same GGUF files, same thread count, runs interleaved.
 
-    scripts/compare-llamacpp.py [-p 128] [-n 64] [-r 3] [-t 2] [--rounds 2] \
-        [--kernels auto,avx2] [--brigade target/release/brigade] MODEL.gguf...
+    scripts/compare-llamacpp.py [-p 128] [-n 64] [-r 3] [-t 2] [--rounds 2] [--wait-quiet 600] \
+        [--kernels auto,avx2] [--brigade target/release/brigade] [--baseline OTHER] MODEL.gguf...
     scripts/compare-llamacpp.py quantize IN.gguf OUT.gguf q4_k_m     # llama.cpp's quantizer
 
 llama.cpp comes from llama-cpp-python (its low-level API, in a child process per run), built
 for the CPU as in the README (`/work/venv-llama` by default, `--python` to change). Each round
 runs brigade (once per `--kernels` setting, through BRIGADE_CPU_KERNELS) and then llama.cpp on
-every model; the table gives means over rounds and the ratio brigade / llama.cpp. Wait until the
-machine is quiet first: other builds move these numbers by tens of percent.
+every model; the table gives means over rounds and the ratio brigade / llama.cpp. Other builds on
+the machine move these numbers by tens of percent: `--wait-quiet S` waits (up to S seconds) before
+every run until no compiler has run for 15 s.
 """
 
 import argparse
@@ -37,6 +38,27 @@ def cpu_summary():
         pass
     wanted = ["avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx_vnni", "amx_int8"]
     return f"{model} ({os.cpu_count()} CPUs; {' '.join(f for f in wanted if f in flags)})"
+
+
+def busy():
+    """Whether a compiler runs on this machine now."""
+    for name in ("rustc", "cc1", "cc1plus", "ld"):
+        if subprocess.run(["pgrep", "-x", name], capture_output=True).returncode == 0:
+            return True
+    return False
+
+
+def wait_quiet(limit):
+    """Waits until no compiler has run for 15 s, at most `limit` seconds; says if it gave up."""
+    end = time.time() + limit
+    while time.time() < end:
+        if not busy():
+            time.sleep(15)
+            if not busy():
+                return
+        time.sleep(10)
+    if limit > 0:
+        print(f"the machine stayed busy for {limit} s; measuring anyway", file=sys.stderr)
 
 
 def llama_worker(args):
@@ -105,11 +127,11 @@ def run_llama(args, model):
     return json.loads(res.stdout.strip().splitlines()[-1])
 
 
-def run_brigade(args, model, kernels):
+def run_brigade(args, model, kernels, binary=None):
     env = dict(os.environ)
     if kernels != "auto":
         env["BRIGADE_CPU_KERNELS"] = kernels
-    cmd = [args.brigade, "bench", "-m", model, "-p", str(args.n_prompt), "-n", str(args.n_gen), "-r", str(args.reps),
+    cmd = [binary or args.brigade, "bench", "-m", model, "-p", str(args.n_prompt), "-n", str(args.n_gen), "-r", str(args.reps),
            "-t", str(args.threads), "--no-bandwidth", "-o", "json"]
     res = subprocess.run(cmd, capture_output=True, text=True, check=True, env=env)
     out = json.loads(res.stdout)
@@ -151,7 +173,10 @@ def main():
     ap.add_argument("--rounds", type=int, default=2, help="interleaved rounds of every engine")
     ap.add_argument("--kernels", default="auto", help="BRIGADE_CPU_KERNELS settings to run, comma separated")
     ap.add_argument("--brigade", default="target/release/brigade")
+    ap.add_argument("--baseline", help="another brigade binary to run beside (e.g. one built from main)")
     ap.add_argument("--python", default=DEFAULT_PYTHON, help="a python with llama-cpp-python")
+    ap.add_argument("--wait-quiet", type=float, default=0, metavar="S",
+                    help="before each run, wait up to S seconds for no compiler to run")
     ap.add_argument("--llama-worker", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.llama_worker:
@@ -164,11 +189,19 @@ def main():
     for rnd in range(args.rounds):
         for model in args.models:
             for k in kernels:
+                wait_quiet(args.wait_quiet)
                 s, n = run_brigade(args, model, k)
                 notes[(model, k)] = n
                 r = results.setdefault((model, f"brigade {k}"), {"pp": [], "tg": []})
                 r["pp"] += s["pp"]
                 r["tg"] += s["tg"]
+            if args.baseline:
+                wait_quiet(args.wait_quiet)
+                s, _ = run_brigade(args, model, "auto", args.baseline)
+                r = results.setdefault((model, "baseline"), {"pp": [], "tg": []})
+                r["pp"] += s["pp"]
+                r["tg"] += s["tg"]
+            wait_quiet(args.wait_quiet)
             s = run_llama(args, model)
             r = results.setdefault((model, "llama.cpp"), {"pp": [], "tg": []})
             r["pp"] += s["pp"]
@@ -181,7 +214,7 @@ def main():
     print("| --- | --- | ---: | ---: | ---: | ---: |")
     for model in args.models:
         ref = results[(model, "llama.cpp")]
-        for engine in [f"brigade {k}" for k in kernels] + ["llama.cpp"]:
+        for engine in [f"brigade {k}" for k in kernels] + (["baseline"] if args.baseline else []) + ["llama.cpp"]:
             r = results[(model, engine)]
             pp, tg = mean(r["pp"]), mean(r["tg"])
             rp = pp / mean(ref["pp"]) if ref["pp"] else float("nan")

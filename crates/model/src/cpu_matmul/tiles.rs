@@ -196,6 +196,9 @@ unsafe fn fill_q0<T: Q0Unpack, S: Simd>(
             let (mut v, d) = if b < bpr {
                 // SAFETY: column c0 + j, block b < bpr is in `w`
                 let blk = unsafe { w.get_unchecked((c0 + j) * bpr + b) };
+                if b % 2 == 0 {
+                    prefetch(blk, 1);
+                }
                 if q0_has_terms::<T, S>() {
                     p.mins[j * bpr + b] =
                         if T::HAS_MIN { blk.m().to_f32() } else { -q0_offset::<T, S>() as f32 * blk.d().to_f32() };
@@ -236,6 +239,8 @@ unsafe fn fill_k<T: KUnpack, S: Simd>(s: S, w: &[T], bpr: usize, (c0, cols): (us
             let at = j * bpr + b;
             // SAFETY: column c0 + j, super-block b is in `w`
             let blk = unsafe { w.get_unchecked((c0 + j) * bpr + b) };
+            // the weights stream from memory (columns are contiguous): ask ahead
+            prefetch(blk, std::mem::size_of::<T>().div_ceil(64));
             let ks: KScales = blk.scales(a2);
             p.d[at] = a2.first(a2.per_block_f16([ks.d; 2]));
             let (mut corr, mut sc) = ([0i16; 16], [0i8; 16]);
