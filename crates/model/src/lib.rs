@@ -12,7 +12,7 @@
 //!   + norm and head when last); each session's KV cache is a [`llama::SliceCache`].
 //! - [`pipeline`]: several slices in one process, prefill / decode / generate; a [`Session`]'s
 //!   tokens are exactly what its caches hold, also after a failed forward pass.
-//! - [`cpu_matmul`]: brigade's CPU matmul over ggml blocks.
+//! - [`cpu_matmul`]: the CPU matmul by a ggml weight in place (int8 kernels per instruction set).
 //! - [`sampler`], [`synth`] (random-weight models of any Llama shape).
 //! - [`threads`]: llama.cpp's `-t`, set once per process (candle sizes its pools once).
 //! - [`bandwidth`], [`devices`], [`measure`]: the memory read bandwidth probe, what the host has,

@@ -1,0 +1,485 @@
+//! brigade's CPU matrix multiply by a ggml weight (quantized, f16, bf16 or f32), as a candle
+//! custom op, always over the weight's own blocks.
+//!
+//! Why not candle's own `QTensor` op: on x86 it keeps a second, repacked copy of Q4_K weights
+//! (and of Q6_K/Q8_0 where it repacks) for every matmul, so a model takes up to 2.3× its file size
+//! in memory and a decode step reads 6 bits per Q4_K weight instead of 4.5. Here every weight
+//! keeps its file's bytes:
+//! - Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K and Q6_K go through int8 kernels of our own, as
+//!   llama.cpp computes them (activations quantized to int8 per 32 or per 256, integer dot
+//!   products, one float scale per block). One activation row (decode) is a vec-dot per weight
+//!   row straight from the blocks; more rows (prompts) run in 4 × C register tiles over a panel
+//!   of weight columns unpacked once per group of rows (see `tiles`). The instruction set is
+//!   chosen at run time ([`Isa`]): AVX-512 VNNI (`vpdpbusd` on zmm), AVX-VNNI (ymm), AVX2, or
+//!   none; `BRIGADE_CPU_KERNELS=avx512|avxvnni|avx2|portable` picks a lesser one, to measure it.
+//! - the rest (Q2_K, Q3_K, floats), and every type where there is no AVX2: candle's vec-dots on
+//!   the weight's own blocks for up to [`DECODE_ROWS`] rows, else the weight dequantized a band of
+//!   rows at a time into a reused buffer and multiplied with the `gemm` crate (memory bounded by
+//!   one band).
+//!
+//! The kernels are hand-written because no crate computes on ggml blocks in place.
+//!
+//! # Layout
+//! - this file: the op, the kernel choice ([`Kernel`], [`Isa`]) and [`matmul`], the one safe
+//!   entry: it checks the CPU's instructions and every length before a kernel runs;
+//! - [`blocks`]: ggml's block layouts and the checked cast of bytes to blocks;
+//! - `acts`: activations quantized to int8 (per 32, or per 256 for the K-quants);
+//! - `simd` (x86_64): the vector operations of each instruction set behind one trait, whose
+//!   values prove the CPU has it; `unpack`: each type's blocks to bytes; `tiles`: the vec-dots,
+//!   panels and tiles written once over `simd`, and their drivers on candle's thread pool;
+//! - `tests`: every kernel on every instruction set this CPU has, against a scalar reference.
+//!
+//! Deliberately absent: weights kept in another layout (it would cost memory, the point of this
+//! module; prompts unpack a few columns at a time into a per-thread panel instead), and int8
+//! kernels for Q2_K/Q3_K (rare in practice).
+
+mod acts;
+pub mod blocks;
+#[cfg(target_arch = "x86_64")]
+mod simd;
+#[cfg(test)]
+mod tests;
+#[cfg(target_arch = "x86_64")]
+mod tiles;
+#[cfg(target_arch = "x86_64")]
+mod unpack;
+
+use candle_core::quantized::k_quants::{
+    BlockQ2K, BlockQ3K, BlockQ4K, BlockQ4_0, BlockQ4_1, BlockQ5K, BlockQ5_0, BlockQ5_1, BlockQ6K, BlockQ8K, BlockQ8_0,
+    BlockQ8_1, GgmlType,
+};
+use candle_core::quantized::{GgmlDType, QTensor};
+use candle_core::{CpuStorage, Layout, Shape};
+use rayon::prelude::*;
+use std::sync::{Arc, OnceLock};
+
+/// Rows of activations up to which candle's vec-dots run (where brigade's int8 kernels do not).
+pub const DECODE_ROWS: usize = 4;
+/// Elements of dequantized weight per band (16 MiB of f32).
+const BAND_ELEMS: usize = 4 << 20;
+
+#[derive(Debug, thiserror::Error)]
+pub enum KernelError {
+    #[error("weight storage of {bytes} bytes is not whole blocks of {block} bytes aligned to {align}")]
+    Storage { bytes: usize, block: usize, align: usize },
+    #[error("k = {k} is not a multiple of the weight's block of {block}")]
+    BlockSize { k: usize, block: usize },
+    #[error("{what} holds {len} values, a ({m}, {k}) × ({n}, {k})ᵀ matmul needs {want}")]
+    Shape { what: &'static str, len: usize, want: usize, m: usize, k: usize, n: usize },
+    #[error("this CPU lacks the {0} instructions")]
+    Unavailable(&'static str),
+    #[error(transparent)]
+    Candle(#[from] candle_core::Error),
+}
+
+/// The instruction sets the int8 kernels are built for, best first.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Isa {
+    /// AVX-512 F/BW/VL + VNNI: `vpdpbusd`/`vpdpwssd` on 512-bit registers.
+    Avx512Vnni,
+    /// AVX-VNNI: `vpdpbusd`/`vpdpwssd` on 256-bit registers (VEX-encoded; Alder Lake, Zen 5).
+    AvxVnni,
+    /// AVX2 + FMA + F16C: `vpmaddubsw` + `vpmaddwd`.
+    Avx2,
+    /// No int8 kernels of ours: candle's vec-dots and dequantize + gemm.
+    Portable,
+}
+
+impl Isa {
+    pub const ALL: [Isa; 4] = [Isa::Avx512Vnni, Isa::AvxVnni, Isa::Avx2, Isa::Portable];
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Isa::Avx512Vnni => "AVX-512 VNNI",
+            Isa::AvxVnni => "AVX-VNNI",
+            Isa::Avx2 => "AVX2",
+            Isa::Portable => "portable",
+        }
+    }
+
+    /// Whether this CPU has the instructions.
+    pub fn available(self) -> bool {
+        #[cfg(target_arch = "x86_64")]
+        {
+            match self {
+                Isa::Avx512Vnni => simd::Zmm::new().is_some(),
+                Isa::AvxVnni => simd::AvxVnni::new().is_some(),
+                Isa::Avx2 => simd::Avx2::new().is_some(),
+                Isa::Portable => true,
+            }
+        }
+        #[cfg(not(target_arch = "x86_64"))]
+        {
+            self == Isa::Portable
+        }
+    }
+
+    /// The best instruction set this CPU has.
+    pub fn best() -> Isa {
+        Isa::ALL.into_iter().find(|i| i.available()).unwrap_or(Isa::Portable)
+    }
+
+    /// What `BRIGADE_CPU_KERNELS` asks for: `None` for automatic (unset, empty or `auto`),
+    /// `Err` for a name it does not know.
+    pub fn parse(v: &str) -> Result<Option<Isa>, String> {
+        match v.trim().to_ascii_lowercase().as_str() {
+            "" | "auto" => Ok(None),
+            "avx512" | "avx-512" | "avx512vnni" => Ok(Some(Isa::Avx512Vnni)),
+            "avxvnni" | "avx-vnni" => Ok(Some(Isa::AvxVnni)),
+            "avx2" => Ok(Some(Isa::Avx2)),
+            "portable" | "none" => Ok(Some(Isa::Portable)),
+            other => Err(format!("BRIGADE_CPU_KERNELS={other}: expected auto, avx512, avxvnni, avx2 or portable")),
+        }
+    }
+
+    /// The instruction set the op uses: [`Isa::best`], or `BRIGADE_CPU_KERNELS` where this CPU
+    /// has it. Decided once per process.
+    pub fn selected() -> Isa {
+        static SELECTED: OnceLock<Isa> = OnceLock::new();
+        *SELECTED.get_or_init(|| {
+            let best = Isa::best();
+            let asked = std::env::var("BRIGADE_CPU_KERNELS").unwrap_or_default();
+            match Isa::parse(&asked) {
+                Ok(None) => best,
+                Ok(Some(isa)) if isa.available() => isa,
+                Ok(Some(isa)) => {
+                    tracing::warn!("BRIGADE_CPU_KERNELS={asked}: this CPU lacks {}, using {}", isa.name(), best.name());
+                    best
+                }
+                Err(e) => {
+                    tracing::warn!("{e}; using {}", best.name());
+                    best
+                }
+            }
+        })
+    }
+}
+
+/// The CPU kernel of one matmul, chosen by [`Kernel::choose`] for the op and for reports alike.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Kernel {
+    /// brigade's int8 kernel, one activation row: a vec-dot per weight row.
+    VecDot(Isa),
+    /// brigade's int8 register tiles, several activation rows.
+    Tiles(Isa),
+    CandleVecDot,
+    DequantGemm,
+}
+
+/// The weight types of brigade's int8 kernels; `Some(true)` for the 256-weight K-quants.
+fn int8_family(dt: GgmlDType) -> Option<bool> {
+    match dt {
+        GgmlDType::Q4_0 | GgmlDType::Q4_1 | GgmlDType::Q5_0 | GgmlDType::Q5_1 | GgmlDType::Q8_0 => Some(false),
+        GgmlDType::Q4K | GgmlDType::Q5K | GgmlDType::Q6K => Some(true),
+        _ => None,
+    }
+}
+
+impl Kernel {
+    /// The kernel for `m` activation rows times a weight of type `dt`, on [`Isa::selected`].
+    pub fn choose(dt: GgmlDType, m: usize) -> Kernel {
+        Kernel::choose_for(dt, m, Isa::selected())
+    }
+
+    /// The kernel for `m` activation rows times a weight of type `dt` on `isa`.
+    pub fn choose_for(dt: GgmlDType, m: usize, isa: Isa) -> Kernel {
+        match (isa, int8_family(dt)) {
+            (Isa::Portable, _) | (_, None) if m <= DECODE_ROWS => Kernel::CandleVecDot,
+            (Isa::Portable, _) | (_, None) => Kernel::DequantGemm,
+            _ if m == 1 => Kernel::VecDot(isa),
+            _ => Kernel::Tiles(isa),
+        }
+    }
+
+    /// What the kernel is, in words (for `brigade bench`).
+    pub fn describe(self, dt: GgmlDType) -> &'static str {
+        let float = matches!(dt, GgmlDType::F32 | GgmlDType::F16 | GgmlDType::BF16);
+        let k = int8_family(dt) == Some(true);
+        // the tile shapes are the `Q0_C`/`K_C` of each instruction set in `simd`
+        match (self, k) {
+            (Kernel::VecDot(Isa::Avx512Vnni), false) => "brigade AVX-512 VNNI int8 vec-dot (activations int8 per 32)",
+            (Kernel::VecDot(Isa::Avx512Vnni), true) => "brigade AVX-512 VNNI int8 vec-dot (activations int8 per 256)",
+            (Kernel::VecDot(Isa::AvxVnni), false) => "brigade AVX-VNNI int8 vec-dot (activations int8 per 32)",
+            (Kernel::VecDot(Isa::AvxVnni), true) => "brigade AVX-VNNI int8 vec-dot (activations int8 per 256)",
+            (Kernel::VecDot(_), false) => "brigade AVX2 int8 vec-dot (activations int8 per 32)",
+            (Kernel::VecDot(_), true) => "brigade AVX2 int8 vec-dot (activations int8 per 256)",
+            (Kernel::Tiles(Isa::Avx512Vnni), false) => "brigade AVX-512 VNNI int8 4x2 tiles (activations int8 per 32)",
+            (Kernel::Tiles(Isa::Avx512Vnni), true) => "brigade AVX-512 VNNI int8 4x2 tiles (activations int8 per 256)",
+            (Kernel::Tiles(Isa::AvxVnni), false) => "brigade AVX-VNNI int8 4x2 tiles (activations int8 per 32)",
+            (Kernel::Tiles(Isa::AvxVnni), true) => "brigade AVX-VNNI int8 4x1 tiles (activations int8 per 256)",
+            (Kernel::Tiles(_), false) => "brigade AVX2 int8 4x2 tiles (activations int8 per 32)",
+            (Kernel::Tiles(_), true) => "brigade AVX2 int8 4x1 tiles (activations int8 per 256)",
+            (Kernel::CandleVecDot, _) if float => "candle vec-dot (float)",
+            (Kernel::CandleVecDot, _) => "candle int8 vec-dot",
+            (Kernel::DequantGemm, _) if float => "f32 band + gemm",
+            (Kernel::DequantGemm, _) => "dequantize band + f32 gemm",
+        }
+    }
+}
+
+/// Which kernels the CPU runs for a weight type: (decode, prompt), for reports.
+pub fn kernels(dt: GgmlDType) -> (&'static str, &'static str) {
+    (Kernel::choose(dt, 1).describe(dt), Kernel::choose(dt, DECODE_ROWS + 1).describe(dt))
+}
+
+/// Checks the lengths of a `(m, k) × (n, k)ᵀ` matmul by a `dt` weight held as `w`.
+fn check(
+    dt: GgmlDType,
+    w: &[u8],
+    (m, k, n): (usize, usize, usize),
+    lhs: &[f32],
+    dst: &[f32],
+) -> Result<(), KernelError> {
+    let block = dt.block_size();
+    if !k.is_multiple_of(block) {
+        return Err(KernelError::BlockSize { k, block });
+    }
+    let shape = |what, len, want| KernelError::Shape { what, len, want, m, k, n };
+    let want = (k / block).checked_mul(n).and_then(|b| b.checked_mul(dt.type_size())).unwrap_or(usize::MAX);
+    if w.len() != want {
+        return Err(shape("the weight's storage (bytes)", w.len(), want));
+    }
+    if Some(lhs.len()) != m.checked_mul(k) {
+        return Err(shape("the input", lhs.len(), m.saturating_mul(k)));
+    }
+    if Some(dst.len()) != m.checked_mul(n) {
+        return Err(shape("the output", dst.len(), m.saturating_mul(n)));
+    }
+    Ok(())
+}
+
+/// `dst[m, n] = lhs[m, k] @ w[n, k]ᵀ` for a weight of ggml type `dt` stored as `w` (whole blocks,
+/// as candle keeps them), by the kernel [`Kernel::choose_for`] picks on `isa`. Checks that this
+/// CPU has `isa` and every length first; returns the kernel it ran.
+pub fn matmul(
+    dt: GgmlDType,
+    w: &[u8],
+    (m, k, n): (usize, usize, usize),
+    lhs: &[f32],
+    dst: &mut [f32],
+    isa: Isa,
+) -> Result<Kernel, KernelError> {
+    if !isa.available() {
+        return Err(KernelError::Unavailable(isa.name()));
+    }
+    check(dt, w, (m, k, n), lhs, dst)?;
+    let kernel = Kernel::choose_for(dt, m, isa);
+    match kernel {
+        Kernel::VecDot(_) | Kernel::Tiles(_) => int8(dt, w, (m, k, n), lhs, dst, isa)?,
+        Kernel::CandleVecDot => {
+            with_block!(dt, T => candle_core::quantized::k_quants::matmul::<T>((m, k, n), lhs, blocks::cast::<T>(w)?, dst)?)
+        }
+        Kernel::DequantGemm => with_block!(dt, T => dequant_gemm::<T>(blocks::cast::<T>(w)?, (m, k, n), lhs, dst)),
+    }
+    Ok(kernel)
+}
+
+/// The int8 kernels on `isa` (lengths checked by the caller).
+#[cfg(target_arch = "x86_64")]
+fn int8(
+    dt: GgmlDType,
+    w: &[u8],
+    mkn: (usize, usize, usize),
+    lhs: &[f32],
+    dst: &mut [f32],
+    isa: Isa,
+) -> Result<(), KernelError> {
+    let unavailable = KernelError::Unavailable(isa.name());
+    match isa {
+        Isa::Avx512Vnni => int8_on(simd::Zmm::new().ok_or(unavailable)?, dt, w, mkn, lhs, dst),
+        Isa::AvxVnni => int8_on(simd::AvxVnni::new().ok_or(unavailable)?, dt, w, mkn, lhs, dst),
+        Isa::Avx2 => int8_on(simd::Avx2::new().ok_or(unavailable)?, dt, w, mkn, lhs, dst),
+        Isa::Portable => Err(unavailable),
+    }
+}
+
+#[cfg(not(target_arch = "x86_64"))]
+fn int8(
+    dt: GgmlDType,
+    _: &[u8],
+    _: (usize, usize, usize),
+    _: &[f32],
+    _: &mut [f32],
+    isa: Isa,
+) -> Result<(), KernelError> {
+    let _ = dt;
+    Err(KernelError::Unavailable(isa.name()))
+}
+
+/// The int8 kernel for `dt` on the instruction set `s` (lengths checked by the caller).
+#[cfg(target_arch = "x86_64")]
+fn int8_on<S: simd::Simd>(
+    s: S,
+    dt: GgmlDType,
+    w: &[u8],
+    mkn: (usize, usize, usize),
+    lhs: &[f32],
+    dst: &mut [f32],
+) -> Result<(), KernelError> {
+    use blocks::cast;
+    // SAFETY: `check` verified k against the block size and every length
+    unsafe {
+        match dt {
+            GgmlDType::Q4_0 => tiles::matmul_q0(s, cast::<blocks::Q4_0>(w)?, mkn, lhs, dst),
+            GgmlDType::Q4_1 => tiles::matmul_q0(s, cast::<blocks::Q4_1>(w)?, mkn, lhs, dst),
+            GgmlDType::Q5_0 => tiles::matmul_q0(s, cast::<blocks::Q5_0>(w)?, mkn, lhs, dst),
+            GgmlDType::Q5_1 => tiles::matmul_q0(s, cast::<blocks::Q5_1>(w)?, mkn, lhs, dst),
+            GgmlDType::Q8_0 => tiles::matmul_q0(s, cast::<blocks::Q8_0>(w)?, mkn, lhs, dst),
+            GgmlDType::Q4K => tiles::matmul_k(s, cast::<blocks::Q4K>(w)?, mkn, lhs, dst),
+            GgmlDType::Q5K => tiles::matmul_k(s, cast::<blocks::Q5K>(w)?, mkn, lhs, dst),
+            GgmlDType::Q6K => tiles::matmul_k(s, cast::<blocks::Q6K>(w)?, mkn, lhs, dst),
+            other => return Err(KernelError::Candle(candle_core::Error::Msg(format!("no int8 kernel for {other:?}")))),
+        }
+    }
+    Ok(())
+}
+
+/// `x @ wᵀ` for a weight `w: [n, k]` held as ggml blocks on the CPU.
+pub struct CpuMatMul(pub Arc<QTensor>);
+
+impl candle_core::CustomOp1 for CpuMatMul {
+    fn name(&self) -> &'static str {
+        "brigade-cpu-matmul"
+    }
+
+    fn cpu_fwd(&self, storage: &CpuStorage, layout: &Layout) -> candle_core::Result<(CpuStorage, Shape)> {
+        let (n, k) = self.0.shape().dims2()?;
+        let dims = layout.shape().dims();
+        let Some((&lk, batch)) = dims.split_last() else { candle_core::bail!("matmul input has no dimensions") };
+        if lk != k {
+            candle_core::bail!("matmul input {dims:?} does not match weight ({n}, {k})");
+        }
+        let m: usize = batch.iter().product();
+        let (o1, o2) = layout
+            .contiguous_offsets()
+            .ok_or_else(|| candle_core::Error::Msg("matmul input must be contiguous".into()))?;
+        let lhs = &storage.as_slice::<f32>()?[o1..o2];
+        let mut dst = vec![0f32; m * n];
+        let data = self.0.data()?;
+        matmul(self.0.dtype(), &data, (m, k, n), lhs, &mut dst, Isa::selected()).map_err(candle_core::Error::wrap)?;
+        let mut out = batch.to_vec();
+        out.push(n);
+        Ok((CpuStorage::F32(dst), Shape::from(out)))
+    }
+}
+
+macro_rules! with_block {
+    ($dt:expr, $T:ident => $body:expr) => {
+        match $dt {
+            GgmlDType::F32 => {
+                type $T = f32;
+                $body
+            }
+            GgmlDType::F16 => {
+                type $T = half::f16;
+                $body
+            }
+            GgmlDType::BF16 => {
+                type $T = half::bf16;
+                $body
+            }
+            GgmlDType::Q4_0 => {
+                type $T = BlockQ4_0;
+                $body
+            }
+            GgmlDType::Q4_1 => {
+                type $T = BlockQ4_1;
+                $body
+            }
+            GgmlDType::Q5_0 => {
+                type $T = BlockQ5_0;
+                $body
+            }
+            GgmlDType::Q5_1 => {
+                type $T = BlockQ5_1;
+                $body
+            }
+            GgmlDType::Q8_0 => {
+                type $T = BlockQ8_0;
+                $body
+            }
+            GgmlDType::Q8_1 => {
+                type $T = BlockQ8_1;
+                $body
+            }
+            GgmlDType::Q2K => {
+                type $T = BlockQ2K;
+                $body
+            }
+            GgmlDType::Q3K => {
+                type $T = BlockQ3K;
+                $body
+            }
+            GgmlDType::Q4K => {
+                type $T = BlockQ4K;
+                $body
+            }
+            GgmlDType::Q5K => {
+                type $T = BlockQ5K;
+                $body
+            }
+            GgmlDType::Q6K => {
+                type $T = BlockQ6K;
+                $body
+            }
+            GgmlDType::Q8K => {
+                type $T = BlockQ8K;
+                $body
+            }
+        }
+    };
+}
+use with_block;
+
+thread_local! {
+    static BAND: std::cell::RefCell<Vec<f32>> = const { std::cell::RefCell::new(Vec::new()) };
+}
+
+/// `dst[m, n] = lhs[m, k] @ dequant(w)[n, k]ᵀ`, a band of weight rows at a time.
+fn dequant_gemm<T: GgmlType>(w: &[T], (m, k, n): (usize, usize, usize), lhs: &[f32], dst: &mut [f32]) {
+    let bpr = k / T::BLCK_SIZE;
+    let band_rows = (BAND_ELEMS / k.max(1)).clamp(1, n.max(1));
+    assert!(w.len() >= n * bpr && lhs.len() >= m * k && dst.len() >= m * n, "dequant_gemm sizes");
+    let threads = candle_core::utils::get_num_threads();
+    let par = if threads > 1 { gemm::Parallelism::Rayon(threads) } else { gemm::Parallelism::None };
+    BAND.with(|b| {
+        let mut band = b.borrow_mut();
+        if band.len() < band_rows * k {
+            band.resize(band_rows * k, 0.0);
+        }
+        let mut r0 = 0;
+        while r0 < n {
+            let rows = band_rows.min(n - r0);
+            band[..rows * k].par_chunks_mut(k).enumerate().for_each(|(i, row)| {
+                let r = r0 + i;
+                T::to_float(&w[r * bpr..(r + 1) * bpr], row);
+            });
+            // SAFETY: dst is m × n row-major (asserted); this writes columns r0..r0+rows of every
+            // row. lhs is m × k row-major; the band is rows × k row-major, read as its transpose.
+            unsafe {
+                gemm::gemm(
+                    m,
+                    rows,
+                    k,
+                    dst.as_mut_ptr().add(r0),
+                    1,
+                    n as isize,
+                    false,
+                    lhs.as_ptr(),
+                    1,
+                    k as isize,
+                    band.as_ptr(),
+                    k as isize,
+                    1,
+                    0.0f32,
+                    1.0f32,
+                    false,
+                    false,
+                    false,
+                    par,
+                );
+            }
+            r0 += rows;
+        }
+    });
+}

@@ -1,0 +1,581 @@
+//! The vector operations the int8 kernels are written in, one implementation per instruction
+//! set: [`Ymm`] (AVX2, AVX-VNNI, and AVX-512 VNNI on 256-bit registers) and [`Zmm`] (AVX-512
+//! VNNI on 512-bit registers).
+//!
+//! A value of an implementing type is proof that the CPU has its instructions (the only way to
+//! get one is `new()`, which checks), so the arithmetic methods are safe. They are
+//! `#[inline(always)]` and are only fast inside a function compiled with the same features: the
+//! kernels are generic over [`Simd`] and each instruction set enters them through its own
+//! `#[target_feature]` functions ([`Simd::q0_tile`], [`Simd::k_tile`]).
+
+use super::acts::{Q8KRows, Q8Rows};
+use super::tiles::{self, Out, Panel};
+use super::unpack::{KUnpack, Q0Unpack};
+use half::f16;
+use std::arch::x86_64::*;
+
+/// Vector arithmetic of one instruction set (see the module documentation).
+pub trait Simd: Copy + Send + Sync + 'static {
+    /// Bytes per integer vector (32 or 64).
+    const W: usize;
+    /// Whether `dot_u8` is one `vpdpbusd` (any u8 × i8, no intermediate saturation).
+    const VNNI: bool;
+    /// Weight rows per prompt tile of the 32-weight (Q0) and 256-weight (K) kernels: 1 or 2.
+    const Q0_C: usize;
+    const K_C: usize;
+    type I: Copy;
+    type F: Copy;
+
+    /// The AVX2 token every implementation implies (the weight unpackers are AVX2 code).
+    fn avx2(self) -> Avx2;
+    fn zero(self) -> Self::I;
+    fn zero_f(self) -> Self::F;
+    /// # Safety
+    /// `p` points to `W` readable bytes.
+    unsafe fn load(self, p: *const i8) -> Self::I;
+    /// # Safety
+    /// `p` points to `W` writable bytes.
+    unsafe fn store(self, p: *mut u8, v: Self::I);
+    /// # Safety
+    /// `p` points to `W / 4` readable floats.
+    unsafe fn load_f(self, p: *const f32) -> Self::F;
+    /// # Safety
+    /// `p` points to `W / 4` writable floats.
+    unsafe fn store_f(self, p: *mut f32, v: Self::F);
+    /// One vector from 256-bit parts, the lowest first (`hi` is ignored where `W` is 32).
+    ///
+    /// No method takes a closure: a closure is a function of its own, compiled without the
+    /// kernel's target features, and its intrinsics would become calls.
+    fn join(self, lo: __m256i, hi: __m256i) -> Self::I;
+    /// A 256-bit vector in the low half, zeros above.
+    fn widen(self, v: __m256i) -> Self::I;
+    fn add32(self, a: Self::I, b: Self::I) -> Self::I;
+    /// `8 · a` in i32 lanes.
+    fn times8(self, a: Self::I) -> Self::I;
+    /// `x ^ 0x80` per byte: a signed byte as `x + 128`, unsigned.
+    fn flip(self, a: Self::I) -> Self::I;
+    /// `acc + Σ u·x` over each 4 bytes into i32 lanes (`u` unsigned, `x` signed). Without VNNI the
+    /// pairs go through i16: `u` must be below 128.
+    fn dot_u8(self, acc: Self::I, u: Self::I, x: Self::I) -> Self::I;
+    /// `acc + Σ w·x` for signed `w` (−128 included) and `x` in −127..=127: `|w| · (x with w's
+    /// sign)`, ggml's arrangement (`|−128|` is 128 as an unsigned byte).
+    fn dot_s8(self, acc: Self::I, w: Self::I, x: Self::I) -> Self::I;
+    /// `acc + Σ (u·x pairs as i16) · sc` over i16 lane pairs: sub-block sums times their scales.
+    /// `u` below 64 so that a pair fits i16.
+    fn dot_scaled(self, acc: Self::I, u: Self::I, x: Self::I, sc: Self::I) -> Self::I;
+    /// i16 pairs multiplied and summed into i32 lanes.
+    fn madd(self, a: Self::I, b: Self::I) -> Self::I;
+    /// The i16 lanes of step `step` of a super-block: each of the `W / 16` scales
+    /// `sc[step·W/16..]` (i8, sign-extended) over 8 lanes (the 16 bytes they scale).
+    fn scales(self, sc: __m128i, step: usize) -> Self::I;
+    fn cvt(self, a: Self::I) -> Self::F;
+    fn fmadd(self, a: Self::F, b: Self::F, c: Self::F) -> Self::F;
+    fn mul(self, a: Self::F, b: Self::F) -> Self::F;
+    fn set1(self, v: f32) -> Self::F;
+    fn hsum(self, a: Self::F) -> f32;
+    /// Lane 0.
+    fn first(self, a: Self::F) -> f32;
+    /// `v[t]` over the 8 lanes of 32-byte block `t`, for each of the `W / 32` blocks.
+    fn per_block(self, v: [f32; 2]) -> Self::F;
+    fn per_block_f16(self, v: [f16; 2]) -> Self::F;
+    fn per_block_i32(self, v: [i32; 2]) -> Self::I;
+    /// [`Simd::per_block`] of the `W / 32` floats at `p`.
+    ///
+    /// # Safety
+    /// `p` points to `W / 32` readable floats.
+    unsafe fn per_block_at(self, p: *const f32) -> Self::F;
+
+    /// [`tiles::q0_dot`] compiled for this instruction set.
+    ///
+    /// # Safety
+    /// As [`tiles::q0_dot`].
+    unsafe fn q0_dot<T: Q0Unpack>(self, w: &[T], bpr: usize, c: usize, x: &Q8Rows) -> f32;
+
+    /// [`tiles::k_dot`] compiled for this instruction set.
+    ///
+    /// # Safety
+    /// As [`tiles::k_dot`].
+    unsafe fn k_dot<T: KUnpack>(self, w: &[T], bpr: usize, c: usize, x: &Q8KRows) -> f32;
+
+    /// [`tiles::q0_group`] compiled for this instruction set.
+    ///
+    /// # Safety
+    /// As [`tiles::q0_group`].
+    #[allow(clippy::too_many_arguments)]
+    unsafe fn q0_group<T: Q0Unpack>(
+        self,
+        w: &[T],
+        bpr: usize,
+        cols: (usize, usize),
+        x: &Q8Rows,
+        rows: (usize, usize),
+        out: Out,
+        p: &mut Panel,
+    );
+
+    /// [`tiles::k_group`] compiled for this instruction set.
+    ///
+    /// # Safety
+    /// As [`tiles::k_group`].
+    #[allow(clippy::too_many_arguments)]
+    unsafe fn k_group<T: KUnpack>(
+        self,
+        w: &[T],
+        bpr: usize,
+        cols: (usize, usize),
+        x: &Q8KRows,
+        rows: (usize, usize),
+        out: Out,
+        p: &mut Panel,
+    );
+}
+
+/// The instruction sets of a [`Ymm`].
+pub const AVX2: u8 = 0;
+pub const AVX_VNNI: u8 = 1;
+pub const AVX512_YMM: u8 = 2;
+
+/// 256-bit vectors: `V` = [`AVX2`] (`vpmaddubsw` + `vpmaddwd`), [`AVX_VNNI`] (`vpdpbusd` with a
+/// VEX encoding, Alder Lake and later) or [`AVX512_YMM`] (`vpdpbusd` with an EVEX encoding, on
+/// AVX-512 VNNI CPUs: the same kernels as AVX-VNNI, which this lets tests run where AVX-VNNI is
+/// missing).
+#[derive(Clone, Copy, Debug)]
+pub struct Ymm<const V: u8>(());
+
+pub type Avx2 = Ymm<AVX2>;
+pub type AvxVnni = Ymm<AVX_VNNI>;
+
+fn has_avx2() -> bool {
+    is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") && is_x86_feature_detected!("f16c")
+}
+
+fn has_avx512() -> bool {
+    has_avx2()
+        && is_x86_feature_detected!("avx512f")
+        && is_x86_feature_detected!("avx512bw")
+        && is_x86_feature_detected!("avx512vl")
+        && is_x86_feature_detected!("avx512vnni")
+}
+
+impl<const V: u8> Ymm<V> {
+    /// The token, where the CPU has the instruction set.
+    pub fn new() -> Option<Self> {
+        let ok = match V {
+            AVX2 => has_avx2(),
+            AVX_VNNI => has_avx2() && is_x86_feature_detected!("avxvnni"),
+            _ => has_avx512(),
+        };
+        ok.then_some(Ymm(()))
+    }
+}
+
+/// 512-bit vectors with AVX-512 F/BW/VL and VNNI (`vpdpbusd`, `vpdpwssd` on zmm).
+#[derive(Clone, Copy, Debug)]
+pub struct Zmm(());
+
+impl Zmm {
+    pub fn new() -> Option<Self> {
+        has_avx512().then_some(Zmm(()))
+    }
+}
+
+// The target-feature entry points, one set per instruction set: everything they call is
+// `#[inline(always)]`, so it is compiled with their features.
+macro_rules! entry_points {
+    ($module:ident, $isa:ty, $features:literal) => {
+        mod $module {
+            use super::*;
+
+            #[target_feature(enable = $features)]
+            pub unsafe fn q0_dot<T: Q0Unpack>(s: $isa, w: &[T], bpr: usize, c: usize, x: &Q8Rows) -> f32 {
+                // SAFETY: the caller's contract
+                unsafe { tiles::q0_dot::<T, $isa>(s, w, bpr, c, x) }
+            }
+
+            #[target_feature(enable = $features)]
+            pub unsafe fn k_dot<T: KUnpack>(s: $isa, w: &[T], bpr: usize, c: usize, x: &Q8KRows) -> f32 {
+                // SAFETY: the caller's contract
+                unsafe { tiles::k_dot::<T, $isa>(s, w, bpr, c, x) }
+            }
+
+            #[target_feature(enable = $features)]
+            #[allow(clippy::too_many_arguments)]
+            pub unsafe fn q0_group<T: Q0Unpack>(
+                s: $isa,
+                w: &[T],
+                bpr: usize,
+                cols: (usize, usize),
+                x: &Q8Rows,
+                rows: (usize, usize),
+                out: Out,
+                p: &mut Panel,
+            ) {
+                // SAFETY: the caller's contract
+                unsafe { tiles::q0_group::<T, $isa>(s, w, bpr, cols, x, rows, out, p) }
+            }
+
+            #[target_feature(enable = $features)]
+            #[allow(clippy::too_many_arguments)]
+            pub unsafe fn k_group<T: KUnpack>(
+                s: $isa,
+                w: &[T],
+                bpr: usize,
+                cols: (usize, usize),
+                x: &Q8KRows,
+                rows: (usize, usize),
+                out: Out,
+                p: &mut Panel,
+            ) {
+                // SAFETY: the caller's contract
+                unsafe { tiles::k_group::<T, $isa>(s, w, bpr, cols, x, rows, out, p) }
+            }
+        }
+    };
+}
+
+entry_points!(avx2_entry, Avx2, "avx2,fma,f16c");
+entry_points!(avxvnni_entry, AvxVnni, "avx2,fma,f16c,avxvnni");
+entry_points!(avx512ymm_entry, Ymm<AVX512_YMM>, "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni");
+entry_points!(zmm_entry, Zmm, "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni");
+
+// The trait's entry methods: each forwards to the entry point of the token's instruction set,
+// `$module($token)` as the match on the instruction set picks it.
+macro_rules! forward_entries {
+    ($s:ident, $on:expr; $($p:pat => $module:ident($token:expr)),+ $(,)?) => {
+        unsafe fn q0_dot<T: Q0Unpack>(self, w: &[T], bpr: usize, c: usize, x: &Q8Rows) -> f32 {
+            let $s = self;
+            // SAFETY: the token proves the features; the rest is the caller's contract
+            unsafe { match $on { $($p => $module::q0_dot($token, w, bpr, c, x)),+ } }
+        }
+
+        unsafe fn k_dot<T: KUnpack>(self, w: &[T], bpr: usize, c: usize, x: &Q8KRows) -> f32 {
+            let $s = self;
+            // SAFETY: as above
+            unsafe { match $on { $($p => $module::k_dot($token, w, bpr, c, x)),+ } }
+        }
+
+        unsafe fn q0_group<T: Q0Unpack>(
+            self,
+            w: &[T],
+            bpr: usize,
+            cols: (usize, usize),
+            x: &Q8Rows,
+            rows: (usize, usize),
+            out: Out,
+            p: &mut Panel,
+        ) {
+            let $s = self;
+            // SAFETY: as above
+            unsafe { match $on { $($p => $module::q0_group($token, w, bpr, cols, x, rows, out, p)),+ } }
+        }
+
+        unsafe fn k_group<T: KUnpack>(
+            self,
+            w: &[T],
+            bpr: usize,
+            cols: (usize, usize),
+            x: &Q8KRows,
+            rows: (usize, usize),
+            out: Out,
+            p: &mut Panel,
+        ) {
+            let $s = self;
+            // SAFETY: as above
+            unsafe { match $on { $($p => $module::k_group($token, w, bpr, cols, x, rows, out, p)),+ } }
+        }
+    };
+}
+
+// Every method below runs intrinsics of the token's instruction set; `self` proves the CPU has
+// them, which is each `unsafe` block's justification.
+impl<const V: u8> Simd for Ymm<V> {
+    const W: usize = 32;
+    const VNNI: bool = V != AVX2;
+    const Q0_C: usize = 2;
+    const K_C: usize = 1;
+    type I = __m256i;
+    type F = __m256;
+
+    #[inline(always)]
+    fn avx2(self) -> Avx2 {
+        Ymm(())
+    }
+    #[inline(always)]
+    fn zero(self) -> __m256i {
+        unsafe { _mm256_setzero_si256() }
+    }
+    #[inline(always)]
+    fn zero_f(self) -> __m256 {
+        unsafe { _mm256_setzero_ps() }
+    }
+    #[inline(always)]
+    unsafe fn load(self, p: *const i8) -> __m256i {
+        unsafe { _mm256_loadu_si256(p.cast()) }
+    }
+    #[inline(always)]
+    unsafe fn store(self, p: *mut u8, v: __m256i) {
+        unsafe { _mm256_storeu_si256(p.cast(), v) }
+    }
+    #[inline(always)]
+    unsafe fn load_f(self, p: *const f32) -> __m256 {
+        unsafe { _mm256_loadu_ps(p) }
+    }
+    #[inline(always)]
+    unsafe fn store_f(self, p: *mut f32, v: __m256) {
+        unsafe { _mm256_storeu_ps(p, v) }
+    }
+    #[inline(always)]
+    fn join(self, lo: __m256i, _: __m256i) -> __m256i {
+        lo
+    }
+    #[inline(always)]
+    fn widen(self, v: __m256i) -> __m256i {
+        v
+    }
+    #[inline(always)]
+    fn add32(self, a: __m256i, b: __m256i) -> __m256i {
+        unsafe { _mm256_add_epi32(a, b) }
+    }
+    #[inline(always)]
+    fn times8(self, a: __m256i) -> __m256i {
+        unsafe { _mm256_slli_epi32::<3>(a) }
+    }
+    #[inline(always)]
+    fn flip(self, a: __m256i) -> __m256i {
+        unsafe { _mm256_xor_si256(a, _mm256_set1_epi8(-128)) }
+    }
+    #[inline(always)]
+    fn dot_u8(self, acc: __m256i, u: __m256i, x: __m256i) -> __m256i {
+        unsafe {
+            match V {
+                AVX2 => _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, x), _mm256_set1_epi16(1))),
+                AVX_VNNI => _mm256_dpbusd_avx_epi32(acc, u, x),
+                _ => _mm256_dpbusd_epi32(acc, u, x),
+            }
+        }
+    }
+    #[inline(always)]
+    fn dot_s8(self, acc: __m256i, w: __m256i, x: __m256i) -> __m256i {
+        unsafe {
+            let (u, s) = (_mm256_sign_epi8(w, w), _mm256_sign_epi8(x, w));
+            match V {
+                // |w| ≤ 128, |x| ≤ 127: a pair is at most 32512, no saturation
+                AVX2 => _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1))),
+                _ => self.dot_u8(acc, u, s),
+            }
+        }
+    }
+    #[inline(always)]
+    fn dot_scaled(self, acc: __m256i, u: __m256i, x: __m256i, sc: __m256i) -> __m256i {
+        unsafe {
+            let p = _mm256_maddubs_epi16(u, x);
+            match V {
+                AVX2 => _mm256_add_epi32(acc, _mm256_madd_epi16(p, sc)),
+                AVX_VNNI => _mm256_dpwssd_avx_epi32(acc, p, sc),
+                _ => _mm256_dpwssd_epi32(acc, p, sc),
+            }
+        }
+    }
+    #[inline(always)]
+    fn madd(self, a: __m256i, b: __m256i) -> __m256i {
+        unsafe { _mm256_madd_epi16(a, b) }
+    }
+    #[inline(always)]
+    fn scales(self, sc: __m128i, step: usize) -> __m256i {
+        unsafe {
+            let base = _mm_set_epi64x(0x0101_0101_0101_0101, 0);
+            let pick = _mm_add_epi8(base, _mm_set1_epi8(2 * step as i8));
+            _mm256_cvtepi8_epi16(_mm_shuffle_epi8(sc, pick))
+        }
+    }
+    #[inline(always)]
+    fn cvt(self, a: __m256i) -> __m256 {
+        unsafe { _mm256_cvtepi32_ps(a) }
+    }
+    #[inline(always)]
+    fn fmadd(self, a: __m256, b: __m256, c: __m256) -> __m256 {
+        unsafe { _mm256_fmadd_ps(a, b, c) }
+    }
+    #[inline(always)]
+    fn mul(self, a: __m256, b: __m256) -> __m256 {
+        unsafe { _mm256_mul_ps(a, b) }
+    }
+    #[inline(always)]
+    fn set1(self, v: f32) -> __m256 {
+        unsafe { _mm256_set1_ps(v) }
+    }
+    #[inline(always)]
+    fn hsum(self, a: __m256) -> f32 {
+        unsafe {
+            let s4 = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps::<1>(a));
+            let s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
+            _mm_cvtss_f32(_mm_add_ss(s2, _mm_shuffle_ps::<1>(s2, s2)))
+        }
+    }
+    #[inline(always)]
+    fn first(self, a: __m256) -> f32 {
+        unsafe { _mm256_cvtss_f32(a) }
+    }
+    #[inline(always)]
+    fn per_block(self, v: [f32; 2]) -> __m256 {
+        unsafe { _mm256_set1_ps(v[0]) }
+    }
+    /// An f16 broadcast to eight f32 lanes by F16C from a general register: `half`'s conversion
+    /// is an out-of-line call, and a scalar `cvtph2ps` of `_mm_cvtsi32_si128` compiled to a
+    /// `vpinsrw` merging into the accumulator's register, a false dependency from block to block
+    /// (together 0.6× llama.cpp's Q8_0 decode).
+    #[inline(always)]
+    fn per_block_f16(self, v: [f16; 2]) -> __m256 {
+        unsafe { _mm256_cvtph_ps(_mm_set1_epi16(v[0].to_bits() as i16)) }
+    }
+    #[inline(always)]
+    fn per_block_i32(self, v: [i32; 2]) -> __m256i {
+        unsafe { _mm256_set1_epi32(v[0]) }
+    }
+    #[inline(always)]
+    unsafe fn per_block_at(self, p: *const f32) -> __m256 {
+        unsafe { _mm256_broadcast_ss(&*p) }
+    }
+
+    forward_entries!(_s, V;
+        AVX2 => avx2_entry(Ymm(())),
+        AVX_VNNI => avxvnni_entry(Ymm(())),
+        _ => avx512ymm_entry(Ymm(())),
+    );
+}
+
+impl Simd for Zmm {
+    const W: usize = 64;
+    const VNNI: bool = true;
+    const Q0_C: usize = 2;
+    const K_C: usize = 2;
+    type I = __m512i;
+    type F = __m512;
+
+    #[inline(always)]
+    fn avx2(self) -> Avx2 {
+        Ymm(())
+    }
+    #[inline(always)]
+    fn zero(self) -> __m512i {
+        unsafe { _mm512_setzero_si512() }
+    }
+    #[inline(always)]
+    fn zero_f(self) -> __m512 {
+        unsafe { _mm512_setzero_ps() }
+    }
+    #[inline(always)]
+    unsafe fn load(self, p: *const i8) -> __m512i {
+        unsafe { _mm512_loadu_si512(p.cast()) }
+    }
+    #[inline(always)]
+    unsafe fn store(self, p: *mut u8, v: __m512i) {
+        unsafe { _mm512_storeu_si512(p.cast(), v) }
+    }
+    #[inline(always)]
+    unsafe fn load_f(self, p: *const f32) -> __m512 {
+        unsafe { _mm512_loadu_ps(p) }
+    }
+    #[inline(always)]
+    unsafe fn store_f(self, p: *mut f32, v: __m512) {
+        unsafe { _mm512_storeu_ps(p, v) }
+    }
+    #[inline(always)]
+    fn join(self, lo: __m256i, hi: __m256i) -> __m512i {
+        unsafe { _mm512_inserti64x4::<1>(_mm512_castsi256_si512(lo), hi) }
+    }
+    #[inline(always)]
+    fn widen(self, v: __m256i) -> __m512i {
+        unsafe { _mm512_zextsi256_si512(v) }
+    }
+    #[inline(always)]
+    fn add32(self, a: __m512i, b: __m512i) -> __m512i {
+        unsafe { _mm512_add_epi32(a, b) }
+    }
+    #[inline(always)]
+    fn times8(self, a: __m512i) -> __m512i {
+        unsafe { _mm512_slli_epi32::<3>(a) }
+    }
+    #[inline(always)]
+    fn flip(self, a: __m512i) -> __m512i {
+        unsafe { _mm512_xor_si512(a, _mm512_set1_epi8(-128)) }
+    }
+    #[inline(always)]
+    fn dot_u8(self, acc: __m512i, u: __m512i, x: __m512i) -> __m512i {
+        unsafe { _mm512_dpbusd_epi32(acc, u, x) }
+    }
+    #[inline(always)]
+    fn dot_s8(self, acc: __m512i, w: __m512i, x: __m512i) -> __m512i {
+        // no vpsignb on zmm: negate x where w < 0 (where w = 0 the product is 0 either way)
+        unsafe {
+            let neg = _mm512_movepi8_mask(w);
+            _mm512_dpbusd_epi32(acc, _mm512_abs_epi8(w), _mm512_mask_sub_epi8(x, neg, _mm512_setzero_si512(), x))
+        }
+    }
+    #[inline(always)]
+    fn dot_scaled(self, acc: __m512i, u: __m512i, x: __m512i, sc: __m512i) -> __m512i {
+        unsafe { _mm512_dpwssd_epi32(acc, _mm512_maddubs_epi16(u, x), sc) }
+    }
+    #[inline(always)]
+    fn madd(self, a: __m512i, b: __m512i) -> __m512i {
+        unsafe { _mm512_madd_epi16(a, b) }
+    }
+    #[inline(always)]
+    fn scales(self, sc: __m128i, step: usize) -> __m512i {
+        unsafe {
+            let base = _mm256_set_epi64x(0x0303_0303_0303_0303, 0x0202_0202_0202_0202, 0x0101_0101_0101_0101, 0);
+            let pick = _mm256_add_epi8(base, _mm256_set1_epi8(4 * step as i8));
+            _mm512_cvtepi8_epi16(_mm256_shuffle_epi8(_mm256_broadcastsi128_si256(sc), pick))
+        }
+    }
+    #[inline(always)]
+    fn cvt(self, a: __m512i) -> __m512 {
+        unsafe { _mm512_cvtepi32_ps(a) }
+    }
+    #[inline(always)]
+    fn fmadd(self, a: __m512, b: __m512, c: __m512) -> __m512 {
+        unsafe { _mm512_fmadd_ps(a, b, c) }
+    }
+    #[inline(always)]
+    fn mul(self, a: __m512, b: __m512) -> __m512 {
+        unsafe { _mm512_mul_ps(a, b) }
+    }
+    #[inline(always)]
+    fn set1(self, v: f32) -> __m512 {
+        unsafe { _mm512_set1_ps(v) }
+    }
+    #[inline(always)]
+    fn hsum(self, a: __m512) -> f32 {
+        unsafe { _mm512_reduce_add_ps(a) }
+    }
+    #[inline(always)]
+    fn first(self, a: __m512) -> f32 {
+        unsafe { _mm512_cvtss_f32(a) }
+    }
+    #[inline(always)]
+    fn per_block(self, [a, b]: [f32; 2]) -> __m512 {
+        unsafe {
+            let lo = _mm512_castps_pd(_mm512_castps256_ps512(_mm256_set1_ps(a)));
+            _mm512_castpd_ps(_mm512_insertf64x4::<1>(lo, _mm256_castps_pd(_mm256_set1_ps(b))))
+        }
+    }
+    #[inline(always)]
+    fn per_block_f16(self, v: [f16; 2]) -> __m512 {
+        let (a, b) = (v[0].to_bits() as i16, v[1].to_bits() as i16);
+        unsafe { _mm512_cvtph_ps(_mm256_set_m128i(_mm_set1_epi16(b), _mm_set1_epi16(a))) }
+    }
+    #[inline(always)]
+    fn per_block_i32(self, [a, b]: [i32; 2]) -> __m512i {
+        unsafe { _mm512_inserti64x4::<1>(_mm512_castsi256_si512(_mm256_set1_epi32(a)), _mm256_set1_epi32(b)) }
+    }
+    /// Both values in one 64-bit load, spread by one permute.
+    #[inline(always)]
+    unsafe fn per_block_at(self, p: *const f32) -> __m512 {
+        unsafe {
+            let two = _mm512_castpd_ps(_mm512_castpd128_pd512(_mm_load_sd(p.cast())));
+            _mm512_permutexvar_ps(_mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0), two)
+        }
+    }
+
+    forward_entries!(s, (); () => zmm_entry(s));
+}

@@ -1,0 +1,312 @@
+//! Every kernel on every instruction set this CPU has, against a scalar reference: the weight
+//! dequantized by candle (independent code for each block layout) times the activations as the
+//! kernels quantize them, summed in f64. Only float rounding may differ.
+
+use super::acts::{Q8KRows, Q8Rows};
+use super::*;
+use candle_core::{Device, Tensor};
+use half::f16;
+use rand::{Rng, SeedableRng};
+use rand_chacha::ChaCha8Rng;
+
+const INT8_TYPES: [GgmlDType; 8] = [
+    GgmlDType::Q4_0,
+    GgmlDType::Q4_1,
+    GgmlDType::Q5_0,
+    GgmlDType::Q5_1,
+    GgmlDType::Q8_0,
+    GgmlDType::Q4K,
+    GgmlDType::Q5K,
+    GgmlDType::Q6K,
+];
+
+/// Where a kernel runs: one of the instruction sets, or the AVX-VNNI kernels compiled with
+/// AVX-512's encoding of the same instructions (to test them on CPUs without AVX-VNNI).
+#[derive(Debug, Clone, Copy, PartialEq)]
+enum Target {
+    Isa(Isa),
+    Avx512Ymm,
+}
+
+impl Target {
+    const ALL: [Target; 5] = [
+        Target::Isa(Isa::Avx512Vnni),
+        Target::Avx512Ymm,
+        Target::Isa(Isa::AvxVnni),
+        Target::Isa(Isa::Avx2),
+        Target::Isa(Isa::Portable),
+    ];
+
+    fn name(self) -> &'static str {
+        match self {
+            Target::Isa(i) => i.name(),
+            Target::Avx512Ymm => "AVX-VNNI kernels in AVX-512 VL encoding",
+        }
+    }
+
+    fn available(self) -> bool {
+        match self {
+            Target::Isa(i) => i.available(),
+            #[cfg(target_arch = "x86_64")]
+            Target::Avx512Ymm => simd::Ymm::<{ simd::AVX512_YMM }>::new().is_some(),
+            #[cfg(not(target_arch = "x86_64"))]
+            Target::Avx512Ymm => false,
+        }
+    }
+
+    fn matmul(self, dt: GgmlDType, w: &[u8], mkn: (usize, usize, usize), lhs: &[f32], dst: &mut [f32]) {
+        match self {
+            Target::Isa(i) => {
+                matmul(dt, w, mkn, lhs, dst, i).unwrap();
+            }
+            #[cfg(target_arch = "x86_64")]
+            Target::Avx512Ymm => {
+                check(dt, w, mkn, lhs, dst).unwrap();
+                int8_on(simd::Ymm::<{ simd::AVX512_YMM }>::new().unwrap(), dt, w, mkn, lhs, dst).unwrap();
+            }
+            #[cfg(not(target_arch = "x86_64"))]
+            Target::Avx512Ymm => unreachable!(),
+        }
+    }
+}
+
+/// The int8 targets this CPU has; says which ran and which could not.
+fn int8_targets(test: &str) -> Vec<Target> {
+    let (have, lack): (Vec<Target>, Vec<Target>) =
+        Target::ALL.into_iter().filter(|t| *t != Target::Isa(Isa::Portable)).partition(|t| t.available());
+    println!(
+        "{test}: int8 kernels exercised on {:?}; not on this CPU: {:?}",
+        have.iter().map(|t| t.name()).collect::<Vec<_>>(),
+        lack.iter().map(|t| t.name()).collect::<Vec<_>>()
+    );
+    have
+}
+
+/// Weight blocks in storage aligned as candle keeps them (f16 words).
+struct Weight {
+    words: Vec<f16>,
+    len: usize,
+}
+
+impl Weight {
+    fn bytes(&self) -> &[u8] {
+        &blocks::as_bytes(&self.words)[..self.len]
+    }
+}
+
+/// The byte offsets of a block's f16 scales.
+fn f16_fields(dt: GgmlDType) -> &'static [usize] {
+    match dt {
+        GgmlDType::Q4_0 | GgmlDType::Q5_0 | GgmlDType::Q8_0 => &[0],
+        GgmlDType::Q4_1 | GgmlDType::Q5_1 | GgmlDType::Q4K | GgmlDType::Q5K => &[0, 2],
+        GgmlDType::Q6K => &[208],
+        _ => &[],
+    }
+}
+
+/// `n × k` weights of random bytes (every quant and scale pattern, −128 for Q8_0 included), with
+/// finite f16 scales.
+fn random_weight(dt: GgmlDType, (n, k): (usize, usize), rng: &mut ChaCha8Rng) -> Weight {
+    let size = dt.type_size();
+    let len = n * k / dt.block_size() * size;
+    let mut words = vec![f16::ZERO; len.div_ceil(2)];
+    let bytes = &mut blocks::as_bytes_mut(&mut words)[..len];
+    rng.fill(&mut bytes[..]);
+    for b in bytes.chunks_exact_mut(size) {
+        for &at in f16_fields(dt) {
+            let v = f16::from_f32(rng.random_range(-1.0f32..1.0));
+            b[at..at + 2].copy_from_slice(&v.to_le_bytes());
+        }
+    }
+    Weight { words, len }
+}
+
+fn dequantize(dt: GgmlDType, w: &[u8], (n, k): (usize, usize)) -> Vec<f32> {
+    let mut out = vec![0f32; n * k];
+    with_block!(dt, T => T::to_float(blocks::cast::<T>(w).unwrap(), &mut out));
+    out
+}
+
+/// Activations in about ±8, with a few outliers.
+fn activations(len: usize, rng: &mut ChaCha8Rng) -> Vec<f32> {
+    (0..len).map(|i| rng.random_range(-8.0f32..8.0) * if i % 97 == 0 { 10.0 } else { 1.0 }).collect()
+}
+
+/// `(Σ w·x, Σ |w·x|)` per output, in f64, over the activations as the int8 kernels quantize them.
+fn reference(dt: GgmlDType, w: &[u8], (m, k, n): (usize, usize, usize), lhs: &[f32]) -> Vec<(f64, f64)> {
+    let wd = dequantize(dt, w, (n, k));
+    let xd: Vec<Vec<f32>> = if int8_family(dt) == Some(true) {
+        let x = Q8KRows::new(lhs, (m, k), m);
+        (0..m).map(|r| x.dequant_row(r, k)).collect()
+    } else {
+        let x = Q8Rows::new(lhs, (m, k), m, k / 32, 0);
+        (0..m).map(|r| x.dequant_row(r, k)).collect()
+    };
+    let mut out = Vec::with_capacity(m * n);
+    for x in &xd {
+        for c in 0..n {
+            let p = x.iter().zip(&wd[c * k..(c + 1) * k]).map(|(&a, &b)| a as f64 * b as f64);
+            out.push(p.fold((0.0, 0.0), |(s, l), v| (s + v, l + v.abs())));
+        }
+    }
+    out
+}
+
+fn assert_close(got: &[f32], want: &[(f64, f64)], what: &str) {
+    for (i, (&g, &(v, l1))) in got.iter().zip(want).enumerate() {
+        assert!((g as f64 - v).abs() <= 1e-5 * l1 + 1e-6, "{what} output {i}: {g} vs {v} (Σ|w·x| = {l1})");
+    }
+}
+
+/// Each int8 kernel (vec-dot and every tile shape, row and column remainders, an odd number of
+/// 32-blocks for the 512-bit kernels, more rows than a prompt group) on each instruction set.
+#[test]
+fn int8_kernels_equal_scalar_reference() {
+    let targets = int8_targets("int8_kernels_equal_scalar_reference");
+    let mut rng = ChaCha8Rng::seed_from_u64(7);
+    for dt in INT8_TYPES {
+        let (n, k) = if int8_family(dt) == Some(true) { (5, 768) } else { (5, 160) };
+        let w = random_weight(dt, (n, k), &mut rng);
+        for m in [1usize, 2, 4, 7, 70] {
+            let lhs = activations(m * k, &mut rng);
+            let want = reference(dt, w.bytes(), (m, k, n), &lhs);
+            for &t in &targets {
+                let mut got = vec![f32::NAN; m * n];
+                t.matmul(dt, w.bytes(), (m, k, n), &lhs, &mut got);
+                assert_close(&got, &want, &format!("{dt:?} m={m} on {}", t.name()));
+            }
+        }
+    }
+}
+
+/// A Q8_0 weight byte of −128 (legal in the format, though ggml's quantizer stops at −127): the
+/// AVX2 prompt tile moved the activation's sign onto the weight, and −(−128) overflows i8
+/// (before the fix this gave −1174.7 where decode gave 233.2).
+#[test]
+fn q8_0_weight_of_minus_128() {
+    let targets = int8_targets("q8_0_weight_of_minus_128");
+    let (n, k) = (3usize, 64usize);
+    let blocks: Vec<blocks::Q8_0> = (0..n * k / 32)
+        .map(|b| blocks::Q8_0 {
+            d: f16::from_f32(0.5),
+            qs: std::array::from_fn(|i| if (i + b) % 3 == 0 { -128 } else { i as i8 - 16 }),
+        })
+        .collect();
+    let w = blocks::as_bytes(&blocks);
+    for m in [1usize, 5] {
+        let lhs: Vec<f32> = (0..m * k).map(|i| if i % 2 == 0 { -1.0 } else { 0.75 }).collect();
+        let want = reference(GgmlDType::Q8_0, w, (m, k, n), &lhs);
+        for &t in &targets {
+            let mut got = vec![0f32; m * n];
+            t.matmul(GgmlDType::Q8_0, w, (m, k, n), &lhs, &mut got);
+            assert_close(&got, &want, &format!("m={m} on {}", t.name()));
+        }
+    }
+}
+
+/// The safe entry checks every length before a kernel writes: an output one short (which the
+/// AVX2 kernels used to write past) or one long, a short input, a weight of the wrong size, a
+/// `k` off the block size, an instruction set this CPU lacks.
+#[test]
+fn lengths_and_instruction_sets_are_checked() {
+    let w = random_weight(GgmlDType::Q8_0, (2, 64), &mut ChaCha8Rng::seed_from_u64(1));
+    let lhs = vec![1f32; 64];
+    for isa in Isa::ALL.into_iter().filter(|i| i.available()) {
+        let run = |w: &[u8], mkn, lhs: &[f32], dst: &mut [f32]| matmul(GgmlDType::Q8_0, w, mkn, lhs, dst, isa);
+        assert!(matches!(
+            run(w.bytes(), (1, 64, 2), &lhs, &mut [0.0; 1]),
+            Err(KernelError::Shape { len: 1, want: 2, .. })
+        ));
+        assert!(matches!(run(w.bytes(), (1, 64, 2), &lhs, &mut [0.0; 3]), Err(KernelError::Shape { .. })));
+        assert!(matches!(run(w.bytes(), (1, 64, 2), &lhs[1..], &mut [0.0; 2]), Err(KernelError::Shape { .. })));
+        assert!(matches!(run(&w.bytes()[..34], (1, 64, 2), &lhs, &mut [0.0; 2]), Err(KernelError::Shape { .. })));
+        assert!(matches!(run(w.bytes(), (1, 48, 2), &lhs[..48], &mut [0.0; 2]), Err(KernelError::BlockSize { .. })));
+        assert!(run(w.bytes(), (1, 64, 2), &lhs, &mut [0.0; 2]).is_ok(), "{isa:?}");
+    }
+    for isa in Isa::ALL.into_iter().filter(|i| !i.available()) {
+        let r = matmul(GgmlDType::Q8_0, w.bytes(), (1, 64, 2), &lhs, &mut [0.0; 2], isa);
+        assert!(matches!(r, Err(KernelError::Unavailable(_))), "{isa:?}: {r:?}");
+    }
+}
+
+#[test]
+fn cast_takes_only_whole_aligned_blocks() {
+    let words = [f16::ZERO; 36];
+    let bytes = blocks::as_bytes(&words);
+    assert_eq!(blocks::cast::<blocks::Q8_0>(&bytes[..68]).unwrap().len(), 2);
+    assert!(matches!(
+        blocks::cast::<blocks::Q8_0>(&bytes[..67]),
+        Err(KernelError::Storage { bytes: 67, block: 34, .. })
+    ));
+    assert!(matches!(blocks::cast::<blocks::Q8_0>(&bytes[1..69]), Err(KernelError::Storage { align: 2, .. })));
+}
+
+#[test]
+fn kernel_choice_names_the_instruction_set() {
+    for isa in Isa::ALL {
+        for dt in INT8_TYPES {
+            let (decode, prompt) = (Kernel::choose_for(dt, 1, isa), Kernel::choose_for(dt, 5, isa));
+            if isa == Isa::Portable {
+                assert_eq!((decode, prompt), (Kernel::CandleVecDot, Kernel::DequantGemm));
+            } else {
+                assert_eq!((decode, prompt), (Kernel::VecDot(isa), Kernel::Tiles(isa)));
+                assert!(decode.describe(dt).starts_with(&format!("brigade {} int8 vec-dot", isa.name())));
+                assert!(prompt.describe(dt).starts_with(&format!("brigade {} int8 4x", isa.name())));
+            }
+        }
+        assert_eq!(Kernel::choose_for(GgmlDType::Q3K, 4, isa), Kernel::CandleVecDot);
+        assert_eq!(Kernel::choose_for(GgmlDType::F16, 5, isa), Kernel::DequantGemm);
+    }
+    assert_eq!(Isa::parse("AVX2"), Ok(Some(Isa::Avx2)));
+    assert_eq!(Isa::parse(" auto "), Ok(None));
+    assert_eq!(Isa::parse("avx-512"), Ok(Some(Isa::Avx512Vnni)));
+    assert!(Isa::parse("sse2").is_err());
+    assert!(Isa::best().available());
+}
+
+/// Every type through the op on every instruction set this CPU has (the portable path
+/// included), against a dense f32 matmul of the dequantized weight.
+#[test]
+fn matches_dequantized_matmul() {
+    let (n, k) = (72usize, 512usize);
+    let w = Tensor::randn(0f32, 1.0, (n, k), &Device::Cpu).unwrap();
+    for dt in [
+        GgmlDType::F32,
+        GgmlDType::F16,
+        GgmlDType::BF16,
+        GgmlDType::Q4_0,
+        GgmlDType::Q4_1,
+        GgmlDType::Q5_0,
+        GgmlDType::Q5_1,
+        GgmlDType::Q8_0,
+        GgmlDType::Q2K,
+        GgmlDType::Q3K,
+        GgmlDType::Q4K,
+        GgmlDType::Q5K,
+        GgmlDType::Q6K,
+    ] {
+        let q = QTensor::quantize(&w, dt).unwrap();
+        let data = q.data().unwrap();
+        let wd = q.dequantize(&Device::Cpu).unwrap();
+        for m in [1usize, 3, 4, 5, 37, 70] {
+            let x = Tensor::randn(0f32, 1.0, (m, k), &Device::Cpu).unwrap();
+            let want = x.matmul(&wd.t().unwrap()).unwrap();
+            let scale = want.abs().unwrap().max_all().unwrap().to_scalar::<f32>().unwrap();
+            let want: Vec<f32> = want.flatten_all().unwrap().to_vec1().unwrap();
+            let lhs: Vec<f32> = x.flatten_all().unwrap().to_vec1().unwrap();
+            for isa in Isa::ALL.into_iter().filter(|i| i.available()) {
+                let mut got = vec![0f32; m * n];
+                let kernel = matmul(dt, &data, (m, k, n), &lhs, &mut got, isa).unwrap();
+                let d = got.iter().zip(&want).fold(0f32, |a, (g, w)| a.max((g - w).abs()));
+                // int8 kernels quantize the activations (16 bits for f16/bf16); gemm is exact f32
+                let tol = if kernel == Kernel::DequantGemm || dt == GgmlDType::F32 { 1e-4 } else { 3e-2 };
+                assert!(d <= tol * scale, "{dt:?} m={m} {kernel:?}: {d} of {scale}");
+            }
+        }
+    }
+    // and once through the candle op
+    let q = Arc::new(QTensor::quantize(&w, GgmlDType::Q4K).unwrap());
+    let x = Tensor::randn(0f32, 1.0, (1, 3, k), &Device::Cpu).unwrap();
+    let got = x.apply_op1_no_bwd(&CpuMatMul(q.clone())).unwrap();
+    assert_eq!(got.dims(), &[1, 3, n]);
+}

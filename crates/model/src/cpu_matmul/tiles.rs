@@ -1,0 +1,639 @@
+//! The int8 kernels, generic over the instruction set ([`Simd`]), and the drivers that run them
+//! over a matmul on candle's thread pool.
+//!
+//! - One activation row (decode) is a vec-dot per weight row straight from ggml's blocks
+//!   ([`q0_dot`], [`k_dot`]): every weight byte is read once, so unpacking it in place is free
+//!   next to the memory read.
+//! - More rows (prompts) run in `4 × C` register tiles. Each weight block is then used by every
+//!   row, so the `C` weight columns of a tile are first unpacked into a [`Panel`] (quants as
+//!   bytes, scales as the vectors the kernel multiplies by) and the tile kernels ([`q0_tile`],
+//!   [`k_tile`]) only load, multiply and add; a panel serves the [`PROMPT_ROWS`] activation rows
+//!   of a group. The min terms (Q4_1, Q5_1, Q4_K, Q5_K) are added once per group as a small
+//!   f32 product over the per-32 sums ([`add_mins`]), cheaper than in every tile.
+//!
+//! No function here takes a closure into a kernel: a closure is compiled without the kernel's
+//! target features, so its intrinsics would become calls (see [`Simd::join`]).
+
+use super::acts::{Q8KRows, Q8Rows};
+use super::blocks::Q0Block;
+use super::simd::Simd;
+use super::unpack::{KScales, KUnpack, Q0Unpack};
+use half::f16;
+use std::arch::x86_64::*;
+use std::cell::RefCell;
+
+/// How far ahead of the block in use the kernels ask for weight bytes: 1 KiB was the best of
+/// 512/1024/2048 for Q8_0 decode in `brigade bench` on a 2-core VM, though within its noise.
+const PREFETCH: usize = 1024;
+
+#[inline(always)]
+fn prefetch<T>(p: *const T, lines: usize) {
+    for l in 0..lines {
+        // SAFETY: a prefetch does not fault; the address is computed without dereferencing
+        unsafe { _mm_prefetch::<_MM_HINT_T0>(p.cast::<i8>().wrapping_add(PREFETCH + 64 * l)) };
+    }
+}
+
+/// Activation rows per group: a group's quantized rows stay in cache while every weight panel
+/// passes over them (64 rows of k = 2048 are 128 KiB of int8), and each panel serves the group.
+const PROMPT_ROWS: usize = 64;
+/// Activation rows per tile (the quantized rows are padded to a multiple).
+const TILE_ROWS: usize = 4;
+
+/// `x · w[c]` for a 32-weight type: per block `Σ q·x` in i32 lanes (starting from the
+/// activations' `fill`, which takes away the weights' offset), times `d_w·d_x`, plus
+/// Q4_1/Q5_1's `m · d_x·Σx`. The second half of each 512-bit step is under `S::W == 64`, which
+/// the compiler folds away for 256-bit vectors.
+///
+/// # Safety
+/// `w` holds row `c` of `bpr` blocks; `x` holds one row of `bpr.next_multiple_of(S::W / 32)`
+/// blocks, quantized with the offset 128 for Q8_0 on VNNI and `T::OFFSET` otherwise.
+#[inline(always)]
+pub unsafe fn q0_dot<T: Q0Unpack, S: Simd>(s: S, w: &[T], bpr: usize, c: usize, x: &Q8Rows) -> f32 {
+    debug_assert!((c + 1) * bpr <= w.len() && x.blocks == bpr.next_multiple_of(S::W / 32));
+    let a2 = s.avx2();
+    let two = S::W == 64;
+    let flip = T::SIGNED && S::VNNI;
+    let fill = q0_offset::<T, S>() != 0;
+    let mut acc = s.zero_f();
+    let mut b0 = 0;
+    while b0 < x.blocks {
+        // SAFETY: row c is in `w`, block b0 < bpr (x.blocks rounds bpr up by less than a step)
+        let (b, next) = unsafe {
+            let row = w.as_ptr().add(c * bpr);
+            (&*row.add(b0), if two && b0 + 1 < bpr { Some(&*row.add(b0 + 1)) } else { None })
+        };
+        prefetch(b, 1);
+        let (q1, d1, m1) = match next {
+            Some(n) => (n.unpack(a2), n.d(), n.m()),
+            None => (a2.zero(), f16::ZERO, f16::ZERO),
+        };
+        let mut wv = s.join(b.unpack(a2), q1);
+        if flip {
+            wv = s.flip(wv);
+        }
+        let t1 = if two { b0 + 1 } else { b0 };
+        // SAFETY: blocks b0..b0 + W/32 of row 0 are in `x`
+        let (xv, dx, init, sx) = unsafe {
+            (
+                s.load(x.qs.as_ptr().add(32 * b0)),
+                s.per_block([*x.d.get_unchecked(b0), *x.d.get_unchecked(t1)]),
+                if fill { s.per_block_i32([*x.fill.get_unchecked(b0), *x.fill.get_unchecked(t1)]) } else { s.zero() },
+                s.per_block([*x.s.get_unchecked(b0), *x.s.get_unchecked(t1)]),
+            )
+        };
+        let p = if T::SIGNED && !S::VNNI { s.dot_s8(init, wv, xv) } else { s.dot_u8(init, wv, xv) };
+        acc = s.fmadd(s.mul(s.per_block_f16([b.d(), d1]), dx), s.cvt(p), acc);
+        if T::HAS_MIN {
+            // each block's 8 lanes add up to m · d_x·Σx
+            acc = s.fmadd(s.mul(s.per_block_f16([b.m(), m1]), s.set1(0.125)), sx, acc);
+        }
+        b0 += S::W / 32;
+    }
+    s.hsum(acc)
+}
+
+/// `x · w[c]` for a 256-weight type: per super-block the quants' products times their
+/// sub-block scales summed in i32 lanes (`dot_scaled`), Q6_K's −32 added in integers
+/// (`Σ corr · bsums`), times `d_w·d_x`, less Q4_K/Q5_K's `dmin · Σ m · bsums`.
+///
+/// # Safety
+/// `w` holds row `c` of `bpr` super-blocks; `x` holds one row of `bpr` super-blocks.
+#[inline(always)]
+pub unsafe fn k_dot<T: KUnpack, S: Simd>(s: S, w: &[T], bpr: usize, c: usize, x: &Q8KRows) -> f32 {
+    debug_assert!((c + 1) * bpr <= w.len() && bpr <= x.d.len());
+    let a2 = s.avx2();
+    let mut acc = s.zero_f();
+    let mut accm = a2.zero_f();
+    for b in 0..bpr {
+        // SAFETY: row c, super-block b is in `w`
+        let blk = unsafe { w.get_unchecked(c * bpr + b) };
+        prefetch(blk, std::mem::size_of::<T>().div_ceil(64));
+        let ks = blk.scales(a2);
+        let mut isum = s.zero();
+        for st in 0..256 / S::W {
+            let t = st * (S::W / 32);
+            let hi = if S::W == 64 { blk.chunk(a2, t + 1) } else { a2.zero() };
+            // SAFETY: bytes st·W.. of super-block b of row 0
+            let xv = unsafe { s.load(x.qs.as_ptr().add(b * 256 + st * S::W)) };
+            isum = s.dot_scaled(isum, s.join(blk.chunk(a2, t), hi), xv, s.scales(ks.sc, st));
+        }
+        // SAFETY: super-block b of row 0
+        let (dx, bs) = unsafe { (*x.d.get_unchecked(b), a2.load(x.bsums.as_ptr().add(16 * b).cast())) };
+        let corr = a2.madd(bs, ks.corr);
+        if T::HAS_MIN {
+            accm = a2.fmadd(a2.mul(a2.per_block_f16([ks.dmin; 2]), a2.set1(dx)), a2.cvt(corr), accm);
+        } else {
+            isum = s.add32(isum, s.widen(corr));
+        }
+        acc = s.fmadd(s.mul(s.per_block_f16([ks.d; 2]), s.set1(dx)), s.cvt(isum), acc);
+    }
+    s.hsum(acc) - if T::HAS_MIN { a2.hsum(accm) } else { 0.0 }
+}
+
+/// Up to two weight columns unpacked for the prompt tiles, every block of `k` (one per worker
+/// thread, reused). Column `j` is at `q[j·kq..]`, `sc[j·kq/2..]`, ….
+#[derive(Default)]
+pub struct Panel {
+    /// The quants as bytes (Q8_0 on VNNI: flipped to unsigned), in order.
+    q: Vec<u8>,
+    /// K-quants: the i16 scale vector of each `W` bytes of `q`, as the kernel multiplies.
+    sc: Vec<i16>,
+    /// K-quants: `d` per super-block; 32-weight types: `d` over each block's 8 i32 lanes.
+    d: Vec<f32>,
+    /// Q6_K: `−32·sc` per 16 weights.
+    corr: Vec<i16>,
+    /// Q4_K/Q5_K with VNNI: `q` holds `q · (sc mod 8)` and this `q · (sc div 8)` (see [`k_tile`]).
+    hi: Vec<u8>,
+    /// The min terms' weights, per 32 weights: Q4_1/Q5_1's `m`, Q4_K/Q5_K's `−dmin·m`.
+    mins: Vec<f32>,
+    /// Bytes of `q` per column.
+    kq: usize,
+}
+
+thread_local! {
+    static PANEL: RefCell<Panel> = RefCell::new(Panel::default());
+}
+
+/// What a 32-weight type's unsigned quants are offset by: Q4_0's 8, Q5_0's 16, and on VNNI the
+/// 128 that makes Q8_0's signed bytes unsigned (AVX2 multiplies those by their sign instead).
+const fn q0_offset<T: Q0Block, S: Simd>() -> i32 {
+    if T::SIGNED && S::VNNI {
+        128
+    } else {
+        T::OFFSET
+    }
+}
+
+/// Whether a 32-weight type has a term per block besides `d_w·d_x·Σ q·x`: the min (Q4_1,
+/// Q5_1, `m · d_x·Σx`) or the offset (`−offset·d_w · d_x·Σx`). Prompts add it once per group
+/// ([`add_mins`]); decode starts each block's integer sum from the activations' `fill`.
+const fn q0_has_terms<T: Q0Block, S: Simd>() -> bool {
+    T::HAS_MIN || q0_offset::<T, S>() != 0
+}
+
+/// Unpacks columns `c0..c0 + cols` of a 32-weight type into `p`, blocks padded with zeros to
+/// `blocks`.
+///
+/// # Safety
+/// `w` holds those columns of `bpr` blocks each; `blocks ≥ bpr`.
+#[inline(always)]
+unsafe fn fill_q0<T: Q0Unpack, S: Simd>(
+    s: S,
+    w: &[T],
+    (bpr, blocks): (usize, usize),
+    (c0, cols): (usize, usize),
+    p: &mut Panel,
+) {
+    let a2 = s.avx2();
+    p.kq = 32 * blocks;
+    p.q.resize(cols * p.kq, 0);
+    p.d.resize(cols * blocks * 8, 0.0);
+    p.mins.resize(if q0_has_terms::<T, S>() { cols * bpr } else { 0 }, 0.0);
+    for j in 0..cols {
+        for b in 0..blocks {
+            let at = j * blocks + b;
+            let (mut v, d) = if b < bpr {
+                // SAFETY: column c0 + j, block b < bpr is in `w`
+                let blk = unsafe { w.get_unchecked((c0 + j) * bpr + b) };
+                if b % 2 == 0 {
+                    prefetch(blk, 1);
+                }
+                if q0_has_terms::<T, S>() {
+                    p.mins[j * bpr + b] =
+                        if T::HAS_MIN { blk.m().to_f32() } else { -q0_offset::<T, S>() as f32 * blk.d().to_f32() };
+                }
+                (blk.unpack(a2), blk.d().to_f32())
+            } else {
+                (a2.zero(), 0.0)
+            };
+            if T::SIGNED && S::VNNI {
+                v = a2.flip(v);
+            }
+            // SAFETY: 32 bytes and 8 floats inside the panel, sized above
+            unsafe {
+                a2.store(p.q.as_mut_ptr().add(32 * at), v);
+                a2.store_f(p.d.as_mut_ptr().add(8 * at), a2.set1(d));
+            }
+        }
+    }
+}
+
+/// Unpacks columns `c0..c0 + cols` of a 256-weight type into `p`.
+///
+/// # Safety
+/// `w` holds those columns of `bpr` super-blocks each.
+#[inline(always)]
+unsafe fn fill_k<T: KUnpack, S: Simd>(s: S, w: &[T], bpr: usize, (c0, cols): (usize, usize), p: &mut Panel) {
+    let a2 = s.avx2();
+    p.kq = 256 * bpr;
+    p.q.resize(cols * p.kq, 0);
+    p.sc.resize(if S::VNNI && T::HAS_MIN { 0 } else { cols * p.kq / 2 }, 0);
+    p.d.resize(cols * bpr, 0.0);
+    p.corr.resize(cols * bpr * 16, 0);
+    p.mins.resize(if T::HAS_MIN { cols * bpr * 8 } else { 0 }, 0.0);
+    let split = S::VNNI && T::HAS_MIN;
+    p.hi.resize(if split { cols * p.kq } else { 0 }, 0);
+    for j in 0..cols {
+        for b in 0..bpr {
+            let at = j * bpr + b;
+            // SAFETY: column c0 + j, super-block b is in `w`
+            let blk = unsafe { w.get_unchecked((c0 + j) * bpr + b) };
+            // the weights stream from memory (columns are contiguous): ask ahead
+            prefetch(blk, std::mem::size_of::<T>().div_ceil(64));
+            let ks: KScales = blk.scales(a2);
+            p.d[at] = a2.first(a2.per_block_f16([ks.d; 2]));
+            let (mut corr, mut sc) = ([0i16; 16], [0i8; 16]);
+            // SAFETY: 16 i16 inside the panel and on the stack, 16 i8 on the stack
+            unsafe {
+                a2.store(p.corr.as_mut_ptr().add(16 * at).cast(), ks.corr);
+                a2.store(corr.as_mut_ptr().cast(), ks.corr);
+                _mm_storeu_si128(sc.as_mut_ptr().cast(), ks.sc);
+            }
+            if split {
+                // q · (sc mod 8) and q · (sc div 8), each below 256: a 16-bit multiply of the
+                // byte pairs keeps them apart
+                for t in 0..8 {
+                    let q = blk.chunk(a2, t);
+                    // SAFETY: AVX2 (the token); 32 bytes inside `q` and `hi`, sized above
+                    unsafe {
+                        let (lo, hi) =
+                            (_mm256_set1_epi16((sc[2 * t] & 7) as i16), _mm256_set1_epi16((sc[2 * t] >> 3) as i16));
+                        a2.store(p.q.as_mut_ptr().add(256 * at + 32 * t), _mm256_mullo_epi16(q, lo));
+                        a2.store(p.hi.as_mut_ptr().add(256 * at + 32 * t), _mm256_mullo_epi16(q, hi));
+                    }
+                }
+            } else {
+                for st in 0..256 / S::W {
+                    let t = st * (S::W / 32);
+                    let hi = if S::W == 64 { blk.chunk(a2, t + 1) } else { a2.zero() };
+                    // SAFETY: W bytes of `q` and W/2 i16 of `sc` inside the panel, sized above
+                    unsafe {
+                        s.store(p.q.as_mut_ptr().add(256 * at + st * S::W), s.join(blk.chunk(a2, t), hi));
+                        s.store(p.sc.as_mut_ptr().add(128 * at + st * S::W / 2).cast(), s.scales(ks.sc, st));
+                    }
+                }
+            }
+            if T::HAS_MIN {
+                let dmin = a2.first(a2.per_block_f16([ks.dmin; 2]));
+                for (jj, m) in corr.iter().step_by(2).enumerate() {
+                    p.mins[(j * bpr + b) * 8 + jj] = -dmin * *m as f32;
+                }
+            }
+        }
+    }
+}
+
+/// Adds the min terms `Σ_b mins[c][b] · xs[r][b]` of the panel's columns to rows `g0..g1` of
+/// the output (each `kk` long, `xs` rows `stride` apart): a small product, in f32.
+///
+/// # Safety
+/// `xs` holds rows `g0..g1` of `stride ≥ kk` values; the panel `cols × kk` mins; only this call
+/// writes those outputs.
+#[inline(always)]
+unsafe fn add_mins<S: Simd>(
+    s: S,
+    p: &Panel,
+    (c0, cols): (usize, usize),
+    kk: usize,
+    (xs, stride): (&[f32], usize),
+    (g0, g1): (usize, usize),
+    out: Out,
+) {
+    let lanes = S::W / 4;
+    for r in g0..g1.min(out.m) {
+        for j in 0..cols {
+            let (mut acc, mut b) = (s.zero_f(), 0);
+            // SAFETY: row r of `xs`, column j of the panel's mins, within `kk`
+            unsafe {
+                while b + lanes <= kk {
+                    acc = s.fmadd(
+                        s.load_f(xs.as_ptr().add(r * stride + b)),
+                        s.load_f(p.mins.as_ptr().add(j * kk + b)),
+                        acc,
+                    );
+                    b += lanes;
+                }
+                let mut v = s.hsum(acc);
+                while b < kk {
+                    v += *xs.get_unchecked(r * stride + b) * *p.mins.get_unchecked(j * kk + b);
+                    b += 1;
+                }
+                *(out.ptr as *mut f32).add(r * out.n + c0 + j) += v;
+            }
+        }
+    }
+}
+
+/// Activation rows `r0..r0 + 4` × panel columns `j0..j0 + C` of a 32-weight type: per step
+/// `Σ q·x` times `d_w·d_x`; the min or offset terms are the caller's ([`q0_has_terms`]).
+///
+/// # Safety
+/// The panel holds columns `j0..j0 + C` of `x.blocks` blocks; `x` holds rows `r0..r0 + 4`.
+#[inline(always)]
+unsafe fn q0_tile<T: Q0Unpack, S: Simd, const C: usize>(
+    s: S,
+    p: &Panel,
+    j0: usize,
+    x: &Q8Rows,
+    r0: usize,
+) -> [[f32; C]; 4] {
+    let mut acc = [[s.zero_f(); C]; 4];
+    let mut b0 = 0;
+    while b0 < x.blocks {
+        let mut wv = [s.zero(); C];
+        let mut dw = [s.zero_f(); C];
+        for j in 0..C {
+            // SAFETY: column j0 + j, blocks b0.. of the panel
+            unsafe {
+                wv[j] = s.load(p.q.as_ptr().add((j0 + j) * p.kq + 32 * b0).cast());
+                dw[j] = s.load_f(p.d.as_ptr().add(((j0 + j) * x.blocks + b0) * 8));
+            }
+        }
+        for (i, acc_i) in acc.iter_mut().enumerate() {
+            let at = (r0 + i) * x.blocks + b0;
+            // SAFETY: row r0 + i, blocks b0..b0 + W/32 of `x`
+            let (xv, dx) =
+                unsafe { (s.load(x.qs.as_ptr().add((r0 + i) * x.kp + 32 * b0)), s.per_block_at(x.d.as_ptr().add(at))) };
+            for (a, j) in acc_i.iter_mut().zip(0..C) {
+                let q =
+                    if T::SIGNED && !S::VNNI { s.dot_s8(s.zero(), wv[j], xv) } else { s.dot_u8(s.zero(), wv[j], xv) };
+                *a = s.fmadd(s.mul(dw[j], dx), s.cvt(q), *a);
+            }
+        }
+        b0 += S::W / 32;
+    }
+    let mut out = [[0f32; C]; 4];
+    for (o, a) in out.iter_mut().zip(&acc) {
+        for (v, x) in o.iter_mut().zip(a) {
+            *v = s.hsum(*x);
+        }
+    }
+    out
+}
+
+/// Activation rows `r0..r0 + R` × panel columns `j0..j0 + C` of a 256-weight type: per
+/// super-block `Σ sc · q·x` in i32 lanes (plus Q6_K's −32 in integers), times `d_w·d_x`.
+/// Q4_K/Q5_K's mins are the caller's.
+///
+/// With VNNI, Q4_K/Q5_K's 6-bit scales are split as `sc = 8·(sc div 8) + sc mod 8` and each
+/// half multiplied into the quants when the panel is filled (`q · 7 < 256`): two `vpdpbusd` per
+/// 64 weights and no scale vectors, against `vpmaddubsw` + `vpdpwssd` (which LLVM splits into
+/// `vpmaddwd` + `vpaddd` where it tunes for a generic CPU).
+///
+/// # Safety
+/// The panel holds columns `j0..j0 + C` of `bpr` super-blocks; `x` holds rows `r0..r0 + 4`.
+#[inline(always)]
+unsafe fn k_tile<T: KUnpack, S: Simd, const R: usize, const C: usize>(
+    s: S,
+    p: &Panel,
+    j0: usize,
+    bpr: usize,
+    x: &Q8KRows,
+    r0: usize,
+) -> [[f32; C]; R] {
+    let a2 = s.avx2();
+    let split = S::VNNI && T::HAS_MIN;
+    let mut acc = [[s.zero_f(); C]; R];
+    for b in 0..bpr {
+        let mut isum = [[s.zero(); C]; R];
+        let mut ihi = [[s.zero(); C]; R];
+        for st in 0..256 / S::W {
+            let mut wv = [s.zero(); C];
+            let mut sc = [s.zero(); C];
+            for j in 0..C {
+                let at = ((j0 + j) * bpr + b) * 256 + st * S::W;
+                // SAFETY: column j0 + j, super-block b, step st of the panel
+                unsafe {
+                    wv[j] = s.load(p.q.as_ptr().add(at).cast());
+                    sc[j] = if split {
+                        s.load(p.hi.as_ptr().add(at).cast())
+                    } else {
+                        s.load(p.sc.as_ptr().add(at / 2).cast())
+                    };
+                }
+            }
+            for (i, (isum_i, ihi_i)) in isum.iter_mut().zip(ihi.iter_mut()).enumerate() {
+                // SAFETY: row r0 + i, super-block b, bytes st·W.. of its 256
+                let xv = unsafe { s.load(x.qs.as_ptr().add(((r0 + i) * bpr + b) * 256 + st * S::W)) };
+                for j in 0..C {
+                    if split {
+                        isum_i[j] = s.dot_u8(isum_i[j], wv[j], xv);
+                        ihi_i[j] = s.dot_u8(ihi_i[j], sc[j], xv);
+                    } else {
+                        isum_i[j] = s.dot_scaled(isum_i[j], wv[j], xv, sc[j]);
+                    }
+                }
+            }
+        }
+        for (i, acc_i) in acc.iter_mut().enumerate() {
+            let at = (r0 + i) * bpr + b;
+            // SAFETY: row r0 + i, super-block b
+            let dx = s.set1(unsafe { *x.d.get_unchecked(at) });
+            for j in 0..C {
+                let mut t = isum[i][j];
+                if split {
+                    t = s.add32(t, s.times8(ihi[i][j]));
+                }
+                if !T::HAS_MIN {
+                    // SAFETY: row r0 + i, super-block b; column j0 + j, super-block b of the panel
+                    let (bs, corr) = unsafe {
+                        (
+                            a2.load(x.bsums.as_ptr().add(16 * at).cast()),
+                            a2.load(p.corr.as_ptr().add(16 * ((j0 + j) * bpr + b)).cast()),
+                        )
+                    };
+                    t = s.add32(t, s.widen(a2.madd(bs, corr)));
+                }
+                // SAFETY: column j0 + j, super-block b of the panel
+                let dw = s.set1(unsafe { *p.d.get_unchecked((j0 + j) * bpr + b) });
+                // (Σ · d_x) · d_w: both factors broadcast from memory into the arithmetic
+                acc_i[j] = s.fmadd(s.mul(s.cvt(t), dx), dw, acc_i[j]);
+            }
+        }
+    }
+    let mut out = [[0f32; C]; R];
+    for (o, a) in out.iter_mut().zip(&acc) {
+        for (v, x) in o.iter_mut().zip(a) {
+            *v = s.hsum(*x);
+        }
+    }
+    out
+}
+
+/// Where a group writes: the `m × n` output.
+#[derive(Clone, Copy)]
+pub struct Out {
+    ptr: usize,
+    m: usize,
+    n: usize,
+}
+
+impl Out {
+    /// Writes `t` at rows `r0..` (those below `g1` and `m`), columns `c0..c0 + C`.
+    ///
+    /// # Safety
+    /// Only this work item writes those elements; `c0 + C ≤ n`.
+    #[inline(always)]
+    unsafe fn put<const R: usize, const C: usize>(self, t: [[f32; C]; R], (r0, g1): (usize, usize), c0: usize) {
+        for (i, row) in t.iter().enumerate().take(g1.min(self.m).saturating_sub(r0)) {
+            for (j, v) in row.iter().enumerate() {
+                // SAFETY: (r0 + i, c0 + j) is inside the output (caller's contract)
+                unsafe { *(self.ptr as *mut f32).add((r0 + i) * self.n + c0 + j) = *v };
+            }
+        }
+    }
+}
+
+/// Columns `c0..c0 + cols` (at most `S::Q0_C`) of activation rows `g0..g1` of a 32-weight type.
+///
+/// # Safety
+/// As [`fill_q0`], [`q0_tile`] and [`add_mins`] for those columns and rows; only this call
+/// writes them.
+#[inline(always)]
+#[allow(clippy::too_many_arguments)]
+pub unsafe fn q0_group<T: Q0Unpack, S: Simd>(
+    s: S,
+    w: &[T],
+    bpr: usize,
+    (c0, cols): (usize, usize),
+    x: &Q8Rows,
+    (g0, g1): (usize, usize),
+    out: Out,
+    p: &mut Panel,
+) {
+    // SAFETY: the caller's contract
+    unsafe {
+        fill_q0::<T, S>(s, w, (bpr, x.blocks), (c0, cols), p);
+        for r0 in (g0..g1).step_by(TILE_ROWS) {
+            if S::Q0_C == 2 && cols == 2 {
+                out.put(q0_tile::<T, S, 2>(s, p, 0, x, r0), (r0, g1), c0);
+            } else {
+                for j in 0..cols {
+                    out.put(q0_tile::<T, S, 1>(s, p, j, x, r0), (r0, g1), c0 + j);
+                }
+            }
+        }
+        if q0_has_terms::<T, S>() {
+            add_mins(s, p, (c0, cols), bpr, (&x.s, x.blocks), (g0, g1), out);
+        }
+    }
+}
+
+/// Columns `c0..c0 + cols` (at most `S::K_C`) of activation rows `g0..g1` of a 256-weight type.
+///
+/// # Safety
+/// As [`fill_k`], [`k_tile`] and [`add_mins`] for those columns and rows; only this call writes
+/// them.
+#[inline(always)]
+#[allow(clippy::too_many_arguments)]
+pub unsafe fn k_group<T: KUnpack, S: Simd>(
+    s: S,
+    w: &[T],
+    bpr: usize,
+    (c0, cols): (usize, usize),
+    x: &Q8KRows,
+    (g0, g1): (usize, usize),
+    out: Out,
+    p: &mut Panel,
+) {
+    // SAFETY: the caller's contract
+    unsafe {
+        fill_k::<T, S>(s, w, bpr, (c0, cols), p);
+        for r0 in (g0..g1).step_by(TILE_ROWS) {
+            if S::K_C == 2 && cols == 2 {
+                out.put(k_tile::<T, S, 4, 2>(s, p, 0, bpr, x, r0), (r0, g1), c0);
+            } else {
+                for j in 0..cols {
+                    out.put(k_tile::<T, S, 4, 1>(s, p, j, bpr, x, r0), (r0, g1), c0 + j);
+                }
+            }
+        }
+        if T::HAS_MIN {
+            add_mins(s, p, (c0, cols), 8 * bpr, (&x.s32, 8 * bpr), (g0, g1), out);
+        }
+    }
+}
+
+/// `dst[c] = f(c)` for every column, split across candle's pool.
+fn each_column(n: usize, dst: &mut [f32], f: impl Fn(usize) -> f32 + Sync) {
+    assert!(dst.len() >= n);
+    let dst_ptr = dst.as_mut_ptr() as usize;
+    candle_core::utils::barrier_pool().execute_chunked(n, |cols| {
+        for c in cols {
+            let v = f(c);
+            // SAFETY: column c < n is written by this item only
+            unsafe { *(dst_ptr as *mut f32).add(c) = v };
+        }
+    });
+}
+
+/// Runs `group((c0, cols), panel)` over every group of up to `tc` columns, split across
+/// candle's pool.
+fn each_column_group(n: usize, tc: usize, group: impl Fn((usize, usize), &mut Panel) + Sync) {
+    candle_core::utils::barrier_pool().execute_chunked(n.div_ceil(tc), |groups| {
+        PANEL.with(|p| {
+            let p = &mut p.borrow_mut();
+            for g in groups {
+                let c0 = g * tc;
+                group((c0, (n - c0).min(tc)), p);
+            }
+        })
+    });
+}
+
+/// `dst[m, n] = lhs[m, k] @ w[n, k]ᵀ` for a 32-weight block type.
+///
+/// # Safety
+/// `k` is a multiple of 32, `w` holds `n · k/32` blocks, `lhs` `m · k` values, `dst` `m · n`.
+pub unsafe fn matmul_q0<T: Q0Unpack, S: Simd>(
+    s: S,
+    w: &[T],
+    (m, k, n): (usize, usize, usize),
+    lhs: &[f32],
+    dst: &mut [f32],
+) {
+    let bpr = k / 32;
+    let blocks = bpr.next_multiple_of(S::W / 32);
+    let offset = q0_offset::<T, S>();
+    if m == 1 {
+        let x = Q8Rows::new(lhs, (1, k), 1, blocks, offset);
+        // SAFETY: column c < n is in `w`, row 0 in `x`, quantized as the kernel expects
+        each_column(n, dst, |c| unsafe { s.q0_dot(w, bpr, c, &x) });
+        return;
+    }
+    let x = Q8Rows::new(lhs, (m, k), m.next_multiple_of(TILE_ROWS), blocks, offset);
+    let out = Out { ptr: dst.as_mut_ptr() as usize, m, n };
+    for g0 in (0..m).step_by(PROMPT_ROWS) {
+        let rows = (g0, (g0 + PROMPT_ROWS).min(m));
+        // SAFETY: each group writes its own columns of these rows; rows are padded to tiles
+        each_column_group(n, S::Q0_C, |cols, p| unsafe { s.q0_group(w, bpr, cols, &x, rows, out, p) });
+    }
+}
+
+/// `dst[m, n] = lhs[m, k] @ w[n, k]ᵀ` for a 256-weight block type.
+///
+/// # Safety
+/// `k` is a multiple of 256, `w` holds `n · k/256` blocks, `lhs` `m · k` values, `dst` `m · n`.
+pub unsafe fn matmul_k<T: KUnpack, S: Simd>(
+    s: S,
+    w: &[T],
+    (m, k, n): (usize, usize, usize),
+    lhs: &[f32],
+    dst: &mut [f32],
+) {
+    let bpr = k / 256;
+    if m == 1 {
+        let x = Q8KRows::new(lhs, (1, k), 1);
+        // SAFETY: column c < n is in `w`, row 0 in `x`
+        each_column(n, dst, |c| unsafe { s.k_dot(w, bpr, c, &x) });
+        return;
+    }
+    let x = Q8KRows::new(lhs, (m, k), m.next_multiple_of(TILE_ROWS));
+    let out = Out { ptr: dst.as_mut_ptr() as usize, m, n };
+    for g0 in (0..m).step_by(PROMPT_ROWS) {
+        let rows = (g0, (g0 + PROMPT_ROWS).min(m));
+        // SAFETY: each group writes its own columns of these rows; rows are padded to tiles
+        each_column_group(n, S::K_C, |cols, p| unsafe { s.k_group(w, bpr, cols, &x, rows, out, p) });
+    }
+}
