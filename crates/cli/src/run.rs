@@ -140,6 +140,7 @@ pub fn run(a: RunArgs) -> Result<()> {
         repeat_penalty: a.repeat_penalty,
         repeat_last_n: a.repeat_last_n,
         seed,
+        ..SamplerConfig::default()
     };
     let bar = indicatif::ProgressBar::new(placement.stages.len() as u64);
     bar.set_style(

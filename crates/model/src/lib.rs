@@ -8,6 +8,8 @@
 //! - [`llama`]: a [`llama::Slice`] is layers `[a, b)` on one device (+ embedding when first,
 //!   + norm and head when last); each session's KV cache is a [`llama::SliceCache`].
 //! - [`pipeline`]: several slices in one process, prefill / decode / generate.
+//! - [`batch`]: continuous batching of concurrent sessions on one pipeline (one decode pass for
+//!   all, batch-invariant), and the [`batch::Engine`] thread that serves it.
 //! - [`cpu_matmul`]: brigade's CPU matmul over ggml blocks.
 //! - [`sampler`], [`synth`] (random-weight models of any Llama shape).
 //! - [`bandwidth`], [`devices`]: the memory read bandwidth probe behind `brigade bench`'s bound,
@@ -16,6 +18,7 @@
 //! The crate knows nothing of sockets, raft or placement: it computes what it is told to.
 
 pub mod bandwidth;
+pub mod batch;
 pub mod cpu_matmul;
 pub mod devices;
 pub mod llama;
