@@ -6,9 +6,11 @@ mod bench;
 mod cluster;
 mod cluster_bench;
 mod common;
+mod http_bench;
 mod local;
 mod plan;
 mod run;
+mod serve;
 mod synth;
 
 use clap::{Parser, Subcommand};
@@ -31,6 +33,8 @@ struct Cli {
 enum Cmd {
     /// Generate text on this box (CPU, or CPU + GPU split by layers).
     Run(run::RunArgs),
+    /// Serve the OpenAI API on this box, decoding concurrent requests together.
+    Serve(serve::ServeArgs),
     /// Measure prompt and generation speed, llama-bench style, over a sweep of GPU layers.
     Bench(bench::BenchArgs),
     /// Write a random-weight model of any Llama shape (GGUF or safetensors).
@@ -116,6 +120,7 @@ fn main() {
         .init();
     let result = match cli.cmd {
         Cmd::Run(a) => run::run(a),
+        Cmd::Serve(a) => serve::serve(a),
         Cmd::Bench(a) => bench::bench(a),
         Cmd::Synth(a) => synth::synth(a),
         Cmd::Plan(a) => plan::run_plan(a),
