@@ -5,6 +5,6 @@ set -euo pipefail
 root=$(cd "$(dirname "$0")/../.." && pwd)
 venv="$root/target/venv-openai"
 if [ -x "$venv/bin/python" ] && "$venv/bin/python" -c "import openai, httpx" 2>/dev/null; then exit 0; fi
-python3 -m venv "$venv"
+python3 -m venv --clear "$venv"
 "$venv/bin/python" -m pip install --quiet --disable-pip-version-check "openai>=1.40,<3"
 "$venv/bin/python" -c "import openai, httpx; print('openai', openai.__version__)"
