@@ -128,3 +128,19 @@ fn model_modules_point_down() {
         assert!(text.contains("use crate::"), "{file} was not read");
     }
 }
+
+#[test]
+fn serve_links_no_tensor_library_and_only_format() {
+    // the coordinator puts the same HTTP API on a cluster: the server crate must stay candle-free
+    let serve = deps("brigade-serve");
+    assert!(serve.iter().any(|x| x == "axum"), "cargo tree did not list axum: {serve:?}");
+    for bad in ["candle-core", "candle-nn", "cudarc", "raft", "raft-proto", "brigade-model", "tonic"] {
+        assert!(!serve.iter().any(|x| x == bad), "brigade-serve depends on {bad}");
+    }
+    for d in serve.iter().filter(|d| d.starts_with("brigade-")) {
+        assert!(
+            ["brigade-serve", "brigade-format", "brigade-core"].contains(&d.as_str()),
+            "brigade-serve depends on {d}"
+        );
+    }
+}

@@ -57,12 +57,27 @@ pub struct BenchArgs {
     /// Benchmark a deployment of a cluster instead (`-m` names the deployment).
     #[command(flatten)]
     pub connect: crate::cluster::Connect,
-    /// Concurrent clients to test, comma separated (cluster benchmarks).
+    /// A running OpenAI-compatible server to benchmark instead (`--url`).
+    #[command(flatten)]
+    pub http: crate::http_bench::HttpArgs,
+    /// Concurrent clients to test, comma separated (cluster and `--url` benchmarks).
     #[arg(long = "concurrency", default_value = "1", value_delimiter = ',')]
     pub concurrency: Vec<usize>,
 }
 
 pub fn bench(a: BenchArgs) -> Result<()> {
+    if let Some(url) = a.http.url.clone() {
+        return crate::http_bench::bench(crate::http_bench::HttpBench {
+            url,
+            model: a.model.map(|m| m.display().to_string()),
+            api_key: a.connect.api_key,
+            n_gen: a.n_gen.first().copied().unwrap_or(64).max(1),
+            reps: a.reps.max(1),
+            concurrency: a.concurrency,
+            long_prompt: a.http.long_prompt,
+            json: a.output == OutFormat::Json,
+        });
+    }
     if a.connect.coordinator.is_some() {
         let Some(model) = a.model.as_ref().map(|m| m.display().to_string()) else {
             bail!("with --coordinator, -m names the deployment to benchmark");

@@ -147,20 +147,10 @@ pub fn bench(b: ClusterBench) -> Result<()> {
         println!("{}", serde_json::to_string_pretty(&rows)?);
         return Ok(());
     }
-    println!("| deployment | test | clients | t/s | TTFT p50 ms | TTFT p95 ms |");
-    println!("| --- | --- | ---: | ---: | ---: | ---: |");
-    for r in &rows {
-        println!(
-            "| {} | {} | {} | {:.2} ± {:.2} | {:.1} | {:.1} |",
-            b.model,
-            r.test,
-            r.concurrency,
-            r.avg_ts,
-            stddev(&r.samples_ts),
-            r.ttft_p50_ms,
-            r.ttft_p95_ms
-        );
-    }
+    print_table(
+        &b.model,
+        rows.iter().map(|r| (r.test.as_str(), r.concurrency, &r.samples_ts[..], r.ttft_p50_ms, r.ttft_p95_ms)),
+    );
     if let Some(r) = rows.iter().find(|r| !r.hops.is_empty() && r.concurrency == 1) {
         println!("\nper decoded token ({}):", r.test);
         for h in &r.hops {
@@ -171,6 +161,21 @@ pub fn bench(b: ClusterBench) -> Result<()> {
         }
     }
     Ok(())
+}
+
+/// The table of concurrency benchmarks (also `bench --url`'s): per row the test, clients, the
+/// samples of aggregate tokens/s (none: "-"), TTFT p50 and p95 in ms.
+pub fn print_table<'a>(name: &str, rows: impl Iterator<Item = (&'a str, usize, &'a [f64], f64, f64)>) {
+    println!("| deployment | test | clients | t/s | TTFT p50 ms | TTFT p95 ms |");
+    println!("| --- | --- | ---: | ---: | ---: | ---: |");
+    for (test, clients, samples, p50, p95) in rows {
+        let ts = if samples.is_empty() {
+            "-".to_string()
+        } else {
+            format!("{:.2} ± {:.2}", samples.iter().sum::<f64>() / samples.len() as f64, stddev(samples))
+        };
+        println!("| {name} | {test} | {clients} | {ts} | {p50:.1} | {p95:.1} |");
+    }
 }
 
 fn stddev(v: &[f64]) -> f64 {

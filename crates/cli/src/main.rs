@@ -19,10 +19,12 @@ mod cluster;
 mod cluster_bench;
 mod common;
 mod doctor;
+mod http_bench;
 mod local;
 mod machine;
 mod plan;
 mod run;
+mod serve;
 mod synth;
 
 use clap::{Parser, Subcommand};
@@ -45,6 +47,8 @@ struct Cli {
 enum Cmd {
     /// Generate text on this box (CPU, or CPU + GPU split by layers).
     Run(run::RunArgs),
+    /// Serve the OpenAI API on this box, decoding concurrent requests together.
+    Serve(serve::ServeArgs),
     /// Measure prompt and generation speed, llama-bench style, over a sweep of GPU layers.
     Bench(bench::BenchArgs),
     /// Write a random-weight model of any Llama shape (GGUF or safetensors).
@@ -117,6 +121,7 @@ fn requested_threads(cmd: &Cmd) -> Option<i64> {
         Cmd::Run(a) => a.threads,
         Cmd::Bench(a) if a.threads.len() == 1 => a.threads.first().copied(),
         Cmd::Doctor(a) => a.threads,
+        Cmd::Serve(a) => a.threads,
         Cmd::Worker(a) => a.threads.map(|n| i64::try_from(n).unwrap_or(i64::MAX)),
         _ => None,
     }
@@ -148,6 +153,7 @@ fn main() {
         .init();
     let result = match cli.cmd {
         Cmd::Run(a) => run::run(a),
+        Cmd::Serve(a) => serve::serve(a),
         Cmd::Bench(a) => bench::bench(a),
         Cmd::Synth(a) => synth::synth(a),
         Cmd::Plan(a) => plan::run_plan(a),

@@ -175,6 +175,7 @@ fn prepare(a: &RunArgs) -> Result<Prepared> {
         repeat_penalty: a.repeat_penalty,
         repeat_last_n: a.repeat_last_n,
         seed: a.seed.unwrap_or_else(rand_seed),
+        ..SamplerConfig::default()
     };
     Ok(Prepared { files, n_ctx, n_predict, placement, prompt_ids, sampler, gpus })
 }

@@ -560,11 +560,17 @@ impl Tokenizer {
         TextStream { tk: self, pending: Vec::new(), prev }
     }
 
-    /// Renders the model's chat template for one user message and a generation prompt.
+    /// Renders the model's chat template for `(role, content)` messages and a generation prompt.
     pub fn apply_chat_template(&self, messages: &[(String, String)]) -> Result<String, FormatError> {
         let template = self.chat_template.as_deref().ok_or_else(|| {
             FormatError::Tokenizer("this model has no chat template (tokenizer.chat_template)".into())
         })?;
+        self.render_chat_template(template, messages)
+    }
+
+    /// Renders `template` (a Jinja chat template) for `(role, content)` messages and a
+    /// generation prompt, with this model's BOS and EOS texts.
+    pub fn render_chat_template(&self, template: &str, messages: &[(String, String)]) -> Result<String, FormatError> {
         let mut env = minijinja::Environment::new();
         minijinja_contrib::add_to_environment(&mut env);
         env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);

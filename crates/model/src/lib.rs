@@ -12,6 +12,8 @@
 //!   + norm and head when last); each session's KV cache is a [`llama::SliceCache`].
 //! - [`pipeline`]: several slices in one process, prefill / decode / generate; a [`Session`]'s
 //!   tokens are exactly what its caches hold, also after a failed forward pass.
+//! - [`batch`]: continuous batching of concurrent sessions on one pipeline (one decode pass for
+//!   all, batch-invariant), and the [`batch::Engine`] thread that serves it.
 //! - [`cpu_matmul`]: the CPU matmul by a ggml weight in place (int8 kernels per instruction set).
 //! - [`sampler`], [`synth`] (random-weight models of any Llama shape).
 //! - [`threads`]: llama.cpp's `-t`, set once per process (candle sizes its pools once).
@@ -22,6 +24,7 @@
 //! measures what it is asked to; deciding where layers go is the planner's.
 
 pub mod bandwidth;
+pub mod batch;
 pub mod cpu_matmul;
 pub mod device;
 pub mod devices;

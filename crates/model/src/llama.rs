@@ -14,6 +14,8 @@ use brigade_format::tensors::{slice_tensors, LayerTensor, OUTPUT, OUTPUT_NORM, S
 use candle_core::{DType, Device, Tensor, D};
 use std::sync::Arc;
 
+mod rows;
+
 /// What a stage receives: token ids (first stage) or the previous stage's hidden state.
 pub enum StageInput<'a> {
     Tokens(&'a [u32]),
@@ -28,6 +30,10 @@ pub enum Logits {
     /// Every position of the chunk (reference checks).
     All,
 }
+
+/// A matmul by a layer's weight: [`Linear::forward`] for one session's tokens,
+/// [`Linear::forward_rows`] for the decode rows of several sessions (see [`rows`]).
+type MatMul = fn(&Linear, &Tensor) -> candle_core::Result<Tensor>;
 
 /// Matmuls that share their input, stacked into one when the file's types allow it.
 enum Proj {
@@ -57,10 +63,10 @@ impl Proj {
         Ok(Proj::Separate(parts))
     }
 
-    fn forward(&self, x: &Tensor) -> candle_core::Result<Vec<Tensor>> {
+    fn forward(&self, x: &Tensor, mm: MatMul) -> candle_core::Result<Vec<Tensor>> {
         match self {
             Proj::Stacked(l, sizes) => {
-                let y = l.forward(x)?;
+                let y = mm(l, x)?;
                 let mut out = Vec::with_capacity(sizes.len());
                 let mut at = 0;
                 for &n in sizes {
@@ -69,7 +75,7 @@ impl Proj {
                 }
                 Ok(out)
             }
-            Proj::Separate(ls) => ls.iter().map(|l| l.forward(x)).collect(),
+            Proj::Separate(ls) => ls.iter().map(|l| mm(l, x)).collect(),
         }
     }
 
@@ -166,6 +172,7 @@ impl Block {
         norms + self.qkv.bytes() + self.gate_up.bytes() + self.wo.storage_bytes() + self.down.storage_bytes()
     }
 
+    /// One session's chunk of `t` tokens: `x` is `(1, t, hidden)`.
     #[allow(clippy::too_many_arguments)]
     fn forward(
         &self,
@@ -178,44 +185,71 @@ impl Block {
         mask: Option<&Tensor>,
     ) -> candle_core::Result<Tensor> {
         let _g = self.span.enter();
+        let (q, k, v) = self.qkv(cfg, x, Linear::forward)?;
+        let y = attend(cfg, (&q, &k, &v), kv, pos, (cos, sin), mask)?;
+        self.output(cfg, x, &y, Linear::forward)
+    }
+
+    /// The attention norm and the q, k, v projections of `x: (b, t, hidden)`: q as
+    /// `(b, heads, t, head_dim)`, k and v as `(b, kv_heads, t, head_dim)`, before RoPE.
+    fn qkv(&self, cfg: &ModelConfig, x: &Tensor, mm: MatMul) -> candle_core::Result<(Tensor, Tensor, Tensor)> {
         let (b, t, _) = x.dims3()?;
         let (nh, nkv, hd) = (cfg.n_heads, cfg.n_kv_heads, cfg.head_dim);
         let h = rms_norm(x, &self.attn_norm, cfg.rms_eps)?;
-        let qkv = self.qkv.forward(&h)?;
+        let qkv = self.qkv.forward(&h, mm)?;
         let q = qkv[0].contiguous()?.reshape((b, t, nh, hd))?.transpose(1, 2)?.contiguous()?;
         let k = qkv[1].contiguous()?.reshape((b, t, nkv, hd))?.transpose(1, 2)?.contiguous()?;
         let v = qkv[2].contiguous()?.reshape((b, t, nkv, hd))?.transpose(1, 2)?.contiguous()?;
-        let (q, k) = match cfg.rope_style {
-            RopeStyle::Interleaved => {
-                (candle_nn::rotary_emb::rope_i(&q, cos, sin)?, candle_nn::rotary_emb::rope_i(&k, cos, sin)?)
-            }
-            RopeStyle::Halves => {
-                (candle_nn::rotary_emb::rope(&q, cos, sin)?, candle_nn::rotary_emb::rope(&k, cos, sin)?)
-            }
-        };
-        kv.0.slice_set(&k, 2, pos)?;
-        kv.1.slice_set(&v, 2, pos)?;
-        let l = pos + t;
-        let keys = kv.0.narrow(2, 0, l)?;
-        let values = kv.1.narrow(2, 0, l)?;
-        // Grouped-query attention without repeating K/V: the query heads that share a kv head
-        // are stacked as rows of one matrix, (b, kv, groups * t, d).
-        let g = nh / nkv;
-        let qg = q.reshape((b, nkv, g * t, hd))?;
-        let scale = 1.0 / (hd as f64).sqrt();
-        let mut att = (qg.matmul(&keys.t()?)? * scale)?;
-        if let Some(m) = mask {
-            att = att.reshape((b, nkv, g, t, l))?.broadcast_add(m)?.reshape((b, nkv, g * t, l))?;
-        }
-        let att = candle_nn::ops::softmax_last_dim(&att)?;
-        let y = att.matmul(&values)?;
-        let y = y.reshape((b, nh, t, hd))?.transpose(1, 2)?.reshape((b, t, nh * hd))?;
-        let x = (x + self.wo.forward(&y)?)?;
-        let h = rms_norm(&x, &self.ffn_norm, cfg.rms_eps)?;
-        let gu = self.gate_up.forward(&h)?;
-        let act = (candle_nn::ops::silu(&gu[0])? * &gu[1])?;
-        x + self.down.forward(&act)?
+        Ok((q, k, v))
     }
+
+    /// The attention output `y: (b, t, heads × head_dim)` projected and added to `x`, then the
+    /// feed-forward half of the block.
+    fn output(&self, cfg: &ModelConfig, x: &Tensor, y: &Tensor, mm: MatMul) -> candle_core::Result<Tensor> {
+        let x = (x + mm(&self.wo, y)?)?;
+        let h = rms_norm(&x, &self.ffn_norm, cfg.rms_eps)?;
+        let gu = self.gate_up.forward(&h, mm)?;
+        let act = (candle_nn::ops::silu(&gu[0])? * &gu[1])?;
+        x + mm(&self.down, &act)?
+    }
+}
+
+/// One session's attention over its own cache: RoPE at positions `pos..pos + t`, k and v written
+/// into the cache there, then grouped-query attention over the `pos + t` cached positions.
+/// Returns `(1, t, heads × head_dim)`.
+fn attend(
+    cfg: &ModelConfig,
+    (q, k, v): (&Tensor, &Tensor, &Tensor),
+    kv: &mut (Tensor, Tensor),
+    pos: usize,
+    (cos, sin): (&Tensor, &Tensor),
+    mask: Option<&Tensor>,
+) -> candle_core::Result<Tensor> {
+    let (b, _, t, _) = q.dims4()?;
+    let (nh, nkv, hd) = (cfg.n_heads, cfg.n_kv_heads, cfg.head_dim);
+    let (q, k) = match cfg.rope_style {
+        RopeStyle::Interleaved => {
+            (candle_nn::rotary_emb::rope_i(q, cos, sin)?, candle_nn::rotary_emb::rope_i(k, cos, sin)?)
+        }
+        RopeStyle::Halves => (candle_nn::rotary_emb::rope(q, cos, sin)?, candle_nn::rotary_emb::rope(k, cos, sin)?),
+    };
+    kv.0.slice_set(&k, 2, pos)?;
+    kv.1.slice_set(v, 2, pos)?;
+    let l = pos + t;
+    let keys = kv.0.narrow(2, 0, l)?;
+    let values = kv.1.narrow(2, 0, l)?;
+    // Grouped-query attention without repeating K/V: the query heads that share a kv head
+    // are stacked as rows of one matrix, (b, kv, groups * t, d).
+    let g = nh / nkv;
+    let qg = q.reshape((b, nkv, g * t, hd))?;
+    let scale = 1.0 / (hd as f64).sqrt();
+    let mut att = (qg.matmul(&keys.t()?)? * scale)?;
+    if let Some(m) = mask {
+        att = att.reshape((b, nkv, g, t, l))?.broadcast_add(m)?.reshape((b, nkv, g * t, l))?;
+    }
+    let att = candle_nn::ops::softmax_last_dim(&att)?;
+    let y = att.matmul(&values)?;
+    y.reshape((b, nh, t, hd))?.transpose(1, 2)?.reshape((b, t, nh * hd))
 }
 
 impl Slice {
@@ -338,13 +372,11 @@ impl Slice {
         Ok(SliceCache { kv, len: 0, n_ctx: self.n_ctx })
     }
 
-    /// Runs the slice over a chunk of tokens for one session and appends to its cache. Returns
-    /// the hidden state `(1, seq, hidden)` for the next stage, or, on the last slice, logits
-    /// `(1, seq or 1, vocab)` in f32.
-    pub fn forward(&self, cache: &mut SliceCache, input: StageInput<'_>, logits: Logits) -> Result<Tensor, ModelError> {
-        let _g = self.span.enter();
-        let pos = cache.len;
-        let mut x = match (input, &self.embed) {
+    /// The stage's input as activations `(batch, seq, hidden)` in the slice's dtype: token ids
+    /// (`batch × seq` of them, row-major) embedded on the first slice, the previous stage's hidden
+    /// state on the others.
+    fn input(&self, input: StageInput<'_>, batch: usize) -> Result<Tensor, ModelError> {
+        Ok(match (input, &self.embed) {
             (StageInput::Tokens(ids), Some(e)) => {
                 if ids.is_empty() {
                     return Err(ModelError::BadInput("no tokens".into()));
@@ -355,14 +387,17 @@ impl Slice {
                         self.cfg.vocab
                     )));
                 }
-                let ids = Tensor::new(ids, &self.device)?.unsqueeze(0)?;
+                if !ids.len().is_multiple_of(batch) {
+                    return Err(ModelError::BadInput(format!("{} token ids for {batch} rows", ids.len())));
+                }
+                let ids = Tensor::new(ids, &self.device)?.reshape((batch, ids.len() / batch))?;
                 e.forward(&ids)?.to_dtype(self.dtype)?
             }
             (StageInput::Hidden(h), None) => {
                 let (b, _, hid) = h.dims3()?;
-                if b != 1 || hid != self.cfg.hidden {
+                if b != batch || hid != self.cfg.hidden {
                     return Err(ModelError::BadInput(format!(
-                        "hidden state of shape {:?}, expected (1, seq, {})",
+                        "hidden state of shape {:?}, expected ({batch}, seq, {})",
                         h.dims(),
                         self.cfg.hidden
                     )));
@@ -375,7 +410,16 @@ impl Slice {
             (StageInput::Hidden(_), Some(_)) => {
                 return Err(ModelError::BadInput(format!("slice {} takes tokens, not a hidden state", self.layers)))
             }
-        };
+        })
+    }
+
+    /// Runs the slice over a chunk of tokens for one session and appends to its cache. Returns
+    /// the hidden state `(1, seq, hidden)` for the next stage, or, on the last slice, logits
+    /// `(1, seq or 1, vocab)` in f32.
+    pub fn forward(&self, cache: &mut SliceCache, input: StageInput<'_>, logits: Logits) -> Result<Tensor, ModelError> {
+        let _g = self.span.enter();
+        let pos = cache.len;
+        let mut x = self.input(input, 1)?;
         let t = x.dim(1)?;
         if pos + t > self.n_ctx.min(cache.n_ctx) {
             return Err(ModelError::ContextFull { need: pos + t, n_ctx: self.n_ctx });

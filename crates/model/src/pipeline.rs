@@ -15,6 +15,10 @@ use candle_core::{Device, Tensor};
 use serde::Serialize;
 use std::time::{Duration, Instant};
 
+/// Prompt tokens per forward pass: `generate` prefills in chunks of this many, and so does the
+/// batch engine (its greedy output equals `generate`'s).
+pub const PREFILL_CHUNK: usize = 512;
+
 /// What one stage holds.
 #[derive(Debug, Clone, Serialize)]
 pub struct StageReport {
@@ -49,6 +53,11 @@ impl Session {
     /// Tokens each stage's cache holds, in stage order (all equal to [`Session::len`]).
     pub fn cache_lens(&self) -> Vec<usize> {
         self.caches.iter().map(SliceCache::len).collect()
+    }
+    /// Forgets every token, keeping the caches' storage for the next conversation.
+    pub fn reset(&mut self) {
+        self.caches.iter_mut().for_each(|c| c.truncate(0));
+        self.tokens.clear();
     }
 }
 
@@ -138,6 +147,45 @@ impl Pipeline {
         Ok(logits.squeeze(0)?.to_device(&Device::Cpu)?)
     }
 
+    /// One decode step of several sessions at once: `tokens[i]` is fed to `sessions[i]`. Returns
+    /// each session's logits, equal bit for bit to what [`Pipeline::forward`] gives for that
+    /// session alone (on the CPU; see [`Slice::forward_rows`]). On error no session changes.
+    pub fn forward_rows(&self, sessions: &mut [&mut Session], tokens: &[u32]) -> Result<Vec<Vec<f32>>, ModelError> {
+        if sessions.len() != tokens.len() {
+            return Err(ModelError::BadInput(format!("{} tokens for {} sessions", tokens.len(), sessions.len())));
+        }
+        match self.forward_rows_stages(sessions, tokens) {
+            Ok(logits) => {
+                for (s, &t) in sessions.iter_mut().zip(tokens) {
+                    s.tokens.push(t);
+                }
+                Ok(logits)
+            }
+            Err(e) => {
+                // as `forward`: every session's caches back to its tokens
+                for s in sessions.iter_mut() {
+                    let before = s.tokens.len();
+                    s.caches.iter_mut().for_each(|c| c.truncate(before));
+                }
+                Err(e)
+            }
+        }
+    }
+
+    fn forward_rows_stages(&self, sessions: &mut [&mut Session], tokens: &[u32]) -> Result<Vec<Vec<f32>>, ModelError> {
+        let mut hidden: Option<Tensor> = None;
+        for (i, (_, slice)) in self.stages.iter().enumerate() {
+            let mut caches: Vec<&mut SliceCache> = sessions.iter_mut().map(|s| &mut s.caches[i]).collect();
+            let input = match &hidden {
+                None => StageInput::Tokens(tokens),
+                Some(h) => StageInput::Hidden(h),
+            };
+            hidden = Some(slice.forward_rows(&mut caches, input)?);
+        }
+        let logits = hidden.ok_or_else(|| ModelError::BadSlice("empty pipeline".into()))?;
+        Ok(logits.squeeze(1)?.to_device(&Device::Cpu)?.to_vec2::<f32>()?)
+    }
+
     /// Feeds a prompt in chunks of at most `n_batch` tokens; returns the last position's logits.
     pub fn prefill(&self, session: &mut Session, tokens: &[u32], n_batch: usize) -> Result<Vec<f32>, ModelError> {
         let mut last = None;
@@ -168,7 +216,7 @@ impl Pipeline {
         mut on_token: impl FnMut(u32) -> bool,
     ) -> Result<GenerationStats, ModelError> {
         let t0 = Instant::now();
-        let mut logits = self.prefill(session, prompt, 512)?;
+        let mut logits = self.prefill(session, prompt, PREFILL_CHUNK)?;
         let prompt_time = t0.elapsed();
         let t1 = Instant::now();
         let mut generated = 0usize;

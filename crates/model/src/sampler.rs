@@ -1,5 +1,5 @@
-//! Token sampling in llama.cpp's order: repetition penalty, top-k, top-p, min-p, temperature,
-//! then a draw from a seeded generator. Temperature 0 (or below) is greedy.
+//! Token sampling in llama.cpp's order: penalties (repetition, frequency, presence), top-k, top-p,
+//! min-p, temperature, then a draw from a seeded generator. Temperature 0 (or below) is greedy.
 
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
@@ -16,15 +16,32 @@ pub struct SamplerConfig {
     pub min_p: f32,
     /// 1.0 disables.
     pub repeat_penalty: f32,
-    /// How many of the last tokens the penalty looks at.
+    /// How many of the last tokens the penalties look at.
     pub repeat_last_n: usize,
     pub seed: u64,
+    /// Subtracted from a token's logit once per time it occurs in the last `repeat_last_n`
+    /// tokens (OpenAI's `frequency_penalty`); 0 disables.
+    #[serde(default)]
+    pub frequency_penalty: f32,
+    /// Subtracted from a token's logit once if it occurs there at all (`presence_penalty`).
+    #[serde(default)]
+    pub presence_penalty: f32,
 }
 
 impl Default for SamplerConfig {
     /// llama.cpp's defaults.
     fn default() -> Self {
-        Self { temperature: 0.8, top_k: 40, top_p: 0.95, min_p: 0.05, repeat_penalty: 1.0, repeat_last_n: 64, seed: 0 }
+        Self {
+            temperature: 0.8,
+            top_k: 40,
+            top_p: 0.95,
+            min_p: 0.05,
+            repeat_penalty: 1.0,
+            repeat_last_n: 64,
+            seed: 0,
+            frequency_penalty: 0.0,
+            presence_penalty: 0.0,
+        }
     }
 }
 
@@ -38,12 +55,14 @@ pub struct Sampler {
     cfg: SamplerConfig,
     rng: ChaCha8Rng,
     candidates: Vec<(u32, f32)>,
+    /// How often each token occurs in the penalty window (reused between calls).
+    counts: std::collections::HashMap<u32, u32>,
 }
 
 impl Sampler {
     pub fn new(cfg: SamplerConfig) -> Self {
         let rng = ChaCha8Rng::seed_from_u64(cfg.seed);
-        Self { cfg, rng, candidates: Vec::new() }
+        Self { cfg, rng, candidates: Vec::new(), counts: Default::default() }
     }
 
     pub fn config(&self) -> &SamplerConfig {
@@ -54,21 +73,26 @@ impl Sampler {
     /// Non-finite logits are never picked unless every logit is non-finite.
     pub fn sample(&mut self, logits: &[f32], history: &[u32]) -> u32 {
         let c = &self.cfg;
-        let penalise = c.repeat_penalty != 1.0 && c.repeat_last_n > 0;
-        let penalty = |l: f32| -> f32 {
-            if l > 0.0 {
-                l / c.repeat_penalty
-            } else {
-                l * c.repeat_penalty
+        // llama.cpp's penalties sampler: a token seen `n` times in the window has its logit
+        // divided by the repeat penalty (multiplied when not positive), then `n × frequency +
+        // presence` subtracted
+        let penalise =
+            c.repeat_last_n > 0 && (c.repeat_penalty != 1.0 || c.frequency_penalty != 0.0 || c.presence_penalty != 0.0);
+        let counts = &mut self.counts;
+        counts.clear();
+        if penalise {
+            for &t in &history[history.len().saturating_sub(c.repeat_last_n)..] {
+                *counts.entry(t).or_insert(0) += 1;
             }
-        };
-        let start = history.len().saturating_sub(c.repeat_last_n);
-        let recent = &history[start..];
+        }
+        let counts = &*counts;
         let adjusted = |id: usize, l: f32| -> f32 {
-            if penalise && recent.contains(&(id as u32)) {
-                penalty(l)
-            } else {
-                l
+            match counts.get(&(id as u32)) {
+                Some(&n) => {
+                    let l = if l > 0.0 { l / c.repeat_penalty } else { l * c.repeat_penalty };
+                    l - n as f32 * c.frequency_penalty - c.presence_penalty
+                }
+                None => l,
             }
         };
 
@@ -145,6 +169,24 @@ mod tests {
         assert_eq!(s.sample(&logits, &[]), 1);
         let mut s = Sampler::new(SamplerConfig { repeat_penalty: 1.5, ..SamplerConfig::greedy() });
         assert_eq!(s.sample(&logits, &[1]), 2);
+    }
+
+    #[test]
+    fn frequency_and_presence_penalties_as_llama_cpp() {
+        // token 1 seen twice, token 2 once: 3.0 - 2×0.6 - 0.5 = 1.3 < 2.9 - 0.6 - 0.5 = 1.8 < 2.0
+        let logits = [0.1, 3.0, 2.9, 2.0];
+        let cfg = SamplerConfig { frequency_penalty: 0.6, presence_penalty: 0.5, ..SamplerConfig::greedy() };
+        assert_eq!(Sampler::new(cfg.clone()).sample(&logits, &[1, 2, 1]), 3);
+        // only the window counts, and presence alone moves the choice by a fixed amount
+        let cfg = SamplerConfig { repeat_last_n: 1, ..cfg };
+        assert_eq!(Sampler::new(cfg).sample(&logits, &[1, 2, 1]), 2);
+        let cfg = SamplerConfig { presence_penalty: 0.05, ..SamplerConfig::greedy() };
+        assert_eq!(Sampler::new(cfg.clone()).sample(&logits, &[1]), 1);
+        assert_eq!(Sampler::new(SamplerConfig { presence_penalty: 0.2, ..cfg }).sample(&logits, &[1]), 2);
+        // a negative logit seen before: multiplied by the repeat penalty, then shifted
+        let logits = [-1.0, -1.5];
+        let cfg = SamplerConfig { repeat_penalty: 2.0, frequency_penalty: 0.1, ..SamplerConfig::greedy() };
+        assert_eq!(Sampler::new(cfg).sample(&logits, &[0]), 1);
     }
 
     #[test]

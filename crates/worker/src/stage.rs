@@ -228,6 +228,7 @@ impl StageHost {
                 repeat_penalty: if s.repeat_penalty <= 0.0 { 1.0 } else { s.repeat_penalty },
                 repeat_last_n: s.repeat_last_n as usize,
                 seed: s.seed,
+                ..SamplerConfig::default()
             };
             Some((Sampler::new(cfg), spec.prompt_ids.clone()))
         } else {

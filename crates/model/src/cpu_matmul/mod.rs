@@ -7,8 +7,9 @@
 //! keeps its file's bytes:
 //! - Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K and Q6_K go through int8 kernels of our own, as
 //!   llama.cpp computes them (activations quantized to int8 per 32 or per 256, integer dot
-//!   products, one float scale per block). One activation row (decode) is a vec-dot per weight
-//!   row straight from the blocks; more rows (prompts) run in 4 × C register tiles over a panel
+//!   products, one float scale per block). Up to [`DECODE_ROWS`] activation rows (decode, also of
+//!   several sessions at once) are each a vec-dot per weight row straight from the blocks, each
+//!   row quantized and computed as it would be alone (batch invariance); more rows (prompts) run in 4 × C register tiles over a panel
 //!   of weight columns unpacked once per group of rows (see `tiles`). The instruction set is
 //!   chosen at run time ([`Isa`]): AVX-512 VNNI (`vpdpbusd` on zmm), AVX-VNNI (ymm), AVX2, or
 //!   none; `BRIGADE_CPU_KERNELS=avx512|avxvnni|avx2|portable` picks a lesser one, to measure it.
@@ -53,7 +54,8 @@ use candle_core::{CpuStorage, Layout, Shape};
 use rayon::prelude::*;
 use std::sync::{Arc, OnceLock};
 
-/// Rows of activations up to which candle's vec-dots run (where brigade's int8 kernels do not).
+/// Rows of activations up to which each row is a vec-dot of its own (brigade's int8 kernels, or
+/// candle's where those do not run): a row's result does not depend on the rows beside it.
 pub const DECODE_ROWS: usize = 4;
 /// Elements of dequantized weight per band (16 MiB of f32).
 const BAND_ELEMS: usize = 4 << 20;
@@ -186,7 +188,7 @@ impl Kernel {
         match (isa, int8_family(dt)) {
             (Isa::Portable, _) | (_, None) if m <= DECODE_ROWS => Kernel::CandleVecDot,
             (Isa::Portable, _) | (_, None) => Kernel::DequantGemm,
-            _ if m == 1 => Kernel::VecDot(isa),
+            _ if m <= DECODE_ROWS => Kernel::VecDot(isa),
             _ => Kernel::Tiles(isa),
         }
     }

@@ -167,13 +167,44 @@ fn int8_kernels_equal_scalar_reference() {
     for dt in INT8_TYPES {
         let (n, k) = if int8_family(dt) == Some(true) { (5, 768) } else { (5, 160) };
         let w = random_weight(dt, (n, k), &mut rng);
-        for m in [1usize, 2, 4, 7, 70] {
+        for m in [1usize, 2, 4, 5, 7, 70] {
             let lhs = activations(m * k, &mut rng);
             let want = reference(dt, w.bytes(), (m, k, n), &lhs);
             for &t in &targets {
                 let mut got = vec![f32::NAN; m * n];
                 t.matmul(dt, w.bytes(), (m, k, n), &lhs, &mut got);
                 assert_close(&got, &want, &format!("{dt:?} m={m} on {}", t.name()));
+            }
+        }
+    }
+}
+
+/// Up to `DECODE_ROWS` rows, each row's result is, bit for bit, what it is alone: the batch
+/// engine decodes several sessions in one pass and promises each the numbers it gets alone.
+#[test]
+fn decode_rows_are_computed_as_alone() {
+    let targets = int8_targets("decode_rows_are_computed_as_alone");
+    let mut rng = ChaCha8Rng::seed_from_u64(11);
+    for dt in INT8_TYPES {
+        let (n, k) = if int8_family(dt) == Some(true) { (9, 512) } else { (9, 96) };
+        let w = random_weight(dt, (n, k), &mut rng);
+        let lhs = activations(DECODE_ROWS * k, &mut rng);
+        for &t in &targets {
+            let alone: Vec<Vec<f32>> = lhs
+                .chunks_exact(k)
+                .map(|row| {
+                    let mut d = vec![f32::NAN; n];
+                    t.matmul(dt, w.bytes(), (1, k, n), row, &mut d);
+                    d
+                })
+                .collect();
+            for m in 2..=DECODE_ROWS {
+                let mut got = vec![f32::NAN; m * n];
+                t.matmul(dt, w.bytes(), (m, k, n), &lhs[..m * k], &mut got);
+                for (r, want) in alone.iter().take(m).enumerate() {
+                    let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+                    assert_eq!(bits(&got[r * n..(r + 1) * n]), bits(want), "{dt:?} row {r} of {m} on {}", t.name());
+                }
             }
         }
     }

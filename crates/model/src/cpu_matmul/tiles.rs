@@ -15,6 +15,7 @@
 //! target features, so its intrinsics would become calls (see [`Simd::join`]).
 
 use super::acts::{Q8KRows, Q8Rows};
+use super::DECODE_ROWS;
 use super::blocks::Q0Block;
 use super::simd::Simd;
 use super::unpack::{KScales, KUnpack, Q0Unpack};
@@ -555,15 +556,20 @@ pub unsafe fn k_group<T: KUnpack, S: Simd>(
     }
 }
 
-/// `dst[c] = f(c)` for every column, split across candle's pool.
-fn each_column(n: usize, dst: &mut [f32], f: impl Fn(usize) -> f32 + Sync) {
-    assert!(dst.len() >= n);
+/// `dst[r, c] = f(r, c)` for the `m` decode rows and every column, columns split across
+/// candle's pool. Each row's value is the one-row vec-dot's whatever `m` is (batch invariance:
+/// `brigade serve` decodes several sessions in one pass); a weight column is read from memory
+/// once, and found in L1 by the rows after the first.
+fn each_column_rows(n: usize, m: usize, dst: &mut [f32], f: impl Fn(usize, usize) -> f32 + Sync) {
+    assert!(dst.len() >= n * m);
     let dst_ptr = dst.as_mut_ptr() as usize;
     candle_core::utils::barrier_pool().execute_chunked(n, |cols| {
         for c in cols {
-            let v = f(c);
-            // SAFETY: column c < n is written by this item only
-            unsafe { *(dst_ptr as *mut f32).add(c) = v };
+            for r in 0..m {
+                let v = f(r, c);
+                // SAFETY: (r, c) with r < m, c < n is written by this item only
+                unsafe { *(dst_ptr as *mut f32).add(r * n + c) = v };
+            }
         }
     });
 }
@@ -596,10 +602,11 @@ pub unsafe fn matmul_q0<T: Q0Unpack, S: Simd>(
     let bpr = k / 32;
     let blocks = bpr.next_multiple_of(S::W / 32);
     let offset = q0_offset::<T, S>();
-    if m == 1 {
-        let x = Q8Rows::new(lhs, (1, k), 1, blocks, offset);
-        // SAFETY: column c < n is in `w`, row 0 in `x`, quantized as the kernel expects
-        each_column(n, dst, |c| unsafe { s.q0_dot(w, bpr, c, &x) });
+    if m <= DECODE_ROWS {
+        // each row quantized alone and dotted alone: its result is the one it has alone
+        let xs: Vec<Q8Rows> = lhs.chunks_exact(k).map(|r| Q8Rows::new(r, (1, k), 1, blocks, offset)).collect();
+        // SAFETY: column c < n is in `w`, row 0 in each `xs[r]`, quantized as the kernel expects
+        each_column_rows(n, m, dst, |r, c| unsafe { s.q0_dot(w, bpr, c, &xs[r]) });
         return;
     }
     let x = Q8Rows::new(lhs, (m, k), m.next_multiple_of(TILE_ROWS), blocks, offset);
@@ -623,10 +630,11 @@ pub unsafe fn matmul_k<T: KUnpack, S: Simd>(
     dst: &mut [f32],
 ) {
     let bpr = k / 256;
-    if m == 1 {
-        let x = Q8KRows::new(lhs, (1, k), 1);
-        // SAFETY: column c < n is in `w`, row 0 in `x`
-        each_column(n, dst, |c| unsafe { s.k_dot(w, bpr, c, &x) });
+    if m <= DECODE_ROWS {
+        // each row quantized alone and dotted alone: its result is the one it has alone
+        let xs: Vec<Q8KRows> = lhs.chunks_exact(k).map(|r| Q8KRows::new(r, (1, k), 1)).collect();
+        // SAFETY: column c < n is in `w`, row 0 in each `xs[r]`
+        each_column_rows(n, m, dst, |r, c| unsafe { s.k_dot(w, bpr, c, &xs[r]) });
         return;
     }
     let x = Q8KRows::new(lhs, (m, k), m.next_multiple_of(TILE_ROWS));

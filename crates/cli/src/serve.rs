@@ -1,0 +1,173 @@
+//! `brigade serve`: llama-server on this box — the model loaded once (the same split options
+//! as `run`), the batch engine decoding up to `--parallel` sessions together, and the
+//! OpenAI-compatible API of `brigade-serve` in front of it.
+
+use crate::cluster::{runtime, stop_signal};
+use crate::common::{context_len, detect_gpus, load_with_retry, open_model, place, GpuLayers};
+use anyhow::{Context, Result};
+use brigade_model::measure::Effort;
+use brigade_model::batch::{Engine, EngineConfig, Job, Output, Sink};
+use brigade_model::pipeline::StopReason;
+use brigade_model::{Pipeline, SamplerConfig};
+use brigade_serve::{ApiError, Backend, EngineEvent, EngineRequest, Finish, Load, ModelInfo, Sampling, ServeConfig};
+use clap::Args;
+use std::io::Write;
+use std::path::PathBuf;
+use std::sync::Arc;
+use tokio::sync::mpsc;
+
+#[derive(Args, Debug)]
+pub struct ServeArgs {
+    /// Model: a GGUF file or a Hugging Face directory. Default: the small model built into brigade.
+    #[arg(short = 'm', long = "model")]
+    pub model: Option<PathBuf>,
+    /// The model's name in the API (default: its file name).
+    #[arg(long = "alias")]
+    pub alias: Option<String>,
+    /// Context size of each session, in tokens (default: the model's, at most 4096).
+    #[arg(short = 'c', long = "ctx-size")]
+    pub ctx: Option<usize>,
+    /// Sessions decoded together, each with its own KV cache of the full context.
+    #[arg(long = "parallel", default_value_t = 4)]
+    pub parallel: usize,
+    /// Requests that may wait for a free session; more are answered 503.
+    #[arg(long = "queue", default_value_t = 64)]
+    pub queue: usize,
+    /// Compute threads; 0 or less: every logical CPU (default: the physical cores).
+    #[arg(short = 't', long = "threads", allow_negative_numbers = true)]
+    pub threads: Option<i64>,
+    /// Layers on the GPU: a count, `all`, or `auto`. Also spelled `-ngl`.
+    #[arg(long = "n-gpu-layers")]
+    pub ngl: Option<GpuLayers>,
+    /// Consecutive layer counts per device, in order: `cpu:3,cpu:2` or `cpu:10,cuda0:22`.
+    #[arg(long = "device-map")]
+    pub device_map: Option<String>,
+    /// Share of free GPU memory `-ngl auto` leaves unused.
+    #[arg(long = "headroom", default_value_t = 0.10)]
+    pub headroom: f64,
+    /// How `-ngl auto` measures this machine the first time (cached after): `full` or `quick`.
+    #[arg(long = "measure", default_value = "full")]
+    pub measure: Effort,
+    #[arg(long = "host", default_value = "127.0.0.1")]
+    pub host: String,
+    /// 0 picks a free port (printed).
+    #[arg(long = "port", default_value_t = 8080)]
+    pub port: u16,
+    /// API keys clients must present (`Authorization: Bearer KEY`); repeatable.
+    #[arg(long = "api-key", env = "BRIGADE_API_KEYS", value_delimiter = ',', hide_env_values = true)]
+    pub api_keys: Vec<String>,
+}
+
+/// The batch engine as the API's backend.
+struct Local {
+    engine: Engine,
+    info: ModelInfo,
+}
+
+/// Delivers a job's outputs to the request's channel.
+struct ToChannel(mpsc::UnboundedSender<EngineEvent>);
+
+impl Sink for ToChannel {
+    fn deliver(&mut self, out: Output) -> bool {
+        let ev = match out {
+            Output::Token(t) => EngineEvent::Token(t),
+            Output::Done(s) if s.stop == StopReason::Eos => EngineEvent::Done(Finish::Stop),
+            Output::Done(_) => EngineEvent::Done(Finish::Length),
+            Output::Error(e) => EngineEvent::Error(e),
+        };
+        self.0.send(ev).is_ok()
+    }
+    fn is_closed(&self) -> bool {
+        self.0.is_closed()
+    }
+}
+
+fn sampler_config(s: &Sampling) -> SamplerConfig {
+    SamplerConfig {
+        temperature: s.temperature,
+        top_k: s.top_k,
+        top_p: s.top_p,
+        min_p: s.min_p,
+        repeat_penalty: s.repeat_penalty,
+        repeat_last_n: s.repeat_last_n,
+        seed: s.seed,
+        frequency_penalty: s.frequency_penalty,
+        presence_penalty: s.presence_penalty,
+    }
+}
+
+impl Backend for Local {
+    fn models(&self) -> Vec<ModelInfo> {
+        vec![self.info.clone()]
+    }
+
+    async fn complete(&self, req: EngineRequest) -> Result<mpsc::UnboundedReceiver<EngineEvent>, ApiError> {
+        let (tx, rx) = mpsc::unbounded_channel();
+        let job = Job {
+            prompt: req.prompt,
+            max_tokens: req.max_tokens,
+            sampler: sampler_config(&req.sampling),
+            ignore_eos: req.ignore_eos,
+        };
+        self.engine.submit(job, Box::new(ToChannel(tx))).map_err(|b| ApiError::busy(b.to_string()))?;
+        Ok(rx)
+    }
+
+    fn load(&self) -> Option<Load> {
+        let l = self.engine.load();
+        Some(Load { slots: l.parallel, processing: l.active, waiting: l.waiting })
+    }
+}
+
+pub fn serve(a: ServeArgs) -> Result<()> {
+    if a.parallel == 0 || a.parallel > 256 {
+        anyhow::bail!("--parallel {}: 1 to 256 sessions", a.parallel);
+    }
+    let files = open_model(a.model.as_deref())?;
+    let n_ctx = context_len(&files, a.ctx)?;
+    let gpus = detect_gpus();
+    let placement = place(&files, a.ngl, a.device_map.as_deref(), n_ctx, a.headroom, &gpus, || {
+        crate::machine::Machine::measure(&gpus, a.measure)
+    })?;
+    if let Some(n) = &placement.notice {
+        eprintln!("{n}");
+    }
+    let retry = a.ngl == Some(GpuLayers::Auto);
+    let n_layers = files.config.n_layers;
+    let (pipeline, stages, notes) =
+        load_with_retry(n_layers, placement.stages, retry, |st| Pipeline::load(&files, st, n_ctx, |_, _| {}))
+            .context("loading the model")?;
+    for n in &notes {
+        eprintln!("{n}");
+    }
+    let id = a.alias.clone().unwrap_or_else(|| match &a.model {
+        Some(p) => p.file_name().map(|f| f.to_string_lossy().into_owned()).unwrap_or_else(|| p.display().to_string()),
+        None => "stories260K.gguf".into(),
+    });
+    let tokenizer = files.tokenizer.clone();
+    drop(files);
+    let tk = tokenizer.clone();
+    let cfg = EngineConfig { parallel: a.parallel, queue: a.queue };
+    let engine = Engine::start(Arc::new(pipeline), cfg, move |t| tk.is_eog(t))?;
+    let created = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0);
+    let info = ModelInfo { id: id.clone(), n_ctx, tokenizer, created, owned_by: "brigade".into() };
+    let backend = Arc::new(Local { engine, info });
+    let serve_cfg =
+        ServeConfig { api_keys: a.api_keys.into_iter().filter(|k| !k.is_empty()).collect(), ..Default::default() };
+    let placed: Vec<String> = stages.iter().map(|s| format!("{} on {}", s.layers, s.device)).collect();
+    let rt = runtime()?;
+    rt.block_on(async move {
+        let listener = tokio::net::TcpListener::bind((a.host.as_str(), a.port))
+            .await
+            .with_context(|| format!("binding {}:{}", a.host, a.port))?;
+        let addr = listener.local_addr()?;
+        println!(
+            "brigade serve: listening on http://{addr} (model {id}, layers {}, {} sessions of {n_ctx} tokens)",
+            placed.join(", "),
+            a.parallel
+        );
+        let _ = std::io::stdout().flush();
+        brigade_serve::serve(listener, backend, serve_cfg, stop_signal()).await?;
+        anyhow::Ok(())
+    })
+}

@@ -1,0 +1,315 @@
+//! Continuous batching on one box: up to `parallel` sessions, each with its own KV caches,
+//! decoded together.
+//!
+//! [`Batch`] is the synchronous core; [`Engine`] runs one on its own thread for concurrent
+//! callers. Call [`Batch::handle_submit`] / [`Batch::handle_cancel`] with input, then
+//! [`Batch::step`] repeatedly; each step
+//! 1. admits waiting jobs into free slots (new requests join between steps);
+//! 2. prefills **one** chunk of one admitted prompt (round robin over the prompts being read),
+//!    so a long prompt costs the others one chunk's time per step, not its whole length; the
+//!    chunks are the ones [`Pipeline::generate`] uses ([`PREFILL_CHUNK`] tokens from the start of
+//!    the prompt), whoever else is in the batch;
+//! 3. decodes one token for every session past its prompt, all in one forward pass
+//!    ([`Pipeline::forward_rows`]: each weight is read once per step for the whole batch, up to
+//!    four rows per pass on the CPU).
+//!
+//! **Batch invariance**: a row's numbers never depend on which other rows share the step (see
+//! [`crate::llama::Slice::forward_rows`]), and sampling and stop rules are `generate`'s, so a
+//! job's output is the one it gets alone, and greedy output equals `brigade run`'s.
+
+mod engine;
+
+pub use engine::{Busy, Engine, EngineConfig, Load, Sink};
+
+use crate::pipeline::{StopReason, PREFILL_CHUNK};
+use crate::{Logits, ModelError, Pipeline, Sampler, SamplerConfig, Session};
+use std::collections::VecDeque;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+/// A job's key, chosen by the caller.
+pub type JobId = u64;
+
+/// One completion to compute.
+#[derive(Debug, Clone)]
+pub struct Job {
+    /// Prompt token ids (not empty; at most the context).
+    pub prompt: Vec<u32>,
+    /// Tokens to generate at most.
+    pub max_tokens: usize,
+    pub sampler: SamplerConfig,
+    /// Keep generating past end-of-generation tokens.
+    pub ignore_eos: bool,
+}
+
+/// What a job produces, in order: tokens, then one `Done` or `Error`.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Output {
+    Token(u32),
+    Done(JobStats),
+    Error(String),
+}
+
+impl Output {
+    /// Whether nothing follows this output.
+    pub fn is_last(&self) -> bool {
+        !matches!(self, Output::Token(_))
+    }
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub struct JobStats {
+    pub prompt_tokens: usize,
+    pub generated: usize,
+    /// `Length` (max tokens), `Eos` or `Context` (the context is full).
+    pub stop: StopReason,
+    /// From submission to admission into a slot.
+    pub queued: Duration,
+    /// From admission to the first token.
+    pub prompt_time: Duration,
+    /// From the first token to the last.
+    pub gen_time: Duration,
+}
+
+enum Phase {
+    /// `fed` prompt tokens are in the caches.
+    Prompt { fed: usize },
+    /// This token was sampled and is fed at the next decode step.
+    Decode(u32),
+}
+
+struct Active {
+    id: JobId,
+    job: Job,
+    sampler: Sampler,
+    phase: Phase,
+    generated: usize,
+    queued: Duration,
+    admitted: Instant,
+    first_token: Option<Instant>,
+}
+
+struct Slot {
+    session: Session,
+    active: Option<Active>,
+}
+
+/// The batch: slots with preallocated sessions, the jobs waiting for one, and the step.
+pub struct Batch {
+    pipeline: Arc<Pipeline>,
+    slots: Vec<Slot>,
+    waiting: VecDeque<(JobId, Job, Instant)>,
+    is_eog: Box<dyn Fn(u32) -> bool + Send>,
+    chunk: usize,
+    /// The slot whose prompt is read next, if it still has one (round robin).
+    cursor: usize,
+}
+
+impl Batch {
+    /// `parallel` slots, each with its KV caches allocated now; `is_eog` says which tokens end
+    /// a generation (the tokenizer's).
+    pub fn new(
+        pipeline: Arc<Pipeline>,
+        parallel: usize,
+        is_eog: impl Fn(u32) -> bool + Send + 'static,
+    ) -> Result<Self, ModelError> {
+        if parallel == 0 {
+            return Err(ModelError::BadInput("a batch of 0 slots".into()));
+        }
+        let slots = (0..parallel)
+            .map(|_| Ok(Slot { session: pipeline.new_session()?, active: None }))
+            .collect::<Result<_, ModelError>>()?;
+        Ok(Batch {
+            pipeline,
+            slots,
+            waiting: VecDeque::new(),
+            is_eog: Box::new(is_eog),
+            chunk: PREFILL_CHUNK,
+            cursor: 0,
+        })
+    }
+
+    /// Prompt chunks of `n` tokens instead of [`PREFILL_CHUNK`] (tests; outputs then equal
+    /// those of [`Pipeline::prefill`] with `n`, not `generate`'s).
+    pub fn with_prefill_chunk(mut self, n: usize) -> Self {
+        self.chunk = n.max(1);
+        self
+    }
+
+    /// Queues a job; it is admitted at the start of a step when a slot is free.
+    pub fn handle_submit(&mut self, id: JobId, job: Job) {
+        self.waiting.push_back((id, job, Instant::now()));
+    }
+
+    /// Drops a job, waiting or running; its slot is free for the next step. False if unknown.
+    pub fn handle_cancel(&mut self, id: JobId) -> bool {
+        if let Some(i) = self.waiting.iter().position(|w| w.0 == id) {
+            self.waiting.remove(i);
+            return true;
+        }
+        match self.slots.iter_mut().find(|s| s.active.as_ref().is_some_and(|a| a.id == id)) {
+            Some(s) => {
+                s.active = None;
+                true
+            }
+            None => false,
+        }
+    }
+
+    /// Slots and jobs in them.
+    pub fn parallel(&self) -> usize {
+        self.slots.len()
+    }
+    pub fn active(&self) -> usize {
+        self.slots.iter().filter(|s| s.active.is_some()).count()
+    }
+    pub fn waiting(&self) -> usize {
+        self.waiting.len()
+    }
+    /// Nothing to compute: no job running or waiting.
+    pub fn is_idle(&self) -> bool {
+        self.waiting.is_empty() && self.slots.iter().all(|s| s.active.is_none())
+    }
+
+    /// One step (admit, one prompt chunk, one decode pass); returns what each job produced.
+    pub fn step(&mut self) -> Vec<(JobId, Output)> {
+        let mut out = Vec::new();
+        self.admit(&mut out);
+        self.prefill_one(&mut out);
+        self.decode(&mut out);
+        out
+    }
+
+    fn admit(&mut self, out: &mut Vec<(JobId, Output)>) {
+        let n_ctx = self.pipeline.n_ctx();
+        for slot in self.slots.iter_mut().filter(|s| s.active.is_none()) {
+            let Some((id, job, t)) = self.waiting.pop_front() else { break };
+            let queued = t.elapsed();
+            if job.prompt.is_empty() {
+                out.push((id, Output::Error("empty prompt: nothing to start from".into())));
+                continue;
+            }
+            if job.prompt.len() > n_ctx {
+                let e = ModelError::ContextFull { need: job.prompt.len(), n_ctx };
+                out.push((id, Output::Error(e.to_string())));
+                continue;
+            }
+            if job.max_tokens == 0 {
+                let stats = JobStats {
+                    prompt_tokens: job.prompt.len(),
+                    generated: 0,
+                    stop: StopReason::Length,
+                    queued,
+                    prompt_time: Duration::ZERO,
+                    gen_time: Duration::ZERO,
+                };
+                out.push((id, Output::Done(stats)));
+                continue;
+            }
+            slot.session.reset();
+            slot.active = Some(Active {
+                id,
+                sampler: Sampler::new(job.sampler.clone()),
+                job,
+                phase: Phase::Prompt { fed: 0 },
+                generated: 0,
+                queued,
+                admitted: Instant::now(),
+                first_token: None,
+            });
+        }
+    }
+
+    fn prefill_one(&mut self, out: &mut Vec<(JobId, Output)>) {
+        let n = self.slots.len();
+        let reading = |s: &Slot| matches!(s.active, Some(Active { phase: Phase::Prompt { .. }, .. }));
+        let Some(i) = (0..n).map(|k| (self.cursor + k) % n).find(|&i| reading(&self.slots[i])) else {
+            return;
+        };
+        self.cursor = (i + 1) % n;
+        let slot = &mut self.slots[i];
+        let Some(a) = slot.active.as_mut() else { return };
+        let Phase::Prompt { fed } = a.phase else { return };
+        let end = (fed + self.chunk).min(a.job.prompt.len());
+        let r = self.pipeline.forward(&mut slot.session, &a.job.prompt[fed..end], Logits::Last);
+        let logits = r.and_then(|l| {
+            let last = l.dim(0)? - 1;
+            Ok(l.get(last)?.to_vec1::<f32>()?)
+        });
+        match logits {
+            Err(e) => fail(slot, &e, out),
+            Ok(_) if end < a.job.prompt.len() => a.phase = Phase::Prompt { fed: end },
+            Ok(l) => self.sampled(i, &l, out),
+        }
+    }
+
+    fn decode(&mut self, out: &mut Vec<(JobId, Output)>) {
+        let mut rows = Vec::new();
+        let mut tokens = Vec::new();
+        let mut sessions = Vec::new();
+        for (i, slot) in self.slots.iter_mut().enumerate() {
+            if let Some(Active { phase: Phase::Decode(t), .. }) = slot.active {
+                rows.push(i);
+                tokens.push(t);
+                sessions.push(&mut slot.session);
+            }
+        }
+        if rows.is_empty() {
+            return;
+        }
+        match self.pipeline.forward_rows(&mut sessions, &tokens) {
+            Ok(logits) => {
+                for (i, l) in rows.into_iter().zip(logits) {
+                    self.sampled(i, &l, out);
+                }
+            }
+            Err(e) => {
+                for i in rows {
+                    fail(&mut self.slots[i], &e, out);
+                }
+            }
+        }
+    }
+
+    /// Samples slot `i`'s next token from `logits` and applies `generate`'s stop rules.
+    fn sampled(&mut self, i: usize, logits: &[f32], out: &mut Vec<(JobId, Output)>) {
+        let n_ctx = self.pipeline.n_ctx();
+        let slot = &mut self.slots[i];
+        let Some(a) = slot.active.as_mut() else { return };
+        let id = a.sampler.sample(logits, slot.session.tokens());
+        let first = *a.first_token.get_or_insert_with(Instant::now);
+        let stop = if !a.job.ignore_eos && (self.is_eog)(id) {
+            Some(StopReason::Eos)
+        } else {
+            a.generated += 1;
+            out.push((a.id, Output::Token(id)));
+            // the last token is not fed (as `generate`): the session's tokens stay its caches'
+            if a.generated >= a.job.max_tokens {
+                Some(StopReason::Length)
+            } else if slot.session.len() + 1 > n_ctx {
+                Some(StopReason::Context)
+            } else {
+                a.phase = Phase::Decode(id);
+                None
+            }
+        };
+        if let Some(stop) = stop {
+            let stats = JobStats {
+                prompt_tokens: a.job.prompt.len(),
+                generated: a.generated,
+                stop,
+                queued: a.queued,
+                prompt_time: first - a.admitted,
+                gen_time: first.elapsed(),
+            };
+            out.push((a.id, Output::Done(stats)));
+            slot.active = None;
+        }
+    }
+}
+
+fn fail(slot: &mut Slot, e: &ModelError, out: &mut Vec<(JobId, Output)>) {
+    if let Some(a) = slot.active.take() {
+        out.push((a.id, Output::Error(e.to_string())));
+    }
+}

@@ -1,0 +1,297 @@
+//! The batch engine: batch invariance (a row's logits are bit for bit those of the session alone,
+//! whoever shares the step), jobs equal to `Pipeline::generate`, and the engine thread's
+//! cancellation and queue limit.
+#![allow(clippy::unwrap_used)]
+
+mod common;
+
+use brigade_model::batch::{Batch, Busy, Engine, EngineConfig, Job, JobId, Output, Sink};
+use brigade_model::pipeline::StopReason;
+use brigade_model::synth::{write_gguf, Shape, SynthType};
+use brigade_model::{Logits, ModelFiles, Pipeline, Sampler, SamplerConfig};
+use common::pipeline;
+use std::collections::HashMap;
+use std::sync::Arc;
+
+/// A small random model whose prompt and decode kernels round differently (Q4_K: int8 tiles
+/// above four rows, vec-dots below), so a batch that mixed them would show.
+fn q4k_model(dir: &tempfile::TempDir) -> ModelFiles {
+    let path = dir.path().join("q4k.gguf");
+    let shape =
+        Shape { layers: 4, hidden: 256, ffn: 512, heads: 4, kv_heads: 2, vocab: 300, context: 512, rope_theta: 1e4 };
+    write_gguf(&path, &shape, SynthType::Q4K, 7, |_, _| {}).unwrap();
+    ModelFiles::open(&path).unwrap()
+}
+
+fn prompt(len: usize, salt: u32, vocab: u32) -> Vec<u32> {
+    (0..len as u32).map(|i| 3 + (i * 31 + salt * 17) % (vocab - 3)).collect()
+}
+
+fn argmax(l: &[f32]) -> u32 {
+    Sampler::new(SamplerConfig::greedy()).sample(l, &[])
+}
+
+/// Six sessions with prompts of different lengths join a decode batch at different steps and
+/// leave at different steps; every row's logits at every step equal, bit for bit, the logits
+/// of the same session decoded alone. On one stage and across two.
+fn check_rows_invariant(files: &ModelFiles, map: &str) {
+    let p = pipeline(files, map, 256);
+    let vocab = files.config.vocab as u32;
+    // (prompt length, joins at step, leaves after step)
+    let plan = [(5usize, 0usize, 9usize), (17, 0, 4), (1, 1, 12), (40, 2, 11), (9, 3, 7), (23, 3, 11)];
+    // alone: each session prefilled, then decoded greedily one token at a time
+    let alone: Vec<Vec<Vec<f32>>> = plan
+        .iter()
+        .enumerate()
+        .map(|(k, &(len, join, leave))| {
+            let mut s = p.new_session().unwrap();
+            let mut l = p.prefill(&mut s, &prompt(len, k as u32, vocab), 512).unwrap();
+            let mut out = Vec::new();
+            for _ in join..=leave {
+                let row = p.forward(&mut s, &[argmax(&l)], Logits::Last).unwrap();
+                l = row.get(0).unwrap().to_vec1().unwrap();
+                out.push(l.clone());
+            }
+            out
+        })
+        .collect();
+    let mut sessions: Vec<_> = plan
+        .iter()
+        .enumerate()
+        .map(|(k, &(len, _, _))| {
+            let mut s = p.new_session().unwrap();
+            let l = p.prefill(&mut s, &prompt(len, k as u32, vocab), 512).unwrap();
+            (s, l)
+        })
+        .collect();
+    let mut widths = Vec::new();
+    for step in 0..=12 {
+        let rows: Vec<usize> = (0..plan.len()).filter(|&k| plan[k].1 <= step && step <= plan[k].2).collect();
+        widths.push(rows.len());
+        let tokens: Vec<u32> = rows.iter().map(|&k| argmax(&sessions[k].1)).collect();
+        let mut batch: Vec<_> =
+            sessions.iter_mut().enumerate().filter(|(k, _)| rows.contains(k)).map(|(_, s)| &mut s.0).collect();
+        let logits = p.forward_rows(&mut batch, &tokens).unwrap();
+        for (&k, l) in rows.iter().zip(logits) {
+            let want = &alone[k][step - plan[k].1];
+            assert!(l == *want, "{map}: session {k} at step {step} ({} rows): logits differ", rows.len());
+            sessions[k].1 = l;
+        }
+    }
+    // the batch really was 1 to 6 rows wide, past the four-row kernel boundary
+    assert_eq!(widths.iter().max(), Some(&6));
+    assert!(widths.contains(&1) && widths.contains(&5));
+}
+
+#[test]
+fn decode_rows_are_batch_invariant_q4k() {
+    let dir = tempfile::tempdir().unwrap();
+    let files = q4k_model(&dir);
+    check_rows_invariant(&files, "cpu:4");
+    check_rows_invariant(&files, "cpu:1,cpu:3");
+}
+
+#[test]
+fn decode_rows_are_batch_invariant_smollm2() {
+    let files = ModelFiles::open(&common::smollm2()).unwrap();
+    check_rows_invariant(&files, "cpu:30");
+    check_rows_invariant(&files, "cpu:12,cpu:10,cpu:8");
+}
+
+/// What `Pipeline::generate` gives for a job alone.
+fn generate_alone(p: &Pipeline, files: &ModelFiles, job: &Job) -> (Vec<u32>, StopReason) {
+    let mut s = p.new_session().unwrap();
+    let mut sampler = Sampler::new(job.sampler.clone());
+    let mut ids = Vec::new();
+    let tk = files.tokenizer.clone();
+    let stats = p
+        .generate(
+            &mut s,
+            &job.prompt,
+            job.max_tokens,
+            &mut sampler,
+            |t| tk.is_eog(t),
+            job.ignore_eos,
+            |t| {
+                ids.push(t);
+                true
+            },
+        )
+        .unwrap();
+    (ids, stats.stop)
+}
+
+/// Runs jobs through a batch, submitting job `k` before step `at[k]`; returns each job's tokens
+/// and stop reason, and the widest decode batch seen.
+fn run_batch(b: &mut Batch, jobs: &[(usize, Job)]) -> HashMap<JobId, (Vec<u32>, StopReason)> {
+    let mut out: HashMap<JobId, (Vec<u32>, Option<StopReason>)> = HashMap::new();
+    let mut step = 0;
+    loop {
+        for (k, (at, job)) in jobs.iter().enumerate() {
+            if *at == step {
+                b.handle_submit(k as JobId, job.clone());
+            }
+        }
+        if b.is_idle() && step > jobs.iter().map(|j| j.0).max().unwrap_or(0) {
+            break;
+        }
+        for (id, o) in b.step() {
+            let e = out.entry(id).or_default();
+            match o {
+                Output::Token(t) => e.0.push(t),
+                Output::Done(st) => {
+                    assert_eq!(st.generated, e.0.len());
+                    e.1 = Some(st.stop);
+                }
+                Output::Error(err) => panic!("job {id}: {err}"),
+            }
+        }
+        step += 1;
+        assert!(step < 10_000, "the batch never finished");
+    }
+    out.into_iter().map(|(k, (ids, stop))| (k, (ids, stop.unwrap()))).collect()
+}
+
+#[test]
+fn batched_jobs_equal_generate_alone() {
+    let dir = tempfile::tempdir().unwrap();
+    let files = q4k_model(&dir);
+    let p = Arc::new(pipeline(&files, "cpu:2,cpu:2", 256));
+    let vocab = files.config.vocab as u32;
+    let sampled = |seed| SamplerConfig {
+        temperature: 0.9,
+        seed,
+        repeat_penalty: 1.1,
+        presence_penalty: 0.3,
+        ..Default::default()
+    };
+    let job = |len, salt, max_tokens, sampler, ignore_eos| Job {
+        prompt: prompt(len, salt, vocab),
+        max_tokens,
+        sampler,
+        ignore_eos,
+    };
+    let jobs = vec![
+        (0, job(12, 1, 20, SamplerConfig::greedy(), true)),
+        (0, job(3, 2, 7, sampled(5), true)),
+        (1, job(30, 3, 15, SamplerConfig::greedy(), false)),
+        (2, job(8, 4, 25, sampled(9), true)),
+        (2, job(1, 5, 1, SamplerConfig::greedy(), true)),
+        (5, job(20, 6, 12, sampled(11), false)),
+        (9, job(6, 7, 30, SamplerConfig::greedy(), true)),
+        (9, job(2, 8, 0, SamplerConfig::greedy(), true)),
+        // fills the context: stops there, as generate does
+        (10, job(240, 9, 40, SamplerConfig::greedy(), true)),
+    ];
+    let mut b = Batch::new(p.clone(), 5, move |t| t == 2).unwrap();
+    let got = run_batch(&mut b, &jobs);
+    assert_eq!(got.len(), jobs.len());
+    for (k, (_, j)) in jobs.iter().enumerate() {
+        let want = generate_alone(&p, &files, j);
+        assert_eq!(got[&(k as JobId)], want, "job {k}");
+    }
+    assert_eq!(got[&8].1, StopReason::Context);
+    assert_eq!(got[&7].0.len(), 0);
+}
+
+#[test]
+fn long_prompts_are_read_a_chunk_per_step() {
+    let dir = tempfile::tempdir().unwrap();
+    let files = q4k_model(&dir);
+    let p = Arc::new(pipeline(&files, "cpu:4", 256));
+    let vocab = files.config.vocab as u32;
+    let greedy = |len, salt, n| Job {
+        prompt: prompt(len, salt, vocab),
+        max_tokens: n,
+        sampler: SamplerConfig::greedy(),
+        ignore_eos: true,
+    };
+    // one decoding job, then a 100-token prompt read 8 tokens a step: the first job keeps
+    // getting a token every step while the long prompt is read
+    let mut b = Batch::new(p.clone(), 2, |_| false).unwrap().with_prefill_chunk(8);
+    b.handle_submit(0, greedy(4, 1, 40));
+    b.step();
+    b.handle_submit(1, greedy(100, 2, 5));
+    let mut first_of_long = None;
+    let mut ids: HashMap<JobId, Vec<u32>> = HashMap::new();
+    for step in 1..60 {
+        let out = b.step();
+        assert!(out.iter().any(|(id, o)| *id == 0 && matches!(o, Output::Token(_))), "step {step}: job 0 stalled");
+        for (id, o) in out {
+            if let Output::Token(t) = o {
+                ids.entry(id).or_default().push(t);
+                if id == 1 && first_of_long.is_none() {
+                    first_of_long = Some(step);
+                }
+            }
+        }
+        if ids.get(&1).is_some_and(|v| v.len() == 5) {
+            break;
+        }
+    }
+    // 100 tokens in chunks of 8: 13 steps
+    assert_eq!(first_of_long, Some(13));
+    // and the answer is the one of a session prefilled in the same chunks alone
+    let mut s = p.new_session().unwrap();
+    let mut l = p.prefill(&mut s, &prompt(100, 2, vocab), 8).unwrap();
+    let mut want = Vec::new();
+    for _ in 0..5 {
+        let t = argmax(&l);
+        want.push(t);
+        l = p.forward(&mut s, &[t], Logits::Last).unwrap().get(0).unwrap().to_vec1().unwrap();
+    }
+    assert_eq!(ids[&1], want);
+}
+
+/// A sink over a std channel whose receiver the test drops to disconnect.
+struct ChanSink(std::sync::mpsc::Sender<Output>, Arc<std::sync::atomic::AtomicBool>);
+
+impl Sink for ChanSink {
+    fn deliver(&mut self, out: Output) -> bool {
+        self.0.send(out).is_ok()
+    }
+    fn is_closed(&self) -> bool {
+        self.1.load(std::sync::atomic::Ordering::Acquire)
+    }
+}
+
+#[test]
+fn engine_cancels_gone_receivers_and_refuses_past_the_queue() {
+    let files = common::stories_f32();
+    let p = Arc::new(pipeline(&files, "cpu:5", 256));
+    let engine = Engine::start(p, EngineConfig { parallel: 1, queue: 1 }, |_| false).unwrap();
+    let long = Job { prompt: vec![1, 2, 3], max_tokens: 250, sampler: SamplerConfig::greedy(), ignore_eos: true };
+    let closed = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let (tx, rx) = std::sync::mpsc::channel();
+    engine.submit(long.clone(), Box::new(ChanSink(tx, closed.clone()))).unwrap();
+    assert!(matches!(rx.recv().unwrap(), Output::Token(_)));
+    // one waits, the next is refused
+    let (tx2, rx2) = std::sync::mpsc::channel();
+    let short = Job { max_tokens: 3, ..long.clone() };
+    engine.submit(short.clone(), Box::new(ChanSink(tx2, Default::default()))).unwrap();
+    let (tx3, _rx3) = std::sync::mpsc::channel();
+    let refused = engine.submit(short.clone(), Box::new(ChanSink(tx3, Default::default())));
+    assert_eq!(refused, Err(Busy { parallel: 1, queue: 1 }));
+    assert_eq!(engine.load().parallel, 1);
+    // the first client goes away: its slot goes to the waiting job, which finishes long before
+    // the 250 tokens the first one asked for could have been made
+    closed.store(true, std::sync::atomic::Ordering::Release);
+    drop(rx);
+    let mut n = 0;
+    loop {
+        match rx2.recv_timeout(std::time::Duration::from_secs(30)).unwrap() {
+            Output::Token(_) => n += 1,
+            Output::Done(st) => {
+                assert_eq!((st.generated, st.stop), (3, StopReason::Length));
+                break;
+            }
+            Output::Error(e) => panic!("{e}"),
+        }
+    }
+    assert_eq!(n, 3);
+    let t0 = std::time::Instant::now();
+    while engine.load().active + engine.load().waiting > 0 {
+        assert!(t0.elapsed().as_secs() < 10, "load never drained: {:?}", engine.load());
+        std::thread::sleep(std::time::Duration::from_millis(10));
+    }
+}

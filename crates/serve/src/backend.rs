@@ -1,0 +1,110 @@
+//! What the HTTP API asks of whatever computes completions: the one-box batch engine (in the
+//! CLI) or a cluster's coordinator. The server does everything else — parsing, chat templates,
+//! tokenizing, detokenizing, stop strings, usage, streaming — so every backend answers alike.
+
+use crate::error::ApiError;
+use brigade_format::Tokenizer;
+use std::future::Future;
+use std::sync::Arc;
+use tokio::sync::mpsc;
+
+/// A model as the API lists it.
+#[derive(Clone)]
+pub struct ModelInfo {
+    /// The name clients give as `model`.
+    pub id: String,
+    /// Tokens a session holds (prompt and answer).
+    pub n_ctx: usize,
+    /// The model's tokenizer and chat template (`brigade-format`'s: no tensor library needed).
+    pub tokenizer: Arc<Tokenizer>,
+    /// Unix seconds, for `created`.
+    pub created: u64,
+    pub owned_by: String,
+}
+
+/// Sampling as llama.cpp names it (OpenAI's fields plus llama.cpp's extras).
+#[derive(Debug, Clone, PartialEq)]
+pub struct Sampling {
+    /// 0 is greedy.
+    pub temperature: f32,
+    /// 0 disables.
+    pub top_k: usize,
+    /// 1 disables.
+    pub top_p: f32,
+    /// 0 disables.
+    pub min_p: f32,
+    /// 1 disables.
+    pub repeat_penalty: f32,
+    /// The window the penalties look at.
+    pub repeat_last_n: usize,
+    pub frequency_penalty: f32,
+    pub presence_penalty: f32,
+    pub seed: u64,
+}
+
+/// One completion for a backend to compute.
+#[derive(Debug, Clone)]
+pub struct EngineRequest {
+    /// A model id from [`Backend::models`].
+    pub model: String,
+    /// Prompt token ids: not empty, fewer than the model's context.
+    pub prompt: Vec<u32>,
+    /// Tokens to generate at most (at least 1).
+    pub max_tokens: usize,
+    pub sampling: Sampling,
+    /// Keep generating past end-of-generation tokens.
+    pub ignore_eos: bool,
+}
+
+/// Why a completion ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Finish {
+    /// An end-of-generation token (not sent), or a stop string.
+    Stop,
+    /// `max_tokens`, or the context is full.
+    Length,
+}
+
+impl Finish {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Finish::Stop => "stop",
+            Finish::Length => "length",
+        }
+    }
+}
+
+/// What a backend sends for a request, in order: tokens, then one `Done` or `Error`.
+#[derive(Debug, Clone, PartialEq)]
+pub enum EngineEvent {
+    Token(u32),
+    Done(Finish),
+    Error(String),
+}
+
+/// How busy a backend is, for `GET /health`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct Load {
+    pub slots: usize,
+    pub processing: usize,
+    pub waiting: usize,
+}
+
+/// A completion engine behind the API.
+pub trait Backend: Send + Sync + 'static {
+    /// The models served.
+    fn models(&self) -> Vec<ModelInfo>;
+
+    /// Starts a completion. Its events arrive on the receiver; dropping the receiver cancels it
+    /// (the backend frees its resources as soon as it notices: at once, or at its next step).
+    /// Fails with [`ApiError::busy`] (503) when it takes no more work now.
+    fn complete(
+        &self,
+        req: EngineRequest,
+    ) -> impl Future<Output = Result<mpsc::UnboundedReceiver<EngineEvent>, ApiError>> + Send;
+
+    /// Slots and queue, when the backend has them.
+    fn load(&self) -> Option<Load> {
+        None
+    }
+}

@@ -1,0 +1,294 @@
+//! The request bodies of OpenAI's API as the official clients send them (fields brigade does not
+//! use are ignored), llama.cpp's sampling extras, and their checks.
+
+use crate::backend::Sampling;
+use crate::error::ApiError;
+use serde::Deserialize;
+
+/// `prompt` of `/v1/completions`: text, or token ids, or a list of one of those.
+#[derive(Debug, Deserialize)]
+#[serde(untagged)]
+pub enum Prompt {
+    Text(String),
+    Ids(Vec<u32>),
+    Texts(Vec<String>),
+    IdLists(Vec<Vec<u32>>),
+}
+
+/// `stop`: one string or a list.
+#[derive(Debug, Deserialize)]
+#[serde(untagged)]
+pub enum Stop {
+    One(String),
+    Many(Vec<String>),
+}
+
+#[derive(Debug, Deserialize, Default)]
+pub struct StreamOptions {
+    pub include_usage: Option<bool>,
+}
+
+/// The fields both endpoints share.
+#[derive(Debug, Deserialize, Default)]
+pub struct Params {
+    pub max_tokens: Option<i64>,
+    pub max_completion_tokens: Option<i64>,
+    pub temperature: Option<f32>,
+    pub top_p: Option<f32>,
+    pub seed: Option<i64>,
+    pub stop: Option<Stop>,
+    pub presence_penalty: Option<f32>,
+    pub frequency_penalty: Option<f32>,
+    pub n: Option<i64>,
+    pub stream: Option<bool>,
+    pub stream_options: Option<StreamOptions>,
+    // llama.cpp's extras
+    pub top_k: Option<i64>,
+    pub min_p: Option<f32>,
+    pub repeat_penalty: Option<f32>,
+    pub repeat_last_n: Option<i64>,
+    pub ignore_eos: Option<bool>,
+}
+
+#[derive(Debug, Deserialize)]
+pub struct CompletionRequest {
+    pub model: String,
+    pub prompt: Prompt,
+    #[serde(flatten)]
+    pub params: Params,
+    pub echo: Option<bool>,
+    pub logprobs: Option<serde_json::Value>,
+    pub best_of: Option<i64>,
+    pub suffix: Option<String>,
+}
+
+/// A chat message's content: text, or parts of which the text ones count.
+#[derive(Debug, Deserialize)]
+#[serde(untagged)]
+pub enum Content {
+    Text(String),
+    Parts(Vec<Part>),
+}
+
+#[derive(Debug, Deserialize)]
+pub struct Part {
+    #[serde(rename = "type")]
+    pub kind: String,
+    pub text: Option<String>,
+}
+
+#[derive(Debug, Deserialize)]
+pub struct Message {
+    pub role: String,
+    pub content: Option<Content>,
+}
+
+#[derive(Debug, Deserialize)]
+pub struct ChatRequest {
+    pub model: String,
+    pub messages: Vec<Message>,
+    #[serde(flatten)]
+    pub params: Params,
+    pub logprobs: Option<bool>,
+    pub top_logprobs: Option<i64>,
+}
+
+/// Stop strings a request may give (OpenAI allows 4).
+pub const MAX_STOPS: usize = 16;
+
+/// A request's checked settings.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Settings {
+    /// `max_tokens`; `None`: until the context is full.
+    pub max_tokens: Option<usize>,
+    pub sampling: Sampling,
+    pub stop: Vec<String>,
+    pub stream: bool,
+    pub include_usage: bool,
+    pub ignore_eos: bool,
+}
+
+fn in_range(param: &str, v: Option<f32>, lo: f32, hi: f32, default: f32) -> Result<f32, ApiError> {
+    match v {
+        None => Ok(default),
+        Some(x) if x.is_finite() && (lo..=hi).contains(&x) => Ok(x),
+        Some(x) => Err(ApiError::bad_param(param, format!("`{param}` must be between {lo} and {hi}, got {x}"))),
+    }
+}
+
+fn count(param: &str, v: Option<i64>, min: i64, default: usize) -> Result<usize, ApiError> {
+    match v {
+        None => Ok(default),
+        Some(x) if x >= min => {
+            usize::try_from(x).map_err(|_| ApiError::bad_param(param, format!("`{param}` is too large: {x}")))
+        }
+        Some(x) => Err(ApiError::bad_param(param, format!("`{param}` must be at least {min}, got {x}"))),
+    }
+}
+
+impl Params {
+    /// Checks the fields; unspecified sampling fields take llama.cpp's defaults (as
+    /// llama-server does), `seed` defaults to `random_seed`.
+    pub fn settings(&self, random_seed: u64) -> Result<Settings, ApiError> {
+        if let Some(n) = self.n.filter(|&n| n != 1) {
+            return Err(ApiError::bad_param("n", format!("only n = 1 is supported, got {n}")));
+        }
+        let max_tokens = match (self.max_completion_tokens, self.max_tokens) {
+            (Some(m), _) => Some(count("max_completion_tokens", Some(m), 1, 0)?),
+            (None, Some(m)) => Some(count("max_tokens", Some(m), 1, 0)?),
+            (None, None) => None,
+        };
+        let stop = match &self.stop {
+            None => Vec::new(),
+            Some(Stop::One(s)) => vec![s.clone()],
+            Some(Stop::Many(v)) => v.clone(),
+        };
+        if stop.len() > MAX_STOPS {
+            return Err(ApiError::bad_param("stop", format!("at most {MAX_STOPS} stop strings, got {}", stop.len())));
+        }
+        let sampling = Sampling {
+            temperature: in_range("temperature", self.temperature, 0.0, 2.0, 0.8)?,
+            top_k: count("top_k", self.top_k, 0, 40)?,
+            top_p: in_range("top_p", self.top_p, 0.0, 1.0, 0.95)?,
+            min_p: in_range("min_p", self.min_p, 0.0, 1.0, 0.05)?,
+            repeat_penalty: in_range("repeat_penalty", self.repeat_penalty, 0.0, 10.0, 1.0)?,
+            repeat_last_n: count("repeat_last_n", self.repeat_last_n, 0, 64)?,
+            frequency_penalty: in_range("frequency_penalty", self.frequency_penalty, -2.0, 2.0, 0.0)?,
+            presence_penalty: in_range("presence_penalty", self.presence_penalty, -2.0, 2.0, 0.0)?,
+            // OpenAI's seed is any integer: its bits are the generator's seed
+            seed: self.seed.map(|s| s as u64).unwrap_or(random_seed),
+        };
+        if sampling.repeat_penalty <= 0.0 {
+            return Err(ApiError::bad_param("repeat_penalty", "`repeat_penalty` must be above 0 (1 disables it)"));
+        }
+        let stream = self.stream.unwrap_or(false);
+        let include_usage = self.stream_options.as_ref().and_then(|o| o.include_usage).unwrap_or(false);
+        Ok(Settings { max_tokens, sampling, stop, stream, include_usage, ignore_eos: self.ignore_eos.unwrap_or(false) })
+    }
+}
+
+impl CompletionRequest {
+    /// Refuses what brigade does not do (rather than silently ignoring it).
+    pub fn check_unsupported(&self) -> Result<(), ApiError> {
+        if self.echo == Some(true) {
+            return Err(ApiError::bad_param("echo", "`echo` is not supported"));
+        }
+        if self
+            .logprobs
+            .as_ref()
+            .is_some_and(|v| !v.is_null() && v != &serde_json::json!(0) && v != &serde_json::json!(false))
+        {
+            return Err(ApiError::bad_param("logprobs", "`logprobs` is not supported"));
+        }
+        if self.best_of.is_some_and(|b| b != 1) {
+            return Err(ApiError::bad_param("best_of", "only best_of = 1 is supported"));
+        }
+        if self.suffix.as_ref().is_some_and(|s| !s.is_empty()) {
+            return Err(ApiError::bad_param("suffix", "`suffix` is not supported"));
+        }
+        Ok(())
+    }
+}
+
+impl ChatRequest {
+    pub fn check_unsupported(&self) -> Result<(), ApiError> {
+        if self.logprobs == Some(true) || self.top_logprobs.is_some_and(|n| n > 0) {
+            return Err(ApiError::bad_param("logprobs", "`logprobs` is not supported"));
+        }
+        if self.messages.is_empty() {
+            return Err(ApiError::bad_param("messages", "`messages` is empty"));
+        }
+        Ok(())
+    }
+
+    /// `(role, text)` pairs for the chat template: text parts joined, other parts refused.
+    pub fn turns(&self) -> Result<Vec<(String, String)>, ApiError> {
+        self.messages
+            .iter()
+            .map(|m| {
+                let text = match &m.content {
+                    None => String::new(),
+                    Some(Content::Text(t)) => t.clone(),
+                    Some(Content::Parts(parts)) => {
+                        let mut t = String::new();
+                        for p in parts {
+                            match (p.kind.as_str(), &p.text) {
+                                ("text", Some(s)) => t.push_str(s),
+                                (kind, _) => {
+                                    return Err(ApiError::bad_param(
+                                        "messages",
+                                        format!("content parts of type `{kind}` are not supported (only text)"),
+                                    ))
+                                }
+                            }
+                        }
+                        t
+                    }
+                };
+                Ok((m.role.clone(), text))
+            })
+            .collect()
+    }
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)]
+mod tests {
+    use super::*;
+
+    fn params(j: serde_json::Value) -> Result<Settings, ApiError> {
+        serde_json::from_value::<Params>(j).unwrap().settings(7)
+    }
+
+    #[test]
+    fn defaults_are_llama_cpps_and_fields_are_checked() {
+        let s = params(serde_json::json!({})).unwrap();
+        assert_eq!((s.max_tokens, s.sampling.temperature, s.sampling.top_k, s.sampling.seed), (None, 0.8, 40, 7));
+        let s = params(serde_json::json!({"max_tokens": 5, "max_completion_tokens": 9, "temperature": 0, "seed": -1,
+            "stop": "x", "stream": true, "stream_options": {"include_usage": true}, "presence_penalty": 1.5}))
+        .unwrap();
+        assert_eq!(s.max_tokens, Some(9));
+        assert_eq!(s.sampling.seed, u64::MAX);
+        assert_eq!(s.stop, ["x"]);
+        assert!(s.stream && s.include_usage);
+        assert_eq!(s.sampling.presence_penalty, 1.5);
+        for (bad, param) in [
+            (serde_json::json!({"max_tokens": -1}), "max_tokens"),
+            (serde_json::json!({"max_tokens": 0}), "max_tokens"),
+            (serde_json::json!({"n": 2}), "n"),
+            (serde_json::json!({"temperature": 3}), "temperature"),
+            (serde_json::json!({"top_p": -0.1}), "top_p"),
+            (serde_json::json!({"frequency_penalty": 2.5}), "frequency_penalty"),
+            (serde_json::json!({"stop": vec!["a"; 17]}), "stop"),
+            (serde_json::json!({"repeat_penalty": 0}), "repeat_penalty"),
+        ] {
+            let e = params(bad.clone()).unwrap_err();
+            assert_eq!(e.status, 400, "{bad}");
+            assert_eq!(e.param.as_deref(), Some(param), "{bad}");
+        }
+    }
+
+    #[test]
+    fn prompts_and_contents_of_every_shape() {
+        let r: CompletionRequest = serde_json::from_str(r#"{"model": "m", "prompt": [1, 2]}"#).unwrap();
+        assert!(matches!(r.prompt, Prompt::Ids(ref v) if v == &[1, 2]));
+        let r: CompletionRequest = serde_json::from_str(r#"{"model": "m", "prompt": ["a"]}"#).unwrap();
+        assert!(matches!(r.prompt, Prompt::Texts(_)));
+        assert!(serde_json::from_str::<CompletionRequest>(r#"{"model": "m", "prompt": 5}"#).is_err());
+        let r: ChatRequest = serde_json::from_str(
+            r#"{"model": "m", "messages": [{"role": "system", "content": "s"},
+                {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]},
+                {"role": "assistant", "content": null}]}"#,
+        )
+        .unwrap();
+        assert_eq!(
+            r.turns().unwrap(),
+            [("system".into(), "s".into()), ("user".into(), "ab".into()), ("assistant".into(), String::new())]
+        );
+        let r: ChatRequest = serde_json::from_str(
+            r#"{"model": "m", "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]}"#,
+        )
+        .unwrap();
+        assert_eq!(r.turns().unwrap_err().status, 400);
+    }
+}

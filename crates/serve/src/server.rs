@@ -1,0 +1,430 @@
+//! The axum application: routes, API keys, body limits, and the two completion endpoints in
+//! one flow — parse, check, tokenize, [`Backend::complete`], then the backend's token ids
+//! turned into text (UTF-8 held back until whole, stop strings held back until they cannot
+//! match) sent as one JSON answer or as server-sent events.
+
+use crate::backend::{Backend, EngineEvent, EngineRequest, Finish, ModelInfo};
+use crate::error::ApiError;
+use crate::openai::{ChatRequest, CompletionRequest, Prompt, Settings};
+use crate::stop::StopMatcher;
+use axum::body::{Body, Bytes};
+use axum::extract::{Path, Request, State};
+use axum::http::header;
+use axum::middleware::Next;
+use axum::response::sse::{Event, KeepAlive, Sse};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::{Json, Router};
+use brigade_format::Tokenizer;
+use futures_util::{stream, StreamExt};
+use serde_json::{json, Value};
+use std::convert::Infallible;
+use std::future::Future;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{SystemTime, UNIX_EPOCH};
+use subtle::ConstantTimeEq;
+use tokio::net::TcpListener;
+use tokio::sync::mpsc;
+
+/// The chat template of a model that has none: ChatML, as llama-server falls back to.
+pub const FALLBACK_CHAT_TEMPLATE: &str = "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + \
+    message['content'] + '<|im_end|>' + '\\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}";
+
+/// Bytes of a body past the limit that are read and dropped before the 413 is sent, so that a
+/// client still sending gets the answer instead of a reset connection.
+const DRAIN_MAX: usize = 64 << 20;
+
+#[derive(Debug, Clone)]
+pub struct ServeConfig {
+    /// Keys accepted as `Authorization: Bearer KEY` on `/v1/*`; empty: no key needed.
+    pub api_keys: Vec<String>,
+    /// Largest request body (413 past it).
+    pub max_body_bytes: usize,
+}
+
+impl Default for ServeConfig {
+    fn default() -> Self {
+        ServeConfig { api_keys: Vec::new(), max_body_bytes: 8 << 20 }
+    }
+}
+
+struct App<B> {
+    backend: Arc<B>,
+    cfg: ServeConfig,
+    requests: AtomicU64,
+}
+
+/// Serves the API on `listener` until `shutdown` completes; requests in flight then finish.
+pub async fn serve<B: Backend>(
+    listener: TcpListener,
+    backend: Arc<B>,
+    cfg: ServeConfig,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+) -> std::io::Result<()> {
+    axum::serve(listener, router(backend, cfg)).with_graceful_shutdown(shutdown).await
+}
+
+/// The routes: `/health`, and `/v1/models`, `/v1/completions`, `/v1/chat/completions` behind the
+/// API keys.
+pub fn router<B: Backend>(backend: Arc<B>, cfg: ServeConfig) -> Router {
+    let keys = Arc::new(cfg.api_keys.clone());
+    let app = Arc::new(App { backend, cfg, requests: AtomicU64::new(0) });
+    let v1 = Router::new()
+        .route("/v1/models", get(models::<B>))
+        .route("/v1/models/{id}", get(model::<B>))
+        .route("/v1/completions", post(completions::<B>))
+        .route("/v1/chat/completions", post(chat::<B>))
+        .route_layer(axum::middleware::from_fn_with_state(keys, auth));
+    Router::new()
+        .route("/health", get(health::<B>))
+        .merge(v1)
+        .fallback(|req: Request| async move { ApiError::not_found(req.uri().path()) })
+        .with_state(app)
+}
+
+async fn auth(State(keys): State<Arc<Vec<String>>>, req: Request, next: Next) -> Response {
+    if keys.is_empty() {
+        return next.run(req).await;
+    }
+    let given = req
+        .headers()
+        .get(header::AUTHORIZATION)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.strip_prefix("Bearer "))
+        .map(str::trim);
+    match given {
+        Some(k) if keys.iter().any(|x| bool::from(x.as_bytes().ct_eq(k.as_bytes()))) => next.run(req).await,
+        Some(_) => ApiError::unauthorized("invalid API key").into_response(),
+        None => ApiError::unauthorized("an API key is required: header `Authorization: Bearer KEY`").into_response(),
+    }
+}
+
+async fn health<B: Backend>(State(app): State<Arc<App<B>>>) -> Json<Value> {
+    let mut j = json!({"status": "ok"});
+    if let Some(l) = app.backend.load() {
+        j["slots_idle"] = json!(l.slots.saturating_sub(l.processing));
+        j["slots_processing"] = json!(l.processing);
+        j["requests_waiting"] = json!(l.waiting);
+    }
+    Json(j)
+}
+
+fn card(m: &ModelInfo) -> Value {
+    json!({"id": m.id, "object": "model", "created": m.created, "owned_by": m.owned_by, "meta": {"n_ctx": m.n_ctx}})
+}
+
+async fn models<B: Backend>(State(app): State<Arc<App<B>>>) -> Json<Value> {
+    let data: Vec<Value> = app.backend.models().iter().map(card).collect();
+    Json(json!({"object": "list", "data": data}))
+}
+
+async fn model<B: Backend>(State(app): State<Arc<App<B>>>, Path(id): Path<String>) -> Result<Json<Value>, ApiError> {
+    Ok(Json(card(&app.find(&id)?)))
+}
+
+impl<B: Backend> App<B> {
+    fn find(&self, id: &str) -> Result<ModelInfo, ApiError> {
+        let all = self.backend.models();
+        all.iter().find(|m| m.id == id).cloned().ok_or_else(|| {
+            let ids: Vec<String> = all.iter().map(|m| m.id.clone()).collect();
+            ApiError::model_not_found(id, &ids)
+        })
+    }
+
+    /// A response id and seed unique to this request.
+    fn next_id(&self) -> (String, u64) {
+        let n = self.requests.fetch_add(1, Ordering::Relaxed);
+        let t = SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_nanos() as u64).unwrap_or(0);
+        let mixed = (t ^ n.wrapping_mul(0x9E37_79B9_7F4A_7C15)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        (format!("{mixed:016x}"), mixed)
+    }
+}
+
+/// The body, at most `limit` bytes; past it, the rest is read and dropped (up to [`DRAIN_MAX`])
+/// and the answer is 413.
+async fn read_body(body: Body, limit: usize) -> Result<Bytes, ApiError> {
+    let mut frames = body.into_data_stream();
+    let mut buf = Vec::new();
+    let mut over = 0usize;
+    while let Some(chunk) = frames.next().await {
+        let chunk = chunk.map_err(|e| ApiError::bad_request(format!("reading the request body: {e}")))?;
+        if over > 0 || buf.len() + chunk.len() > limit {
+            over += chunk.len();
+            buf = Vec::new();
+            if over > DRAIN_MAX {
+                break;
+            }
+            continue;
+        }
+        buf.extend_from_slice(&chunk);
+    }
+    if over > 0 {
+        return Err(ApiError::too_large(limit));
+    }
+    Ok(Bytes::from(buf))
+}
+
+fn parse<T: serde::de::DeserializeOwned>(bytes: &[u8]) -> Result<T, ApiError> {
+    serde_json::from_slice(bytes).map_err(|e| ApiError::bad_request(format!("invalid request body: {e}")))
+}
+
+/// Tokenizing is CPU work (a long prompt takes a while): off the async threads.
+async fn tokenize(
+    tk: Arc<Tokenizer>,
+    f: impl FnOnce(&Tokenizer) -> Result<Vec<u32>, brigade_format::FormatError> + Send + 'static,
+) -> Result<Vec<u32>, ApiError> {
+    tokio::task::spawn_blocking(move || f(&tk))
+        .await
+        .map_err(|e| ApiError::internal(format!("tokenizer task: {e}")))?
+        .map_err(|e| ApiError::bad_request(e.to_string()))
+}
+
+async fn completions<B: Backend>(State(app): State<Arc<App<B>>>, body: Body) -> Result<Response, ApiError> {
+    let req: CompletionRequest = parse(&read_body(body, app.cfg.max_body_bytes).await?)?;
+    req.check_unsupported()?;
+    let info = app.find(&req.model)?;
+    let (id, seed) = app.next_id();
+    let settings = req.params.settings(seed)?;
+    let vocab = info.tokenizer.vocab_size();
+    let prompt = match req.prompt {
+        Prompt::Text(t) => tokenize(info.tokenizer.clone(), move |tk| tk.encode(&t, true)).await?,
+        Prompt::Texts(mut v) if v.len() == 1 => {
+            let t = v.remove(0);
+            tokenize(info.tokenizer.clone(), move |tk| tk.encode(&t, true)).await?
+        }
+        Prompt::Ids(ids) => ids,
+        Prompt::IdLists(mut v) if v.len() == 1 => v.remove(0),
+        Prompt::Texts(_) | Prompt::IdLists(_) => {
+            return Err(ApiError::bad_param("prompt", "one prompt per request (a list of exactly one)"))
+        }
+    };
+    if let Some(&bad) = prompt.iter().find(|&&t| t as usize >= vocab) {
+        return Err(ApiError::bad_param("prompt", format!("token id {bad} is outside the vocabulary of {vocab}")));
+    }
+    let kind = Kind::Completion { id: format!("cmpl-{id}") };
+    run(&app, &info, prompt, settings, kind).await
+}
+
+async fn chat<B: Backend>(State(app): State<Arc<App<B>>>, body: Body) -> Result<Response, ApiError> {
+    let req: ChatRequest = parse(&read_body(body, app.cfg.max_body_bytes).await?)?;
+    req.check_unsupported()?;
+    let info = app.find(&req.model)?;
+    let (id, seed) = app.next_id();
+    let settings = req.params.settings(seed)?;
+    let turns = req.turns()?;
+    let prompt = tokenize(info.tokenizer.clone(), move |tk| {
+        let template = tk.chat_template.as_deref().unwrap_or(FALLBACK_CHAT_TEMPLATE);
+        tk.encode_chat(&tk.render_chat_template(template, &turns)?)
+    })
+    .await?;
+    run(&app, &info, prompt, settings, Kind::Chat { id: format!("chatcmpl-{id}") }).await
+}
+
+/// Which endpoint's JSON to write.
+#[derive(Clone)]
+enum Kind {
+    Completion { id: String },
+    Chat { id: String },
+}
+
+/// What the pump sends the responder.
+enum Chunk {
+    Text(String),
+    End { finish: Finish, tokens: usize },
+    Error(String),
+}
+
+async fn run<B: Backend>(
+    app: &App<B>,
+    info: &ModelInfo,
+    prompt: Vec<u32>,
+    s: Settings,
+    kind: Kind,
+) -> Result<Response, ApiError> {
+    if prompt.is_empty() {
+        return Err(ApiError::bad_param("prompt", "the prompt is empty and this model adds no BOS token"));
+    }
+    if prompt.len() >= info.n_ctx {
+        return Err(ApiError::context_exceeded(prompt.len(), info.n_ctx));
+    }
+    let room = info.n_ctx - prompt.len();
+    let req = EngineRequest {
+        model: info.id.clone(),
+        max_tokens: s.max_tokens.unwrap_or(room),
+        prompt,
+        sampling: s.sampling.clone(),
+        ignore_eos: s.ignore_eos,
+    };
+    let n_prompt = req.prompt.len();
+    let prev = req.prompt.last().copied();
+    let events = app.backend.complete(req).await?;
+    let (tx, mut rx) = mpsc::channel(64);
+    tokio::spawn(pump(events, info.tokenizer.clone(), prev, s.stop.clone(), tx));
+    let answer = Answer { kind, model: info.id.clone(), created: now(), n_prompt, include_usage: s.include_usage };
+    if s.stream {
+        let head = answer.head();
+        let body = tokio_stream::wrappers::ReceiverStream::new(rx).flat_map(move |c| stream::iter(answer.events(c)));
+        let events = stream::iter(head).chain(body).map(Ok::<Event, Infallible>);
+        return Ok(Sse::new(events).keep_alive(KeepAlive::default()).into_response());
+    }
+    let mut text = String::new();
+    while let Some(c) = rx.recv().await {
+        match c {
+            Chunk::Text(t) => text.push_str(&t),
+            Chunk::End { finish, tokens } => return Ok(Json(answer.whole(&text, finish, tokens)).into_response()),
+            Chunk::Error(e) => return Err(ApiError::internal(e)),
+        }
+    }
+    Err(ApiError::internal("the completion ended without an answer"))
+}
+
+/// Turns the backend's events into text chunks: ids decoded as a stream (a character split
+/// over tokens waits for its last byte), stop strings applied. Returns when the answer is
+/// complete or the responder is gone; dropping `events` then cancels the job in the backend.
+async fn pump(
+    mut events: mpsc::UnboundedReceiver<EngineEvent>,
+    tk: Arc<Tokenizer>,
+    prev: Option<u32>,
+    stops: Vec<String>,
+    out: mpsc::Sender<Chunk>,
+) {
+    let mut text = tk.stream(prev);
+    let mut stop = StopMatcher::new(stops);
+    let mut tokens = 0usize;
+    loop {
+        let ev = tokio::select! {
+            _ = out.closed() => return,
+            ev = events.recv() => ev,
+        };
+        let (piece, end) = match ev {
+            Some(EngineEvent::Token(id)) => {
+                tokens += 1;
+                let piece = stop.push(&text.push(id));
+                (piece, stop.stopped().then_some(Chunk::End { finish: Finish::Stop, tokens }))
+            }
+            Some(EngineEvent::Done(finish)) => {
+                let mut piece = stop.push(&text.finish());
+                piece.push_str(&stop.finish());
+                let finish = if stop.stopped() { Finish::Stop } else { finish };
+                (piece, Some(Chunk::End { finish, tokens }))
+            }
+            Some(EngineEvent::Error(e)) => (String::new(), Some(Chunk::Error(e))),
+            None => (String::new(), Some(Chunk::Error("the backend dropped the request".into()))),
+        };
+        if !piece.is_empty() && out.send(Chunk::Text(piece)).await.is_err() {
+            return;
+        }
+        if let Some(end) = end {
+            let _ = out.send(end).await;
+            return;
+        }
+    }
+}
+
+fn now() -> u64 {
+    SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0)
+}
+
+/// One response's constant parts and its JSON.
+struct Answer {
+    kind: Kind,
+    model: String,
+    created: u64,
+    n_prompt: usize,
+    include_usage: bool,
+}
+
+impl Answer {
+    fn usage(&self, tokens: usize) -> Value {
+        json!({"prompt_tokens": self.n_prompt, "completion_tokens": tokens, "total_tokens": self.n_prompt + tokens})
+    }
+
+    /// The non-streamed answer.
+    fn whole(&self, text: &str, finish: Finish, tokens: usize) -> Value {
+        let (id, object, choice) = match &self.kind {
+            Kind::Completion { id } => (
+                id,
+                "text_completion",
+                json!({"index": 0, "text": text, "logprobs": null, "finish_reason": finish.as_str()}),
+            ),
+            Kind::Chat { id } => (
+                id,
+                "chat.completion",
+                json!({"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": null,
+                       "finish_reason": finish.as_str()}),
+            ),
+        };
+        json!({"id": id, "object": object, "created": self.created, "model": self.model, "choices": [choice],
+               "usage": self.usage(tokens)})
+    }
+
+    /// A streamed chunk with one choice: `text` (or, for chat, a delta) and a finish reason.
+    fn chunk(&self, text: Option<&str>, finish: Option<Finish>, role: bool) -> Value {
+        let finish = finish.map(Finish::as_str);
+        let (id, object, choice) = match &self.kind {
+            Kind::Completion { id } => (
+                id,
+                "text_completion",
+                json!({"index": 0, "text": text.unwrap_or(""), "logprobs": null, "finish_reason": finish}),
+            ),
+            Kind::Chat { id } => {
+                let mut delta = json!({});
+                if role {
+                    delta["role"] = json!("assistant");
+                }
+                if let Some(t) = text {
+                    delta["content"] = json!(t);
+                }
+                (
+                    id,
+                    "chat.completion.chunk",
+                    json!({"index": 0, "delta": delta, "logprobs": null, "finish_reason": finish}),
+                )
+            }
+        };
+        let mut j =
+            json!({"id": id, "object": object, "created": self.created, "model": self.model, "choices": [choice]});
+        if self.include_usage {
+            j["usage"] = Value::Null;
+        }
+        j
+    }
+
+    fn data(v: &Value) -> Event {
+        Event::default().data(v.to_string())
+    }
+
+    /// What goes before the first token: for chat, the assistant's role.
+    fn head(&self) -> Vec<Event> {
+        match self.kind {
+            Kind::Chat { .. } => vec![Self::data(&self.chunk(Some(""), None, true))],
+            Kind::Completion { .. } => Vec::new(),
+        }
+    }
+
+    fn events(&self, c: Chunk) -> Vec<Event> {
+        match c {
+            Chunk::Text(t) => vec![Self::data(&self.chunk(Some(&t), None, false))],
+            Chunk::End { finish, tokens } => {
+                let text = match self.kind {
+                    Kind::Chat { .. } => None,
+                    Kind::Completion { .. } => Some(""),
+                };
+                let mut v = vec![Self::data(&self.chunk(text, Some(finish), false))];
+                if self.include_usage {
+                    let (id, object) = match &self.kind {
+                        Kind::Completion { id } => (id, "text_completion"),
+                        Kind::Chat { id } => (id, "chat.completion.chunk"),
+                    };
+                    let u = json!({"id": id, "object": object, "created": self.created, "model": self.model,
+                                   "choices": [], "usage": self.usage(tokens)});
+                    v.push(Self::data(&u));
+                }
+                v.push(Event::default().data("[DONE]"));
+                v
+            }
+            Chunk::Error(e) => vec![Self::data(&ApiError::internal(e).body())],
+        }
+    }
+}

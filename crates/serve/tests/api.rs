@@ -1,0 +1,315 @@
+//! The HTTP API against a scripted backend, through the router (no sockets): answers, streams,
+//! stop strings, usage, cancellation and every error's status and shape.
+#![allow(clippy::unwrap_used)]
+
+use axum::body::Body;
+use axum::http::{Request, StatusCode};
+use brigade_format::{ModelIndex, Tokenizer};
+use brigade_serve::{router, ApiError, Backend, EngineEvent, EngineRequest, Finish, Load, ModelInfo, ServeConfig};
+use http_body_util::BodyExt;
+use serde_json::{json, Value};
+use std::sync::{Arc, Mutex};
+use tokio::sync::mpsc;
+use tower::ServiceExt;
+
+/// Answers every request with the ids of `script` (then `finish`), one by one; remembers the
+/// requests and the senders (to see them closed).
+struct Scripted {
+    tk: Arc<Tokenizer>,
+    script: Vec<u32>,
+    finish: Finish,
+    busy: bool,
+    seen: Mutex<Vec<EngineRequest>>,
+    senders: Mutex<Vec<mpsc::UnboundedSender<EngineEvent>>>,
+    /// Send the whole script at once (else: only the first token, the rest never comes).
+    complete: bool,
+}
+
+fn tokenizer() -> Arc<Tokenizer> {
+    let idx = ModelIndex::from_static_gguf(brigade_format::embedded_model(), "stories").unwrap();
+    idx.tokenizer().clone()
+}
+
+fn scripted(text: &str, finish: Finish) -> Scripted {
+    let tk = tokenizer();
+    let script = tk.encode(text, false).unwrap();
+    Scripted { tk, script, finish, busy: false, seen: Mutex::default(), senders: Mutex::default(), complete: true }
+}
+
+impl Backend for Scripted {
+    fn models(&self) -> Vec<ModelInfo> {
+        vec![ModelInfo {
+            id: "tiny".into(),
+            n_ctx: 64,
+            tokenizer: self.tk.clone(),
+            created: 1,
+            owned_by: "test".into(),
+        }]
+    }
+
+    async fn complete(&self, req: EngineRequest) -> Result<mpsc::UnboundedReceiver<EngineEvent>, ApiError> {
+        if self.busy {
+            return Err(ApiError::busy("all 1 slots are busy"));
+        }
+        let (tx, rx) = mpsc::unbounded_channel();
+        let n = self.script.len().min(req.max_tokens);
+        if self.complete {
+            for &t in &self.script[..n] {
+                let _ = tx.send(EngineEvent::Token(t));
+            }
+            let finish = if n < self.script.len() { Finish::Length } else { self.finish };
+            let _ = tx.send(EngineEvent::Done(finish));
+        } else {
+            let _ = tx.send(EngineEvent::Token(self.script[0]));
+        }
+        self.seen.lock().unwrap().push(req);
+        self.senders.lock().unwrap().push(tx);
+        Ok(rx)
+    }
+
+    fn load(&self) -> Option<Load> {
+        Some(Load { slots: 4, processing: 1, waiting: 2 })
+    }
+}
+
+async fn call(
+    app: axum::Router,
+    method: &str,
+    path: &str,
+    body: Option<Value>,
+    key: Option<&str>,
+) -> (StatusCode, Vec<u8>) {
+    let mut b = Request::builder().method(method).uri(path).header("content-type", "application/json");
+    if let Some(k) = key {
+        b = b.header("authorization", format!("Bearer {k}"));
+    }
+    let body = body.map(|v| Body::from(v.to_string())).unwrap_or_else(Body::empty);
+    let resp = app.oneshot(b.body(body).unwrap()).await.unwrap();
+    let status = resp.status();
+    (status, resp.into_body().collect().await.unwrap().to_bytes().to_vec())
+}
+
+fn json_of(b: &[u8]) -> Value {
+    serde_json::from_slice(b).unwrap_or_else(|e| panic!("{e}: {}", String::from_utf8_lossy(b)))
+}
+
+fn app(b: Scripted) -> (axum::Router, Arc<Scripted>) {
+    let b = Arc::new(b);
+    (router(b.clone(), ServeConfig::default()), b)
+}
+
+const TEXT: &str = "Once upon a time there was a cat. END of story";
+
+#[tokio::test]
+async fn completions_and_chat_answer_with_usage() {
+    let (app, b) = app(scripted(TEXT, Finish::Stop));
+    let (st, body) = call(
+        app.clone(),
+        "POST",
+        "/v1/completions",
+        Some(json!({"model": "tiny", "prompt": "Hi", "temperature": 0})),
+        None,
+    )
+    .await;
+    assert_eq!(st, StatusCode::OK);
+    let j = json_of(&body);
+    assert_eq!(j["object"], "text_completion");
+    assert_eq!(j["choices"][0]["text"], b.tk.decode(&b.script, b.tk.encode("Hi", true).unwrap().last().copied()));
+    assert_eq!(j["choices"][0]["finish_reason"], "stop");
+    let n_prompt = b.tk.encode("Hi", true).unwrap().len();
+    assert_eq!(
+        j["usage"],
+        json!({"prompt_tokens": n_prompt, "completion_tokens": b.script.len(), "total_tokens": n_prompt + b.script.len()})
+    );
+    {
+        let seen = b.seen.lock().unwrap();
+        assert_eq!(seen[0].prompt, b.tk.encode("Hi", true).unwrap());
+        assert_eq!(seen[0].sampling.temperature, 0.0);
+        // no max_tokens: up to the context
+        assert_eq!(seen[0].max_tokens, 64 - n_prompt);
+    }
+    let (st, body) = call(
+        app.clone(),
+        "POST",
+        "/v1/chat/completions",
+        Some(json!({"model": "tiny", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3})),
+        None,
+    )
+    .await;
+    assert_eq!(st, StatusCode::OK);
+    let j = json_of(&body);
+    assert_eq!(j["object"], "chat.completion");
+    assert_eq!(j["choices"][0]["message"]["role"], "assistant");
+    assert_eq!(j["choices"][0]["finish_reason"], "length");
+    assert_eq!(j["usage"]["completion_tokens"], 3);
+    // the model has no template: ChatML renders the turn
+    let want = b.tk.encode("<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n", true).unwrap();
+    assert_eq!(b.seen.lock().unwrap()[1].prompt, want);
+    let (st, body) = call(app.clone(), "GET", "/v1/models", None, None).await;
+    assert_eq!(st, StatusCode::OK);
+    assert_eq!(json_of(&body)["data"][0]["id"], "tiny");
+    let (_, body) = call(app.clone(), "GET", "/health", None, None).await;
+    assert_eq!(json_of(&body), json!({"status": "ok", "slots_idle": 3, "slots_processing": 1, "requests_waiting": 2}));
+}
+
+#[tokio::test]
+async fn a_stop_string_ends_the_answer_and_the_job() {
+    let (app, b) = app(scripted(TEXT, Finish::Length));
+    let (st, body) = call(
+        app,
+        "POST",
+        "/v1/completions",
+        Some(json!({"model": "tiny", "prompt": "Hi", "stop": ["END", "zzz"]})),
+        None,
+    )
+    .await;
+    assert_eq!(st, StatusCode::OK);
+    let j = json_of(&body);
+    let text = j["choices"][0]["text"].as_str().unwrap();
+    assert!(text.ends_with("cat. "), "{text:?}");
+    assert!(!text.contains("END"));
+    assert_eq!(j["choices"][0]["finish_reason"], "stop");
+    // the tokens up to the one that completed the stop string count
+    let used = j["usage"]["completion_tokens"].as_u64().unwrap() as usize;
+    assert!(used < b.script.len() && used > 5, "{used}");
+    // and the backend's receiver is gone
+    assert!(b.senders.lock().unwrap()[0].is_closed());
+}
+
+/// The data lines of an SSE body.
+fn sse(body: &[u8]) -> Vec<String> {
+    String::from_utf8_lossy(body).lines().filter_map(|l| l.strip_prefix("data: ").map(str::to_string)).collect()
+}
+
+#[tokio::test]
+async fn streams_end_with_done_and_usage_when_asked() {
+    let (app, b) = app(scripted(TEXT, Finish::Stop));
+    let req = json!({"model": "tiny", "messages": [{"role": "user", "content": "Hi"}], "stream": true,
+                     "stream_options": {"include_usage": true}});
+    let (st, body) = call(app.clone(), "POST", "/v1/chat/completions", Some(req), None).await;
+    assert_eq!(st, StatusCode::OK);
+    let data = sse(&body);
+    assert_eq!(data.last().map(String::as_str), Some("[DONE]"));
+    let chunks: Vec<Value> = data[..data.len() - 1].iter().map(|d| serde_json::from_str(d).unwrap()).collect();
+    assert_eq!(chunks[0]["choices"][0]["delta"]["role"], "assistant");
+    let text: String = chunks.iter().filter_map(|c| c["choices"][0]["delta"]["content"].as_str()).collect();
+    let prev = b.seen.lock().unwrap()[0].prompt.last().copied();
+    assert_eq!(text, b.tk.decode(&b.script, prev));
+    let fin = &chunks[chunks.len() - 2];
+    assert_eq!(fin["choices"][0]["finish_reason"], "stop");
+    let usage = &chunks[chunks.len() - 1];
+    assert_eq!(usage["choices"], json!([]));
+    assert_eq!(usage["usage"]["completion_tokens"], b.script.len());
+    assert!(chunks[1]["usage"].is_null());
+    // completions stream: text chunks, no usage unless asked
+    let (_, body) = call(
+        app,
+        "POST",
+        "/v1/completions",
+        Some(json!({"model": "tiny", "prompt": [1, 2], "stream": true, "max_tokens": 4})),
+        None,
+    )
+    .await;
+    let data = sse(&body);
+    assert_eq!(data.last().map(String::as_str), Some("[DONE]"));
+    let chunks: Vec<Value> = data[..data.len() - 1].iter().map(|d| serde_json::from_str(d).unwrap()).collect();
+    assert!(chunks.iter().all(|c| c["object"] == "text_completion" && c.get("usage").is_none()));
+    assert_eq!(chunks.last().unwrap()["choices"][0]["finish_reason"], "length");
+}
+
+#[tokio::test]
+async fn a_client_gone_mid_stream_cancels_the_job() {
+    let mut s = scripted(TEXT, Finish::Stop);
+    s.complete = false;
+    let (app, b) = app(s);
+    let req = Request::builder()
+        .method("POST")
+        .uri("/v1/completions")
+        .body(Body::from(json!({"model": "tiny", "prompt": "Hi", "stream": true}).to_string()))
+        .unwrap();
+    let resp = app.oneshot(req).await.unwrap();
+    let mut body = resp.into_body();
+    // the first token arrives
+    let frame = body.frame().await.unwrap().unwrap();
+    assert!(String::from_utf8_lossy(frame.data_ref().unwrap()).contains("text_completion"));
+    assert!(!b.senders.lock().unwrap()[0].is_closed());
+    drop(body);
+    let t0 = std::time::Instant::now();
+    while !b.senders.lock().unwrap()[0].is_closed() {
+        assert!(t0.elapsed().as_secs() < 5, "the job was never cancelled");
+        tokio::time::sleep(std::time::Duration::from_millis(5)).await;
+    }
+}
+
+/// Asserts an OpenAI-shaped error with this status, and returns its message.
+fn error(st: StatusCode, body: &[u8], want: StatusCode) -> String {
+    assert_eq!(st, want, "{}", String::from_utf8_lossy(body));
+    let j = json_of(body);
+    let e = &j["error"];
+    assert!(e["type"].is_string() && e.get("code").is_some() && e.get("param").is_some(), "{j}");
+    e["message"].as_str().unwrap().to_string()
+}
+
+#[tokio::test]
+async fn bad_requests_get_their_status_in_openais_shape() {
+    let (app, _) = app(scripted(TEXT, Finish::Stop));
+    let post = |path: &'static str, body: Body| {
+        let app = app.clone();
+        async move {
+            let resp = app.oneshot(Request::builder().method("POST").uri(path).body(body).unwrap()).await.unwrap();
+            let st = resp.status();
+            (st, resp.into_body().collect().await.unwrap().to_bytes().to_vec())
+        }
+    };
+    let (st, b) = post("/v1/completions", Body::from("{\"model\": \"tiny\", \"prompt\": ")).await;
+    assert!(error(st, &b, StatusCode::BAD_REQUEST).contains("invalid request body"));
+    let (st, b) = post("/v1/completions", Body::from(r#"{"model": "tiny", "prompt": "x", "max_tokens": "ten"}"#)).await;
+    error(st, &b, StatusCode::BAD_REQUEST);
+    let (st, b) = post("/v1/completions", Body::from(r#"{"model": "tiny", "prompt": "x", "max_tokens": -3}"#)).await;
+    assert!(error(st, &b, StatusCode::BAD_REQUEST).contains("-3"));
+    let (st, b) =
+        post("/v1/chat/completions", Body::from(r#"{"model": "big", "messages": [{"role": "user", "content": "x"}]}"#))
+            .await;
+    assert!(error(st, &b, StatusCode::NOT_FOUND).contains("tiny"));
+    let long = "a b c d e f g h i j ".repeat(20);
+    let (st, b) = post("/v1/completions", Body::from(json!({"model": "tiny", "prompt": long}).to_string())).await;
+    let m = error(st, &b, StatusCode::BAD_REQUEST);
+    assert!(m.contains("64") && m.contains("tokens"), "{m}");
+    let (st, b) = post("/v1/completions", Body::from(json!({"model": "tiny", "prompt": [5000000]}).to_string())).await;
+    error(st, &b, StatusCode::BAD_REQUEST);
+    let (st, b) = post("/v1/completions", Body::from(vec![b' '; 9 << 20])).await;
+    error(st, &b, StatusCode::PAYLOAD_TOO_LARGE);
+    let (st, b) = post("/v1/nothing", Body::empty()).await;
+    error(st, &b, StatusCode::NOT_FOUND);
+    let (st, b) =
+        post("/v1/completions", Body::from(json!({"model": "tiny", "prompt": "x", "n": 3}).to_string())).await;
+    error(st, &b, StatusCode::BAD_REQUEST);
+
+    let mut busy = scripted(TEXT, Finish::Stop);
+    busy.busy = true;
+    let (busy, _) = app_with(busy, ServeConfig::default());
+    let (st, b) = call(busy, "POST", "/v1/completions", Some(json!({"model": "tiny", "prompt": "x"})), None).await;
+    error(st, &b, StatusCode::SERVICE_UNAVAILABLE);
+}
+
+fn app_with(b: Scripted, cfg: ServeConfig) -> (axum::Router, Arc<Scripted>) {
+    let b = Arc::new(b);
+    (router(b.clone(), cfg), b)
+}
+
+#[tokio::test]
+async fn api_keys_guard_v1_but_not_health() {
+    let cfg = ServeConfig { api_keys: vec!["sekrit".into()], ..Default::default() };
+    let (app, _) = app_with(scripted(TEXT, Finish::Stop), cfg);
+    let req = Some(json!({"model": "tiny", "prompt": "x", "max_tokens": 2}));
+    let (st, b) = call(app.clone(), "POST", "/v1/completions", req.clone(), None).await;
+    assert!(error(st, &b, StatusCode::UNAUTHORIZED).contains("required"));
+    let (st, b) = call(app.clone(), "POST", "/v1/completions", req.clone(), Some("wrong")).await;
+    error(st, &b, StatusCode::UNAUTHORIZED);
+    let (st, b) = call(app.clone(), "GET", "/v1/models", None, None).await;
+    error(st, &b, StatusCode::UNAUTHORIZED);
+    let (st, _) = call(app.clone(), "POST", "/v1/completions", req, Some("sekrit")).await;
+    assert_eq!(st, StatusCode::OK);
+    let (st, _) = call(app, "GET", "/health", None, None).await;
+    assert_eq!(st, StatusCode::OK);
+}
