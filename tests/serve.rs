@@ -74,9 +74,16 @@ fn serve(args: &[&str]) -> Server {
 
 /// Runs one case of the Python script against `server`; asserts it passed and checked something.
 fn client(server: &mut Server, case: &str, extra: &[&str]) {
+    let url = server.url.clone();
+    client_at(&url, case, extra, &mut || (server.proc.exited().is_none(), server.proc.log_text()));
+}
+
+/// Runs one case of the Python script against the API at `url`; `alive` says whether the
+/// server still runs, and its log.
+fn client_at(url: &str, case: &str, extra: &[&str], alive: &mut dyn FnMut() -> (bool, String)) {
     let out = Command::new(python())
         .arg(root().join("tests/serve/openai_client.py"))
-        .args([case, "--url", &server.url, "--bin", BIN])
+        .args([case, "--url", url, "--bin", BIN])
         .args(extra)
         .output()
         .unwrap();
@@ -85,14 +92,15 @@ fn client(server: &mut Server, case: &str, extra: &[&str]) {
         out.status.success(),
         "case {case}: {}\n{stdout}\nserver log:\n{}",
         String::from_utf8_lossy(&out.stderr),
-        server.proc.log_text()
+        alive().1
     );
     let n: usize = stdout
         .lines()
         .find_map(|l| l.strip_prefix("ok: ")?.strip_suffix(" checks")?.parse().ok())
         .unwrap_or_else(|| panic!("case {case} printed no count of checks: {stdout}"));
     assert!(n >= 3, "case {case}: only {n} checks");
-    assert!(server.proc.exited().is_none(), "the server died: {}", server.proc.log_text());
+    let (up, log) = alive();
+    assert!(up, "the server died: {log}");
 }
 
 #[test]
@@ -115,4 +123,29 @@ fn smollm2_chat_equals_run_and_a_disconnect_frees_the_slot() {
     let mut s = serve(&["-m", m, "-c", "2048", "--parallel", "1"]);
     client(&mut s, "smollm2", &["--model-file", m, "--ctx", "2048"]);
     client(&mut s, "disconnect", &[]);
+}
+
+#[test]
+fn the_coordinator_serves_the_same_api_for_a_model_split_across_workers() {
+    // a coordinator with --http and a key, two worker processes, the embedded model split
+    // between them: the official client gets what `brigade run` gives, alone and 16 at once
+    let mut c = support::Cluster::new();
+    c.start_coordinator(&["--http", "127.0.0.1:0", "--api-key", "cluster-key"]);
+    c.api_key = Some("cluster-key".into());
+    c.start_worker("w1", &[]);
+    c.start_worker("w2", &[]);
+    c.wait_up(2);
+    let d = c.deploy(&["--name", "stories", "--device-map", "w1:cpu:3,w2:cpu:2"]);
+    assert_eq!(d["state"], "ready", "{d}");
+    let addr = std::fs::read_to_string(c.path("coordinator").join("coordinator.http.addr")).unwrap();
+    let url = format!("http://{}", addr.trim());
+    let mut alive = || {
+        let log = c.logs();
+        let up = c.coordinator.as_mut().is_some_and(|p| p.exited().is_none())
+            && c.workers.iter_mut().all(|w| w.exited().is_none());
+        (up, log)
+    };
+    client_at(&url, "openai", &["--key", "cluster-key"], &mut alive);
+    client_at(&url, "concurrent", &["--key", "cluster-key"], &mut alive);
+    client_at(&url, "bad", &["--key", "cluster-key"], &mut alive);
 }

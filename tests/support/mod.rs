@@ -76,6 +76,8 @@ pub struct Cluster {
     /// Prefix for every process (e.g. `ip netns exec ns`), by process name.
     pub wrap: Wrap,
     pub coord_host: String,
+    /// The API key client commands present (a coordinator started with `--api-key`).
+    pub api_key: Option<String>,
 }
 
 impl Cluster {
@@ -89,6 +91,7 @@ impl Cluster {
             workers: Vec::new(),
             wrap: Box::new(|_| Vec::new()),
             coord_host: "127.0.0.1".into(),
+            api_key: None,
         }
     }
 
@@ -288,6 +291,9 @@ impl Cluster {
         let mut all: Vec<&str> = args.to_vec();
         let addr = self.addr();
         all.extend_from_slice(&["--coordinator", &addr, "--ca", ca.to_str().unwrap()]);
+        if let Some(k) = &self.api_key {
+            all.extend_from_slice(&["--api-key", k]);
+        }
         let wrap = (self.wrap)("client");
         let mut cmd = if wrap.is_empty() {
             Command::new(BIN)

@@ -109,6 +109,11 @@ pub struct ReplicaArgs {
     /// Milliseconds of one raft tick (elections take 10 to 20 ticks).
     #[arg(long, default_value_t = 100)]
     pub raft_tick_ms: u64,
+    /// Also serve the OpenAI-compatible HTTP API (as `brigade serve`) for every deployment, on
+    /// this address (plain HTTP; port 0 picks one, written to coordinator.http.addr in the data
+    /// dir). The same --api-key keys apply.
+    #[arg(long)]
+    pub http: Option<SocketAddr>,
 }
 
 fn coordinator_config(a: ReplicaArgs, join: Option<String>) -> Result<brigade_coordinator::CoordinatorConfig> {
@@ -139,6 +144,7 @@ fn coordinator_config(a: ReplicaArgs, join: Option<String>) -> Result<brigade_co
         advertise,
         join,
         raft_tick: Duration::from_millis(a.raft_tick_ms),
+        http: a.http,
         ..Default::default()
     })
 }

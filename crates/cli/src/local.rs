@@ -55,6 +55,10 @@ pub struct LocalArgs {
     /// Start, deploy, print, and exit leaving the processes running (their PIDs are printed).
     #[arg(long)]
     pub detach: bool,
+    /// Also serve the OpenAI-compatible HTTP API on the coordinator at this address (port 0: a
+    /// free one, printed).
+    #[arg(long)]
+    pub http: Option<std::net::SocketAddr>,
 }
 
 /// Children killed when this process ends, however it ends.
@@ -164,6 +168,11 @@ pub fn local(a: LocalArgs) -> Result<()> {
         "--join-token".into(),
         token.clone(),
     ];
+    let mut coord_args = coord_args;
+    if let Some(h) = a.http {
+        let _ = std::fs::remove_file(cdir.join("coordinator.http.addr"));
+        coord_args.extend(["--http".into(), h.to_string()]);
+    }
     children.0.push(("coordinator".into(), spawn("the coordinator", &coord_args, &clog, a.detach)?));
     let addr = {
         let (_, c) = children.0.last_mut().context("no coordinator")?;
@@ -252,6 +261,10 @@ pub fn local(a: LocalArgs) -> Result<()> {
         a.workers,
         dir.display()
     );
+    if a.http.is_some() {
+        let http = std::fs::read_to_string(cdir.join("coordinator.http.addr")).unwrap_or_default();
+        println!("OpenAI-compatible API: http://{}/v1 (model `{name}`)", http.trim());
+    }
     match &cfg_path {
         Some(p) => {
             println!("client config: {}\ntry:  brigade generate --model {name} -p \"Once upon a time\"", p.display())

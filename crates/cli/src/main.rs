@@ -58,7 +58,7 @@ enum Cmd {
     /// This machine as brigade sees it: CPU, kernels, memory, bandwidth, GPUs, CUDA libraries.
     Doctor(doctor::DoctorArgs),
     /// Run a cluster's coordinator: admission, placement, assignments, the client API.
-    Coordinator(cluster::CoordinatorArgs),
+    Coordinator(Box<cluster::CoordinatorArgs>),
     /// Run a worker on this node: join a cluster, host the layers it is assigned.
     Worker(cluster::WorkerArgs),
     /// Deploy a model on a cluster (the planner places it unless --device-map says how).
@@ -158,7 +158,7 @@ fn main() {
         Cmd::Synth(a) => synth::synth(a),
         Cmd::Plan(a) => plan::run_plan(a),
         Cmd::Doctor(a) => doctor::doctor(a),
-        Cmd::Coordinator(a) => cluster::coordinator(a),
+        Cmd::Coordinator(a) => cluster::coordinator(*a),
         Cmd::Worker(a) => cluster::worker(a),
         Cmd::Deploy(a) => cluster::deploy(a),
         Cmd::Undeploy(a) => cluster::undeploy(a),

@@ -5,8 +5,8 @@
 use crate::cluster::{runtime, stop_signal};
 use crate::common::{context_len, detect_gpus, load_with_retry, open_model, place, GpuLayers};
 use anyhow::{Context, Result};
-use brigade_model::measure::Effort;
 use brigade_model::batch::{Engine, EngineConfig, Job, Output, Sink};
+use brigade_model::measure::Effort;
 use brigade_model::pipeline::StopReason;
 use brigade_model::{Pipeline, SamplerConfig};
 use brigade_serve::{ApiError, Backend, EngineEvent, EngineRequest, Finish, Load, ModelInfo, Sampling, ServeConfig};

@@ -190,12 +190,24 @@ impl ClientService {
     }
 
     async fn relay(&self, model: &str, drive: DriveRequest) -> Result<Response<BoxStream<GenerateEvent>>, Status> {
-        // the first attempt answers the call: a bad prompt or an unknown model is the caller's error
-        let (upstream, generation) = open_drive(&self.shared, model, &drive).await?;
-        let (tx, rx) = tokio::sync::mpsc::channel(256);
-        tokio::spawn(relay_session(self.shared.clone(), model.to_string(), drive, upstream, generation, tx));
+        let rx = start_session(&self.shared, model, drive).await?;
         Ok(Response::new(Box::pin(tokio_stream::wrappers::ReceiverStream::new(rx))))
     }
+}
+
+/// Starts a session of deployment `model` on its driver and relays its events (resuming on a new
+/// placement when the pipeline fails under it); dropping the receiver ends the session. The first
+/// attempt answers the call: a bad prompt or an unknown model is the caller's error. Shared by
+/// the gRPC `Generate`/`Chat` and the HTTP API.
+pub(crate) async fn start_session(
+    shared: &Arc<Shared>,
+    model: &str,
+    drive: DriveRequest,
+) -> Result<tokio::sync::mpsc::Receiver<Result<GenerateEvent, Status>>, Status> {
+    let (upstream, generation) = open_drive(shared, model, &drive).await?;
+    let (tx, rx) = tokio::sync::mpsc::channel(256);
+    tokio::spawn(relay_session(shared.clone(), model.to_string(), drive, upstream, generation, tx));
+    Ok(rx)
 }
 
 /// How long a session waits for its deployment to be placed again after a failure.

@@ -19,6 +19,7 @@
 //! - [`control`]: the `Control` service workers call.
 //! - [`client`]: the `Client` service users call; sessions relayed from their drivers.
 //! - [`server`]: the gRPC server (TLS, reflection, health) and the background tasks.
+//! - [`http`]: the OpenAI-compatible HTTP API (`brigade-serve`'s server) over the deployments.
 //!
 //! Deliberately lacking: candle (a `cargo tree` test checks it), any model computation, and
 //! sessions' state (it lives on the workers).
@@ -27,6 +28,7 @@ pub mod assign;
 pub mod client;
 pub mod control;
 mod error;
+pub mod http;
 pub mod models;
 pub mod pki;
 pub mod placement;

@@ -47,6 +47,9 @@ pub struct CoordinatorConfig {
     pub raft_tick: Duration,
     /// Re-place a deployment when a placement this much faster appears (0.25 = 25%).
     pub rebalance_gain: f64,
+    /// Serve the OpenAI-compatible HTTP API here too (port 0: a free one, written to
+    /// `coordinator.http.addr` in the data dir); the same API keys as the gRPC client API.
+    pub http: Option<SocketAddr>,
 }
 
 impl Default for CoordinatorConfig {
@@ -64,6 +67,7 @@ impl Default for CoordinatorConfig {
             join: None,
             raft_tick: Duration::from_millis(100),
             rebalance_gain: 0.25,
+            http: None,
         }
     }
 }
@@ -239,6 +243,25 @@ fn api_key_check(
     }
 }
 
+/// Starts the OpenAI-compatible HTTP API on `addr` (in the background, for the process's life).
+async fn serve_http(shared: &Arc<Shared>, addr: SocketAddr) -> Result<(), CoordError> {
+    let listener = tokio::net::TcpListener::bind(addr)
+        .await
+        .map_err(|e| CoordError::Internal(format!("binding --http {addr}: {e}")))?;
+    let local = listener.local_addr().map_err(|e| CoordError::Internal(e.to_string()))?;
+    let file = shared.cfg.data_dir.join("coordinator.http.addr");
+    std::fs::write(&file, local.to_string()).map_err(|e| CoordError::io(&file, e))?;
+    eprintln!("OpenAI-compatible HTTP API on http://{local}/v1");
+    let backend = Arc::new(crate::http::ClusterBackend::new(shared.clone()));
+    let cfg = brigade_serve::ServeConfig { api_keys: shared.cfg.api_keys.clone(), ..Default::default() };
+    tokio::spawn(async move {
+        if let Err(e) = brigade_serve::serve(listener, backend, cfg, std::future::pending()).await {
+            tracing::error!("the HTTP API stopped: {e}");
+        }
+    });
+    Ok(())
+}
+
 /// Runs the coordinator on `listener` until `shutdown` completes.
 pub async fn run(
     cfg: CoordinatorConfig,
@@ -317,6 +340,9 @@ pub async fn run(
         );
     }
     tokio::spawn(crate::recover::leader_tasks(shared.clone()));
+    if let Some(addr) = cfg.http {
+        serve_http(&shared, addr).await?;
+    }
 
     let (health, health_svc) = tonic_health::server::health_reporter();
     health.set_serving::<brigade_proto::v1::client_server::ClientServer<crate::client::ClientService>>().await;

@@ -15,10 +15,10 @@
 //! target features, so its intrinsics would become calls (see [`Simd::join`]).
 
 use super::acts::{Q8KRows, Q8Rows};
-use super::DECODE_ROWS;
 use super::blocks::Q0Block;
 use super::simd::Simd;
 use super::unpack::{KScales, KUnpack, Q0Unpack};
+use super::DECODE_ROWS;
 use half::f16;
 use std::arch::x86_64::*;
 use std::cell::RefCell;
