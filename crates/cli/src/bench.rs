@@ -60,7 +60,8 @@ pub struct BenchArgs {
     /// A running OpenAI-compatible server to benchmark instead (`--url`).
     #[command(flatten)]
     pub http: crate::http_bench::HttpArgs,
-    /// Concurrent clients to test, comma separated (cluster and `--url` benchmarks).
+    /// Concurrent clients to test, comma separated: through a cluster (`--coordinator`), a
+    /// server (`--url`), or on a model file (`brigade serve` on it, started for the run).
     #[arg(long = "concurrency", default_value = "1", value_delimiter = ',')]
     pub concurrency: Vec<usize>,
 }
@@ -97,6 +98,9 @@ pub fn bench(a: BenchArgs) -> Result<()> {
     }
     if a.reps == 0 {
         bail!("-r 0: at least one repetition");
+    }
+    if a.concurrency.iter().any(|&c| c != 1) {
+        return bench_served(a);
     }
     let out = if a.threads.len() > 1 { sweep(&a)? } else { bench_here(&a)? };
     crate::bench_report::print(&out, a.output)
@@ -414,4 +418,61 @@ pub fn knees(rows: &[Row], n_ngl: usize) -> Vec<Knee> {
             })
         })
         .collect()
+}
+
+/// `--concurrency` on a model file: `brigade serve` on it (a child of this binary on a free
+/// port, `--parallel` the largest level), measured through its HTTP API as `--url` measures any
+/// server, then stopped.
+fn bench_served(a: BenchArgs) -> Result<()> {
+    use std::io::BufRead;
+    let most = a.concurrency.iter().copied().max().unwrap_or(1);
+    if a.concurrency.iter().any(|&c| c == 0 || c > 256) {
+        bail!("--concurrency: 1 to 256 sessions on one box");
+    }
+    if a.threads.len() > 1 {
+        bail!("-t: one thread count with --concurrency");
+    }
+    let exe = std::env::current_exe().context("finding the brigade binary")?;
+    let mut cmd = std::process::Command::new(exe);
+    cmd.args(["serve", "--port", "0", "--parallel", &most.to_string()]);
+    if let Some(m) = &a.model {
+        cmd.arg("-m").arg(m);
+    }
+    if let Some(t) = a.threads.first() {
+        cmd.args(["-t", &t.to_string()]);
+    }
+    let mut child = cmd
+        .stdin(std::process::Stdio::null())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::inherit())
+        .spawn()
+        .context("starting brigade serve")?;
+    // the child dies with this function, however it returns
+    struct Kill(std::process::Child);
+    impl Drop for Kill {
+        fn drop(&mut self) {
+            let _ = self.0.kill();
+            let _ = self.0.wait();
+        }
+    }
+    let stdout = child.stdout.take().context("the server's stdout")?;
+    let _guard = Kill(child);
+    let mut line = String::new();
+    std::io::BufReader::new(stdout).read_line(&mut line).context("reading the server's address")?;
+    let url = line
+        .split("listening on ")
+        .nth(1)
+        .and_then(|r| r.split_whitespace().next())
+        .with_context(|| format!("brigade serve did not start: {line:?}"))?
+        .to_string();
+    crate::http_bench::bench(crate::http_bench::HttpBench {
+        url,
+        model: None,
+        api_key: None,
+        n_gen: a.n_gen.first().copied().unwrap_or(64).max(1),
+        reps: a.reps.max(1),
+        concurrency: a.concurrency,
+        long_prompt: a.http.long_prompt,
+        json: a.output == OutFormat::Json,
+    })
 }
