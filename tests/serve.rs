@@ -108,6 +108,20 @@ fn openai_client_on_the_embedded_model_and_bad_requests() {
     let mut s = serve(&["--api-key", "test-key"]);
     client(&mut s, "openai", &["--key", "test-key"]);
     client(&mut s, "bad", &["--key", "test-key"]);
+    // the one box's figures: its stage computed in decode steps, its requests counted
+    let m = http_get(&s.url, "/metrics");
+    let value = |prefix: &str| -> f64 {
+        m.lines()
+            .find_map(|l| l.strip_prefix(prefix)?.trim().parse().ok())
+            .unwrap_or_else(|| panic!("no {prefix} in\n{m}"))
+    };
+    let stage = "{deployment=\"stories260K.gguf\",stage=\"0\",node=\"this box\",device=\"cpu\"}";
+    assert!(value(&format!("brigade_stage_compute_seconds_total{stage}")) > 0.0, "{m}");
+    assert!(value(&format!("brigade_stage_kv_cache_bytes{stage}")) > 0.0, "{m}");
+    assert!(value("brigade_requests_total{endpoint=\"/v1/completions\",status=\"401\"}") >= 1.0, "{m}");
+    assert!(value("brigade_generated_tokens_total") > 0.0);
+    let page = http_get(&s.url, "/");
+    assert!(page.contains("this box") && page.contains("stories260K.gguf") && !page.contains("<script"));
 }
 
 #[test]
@@ -126,13 +140,15 @@ fn smollm2_chat_equals_run_and_a_disconnect_frees_the_slot() {
 }
 
 #[test]
-fn the_coordinator_serves_the_same_api_for_a_model_split_across_workers() {
-    // a coordinator with --http and a key, two worker processes, the embedded model split
-    // between them: the official client gets what `brigade run` gives, alone and 16 at once
+fn the_coordinator_serves_the_api_metrics_and_dashboard_for_a_model_split_across_workers() {
+    // a coordinator with --http and a key, two worker processes (one with --metrics), the
+    // embedded model split between them: the official client gets what `brigade run` gives,
+    // alone and 16 at once; then /metrics (the Prometheus parser), `status` and the dashboard
+    // (in a real browser) show the same figures
     let mut c = support::Cluster::new();
     c.start_coordinator(&["--http", "127.0.0.1:0", "--api-key", "cluster-key"]);
     c.api_key = Some("cluster-key".into());
-    c.start_worker("w1", &[]);
+    c.start_worker("w1", &["--metrics", "127.0.0.1:0"]);
     c.start_worker("w2", &[]);
     c.wait_up(2);
     let d = c.deploy(&["--name", "stories", "--device-map", "w1:cpu:3,w2:cpu:2"]);
@@ -148,4 +164,119 @@ fn the_coordinator_serves_the_same_api_for_a_model_split_across_workers() {
     client_at(&url, "openai", &["--key", "cluster-key"], &mut alive);
     client_at(&url, "concurrent", &["--key", "cluster-key"], &mut alive);
     client_at(&url, "bad", &["--key", "cluster-key"], &mut alive);
+
+    // /metrics through the official parser: per stage, per hop, predicted and measured
+    let log = c.worker("w1").log_text();
+    let worker_url = log
+        .lines()
+        .find_map(|l| l.split("metrics on ").nth(1)?.strip_suffix("/metrics").map(str::to_string))
+        .unwrap_or_else(|| panic!("w1 printed no metrics address:\n{log}"));
+    let out = Command::new(python())
+        .arg(root().join("tests/serve/metrics_check.py"))
+        .args(["--coordinator", &url, "--worker", &worker_url, "--stages", "2"])
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "metrics: {}\n{stdout}", String::from_utf8_lossy(&out.stderr));
+    assert!(stdout.contains("ok: "), "{stdout}");
+
+    // one source: `status` says what /metrics says
+    let status = c.status();
+    let dep = status["deployments"].as_array().unwrap().iter().find(|d| d["name"] == "stories").unwrap().clone();
+    let metrics = http_get(&url, "/metrics");
+    let sample = |name: &str| -> f64 {
+        metrics
+            .lines()
+            .find_map(|l| l.strip_prefix(name)?.trim().parse().ok())
+            .unwrap_or_else(|| panic!("no {name} in\n{metrics}"))
+    };
+    let measured = sample("brigade_deployment_measured_decode_seconds_per_token{deployment=\"stories\"}");
+    let predicted = sample("brigade_deployment_predicted_decode_seconds_per_token{deployment=\"stories\"}");
+    let close = |a: f64, b: f64| (a - b).abs() <= 1e-9 * a.abs().max(b.abs()).max(1e-12);
+    assert!(close(measured * 1e3, dep["measured_decode_ms"].as_f64().unwrap()), "{measured} vs {dep}");
+    assert!(close(predicted * 1e3, dep["predicted_decode_ms"].as_f64().unwrap()), "{predicted} vs {dep}");
+    assert!(measured > 0.0);
+
+    // the dashboard in a real browser; a screenshot for the record
+    let browser = chromium();
+    let shot = root().join("target/test-artifacts/dashboard.png");
+    std::fs::create_dir_all(shot.parent().unwrap()).unwrap();
+    let _ = std::fs::remove_file(&shot);
+    let dom = browse(&browser, &["--dump-dom".to_string()], &url);
+    for node in ["w1", "w2"] {
+        assert!(dom.contains(&format!("data-node=\"{node}\"")), "node {node} on the page:\n{dom}");
+    }
+    assert_eq!(dom.matches("<tr class=\"stage\">").count(), 2, "two stages:\n{dom}");
+    assert!(dom.contains("<svg"), "the plan's SVG:\n{dom}");
+    let rates: Vec<f64> = dom
+        .split("stage-tps\" data-tokens-per-s=\"")
+        .skip(1)
+        .filter_map(|r| r.split('"').next()?.parse().ok())
+        .collect();
+    assert!(rates.len() == 2 && rates.iter().all(|&r| r > 0.0), "live tokens/s per stage: {rates:?}");
+    assert!(dom.contains("Recent requests") && dom.contains("/v1/completions"), "recent requests");
+    // the page needs no JavaScript: the server sends it whole, with no script in it (chromium's
+    // --dump-dom and --screenshot themselves run scripts, so they cannot run with scripts off)
+    let served = http_get(&url, "/");
+    assert!(!served.contains("<script") && served.contains("data-node=\"w1\"") && served.contains("stage-tps"));
+    browse(&browser, &[format!("--screenshot={}", shot.display()), "--window-size=1400,1800".into()], &url);
+    let size = std::fs::metadata(&shot).map(|m| m.len()).unwrap_or(0);
+    assert!(size > 10_000, "the screenshot {} has {size} bytes", shot.display());
+}
+
+/// A plain HTTP GET of `path` (no key needed: /metrics and / are open like /health).
+fn http_get(base: &str, path: &str) -> String {
+    use std::io::{Read, Write};
+    let host = base.strip_prefix("http://").unwrap();
+    let mut s = std::net::TcpStream::connect(host).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(30))).unwrap();
+    write!(s, "GET {path} HTTP/1.0\r\nHost: {host}\r\n\r\n").unwrap();
+    let mut out = String::new();
+    s.read_to_string(&mut out).unwrap();
+    let (head, body) = out.split_once("\r\n\r\n").unwrap();
+    assert!(head.starts_with("HTTP/1.0 200") || head.starts_with("HTTP/1.1 200"), "{head}");
+    body.to_string()
+}
+
+/// Debian's chromium (which .ci/run installs): its binary itself, not the launcher script.
+fn chromium() -> String {
+    for b in ["/usr/lib/chromium/chromium", "chromium", "chromium-browser", "google-chrome"] {
+        if Command::new(b).arg("--version").output().is_ok_and(|o| o.status.success()) {
+            return b.to_string();
+        }
+    }
+    panic!("no chromium: apt-get install chromium (.ci/run does)");
+}
+
+/// Runs headless chromium on `url` with `args` (killed after 120 s); returns its stdout.
+fn browse(browser: &str, args: &[String], url: &str) -> String {
+    let profile = tempfile::tempdir().unwrap();
+    let dir = profile.path().join("profile");
+    let mut cmd = Command::new(browser);
+    cmd.args(["--headless", "--no-sandbox", "--disable-gpu"])
+        .arg(format!("--user-data-dir={}", dir.display()))
+        .args(args)
+        .arg(url)
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped());
+    let child = cmd.spawn().unwrap();
+    let pid = child.id();
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let _ = tx.send(child.wait_with_output());
+    });
+    let out = match rx.recv_timeout(Duration::from_secs(120)) {
+        Ok(o) => o.unwrap(),
+        Err(_) => {
+            let _ = Command::new("kill").args(["-9", &pid.to_string()]).status();
+            panic!("chromium {args:?} took over 120 s");
+        }
+    };
+    let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
+    let stderr: String =
+        String::from_utf8_lossy(&out.stderr).lines().filter(|l| !l.contains("dbus")).collect::<Vec<_>>().join("\n");
+    assert!(out.status.success(), "chromium {args:?}: {stderr}");
+    assert!(!stdout.is_empty() || !args.iter().any(|a| a == "--dump-dom"), "chromium printed no DOM: {stderr}");
+    stdout
 }

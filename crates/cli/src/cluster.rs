@@ -235,6 +235,10 @@ pub struct WorkerArgs {
     /// How thoroughly to measure the node's kernels: `full` (a few seconds, cached) or `quick`.
     #[arg(long, default_value = "full")]
     pub measure: brigade_worker::measure::Effort,
+    /// Serve `/metrics` (Prometheus' text format: per stage compute, hop bytes, sessions, KV
+    /// cache and weight bytes, heartbeat age) on this address; port 0 picks one (printed).
+    #[arg(long)]
+    pub metrics: Option<std::net::SocketAddr>,
 }
 
 fn home_dir(sub: &str) -> PathBuf {
@@ -261,6 +265,7 @@ pub fn worker(a: WorkerArgs) -> Result<()> {
         threads,
         memory: a.memory.unwrap_or(0),
         measure: a.measure,
+        metrics: a.metrics,
     };
     let rt = runtime()?;
     rt.block_on(brigade_worker::run(cfg, stop_signal()))?;

@@ -9,7 +9,10 @@ use brigade_model::batch::{Engine, EngineConfig, Job, Output, Sink};
 use brigade_model::measure::Effort;
 use brigade_model::pipeline::StopReason;
 use brigade_model::{Pipeline, SamplerConfig};
-use brigade_serve::{ApiError, Backend, EngineEvent, EngineRequest, Finish, Load, ModelInfo, Sampling, ServeConfig};
+use brigade_serve::{
+    ApiError, Backend, DeploymentView, DeviceView, EngineEvent, EngineRequest, Finish, Load, ModelInfo, NodeView,
+    Overview, Sampling, ServeConfig, StageView,
+};
 use clap::Args;
 use std::io::Write;
 use std::path::PathBuf;
@@ -62,6 +65,8 @@ pub struct ServeArgs {
 struct Local {
     engine: Engine,
     info: ModelInfo,
+    pipeline: Arc<Pipeline>,
+    parallel: usize,
 }
 
 /// Delivers a job's outputs to the request's channel.
@@ -117,6 +122,72 @@ impl Backend for Local {
         let l = self.engine.load();
         Some(Load { slots: l.parallel, processing: l.active, waiting: l.waiting })
     }
+
+    async fn overview(&self) -> Option<Overview> {
+        Some(self.overview_now())
+    }
+}
+
+impl Local {
+    /// This box as the dashboard and `/metrics` show it: one node, the pipeline's stages (each
+    /// with its KV caches for every session slot), their compute seconds in decode steps.
+    fn overview_now(&self) -> Overview {
+        let cpu = brigade_model::devices::cpu_info();
+        let gpus = detect_gpus();
+        let timing = self.pipeline.decode_timing();
+        let report = self.pipeline.report();
+        let mut devices = vec![DeviceView {
+            name: "cpu".into(),
+            model: cpu.name.clone(),
+            memory_total: cpu.memory_total,
+            memory_free: cpu.memory_available,
+            features: format!("{} threads", brigade_model::threads::current()),
+            ..Default::default()
+        }];
+        devices.extend(gpus.iter().map(|g| DeviceView {
+            name: format!("cuda{}", g.ordinal),
+            model: g.name.clone(),
+            memory_total: g.memory_total,
+            memory_free: g.memory_free,
+            ..Default::default()
+        }));
+        let steps = timing.steps;
+        let stages: Vec<StageView> = report
+            .iter()
+            .enumerate()
+            .map(|(i, r)| StageView {
+                index: i,
+                node: "this box".into(),
+                device: r.device.to_string(),
+                layers: (r.layers.0 as u32, r.layers.1 as u32),
+                state: "ready".into(),
+                weight_bytes: r.weight_bytes,
+                kv_bytes: r.kv_bytes.saturating_mul(self.parallel as u64),
+                compute_s_total: timing.stage_s.get(i).copied().unwrap_or(0.0),
+                ..Default::default()
+            })
+            .collect();
+        let total: f64 = timing.stage_s.iter().sum();
+        Overview {
+            source: format!("brigade serve {}", env!("CARGO_PKG_VERSION")),
+            nodes: vec![NodeView {
+                name: "this box".into(),
+                address: String::new(),
+                state: "up".into(),
+                heartbeat_age_s: 0.0,
+                devices,
+            }],
+            links: Vec::new(),
+            deployments: vec![DeploymentView {
+                name: self.info.id.clone(),
+                state: "ready".into(),
+                measured_decode_s: if steps == 0 { 0.0 } else { total / steps as f64 },
+                decode_steps: steps,
+                stages,
+                ..Default::default()
+            }],
+        }
+    }
 }
 
 pub fn serve(a: ServeArgs) -> Result<()> {
@@ -148,10 +219,11 @@ pub fn serve(a: ServeArgs) -> Result<()> {
     drop(files);
     let tk = tokenizer.clone();
     let cfg = EngineConfig { parallel: a.parallel, queue: a.queue };
-    let engine = Engine::start(Arc::new(pipeline), cfg, move |t| tk.is_eog(t))?;
+    let pipeline = Arc::new(pipeline);
+    let engine = Engine::start(pipeline.clone(), cfg, move |t| tk.is_eog(t))?;
     let created = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0);
     let info = ModelInfo { id: id.clone(), n_ctx, tokenizer, created, owned_by: "brigade".into() };
-    let backend = Arc::new(Local { engine, info });
+    let backend = Arc::new(Local { engine, info, pipeline, parallel: a.parallel });
     let serve_cfg =
         ServeConfig { api_keys: a.api_keys.into_iter().filter(|k| !k.is_empty()).collect(), ..Default::default() };
     let placed: Vec<String> = stages.iter().map(|s| format!("{} on {}", s.layers, s.device)).collect();

@@ -125,11 +125,12 @@ pub fn deployment_info(state: &ClusterState, d: &Deployment, stats: Option<&Depl
     }
 }
 
-impl ClientService {
-    fn stats(&self, name: &str) -> Option<DeployStats> {
-        self.shared.stats.lock().ok().and_then(|s| s.get(name).cloned())
-    }
+/// A deployment's measured figures so far.
+pub fn stats_of(shared: &Shared, name: &str) -> Option<DeployStats> {
+    shared.stats.lock().ok().and_then(|s| s.get(name).cloned())
+}
 
+impl ClientService {
     /// Waits (bounded) until every pair of up nodes has a measured link, so the planner sees them.
     async fn wait_for_links(&self) {
         let deadline = tokio::time::Instant::now() + LINK_WAIT;
@@ -388,6 +389,46 @@ async fn relay_session(
     }
 }
 
+/// The cluster as `brigade status` shows it, from state `s` as this replica applied it: the one
+/// source of the status call, of `/metrics` and of the dashboard.
+pub fn status_snapshot(shared: &Shared, s: &ClusterState) -> ClusterStatusResponse {
+    let nodes = s
+        .nodes
+        .values()
+        .map(|n| NodeInfo {
+            name: n.name.clone(),
+            address: n.address.clone(),
+            state: match n.state {
+                NodeState::Up => "up".into(),
+                NodeState::Down => "down".into(),
+            },
+            devices: n.devices.iter().map(device_to_proto).collect(),
+            heartbeat_age_ms: shared.heartbeat_age(&n.name).as_millis() as u64,
+            version: n.version.clone(),
+        })
+        .collect();
+    let links = s
+        .all_links()
+        .map(|l| LinkFigures {
+            from: l.from.clone(),
+            to: l.to.clone(),
+            latency_s: l.link.latency,
+            bandwidth: l.link.bandwidth,
+            measured_at_ms: l.measured_ms,
+        })
+        .collect();
+    let deployments =
+        s.deployments.values().map(|d| deployment_info(s, d, stats_of(shared, &d.name).as_ref())).collect();
+    ClusterStatusResponse {
+        protocol: brigade_proto::PROTOCOL_VERSION,
+        version: env!("CARGO_PKG_VERSION").into(),
+        nodes,
+        links,
+        deployments,
+        raft: Some(raft_status(shared, s)),
+    }
+}
+
 /// The raft group as this replica sees it (the leader knows every replica's progress).
 fn raft_status(shared: &Shared, state: &ClusterState) -> RaftStatus {
     let v = shared.raft.status();
@@ -439,10 +480,12 @@ fn record(shared: &Shared, name: &str, t: &brigade_proto::v1::Timings) {
         if s.stage_compute_s.len() < t.hops.len() {
             s.stage_compute_s.resize(t.hops.len(), 0.0);
             s.stage_transfer_s.resize(t.hops.len(), 0.0);
+            s.stage_bytes.resize(t.hops.len(), 0.0);
         }
         for (i, h) in t.hops.iter().enumerate() {
             s.stage_compute_s[i] += h.compute_s * steps as f64;
             s.stage_transfer_s[i] += h.transfer_s * steps as f64;
+            s.stage_bytes[i] += h.bytes_per_token as f64 * steps as f64;
         }
     }
 }
@@ -581,41 +624,7 @@ impl Client for ClientService {
     ) -> Result<Response<ClusterStatusResponse>, Status> {
         // a read that promises the current state goes through raft's read index
         let s = self.shared.current_state().await?;
-        let nodes = s
-            .nodes
-            .values()
-            .map(|n| NodeInfo {
-                name: n.name.clone(),
-                address: n.address.clone(),
-                state: match n.state {
-                    NodeState::Up => "up".into(),
-                    NodeState::Down => "down".into(),
-                },
-                devices: n.devices.iter().map(device_to_proto).collect(),
-                heartbeat_age_ms: self.shared.heartbeat_age(&n.name).as_millis() as u64,
-                version: n.version.clone(),
-            })
-            .collect();
-        let links = s
-            .all_links()
-            .map(|l| LinkFigures {
-                from: l.from.clone(),
-                to: l.to.clone(),
-                latency_s: l.link.latency,
-                bandwidth: l.link.bandwidth,
-                measured_at_ms: l.measured_ms,
-            })
-            .collect();
-        let deployments =
-            s.deployments.values().map(|d| deployment_info(&s, d, self.stats(&d.name).as_ref())).collect();
-        Ok(Response::new(ClusterStatusResponse {
-            protocol: brigade_proto::PROTOCOL_VERSION,
-            version: env!("CARGO_PKG_VERSION").into(),
-            nodes,
-            links,
-            deployments,
-            raft: Some(raft_status(&self.shared, &s)),
-        }))
+        Ok(Response::new(status_snapshot(&self.shared, &s)))
     }
 
     async fn remove_replica(

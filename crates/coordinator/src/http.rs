@@ -8,9 +8,14 @@ use crate::client::start_session;
 use crate::models::EMBEDDED;
 use crate::server::Shared;
 use brigade_core::cluster::ModelRecord;
+use brigade_core::DeviceKind;
 use brigade_format::{ModelIndex, Tokenizer};
+use brigade_planner::{HopPlan, Objective, Plan, StagePlan};
 use brigade_proto::v1::{generate_event, DriveRequest, Sampling, StopReason};
-use brigade_serve::{ApiError, Backend, EngineEvent, EngineRequest, Finish, ModelInfo};
+use brigade_serve::{
+    ApiError, Backend, DeploymentView, DeviceView, EngineEvent, EngineRequest, Finish, LinkView, ModelInfo, NodeView,
+    Overview, StageView,
+};
 use std::collections::HashMap;
 use std::path::Path;
 use std::sync::{Arc, Mutex};
@@ -116,6 +121,10 @@ impl Backend for ClusterBackend {
         });
         Ok(rx)
     }
+
+    async fn overview(&self) -> Option<Overview> {
+        Some(self.overview_now())
+    }
 }
 
 /// A refused session in OpenAI's shape: the deployment not serving now is a 503 (retry), the
@@ -127,4 +136,165 @@ fn api_error(e: &tonic::Status) -> ApiError {
         Code::InvalidArgument | Code::FailedPrecondition | Code::NotFound => ApiError::bad_request(e.message()),
         _ => ApiError::internal(e.message()),
     }
+}
+
+impl ClusterBackend {
+    /// The dashboard's and `/metrics`' figures: [`crate::client::status_snapshot`] (what `brigade
+    /// status` prints) of this replica's applied state, with the sums behind its means.
+    pub fn overview_now(&self) -> Overview {
+        let state = self.shared.state();
+        let snap = crate::client::status_snapshot(&self.shared, &state);
+        let role = snap.raft.as_ref().map(|r| r.role.clone()).unwrap_or_default();
+        let nodes: Vec<NodeView> = snap
+            .nodes
+            .iter()
+            .map(|n| NodeView {
+                name: n.name.clone(),
+                address: n.address.clone(),
+                state: n.state.clone(),
+                heartbeat_age_s: n.heartbeat_age_ms as f64 / 1e3,
+                devices: n
+                    .devices
+                    .iter()
+                    .map(|d| DeviceView {
+                        name: d.name.clone(),
+                        model: d.model.clone(),
+                        memory_total: d.memory_total,
+                        memory_free: d.memory_free,
+                        mem_bandwidth: d.mem_bandwidth,
+                        flops: d.flops,
+                        features: d.features.clone(),
+                    })
+                    .collect(),
+            })
+            .collect();
+        let deployments = snap
+            .deployments
+            .iter()
+            .map(|d| {
+                let stats = crate::client::stats_of(&self.shared, &d.name).unwrap_or_default();
+                let at = |v: &[f64], i: usize| v.get(i).copied().unwrap_or(0.0);
+                let stages: Vec<StageView> = d
+                    .stages
+                    .iter()
+                    .enumerate()
+                    .map(|(i, s)| StageView {
+                        index: s.index as usize,
+                        node: s.node.clone(),
+                        device: s.device.clone(),
+                        layers: (s.layer_start, s.layer_end),
+                        state: s.state.clone(),
+                        weight_bytes: s.weight_bytes,
+                        kv_bytes: s.kv_bytes,
+                        predicted_s: s.predicted_s,
+                        compute_s_total: at(&stats.stage_compute_s, i),
+                        hop_s_total: at(&stats.stage_transfer_s, i),
+                        hop_bytes_total: at(&stats.stage_bytes, i),
+                    })
+                    .collect();
+                let mut view = DeploymentView {
+                    name: d.name.clone(),
+                    state: d.state.clone(),
+                    predicted_decode_s: d.predicted_decode_s,
+                    measured_decode_s: d.measured_decode_s,
+                    tokens_generated: d.tokens_generated,
+                    decode_steps: stats.decode_steps,
+                    stages,
+                    svg: String::new(),
+                    error: d.error.clone(),
+                };
+                view.svg = plan_svg(&view, d, &nodes);
+                view
+            })
+            .collect();
+        Overview {
+            source: format!("coordinator replica {} ({role}), version {}", self.shared.cfg.id, snap.version),
+            nodes,
+            links: snap
+                .links
+                .iter()
+                .map(|l| LinkView {
+                    from: l.from.clone(),
+                    to: l.to.clone(),
+                    latency_s: l.latency_s,
+                    bandwidth: l.bandwidth,
+                })
+                .collect(),
+            deployments,
+        }
+    }
+}
+
+/// The deployment drawn by the planner's own SVG renderer, with the measured figures in place of
+/// the predicted ones once there are any (the prediction is in the bottleneck line).
+fn plan_svg(v: &DeploymentView, d: &brigade_proto::v1::DeploymentInfo, nodes: &[NodeView]) -> String {
+    let measured = v.decode_steps > 0;
+    let budget = |node: &str, device: &str| {
+        nodes
+            .iter()
+            .find(|n| n.name == node)
+            .and_then(|n| n.devices.iter().find(|x| x.name == device))
+            .map_or(0, |x| x.memory_total)
+    };
+    let stages = v
+        .stages
+        .iter()
+        .map(|s| {
+            let compute = if measured { s.compute_s_per_token(v.decode_steps) } else { s.predicted_s };
+            StagePlan {
+                node: s.node.clone(),
+                device: s.device.clone(),
+                kind: if s.device.starts_with("cuda") { DeviceKind::Cuda } else { DeviceKind::Cpu },
+                layers: (s.layers.0 as usize, s.layers.1 as usize),
+                weight_bytes: s.weight_bytes,
+                kv_bytes: s.kv_bytes,
+                memory_bytes: s.weight_bytes + s.kv_bytes,
+                budget_bytes: budget(&s.node, &s.device).max(s.weight_bytes + s.kv_bytes),
+                compute_ms: compute * 1e3,
+                prefill_ms_512: 0.0,
+                reason: String::new(),
+            }
+        })
+        .collect();
+    let hops = v
+        .stages
+        .iter()
+        .enumerate()
+        .map(|(i, s)| HopPlan {
+            from: s.node.clone(),
+            to: v.stages.get(i + 1).map_or_else(|| d.driver.clone(), |n| n.node.clone()),
+            ms: s.hop_s_per_token(v.decode_steps) * 1e3,
+            prefill_ms_512: 0.0,
+        })
+        .collect();
+    let decode_s = if measured { v.measured_decode_s } else { v.predicted_decode_s };
+    let per_s = |s: f64| if s > 0.0 { 1.0 / s } else { 0.0 };
+    let plan = Plan {
+        model: format!("{} ({})", v.name, if measured { "measured" } else { "predicted, nothing measured yet" }),
+        objective: d.objective.parse().unwrap_or(Objective::Latency),
+        ctx: u64::from(d.n_ctx),
+        sessions: u64::from(d.sessions),
+        headroom: 0.0,
+        driver: d.driver.clone(),
+        exact: false,
+        stages,
+        hops,
+        decode_ms_per_token: decode_s * 1e3,
+        tokens_per_s: per_s(decode_s),
+        throughput_tokens_per_s: per_s(decode_s),
+        prefill_ms_512: 0.0,
+        prefill_tokens_per_s: 0.0,
+        energy_j_per_token: None,
+        avg_watts: None,
+        bottleneck: format!(
+            "planner's prediction {:.3} ms/token ({:.1} tokens/s); measured {:.3} ms/token over {} steps",
+            v.predicted_decode_s * 1e3,
+            per_s(v.predicted_decode_s),
+            v.measured_decode_s * 1e3,
+            v.decode_steps
+        ),
+        rejected: Vec::new(),
+        reserved: Vec::new(),
+    };
+    brigade_planner::svg::render(&plan)
 }

@@ -87,6 +87,8 @@ pub struct DeployStats {
     /// Per stage: compute seconds and transfer seconds summed over decode steps.
     pub stage_compute_s: Vec<f64>,
     pub stage_transfer_s: Vec<f64>,
+    /// Per stage: bytes sent to the next stage, summed over decode steps.
+    pub stage_bytes: Vec<f64>,
 }
 
 impl DeployStats {

@@ -31,6 +31,35 @@ pub struct StageReport {
 pub struct Pipeline {
     stages: Vec<(DeviceId, Slice)>,
     n_ctx: usize,
+    /// Decode steps (one token per session) and each stage's nanoseconds in them, for the
+    /// operator's figures (`brigade serve`'s `/metrics`). On a GPU the time is until candle
+    /// returns, which may be before the kernels finish.
+    decode: DecodeTiming,
+}
+
+#[derive(Default)]
+struct DecodeTiming {
+    steps: std::sync::atomic::AtomicU64,
+    stage_ns: Vec<std::sync::atomic::AtomicU64>,
+}
+
+impl DecodeTiming {
+    fn new(stages: usize) -> Self {
+        DecodeTiming { steps: Default::default(), stage_ns: (0..stages).map(|_| Default::default()).collect() }
+    }
+
+    fn add(&self, stage: usize, t: Duration) {
+        if let Some(a) = self.stage_ns.get(stage) {
+            a.fetch_add(u64::try_from(t.as_nanos()).unwrap_or(u64::MAX), std::sync::atomic::Ordering::Relaxed);
+        }
+    }
+}
+
+/// Decode steps so far and each stage's compute seconds in them (see [`Pipeline::decode_timing`]).
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct DecodeTimes {
+    pub steps: u64,
+    pub stage_s: Vec<f64>,
 }
 
 /// One conversation's state across all stages.
@@ -78,7 +107,8 @@ impl Pipeline {
             out.push((s.device, slice));
             progress(i, s);
         }
-        Ok(Pipeline { stages: out, n_ctx })
+        let decode = DecodeTiming::new(out.len());
+        Ok(Pipeline { stages: out, n_ctx, decode })
     }
 
     /// A pipeline of slices loaded by the caller, in order (in any activation type: a GPU's type
@@ -87,11 +117,22 @@ impl Pipeline {
         let n_layers = stages.first().map_or(0, |(_, s)| s.config().n_layers);
         check_cover(stages.iter().map(|(_, s)| (s.layers().start(), s.layers().end())), n_layers)?;
         let n_ctx = stages.iter().map(|(_, s)| s.n_ctx()).min().unwrap_or(0);
-        Ok(Pipeline { stages, n_ctx })
+        let decode = DecodeTiming::new(stages.len());
+        Ok(Pipeline { stages, n_ctx, decode })
     }
 
     pub fn n_ctx(&self) -> usize {
         self.n_ctx
+    }
+
+    /// Decode steps so far (a one-token `forward` or a `forward_rows` of any number of sessions)
+    /// and the seconds each stage computed in them.
+    pub fn decode_timing(&self) -> DecodeTimes {
+        use std::sync::atomic::Ordering::Relaxed;
+        DecodeTimes {
+            steps: self.decode.steps.load(Relaxed),
+            stage_s: self.decode.stage_ns.iter().map(|a| a.load(Relaxed) as f64 / 1e9).collect(),
+        }
     }
 
     pub fn stages(&self) -> impl Iterator<Item = (DeviceId, &Slice)> {
@@ -136,12 +177,20 @@ impl Pipeline {
 
     fn forward_stages(&self, session: &mut Session, tokens: &[u32], which: Logits) -> Result<Tensor, ModelError> {
         let mut hidden: Option<Tensor> = None;
-        for ((_, slice), cache) in self.stages.iter().zip(session.caches.iter_mut()) {
+        let decoding = tokens.len() == 1;
+        for (i, ((_, slice), cache)) in self.stages.iter().zip(session.caches.iter_mut()).enumerate() {
             let input = match &hidden {
                 None => StageInput::Tokens(tokens),
                 Some(h) => StageInput::Hidden(h),
             };
+            let t = Instant::now();
             hidden = Some(slice.forward(cache, input, which)?);
+            if decoding {
+                self.decode.add(i, t.elapsed());
+            }
+        }
+        if decoding {
+            self.decode.steps.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         }
         let logits = hidden.ok_or_else(|| ModelError::BadSlice("empty pipeline".into()))?;
         Ok(logits.squeeze(0)?.to_device(&Device::Cpu)?)
@@ -180,8 +229,11 @@ impl Pipeline {
                 None => StageInput::Tokens(tokens),
                 Some(h) => StageInput::Hidden(h),
             };
+            let t = Instant::now();
             hidden = Some(slice.forward_rows(&mut caches, input)?);
+            self.decode.add(i, t.elapsed());
         }
+        self.decode.steps.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         let logits = hidden.ok_or_else(|| ModelError::BadSlice("empty pipeline".into()))?;
         Ok(logits.squeeze(1)?.to_device(&Device::Cpu)?.to_vec2::<f32>()?)
     }

@@ -3,6 +3,7 @@
 //! tokenizing, detokenizing, stop strings, usage, streaming — so every backend answers alike.
 
 use crate::error::ApiError;
+use crate::overview::Overview;
 use brigade_format::Tokenizer;
 use std::future::Future;
 use std::sync::Arc;
@@ -106,5 +107,11 @@ pub trait Backend: Send + Sync + 'static {
     /// Slots and queue, when the backend has them.
     fn load(&self) -> Option<Load> {
         None
+    }
+
+    /// The machines, links and deployments behind the API: the one source of `/metrics`' figures
+    /// beyond the server's own and of the dashboard at `/` (`None`: the server's own only).
+    fn overview(&self) -> impl Future<Output = Option<Overview>> + Send {
+        std::future::ready(None)
     }
 }

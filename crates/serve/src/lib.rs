@@ -11,16 +11,24 @@
 //! - [`openai`]: the request bodies and their checks (llama.cpp's defaults for what is left out).
 //! - [`stop`]: stop strings over streamed text (pure).
 //! - [`error`]: [`ApiError`], every error in OpenAI's JSON shape with its status.
+//! - [`overview`]: what a backend runs (nodes, devices, links, deployments, stages), as plain
+//!   data: the one source of [`metrics`] (`/metrics`, Prometheus' text format through
+//!   `prometheus-client`, with the server's own request figures) and of [`dashboard`] (`/`, one
+//!   server-rendered page that reloads itself: no script, no external resource).
 //!
 //! Deliberately lacks: any tensor library (checked by `tests/architecture.rs`: the coordinator
 //! links this crate), `n > 1`, logprobs, tools and images, embeddings, TLS (put a proxy in front).
 
 pub mod backend;
+pub mod dashboard;
 pub mod error;
+pub mod metrics;
 pub mod openai;
+pub mod overview;
 pub mod server;
 pub mod stop;
 
 pub use backend::{Backend, EngineEvent, EngineRequest, Finish, Load, ModelInfo, Sampling};
 pub use error::ApiError;
+pub use overview::{DeploymentView, DeviceView, LinkView, NodeView, Overview, StageView};
 pub use server::{router, serve, ServeConfig};

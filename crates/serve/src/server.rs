@@ -5,6 +5,7 @@
 
 use crate::backend::{Backend, EngineEvent, EngineRequest, Finish, ModelInfo};
 use crate::error::ApiError;
+use crate::metrics::{RecentRequest, ServerMetrics};
 use crate::openai::{ChatRequest, CompletionRequest, Prompt, Settings};
 use crate::stop::StopMatcher;
 use axum::body::{Body, Bytes};
@@ -22,7 +23,7 @@ use std::convert::Infallible;
 use std::future::Future;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
-use std::time::{SystemTime, UNIX_EPOCH};
+use std::time::{Instant, SystemTime, UNIX_EPOCH};
 use subtle::ConstantTimeEq;
 use tokio::net::TcpListener;
 use tokio::sync::mpsc;
@@ -53,6 +54,7 @@ struct App<B> {
     backend: Arc<B>,
     cfg: ServeConfig,
     requests: AtomicU64,
+    metrics: Arc<ServerMetrics>,
 }
 
 /// Serves the API on `listener` until `shutdown` completes; requests in flight then finish.
@@ -69,7 +71,8 @@ pub async fn serve<B: Backend>(
 /// API keys.
 pub fn router<B: Backend>(backend: Arc<B>, cfg: ServeConfig) -> Router {
     let keys = Arc::new(cfg.api_keys.clone());
-    let app = Arc::new(App { backend, cfg, requests: AtomicU64::new(0) });
+    let metrics = Arc::new(ServerMetrics::default());
+    let app = Arc::new(App { backend, cfg, requests: AtomicU64::new(0), metrics: metrics.clone() });
     let v1 = Router::new()
         .route("/v1/models", get(models::<B>))
         .route("/v1/models/{id}", get(model::<B>))
@@ -78,9 +81,38 @@ pub fn router<B: Backend>(backend: Arc<B>, cfg: ServeConfig) -> Router {
         .route_layer(axum::middleware::from_fn_with_state(keys, auth));
     Router::new()
         .route("/health", get(health::<B>))
+        .route("/metrics", get(metrics_text::<B>))
+        .route("/", get(dashboard::<B>))
         .merge(v1)
         .fallback(|req: Request| async move { ApiError::not_found(req.uri().path()) })
+        .layer(axum::middleware::from_fn_with_state(metrics, count))
         .with_state(app)
+}
+
+/// Counts every answered request by endpoint and status.
+async fn count(State(m): State<Arc<ServerMetrics>>, req: Request, next: Next) -> Response {
+    let path = req.uri().path().to_string();
+    let resp = next.run(req).await;
+    m.request(&path, resp.status().as_u16());
+    resp
+}
+
+/// `/metrics`: Prometheus' text format, from the same figures as the dashboard.
+async fn metrics_text<B: Backend>(State(app): State<Arc<App<B>>>) -> Result<Response, ApiError> {
+    let ov = app.backend.overview().await;
+    let text = app
+        .metrics
+        .encode(app.backend.load(), ov.as_ref())
+        .map_err(|e| ApiError::internal(format!("encoding the metrics: {e}")))?;
+    Ok(([(header::CONTENT_TYPE, "text/plain; version=0.0.4; charset=utf-8")], text).into_response())
+}
+
+/// `/`: the dashboard.
+async fn dashboard<B: Backend>(State(app): State<Arc<App<B>>>) -> Response {
+    let ov = app.backend.overview().await;
+    let models: Vec<String> = app.backend.models().into_iter().map(|m| m.id).collect();
+    let page = crate::dashboard::render(ov.as_ref(), app.backend.load(), &app.metrics.recent(), &models);
+    ([(header::CONTENT_TYPE, "text/html; charset=utf-8")], page).into_response()
 }
 
 async fn auth(State(keys): State<Arc<Vec<String>>>, req: Request, next: Next) -> Response {
@@ -181,6 +213,7 @@ async fn tokenize(
 }
 
 async fn completions<B: Backend>(State(app): State<Arc<App<B>>>, body: Body) -> Result<Response, ApiError> {
+    let t0 = Instant::now();
     let req: CompletionRequest = parse(&read_body(body, app.cfg.max_body_bytes).await?)?;
     req.check_unsupported()?;
     let info = app.find(&req.model)?;
@@ -203,10 +236,11 @@ async fn completions<B: Backend>(State(app): State<Arc<App<B>>>, body: Body) -> 
         return Err(ApiError::bad_param("prompt", format!("token id {bad} is outside the vocabulary of {vocab}")));
     }
     let kind = Kind::Completion { id: format!("cmpl-{id}") };
-    run(&app, &info, prompt, settings, kind).await
+    run(&app, &info, prompt, settings, kind, t0).await
 }
 
 async fn chat<B: Backend>(State(app): State<Arc<App<B>>>, body: Body) -> Result<Response, ApiError> {
+    let t0 = Instant::now();
     let req: ChatRequest = parse(&read_body(body, app.cfg.max_body_bytes).await?)?;
     req.check_unsupported()?;
     let info = app.find(&req.model)?;
@@ -218,7 +252,7 @@ async fn chat<B: Backend>(State(app): State<Arc<App<B>>>, body: Body) -> Result<
         tk.encode_chat(&tk.render_chat_template(template, &turns)?)
     })
     .await?;
-    run(&app, &info, prompt, settings, Kind::Chat { id: format!("chatcmpl-{id}") }).await
+    run(&app, &info, prompt, settings, Kind::Chat { id: format!("chatcmpl-{id}") }, t0).await
 }
 
 /// Which endpoint's JSON to write.
@@ -241,6 +275,7 @@ async fn run<B: Backend>(
     prompt: Vec<u32>,
     s: Settings,
     kind: Kind,
+    t0: Instant,
 ) -> Result<Response, ApiError> {
     if prompt.is_empty() {
         return Err(ApiError::bad_param("prompt", "the prompt is empty and this model adds no BOS token"));
@@ -260,7 +295,17 @@ async fn run<B: Backend>(
     let prev = req.prompt.last().copied();
     let events = app.backend.complete(req).await?;
     let (tx, mut rx) = mpsc::channel(64);
-    tokio::spawn(pump(events, info.tokenizer.clone(), prev, s.stop.clone(), tx));
+    let record = Record {
+        metrics: app.metrics.clone(),
+        model: info.id.clone(),
+        endpoint: match kind {
+            Kind::Completion { .. } => "/v1/completions",
+            Kind::Chat { .. } => "/v1/chat/completions",
+        },
+        n_prompt,
+        t0,
+    };
+    tokio::spawn(pump(events, info.tokenizer.clone(), prev, s.stop.clone(), tx, record));
     let answer = Answer { kind, model: info.id.clone(), created: now(), n_prompt, include_usage: s.include_usage };
     if s.stream {
         let head = answer.head();
@@ -283,22 +328,79 @@ async fn run<B: Backend>(
 /// over tokens waits for its last byte), stop strings applied. Returns when the answer is
 /// complete or the responder is gone; dropping `events` then cancels the job in the backend.
 async fn pump(
+    events: mpsc::UnboundedReceiver<EngineEvent>,
+    tk: Arc<Tokenizer>,
+    prev: Option<u32>,
+    stops: Vec<String>,
+    out: mpsc::Sender<Chunk>,
+    record: Record,
+) {
+    let mut timing = Timing { first: None, last: None, tokens: 0 };
+    let outcome = pump_events(events, tk, prev, stops, out, &record, &mut timing).await;
+    let r = &record;
+    r.metrics.finished(RecentRequest {
+        at: now(),
+        model: r.model.clone(),
+        endpoint: r.endpoint.into(),
+        prompt_tokens: r.n_prompt,
+        generated: timing.tokens,
+        ttft_s: timing.first.map_or(0.0, |f| (f - r.t0).as_secs_f64()),
+        duration_s: r.t0.elapsed().as_secs_f64(),
+        outcome,
+    });
+}
+
+/// What a completion's figures are recorded with.
+struct Record {
+    metrics: Arc<ServerMetrics>,
+    model: String,
+    endpoint: &'static str,
+    n_prompt: usize,
+    /// The request's arrival.
+    t0: Instant,
+}
+
+struct Timing {
+    first: Option<Instant>,
+    last: Option<Instant>,
+    tokens: usize,
+}
+
+impl Timing {
+    fn token(&mut self, r: &Record) {
+        let now = Instant::now();
+        if self.first.is_none() {
+            self.first = Some(now);
+            r.metrics.first_token(now - r.t0);
+        }
+        r.metrics.token(self.last.map(|l| now - l));
+        self.last = Some(now);
+        self.tokens += 1;
+    }
+}
+
+/// [`pump`]'s loop; returns the outcome: the finish reason, the error, or "client gone".
+async fn pump_events(
     mut events: mpsc::UnboundedReceiver<EngineEvent>,
     tk: Arc<Tokenizer>,
     prev: Option<u32>,
     stops: Vec<String>,
     out: mpsc::Sender<Chunk>,
-) {
+    record: &Record,
+    timing: &mut Timing,
+) -> String {
+    let gone = || "client gone".to_string();
     let mut text = tk.stream(prev);
     let mut stop = StopMatcher::new(stops);
     let mut tokens = 0usize;
     loop {
         let ev = tokio::select! {
-            _ = out.closed() => return,
+            _ = out.closed() => return gone(),
             ev = events.recv() => ev,
         };
         let (piece, end) = match ev {
             Some(EngineEvent::Token(id)) => {
+                timing.token(record);
                 tokens += 1;
                 let piece = stop.push(&text.push(id));
                 (piece, stop.stopped().then_some(Chunk::End { finish: Finish::Stop, tokens }))
@@ -313,11 +415,16 @@ async fn pump(
             None => (String::new(), Some(Chunk::Error("the backend dropped the request".into()))),
         };
         if !piece.is_empty() && out.send(Chunk::Text(piece)).await.is_err() {
-            return;
+            return gone();
         }
         if let Some(end) = end {
+            let outcome = match &end {
+                Chunk::End { finish, .. } => finish.as_str().to_string(),
+                Chunk::Error(e) => format!("error: {e}"),
+                Chunk::Text(_) => String::new(),
+            };
             let _ = out.send(end).await;
-            return;
+            return outcome;
         }
     }
 }

@@ -5,7 +5,10 @@
 use axum::body::Body;
 use axum::http::{Request, StatusCode};
 use brigade_format::{ModelIndex, Tokenizer};
-use brigade_serve::{router, ApiError, Backend, EngineEvent, EngineRequest, Finish, Load, ModelInfo, ServeConfig};
+use brigade_serve::{
+    router, ApiError, Backend, DeploymentView, DeviceView, EngineEvent, EngineRequest, Finish, Load, ModelInfo,
+    NodeView, Overview, ServeConfig, StageView,
+};
 use http_body_util::BodyExt;
 use serde_json::{json, Value};
 use std::sync::{Arc, Mutex};
@@ -23,6 +26,8 @@ struct Scripted {
     senders: Mutex<Vec<mpsc::UnboundedSender<EngineEvent>>>,
     /// Send the whole script at once (else: only the first token, the rest never comes).
     complete: bool,
+    /// What `overview` answers.
+    overview: Option<Overview>,
 }
 
 fn tokenizer() -> Arc<Tokenizer> {
@@ -33,7 +38,16 @@ fn tokenizer() -> Arc<Tokenizer> {
 fn scripted(text: &str, finish: Finish) -> Scripted {
     let tk = tokenizer();
     let script = tk.encode(text, false).unwrap();
-    Scripted { tk, script, finish, busy: false, seen: Mutex::default(), senders: Mutex::default(), complete: true }
+    Scripted {
+        tk,
+        script,
+        finish,
+        busy: false,
+        seen: Mutex::default(),
+        senders: Mutex::default(),
+        complete: true,
+        overview: None,
+    }
 }
 
 impl Backend for Scripted {
@@ -69,6 +83,10 @@ impl Backend for Scripted {
 
     fn load(&self) -> Option<Load> {
         Some(Load { slots: 4, processing: 1, waiting: 2 })
+    }
+
+    async fn overview(&self) -> Option<Overview> {
+        self.overview.clone()
     }
 }
 
@@ -312,4 +330,110 @@ async fn api_keys_guard_v1_but_not_health() {
     assert_eq!(st, StatusCode::OK);
     let (st, _) = call(app, "GET", "/health", None, None).await;
     assert_eq!(st, StatusCode::OK);
+}
+
+/// A two-stage deployment on two nodes, 10 decode steps measured.
+fn two_stages() -> Overview {
+    let stage = |i: usize, node: &str| StageView {
+        index: i,
+        node: node.into(),
+        device: "cpu".into(),
+        layers: (3 * i as u32, 3 * i as u32 + 3),
+        state: "ready".into(),
+        weight_bytes: 1000 + i as u64,
+        kv_bytes: 500,
+        predicted_s: 0.004,
+        compute_s_total: 0.05 * (i + 1) as f64,
+        hop_s_total: 0.01,
+        hop_bytes_total: 40960.0,
+    };
+    Overview {
+        source: "test".into(),
+        nodes: ["n1", "n2<b>"]
+            .iter()
+            .map(|n| NodeView {
+                name: n.to_string(),
+                address: "10.0.0.1:7071".into(),
+                state: "up".into(),
+                heartbeat_age_s: 0.5,
+                devices: vec![DeviceView { name: "cpu".into(), memory_total: 1 << 30, ..Default::default() }],
+            })
+            .collect(),
+        links: Vec::new(),
+        deployments: vec![DeploymentView {
+            name: "tiny".into(),
+            state: "ready".into(),
+            predicted_decode_s: 0.008,
+            measured_decode_s: 0.02,
+            tokens_generated: 10,
+            decode_steps: 10,
+            stages: vec![stage(0, "n1"), stage(1, "n2<b>")],
+            svg: "<svg xmlns=\"http://www.w3.org/2000/svg\"><text>plan</text></svg>".into(),
+            error: String::new(),
+        }],
+    }
+}
+
+fn sample(text: &str, name_and_labels: &str) -> f64 {
+    text.lines()
+        .find_map(|l| l.strip_prefix(name_and_labels)?.trim().parse().ok())
+        .unwrap_or_else(|| panic!("no sample `{name_and_labels}` in:\n{text}"))
+}
+
+#[tokio::test]
+async fn metrics_count_requests_and_show_the_overview() {
+    let mut b = scripted(TEXT, Finish::Stop);
+    b.overview = Some(two_stages());
+    let (app, _) = app(b);
+    let (st, _) =
+        call(app.clone(), "POST", "/v1/completions", Some(json!({"model": "tiny", "prompt": "Once"})), None).await;
+    assert_eq!(st, StatusCode::OK);
+    let (st, _) =
+        call(app.clone(), "POST", "/v1/completions", Some(json!({"model": "nope", "prompt": "x"})), None).await;
+    assert_eq!(st, StatusCode::NOT_FOUND);
+    let (st, body) = call(app.clone(), "GET", "/metrics", None, None).await;
+    assert_eq!(st, StatusCode::OK);
+    let m = String::from_utf8(body).unwrap();
+    assert_eq!(sample(&m, "brigade_requests_total{endpoint=\"/v1/completions\",status=\"200\"}"), 1.0);
+    assert_eq!(sample(&m, "brigade_requests_total{endpoint=\"/v1/completions\",status=\"404\"}"), 1.0);
+    let n_tokens = tokenizer().encode(TEXT, false).unwrap().len() as f64;
+    assert_eq!(sample(&m, "brigade_generated_tokens_total"), n_tokens);
+    assert_eq!(sample(&m, "brigade_time_to_first_token_seconds_count"), 1.0);
+    assert_eq!(sample(&m, "brigade_inter_token_seconds_count"), n_tokens - 1.0);
+    assert_eq!(sample(&m, "brigade_sessions_active"), 1.0);
+    assert_eq!(sample(&m, "brigade_requests_waiting"), 2.0);
+    let stage1 = "{deployment=\"tiny\",stage=\"1\",node=\"n2<b>\",device=\"cpu\"}";
+    assert!((sample(&m, &format!("brigade_stage_compute_seconds_total{stage1}")) - 0.1).abs() < 1e-9, "{m}");
+    let hop0 = "{deployment=\"tiny\",stage=\"0\",from=\"n1\",to=\"n2<b>\"}";
+    assert_eq!(sample(&m, &format!("brigade_hop_transfer_bytes_total{hop0}")), 40960.0);
+    assert_eq!(sample(&m, "brigade_deployment_predicted_decode_seconds_per_token{deployment=\"tiny\"}"), 0.008);
+    assert_eq!(sample(&m, "brigade_deployment_measured_decode_seconds_per_token{deployment=\"tiny\"}"), 0.02);
+    assert_eq!(sample(&m, "brigade_device_weight_bytes{node=\"n2<b>\",device=\"cpu\"}"), 1001.0);
+    assert_eq!(sample(&m, "brigade_node_heartbeat_age_seconds{node=\"n1\"}"), 0.5);
+
+    // the dashboard: the same figures, escaped, the planner's SVG inline, no script
+    let (st, body) = call(app.clone(), "GET", "/", None, None).await;
+    assert_eq!(st, StatusCode::OK);
+    let page = String::from_utf8(body).unwrap();
+    assert!(page.contains("n2&lt;b&gt;") && !page.contains("n2<b>"), "names are escaped");
+    assert!(page.contains("<text>plan</text>"), "the plan's SVG is inline");
+    assert!(page.contains("data-tokens-per-s=\"50.000\""), "1 / 0.02 s tokens/s: {page}");
+    // stage 1: 0.1 s over 10 steps = 10 ms/token = 100 tokens/s
+    assert!(page.contains("class=\"n stage-tps\" data-tokens-per-s=\"100.000\""), "{page}");
+    assert!(page.contains("<td>3–5</td>"), "inclusive layer range");
+    assert!(page.contains("http-equiv=\"refresh\"") && !page.contains("<script"));
+    assert!(page.contains("/v1/completions") && page.contains("stop"), "the finished request is listed");
+}
+
+#[tokio::test]
+async fn metrics_without_an_overview_have_the_servers_own() {
+    let (app, _) = app(scripted(TEXT, Finish::Stop));
+    let (st, body) = call(app.clone(), "GET", "/metrics", None, None).await;
+    assert_eq!(st, StatusCode::OK);
+    let m = String::from_utf8(body).unwrap();
+    assert!(m.contains("# TYPE brigade_generated_tokens counter") && m.ends_with("# EOF\n"), "{m}");
+    assert!(!m.contains("brigade_stage_compute_seconds"), "{m}");
+    let (st, body) = call(app, "GET", "/", None, None).await;
+    assert_eq!(st, StatusCode::OK);
+    assert!(String::from_utf8(body).unwrap().contains("none yet"));
 }

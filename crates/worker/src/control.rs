@@ -165,6 +165,9 @@ impl ControlLoop {
                 _ = tick.tick() => {
                     let req = HeartbeatRequest { name: self.node.cfg.name.clone(), slices: self.node.statuses(), memory_free: 0 };
                     let r = hb.heartbeat(req).await.map_err(|e| control_error("heartbeat", e))?;
+                    if let Ok(mut t) = self.node.last_heartbeat.lock() {
+                        *t = Some(std::time::Instant::now());
+                    }
                     if r.into_inner().reregister {
                         return Err(WorkerError::Control("the coordinator asks this node to register again".into()));
                     }

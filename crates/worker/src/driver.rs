@@ -43,6 +43,8 @@ pub struct DriveTarget {
     pub permits: Arc<Semaphore>,
     /// Prompt tokens per chunk into the first stage.
     pub ubatch: usize,
+    /// Bytes of one token's hidden state between stages (hidden size × activation type).
+    pub hidden_bytes: u64,
     /// Turns true when this generation of the deployment stops being served here (re-placed
     /// or removed): its sessions end at once, and the coordinator resumes them elsewhere.
     pub cancel: tokio::sync::watch::Receiver<bool>,

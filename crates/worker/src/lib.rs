@@ -12,6 +12,8 @@
 //! - [`router`]: where frames go: local stages, waiting drivers, links to other nodes.
 //! - [`server`]: the `Stage` gRPC service and the QUIC accept loop.
 //! - [`wire`]: tensors and ids in and out of frame payloads.
+//! - [`metrics`]: `--metrics ADDR`, the node's `/metrics` (per stage compute, hop bytes and send
+//!   time, sessions, KV cache and weight bytes, heartbeat age).
 //!
 //! Deliberately lacking: raft (a worker follows one coordinator address at a time), placement
 //! decisions (it loads what it is told), and any client API (clients talk to the coordinator).
@@ -22,6 +24,7 @@ mod error;
 pub mod fetch;
 pub mod identity;
 pub mod measure;
+pub mod metrics;
 pub mod node;
 pub mod router;
 pub mod server;
@@ -55,6 +58,8 @@ pub struct WorkerConfig {
     /// Memory offered for slices, bytes (0: what the OS says is available).
     pub memory: u64,
     pub measure: measure::Effort,
+    /// Serve `/metrics` (Prometheus' text format) on this address.
+    pub metrics: Option<SocketAddr>,
 }
 
 /// Binds UDP and TCP on one port: the port QUIC got, or both again on another free port.
@@ -160,6 +165,9 @@ pub async fn run(cfg: WorkerConfig, shutdown: impl Future<Output = ()> + Send + 
         advertise,
     });
     let ctl_task = tokio::spawn(ctl.run(stop_rx.clone()));
+    if let Some(addr) = cfg.metrics {
+        metrics::serve(node.clone(), addr, stop_rx.clone()).await?;
+    }
     shutdown.await;
     let _ = stop_tx.send(true);
     let _ = ctl_task.await;

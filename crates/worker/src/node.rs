@@ -44,6 +44,8 @@ pub struct Node {
     pub router: Arc<Router>,
     pub hosted: Mutex<HashMap<(String, u32), Hosted>>,
     pub drive: Mutex<HashMap<String, (DriveTarget, tokio::sync::watch::Sender<bool>)>>,
+    /// When the coordinator last answered a heartbeat.
+    pub last_heartbeat: Mutex<Option<std::time::Instant>>,
 }
 
 pub fn peer(p: &Option<PeerRef>) -> Option<Peer> {
@@ -67,7 +69,13 @@ pub fn carrier(c: i32) -> CarrierKind {
 
 impl Node {
     pub fn new(cfg: WorkerConfig, router: Arc<Router>) -> Arc<Node> {
-        Arc::new(Node { cfg, router, hosted: Mutex::new(HashMap::new()), drive: Mutex::new(HashMap::new()) })
+        Arc::new(Node {
+            cfg,
+            router,
+            hosted: Mutex::new(HashMap::new()),
+            drive: Mutex::new(HashMap::new()),
+            last_heartbeat: Mutex::new(None),
+        })
     }
 
     /// The stages as the heartbeat reports them.
@@ -245,9 +253,9 @@ impl Node {
                 tokenizer,
                 permits: Arc::new(Semaphore::new(a.max_sessions.max(1) as usize)),
                 ubatch: a.ubatch.max(1) as usize,
+                hidden_bytes: (hidden * place.act_dtype.size()) as u64,
                 cancel: cancel_rx,
             };
-            let _ = hidden;
             if let Ok(mut d) = self.drive.lock() {
                 // still assigned? (it may have been re-placed while this slice loaded)
                 let current = self

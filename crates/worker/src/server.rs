@@ -48,7 +48,7 @@ impl Stage for StageService {
         // refuse a bad prompt before the stream starts, so the client sees a plain error
         prompt_ids(&target, &req).map_err(Status::from)?;
         let (tx, rx) = tokio::sync::mpsc::channel(256);
-        let hidden_bytes = 0;
+        let hidden_bytes = target.hidden_bytes;
         tokio::spawn(drive(self.node.router.clone(), target, req, hidden_bytes, tx));
         Ok(Response::new(Box::pin(ReceiverStream::new(rx))))
     }

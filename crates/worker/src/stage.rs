@@ -25,7 +25,7 @@ use brigade_proto::v1::{FrameHeader, FrameKind, SessionSpec, StageTrace};
 use brigade_transport::frame::Frame;
 use prost::Message;
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::sync::mpsc;
 use std::sync::Arc;
 use std::time::Instant;
@@ -49,6 +49,25 @@ pub struct StagePlace {
     pub max_sessions: usize,
 }
 
+/// What a stage did since it started, for the worker's `/metrics` (atomics: the stage's thread
+/// writes, the metrics endpoint reads).
+#[derive(Default)]
+pub struct StageCounters {
+    /// Frames computed, and the rows (tokens) in them.
+    pub frames: AtomicU64,
+    pub rows: AtomicU64,
+    /// Nanoseconds in forward passes (and sampling, on the last stage).
+    pub compute_ns: AtomicU64,
+    /// Bytes handed to the next hop (the next stage, or the driver), and nanoseconds spent
+    /// handing them over (serialization and the transport's send).
+    pub sent_bytes: AtomicU64,
+    pub send_ns: AtomicU64,
+}
+
+fn add_ns(a: &AtomicU64, d: std::time::Duration) {
+    a.fetch_add(u64::try_from(d.as_nanos()).unwrap_or(u64::MAX), Ordering::Relaxed);
+}
+
 struct SessionState {
     cache: SliceCache,
     /// Last stage only: the sampler and every id the session has seen (repeat penalty).
@@ -64,6 +83,7 @@ pub struct StageHost {
     pool: Vec<SliceCache>,
     router: Arc<Router>,
     active: Arc<AtomicU32>,
+    counters: Arc<StageCounters>,
 }
 
 /// The handle the node keeps: the stage's input and how many sessions it holds.
@@ -73,6 +93,7 @@ pub struct StageHandle {
     pub active: Arc<AtomicU32>,
     pub weight_bytes: u64,
     pub kv_bytes_per_session: u64,
+    pub counters: Arc<StageCounters>,
     thread: Option<std::thread::JoinHandle<()>>,
 }
 
@@ -86,6 +107,7 @@ impl StageHandle {
     ) -> Result<StageHandle, WorkerError> {
         let (tx, rx) = mpsc::channel::<Frame>();
         let active = Arc::new(AtomicU32::new(0));
+        let counters = Arc::new(StageCounters::default());
         let weight_bytes = slice.weight_bytes();
         let kv_bytes_per_session = slice.kv_bytes();
         let host = StageHost {
@@ -96,13 +118,14 @@ impl StageHandle {
             pool: Vec::new(),
             router,
             active: active.clone(),
+            counters: counters.clone(),
         };
         let name = format!("stage-{}-{}", place.deployment, place.stage);
         let thread = std::thread::Builder::new()
             .name(name.chars().take(15).collect())
             .spawn(move || host.run(rx))
             .map_err(|e| WorkerError::Internal(format!("cannot start the stage thread: {e}")))?;
-        Ok(StageHandle { place, input: tx, active, weight_bytes, kv_bytes_per_session, thread: Some(thread) })
+        Ok(StageHandle { place, input: tx, active, weight_bytes, kv_bytes_per_session, counters, thread: Some(thread) })
     }
 }
 
@@ -158,16 +181,25 @@ impl StageHost {
     fn to_next(&self, mut frame: Frame) {
         let Some(next) = &self.place.next else { return };
         frame.header.stage = self.place.stage + 1;
+        let (t, n) = (Instant::now(), frame.payload.len() as u64);
         if let Err(e) = self.router.send_blocking(next, self.place.carrier, frame) {
             tracing::warn!("to stage {}: {e}", self.place.stage + 1);
         }
+        self.sent(t, n);
     }
 
     fn to_driver(&self, mut frame: Frame) {
         frame.header.stage = self.place.n_stages;
+        let (t, n) = (Instant::now(), frame.payload.len() as u64);
         if let Err(e) = self.router.send_blocking(&self.place.driver, self.place.carrier, frame) {
             tracing::warn!("to the driver: {e}");
         }
+        self.sent(t, n);
+    }
+
+    fn sent(&self, t: Instant, bytes: u64) {
+        self.counters.sent_bytes.fetch_add(bytes, Ordering::Relaxed);
+        add_ns(&self.counters.send_ns, t.elapsed());
     }
 
     fn end(&mut self, session: u64) {
@@ -292,7 +324,11 @@ impl StageHost {
             (out, sampled)
         };
         let mut trace = h.trace;
-        let compute_us = t0.elapsed().as_micros() as u64;
+        let computed = t0.elapsed();
+        let compute_us = computed.as_micros() as u64;
+        add_ns(&self.counters.compute_ns, computed);
+        self.counters.frames.fetch_add(1, Ordering::Relaxed);
+        self.counters.rows.fetch_add(u64::from(rows), Ordering::Relaxed);
         let stamp = StageTrace { stage: self.place.stage, received_us: received, sent_us: 0, compute_us };
         if !last {
             let payload = wire::hidden_to_bytes(&out, self.place.act_dtype)?;
