@@ -568,7 +568,17 @@ fn replicas_join_and_leave_at_run_time() {
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
     c.kill_replica(1);
     c.deploy(&["--name", "t", "--device-map", "w1:cpu:5"]);
-    let st = only(&c, port);
+    // a current read through replica 4 (one may be refused while the group elects a leader
+    // without replica 1)
+    let t0 = Instant::now();
+    let st = loop {
+        let st = only(&c, port);
+        if st["raft"]["replicas"].is_array() {
+            break st;
+        }
+        assert!(t0.elapsed() < Duration::from_secs(30), "replica 4 answers no current read\n{}", c.logs());
+        std::thread::sleep(Duration::from_millis(200));
+    };
     let ids_now: Vec<u64> =
         st["raft"]["replicas"].as_array().unwrap().iter().map(|r| r["id"].as_u64().unwrap()).collect();
     assert_eq!(ids_now, [2, 3, 4]);

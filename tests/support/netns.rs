@@ -18,10 +18,13 @@ pub struct Net {
 
 impl Net {
     pub fn new(nodes: &[&str]) -> Net {
+        // unique per Net: tests of one binary run at once
+        static NEXT: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
+        let k = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         let pid = std::process::id();
         let n = Net {
-            prefix: format!("brg{}", pid % 100_000),
-            net: 200 + pid % 50,
+            prefix: format!("brg{}x{k}", pid % 100_000),
+            net: 200 + (pid + 7 * k) % 50,
             nodes: nodes.iter().map(|s| s.to_string()).collect(),
         };
         for (i, node) in nodes.iter().enumerate() {
