@@ -264,7 +264,7 @@ fn replicas_catch_up_survive_another_loss_and_a_full_restart() {
     c.wait_up(2);
 }
 
-use support::linearizable::{check, Event as HEvent, Op, Outcome};
+use support::linearizable::{assert_linearizable, check, Event as HEvent, Op, Outcome};
 
 /// The checker itself, on histories whose answer is known.
 #[test]
@@ -417,15 +417,7 @@ fn concurrent_deploys_undeploys_and_reads_under_replica_kills_are_linearizable()
         h.join().unwrap();
     }
     let h = history.lock().unwrap();
-    let acked = h.iter().filter(|e| matches!(e.op, Op::Deploy(_, Outcome::Ok) | Op::Undeploy(_, Outcome::Ok))).count();
-    let reads = h.iter().filter(|e| matches!(e.op, Op::Read(_))).count();
-    let unknown = h.iter().filter(|e| e.ret.is_none()).count();
-    eprintln!("{} operations ({acked} acknowledged changes, {reads} current reads, {unknown} unknown) under {k} replica kills", h.len());
-    assert!(acked >= 10 && reads >= 10, "too little happened to check: {acked} changes, {reads} reads");
-    match check(&h) {
-        Ok(n) => eprintln!("linearizable: {n} operation instances over 3 names"),
-        Err(e) => panic!("{e}\n{}", c.logs()),
-    }
+    assert_linearizable(&h, &format!("{k} replica kills"), 10, || c.logs());
 }
 
 #[test]

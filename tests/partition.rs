@@ -33,10 +33,10 @@ fn names(v: &serde_json::Value) -> Vec<String> {
         .unwrap_or_default()
 }
 
-#[test]
-fn a_cut_off_replica_cannot_commit_and_follows_the_majority_when_it_returns() {
+/// Three replicas r1 r2 r3 and a node c (the clients and worker w1, up) in network namespaces,
+/// every pair linked; the cluster's processes run in their namespaces.
+fn group_in_namespaces() -> (Net, Cluster) {
     assert!(unsafe { libc::geteuid() } == 0, "this test builds network namespaces and needs root (CI runs as root)");
-    // nodes 0..3: the replicas r1 r2 r3; node 3: the client and the worker
     let net = Net::new(&["r1", "r2", "r3", "c"]);
     for a in 0..4 {
         for b in a + 1..4 {
@@ -54,12 +54,19 @@ fn a_cut_off_replica_cannot_commit_and_follows_the_majority_when_it_returns() {
     });
     let hosts: Vec<String> = (0..3).map(|i| net.ip(i)).collect();
     c.start_group_at(&hosts);
-    let leader = c.wait_leader(Duration::from_secs(30));
+    c.wait_leader(Duration::from_secs(30));
     let mut args = c.worker_args("w1");
     let i = args.iter().position(|a| a == "--listen").unwrap();
     args[i + 1] = format!("{}:7071", net.ip(3));
     c.start_worker_with("w1", args);
     c.wait_up(1);
+    (net, c)
+}
+
+#[test]
+fn a_cut_off_replica_cannot_commit_and_follows_the_majority_when_it_returns() {
+    let (net, c) = group_in_namespaces();
+    let leader = c.wait_leader(Duration::from_secs(30));
     c.deploy(&["--name", "before", "--device-map", "w1:cpu:5", "--ctx", "64", "--sessions", "1"]);
     let addr = |id: u64| {
         let r = c.replicas.iter().find(|r| r.id == id).unwrap();
@@ -150,31 +157,9 @@ fn a_cut_off_replica_cannot_commit_and_follows_the_majority_when_it_returns() {
 fn concurrent_changes_and_reads_under_partitions_are_linearizable() {
     use std::sync::atomic::{AtomicBool, Ordering};
     use std::sync::{Arc, Mutex};
-    use support::linearizable::{check, Event, Op, Outcome};
-    assert!(unsafe { libc::geteuid() } == 0, "this test builds network namespaces and needs root (CI runs as root)");
-    let net = Arc::new(Net::new(&["r1", "r2", "r3", "c"]));
-    for a in 0..4 {
-        for b in a + 1..4 {
-            net.link(a, b, None);
-        }
-    }
-    let mut c = Cluster::new();
-    let prefix = net.prefix.clone();
-    c.wrap = Box::new(move |name| {
-        let node = match name.strip_prefix("coordinator-") {
-            Some(id) => format!("r{id}"),
-            None => "c".to_string(),
-        };
-        vec!["ip".into(), "netns".into(), "exec".into(), format!("{prefix}{node}")]
-    });
-    let hosts: Vec<String> = (0..3).map(|i| net.ip(i)).collect();
-    c.start_group_at(&hosts);
-    c.wait_leader(Duration::from_secs(30));
-    let mut args = c.worker_args("w1");
-    let i = args.iter().position(|a| a == "--listen").unwrap();
-    args[i + 1] = format!("{}:7071", net.ip(3));
-    c.start_worker_with("w1", args);
-    c.wait_up(1);
+    use support::linearizable::{assert_linearizable, Event, Op, Outcome};
+    let (net, c) = group_in_namespaces();
+    let net = Arc::new(net);
     let addrs: Vec<String> = c.replicas.iter().map(|r| format!("{}:{}", r.host, r.port)).collect();
     let ca = c.ca().display().to_string();
     let history: Arc<Mutex<Vec<Event>>> = Arc::default();
@@ -266,16 +251,5 @@ fn concurrent_changes_and_reads_under_partitions_are_linearizable() {
         h.join().unwrap();
     }
     let h = history.lock().unwrap();
-    let acked = h.iter().filter(|e| matches!(e.op, Op::Deploy(_, Outcome::Ok) | Op::Undeploy(_, Outcome::Ok))).count();
-    let reads = h.iter().filter(|e| matches!(e.op, Op::Read(_))).count();
-    let unknown = h.iter().filter(|e| e.ret.is_none()).count();
-    eprintln!(
-        "{} operations ({acked} acknowledged changes, {reads} current reads, {unknown} unknown) under {k} partitions",
-        h.len()
-    );
-    assert!(acked >= 5 && reads >= 5, "too little happened to check: {acked} changes, {reads} reads");
-    match check(&h) {
-        Ok(n) => eprintln!("linearizable: {n} operation instances over 3 names"),
-        Err(e) => panic!("{e}\n{}", c.logs()),
-    }
+    assert_linearizable(&h, &format!("{k} partitions"), 5, || c.logs());
 }

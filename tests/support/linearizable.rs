@@ -138,3 +138,20 @@ pub fn check(history: &[Event]) -> Result<usize, String> {
     }
     Ok(checked)
 }
+
+/// Prints what a recorded history holds, requires at least `min` acknowledged changes and
+/// `min` current reads, and checks it (`logs` on failure: the cluster's).
+pub fn assert_linearizable(h: &[Event], under: &str, min: usize, logs: impl FnOnce() -> String) {
+    let acked = h.iter().filter(|e| matches!(e.op, Op::Deploy(_, Outcome::Ok) | Op::Undeploy(_, Outcome::Ok))).count();
+    let reads = h.iter().filter(|e| matches!(e.op, Op::Read(_))).count();
+    let unknown = h.iter().filter(|e| e.ret.is_none()).count();
+    eprintln!(
+        "{} operations ({acked} acknowledged changes, {reads} current reads, {unknown} unknown) under {under}",
+        h.len()
+    );
+    assert!(acked >= min && reads >= min, "too little happened to check: {acked} changes, {reads} reads");
+    match check(h) {
+        Ok(n) => eprintln!("linearizable: {n} operation instances"),
+        Err(e) => panic!("{e}\n{}", logs()),
+    }
+}
