@@ -144,9 +144,10 @@ impl Linear {
     /// [`Linear::forward`] for the decode rows of several sessions, `x: (rows, 1, in)`, such that
     /// each row's result is, bit for bit, the one a call with that row alone gives. On the CPU
     /// the matmul picks its kernel by the number of rows, and only the decode kernels (up to
-    /// [`crate::cpu_matmul::DECODE_ROWS`] rows: one vec-dot per row and weight row) compute a row
-    /// independently of the others; the prompt kernels round differently. So rows go in groups
-    /// of at most that many, each a pass over the weight. Elsewhere (a GPU) the rows go in one call.
+    /// [`crate::cpu_matmul::DECODE_ROWS`] rows: vec-dots that unpack each weight block once for
+    /// all the rows and give each row the arithmetic it has alone) compute a row independently
+    /// of the others; the prompt kernels round differently. So rows go in groups of at most that
+    /// many, each a pass over the weight. Elsewhere (a GPU) the rows go in one call.
     pub fn forward_rows(&self, x: &Tensor) -> candle_core::Result<Tensor> {
         let per_call = crate::cpu_matmul::DECODE_ROWS;
         let rows = x.dim(0)?;

@@ -14,7 +14,7 @@ use std::collections::HashMap;
 use std::sync::Arc;
 
 /// A small random model whose prompt and decode kernels round differently (Q4_K: int8 tiles
-/// above four rows, vec-dots below), so a batch that mixed them would show.
+/// above `DECODE_ROWS` rows, vec-dots up to it), so a batch that mixed them would show.
 fn q4k_model(dir: &tempfile::TempDir) -> ModelFiles {
     let path = dir.path().join("q4k.gguf");
     let shape =
@@ -31,14 +31,25 @@ fn argmax(l: &[f32]) -> u32 {
     Sampler::new(SamplerConfig::greedy()).sample(l, &[])
 }
 
-/// Six sessions with prompts of different lengths join a decode batch at different steps and
+/// Ten sessions with prompts of different lengths join a decode batch at different steps and
 /// leave at different steps; every row's logits at every step equal, bit for bit, the logits
 /// of the same session decoded alone. On one stage and across two.
 fn check_rows_invariant(files: &ModelFiles, map: &str) {
     let p = pipeline(files, map, 256);
     let vocab = files.config.vocab as u32;
     // (prompt length, joins at step, leaves after step)
-    let plan = [(5usize, 0usize, 9usize), (17, 0, 4), (1, 1, 12), (40, 2, 11), (9, 3, 7), (23, 3, 11)];
+    let plan = [
+        (5usize, 0usize, 9usize),
+        (17, 0, 4),
+        (1, 1, 12),
+        (40, 2, 11),
+        (9, 3, 7),
+        (23, 3, 11),
+        (3, 1, 10),
+        (12, 2, 9),
+        (7, 4, 8),
+        (30, 4, 6),
+    ];
     // alone: each session prefilled, then decoded greedily one token at a time
     let alone: Vec<Vec<Vec<f32>>> = plan
         .iter()
@@ -78,9 +89,11 @@ fn check_rows_invariant(files: &ModelFiles, map: &str) {
             sessions[k].1 = l;
         }
     }
-    // the batch really was 1 to 6 rows wide, past the four-row kernel boundary
-    assert_eq!(widths.iter().max(), Some(&6));
-    assert!(widths.contains(&1) && widths.contains(&5));
+    // the batch really was 1 to 10 rows wide: one row, several sharing a pass (rows in a
+    // multi-row vec-dot), and past DECODE_ROWS, two passes
+    let passes = |w: usize| w.div_ceil(brigade_model::cpu_matmul::DECODE_ROWS);
+    assert_eq!(widths.iter().max(), Some(&10));
+    assert!(widths.contains(&1) && widths.contains(&7) && passes(10) == 2);
 }
 
 #[test]

@@ -11,7 +11,7 @@
 //!    the prompt), whoever else is in the batch;
 //! 3. decodes one token for every session past its prompt, all in one forward pass
 //!    ([`Pipeline::forward_rows`]: each weight is read once per step for the whole batch, up to
-//!    four rows per pass on the CPU).
+//!    [`crate::cpu_matmul::DECODE_ROWS`] (8) rows per pass on the CPU).
 //!
 //! **Batch invariance**: a row's numbers never depend on which other rows share the step (see
 //! [`crate::llama::Slice::forward_rows`]), and sampling and stop rules are `generate`'s, so a

@@ -6,7 +6,7 @@
 //! get one is `new()`, which checks), so the arithmetic methods are safe. They are
 //! `#[inline(always)]` and are only fast inside a function compiled with the same features: the
 //! kernels are generic over [`Simd`] and each instruction set enters them through its own
-//! `#[target_feature]` functions ([`Simd::q0_tile`], [`Simd::k_tile`]).
+//! `#[target_feature]` functions ([`Simd::q0_columns`], [`Simd::k_group`], …).
 
 use super::acts::{Q8KRows, Q8Rows};
 use super::tiles::{self, Out, Panel};
@@ -85,17 +85,17 @@ pub trait Simd: Copy + Send + Sync + 'static {
     /// `p` points to `W / 32` readable floats.
     unsafe fn per_block_at(self, p: *const f32) -> Self::F;
 
-    /// [`tiles::q0_dot`] compiled for this instruction set.
+    /// [`tiles::q0_columns`] compiled for this instruction set.
     ///
     /// # Safety
-    /// As [`tiles::q0_dot`].
-    unsafe fn q0_dot<T: Q0Unpack>(self, w: &[T], bpr: usize, c: usize, x: &Q8Rows) -> f32;
+    /// As [`tiles::q0_columns`].
+    unsafe fn q0_columns<T: Q0Unpack>(self, w: &[T], bpr: usize, cols: (usize, usize), x: &Q8Rows, out: Out);
 
-    /// [`tiles::k_dot`] compiled for this instruction set.
+    /// [`tiles::k_columns`] compiled for this instruction set.
     ///
     /// # Safety
-    /// As [`tiles::k_dot`].
-    unsafe fn k_dot<T: KUnpack>(self, w: &[T], bpr: usize, c: usize, x: &Q8KRows) -> f32;
+    /// As [`tiles::k_columns`].
+    unsafe fn k_columns<T: KUnpack>(self, w: &[T], bpr: usize, cols: (usize, usize), x: &Q8KRows, out: Out);
 
     /// [`tiles::q0_group`] compiled for this instruction set.
     ///
@@ -187,15 +187,29 @@ macro_rules! entry_points {
             use super::*;
 
             #[target_feature(enable = $features)]
-            pub unsafe fn q0_dot<T: Q0Unpack>(s: $isa, w: &[T], bpr: usize, c: usize, x: &Q8Rows) -> f32 {
+            pub unsafe fn q0_columns<T: Q0Unpack>(
+                s: $isa,
+                w: &[T],
+                bpr: usize,
+                cols: (usize, usize),
+                x: &Q8Rows,
+                out: Out,
+            ) {
                 // SAFETY: the caller's contract
-                unsafe { tiles::q0_dot::<T, $isa>(s, w, bpr, c, x) }
+                unsafe { tiles::q0_columns::<T, $isa>(s, w, bpr, cols, x, out) }
             }
 
             #[target_feature(enable = $features)]
-            pub unsafe fn k_dot<T: KUnpack>(s: $isa, w: &[T], bpr: usize, c: usize, x: &Q8KRows) -> f32 {
+            pub unsafe fn k_columns<T: KUnpack>(
+                s: $isa,
+                w: &[T],
+                bpr: usize,
+                cols: (usize, usize),
+                x: &Q8KRows,
+                out: Out,
+            ) {
                 // SAFETY: the caller's contract
-                unsafe { tiles::k_dot::<T, $isa>(s, w, bpr, c, x) }
+                unsafe { tiles::k_columns::<T, $isa>(s, w, bpr, cols, x, out) }
             }
 
             #[target_feature(enable = $features)]
@@ -242,16 +256,16 @@ entry_points!(zmm_entry, Zmm, "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnn
 // `$module($token)` as the match on the instruction set picks it.
 macro_rules! forward_entries {
     ($s:ident, $on:expr; $($p:pat => $module:ident($token:expr)),+ $(,)?) => {
-        unsafe fn q0_dot<T: Q0Unpack>(self, w: &[T], bpr: usize, c: usize, x: &Q8Rows) -> f32 {
+        unsafe fn q0_columns<T: Q0Unpack>(self, w: &[T], bpr: usize, cols: (usize, usize), x: &Q8Rows, out: Out) {
             let $s = self;
             // SAFETY: the token proves the features; the rest is the caller's contract
-            unsafe { match $on { $($p => $module::q0_dot($token, w, bpr, c, x)),+ } }
+            unsafe { match $on { $($p => $module::q0_columns($token, w, bpr, cols, x, out)),+ } }
         }
 
-        unsafe fn k_dot<T: KUnpack>(self, w: &[T], bpr: usize, c: usize, x: &Q8KRows) -> f32 {
+        unsafe fn k_columns<T: KUnpack>(self, w: &[T], bpr: usize, cols: (usize, usize), x: &Q8KRows, out: Out) {
             let $s = self;
             // SAFETY: as above
-            unsafe { match $on { $($p => $module::k_dot($token, w, bpr, c, x)),+ } }
+            unsafe { match $on { $($p => $module::k_columns($token, w, bpr, cols, x, out)),+ } }
         }
 
         unsafe fn q0_group<T: Q0Unpack>(

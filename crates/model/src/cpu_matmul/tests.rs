@@ -158,7 +158,7 @@ fn assert_close(got: &[f32], want: &[(f64, f64)], what: &str) {
     }
 }
 
-/// Each int8 kernel (vec-dot and every tile shape, row and column remainders, an odd number of
+/// Each int8 kernel (vec-dots of 1 to `DECODE_ROWS` rows, every tile shape, row and column remainders, an odd number of
 /// 32-blocks for the 512-bit kernels, more rows than a prompt group) on each instruction set.
 #[test]
 fn int8_kernels_equal_scalar_reference() {
@@ -167,7 +167,7 @@ fn int8_kernels_equal_scalar_reference() {
     for dt in INT8_TYPES {
         let (n, k) = if int8_family(dt) == Some(true) { (5, 768) } else { (5, 160) };
         let w = random_weight(dt, (n, k), &mut rng);
-        for m in [1usize, 2, 4, 5, 7, 70] {
+        for m in [1usize, 2, 4, 5, 7, 8, 9, 70] {
             let lhs = activations(m * k, &mut rng);
             let want = reference(dt, w.bytes(), (m, k, n), &lhs);
             for &t in &targets {
@@ -276,7 +276,8 @@ fn cast_takes_only_whole_aligned_blocks() {
 fn kernel_choice_names_the_instruction_set() {
     for isa in Isa::ALL {
         for dt in INT8_TYPES {
-            let (decode, prompt) = (Kernel::choose_for(dt, 1, isa), Kernel::choose_for(dt, 5, isa));
+            let (decode, prompt) = (Kernel::choose_for(dt, 1, isa), Kernel::choose_for(dt, DECODE_ROWS + 1, isa));
+            assert_eq!(Kernel::choose_for(dt, DECODE_ROWS, isa), decode);
             if isa == Isa::Portable {
                 assert_eq!((decode, prompt), (Kernel::CandleVecDot, Kernel::DequantGemm));
             } else {
@@ -285,8 +286,8 @@ fn kernel_choice_names_the_instruction_set() {
                 assert!(prompt.describe(dt).starts_with(&format!("brigade {} int8 4x", isa.name())));
             }
         }
-        assert_eq!(Kernel::choose_for(GgmlDType::Q3K, 4, isa), Kernel::CandleVecDot);
-        assert_eq!(Kernel::choose_for(GgmlDType::F16, 5, isa), Kernel::DequantGemm);
+        assert_eq!(Kernel::choose_for(GgmlDType::Q3K, DECODE_ROWS, isa), Kernel::CandleVecDot);
+        assert_eq!(Kernel::choose_for(GgmlDType::F16, DECODE_ROWS + 1, isa), Kernel::DequantGemm);
     }
     assert_eq!(Isa::parse("AVX2"), Ok(Some(Isa::Avx2)));
     assert_eq!(Isa::parse(" auto "), Ok(None));

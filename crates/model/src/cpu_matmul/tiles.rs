@@ -1,9 +1,12 @@
 //! The int8 kernels, generic over the instruction set ([`Simd`]), and the drivers that run them
 //! over a matmul on candle's thread pool.
 //!
-//! - One activation row (decode) is a vec-dot per weight row straight from ggml's blocks
-//!   ([`q0_dot`], [`k_dot`]): every weight byte is read once, so unpacking it in place is free
-//!   next to the memory read.
+//! - Decode rows (up to `DECODE_ROWS`, one per session) are vec-dots per weight row straight
+//!   from ggml's blocks ([`q0_dot_rows`], [`k_dot_rows`]), each weight block unpacked once for up
+//!   to [`DOT_ROWS`] rows and each row's arithmetic exactly that of the row alone (batch
+//!   invariance). Alone, a row reads every weight byte once, so unpacking in place costs next to
+//!   nothing where the memory read bounds it; where it does not (Q4_K on few cores), rows
+//!   sharing the unpacking is what makes a batch cheaper than its rows one by one.
 //! - More rows (prompts) run in `4 × C` register tiles. Each weight block is then used by every
 //!   row, so the `C` weight columns of a tile are first unpacked into a [`Panel`] (quants as
 //!   bytes, scales as the vectors the kernel multiplies by) and the tile kernels ([`q0_tile`],
@@ -41,22 +44,35 @@ const PROMPT_ROWS: usize = 64;
 /// Activation rows per tile (the quantized rows are padded to a multiple).
 const TILE_ROWS: usize = 4;
 
-/// `x · w[c]` for a 32-weight type: per block `Σ q·x` in i32 lanes (starting from the
-/// activations' `fill`, which takes away the weights' offset), times `d_w·d_x`, plus
-/// Q4_1/Q5_1's `m · d_x·Σx`. The second half of each 512-bit step is under `S::W == 64`, which
-/// the compiler folds away for 256-bit vectors.
+/// Rows `r0..r0 + R` of `x` times `w[c]` for a 32-weight type: per block `Σ q·x` in i32 lanes
+/// (starting from the activations' `fill`, which takes away the weights' offset), times
+/// `d_w·d_x`, plus Q4_1/Q5_1's `m · d_x·Σx`. The second half of each 512-bit step is under
+/// `S::W == 64`, which the compiler folds away for 256-bit vectors.
+///
+/// Each weight block is unpacked once for the `R` rows; each row then runs the same operations
+/// in the same order into accumulators of its own, so a row's result is, bit for bit, the one it
+/// has with `R = 1` (batch invariance; tested).
 ///
 /// # Safety
-/// `w` holds row `c` of `bpr` blocks; `x` holds one row of `bpr.next_multiple_of(S::W / 32)`
-/// blocks, quantized with the offset 128 for Q8_0 on VNNI and `T::OFFSET` otherwise.
+/// `w` holds row `c` of `bpr` blocks; `x` holds rows `r0..r0 + R` of
+/// `bpr.next_multiple_of(S::W / 32)` blocks, quantized with the offset 128 for Q8_0 on VNNI and
+/// `T::OFFSET` otherwise.
 #[inline(always)]
-pub unsafe fn q0_dot<T: Q0Unpack, S: Simd>(s: S, w: &[T], bpr: usize, c: usize, x: &Q8Rows) -> f32 {
+pub unsafe fn q0_dot_rows<T: Q0Unpack, S: Simd, const R: usize>(
+    s: S,
+    w: &[T],
+    bpr: usize,
+    c: usize,
+    x: &Q8Rows,
+    r0: usize,
+) -> [f32; R] {
     debug_assert!((c + 1) * bpr <= w.len() && x.blocks == bpr.next_multiple_of(S::W / 32));
+    debug_assert!((r0 + R) * x.blocks <= x.d.len());
     let a2 = s.avx2();
     let two = S::W == 64;
     let flip = T::SIGNED && S::VNNI;
     let fill = q0_offset::<T, S>() != 0;
-    let mut acc = s.zero_f();
+    let mut acc = [s.zero_f(); R];
     let mut b0 = 0;
     while b0 < x.blocks {
         // SAFETY: row c is in `w`, block b0 < bpr (x.blocks rounds bpr up by less than a step)
@@ -73,63 +89,99 @@ pub unsafe fn q0_dot<T: Q0Unpack, S: Simd>(s: S, w: &[T], bpr: usize, c: usize, 
         if flip {
             wv = s.flip(wv);
         }
-        let t1 = if two { b0 + 1 } else { b0 };
-        // SAFETY: blocks b0..b0 + W/32 of row 0 are in `x`
-        let (xv, dx, init, sx) = unsafe {
-            (
-                s.load(x.qs.as_ptr().add(32 * b0)),
-                s.per_block([*x.d.get_unchecked(b0), *x.d.get_unchecked(t1)]),
-                if fill { s.per_block_i32([*x.fill.get_unchecked(b0), *x.fill.get_unchecked(t1)]) } else { s.zero() },
-                s.per_block([*x.s.get_unchecked(b0), *x.s.get_unchecked(t1)]),
-            )
-        };
-        let p = if T::SIGNED && !S::VNNI { s.dot_s8(init, wv, xv) } else { s.dot_u8(init, wv, xv) };
-        acc = s.fmadd(s.mul(s.per_block_f16([b.d(), d1]), dx), s.cvt(p), acc);
-        if T::HAS_MIN {
-            // each block's 8 lanes add up to m · d_x·Σx
-            acc = s.fmadd(s.mul(s.per_block_f16([b.m(), m1]), s.set1(0.125)), sx, acc);
+        let dw = s.per_block_f16([b.d(), d1]);
+        let mw = if T::HAS_MIN { s.mul(s.per_block_f16([b.m(), m1]), s.set1(0.125)) } else { s.zero_f() };
+        for (i, acc) in acc.iter_mut().enumerate() {
+            let (at, t1) = ((r0 + i) * x.blocks + b0, if two { 1 } else { 0 });
+            // SAFETY: blocks b0..b0 + W/32 of row r0 + i are in `x`
+            let (xv, dx, init, sx) = unsafe {
+                (
+                    s.load(x.qs.as_ptr().add(32 * at)),
+                    s.per_block([*x.d.get_unchecked(at), *x.d.get_unchecked(at + t1)]),
+                    if fill {
+                        s.per_block_i32([*x.fill.get_unchecked(at), *x.fill.get_unchecked(at + t1)])
+                    } else {
+                        s.zero()
+                    },
+                    s.per_block([*x.s.get_unchecked(at), *x.s.get_unchecked(at + t1)]),
+                )
+            };
+            let p = if T::SIGNED && !S::VNNI { s.dot_s8(init, wv, xv) } else { s.dot_u8(init, wv, xv) };
+            *acc = s.fmadd(s.mul(dw, dx), s.cvt(p), *acc);
+            if T::HAS_MIN {
+                // each block's 8 lanes add up to m · d_x·Σx
+                *acc = s.fmadd(mw, sx, *acc);
+            }
         }
         b0 += S::W / 32;
     }
-    s.hsum(acc)
+    let mut out = [0f32; R];
+    for (o, a) in out.iter_mut().zip(&acc) {
+        *o = s.hsum(*a);
+    }
+    out
 }
 
-/// `x · w[c]` for a 256-weight type: per super-block the quants' products times their
-/// sub-block scales summed in i32 lanes (`dot_scaled`), Q6_K's −32 added in integers
-/// (`Σ corr · bsums`), times `d_w·d_x`, less Q4_K/Q5_K's `dmin · Σ m · bsums`.
+/// Rows `r0..r0 + R` of `x` times `w[c]` for a 256-weight type: per super-block the quants'
+/// products times their sub-block scales summed in i32 lanes (`dot_scaled`), Q6_K's −32 added
+/// in integers (`Σ corr · bsums`), times `d_w·d_x`, less Q4_K/Q5_K's `dmin · Σ m · bsums`.
+///
+/// Each super-block's scales and quants are unpacked once for the `R` rows (most of the work
+/// where decode is not bound by memory); each row then runs the same operations in the same
+/// order into accumulators of its own, so a row's result is, bit for bit, the one it has with
+/// `R = 1` (batch invariance; tested).
 ///
 /// # Safety
-/// `w` holds row `c` of `bpr` super-blocks; `x` holds one row of `bpr` super-blocks.
+/// `w` holds row `c` of `bpr` super-blocks; `x` holds rows `r0..r0 + R` of `bpr` super-blocks.
 #[inline(always)]
-pub unsafe fn k_dot<T: KUnpack, S: Simd>(s: S, w: &[T], bpr: usize, c: usize, x: &Q8KRows) -> f32 {
-    debug_assert!((c + 1) * bpr <= w.len() && bpr <= x.d.len());
+pub unsafe fn k_dot_rows<T: KUnpack, S: Simd, const R: usize>(
+    s: S,
+    w: &[T],
+    bpr: usize,
+    c: usize,
+    x: &Q8KRows,
+    r0: usize,
+) -> [f32; R] {
+    debug_assert!((c + 1) * bpr <= w.len() && (r0 + R) * bpr <= x.d.len());
     let a2 = s.avx2();
-    let mut acc = s.zero_f();
-    let mut accm = a2.zero_f();
+    let mut acc = [s.zero_f(); R];
+    let mut accm = [a2.zero_f(); R];
     for b in 0..bpr {
         // SAFETY: row c, super-block b is in `w`
         let blk = unsafe { w.get_unchecked(c * bpr + b) };
         prefetch(blk, std::mem::size_of::<T>().div_ceil(64));
         let ks = blk.scales(a2);
-        let mut isum = s.zero();
+        let mut isum = [s.zero(); R];
         for st in 0..256 / S::W {
             let t = st * (S::W / 32);
             let hi = if S::W == 64 { blk.chunk(a2, t + 1) } else { a2.zero() };
-            // SAFETY: bytes st·W.. of super-block b of row 0
-            let xv = unsafe { s.load(x.qs.as_ptr().add(b * 256 + st * S::W)) };
-            isum = s.dot_scaled(isum, s.join(blk.chunk(a2, t), hi), xv, s.scales(ks.sc, st));
+            let (wv, sc) = (s.join(blk.chunk(a2, t), hi), s.scales(ks.sc, st));
+            for (i, isum) in isum.iter_mut().enumerate() {
+                // SAFETY: bytes st·W.. of super-block b of row r0 + i
+                let xv = unsafe { s.load(x.qs.as_ptr().add(((r0 + i) * bpr + b) * 256 + st * S::W)) };
+                *isum = s.dot_scaled(*isum, wv, xv, sc);
+            }
         }
-        // SAFETY: super-block b of row 0
-        let (dx, bs) = unsafe { (*x.d.get_unchecked(b), a2.load(x.bsums.as_ptr().add(16 * b).cast())) };
-        let corr = a2.madd(bs, ks.corr);
-        if T::HAS_MIN {
-            accm = a2.fmadd(a2.mul(a2.per_block_f16([ks.dmin; 2]), a2.set1(dx)), a2.cvt(corr), accm);
-        } else {
-            isum = s.add32(isum, s.widen(corr));
+        let (dw, dmin) = (s.per_block_f16([ks.d; 2]), a2.per_block_f16([ks.dmin; 2]));
+        for (i, (acc, accm)) in acc.iter_mut().zip(accm.iter_mut()).enumerate() {
+            let at = (r0 + i) * bpr + b;
+            // SAFETY: super-block b of row r0 + i
+            let (dx, bs) = unsafe { (*x.d.get_unchecked(at), a2.load(x.bsums.as_ptr().add(16 * at).cast())) };
+            let corr = a2.madd(bs, ks.corr);
+            let mut t = isum[i];
+            if T::HAS_MIN {
+                *accm = a2.fmadd(a2.mul(dmin, a2.set1(dx)), a2.cvt(corr), *accm);
+            } else {
+                t = s.add32(t, s.widen(corr));
+            }
+            *acc = s.fmadd(s.mul(dw, s.set1(dx)), s.cvt(t), *acc);
         }
-        acc = s.fmadd(s.mul(s.per_block_f16([ks.d; 2]), s.set1(dx)), s.cvt(isum), acc);
     }
-    s.hsum(acc) - if T::HAS_MIN { a2.hsum(accm) } else { 0.0 }
+    let mut out = [0f32; R];
+    for (o, (a, am)) in out.iter_mut().zip(acc.iter().zip(&accm)) {
+        *o = s.hsum(*a) - if T::HAS_MIN { a2.hsum(*am) } else { 0.0 };
+    }
+    out
 }
 
 /// Up to two weight columns unpacked for the prompt tiles, every block of `k` (one per worker
@@ -484,6 +536,116 @@ impl Out {
             }
         }
     }
+
+    /// Writes `t` at rows `r0..r0 + R` of column `c`.
+    ///
+    /// # Safety
+    /// Only this work item writes those elements; `r0 + R ≤ m`, `c < n`.
+    #[inline(always)]
+    unsafe fn put_column<const R: usize>(self, t: [f32; R], r0: usize, c: usize) {
+        for (i, v) in t.iter().enumerate() {
+            // SAFETY: (r0 + i, c) is inside the output (caller's contract)
+            unsafe { *(self.ptr as *mut f32).add((r0 + i) * self.n + c) = *v };
+        }
+    }
+}
+
+/// Activation rows per multi-row vec-dot ([`q0_dot_rows`], [`k_dot_rows`]): the rows of a group
+/// share each weight block's unpacking, and a column's groups find its blocks in L1. 8 rather
+/// than 4 took Q4_K k = 2048 from 61 to 65 GMAC/s at 8 rows on AVX-512 (49 to 57 on AVX2, its
+/// accumulators spilling) in the `cpu_kernels` example, one thread.
+const DOT_ROWS: usize = 8;
+const _: () = assert!(DOT_ROWS <= 8, "with_rows! goes up to 8");
+
+/// `$body` with the constant `$r` set to `$rows`, from 1 to 8 (more is 8).
+macro_rules! with_rows {
+    ($rows:expr, $r:ident => $body:expr) => {
+        match $rows {
+            1 => {
+                const $r: usize = 1;
+                $body
+            }
+            2 => {
+                const $r: usize = 2;
+                $body
+            }
+            3 => {
+                const $r: usize = 3;
+                $body
+            }
+            4 => {
+                const $r: usize = 4;
+                $body
+            }
+            5 => {
+                const $r: usize = 5;
+                $body
+            }
+            6 => {
+                const $r: usize = 6;
+                $body
+            }
+            7 => {
+                const $r: usize = 7;
+                $body
+            }
+            _ => {
+                const $r: usize = 8;
+                $body
+            }
+        }
+    };
+}
+
+/// Columns `c0..c1` of every decode row (`out.m ≤ DECODE_ROWS`) of a 32-weight type: per
+/// column, the rows in groups of up to [`DOT_ROWS`] through [`q0_dot_rows`], so that each
+/// row's result is the one it has alone.
+///
+/// # Safety
+/// As [`q0_dot_rows`] for those columns and rows `0..out.m` of `x`; only this call writes those
+/// columns.
+#[inline(always)]
+pub unsafe fn q0_columns<T: Q0Unpack, S: Simd>(
+    s: S,
+    w: &[T],
+    bpr: usize,
+    (c0, c1): (usize, usize),
+    x: &Q8Rows,
+    out: Out,
+) {
+    for c in c0..c1 {
+        for r0 in (0..out.m).step_by(DOT_ROWS) {
+            // SAFETY: the caller's contract; rows r0..r0 + R are below out.m
+            unsafe {
+                with_rows!((out.m - r0).min(DOT_ROWS), R => out.put_column(q0_dot_rows::<T, S, R>(s, w, bpr, c, x, r0), r0, c))
+            }
+        }
+    }
+}
+
+/// Columns `c0..c1` of every decode row (`out.m ≤ DECODE_ROWS`) of a 256-weight type, as
+/// [`q0_columns`] through [`k_dot_rows`].
+///
+/// # Safety
+/// As [`k_dot_rows`] for those columns and rows `0..out.m` of `x`; only this call writes those
+/// columns.
+#[inline(always)]
+pub unsafe fn k_columns<T: KUnpack, S: Simd>(
+    s: S,
+    w: &[T],
+    bpr: usize,
+    (c0, c1): (usize, usize),
+    x: &Q8KRows,
+    out: Out,
+) {
+    for c in c0..c1 {
+        for r0 in (0..out.m).step_by(DOT_ROWS) {
+            // SAFETY: the caller's contract; rows r0..r0 + R are below out.m
+            unsafe {
+                with_rows!((out.m - r0).min(DOT_ROWS), R => out.put_column(k_dot_rows::<T, S, R>(s, w, bpr, c, x, r0), r0, c))
+            }
+        }
+    }
 }
 
 /// Columns `c0..c0 + cols` (at most `S::Q0_C`) of activation rows `g0..g1` of a 32-weight type.
@@ -556,22 +718,9 @@ pub unsafe fn k_group<T: KUnpack, S: Simd>(
     }
 }
 
-/// `dst[r, c] = f(r, c)` for the `m` decode rows and every column, columns split across
-/// candle's pool. Each row's value is the one-row vec-dot's whatever `m` is (batch invariance:
-/// `brigade serve` decodes several sessions in one pass); a weight column is read from memory
-/// once, and found in L1 by the rows after the first.
-fn each_column_rows(n: usize, m: usize, dst: &mut [f32], f: impl Fn(usize, usize) -> f32 + Sync) {
-    assert!(dst.len() >= n * m);
-    let dst_ptr = dst.as_mut_ptr() as usize;
-    candle_core::utils::barrier_pool().execute_chunked(n, |cols| {
-        for c in cols {
-            for r in 0..m {
-                let v = f(r, c);
-                // SAFETY: (r, c) with r < m, c < n is written by this item only
-                unsafe { *(dst_ptr as *mut f32).add(r * n + c) = v };
-            }
-        }
-    });
+/// Runs `columns((c0, c1))` over every column, ranges of columns split across candle's pool.
+fn each_column_range(n: usize, columns: impl Fn((usize, usize)) + Sync) {
+    candle_core::utils::barrier_pool().execute_chunked(n, |cols| columns((cols.start, cols.end)));
 }
 
 /// Runs `group((c0, cols), panel)` over every group of up to `tc` columns, split across
@@ -602,15 +751,16 @@ pub unsafe fn matmul_q0<T: Q0Unpack, S: Simd>(
     let bpr = k / 32;
     let blocks = bpr.next_multiple_of(S::W / 32);
     let offset = q0_offset::<T, S>();
+    let out = Out { ptr: dst.as_mut_ptr() as usize, m, n };
     if m <= DECODE_ROWS {
-        // each row quantized alone and dotted alone: its result is the one it has alone
-        let xs: Vec<Q8Rows> = lhs.chunks_exact(k).map(|r| Q8Rows::new(r, (1, k), 1, blocks, offset)).collect();
-        // SAFETY: column c < n is in `w`, row 0 in each `xs[r]`, quantized as the kernel expects
-        each_column_rows(n, m, dst, |r, c| unsafe { s.q0_dot(w, bpr, c, &xs[r]) });
+        // each row quantized as alone (per row) and dotted as alone: its result is the one it
+        // has alone
+        let x = Q8Rows::new(lhs, (m, k), m, blocks, offset);
+        // SAFETY: each range writes its own columns; every column is in `w`, every row in `x`
+        each_column_range(n, |cols| unsafe { s.q0_columns(w, bpr, cols, &x, out) });
         return;
     }
     let x = Q8Rows::new(lhs, (m, k), m.next_multiple_of(TILE_ROWS), blocks, offset);
-    let out = Out { ptr: dst.as_mut_ptr() as usize, m, n };
     for g0 in (0..m).step_by(PROMPT_ROWS) {
         let rows = (g0, (g0 + PROMPT_ROWS).min(m));
         // SAFETY: each group writes its own columns of these rows; rows are padded to tiles
@@ -630,15 +780,15 @@ pub unsafe fn matmul_k<T: KUnpack, S: Simd>(
     dst: &mut [f32],
 ) {
     let bpr = k / 256;
+    let out = Out { ptr: dst.as_mut_ptr() as usize, m, n };
     if m <= DECODE_ROWS {
-        // each row quantized alone and dotted alone: its result is the one it has alone
-        let xs: Vec<Q8KRows> = lhs.chunks_exact(k).map(|r| Q8KRows::new(r, (1, k), 1)).collect();
-        // SAFETY: column c < n is in `w`, row 0 in each `xs[r]`
-        each_column_rows(n, m, dst, |r, c| unsafe { s.k_dot(w, bpr, c, &xs[r]) });
+        // as in `matmul_q0`
+        let x = Q8KRows::new(lhs, (m, k), m);
+        // SAFETY: each range writes its own columns; every column is in `w`, every row in `x`
+        each_column_range(n, |cols| unsafe { s.k_columns(w, bpr, cols, &x, out) });
         return;
     }
     let x = Q8KRows::new(lhs, (m, k), m.next_multiple_of(TILE_ROWS));
-    let out = Out { ptr: dst.as_mut_ptr() as usize, m, n };
     for g0 in (0..m).step_by(PROMPT_ROWS) {
         let rows = (g0, (g0 + PROMPT_ROWS).min(m));
         // SAFETY: each group writes its own columns of these rows; rows are padded to tiles
