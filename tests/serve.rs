@@ -179,6 +179,7 @@ fn the_coordinator_serves_the_api_metrics_and_dashboard_for_a_model_split_across
     let stdout = String::from_utf8_lossy(&out.stdout);
     assert!(out.status.success(), "metrics: {}\n{stdout}", String::from_utf8_lossy(&out.stderr));
     assert!(stdout.contains("ok: "), "{stdout}");
+    eprint!("{stdout}");
 
     // one source: `status` says what /metrics says
     let status = c.status();

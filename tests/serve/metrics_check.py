@@ -67,6 +67,11 @@ def worker(url):
     check(len(compute) >= 1 and all(s.value > 0 for s in compute), f"the worker's stages computed: {compute}")
     rows = m.get("brigade_worker_stage_rows_total", [])
     check(all(s.value > 0 for s in rows), f"rows: {rows}")
+    batched = m.get("brigade_worker_stage_batched_rows_total", [])
+    print(f"worker rows {[s.value for s in rows]} batched {[s.value for s in batched]}")
+    # 16 concurrent streams went through: decode steps waiting together were computed together
+    # (and their texts equal `brigade run`'s: the openai cases checked that)
+    check(sum(s.value for s in batched) > 0, f"no decode steps were batched: {batched}")
     sent = m.get("brigade_worker_hop_sent_bytes_total", [])
     check(all(s.value > 0 for s in sent), f"bytes sent: {sent}")
     age = m["brigade_worker_heartbeat_age_seconds"][0].value

@@ -32,6 +32,7 @@ type FCounter = Counter<f64, AtomicU64>;
 pub fn encode(node: &Node) -> Result<String, std::fmt::Error> {
     let compute = Family::<StageLabels, FCounter>::default();
     let rows = Family::<StageLabels, Counter>::default();
+    let batched = Family::<StageLabels, Counter>::default();
     let frames = Family::<StageLabels, Counter>::default();
     let sent = Family::<StageLabels, FCounter>::default();
     let send_s = Family::<StageLabels, FCounter>::default();
@@ -53,6 +54,7 @@ pub fn encode(node: &Node) -> Result<String, std::fmt::Error> {
             let c = &handle.counters;
             compute.get_or_create(&l).inc_by(c.compute_ns.load(Ordering::Relaxed) as f64 / 1e9);
             rows.get_or_create(&l).inc_by(c.rows.load(Ordering::Relaxed));
+            batched.get_or_create(&l).inc_by(c.batched_rows.load(Ordering::Relaxed));
             frames.get_or_create(&l).inc_by(c.frames.load(Ordering::Relaxed));
             sent.get_or_create(&l).inc_by(c.sent_bytes.load(Ordering::Relaxed) as f64);
             send_s.get_or_create(&l).inc_by(c.send_ns.load(Ordering::Relaxed) as f64 / 1e9);
@@ -70,6 +72,11 @@ pub fn encode(node: &Node) -> Result<String, std::fmt::Error> {
     let mut reg = Registry::with_prefix("brigade_worker");
     reg.register("stage_compute_seconds", "Seconds a stage computed (forward passes, sampling)", compute);
     reg.register("stage_rows", "Rows (tokens) a stage computed", rows);
+    reg.register(
+        "stage_batched_rows",
+        "Rows computed in passes of several sessions' decode steps (the weights read once for all)",
+        batched,
+    );
     reg.register("stage_frames", "Frames a stage computed", frames);
     reg.register("hop_sent_bytes", "Bytes a stage handed to its next hop", sent);
     reg.register("hop_send_seconds", "Seconds a stage spent handing frames to its next hop", send_s);

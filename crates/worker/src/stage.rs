@@ -2,7 +2,10 @@
 //! computes.
 //!
 //! Frames arrive in order on one channel (from the previous stage's link, or from the driver on
-//! this node for the first stage) and are processed one at a time: while this stage computes one
+//! this node for the first stage). Decode steps of different sessions that are waiting together
+//! (up to `DECODE_ROWS`) are computed in one forward pass (`Slice::forward_rows`: the weights
+//! are read once for all of them, and on the CPU each row's numbers are those it gets alone);
+//! everything else is processed one frame at a time: while this stage computes one
 //! session's token the next stage computes another's, so concurrent sessions pipeline, and the
 //! chunks of a long prompt overlap across stages (this stage computes chunk k+1 while the next
 //! computes chunk k). Per frame:
@@ -34,6 +37,8 @@ use std::time::Instant;
 pub const FLAG_LAST: u32 = 1;
 /// Frame flag on TOKENS back to the driver: the id is an end-of-generation token.
 pub const FLAG_EOG: u32 = 2;
+/// Decode steps of different sessions computed in one pass, at most (the CPU kernels' rows).
+const MAX_BATCH: usize = brigade_model::cpu_matmul::DECODE_ROWS;
 
 /// Where a stage sits and whom it talks to.
 #[derive(Debug, Clone)]
@@ -56,6 +61,8 @@ pub struct StageCounters {
     /// Frames computed, and the rows (tokens) in them.
     pub frames: AtomicU64,
     pub rows: AtomicU64,
+    /// Rows computed in passes of several sessions' decode steps.
+    pub batched_rows: AtomicU64,
     /// Nanoseconds in forward passes (and sampling, on the last stage).
     pub compute_ns: AtomicU64,
     /// Bytes handed to the next hop (the next stage, or the driver), and nanoseconds spent
@@ -149,18 +156,153 @@ impl StageHost {
     fn run(mut self, rx: mpsc::Receiver<Frame>) {
         let _span =
             tracing::debug_span!("stage", deployment = %self.place.deployment, stage = self.place.stage).entered();
-        while let Ok(frame) = rx.recv() {
-            let received = now_us();
-            let session = frame.header.session;
-            if let Err(e) = self.handle(frame, received) {
-                tracing::warn!(session, "stage {} of {}: {e}", self.place.stage, self.place.deployment);
-                self.end(session);
-                let mut h = self.header(FrameKind::Error, session);
-                h.text = format!("stage {} ({}): {e}", self.place.stage, self.place.deployment);
-                self.to_driver(wire::frame(h, bytes::Bytes::new()));
+        let mut pending: std::collections::VecDeque<(Frame, u64)> = std::collections::VecDeque::new();
+        loop {
+            if pending.is_empty() {
+                match rx.recv() {
+                    Ok(f) => pending.push_back((f, now_us())),
+                    Err(_) => break,
+                }
+            }
+            // whatever else has arrived meanwhile: decode steps of other sessions go together
+            while pending.len() < MAX_BATCH {
+                match rx.try_recv() {
+                    Ok(f) => pending.push_back((f, now_us())),
+                    Err(_) => break,
+                }
+            }
+            let n = self.batchable(&pending);
+            if n >= 2 {
+                let batch: Vec<(Frame, u64)> = pending.drain(..n).collect();
+                self.process_batch(batch);
+            } else if let Some((frame, received)) = pending.pop_front() {
+                self.process(frame, received);
             }
         }
         tracing::debug!("stage {} of {} stopped", self.place.stage, self.place.deployment);
+    }
+
+    /// One frame, its failure ending its session here and told to the driver.
+    fn process(&mut self, frame: Frame, received: u64) {
+        let session = frame.header.session;
+        if let Err(e) = self.handle(frame, received) {
+            tracing::warn!(session, "stage {} of {}: {e}", self.place.stage, self.place.deployment);
+            self.end(session);
+            let mut h = self.header(FrameKind::Error, session);
+            h.text = format!("stage {} ({}): {e}", self.place.stage, self.place.deployment);
+            self.to_driver(wire::frame(h, bytes::Bytes::new()));
+        }
+    }
+
+    /// How many frames at the front of `pending` are one decode step each of distinct open
+    /// sessions, each at its cache's end: those are computed in one pass.
+    fn batchable(&self, pending: &std::collections::VecDeque<(Frame, u64)>) -> usize {
+        let want = if self.place.stage == 0 { FrameKind::Tokens } else { FrameKind::Hidden };
+        let mut seen = std::collections::HashSet::new();
+        pending
+            .iter()
+            .take_while(|(f, _)| {
+                let h = &f.header;
+                h.kind == want as i32
+                    && h.generation == self.place.generation
+                    && h.rows == 1
+                    && h.flags & FLAG_LAST != 0
+                    && seen.insert(h.session)
+                    && self.sessions.get(&h.session).is_some_and(|s| s.cache.len() as u64 == h.first_position)
+            })
+            .count()
+    }
+
+    /// Decode steps of several sessions in one forward pass (`Slice::forward_rows`: on the CPU
+    /// each row's numbers are those it gets alone). If the pass fails, each frame goes alone,
+    /// so that each failure is its own session's.
+    fn process_batch(&mut self, batch: Vec<(Frame, u64)>) {
+        match self.compute_batch(&batch) {
+            Ok((outputs, computed)) => {
+                for ((frame, received), (out, sampled)) in batch.into_iter().zip(outputs) {
+                    let session = frame.header.session;
+                    if let Err(e) = self.emit(frame.header, out, sampled, received, computed) {
+                        tracing::warn!(session, "stage {} of {}: {e}", self.place.stage, self.place.deployment);
+                        self.end(session);
+                        let mut h = self.header(FrameKind::Error, session);
+                        h.text = format!("stage {} ({}): {e}", self.place.stage, self.place.deployment);
+                        self.to_driver(wire::frame(h, bytes::Bytes::new()));
+                    }
+                }
+            }
+            Err(e) => {
+                // nothing was appended to any cache: each frame goes alone, its failure its own
+                tracing::debug!("a batch of {} decode steps failed ({e}); each goes alone", batch.len());
+                for (frame, received) in batch {
+                    self.process(frame, received);
+                }
+            }
+        }
+    }
+
+    /// The batch's forward pass and samples: per frame its output row and sampled id.
+    #[allow(clippy::type_complexity)]
+    fn compute_batch(
+        &mut self,
+        batch: &[(Frame, u64)],
+    ) -> Result<(Vec<(candle_core::Tensor, Option<u32>)>, std::time::Duration), WorkerError> {
+        let t0 = Instant::now();
+        let first = self.place.stage == 0;
+        let hidden = self.slice.config().hidden;
+        let mut ids = Vec::with_capacity(batch.len());
+        let mut rows = Vec::with_capacity(batch.len());
+        for (f, _) in batch {
+            if first {
+                ids.extend(wire::ids_from_frame(&f.header, &f.payload)?);
+            } else {
+                rows.push(wire::hidden_from_frame(&f.header, &f.payload, hidden, self.slice.device())?);
+            }
+        }
+        let tensor = if first { None } else { Some(candle_core::Tensor::cat(&rows, 0)?) };
+        let input = match &tensor {
+            Some(t) => StageInput::Hidden(t),
+            None => StageInput::Tokens(&ids),
+        };
+        // the sessions leave the map for the pass (one mutable borrow each) and always return
+        let mut states = Vec::with_capacity(batch.len());
+        for (f, _) in batch {
+            match self.sessions.remove(&f.header.session) {
+                Some(s) => states.push((f.header.session, s)),
+                None => break,
+            }
+        }
+        let result = if states.len() == batch.len() {
+            let mut caches: Vec<&mut SliceCache> = states.iter_mut().map(|(_, s)| &mut s.cache).collect();
+            self.slice.forward_rows(&mut caches, input).map_err(WorkerError::from)
+        } else {
+            Err(WorkerError::Frame("a session of the batch is not open".into()))
+        };
+        let outputs = result.and_then(|out| {
+            (0..batch.len())
+                .map(|i| {
+                    let row = out.narrow(0, i, 1)?;
+                    Ok(match states[i].1.sampler.as_mut() {
+                        Some((sampler, history)) if self.is_last() => {
+                            let logits: Vec<f32> = row.squeeze(0)?.squeeze(0)?.to_vec1::<f32>()?;
+                            let id = sampler.sample(&logits, history);
+                            history.push(id);
+                            (row, Some(id))
+                        }
+                        _ => (row, None),
+                    })
+                })
+                .collect::<Result<Vec<_>, WorkerError>>()
+        });
+        for (id, st) in states {
+            self.sessions.insert(id, st);
+        }
+        let outputs = outputs?;
+        let computed = t0.elapsed();
+        add_ns(&self.counters.compute_ns, computed);
+        self.counters.frames.fetch_add(batch.len() as u64, Ordering::Relaxed);
+        self.counters.rows.fetch_add(batch.len() as u64, Ordering::Relaxed);
+        self.counters.batched_rows.fetch_add(batch.len() as u64, Ordering::Relaxed);
+        Ok((outputs, computed))
     }
 
     fn is_last(&self) -> bool {
@@ -323,14 +465,30 @@ impl StageHost {
             };
             (out, sampled)
         };
-        let mut trace = h.trace;
         let computed = t0.elapsed();
-        let compute_us = computed.as_micros() as u64;
         add_ns(&self.counters.compute_ns, computed);
         self.counters.frames.fetch_add(1, Ordering::Relaxed);
         self.counters.rows.fetch_add(u64::from(rows), Ordering::Relaxed);
+        self.emit(h, out, sampled, received, computed)
+    }
+
+    /// Sends a computed frame on: the hidden state to the next stage, or (last stage) the
+    /// sampled id back to the driver; each stamped with this stage's times.
+    fn emit(
+        &self,
+        h: FrameHeader,
+        out: candle_core::Tensor,
+        sampled: Option<u32>,
+        received: u64,
+        computed: std::time::Duration,
+    ) -> Result<(), WorkerError> {
+        let session = h.session;
+        let rows = h.rows;
+        let hidden = self.slice.config().hidden;
+        let mut trace = h.trace;
+        let compute_us = computed.as_micros() as u64;
         let stamp = StageTrace { stage: self.place.stage, received_us: received, sent_us: 0, compute_us };
-        if !last {
+        if !self.is_last() {
             let payload = wire::hidden_to_bytes(&out, self.place.act_dtype)?;
             let mut nh = FrameHeader {
                 step: h.step,
