@@ -75,7 +75,7 @@ done
 echo "## 4. pipelining: 2 workers on one core each (-t 1), 4 sessions, vs one process on one core"
 taskset -c 0 "$BIN" bench -m "$MODEL" -p 0 -n 64 -r "$REPS" -t 1 | tee "$OUT/onecore.txt"
 THREADS=1 start_cluster pinned 2 0 1
-"$BIN" bench "${CLI[@]}" -m m -p 0 -n 64 -r "$REPS" --concurrency 1,4 | tee "$OUT/pinned.txt"
+"$BIN" bench "${CLI[@]}" -m m -p 0 -n 64 -r "$REPS" --concurrency 1,4,8 | tee "$OUT/pinned.txt"
 stop_cluster
 
 if [ "$(id -u)" = 0 ]; then

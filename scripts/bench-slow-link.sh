@@ -39,7 +39,7 @@ run deploy -m "$MODEL" --name m --device-map w1:cpu:8,w2:cpu:8 --ctx 1024 >/dev/
 run status | grep -E "→" || true
 run bench -m m -p 512 -n 0 -r 2 | tee "$DIR/pp.txt"
 pp=$(grep pp512 "$DIR/pp.txt" | head -1 | awk -F'|' '{print $5}' | awk '{print $1}')
-local_pp=$("$BIN" bench -m "$MODEL" -p 512 -n 0 -r 2 -t 2 -o json | python3 -c 'import json,sys; r=json.load(sys.stdin); print([x for x in r if x["test"]=="pp512"][0]["avg_ts"])')
+local_pp=$("$BIN" bench -m "$MODEL" -p 512 -n 0 -r 2 -t 2 -o json | python3 -c 'import json,sys; r=json.load(sys.stdin)["rows"]; print([x for x in r if x["test"]=="pp512"][0]["avg_ts"])')
 bw=$(run status --json | python3 -c 'import json,sys; s=json.load(sys.stdin); print(min(l["bandwidth_bytes_per_s"] for l in s["links"]))')
 python3 - "$pp" "$local_pp" "$bw" <<'PY'
 import sys
