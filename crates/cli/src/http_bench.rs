@@ -162,7 +162,9 @@ async fn level(t: &std::sync::Arc<Target>, model: &str, c: usize, n: usize, rep:
     let tasks: Vec<_> = (0..c)
         .map(|k| {
             let (t, m) = (t.clone(), model.to_string());
-            let p = json!(words_prompt(60, rep * 131 + k + 1));
+            // distinct for every client, repetition and level: a server that caches prompts
+            // (llama-server keeps each slot's last prompt) gets no head start from earlier ones
+            let p = json!(words_prompt(60, c * 1009 + rep * 131 + k + 1));
             tokio::spawn(async move { stream(&t, &m, p, n).await })
         })
         .collect();
