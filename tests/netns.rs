@@ -55,7 +55,13 @@ fn a_slow_link_is_measured_shown_and_avoided() {
     c.wait_up(3);
     // the deploy waits for every pair's link to be measured, then plans on the figures
     let d = c.deploy(&["--name", "m", "-m", model.to_str().unwrap(), "--ctx", "128", "--sessions", "1"]);
-    let st = c.status();
+    // every node measures its links to the others on its own schedule: wait (bounded) for both
+    // directions of every pair to be reported
+    let mut st = c.status();
+    wait_until("all six directed links measured", std::time::Duration::from_secs(60), || {
+        st = c.status();
+        st["links"].as_array().is_some_and(|l| l.len() >= 6)
+    });
     let link = |a: &str, b: &str| -> f64 {
         st["links"]
             .as_array()
