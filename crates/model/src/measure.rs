@@ -226,6 +226,18 @@ pub fn kernel_rates(t: GgmlDType, effort: Effort) -> Result<KernelFigures, Model
 /// Measures the CPU with `threads` threads (or reads the figures measured before from
 /// `cache_dir`). `memory_cap` limits the memory offered (0 = what the OS says is available);
 /// memory is never cached.
+/// Held while this process measures the CPU: brigade processes on one host (the workers of a
+/// cluster tried on one machine, a worker and `brigade doctor`) measure one at a time — at once,
+/// each would measure a fraction of the CPU and the planner would plan on it. An advisory lock
+/// (std's `File::lock`) on a file in the temp dir; without it (no temp dir, no locks) measuring
+/// goes on unserialized.
+pub fn host_measure_lock() -> Option<std::fs::File> {
+    let path = std::env::temp_dir().join("brigade-measure.lock");
+    let f = std::fs::OpenOptions::new().create(true).write(true).truncate(false).open(path).ok()?;
+    f.lock().ok()?;
+    Some(f)
+}
+
 pub fn measure_cpu(
     threads: usize,
     effort: Effort,
@@ -238,6 +250,7 @@ pub fn measure_cpu(
     if let Some(hit) = cache_dir.and_then(|d| cache_read(d, &key)) {
         return Ok(DeviceFigures { memory_free: offered, memory_total: info.memory_total, ..hit });
     }
+    let _host = host_measure_lock();
     let t0 = Instant::now();
     let bw_bytes = match effort {
         Effort::Full => crate::bandwidth::probe_bytes(),
@@ -410,5 +423,19 @@ mod tests {
             let e = measure_cuda(0, Effort::Quick, None).err().map(|e| e.to_string()).unwrap_or_default();
             assert!(e.contains("cuda0: no such CUDA device"), "{e}");
         }
+    }
+
+    #[test]
+    fn measurements_on_one_host_take_turns() {
+        let held = host_measure_lock().expect("a lock file in the temp dir");
+        let t0 = Instant::now();
+        let waiter = std::thread::spawn(move || {
+            let _l = host_measure_lock();
+            t0.elapsed()
+        });
+        std::thread::sleep(std::time::Duration::from_millis(300));
+        drop(held);
+        let waited = waiter.join().unwrap_or_default();
+        assert!(waited >= std::time::Duration::from_millis(250), "the second measurement did not wait: {waited:?}");
     }
 }
