@@ -176,6 +176,17 @@ fn the_coordinator_comes_back_from_kill_9_with_everything() {
         let mode = std::fs::metadata(c.path(&format!("coordinator/{f}"))).unwrap().permissions().mode();
         assert_eq!(mode & 0o777, 0o600, "{f}");
     }
+    // a worker hosting a stage, and the coordinator, stop on SIGTERM (as systemd and Kubernetes
+    // stop them): a stage's thread ends although the router still holds its input
+    for name in ["w1", "coordinator"] {
+        let p = if name == "coordinator" { c.coordinator.as_mut().unwrap() } else { c.worker(name) };
+        assert_eq!(unsafe { libc::kill(p.child.id() as i32, libc::SIGTERM) }, 0);
+        let t0 = std::time::Instant::now();
+        while p.exited().is_none() {
+            assert!(t0.elapsed() < Duration::from_secs(10), "{name} did not stop on SIGTERM:\n{}", p.log_text());
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
 }
 
 #[test]

@@ -28,7 +28,7 @@ use brigade_proto::v1::{FrameHeader, FrameKind, SessionSpec, StageTrace};
 use brigade_transport::frame::Frame;
 use prost::Message;
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::sync::mpsc;
 use std::sync::Arc;
 use std::time::Instant;
@@ -37,6 +37,8 @@ use std::time::Instant;
 pub const FLAG_LAST: u32 = 1;
 /// Frame flag on TOKENS back to the driver: the id is an end-of-generation token.
 pub const FLAG_EOG: u32 = 2;
+/// How often an idle stage looks whether its handle was dropped.
+const STOP_POLL: std::time::Duration = std::time::Duration::from_millis(100);
 /// Decode steps of different sessions computed in one pass, at most (the CPU kernels' rows).
 const MAX_BATCH: usize = brigade_model::cpu_matmul::DECODE_ROWS;
 
@@ -91,6 +93,9 @@ pub struct StageHost {
     router: Arc<Router>,
     active: Arc<AtomicU32>,
     counters: Arc<StageCounters>,
+    /// Set when the handle is dropped: the thread ends even while others (the router) still hold
+    /// senders of its channel.
+    stop: Arc<AtomicBool>,
 }
 
 /// The handle the node keeps: the stage's input and how many sessions it holds.
@@ -101,6 +106,7 @@ pub struct StageHandle {
     pub weight_bytes: u64,
     pub kv_bytes_per_session: u64,
     pub counters: Arc<StageCounters>,
+    stop: Arc<AtomicBool>,
     thread: Option<std::thread::JoinHandle<()>>,
 }
 
@@ -115,6 +121,7 @@ impl StageHandle {
         let (tx, rx) = mpsc::channel::<Frame>();
         let active = Arc::new(AtomicU32::new(0));
         let counters = Arc::new(StageCounters::default());
+        let stop = Arc::new(AtomicBool::new(false));
         let weight_bytes = slice.weight_bytes();
         let kv_bytes_per_session = slice.kv_bytes();
         let host = StageHost {
@@ -126,20 +133,31 @@ impl StageHandle {
             router,
             active: active.clone(),
             counters: counters.clone(),
+            stop: stop.clone(),
         };
         let name = format!("stage-{}-{}", place.deployment, place.stage);
         let thread = std::thread::Builder::new()
             .name(name.chars().take(15).collect())
             .spawn(move || host.run(rx))
             .map_err(|e| WorkerError::Internal(format!("cannot start the stage thread: {e}")))?;
-        Ok(StageHandle { place, input: tx, active, weight_bytes, kv_bytes_per_session, counters, thread: Some(thread) })
+        Ok(StageHandle {
+            place,
+            input: tx,
+            active,
+            weight_bytes,
+            kv_bytes_per_session,
+            counters,
+            stop,
+            thread: Some(thread),
+        })
     }
 }
 
 impl Drop for StageHandle {
     fn drop(&mut self) {
-        // closing the channel ends the thread after the frame it is on; the slice and caches go
-        // with it
+        // the thread ends after the frame it is on (within STOP_POLL when idle: the router may
+        // still hold a sender, so the channel need not close); the slice and caches go with it
+        self.stop.store(true, Ordering::Release);
         let (dead, _) = mpsc::channel();
         self.input = dead;
         if let Some(t) = self.thread.take() {
@@ -158,10 +176,14 @@ impl StageHost {
             tracing::debug_span!("stage", deployment = %self.place.deployment, stage = self.place.stage).entered();
         let mut pending: std::collections::VecDeque<(Frame, u64)> = std::collections::VecDeque::new();
         loop {
+            if self.stop.load(Ordering::Acquire) {
+                break;
+            }
             if pending.is_empty() {
-                match rx.recv() {
+                match rx.recv_timeout(STOP_POLL) {
                     Ok(f) => pending.push_back((f, now_us())),
-                    Err(_) => break,
+                    Err(mpsc::RecvTimeoutError::Timeout) => continue,
+                    Err(mpsc::RecvTimeoutError::Disconnected) => break,
                 }
             }
             // whatever else has arrived meanwhile: decode steps of other sessions go together
