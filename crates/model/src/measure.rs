@@ -41,7 +41,8 @@ impl std::str::FromStr for Effort {
     }
 }
 
-const FULL_TYPES: [GgmlDType; 13] = [
+/// Every weight type candle quantizes to (what a full measurement times).
+pub(crate) const FULL_TYPES: [GgmlDType; 13] = [
     GgmlDType::F32,
     GgmlDType::F16,
     GgmlDType::BF16,

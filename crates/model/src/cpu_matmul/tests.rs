@@ -302,21 +302,7 @@ fn kernel_choice_names_the_instruction_set() {
 fn matches_dequantized_matmul() {
     let (n, k) = (72usize, 512usize);
     let w = Tensor::randn(0f32, 1.0, (n, k), &Device::Cpu).unwrap();
-    for dt in [
-        GgmlDType::F32,
-        GgmlDType::F16,
-        GgmlDType::BF16,
-        GgmlDType::Q4_0,
-        GgmlDType::Q4_1,
-        GgmlDType::Q5_0,
-        GgmlDType::Q5_1,
-        GgmlDType::Q8_0,
-        GgmlDType::Q2K,
-        GgmlDType::Q3K,
-        GgmlDType::Q4K,
-        GgmlDType::Q5K,
-        GgmlDType::Q6K,
-    ] {
+    for dt in crate::measure::FULL_TYPES {
         let q = QTensor::quantize(&w, dt).unwrap();
         let data = q.data().unwrap();
         let wd = q.dequantize(&Device::Cpu).unwrap();
