@@ -2,13 +2,13 @@
 //! user would run them.
 
 #![allow(clippy::unwrap_used)]
+
+mod support;
+
 use serde_json::Value;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
-
-fn root() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../..")
-}
+use support::{root, smollm2};
 
 fn fixture(name: &str) -> PathBuf {
     root().join("tests/fixtures").join(name)
@@ -100,18 +100,6 @@ fn sampling_is_seeded() {
     let k1 = ok_json(&["run", "-n", "30", "--temp", "1.5", "--top-k", "1", "--seed", "3", "--json"]);
     let greedy = ok_json(&["run", "-n", "30", "--temp", "0", "--json"]);
     assert_eq!(k1["generated_ids"], greedy["generated_ids"], "top-k 1 is greedy");
-}
-
-fn smollm2() -> PathBuf {
-    if let Ok(p) = std::env::var("BRIGADE_SMOLLM2") {
-        return PathBuf::from(p);
-    }
-    let p = root().join("target/models/SmolLM2-135M-Instruct.Q4_1.gguf");
-    if !p.exists() {
-        let st = Command::new("bash").arg(root().join("tests/fetch-smollm2.sh")).status().unwrap();
-        assert!(st.success(), "tests/fetch-smollm2.sh failed");
-    }
-    p
 }
 
 #[test]

@@ -10,24 +10,7 @@ use std::io::{BufRead, BufReader};
 use std::path::PathBuf;
 use std::process::{Command, Stdio};
 use std::time::Duration;
-use support::{Proc, BIN};
-
-fn root() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../..")
-}
-
-/// The SmolLM2 GGUF (tests/fetch-smollm2.sh fetches it when missing).
-fn smollm2() -> PathBuf {
-    if let Ok(p) = std::env::var("BRIGADE_SMOLLM2") {
-        return PathBuf::from(p);
-    }
-    let p = root().join("target/models/SmolLM2-135M-Instruct.Q4_1.gguf");
-    if !p.exists() {
-        let st = Command::new("bash").arg(root().join("tests/fetch-smollm2.sh")).status().unwrap();
-        assert!(st.success(), "tests/fetch-smollm2.sh failed");
-    }
-    p
-}
+use support::{root, smollm2, Proc, BIN};
 
 /// The Python with `openai` installed: `target/venv`, which `.ci/run` makes.
 fn python() -> PathBuf {

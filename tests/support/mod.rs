@@ -404,3 +404,22 @@ pub fn synth(path: &Path, extra: &[&str]) {
     let out = Command::new(BIN).args(&args).output().unwrap();
     assert!(out.status.success(), "synth: {}", String::from_utf8_lossy(&out.stderr));
 }
+
+/// The repository's root.
+pub fn root() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../..")
+}
+
+/// The SmolLM2 GGUF: `BRIGADE_SMOLLM2`, or `target/models/` (tests/fetch-smollm2.sh fetches it
+/// when missing).
+pub fn smollm2() -> PathBuf {
+    if let Ok(p) = std::env::var("BRIGADE_SMOLLM2") {
+        return PathBuf::from(p);
+    }
+    let p = root().join("target/models/SmolLM2-135M-Instruct.Q4_1.gguf");
+    if !p.exists() {
+        let st = Command::new("bash").arg(root().join("tests/fetch-smollm2.sh")).status().unwrap();
+        assert!(st.success(), "tests/fetch-smollm2.sh failed");
+    }
+    p
+}
