@@ -381,3 +381,56 @@ mod tests {
         assert!(p.stages.iter().all(|s| s.device == DeviceId::Cpu));
     }
 }
+
+/// The model and how it is split on this box: the options `run` and `serve` share.
+#[derive(clap::Args, Debug)]
+pub struct ModelArgs {
+    /// Model: a GGUF file or a Hugging Face directory. Default: the small model built into brigade.
+    #[arg(short = 'm', long = "model")]
+    pub model: Option<std::path::PathBuf>,
+    /// Context size in tokens (each session's, for `serve`); 0: the model's trained context
+    /// (default: the model's, at most 4096).
+    #[arg(short = 'c', long = "ctx-size")]
+    pub ctx: Option<usize>,
+    /// Compute threads; 0 or less: every logical CPU (default: the physical cores).
+    #[arg(short = 't', long = "threads", allow_negative_numbers = true)]
+    pub threads: Option<i64>,
+    /// Layers on the GPU: a count (the last N layers and the head, as llama.cpp), `all`, or `auto`
+    /// (as many as fit). Also spelled `-ngl`.
+    #[arg(long = "n-gpu-layers")]
+    pub ngl: Option<GpuLayers>,
+    /// Consecutive layer counts per device, in order: `cpu:3,cpu:2` or `cpu:10,cuda0:22`.
+    #[arg(long = "device-map")]
+    pub device_map: Option<String>,
+    /// Share of free GPU memory `-ngl auto` leaves unused.
+    #[arg(long = "headroom", default_value_t = 0.10)]
+    pub headroom: f64,
+    /// How `-ngl auto` measures this machine the first time (cached after): `full` or `quick`.
+    #[arg(long = "measure", default_value = "full")]
+    pub measure: brigade_model::measure::Effort,
+}
+
+/// A model opened and placed on this box.
+pub struct Placed {
+    pub files: ModelFiles,
+    pub n_ctx: usize,
+    pub gpus: Vec<CudaInfo>,
+    pub placement: Placement,
+}
+
+impl ModelArgs {
+    /// Opens the model, resolves the context and places the layers (measuring this machine for
+    /// `-ngl auto` the first time); prints the placement's notice.
+    pub fn open_and_place(&self) -> Result<Placed> {
+        let files = open_model(self.model.as_deref())?;
+        let n_ctx = context_len(&files, self.ctx)?;
+        let gpus = detect_gpus();
+        let placement = place(&files, self.ngl, self.device_map.as_deref(), n_ctx, self.headroom, &gpus, || {
+            Machine::measure(&gpus, self.measure)
+        })?;
+        if let Some(n) = &placement.notice {
+            eprintln!("{n}");
+        }
+        Ok(Placed { files, n_ctx, gpus, placement })
+    }
+}

@@ -118,10 +118,10 @@ fn rewrite_llama_cpp_flags(args: impl IntoIterator<Item = String>) -> Vec<String
 /// counts runs each in a child process and computes nothing itself).
 fn requested_threads(cmd: &Cmd) -> Option<i64> {
     match cmd {
-        Cmd::Run(a) => a.threads,
+        Cmd::Run(a) => a.common.threads,
         Cmd::Bench(a) if a.threads.len() == 1 => a.threads.first().copied(),
         Cmd::Doctor(a) => a.threads,
-        Cmd::Serve(a) => a.threads,
+        Cmd::Serve(a) => a.common.threads,
         Cmd::Worker(a) => a.threads.map(|n| i64::try_from(n).unwrap_or(i64::MAX)),
         _ => None,
     }

@@ -1,27 +1,23 @@
 //! `brigade run`: llama.cpp's `llama-cli -no-cnv` for one prompt, on this box.
 
 use crate::common::{
-    check_cpu_memory, context_len, detect_gpus, gpu_free, human_bytes, load_with_retry, n_predict, open_model, place,
-    GpuLayers, Placement,
+    check_cpu_memory, gpu_free, human_bytes, load_with_retry, n_predict, GpuLayers, ModelArgs, Placed, Placement,
 };
 use anyhow::{Context, Result};
 use brigade_core::{DeviceId, Stage};
 use brigade_model::device::Accelerators;
 use brigade_model::devices::CudaInfo;
-use brigade_model::measure::Effort;
 use brigade_model::{predict_slice_bytes, GenerationStats, ModelFiles, Pipeline, Sampler, SamplerConfig, Tokenizer};
 use clap::Args;
 use serde::Serialize;
 use std::io::Write;
-use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Instant;
 
 #[derive(Args, Debug)]
 pub struct RunArgs {
-    /// Model: a GGUF file or a Hugging Face directory. Default: the small model built into brigade.
-    #[arg(short = 'm', long = "model")]
-    pub model: Option<PathBuf>,
+    #[command(flatten)]
+    pub common: ModelArgs,
     /// Prompt text.
     #[arg(short = 'p', long = "prompt", default_value = "")]
     pub prompt: String,
@@ -44,25 +40,6 @@ pub struct RunArgs {
     pub repeat_penalty: f32,
     #[arg(long = "repeat-last-n", default_value_t = 64)]
     pub repeat_last_n: usize,
-    /// Context size in tokens; 0: the model's trained context (default: the model's, at most 4096).
-    #[arg(short = 'c', long = "ctx-size")]
-    pub ctx: Option<usize>,
-    /// Compute threads; 0 or less: every logical CPU (default: the physical cores).
-    #[arg(short = 't', long = "threads", allow_negative_numbers = true)]
-    pub threads: Option<i64>,
-    /// Layers on the GPU: a count (the last N layers and the head, as llama.cpp), `all`, or `auto`
-    /// (as many as fit). Also spelled `-ngl`.
-    #[arg(long = "n-gpu-layers")]
-    pub ngl: Option<GpuLayers>,
-    /// Consecutive layer counts per device, in order: `cpu:3,cpu:2` or `cpu:10,cuda0:22`.
-    #[arg(long = "device-map")]
-    pub device_map: Option<String>,
-    /// Share of free GPU memory `-ngl auto` leaves unused.
-    #[arg(long = "headroom", default_value_t = 0.10)]
-    pub headroom: f64,
-    /// How `-ngl auto` measures this machine the first time (cached after): `full` or `quick`.
-    #[arg(long = "measure", default_value = "full")]
-    pub measure: Effort,
     /// Treat the prompt as a user message and render the model's chat template.
     #[arg(long = "chat")]
     pub chat: bool,
@@ -140,16 +117,8 @@ pub fn run(a: RunArgs) -> Result<()> {
 
 /// The model, the context, the placement, the prompt's tokens and the sampler.
 fn prepare(a: &RunArgs) -> Result<Prepared> {
-    let files = open_model(a.model.as_deref())?;
-    let n_ctx = context_len(&files, a.ctx)?;
     let n_predict = n_predict(a.n_predict)?;
-    let gpus = detect_gpus();
-    let placement = place(&files, a.ngl, a.device_map.as_deref(), n_ctx, a.headroom, &gpus, || {
-        crate::machine::Machine::measure(&gpus, a.measure)
-    })?;
-    if let Some(n) = &placement.notice {
-        eprintln!("{n}");
-    }
+    let Placed { files, n_ctx, gpus, placement } = a.common.open_and_place()?;
     check_cpu_memory(&files, &placement.stages, n_ctx)?;
     let tk = &files.tokenizer;
     let prompt_ids = if a.chat {
@@ -215,7 +184,7 @@ fn generate(a: RunArgs, prep: Prepared, t_load: Instant) -> Result<RunOut> {
     let ordinals: Vec<u32> = prep.gpus.iter().map(|g| g.ordinal).collect();
     let _accelerators = Accelerators::open(&ordinals)?;
     let free_before = gpu_free();
-    let (pipeline, predicted) = load(&prep, a.ngl == Some(GpuLayers::Auto))?;
+    let (pipeline, predicted) = load(&prep, a.common.ngl == Some(GpuLayers::Auto))?;
     let Prepared { files, n_ctx, n_predict, prompt_ids, sampler, gpus, .. } = prep;
     let tk: Arc<Tokenizer> = files.tokenizer.clone();
     // The slices own their weights now; unmapping the file keeps the process's resident memory

@@ -3,10 +3,9 @@
 //! OpenAI-compatible API of `brigade-serve` in front of it.
 
 use crate::cluster::{runtime, stop_signal};
-use crate::common::{context_len, detect_gpus, load_with_retry, open_model, place, GpuLayers};
+use crate::common::{detect_gpus, load_with_retry, GpuLayers, ModelArgs, Placed};
 use anyhow::{Context, Result};
 use brigade_model::batch::{Engine, EngineConfig, Job, Output, Sink};
-use brigade_model::measure::Effort;
 use brigade_model::pipeline::StopReason;
 use brigade_model::{Pipeline, SamplerConfig};
 use brigade_serve::{
@@ -15,42 +14,22 @@ use brigade_serve::{
 };
 use clap::Args;
 use std::io::Write;
-use std::path::PathBuf;
 use std::sync::Arc;
 use tokio::sync::mpsc;
 
 #[derive(Args, Debug)]
 pub struct ServeArgs {
-    /// Model: a GGUF file or a Hugging Face directory. Default: the small model built into brigade.
-    #[arg(short = 'm', long = "model")]
-    pub model: Option<PathBuf>,
+    #[command(flatten)]
+    pub common: ModelArgs,
     /// The model's name in the API (default: its file name).
     #[arg(long = "alias")]
     pub alias: Option<String>,
-    /// Context size of each session, in tokens (default: the model's, at most 4096).
-    #[arg(short = 'c', long = "ctx-size")]
-    pub ctx: Option<usize>,
     /// Sessions decoded together, each with its own KV cache of the full context.
     #[arg(long = "parallel", default_value_t = 4)]
     pub parallel: usize,
     /// Requests that may wait for a free session; more are answered 503.
     #[arg(long = "queue", default_value_t = 64)]
     pub queue: usize,
-    /// Compute threads; 0 or less: every logical CPU (default: the physical cores).
-    #[arg(short = 't', long = "threads", allow_negative_numbers = true)]
-    pub threads: Option<i64>,
-    /// Layers on the GPU: a count, `all`, or `auto`. Also spelled `-ngl`.
-    #[arg(long = "n-gpu-layers")]
-    pub ngl: Option<GpuLayers>,
-    /// Consecutive layer counts per device, in order: `cpu:3,cpu:2` or `cpu:10,cuda0:22`.
-    #[arg(long = "device-map")]
-    pub device_map: Option<String>,
-    /// Share of free GPU memory `-ngl auto` leaves unused.
-    #[arg(long = "headroom", default_value_t = 0.10)]
-    pub headroom: f64,
-    /// How `-ngl auto` measures this machine the first time (cached after): `full` or `quick`.
-    #[arg(long = "measure", default_value = "full")]
-    pub measure: Effort,
     #[arg(long = "host", default_value = "127.0.0.1")]
     pub host: String,
     /// 0 picks a free port (printed).
@@ -194,16 +173,8 @@ pub fn serve(a: ServeArgs) -> Result<()> {
     if a.parallel == 0 || a.parallel > 256 {
         anyhow::bail!("--parallel {}: 1 to 256 sessions", a.parallel);
     }
-    let files = open_model(a.model.as_deref())?;
-    let n_ctx = context_len(&files, a.ctx)?;
-    let gpus = detect_gpus();
-    let placement = place(&files, a.ngl, a.device_map.as_deref(), n_ctx, a.headroom, &gpus, || {
-        crate::machine::Machine::measure(&gpus, a.measure)
-    })?;
-    if let Some(n) = &placement.notice {
-        eprintln!("{n}");
-    }
-    let retry = a.ngl == Some(GpuLayers::Auto);
+    let Placed { files, n_ctx, placement, .. } = a.common.open_and_place()?;
+    let retry = a.common.ngl == Some(GpuLayers::Auto);
     let n_layers = files.config.n_layers;
     let (pipeline, stages, notes) =
         load_with_retry(n_layers, placement.stages, retry, |st| Pipeline::load(&files, st, n_ctx, |_, _| {}))
@@ -211,7 +182,7 @@ pub fn serve(a: ServeArgs) -> Result<()> {
     for n in &notes {
         eprintln!("{n}");
     }
-    let id = a.alias.clone().unwrap_or_else(|| match &a.model {
+    let id = a.alias.clone().unwrap_or_else(|| match &a.common.model {
         Some(p) => p.file_name().map(|f| f.to_string_lossy().into_owned()).unwrap_or_else(|| p.display().to_string()),
         None => "stories260K.gguf".into(),
     });
