@@ -167,7 +167,7 @@ fn int8_kernels_equal_scalar_reference() {
     for dt in INT8_TYPES {
         let (n, k) = if int8_family(dt) == Some(true) { (5, 768) } else { (5, 160) };
         let w = random_weight(dt, (n, k), &mut rng);
-        for m in [1usize, 2, 4, 5, 7, 8, 9, 70] {
+        for m in [1usize, 2, 4, 5, 7, 8, 9, 20, 40, 70] {
             let lhs = activations(m * k, &mut rng);
             let want = reference(dt, w.bytes(), (m, k, n), &lhs);
             for &t in &targets {

@@ -12,12 +12,12 @@
 //!   bytes, scales as the vectors the kernel multiplies by) and the tile kernels ([`q0_tile`],
 //!   [`k_tile`]) only load, multiply and add; a panel serves the [`PROMPT_ROWS`] activation rows
 //!   of a group. The min terms (Q4_1, Q5_1, Q4_K, Q5_K) are added once per group as a small
-//!   f32 product over the per-32 sums ([`add_mins`]), cheaper than in every tile.
+//!   f32 product over the per-32 sums ([`min_terms`]), cheaper than in every tile.
 //!
 //! No function here takes a closure into a kernel: a closure is compiled without the kernel's
 //! target features, so its intrinsics would become calls (see [`Simd::join`]).
 
-use super::acts::{Q8KRows, Q8Rows};
+use super::acts::{transposed_groups, Q8KRows, Q8Rows};
 use super::blocks::Q0Block;
 use super::simd::Simd;
 use super::unpack::{KScales, KUnpack, Q0Unpack};
@@ -184,7 +184,7 @@ pub unsafe fn k_dot_rows<T: KUnpack, S: Simd, const R: usize>(
     out
 }
 
-/// Up to two weight columns unpacked for the prompt tiles, every block of `k` (one per worker
+/// Up to [`PANEL_COLS`] weight columns unpacked for the prompt tiles, every block of `k` (one per worker
 /// thread, reused). Column `j` is at `q[j·kq..]`, `sc[j·kq/2..]`, ….
 #[derive(Default)]
 pub struct Panel {
@@ -220,7 +220,7 @@ const fn q0_offset<T: Q0Block, S: Simd>() -> i32 {
 
 /// Whether a 32-weight type has a term per block besides `d_w·d_x·Σ q·x`: the min (Q4_1,
 /// Q5_1, `m · d_x·Σx`) or the offset (`−offset·d_w · d_x·Σx`). Prompts add it once per group
-/// ([`add_mins`]); decode starts each block's integer sum from the activations' `fill`.
+/// ([`min_terms`]); decode starts each block's integer sum from the activations' `fill`.
 const fn q0_has_terms<T: Q0Block, S: Simd>() -> bool {
     T::HAS_MIN || q0_offset::<T, S>() != 0
 }
@@ -337,43 +337,68 @@ unsafe fn fill_k<T: KUnpack, S: Simd>(s: S, w: &[T], bpr: usize, (c0, cols): (us
     }
 }
 
-/// Adds the min terms `Σ_b mins[c][b] · xs[r][b]` of the panel's columns to rows `g0..g1` of
-/// the output (each `kk` long, `xs` rows `stride` apart): a small product, in f32.
+/// Most panel columns of a prompt group: `S::Q0_C` and `S::K_C` are at most this.
+const PANEL_COLS: usize = 2;
+
+/// The min terms of a group's rows, per panel column: `terms[j][i]` for row `g0 + i`.
+type Terms = [[f32; PROMPT_ROWS]; PANEL_COLS];
+
+/// The min terms `Σ_b mins[j][b] · xs[r][b]` of the panel's columns for rows `g0..g1`: a small
+/// f32 product (`kk` terms against the tiles' `32·kk` or `256·kk`), run down the group's rows
+/// in vector lanes from `st`, the group's `xs` transposed (`kk` rows of [`PROMPT_ROWS`]; see
+/// `acts::transposed_groups`), so that no term needs a horizontal sum. The tiles add them as
+/// they write ([`Out::put`]): the output's rows are `n` floats apart, and a second pass over
+/// them costs more than the product (cache sets, `n` a multiple of 1024).
 ///
 /// # Safety
-/// `xs` holds rows `g0..g1` of `stride ≥ kk` values; the panel `cols × kk` mins; only this call
-/// writes those outputs.
+/// `st` holds `kk × PROMPT_ROWS` values; the panel `cols × kk` mins; `g1 - g0 ≤ PROMPT_ROWS`.
 #[inline(always)]
-unsafe fn add_mins<S: Simd>(
+unsafe fn min_terms<S: Simd>(s: S, p: &Panel, cols: usize, kk: usize, st: &[f32], (g0, g1): (usize, usize)) -> Terms {
+    let mut terms = [[0f32; PROMPT_ROWS]; PANEL_COLS];
+    debug_assert!(g1 - g0 <= PROMPT_ROWS && st.len() >= kk * PROMPT_ROWS && p.mins.len() >= cols * kk);
+    // SAFETY: the caller's contract; `N` vectors of rows cover `g1 - g0` and stay in the group
+    unsafe {
+        match (g1 - g0).div_ceil(S::W / 4) {
+            0 => {}
+            1 => min_terms_n::<S, 1>(s, p, cols, kk, st, &mut terms),
+            2 => min_terms_n::<S, 2>(s, p, cols, kk, st, &mut terms),
+            3 | 4 => min_terms_n::<S, 4>(s, p, cols, kk, st, &mut terms),
+            _ => min_terms_n::<S, 8>(s, p, cols, kk, st, &mut terms),
+        }
+    }
+    terms
+}
+
+/// [`min_terms`] over `N` vectors of rows.
+///
+/// # Safety
+/// As [`min_terms`]; `N · S::W/4 ≤ PROMPT_ROWS`.
+#[inline(always)]
+unsafe fn min_terms_n<S: Simd, const N: usize>(
     s: S,
     p: &Panel,
-    (c0, cols): (usize, usize),
+    cols: usize,
     kk: usize,
-    (xs, stride): (&[f32], usize),
-    (g0, g1): (usize, usize),
-    out: Out,
+    st: &[f32],
+    terms: &mut Terms,
 ) {
     let lanes = S::W / 4;
-    for r in g0..g1.min(out.m) {
-        for j in 0..cols {
-            let (mut acc, mut b) = (s.zero_f(), 0);
-            // SAFETY: row r of `xs`, column j of the panel's mins, within `kk`
+    debug_assert!(N * lanes <= PROMPT_ROWS && cols <= PANEL_COLS);
+    for (j, t) in terms.iter_mut().enumerate().take(cols) {
+        let mut acc = [s.zero_f(); N];
+        for b in 0..kk {
+            // SAFETY: value b of column j of the panel's mins; row b of `st`, lanes below
+            // N · lanes ≤ PROMPT_ROWS
             unsafe {
-                while b + lanes <= kk {
-                    acc = s.fmadd(
-                        s.load_f(xs.as_ptr().add(r * stride + b)),
-                        s.load_f(p.mins.as_ptr().add(j * kk + b)),
-                        acc,
-                    );
-                    b += lanes;
+                let m = s.set1(*p.mins.get_unchecked(j * kk + b));
+                for (v, a) in acc.iter_mut().enumerate() {
+                    *a = s.fmadd(m, s.load_f(st.as_ptr().add(b * PROMPT_ROWS + v * lanes)), *a);
                 }
-                let mut v = s.hsum(acc);
-                while b < kk {
-                    v += *xs.get_unchecked(r * stride + b) * *p.mins.get_unchecked(j * kk + b);
-                    b += 1;
-                }
-                *(out.ptr as *mut f32).add(r * out.n + c0 + j) += v;
             }
+        }
+        for (v, a) in acc.iter().enumerate() {
+            // SAFETY: N · lanes ≤ PROMPT_ROWS floats of the column's terms
+            unsafe { s.store_f(t.as_mut_ptr().add(v * lanes), *a) };
         }
     }
 }
@@ -523,16 +548,24 @@ pub struct Out {
 }
 
 impl Out {
-    /// Writes `t` at rows `r0..` (those below `g1` and `m`), columns `c0..c0 + C`.
+    /// Writes `t` plus the group's min terms (`terms[jt + j][r0 - g0 + i]`, where there are
+    /// any) at rows `r0..` (those below `g1` and `m`), columns `c0..c0 + C`.
     ///
     /// # Safety
-    /// Only this work item writes those elements; `c0 + C ≤ n`.
+    /// Only this work item writes those elements; `c0 + C ≤ n`; `jt + C ≤ PANEL_COLS`.
     #[inline(always)]
-    unsafe fn put<const R: usize, const C: usize>(self, t: [[f32; C]; R], (r0, g1): (usize, usize), c0: usize) {
+    unsafe fn put<const R: usize, const C: usize>(
+        self,
+        t: [[f32; C]; R],
+        (g0, r0, g1): (usize, usize, usize),
+        c0: usize,
+        (terms, jt): (Option<&Terms>, usize),
+    ) {
         for (i, row) in t.iter().enumerate().take(g1.min(self.m).saturating_sub(r0)) {
             for (j, v) in row.iter().enumerate() {
+                let add = terms.map_or(0.0, |m| m[jt + j][r0 - g0 + i]);
                 // SAFETY: (r0 + i, c0 + j) is inside the output (caller's contract)
-                unsafe { *(self.ptr as *mut f32).add((r0 + i) * self.n + c0 + j) = *v };
+                unsafe { *(self.ptr as *mut f32).add((r0 + i) * self.n + c0 + j) = *v + add };
             }
         }
     }
@@ -651,7 +684,7 @@ pub unsafe fn k_columns<T: KUnpack, S: Simd>(
 /// Columns `c0..c0 + cols` (at most `S::Q0_C`) of activation rows `g0..g1` of a 32-weight type.
 ///
 /// # Safety
-/// As [`fill_q0`], [`q0_tile`] and [`add_mins`] for those columns and rows; only this call
+/// As [`fill_q0`], [`q0_tile`] and [`min_terms`] for those columns and rows; only this call
 /// writes them.
 #[inline(always)]
 #[allow(clippy::too_many_arguments)]
@@ -668,17 +701,16 @@ pub unsafe fn q0_group<T: Q0Unpack, S: Simd>(
     // SAFETY: the caller's contract
     unsafe {
         fill_q0::<T, S>(s, w, (bpr, x.blocks), (c0, cols), p);
+        let terms = q0_has_terms::<T, S>()
+            .then(|| min_terms(s, p, cols, bpr, &x.st[(g0 / PROMPT_ROWS) * bpr * PROMPT_ROWS..], (g0, g1)));
         for r0 in (g0..g1).step_by(TILE_ROWS) {
             if S::Q0_C == 2 && cols == 2 {
-                out.put(q0_tile::<T, S, 2>(s, p, 0, x, r0), (r0, g1), c0);
+                out.put(q0_tile::<T, S, 2>(s, p, 0, x, r0), (g0, r0, g1), c0, (terms.as_ref(), 0));
             } else {
                 for j in 0..cols {
-                    out.put(q0_tile::<T, S, 1>(s, p, j, x, r0), (r0, g1), c0 + j);
+                    out.put(q0_tile::<T, S, 1>(s, p, j, x, r0), (g0, r0, g1), c0 + j, (terms.as_ref(), j));
                 }
             }
-        }
-        if q0_has_terms::<T, S>() {
-            add_mins(s, p, (c0, cols), bpr, (&x.s, x.blocks), (g0, g1), out);
         }
     }
 }
@@ -686,7 +718,7 @@ pub unsafe fn q0_group<T: Q0Unpack, S: Simd>(
 /// Columns `c0..c0 + cols` (at most `S::K_C`) of activation rows `g0..g1` of a 256-weight type.
 ///
 /// # Safety
-/// As [`fill_k`], [`k_tile`] and [`add_mins`] for those columns and rows; only this call writes
+/// As [`fill_k`], [`k_tile`] and [`min_terms`] for those columns and rows; only this call writes
 /// them.
 #[inline(always)]
 #[allow(clippy::too_many_arguments)]
@@ -703,17 +735,17 @@ pub unsafe fn k_group<T: KUnpack, S: Simd>(
     // SAFETY: the caller's contract
     unsafe {
         fill_k::<T, S>(s, w, bpr, (c0, cols), p);
+        let kk = 8 * bpr;
+        let terms =
+            T::HAS_MIN.then(|| min_terms(s, p, cols, kk, &x.st[(g0 / PROMPT_ROWS) * kk * PROMPT_ROWS..], (g0, g1)));
         for r0 in (g0..g1).step_by(TILE_ROWS) {
             if S::K_C == 2 && cols == 2 {
-                out.put(k_tile::<T, S, 4, 2>(s, p, 0, bpr, x, r0), (r0, g1), c0);
+                out.put(k_tile::<T, S, 4, 2>(s, p, 0, bpr, x, r0), (g0, r0, g1), c0, (terms.as_ref(), 0));
             } else {
                 for j in 0..cols {
-                    out.put(k_tile::<T, S, 4, 1>(s, p, j, bpr, x, r0), (r0, g1), c0 + j);
+                    out.put(k_tile::<T, S, 4, 1>(s, p, j, bpr, x, r0), (g0, r0, g1), c0 + j, (terms.as_ref(), j));
                 }
             }
-        }
-        if T::HAS_MIN {
-            add_mins(s, p, (c0, cols), 8 * bpr, (&x.s32, 8 * bpr), (g0, g1), out);
         }
     }
 }
@@ -760,7 +792,10 @@ pub unsafe fn matmul_q0<T: Q0Unpack, S: Simd>(
         each_column_range(n, |cols| unsafe { s.q0_columns(w, bpr, cols, &x, out) });
         return;
     }
-    let x = Q8Rows::new(lhs, (m, k), m.next_multiple_of(TILE_ROWS), blocks, offset);
+    let mut x = Q8Rows::new(lhs, (m, k), m.next_multiple_of(TILE_ROWS), blocks, offset);
+    if q0_has_terms::<T, S>() {
+        x.st = transposed_groups(&x.s, (x.blocks, bpr), m, PROMPT_ROWS);
+    }
     for g0 in (0..m).step_by(PROMPT_ROWS) {
         let rows = (g0, (g0 + PROMPT_ROWS).min(m));
         // SAFETY: each group writes its own columns of these rows; rows are padded to tiles
@@ -788,7 +823,10 @@ pub unsafe fn matmul_k<T: KUnpack, S: Simd>(
         each_column_range(n, |cols| unsafe { s.k_columns(w, bpr, cols, &x, out) });
         return;
     }
-    let x = Q8KRows::new(lhs, (m, k), m.next_multiple_of(TILE_ROWS));
+    let mut x = Q8KRows::new(lhs, (m, k), m.next_multiple_of(TILE_ROWS));
+    if T::HAS_MIN {
+        x.st = transposed_groups(&x.s32, (8 * bpr, 8 * bpr), m, PROMPT_ROWS);
+    }
     for g0 in (0..m).step_by(PROMPT_ROWS) {
         let rows = (g0, (g0 + PROMPT_ROWS).min(m));
         // SAFETY: each group writes its own columns of these rows; rows are padded to tiles
