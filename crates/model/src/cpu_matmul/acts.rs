@@ -170,11 +170,6 @@ impl Q8KRows {
         x
     }
 
-    /// `d · Σq` per 16 of rows `0..m` of `k` (Q6_K's offset term of prompts, `m × k/16`).
-    pub fn sums16(&self, (m, k): (usize, usize)) -> Vec<f32> {
-        (0..m * k / 16).map(|i| self.d[i / 16] * self.bsums[i] as f32).collect()
-    }
-
     #[cfg(test)]
     pub fn dequant_row(&self, r: usize, k: usize) -> Vec<f32> {
         let bpr = k / 256;

@@ -194,10 +194,11 @@ pub struct Panel {
     sc: Vec<i16>,
     /// K-quants: `d` per super-block; 32-weight types: `d` over each block's 8 i32 lanes.
     d: Vec<f32>,
+    /// Q6_K: `−32·sc` per 16 weights.
+    corr: Vec<i16>,
     /// Q4_K/Q5_K with VNNI: `q` holds `q · (sc mod 8)` and this `q · (sc div 8)` (see [`k_tile`]).
     hi: Vec<u8>,
-    /// The min terms' weights: per 32 weights Q4_1/Q5_1's `m` and Q4_K/Q5_K's `−dmin·m`, per 16
-    /// Q6_K's `d·(−32·sc)` (its quants' offset, in f32 like the mins; see [`k_terms`]).
+    /// The min terms' weights, per 32 weights: Q4_1/Q5_1's `m`, Q4_K/Q5_K's `−dmin·m`.
     mins: Vec<f32>,
     /// Bytes of `q` per column.
     kq: usize,
@@ -271,17 +272,6 @@ unsafe fn fill_q0<T: Q0Unpack, S: Simd>(
     }
 }
 
-/// Terms per row of a 256-weight type's prompt tiles besides `d_w·d_x·Σ sc·q·x`: Q4_K/Q5_K's
-/// mins per 32 weights, Q6_K's offset (`−32·sc·Σx`) per 16. Both are added by [`min_terms`], in
-/// f32, so the tiles' inner loop is the quants' products alone.
-const fn k_terms<T: KUnpack>(bpr: usize) -> usize {
-    if T::HAS_MIN {
-        8 * bpr
-    } else {
-        16 * bpr
-    }
-}
-
 /// Unpacks columns `c0..c0 + cols` of a 256-weight type into `p`.
 ///
 /// # Safety
@@ -293,7 +283,8 @@ unsafe fn fill_k<T: KUnpack, S: Simd>(s: S, w: &[T], bpr: usize, (c0, cols): (us
     p.q.resize(cols * p.kq, 0);
     p.sc.resize(if S::VNNI && T::HAS_MIN { 0 } else { cols * p.kq / 2 }, 0);
     p.d.resize(cols * bpr, 0.0);
-    p.mins.resize(cols * k_terms::<T>(bpr), 0.0);
+    p.corr.resize(cols * bpr * 16, 0);
+    p.mins.resize(if T::HAS_MIN { cols * bpr * 8 } else { 0 }, 0.0);
     let split = S::VNNI && T::HAS_MIN;
     p.hi.resize(if split { cols * p.kq } else { 0 }, 0);
     for j in 0..cols {
@@ -306,8 +297,9 @@ unsafe fn fill_k<T: KUnpack, S: Simd>(s: S, w: &[T], bpr: usize, (c0, cols): (us
             let ks: KScales = blk.scales(a2);
             p.d[at] = a2.first(a2.per_block_f16([ks.d; 2]));
             let (mut corr, mut sc) = ([0i16; 16], [0i8; 16]);
-            // SAFETY: 16 i16 and 16 i8 on the stack
+            // SAFETY: 16 i16 inside the panel and on the stack, 16 i8 on the stack
             unsafe {
+                a2.store(p.corr.as_mut_ptr().add(16 * at).cast(), ks.corr);
                 a2.store(corr.as_mut_ptr().cast(), ks.corr);
                 _mm_storeu_si128(sc.as_mut_ptr().cast(), ks.sc);
             }
@@ -339,10 +331,6 @@ unsafe fn fill_k<T: KUnpack, S: Simd>(s: S, w: &[T], bpr: usize, (c0, cols): (us
                 let dmin = a2.first(a2.per_block_f16([ks.dmin; 2]));
                 for (jj, m) in corr.iter().step_by(2).enumerate() {
                     p.mins[(j * bpr + b) * 8 + jj] = -dmin * *m as f32;
-                }
-            } else {
-                for (jj, c) in corr.iter().enumerate() {
-                    p.mins[(j * bpr + b) * 16 + jj] = p.d[at] * *c as f32;
                 }
             }
         }
@@ -482,6 +470,7 @@ unsafe fn k_tile<T: KUnpack, S: Simd, const R: usize, const C: usize>(
     x: &Q8KRows,
     r0: usize,
 ) -> [[f32; C]; R] {
+    let a2 = s.avx2();
     let split = S::VNNI && T::HAS_MIN;
     let mut acc = [[s.zero_f(); C]; R];
     for b in 0..bpr {
@@ -523,6 +512,16 @@ unsafe fn k_tile<T: KUnpack, S: Simd, const R: usize, const C: usize>(
                 let mut t = isum[i][j];
                 if split {
                     t = s.add32(t, s.times8(ihi[i][j]));
+                }
+                if !T::HAS_MIN {
+                    // SAFETY: row r0 + i, super-block b; column j0 + j, super-block b of the panel
+                    let (bs, corr) = unsafe {
+                        (
+                            a2.load(x.bsums.as_ptr().add(16 * at).cast()),
+                            a2.load(p.corr.as_ptr().add(16 * ((j0 + j) * bpr + b)).cast()),
+                        )
+                    };
+                    t = s.add32(t, s.widen(a2.madd(bs, corr)));
                 }
                 // SAFETY: column j0 + j, super-block b of the panel
                 let dw = s.set1(unsafe { *p.d.get_unchecked((j0 + j) * bpr + b) });
@@ -736,8 +735,9 @@ pub unsafe fn k_group<T: KUnpack, S: Simd>(
     // SAFETY: the caller's contract
     unsafe {
         fill_k::<T, S>(s, w, bpr, (c0, cols), p);
-        let kk = k_terms::<T>(bpr);
-        let terms = Some(min_terms(s, p, cols, kk, &x.st[(g0 / PROMPT_ROWS) * kk * PROMPT_ROWS..], (g0, g1)));
+        let kk = 8 * bpr;
+        let terms =
+            T::HAS_MIN.then(|| min_terms(s, p, cols, kk, &x.st[(g0 / PROMPT_ROWS) * kk * PROMPT_ROWS..], (g0, g1)));
         for r0 in (g0..g1).step_by(TILE_ROWS) {
             if S::K_C == 2 && cols == 2 {
                 out.put(k_tile::<T, S, 4, 2>(s, p, 0, bpr, x, r0), (g0, r0, g1), c0, (terms.as_ref(), 0));
@@ -824,12 +824,9 @@ pub unsafe fn matmul_k<T: KUnpack, S: Simd>(
         return;
     }
     let mut x = Q8KRows::new(lhs, (m, k), m.next_multiple_of(TILE_ROWS));
-    let kk = k_terms::<T>(bpr);
-    x.st = if T::HAS_MIN {
-        transposed_groups(&x.s32, (kk, kk), m, PROMPT_ROWS)
-    } else {
-        transposed_groups(&x.sums16((m, k)), (kk, kk), m, PROMPT_ROWS)
-    };
+    if T::HAS_MIN {
+        x.st = transposed_groups(&x.s32, (8 * bpr, 8 * bpr), m, PROMPT_ROWS);
+    }
     for g0 in (0..m).step_by(PROMPT_ROWS) {
         let rows = (g0, (g0 + PROMPT_ROWS).min(m));
         // SAFETY: each group writes its own columns of these rows; rows are padded to tiles
