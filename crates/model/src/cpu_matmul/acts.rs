@@ -133,6 +133,8 @@ pub struct Q8KRows {
     pub s32: Vec<f32>,
     /// Prompts: `s32` as [`transposed_groups`] of the prompt tiles' groups (empty for decode).
     pub st: Vec<f32>,
+    /// Prompts: `d` per tile of rows, transposed ([`Q8KRows::tile_scales`]; empty for decode).
+    pub dt: Vec<f32>,
 }
 
 impl Q8KRows {
@@ -144,6 +146,7 @@ impl Q8KRows {
             bsums: vec![0; rows * bpr * 16],
             s32: vec![0.0; rows * k / 32],
             st: Vec::new(),
+            dt: Vec::new(),
         };
         let (qs, d, bsums, s32) = (
             Rows::new(&mut x.qs, k),
@@ -168,6 +171,18 @@ impl Q8KRows {
             }
         });
         x
+    }
+
+    /// `d` of every row (padding included, `bpr` super-blocks each) per tile of `tile` rows,
+    /// transposed: super-block `b` of row `t·tile + i` at `(t·bpr + b)·tile + i`, so that a
+    /// tile's scales are side by side.
+    pub fn tile_scales(&self, tile: usize, bpr: usize) -> Vec<f32> {
+        let mut t = vec![0f32; self.d.len().next_multiple_of(tile * bpr.max(1))];
+        for (i, d) in self.d.iter().enumerate() {
+            let (r, b) = (i / bpr, i % bpr);
+            t[((r / tile) * bpr + b) * tile + r % tile] = *d;
+        }
+        t
     }
 
     #[cfg(test)]

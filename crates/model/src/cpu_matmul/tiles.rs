@@ -282,7 +282,9 @@ unsafe fn fill_k<T: KUnpack, S: Simd>(s: S, w: &[T], bpr: usize, (c0, cols): (us
     p.kq = 256 * bpr;
     p.q.resize(cols * p.kq, 0);
     p.sc.resize(if S::VNNI && T::HAS_MIN { 0 } else { cols * p.kq / 2 }, 0);
-    p.d.resize(cols * bpr, 0.0);
+    // d_w four times per column and super-block, columns side by side (`k_tile` multiplies
+    // them by four rows' d_x at once), padded to whole pairs of columns
+    p.d.resize(bpr * PANEL_COLS * TILE_ROWS, 0.0);
     p.corr.resize(cols * bpr * 16, 0);
     p.mins.resize(if T::HAS_MIN { cols * bpr * 8 } else { 0 }, 0.0);
     let split = S::VNNI && T::HAS_MIN;
@@ -295,7 +297,8 @@ unsafe fn fill_k<T: KUnpack, S: Simd>(s: S, w: &[T], bpr: usize, (c0, cols): (us
             // the weights stream from memory (columns are contiguous): ask ahead
             prefetch(blk, std::mem::size_of::<T>().div_ceil(64));
             let ks: KScales = blk.scales(a2);
-            p.d[at] = a2.first(a2.per_block_f16([ks.d; 2]));
+            let d = a2.first(a2.per_block_f16([ks.d; 2]));
+            p.d[(b * PANEL_COLS + j) * TILE_ROWS..][..TILE_ROWS].fill(d);
             let (mut corr, mut sc) = ([0i16; 16], [0i8; 16]);
             // SAFETY: 16 i16 inside the panel and on the stack, 16 i8 on the stack
             unsafe {
@@ -374,14 +377,7 @@ unsafe fn min_terms<S: Simd>(s: S, p: &Panel, cols: usize, kk: usize, st: &[f32]
 /// # Safety
 /// As [`min_terms`]; `N · S::W/4 ≤ PROMPT_ROWS`.
 #[inline(always)]
-unsafe fn min_terms_n<S: Simd, const N: usize>(
-    s: S,
-    p: &Panel,
-    cols: usize,
-    kk: usize,
-    st: &[f32],
-    terms: &mut Terms,
-) {
+unsafe fn min_terms_n<S: Simd, const N: usize>(s: S, p: &Panel, cols: usize, kk: usize, st: &[f32], terms: &mut Terms) {
     let lanes = S::W / 4;
     debug_assert!(N * lanes <= PROMPT_ROWS && cols <= PANEL_COLS);
     for (j, t) in terms.iter_mut().enumerate().take(cols) {
@@ -470,6 +466,7 @@ unsafe fn k_tile<T: KUnpack, S: Simd, const R: usize, const C: usize>(
     x: &Q8KRows,
     r0: usize,
 ) -> [[f32; C]; R] {
+    const { assert!(R == TILE_ROWS && C <= PANEL_COLS, "the scales' layout is for tiles of TILE_ROWS × PANEL_COLS") };
     let a2 = s.avx2();
     let split = S::VNNI && T::HAS_MIN;
     let mut acc = [[s.zero_f(); C]; R];
@@ -504,11 +501,20 @@ unsafe fn k_tile<T: KUnpack, S: Simd, const R: usize, const C: usize>(
                 }
             }
         }
+        // d_x·d_w of the tile's R × C pairs in one multiply: the rows' four d_x (transposed
+        // per tile, `Q8KRows::dt`) twice, times each column's d_w four times (the panel's `d`),
+        // then broadcast from memory into the arithmetic
+        let mut dd = [0f32; 8];
+        // SAFETY: AVX (the token); four d_x of tile r0 / 4 at super-block b; eight d_w of the
+        // panel from column j0 at super-block b (the panel pads them); eight floats on the stack
+        unsafe {
+            let dx = _mm256_broadcast_ps(&*x.dt.as_ptr().add((r0 / TILE_ROWS * bpr + b) * TILE_ROWS).cast::<__m128>());
+            let dw = _mm256_loadu_ps(p.d.as_ptr().add((b * PANEL_COLS + j0) * TILE_ROWS));
+            _mm256_storeu_ps(dd.as_mut_ptr(), _mm256_mul_ps(dx, dw));
+        }
         for (i, acc_i) in acc.iter_mut().enumerate() {
             let at = (r0 + i) * bpr + b;
-            // SAFETY: row r0 + i, super-block b
-            let dx = s.set1(unsafe { *x.d.get_unchecked(at) });
-            for j in 0..C {
+            for (j, acc) in acc_i.iter_mut().enumerate() {
                 let mut t = isum[i][j];
                 if split {
                     t = s.add32(t, s.times8(ihi[i][j]));
@@ -523,10 +529,7 @@ unsafe fn k_tile<T: KUnpack, S: Simd, const R: usize, const C: usize>(
                     };
                     t = s.add32(t, s.widen(a2.madd(bs, corr)));
                 }
-                // SAFETY: column j0 + j, super-block b of the panel
-                let dw = s.set1(unsafe { *p.d.get_unchecked((j0 + j) * bpr + b) });
-                // (Σ · d_x) · d_w: both factors broadcast from memory into the arithmetic
-                acc_i[j] = s.fmadd(s.mul(s.cvt(t), dx), dw, acc_i[j]);
+                *acc = s.fmadd(s.cvt(t), s.set1(dd[j * TILE_ROWS + i]), *acc);
             }
         }
     }
@@ -824,6 +827,7 @@ pub unsafe fn matmul_k<T: KUnpack, S: Simd>(
         return;
     }
     let mut x = Q8KRows::new(lhs, (m, k), m.next_multiple_of(TILE_ROWS));
+    x.dt = x.tile_scales(TILE_ROWS, bpr);
     if T::HAS_MIN {
         x.st = transposed_groups(&x.s32, (8 * bpr, 8 * bpr), m, PROMPT_ROWS);
     }
