@@ -10,8 +10,11 @@
 //!   products, one float scale per block). Up to [`DECODE_ROWS`] activation rows (decode, also of
 //!   several sessions at once) are vec-dots per weight row straight from the blocks, each block
 //!   unpacked once for all the rows, each row quantized and computed exactly as it would be
-//!   alone (batch invariance); more rows (prompts) run in 4 × C register tiles over a panel of
-//!   weight columns unpacked once per group of rows (see `tiles`). The instruction set is
+//!   alone (batch invariance); more rows (prompts) run, with VNNI, over a panel of 32 (or 8)
+//!   weight columns unpacked once for every row, the columns in vector lanes and each row's
+//!   activations broadcast (see `lanes`: one `vpdpbusd` per weight and row, no horizontal
+//!   sums), and with AVX2 in 4 × C register tiles over a panel unpacked once per group of
+//!   rows (see `tiles`). The instruction set is
 //!   chosen at run time ([`Isa`]): AVX-512 VNNI (`vpdpbusd` on zmm), AVX-VNNI (ymm), AVX2, or
 //!   none; `BRIGADE_CPU_KERNELS=avx512|avxvnni|avx2|portable` picks a lesser one, to measure it.
 //! - the rest (Q2_K, Q3_K, floats), and every type where there is no AVX2: candle's vec-dots on
@@ -29,6 +32,7 @@
 //! - `simd` (x86_64): the vector operations of each instruction set behind one trait, whose
 //!   values prove the CPU has it; `unpack`: each type's blocks to bytes; `tiles`: the vec-dots,
 //!   panels and tiles written once over `simd`, and their drivers on candle's thread pool;
+//!   `lanes`: the VNNI prompt kernels (columns in lanes);
 //! - `tests`: every kernel on every instruction set this CPU has, against a scalar reference.
 //!
 //! Deliberately absent: weights kept in another layout (it would cost memory, the point of this
@@ -37,6 +41,8 @@
 
 mod acts;
 pub mod blocks;
+#[cfg(target_arch = "x86_64")]
+mod lanes;
 #[cfg(target_arch = "x86_64")]
 mod simd;
 #[cfg(test)]
@@ -209,10 +215,18 @@ impl Kernel {
             (Kernel::VecDot(Isa::AvxVnni), true) => "brigade AVX-VNNI int8 vec-dot (activations int8 per 256)",
             (Kernel::VecDot(_), false) => "brigade AVX2 int8 vec-dot (activations int8 per 32)",
             (Kernel::VecDot(_), true) => "brigade AVX2 int8 vec-dot (activations int8 per 256)",
-            (Kernel::Tiles(Isa::Avx512Vnni), false) => "brigade AVX-512 VNNI int8 4x2 tiles (activations int8 per 32)",
-            (Kernel::Tiles(Isa::Avx512Vnni), true) => "brigade AVX-512 VNNI int8 4x2 tiles (activations int8 per 256)",
-            (Kernel::Tiles(Isa::AvxVnni), false) => "brigade AVX-VNNI int8 4x2 tiles (activations int8 per 32)",
-            (Kernel::Tiles(Isa::AvxVnni), true) => "brigade AVX-VNNI int8 4x1 tiles (activations int8 per 256)",
+            (Kernel::Tiles(Isa::Avx512Vnni), false) => {
+                "brigade AVX-512 VNNI int8, 4 rows × 32 columns in lanes (activations int8 per 32)"
+            }
+            (Kernel::Tiles(Isa::Avx512Vnni), true) => {
+                "brigade AVX-512 VNNI int8, 4 rows × 32 columns in lanes (activations int8 per 256)"
+            }
+            (Kernel::Tiles(Isa::AvxVnni), false) => {
+                "brigade AVX-VNNI int8, 4 rows × 8 columns in lanes (activations int8 per 32)"
+            }
+            (Kernel::Tiles(Isa::AvxVnni), true) => {
+                "brigade AVX-VNNI int8, 4 rows × 8 columns in lanes (activations int8 per 256)"
+            }
             (Kernel::Tiles(_), false) => "brigade AVX2 int8 4x2 tiles (activations int8 per 32)",
             (Kernel::Tiles(_), true) => "brigade AVX2 int8 4x1 tiles (activations int8 per 256)",
             (Kernel::CandleVecDot, _) if float => "candle vec-dot (float)",

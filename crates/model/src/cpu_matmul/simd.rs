@@ -9,6 +9,7 @@
 //! `#[target_feature]` functions ([`Simd::q0_columns`], [`Simd::k_group`], …).
 
 use super::acts::{Q8KRows, Q8Rows};
+use super::lanes::{self, LanePanel};
 use super::tiles::{self, Out, Panel};
 use super::unpack::{KUnpack, Q0Unpack};
 use half::f16;
@@ -84,6 +85,42 @@ pub trait Simd: Copy + Send + Sync + 'static {
     /// # Safety
     /// `p` points to `W / 32` readable floats.
     unsafe fn per_block_at(self, p: *const f32) -> Self::F;
+
+    /// `a · b` in i32 lanes (the low 32 bits).
+    fn mullo32(self, a: Self::I, b: Self::I) -> Self::I;
+    /// The four bytes at `p` in every i32 lane.
+    ///
+    /// # Safety
+    /// `p` points to 4 readable bytes.
+    unsafe fn bcast32(self, p: *const i8) -> Self::I;
+
+    /// [`lanes::q0_block`] compiled for this instruction set.
+    ///
+    /// # Safety
+    /// As [`lanes::q0_block`].
+    unsafe fn q0_lanes<T: Q0Unpack>(
+        self,
+        w: &[T],
+        bpr: usize,
+        cols: (usize, usize),
+        x: &Q8Rows,
+        out: Out,
+        p: &mut LanePanel,
+    );
+
+    /// [`lanes::k_block`] compiled for this instruction set.
+    ///
+    /// # Safety
+    /// As [`lanes::k_block`].
+    unsafe fn k_lanes<T: KUnpack>(
+        self,
+        w: &[T],
+        bpr: usize,
+        cols: (usize, usize),
+        x: &Q8KRows,
+        out: Out,
+        p: &mut LanePanel,
+    );
 
     /// [`tiles::q0_columns`] compiled for this instruction set.
     ///
@@ -229,6 +266,34 @@ macro_rules! entry_points {
             }
 
             #[target_feature(enable = $features)]
+            pub unsafe fn q0_lanes<T: Q0Unpack>(
+                s: $isa,
+                w: &[T],
+                bpr: usize,
+                cols: (usize, usize),
+                x: &Q8Rows,
+                out: Out,
+                p: &mut LanePanel,
+            ) {
+                // SAFETY: the caller's contract
+                unsafe { lanes::q0_block::<T, $isa>(s, w, bpr, cols, x, out, p) }
+            }
+
+            #[target_feature(enable = $features)]
+            pub unsafe fn k_lanes<T: KUnpack>(
+                s: $isa,
+                w: &[T],
+                bpr: usize,
+                cols: (usize, usize),
+                x: &Q8KRows,
+                out: Out,
+                p: &mut LanePanel,
+            ) {
+                // SAFETY: the caller's contract
+                unsafe { lanes::k_block::<T, $isa>(s, w, bpr, cols, x, out, p) }
+            }
+
+            #[target_feature(enable = $features)]
             #[allow(clippy::too_many_arguments)]
             pub unsafe fn k_group<T: KUnpack>(
                 s: $isa,
@@ -281,6 +346,34 @@ macro_rules! forward_entries {
             let $s = self;
             // SAFETY: as above
             unsafe { match $on { $($p => $module::q0_group($token, w, bpr, cols, x, rows, out, p)),+ } }
+        }
+
+        unsafe fn q0_lanes<T: Q0Unpack>(
+            self,
+            w: &[T],
+            bpr: usize,
+            cols: (usize, usize),
+            x: &Q8Rows,
+            out: Out,
+            p: &mut LanePanel,
+        ) {
+            let $s = self;
+            // SAFETY: as above
+            unsafe { match $on { $($p => $module::q0_lanes($token, w, bpr, cols, x, out, p)),+ } }
+        }
+
+        unsafe fn k_lanes<T: KUnpack>(
+            self,
+            w: &[T],
+            bpr: usize,
+            cols: (usize, usize),
+            x: &Q8KRows,
+            out: Out,
+            p: &mut LanePanel,
+        ) {
+            let $s = self;
+            // SAFETY: as above
+            unsafe { match $on { $($p => $module::k_lanes($token, w, bpr, cols, x, out, p)),+ } }
         }
 
         unsafe fn k_group<T: KUnpack>(
@@ -450,6 +543,14 @@ impl<const V: u8> Simd for Ymm<V> {
     unsafe fn per_block_at(self, p: *const f32) -> __m256 {
         unsafe { _mm256_broadcast_ss(&*p) }
     }
+    #[inline(always)]
+    fn mullo32(self, a: __m256i, b: __m256i) -> __m256i {
+        unsafe { _mm256_mullo_epi32(a, b) }
+    }
+    #[inline(always)]
+    unsafe fn bcast32(self, p: *const i8) -> __m256i {
+        unsafe { _mm256_set1_epi32(std::ptr::read_unaligned(p.cast::<i32>())) }
+    }
 
     forward_entries!(_s, V;
         AVX2 => avx2_entry(Ymm(())),
@@ -589,6 +690,14 @@ impl Simd for Zmm {
             let two = _mm512_castpd_ps(_mm512_castpd128_pd512(_mm_load_sd(p.cast())));
             _mm512_permutexvar_ps(_mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0), two)
         }
+    }
+    #[inline(always)]
+    fn mullo32(self, a: __m512i, b: __m512i) -> __m512i {
+        unsafe { _mm512_mullo_epi32(a, b) }
+    }
+    #[inline(always)]
+    unsafe fn bcast32(self, p: *const i8) -> __m512i {
+        unsafe { _mm512_set1_epi32(std::ptr::read_unaligned(p.cast::<i32>())) }
     }
 
     forward_entries!(s, (); () => zmm_entry(s));

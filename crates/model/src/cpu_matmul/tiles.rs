@@ -7,7 +7,8 @@
 //!   invariance). Alone, a row reads every weight byte once, so unpacking in place costs next to
 //!   nothing where the memory read bounds it; where it does not (Q4_K on few cores), rows
 //!   sharing the unpacking is what makes a batch cheaper than its rows one by one.
-//! - More rows (prompts) run in `4 × C` register tiles. Each weight block is then used by every
+//! - More rows (prompts) run, with VNNI, in [`super::lanes`]; without it (AVX2), in `4 × C`
+//!   register tiles. Each weight block is then used by every
 //!   row, so the `C` weight columns of a tile are first unpacked into a [`Panel`] (quants as
 //!   bytes, scales as the vectors the kernel multiplies by) and the tile kernels ([`q0_tile`],
 //!   [`k_tile`]) only load, multiply and add; a panel serves the [`PROMPT_ROWS`] activation rows
@@ -19,6 +20,7 @@
 
 use super::acts::{transposed_groups, Q8KRows, Q8Rows};
 use super::blocks::Q0Block;
+use super::lanes;
 use super::simd::Simd;
 use super::unpack::{KScales, KUnpack, Q0Unpack};
 use super::DECODE_ROWS;
@@ -210,7 +212,7 @@ thread_local! {
 
 /// What a 32-weight type's unsigned quants are offset by: Q4_0's 8, Q5_0's 16, and on VNNI the
 /// 128 that makes Q8_0's signed bytes unsigned (AVX2 multiplies those by their sign instead).
-const fn q0_offset<T: Q0Block, S: Simd>() -> i32 {
+pub(super) const fn q0_offset<T: Q0Block, S: Simd>() -> i32 {
     if T::SIGNED && S::VNNI {
         128
     } else {
@@ -545,9 +547,9 @@ unsafe fn k_tile<T: KUnpack, S: Simd, const R: usize, const C: usize>(
 /// Where a group writes: the `m × n` output.
 #[derive(Clone, Copy)]
 pub struct Out {
-    ptr: usize,
-    m: usize,
-    n: usize,
+    pub(super) ptr: usize,
+    pub(super) m: usize,
+    pub(super) n: usize,
 }
 
 impl Out {
@@ -795,6 +797,13 @@ pub unsafe fn matmul_q0<T: Q0Unpack, S: Simd>(
         each_column_range(n, |cols| unsafe { s.q0_columns(w, bpr, cols, &x, out) });
         return;
     }
+    if S::VNNI {
+        // the min or offset terms come from `x.s`, so the rows are quantized with no offset
+        let x = Q8Rows::new(lhs, (m, k), m.next_multiple_of(TILE_ROWS), blocks, 0);
+        // SAFETY: each block writes its own columns of every row; rows are padded to tiles
+        lanes::each_block(n, lanes::block_cols::<S>(), |cols, p| unsafe { s.q0_lanes(w, bpr, cols, &x, out, p) });
+        return;
+    }
     let mut x = Q8Rows::new(lhs, (m, k), m.next_multiple_of(TILE_ROWS), blocks, offset);
     if q0_has_terms::<T, S>() {
         x.st = transposed_groups(&x.s, (x.blocks, bpr), m, PROMPT_ROWS);
@@ -824,6 +833,12 @@ pub unsafe fn matmul_k<T: KUnpack, S: Simd>(
         let x = Q8KRows::new(lhs, (m, k), m);
         // SAFETY: each range writes its own columns; every column is in `w`, every row in `x`
         each_column_range(n, |cols| unsafe { s.k_columns(w, bpr, cols, &x, out) });
+        return;
+    }
+    if S::VNNI {
+        let x = Q8KRows::new(lhs, (m, k), m.next_multiple_of(TILE_ROWS));
+        // SAFETY: each block writes its own columns of every row; rows are padded to tiles
+        lanes::each_block(n, lanes::block_cols::<S>(), |cols, p| unsafe { s.k_lanes(w, bpr, cols, &x, out, p) });
         return;
     }
     let mut x = Q8KRows::new(lhs, (m, k), m.next_multiple_of(TILE_ROWS));
