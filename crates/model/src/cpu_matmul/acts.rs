@@ -73,8 +73,6 @@ pub struct Q8Rows {
     pub fill: Vec<i32>,
     /// `d · Σq` per block (the min term of Q4_1/Q5_1: `m · d · Σq`).
     pub s: Vec<f32>,
-    /// Prompts: `s` as [`transposed_groups`] of the prompt tiles' groups (empty for decode).
-    pub st: Vec<f32>,
 
     /// Blocks per row (padded), `kp = 32 · blocks`.
     pub blocks: usize,
@@ -90,7 +88,6 @@ impl Q8Rows {
             d: vec![0.0; rows * blocks],
             fill: vec![0; rows * blocks],
             s: vec![0.0; rows * blocks],
-            st: Vec::new(),
             blocks,
             kp,
         };
@@ -131,10 +128,6 @@ pub struct Q8KRows {
     pub bsums: Vec<i16>,
     /// `d · Σq` per 32 (the mins' term of prompts as a matrix, `rows × k/32`).
     pub s32: Vec<f32>,
-    /// Prompts: `s32` as [`transposed_groups`] of the prompt tiles' groups (empty for decode).
-    pub st: Vec<f32>,
-    /// Prompts: `d` per tile of rows, transposed ([`Q8KRows::tile_scales`]; empty for decode).
-    pub dt: Vec<f32>,
 }
 
 impl Q8KRows {
@@ -145,8 +138,6 @@ impl Q8KRows {
             d: vec![0.0; rows * bpr],
             bsums: vec![0; rows * bpr * 16],
             s32: vec![0.0; rows * k / 32],
-            st: Vec::new(),
-            dt: Vec::new(),
         };
         let (qs, d, bsums, s32) = (
             Rows::new(&mut x.qs, k),
@@ -173,39 +164,11 @@ impl Q8KRows {
         x
     }
 
-    /// `d` of every row (padding included, `bpr` super-blocks each) per tile of `tile` rows,
-    /// transposed: super-block `b` of row `t·tile + i` at `(t·bpr + b)·tile + i`, so that a
-    /// tile's scales are side by side.
-    pub fn tile_scales(&self, tile: usize, bpr: usize) -> Vec<f32> {
-        let mut t = vec![0f32; self.d.len().next_multiple_of(tile * bpr.max(1))];
-        for (i, d) in self.d.iter().enumerate() {
-            let (r, b) = (i / bpr, i % bpr);
-            t[((r / tile) * bpr + b) * tile + r % tile] = *d;
-        }
-        t
-    }
-
     #[cfg(test)]
     pub fn dequant_row(&self, r: usize, k: usize) -> Vec<f32> {
         let bpr = k / 256;
         (0..k).map(|i| self.d[r * bpr + i / 256] * self.qs[r * k + i] as f32).collect()
     }
-}
-
-/// The min terms' operand of prompts, `src` (rows `stride` apart, the first `kk` values of each)
-/// as groups of `group` rows, each group transposed: row `g·group + i`, value `b` at
-/// `(g·kk + b)·group + i`, rows past `m` zero. The tiles' min terms (`tiles::min_terms`) then run
-/// down a group's rows in vector lanes, with no horizontal sum per output.
-pub fn transposed_groups(src: &[f32], (stride, kk): (usize, usize), m: usize, group: usize) -> Vec<f32> {
-    let groups = m.div_ceil(group);
-    let mut t = vec![0f32; groups * kk * group];
-    for r in 0..m {
-        let (g, i) = (r / group, r % group);
-        for (b, v) in src[r * stride..r * stride + kk].iter().enumerate() {
-            t[(g * kk + b) * group + i] = *v;
-        }
-    }
-    t
 }
 
 #[cfg(test)]
@@ -240,19 +203,5 @@ mod tests {
         // padding rows and blocks are zero
         assert!(a.qs[3 * a.kp..].iter().all(|&q| q == 0) && a.qs[k..a.kp].iter().all(|&q| q == 0));
         assert!(b.d[3 * (k / 256)..].iter().all(|&d| d == 0.0));
-    }
-
-    #[test]
-    fn transposed_groups_put_each_row_in_its_lane() {
-        // 5 rows of 3 values, 4 apart, in groups of 2: the last group holds row 4 and a zero row
-        let src: Vec<f32> = (0..5 * 4).map(|i| i as f32).collect();
-        let t = transposed_groups(&src, (4, 3), 5, 2);
-        assert_eq!(t.len(), 3 * 3 * 2);
-        for r in 0..5 {
-            for b in 0..3 {
-                assert_eq!(t[((r / 2) * 3 + b) * 2 + r % 2], src[r * 4 + b], "row {r}, value {b}");
-            }
-        }
-        assert!((0..3).all(|b| t[(2 * 3 + b) * 2 + 1] == 0.0));
     }
 }

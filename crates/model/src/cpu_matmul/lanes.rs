@@ -1,17 +1,18 @@
-//! Prompts with VNNI (the K-quants and the 32-weight types): output columns in vector lanes.
+//! Prompts (more rows than `DECODE_ROWS`): output columns in vector lanes.
 //!
-//! The tiles of [`super::tiles`] give each (row, column) pair a vector of its own and add up
-//! its lanes at the end, so every super-block ends with a float step per pair (convert, scale,
-//! add) and every tile with a horizontal sum and scattered writes. Here a block of `W/4` (or
-//! `W/2` on 512-bit registers) weight columns is unpacked into a panel where lane `c` of each
+//! Register tiles that give each (row, column) pair a vector of its own and add up its lanes at
+//! the end (what brigade had before, and what the decode vec-dots still do) end every
+//! super-block with a float step per pair (convert, scale, add) and every tile with a
+//! horizontal sum and scattered writes. Here a block of `W/4` (or `W/2` on 512-bit registers)
+//! weight columns is unpacked into a panel where lane `c` of each
 //! vector holds four consecutive quants of column `c`; each row's four activation bytes are
 //! broadcast to every lane, and one `vpdpbusd` advances `W/4` columns of one row by four
 //! weights. A super-block's float step is then one per row and vector of columns, a row's
 //! results are whole vectors written in place, and the min terms are `W/4` columns at a time.
 //!
-//! A weight costs one `vpdpbusd` per row: the K-quants' sub-block sums are multiplied by their
-//! scales in i32 lanes once per 32 or 16 weights (`vpmulld`; the tiles split Q4_K's scales in
-//! two and take two `vpdpbusd`, and Q6_K's through `vpmaddubsw` + `vpmaddwd`); the 32-weight types' float step is per block of 32 (Q8_0's
+//! With VNNI a weight costs one `vpdpbusd` per row (without, `vpmaddubsw` + `vpmaddwd`): the
+//! K-quants' sub-block sums are multiplied by their scales in i32 lanes once per 32 or 16
+//! weights (`vpmulld`, exact); the 32-weight types' float step is per block of 32 (Q8_0's
 //! signed quants are made unsigned by 128, taken away again with the min terms). The panel of
 //! a block of columns serves every row of the matmul.
 
@@ -24,8 +25,8 @@ use super::unpack::Q0Unpack;
 use std::arch::x86_64::*;
 use std::cell::RefCell;
 
-/// Activation rows per tile.
-const ROWS: usize = 4;
+/// Activation rows per tile (the quantized rows are padded to a multiple).
+pub const ROWS: usize = 4;
 
 /// Vectors of columns per tile: two on 512-bit registers (32 columns; 24 accumulators and 5
 /// operands fit the 32 registers), one on 256-bit ones (8 columns; 16 registers).
@@ -266,7 +267,7 @@ pub unsafe fn k_block<T: KUnpack, S: Simd>(
     out: Out,
     p: &mut LanePanel,
 ) {
-    debug_assert!(S::VNNI && cols <= block_cols::<S>());
+    debug_assert!(cols <= block_cols::<S>());
     // SAFETY: the caller's contract
     unsafe { fill::<T, S>(s, w, bpr, (c0, cols), p) };
     for r0 in (0..out.m).step_by(ROWS) {
@@ -321,7 +322,7 @@ unsafe fn fill_q0<T: Q0Unpack, S: Simd>(s: S, w: &[T], bpr: usize, (c0, cols): (
                 p.d[b * nc + c] = d;
                 p.mins[b * nc + c] = if T::HAS_MIN { blk.m().to_f32() } else { -offset as f32 * d };
                 *q = blk.unpack(a2);
-                if T::SIGNED {
+                if T::SIGNED && S::VNNI {
                     *q = a2.flip(*q);
                 }
             }
@@ -367,7 +368,8 @@ unsafe fn tile_q0<T: Q0Unpack, S: Simd, const V: usize>(
                 // SAFETY: bytes 4u..4u + 4 of block b of row r0 + i
                 let xb = unsafe { s.bcast32(x.qs.as_ptr().add((r0 + i) * x.kp + 32 * b + 4 * u)) };
                 for v in 0..V {
-                    sum[v] = s.dot_u8(sum[v], wv[v], xb);
+                    sum[v] =
+                        if T::SIGNED && !S::VNNI { s.dot_s8(sum[v], wv[v], xb) } else { s.dot_u8(sum[v], wv[v], xb) };
                 }
             }
         }
@@ -406,7 +408,7 @@ pub unsafe fn q0_block<T: Q0Unpack, S: Simd>(
     out: Out,
     p: &mut LanePanel,
 ) {
-    debug_assert!(S::VNNI && cols <= block_cols::<S>());
+    debug_assert!(cols <= block_cols::<S>());
     // SAFETY: the caller's contract
     unsafe { fill_q0::<T, S>(s, w, bpr, (c0, cols), p) };
     for r0 in (0..out.m).step_by(ROWS) {

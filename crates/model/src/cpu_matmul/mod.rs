@@ -10,11 +10,10 @@
 //!   products, one float scale per block). Up to [`DECODE_ROWS`] activation rows (decode, also of
 //!   several sessions at once) are vec-dots per weight row straight from the blocks, each block
 //!   unpacked once for all the rows, each row quantized and computed exactly as it would be
-//!   alone (batch invariance); more rows (prompts) run, with VNNI, over a panel of 32 (or 8)
+//!   alone (batch invariance); more rows (prompts) run over a panel of 32 (AVX-512) or 8
 //!   weight columns unpacked once for every row, the columns in vector lanes and each row's
-//!   activations broadcast (see `lanes`: one `vpdpbusd` per weight and row, no horizontal
-//!   sums), and with AVX2 in 4 × C register tiles over a panel unpacked once per group of
-//!   rows (see `tiles`). The instruction set is
+//!   activations broadcast (see `lanes`: with VNNI one `vpdpbusd` per weight and row, no
+//!   horizontal sums). The instruction set is
 //!   chosen at run time ([`Isa`]): AVX-512 VNNI (`vpdpbusd` on zmm), AVX-VNNI (ymm), AVX2, or
 //!   none; `BRIGADE_CPU_KERNELS=avx512|avxvnni|avx2|portable` picks a lesser one, to measure it.
 //! - the rest (Q2_K, Q3_K, floats), and every type where there is no AVX2: candle's vec-dots on
@@ -30,9 +29,9 @@
 //! - [`blocks`]: ggml's block layouts and the checked cast of bytes to blocks;
 //! - `acts`: activations quantized to int8 (per 32, or per 256 for the K-quants);
 //! - `simd` (x86_64): the vector operations of each instruction set behind one trait, whose
-//!   values prove the CPU has it; `unpack`: each type's blocks to bytes; `tiles`: the vec-dots,
-//!   panels and tiles written once over `simd`, and their drivers on candle's thread pool;
-//!   `lanes`: the VNNI prompt kernels (columns in lanes);
+//!   values prove the CPU has it; `unpack`: each type's blocks to bytes; `tiles`: the decode
+//!   vec-dots written once over `simd`, and the drivers of both kinds on candle's thread pool;
+//!   `lanes`: the prompt kernels (columns in lanes, their panel), also over `simd`;
 //! - `tests`: every kernel on every instruction set this CPU has, against a scalar reference.
 //!
 //! Deliberately absent: weights kept in another layout (it would cost memory, the point of this
@@ -64,8 +63,9 @@ use std::sync::{Arc, OnceLock};
 /// Rows of activations up to which each row is computed as a vec-dot of its own (brigade's int8
 /// kernels, sharing the unpacking of each weight block, or candle's where those do not run): a
 /// row's result does not depend on the rows beside it. 8: `brigade serve`'s batches of up to 8
-/// sessions read each weight once per step, and on Q4_K the vec-dots beat the prompt tiles up
-/// to 16 rows and more (65 against 47 GMAC/s at 8 rows, AVX-512, one thread).
+/// sessions read each weight once per step, and on Q4_K the vec-dots beat the prompt kernel
+/// there (67 GMAC/s at 8 rows against 54 at 9, AVX-512, one thread, `cpu_kernels`), whose
+/// panel pays off from about 12 rows.
 pub const DECODE_ROWS: usize = 8;
 /// Elements of dequantized weight per band (16 MiB of f32).
 const BAND_ELEMS: usize = 4 << 20;
@@ -172,8 +172,8 @@ impl Isa {
 pub enum Kernel {
     /// brigade's int8 kernel, one activation row: a vec-dot per weight row.
     VecDot(Isa),
-    /// brigade's int8 register tiles, several activation rows.
-    Tiles(Isa),
+    /// brigade's int8 prompt kernels, several activation rows (columns in vector lanes).
+    Lanes(Isa),
     CandleVecDot,
     DequantGemm,
 }
@@ -199,7 +199,7 @@ impl Kernel {
             (Isa::Portable, _) | (_, None) if m <= DECODE_ROWS => Kernel::CandleVecDot,
             (Isa::Portable, _) | (_, None) => Kernel::DequantGemm,
             _ if m <= DECODE_ROWS => Kernel::VecDot(isa),
-            _ => Kernel::Tiles(isa),
+            _ => Kernel::Lanes(isa),
         }
     }
 
@@ -207,7 +207,7 @@ impl Kernel {
     pub fn describe(self, dt: GgmlDType) -> &'static str {
         let float = matches!(dt, GgmlDType::F32 | GgmlDType::F16 | GgmlDType::BF16);
         let k = int8_family(dt) == Some(true);
-        // the tile shapes are the `Q0_C`/`K_C` of each instruction set in `simd`
+        // the prompt shapes are `lanes::ROWS` × `lanes::block_cols` of each instruction set
         match (self, k) {
             (Kernel::VecDot(Isa::Avx512Vnni), false) => "brigade AVX-512 VNNI int8 vec-dot (activations int8 per 32)",
             (Kernel::VecDot(Isa::Avx512Vnni), true) => "brigade AVX-512 VNNI int8 vec-dot (activations int8 per 256)",
@@ -215,20 +215,20 @@ impl Kernel {
             (Kernel::VecDot(Isa::AvxVnni), true) => "brigade AVX-VNNI int8 vec-dot (activations int8 per 256)",
             (Kernel::VecDot(_), false) => "brigade AVX2 int8 vec-dot (activations int8 per 32)",
             (Kernel::VecDot(_), true) => "brigade AVX2 int8 vec-dot (activations int8 per 256)",
-            (Kernel::Tiles(Isa::Avx512Vnni), false) => {
+            (Kernel::Lanes(Isa::Avx512Vnni), false) => {
                 "brigade AVX-512 VNNI int8, 4 rows × 32 columns in lanes (activations int8 per 32)"
             }
-            (Kernel::Tiles(Isa::Avx512Vnni), true) => {
+            (Kernel::Lanes(Isa::Avx512Vnni), true) => {
                 "brigade AVX-512 VNNI int8, 4 rows × 32 columns in lanes (activations int8 per 256)"
             }
-            (Kernel::Tiles(Isa::AvxVnni), false) => {
+            (Kernel::Lanes(Isa::AvxVnni), false) => {
                 "brigade AVX-VNNI int8, 4 rows × 8 columns in lanes (activations int8 per 32)"
             }
-            (Kernel::Tiles(Isa::AvxVnni), true) => {
+            (Kernel::Lanes(Isa::AvxVnni), true) => {
                 "brigade AVX-VNNI int8, 4 rows × 8 columns in lanes (activations int8 per 256)"
             }
-            (Kernel::Tiles(_), false) => "brigade AVX2 int8 4x2 tiles (activations int8 per 32)",
-            (Kernel::Tiles(_), true) => "brigade AVX2 int8 4x1 tiles (activations int8 per 256)",
+            (Kernel::Lanes(_), false) => "brigade AVX2 int8, 4 rows × 8 columns in lanes (activations int8 per 32)",
+            (Kernel::Lanes(_), true) => "brigade AVX2 int8, 4 rows × 8 columns in lanes (activations int8 per 256)",
             (Kernel::CandleVecDot, _) if float => "candle vec-dot (float)",
             (Kernel::CandleVecDot, _) => "candle int8 vec-dot",
             (Kernel::DequantGemm, _) if float => "f32 band + gemm",
@@ -285,7 +285,7 @@ pub fn matmul(
     check(dt, w, (m, k, n), lhs, dst)?;
     let kernel = Kernel::choose_for(dt, m, isa);
     match kernel {
-        Kernel::VecDot(_) | Kernel::Tiles(_) => int8(dt, w, (m, k, n), lhs, dst, isa)?,
+        Kernel::VecDot(_) | Kernel::Lanes(_) => int8(dt, w, (m, k, n), lhs, dst, isa)?,
         Kernel::CandleVecDot => {
             with_block!(dt, T => candle_core::quantized::k_quants::matmul::<T>((m, k, n), lhs, blocks::cast::<T>(w)?, dst)?)
         }

@@ -10,7 +10,7 @@
 
 use super::acts::{Q8KRows, Q8Rows};
 use super::lanes::{self, LanePanel};
-use super::tiles::{self, Out, Panel};
+use super::tiles::{self, Out};
 use super::unpack::{KUnpack, Q0Unpack};
 use half::f16;
 use std::arch::x86_64::*;
@@ -21,9 +21,6 @@ pub trait Simd: Copy + Send + Sync + 'static {
     const W: usize;
     /// Whether `dot_u8` is one `vpdpbusd` (any u8 × i8, no intermediate saturation).
     const VNNI: bool;
-    /// Weight rows per prompt tile of the 32-weight (Q0) and 256-weight (K) kernels: 1 or 2.
-    const Q0_C: usize;
-    const K_C: usize;
     type I: Copy;
     type F: Copy;
 
@@ -51,8 +48,6 @@ pub trait Simd: Copy + Send + Sync + 'static {
     /// A 256-bit vector in the low half, zeros above.
     fn widen(self, v: __m256i) -> Self::I;
     fn add32(self, a: Self::I, b: Self::I) -> Self::I;
-    /// `8 · a` in i32 lanes.
-    fn times8(self, a: Self::I) -> Self::I;
     /// `x ^ 0x80` per byte: a signed byte as `x + 128`, unsigned.
     fn flip(self, a: Self::I) -> Self::I;
     /// `acc + Σ u·x` over each 4 bytes into i32 lanes (`u` unsigned, `x` signed). Without VNNI the
@@ -74,17 +69,10 @@ pub trait Simd: Copy + Send + Sync + 'static {
     fn mul(self, a: Self::F, b: Self::F) -> Self::F;
     fn set1(self, v: f32) -> Self::F;
     fn hsum(self, a: Self::F) -> f32;
-    /// Lane 0.
-    fn first(self, a: Self::F) -> f32;
     /// `v[t]` over the 8 lanes of 32-byte block `t`, for each of the `W / 32` blocks.
     fn per_block(self, v: [f32; 2]) -> Self::F;
     fn per_block_f16(self, v: [f16; 2]) -> Self::F;
     fn per_block_i32(self, v: [i32; 2]) -> Self::I;
-    /// [`Simd::per_block`] of the `W / 32` floats at `p`.
-    ///
-    /// # Safety
-    /// `p` points to `W / 32` readable floats.
-    unsafe fn per_block_at(self, p: *const f32) -> Self::F;
 
     /// `a · b` in i32 lanes (the low 32 bits).
     fn mullo32(self, a: Self::I, b: Self::I) -> Self::I;
@@ -133,38 +121,6 @@ pub trait Simd: Copy + Send + Sync + 'static {
     /// # Safety
     /// As [`tiles::k_columns`].
     unsafe fn k_columns<T: KUnpack>(self, w: &[T], bpr: usize, cols: (usize, usize), x: &Q8KRows, out: Out);
-
-    /// [`tiles::q0_group`] compiled for this instruction set.
-    ///
-    /// # Safety
-    /// As [`tiles::q0_group`].
-    #[allow(clippy::too_many_arguments)]
-    unsafe fn q0_group<T: Q0Unpack>(
-        self,
-        w: &[T],
-        bpr: usize,
-        cols: (usize, usize),
-        x: &Q8Rows,
-        rows: (usize, usize),
-        out: Out,
-        p: &mut Panel,
-    );
-
-    /// [`tiles::k_group`] compiled for this instruction set.
-    ///
-    /// # Safety
-    /// As [`tiles::k_group`].
-    #[allow(clippy::too_many_arguments)]
-    unsafe fn k_group<T: KUnpack>(
-        self,
-        w: &[T],
-        bpr: usize,
-        cols: (usize, usize),
-        x: &Q8KRows,
-        rows: (usize, usize),
-        out: Out,
-        p: &mut Panel,
-    );
 }
 
 /// The instruction sets of a [`Ymm`].
@@ -250,22 +206,6 @@ macro_rules! entry_points {
             }
 
             #[target_feature(enable = $features)]
-            #[allow(clippy::too_many_arguments)]
-            pub unsafe fn q0_group<T: Q0Unpack>(
-                s: $isa,
-                w: &[T],
-                bpr: usize,
-                cols: (usize, usize),
-                x: &Q8Rows,
-                rows: (usize, usize),
-                out: Out,
-                p: &mut Panel,
-            ) {
-                // SAFETY: the caller's contract
-                unsafe { tiles::q0_group::<T, $isa>(s, w, bpr, cols, x, rows, out, p) }
-            }
-
-            #[target_feature(enable = $features)]
             pub unsafe fn q0_lanes<T: Q0Unpack>(
                 s: $isa,
                 w: &[T],
@@ -292,22 +232,6 @@ macro_rules! entry_points {
                 // SAFETY: the caller's contract
                 unsafe { lanes::k_block::<T, $isa>(s, w, bpr, cols, x, out, p) }
             }
-
-            #[target_feature(enable = $features)]
-            #[allow(clippy::too_many_arguments)]
-            pub unsafe fn k_group<T: KUnpack>(
-                s: $isa,
-                w: &[T],
-                bpr: usize,
-                cols: (usize, usize),
-                x: &Q8KRows,
-                rows: (usize, usize),
-                out: Out,
-                p: &mut Panel,
-            ) {
-                // SAFETY: the caller's contract
-                unsafe { tiles::k_group::<T, $isa>(s, w, bpr, cols, x, rows, out, p) }
-            }
         }
     };
 }
@@ -331,21 +255,6 @@ macro_rules! forward_entries {
             let $s = self;
             // SAFETY: as above
             unsafe { match $on { $($p => $module::k_columns($token, w, bpr, cols, x, out)),+ } }
-        }
-
-        unsafe fn q0_group<T: Q0Unpack>(
-            self,
-            w: &[T],
-            bpr: usize,
-            cols: (usize, usize),
-            x: &Q8Rows,
-            rows: (usize, usize),
-            out: Out,
-            p: &mut Panel,
-        ) {
-            let $s = self;
-            // SAFETY: as above
-            unsafe { match $on { $($p => $module::q0_group($token, w, bpr, cols, x, rows, out, p)),+ } }
         }
 
         unsafe fn q0_lanes<T: Q0Unpack>(
@@ -376,20 +285,6 @@ macro_rules! forward_entries {
             unsafe { match $on { $($p => $module::k_lanes($token, w, bpr, cols, x, out, p)),+ } }
         }
 
-        unsafe fn k_group<T: KUnpack>(
-            self,
-            w: &[T],
-            bpr: usize,
-            cols: (usize, usize),
-            x: &Q8KRows,
-            rows: (usize, usize),
-            out: Out,
-            p: &mut Panel,
-        ) {
-            let $s = self;
-            // SAFETY: as above
-            unsafe { match $on { $($p => $module::k_group($token, w, bpr, cols, x, rows, out, p)),+ } }
-        }
     };
 }
 
@@ -398,8 +293,6 @@ macro_rules! forward_entries {
 impl<const V: u8> Simd for Ymm<V> {
     const W: usize = 32;
     const VNNI: bool = V != AVX2;
-    const Q0_C: usize = 2;
-    const K_C: usize = 1;
     type I = __m256i;
     type F = __m256;
 
@@ -442,10 +335,6 @@ impl<const V: u8> Simd for Ymm<V> {
     #[inline(always)]
     fn add32(self, a: __m256i, b: __m256i) -> __m256i {
         unsafe { _mm256_add_epi32(a, b) }
-    }
-    #[inline(always)]
-    fn times8(self, a: __m256i) -> __m256i {
-        unsafe { _mm256_slli_epi32::<3>(a) }
     }
     #[inline(always)]
     fn flip(self, a: __m256i) -> __m256i {
@@ -520,10 +409,6 @@ impl<const V: u8> Simd for Ymm<V> {
         }
     }
     #[inline(always)]
-    fn first(self, a: __m256) -> f32 {
-        unsafe { _mm256_cvtss_f32(a) }
-    }
-    #[inline(always)]
     fn per_block(self, v: [f32; 2]) -> __m256 {
         unsafe { _mm256_set1_ps(v[0]) }
     }
@@ -538,10 +423,6 @@ impl<const V: u8> Simd for Ymm<V> {
     #[inline(always)]
     fn per_block_i32(self, v: [i32; 2]) -> __m256i {
         unsafe { _mm256_set1_epi32(v[0]) }
-    }
-    #[inline(always)]
-    unsafe fn per_block_at(self, p: *const f32) -> __m256 {
-        unsafe { _mm256_broadcast_ss(&*p) }
     }
     #[inline(always)]
     fn mullo32(self, a: __m256i, b: __m256i) -> __m256i {
@@ -562,8 +443,6 @@ impl<const V: u8> Simd for Ymm<V> {
 impl Simd for Zmm {
     const W: usize = 64;
     const VNNI: bool = true;
-    const Q0_C: usize = 2;
-    const K_C: usize = 2;
     type I = __m512i;
     type F = __m512;
 
@@ -606,10 +485,6 @@ impl Simd for Zmm {
     #[inline(always)]
     fn add32(self, a: __m512i, b: __m512i) -> __m512i {
         unsafe { _mm512_add_epi32(a, b) }
-    }
-    #[inline(always)]
-    fn times8(self, a: __m512i) -> __m512i {
-        unsafe { _mm512_slli_epi32::<3>(a) }
     }
     #[inline(always)]
     fn flip(self, a: __m512i) -> __m512i {
@@ -664,10 +539,6 @@ impl Simd for Zmm {
         unsafe { _mm512_reduce_add_ps(a) }
     }
     #[inline(always)]
-    fn first(self, a: __m512) -> f32 {
-        unsafe { _mm512_cvtss_f32(a) }
-    }
-    #[inline(always)]
     fn per_block(self, [a, b]: [f32; 2]) -> __m512 {
         unsafe {
             let lo = _mm512_castps_pd(_mm512_castps256_ps512(_mm256_set1_ps(a)));
@@ -682,14 +553,6 @@ impl Simd for Zmm {
     #[inline(always)]
     fn per_block_i32(self, [a, b]: [i32; 2]) -> __m512i {
         unsafe { _mm512_inserti64x4::<1>(_mm512_castsi256_si512(_mm256_set1_epi32(a)), _mm256_set1_epi32(b)) }
-    }
-    /// Both values in one 64-bit load, spread by one permute.
-    #[inline(always)]
-    unsafe fn per_block_at(self, p: *const f32) -> __m512 {
-        unsafe {
-            let two = _mm512_castpd_ps(_mm512_castpd128_pd512(_mm_load_sd(p.cast())));
-            _mm512_permutexvar_ps(_mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0), two)
-        }
     }
     #[inline(always)]
     fn mullo32(self, a: __m512i, b: __m512i) -> __m512i {

@@ -282,9 +282,9 @@ fn kernel_choice_names_the_instruction_set() {
             if isa == Isa::Portable {
                 assert_eq!((decode, prompt), (Kernel::CandleVecDot, Kernel::DequantGemm));
             } else {
-                assert_eq!((decode, prompt), (Kernel::VecDot(isa), Kernel::Tiles(isa)));
+                assert_eq!((decode, prompt), (Kernel::VecDot(isa), Kernel::Lanes(isa)));
                 assert!(decode.describe(dt).starts_with(&format!("brigade {} int8 vec-dot", isa.name())));
-                assert!(prompt.describe(dt).starts_with(&format!("brigade {} int8 4x", isa.name())));
+                assert!(prompt.describe(dt).starts_with(&format!("brigade {} int8, 4 rows × ", isa.name())));
             }
         }
         assert_eq!(Kernel::choose_for(GgmlDType::Q3K, DECODE_ROWS, isa), Kernel::CandleVecDot);

@@ -7,26 +7,20 @@
 //!   invariance). Alone, a row reads every weight byte once, so unpacking in place costs next to
 //!   nothing where the memory read bounds it; where it does not (Q4_K on few cores), rows
 //!   sharing the unpacking is what makes a batch cheaper than its rows one by one.
-//! - More rows (prompts) run, with VNNI, in [`super::lanes`]; without it (AVX2), in `4 × C`
-//!   register tiles. Each weight block is then used by every
-//!   row, so the `C` weight columns of a tile are first unpacked into a [`Panel`] (quants as
-//!   bytes, scales as the vectors the kernel multiplies by) and the tile kernels ([`q0_tile`],
-//!   [`k_tile`]) only load, multiply and add; a panel serves the [`PROMPT_ROWS`] activation rows
-//!   of a group. The min terms (Q4_1, Q5_1, Q4_K, Q5_K) are added once per group as a small
-//!   f32 product over the per-32 sums ([`min_terms`]), cheaper than in every tile.
+//! - More rows (prompts) run in [`super::lanes`], output columns in vector lanes over a panel
+//!   of weight columns unpacked once for every row.
 //!
 //! No function here takes a closure into a kernel: a closure is compiled without the kernel's
 //! target features, so its intrinsics would become calls (see [`Simd::join`]).
 
-use super::acts::{transposed_groups, Q8KRows, Q8Rows};
+use super::acts::{Q8KRows, Q8Rows};
 use super::blocks::Q0Block;
 use super::lanes;
 use super::simd::Simd;
-use super::unpack::{KScales, KUnpack, Q0Unpack};
+use super::unpack::{KUnpack, Q0Unpack};
 use super::DECODE_ROWS;
 use half::f16;
 use std::arch::x86_64::*;
-use std::cell::RefCell;
 
 /// How far ahead of the block in use the kernels ask for weight bytes: 1 KiB was the best of
 /// 512/1024/2048 for Q8_0 decode in `brigade bench` on a 2-core VM, though within its noise.
@@ -39,12 +33,6 @@ fn prefetch<T>(p: *const T, lines: usize) {
         unsafe { _mm_prefetch::<_MM_HINT_T0>(p.cast::<i8>().wrapping_add(PREFETCH + 64 * l)) };
     }
 }
-
-/// Activation rows per group: a group's quantized rows stay in cache while every weight panel
-/// passes over them (64 rows of k = 2048 are 128 KiB of int8), and each panel serves the group.
-const PROMPT_ROWS: usize = 64;
-/// Activation rows per tile (the quantized rows are padded to a multiple).
-const TILE_ROWS: usize = 4;
 
 /// Rows `r0..r0 + R` of `x` times `w[c]` for a 32-weight type: per block `Σ q·x` in i32 lanes
 /// (starting from the activations' `fill`, which takes away the weights' offset), times
@@ -186,30 +174,6 @@ pub unsafe fn k_dot_rows<T: KUnpack, S: Simd, const R: usize>(
     out
 }
 
-/// Up to [`PANEL_COLS`] weight columns unpacked for the prompt tiles, every block of `k` (one per worker
-/// thread, reused). Column `j` is at `q[j·kq..]`, `sc[j·kq/2..]`, ….
-#[derive(Default)]
-pub struct Panel {
-    /// The quants as bytes (Q8_0 on VNNI: flipped to unsigned), in order.
-    q: Vec<u8>,
-    /// K-quants: the i16 scale vector of each `W` bytes of `q`, as the kernel multiplies.
-    sc: Vec<i16>,
-    /// K-quants: `d` per super-block; 32-weight types: `d` over each block's 8 i32 lanes.
-    d: Vec<f32>,
-    /// Q6_K: `−32·sc` per 16 weights.
-    corr: Vec<i16>,
-    /// Q4_K/Q5_K with VNNI: `q` holds `q · (sc mod 8)` and this `q · (sc div 8)` (see [`k_tile`]).
-    hi: Vec<u8>,
-    /// The min terms' weights, per 32 weights: Q4_1/Q5_1's `m`, Q4_K/Q5_K's `−dmin·m`.
-    mins: Vec<f32>,
-    /// Bytes of `q` per column.
-    kq: usize,
-}
-
-thread_local! {
-    static PANEL: RefCell<Panel> = RefCell::new(Panel::default());
-}
-
 /// What a 32-weight type's unsigned quants are offset by: Q4_0's 8, Q5_0's 16, and on VNNI the
 /// 128 that makes Q8_0's signed bytes unsigned (AVX2 multiplies those by their sign instead).
 pub(super) const fn q0_offset<T: Q0Block, S: Simd>() -> i32 {
@@ -218,330 +182,6 @@ pub(super) const fn q0_offset<T: Q0Block, S: Simd>() -> i32 {
     } else {
         T::OFFSET
     }
-}
-
-/// Whether a 32-weight type has a term per block besides `d_w·d_x·Σ q·x`: the min (Q4_1,
-/// Q5_1, `m · d_x·Σx`) or the offset (`−offset·d_w · d_x·Σx`). Prompts add it once per group
-/// ([`min_terms`]); decode starts each block's integer sum from the activations' `fill`.
-const fn q0_has_terms<T: Q0Block, S: Simd>() -> bool {
-    T::HAS_MIN || q0_offset::<T, S>() != 0
-}
-
-/// Unpacks columns `c0..c0 + cols` of a 32-weight type into `p`, blocks padded with zeros to
-/// `blocks`.
-///
-/// # Safety
-/// `w` holds those columns of `bpr` blocks each; `blocks ≥ bpr`.
-#[inline(always)]
-unsafe fn fill_q0<T: Q0Unpack, S: Simd>(
-    s: S,
-    w: &[T],
-    (bpr, blocks): (usize, usize),
-    (c0, cols): (usize, usize),
-    p: &mut Panel,
-) {
-    let a2 = s.avx2();
-    p.kq = 32 * blocks;
-    p.q.resize(cols * p.kq, 0);
-    p.d.resize(cols * blocks * 8, 0.0);
-    p.mins.resize(if q0_has_terms::<T, S>() { cols * bpr } else { 0 }, 0.0);
-    for j in 0..cols {
-        for b in 0..blocks {
-            let at = j * blocks + b;
-            let (mut v, d) = if b < bpr {
-                // SAFETY: column c0 + j, block b < bpr is in `w`
-                let blk = unsafe { w.get_unchecked((c0 + j) * bpr + b) };
-                if b % 2 == 0 {
-                    prefetch(blk, 1);
-                }
-                if q0_has_terms::<T, S>() {
-                    p.mins[j * bpr + b] =
-                        if T::HAS_MIN { blk.m().to_f32() } else { -q0_offset::<T, S>() as f32 * blk.d().to_f32() };
-                }
-                (blk.unpack(a2), blk.d().to_f32())
-            } else {
-                (a2.zero(), 0.0)
-            };
-            if T::SIGNED && S::VNNI {
-                v = a2.flip(v);
-            }
-            // SAFETY: 32 bytes and 8 floats inside the panel, sized above
-            unsafe {
-                a2.store(p.q.as_mut_ptr().add(32 * at), v);
-                a2.store_f(p.d.as_mut_ptr().add(8 * at), a2.set1(d));
-            }
-        }
-    }
-}
-
-/// Unpacks columns `c0..c0 + cols` of a 256-weight type into `p`.
-///
-/// # Safety
-/// `w` holds those columns of `bpr` super-blocks each.
-#[inline(always)]
-unsafe fn fill_k<T: KUnpack, S: Simd>(s: S, w: &[T], bpr: usize, (c0, cols): (usize, usize), p: &mut Panel) {
-    let a2 = s.avx2();
-    p.kq = 256 * bpr;
-    p.q.resize(cols * p.kq, 0);
-    p.sc.resize(if S::VNNI && T::HAS_MIN { 0 } else { cols * p.kq / 2 }, 0);
-    // d_w four times per column and super-block, columns side by side (`k_tile` multiplies
-    // them by four rows' d_x at once), padded to whole pairs of columns
-    p.d.resize(bpr * PANEL_COLS * TILE_ROWS, 0.0);
-    p.corr.resize(cols * bpr * 16, 0);
-    p.mins.resize(if T::HAS_MIN { cols * bpr * 8 } else { 0 }, 0.0);
-    let split = S::VNNI && T::HAS_MIN;
-    p.hi.resize(if split { cols * p.kq } else { 0 }, 0);
-    for j in 0..cols {
-        for b in 0..bpr {
-            let at = j * bpr + b;
-            // SAFETY: column c0 + j, super-block b is in `w`
-            let blk = unsafe { w.get_unchecked((c0 + j) * bpr + b) };
-            // the weights stream from memory (columns are contiguous): ask ahead
-            prefetch(blk, std::mem::size_of::<T>().div_ceil(64));
-            let ks: KScales = blk.scales(a2);
-            let d = a2.first(a2.per_block_f16([ks.d; 2]));
-            p.d[(b * PANEL_COLS + j) * TILE_ROWS..][..TILE_ROWS].fill(d);
-            let (mut corr, mut sc) = ([0i16; 16], [0i8; 16]);
-            // SAFETY: 16 i16 inside the panel and on the stack, 16 i8 on the stack
-            unsafe {
-                a2.store(p.corr.as_mut_ptr().add(16 * at).cast(), ks.corr);
-                a2.store(corr.as_mut_ptr().cast(), ks.corr);
-                _mm_storeu_si128(sc.as_mut_ptr().cast(), ks.sc);
-            }
-            if split {
-                // q · (sc mod 8) and q · (sc div 8), each below 256: a 16-bit multiply of the
-                // byte pairs keeps them apart
-                for t in 0..8 {
-                    let q = blk.chunk(a2, t);
-                    // SAFETY: AVX2 (the token); 32 bytes inside `q` and `hi`, sized above
-                    unsafe {
-                        let (lo, hi) =
-                            (_mm256_set1_epi16((sc[2 * t] & 7) as i16), _mm256_set1_epi16((sc[2 * t] >> 3) as i16));
-                        a2.store(p.q.as_mut_ptr().add(256 * at + 32 * t), _mm256_mullo_epi16(q, lo));
-                        a2.store(p.hi.as_mut_ptr().add(256 * at + 32 * t), _mm256_mullo_epi16(q, hi));
-                    }
-                }
-            } else {
-                for st in 0..256 / S::W {
-                    let t = st * (S::W / 32);
-                    let hi = if S::W == 64 { blk.chunk(a2, t + 1) } else { a2.zero() };
-                    // SAFETY: W bytes of `q` and W/2 i16 of `sc` inside the panel, sized above
-                    unsafe {
-                        s.store(p.q.as_mut_ptr().add(256 * at + st * S::W), s.join(blk.chunk(a2, t), hi));
-                        s.store(p.sc.as_mut_ptr().add(128 * at + st * S::W / 2).cast(), s.scales(ks.sc, st));
-                    }
-                }
-            }
-            if T::HAS_MIN {
-                let dmin = a2.first(a2.per_block_f16([ks.dmin; 2]));
-                for (jj, m) in corr.iter().step_by(2).enumerate() {
-                    p.mins[(j * bpr + b) * 8 + jj] = -dmin * *m as f32;
-                }
-            }
-        }
-    }
-}
-
-/// Most panel columns of a prompt group: `S::Q0_C` and `S::K_C` are at most this.
-const PANEL_COLS: usize = 2;
-
-/// The min terms of a group's rows, per panel column: `terms[j][i]` for row `g0 + i`.
-type Terms = [[f32; PROMPT_ROWS]; PANEL_COLS];
-
-/// The min terms `Σ_b mins[j][b] · xs[r][b]` of the panel's columns for rows `g0..g1`: a small
-/// f32 product (`kk` terms against the tiles' `32·kk` or `256·kk`), run down the group's rows
-/// in vector lanes from `st`, the group's `xs` transposed (`kk` rows of [`PROMPT_ROWS`]; see
-/// `acts::transposed_groups`), so that no term needs a horizontal sum. The tiles add them as
-/// they write ([`Out::put`]): the output's rows are `n` floats apart, and a second pass over
-/// them costs more than the product (cache sets, `n` a multiple of 1024).
-///
-/// # Safety
-/// `st` holds `kk × PROMPT_ROWS` values; the panel `cols × kk` mins; `g1 - g0 ≤ PROMPT_ROWS`.
-#[inline(always)]
-unsafe fn min_terms<S: Simd>(s: S, p: &Panel, cols: usize, kk: usize, st: &[f32], (g0, g1): (usize, usize)) -> Terms {
-    let mut terms = [[0f32; PROMPT_ROWS]; PANEL_COLS];
-    debug_assert!(g1 - g0 <= PROMPT_ROWS && st.len() >= kk * PROMPT_ROWS && p.mins.len() >= cols * kk);
-    // SAFETY: the caller's contract; `N` vectors of rows cover `g1 - g0` and stay in the group
-    unsafe {
-        match (g1 - g0).div_ceil(S::W / 4) {
-            0 => {}
-            1 => min_terms_n::<S, 1>(s, p, cols, kk, st, &mut terms),
-            2 => min_terms_n::<S, 2>(s, p, cols, kk, st, &mut terms),
-            3 | 4 => min_terms_n::<S, 4>(s, p, cols, kk, st, &mut terms),
-            _ => min_terms_n::<S, 8>(s, p, cols, kk, st, &mut terms),
-        }
-    }
-    terms
-}
-
-/// [`min_terms`] over `N` vectors of rows.
-///
-/// # Safety
-/// As [`min_terms`]; `N · S::W/4 ≤ PROMPT_ROWS`.
-#[inline(always)]
-unsafe fn min_terms_n<S: Simd, const N: usize>(s: S, p: &Panel, cols: usize, kk: usize, st: &[f32], terms: &mut Terms) {
-    let lanes = S::W / 4;
-    debug_assert!(N * lanes <= PROMPT_ROWS && cols <= PANEL_COLS);
-    for (j, t) in terms.iter_mut().enumerate().take(cols) {
-        let mut acc = [s.zero_f(); N];
-        for b in 0..kk {
-            // SAFETY: value b of column j of the panel's mins; row b of `st`, lanes below
-            // N · lanes ≤ PROMPT_ROWS
-            unsafe {
-                let m = s.set1(*p.mins.get_unchecked(j * kk + b));
-                for (v, a) in acc.iter_mut().enumerate() {
-                    *a = s.fmadd(m, s.load_f(st.as_ptr().add(b * PROMPT_ROWS + v * lanes)), *a);
-                }
-            }
-        }
-        for (v, a) in acc.iter().enumerate() {
-            // SAFETY: N · lanes ≤ PROMPT_ROWS floats of the column's terms
-            unsafe { s.store_f(t.as_mut_ptr().add(v * lanes), *a) };
-        }
-    }
-}
-
-/// Activation rows `r0..r0 + 4` × panel columns `j0..j0 + C` of a 32-weight type: per step
-/// `Σ q·x` times `d_w·d_x`; the min or offset terms are the caller's ([`q0_has_terms`]).
-///
-/// # Safety
-/// The panel holds columns `j0..j0 + C` of `x.blocks` blocks; `x` holds rows `r0..r0 + 4`.
-#[inline(always)]
-unsafe fn q0_tile<T: Q0Unpack, S: Simd, const C: usize>(
-    s: S,
-    p: &Panel,
-    j0: usize,
-    x: &Q8Rows,
-    r0: usize,
-) -> [[f32; C]; 4] {
-    let mut acc = [[s.zero_f(); C]; 4];
-    let mut b0 = 0;
-    while b0 < x.blocks {
-        let mut wv = [s.zero(); C];
-        let mut dw = [s.zero_f(); C];
-        for j in 0..C {
-            // SAFETY: column j0 + j, blocks b0.. of the panel
-            unsafe {
-                wv[j] = s.load(p.q.as_ptr().add((j0 + j) * p.kq + 32 * b0).cast());
-                dw[j] = s.load_f(p.d.as_ptr().add(((j0 + j) * x.blocks + b0) * 8));
-            }
-        }
-        for (i, acc_i) in acc.iter_mut().enumerate() {
-            let at = (r0 + i) * x.blocks + b0;
-            // SAFETY: row r0 + i, blocks b0..b0 + W/32 of `x`
-            let (xv, dx) =
-                unsafe { (s.load(x.qs.as_ptr().add((r0 + i) * x.kp + 32 * b0)), s.per_block_at(x.d.as_ptr().add(at))) };
-            for (a, j) in acc_i.iter_mut().zip(0..C) {
-                let q =
-                    if T::SIGNED && !S::VNNI { s.dot_s8(s.zero(), wv[j], xv) } else { s.dot_u8(s.zero(), wv[j], xv) };
-                *a = s.fmadd(s.mul(dw[j], dx), s.cvt(q), *a);
-            }
-        }
-        b0 += S::W / 32;
-    }
-    let mut out = [[0f32; C]; 4];
-    for (o, a) in out.iter_mut().zip(&acc) {
-        for (v, x) in o.iter_mut().zip(a) {
-            *v = s.hsum(*x);
-        }
-    }
-    out
-}
-
-/// Activation rows `r0..r0 + R` × panel columns `j0..j0 + C` of a 256-weight type: per
-/// super-block `Σ sc · q·x` in i32 lanes (plus Q6_K's −32 in integers), times `d_w·d_x`.
-/// Q4_K/Q5_K's mins are the caller's.
-///
-/// With VNNI, Q4_K/Q5_K's 6-bit scales are split as `sc = 8·(sc div 8) + sc mod 8` and each
-/// half multiplied into the quants when the panel is filled (`q · 7 < 256`): two `vpdpbusd` per
-/// 64 weights and no scale vectors, against `vpmaddubsw` + `vpdpwssd` (which LLVM splits into
-/// `vpmaddwd` + `vpaddd` where it tunes for a generic CPU).
-///
-/// # Safety
-/// The panel holds columns `j0..j0 + C` of `bpr` super-blocks; `x` holds rows `r0..r0 + 4`.
-#[inline(always)]
-unsafe fn k_tile<T: KUnpack, S: Simd, const R: usize, const C: usize>(
-    s: S,
-    p: &Panel,
-    j0: usize,
-    bpr: usize,
-    x: &Q8KRows,
-    r0: usize,
-) -> [[f32; C]; R] {
-    const { assert!(R == TILE_ROWS && C <= PANEL_COLS, "the scales' layout is for tiles of TILE_ROWS × PANEL_COLS") };
-    let a2 = s.avx2();
-    let split = S::VNNI && T::HAS_MIN;
-    let mut acc = [[s.zero_f(); C]; R];
-    for b in 0..bpr {
-        let mut isum = [[s.zero(); C]; R];
-        let mut ihi = [[s.zero(); C]; R];
-        for st in 0..256 / S::W {
-            let mut wv = [s.zero(); C];
-            let mut sc = [s.zero(); C];
-            for j in 0..C {
-                let at = ((j0 + j) * bpr + b) * 256 + st * S::W;
-                // SAFETY: column j0 + j, super-block b, step st of the panel
-                unsafe {
-                    wv[j] = s.load(p.q.as_ptr().add(at).cast());
-                    sc[j] = if split {
-                        s.load(p.hi.as_ptr().add(at).cast())
-                    } else {
-                        s.load(p.sc.as_ptr().add(at / 2).cast())
-                    };
-                }
-            }
-            for (i, (isum_i, ihi_i)) in isum.iter_mut().zip(ihi.iter_mut()).enumerate() {
-                // SAFETY: row r0 + i, super-block b, bytes st·W.. of its 256
-                let xv = unsafe { s.load(x.qs.as_ptr().add(((r0 + i) * bpr + b) * 256 + st * S::W)) };
-                for j in 0..C {
-                    if split {
-                        isum_i[j] = s.dot_u8(isum_i[j], wv[j], xv);
-                        ihi_i[j] = s.dot_u8(ihi_i[j], sc[j], xv);
-                    } else {
-                        isum_i[j] = s.dot_scaled(isum_i[j], wv[j], xv, sc[j]);
-                    }
-                }
-            }
-        }
-        // d_x·d_w of the tile's R × C pairs in one multiply: the rows' four d_x (transposed
-        // per tile, `Q8KRows::dt`) twice, times each column's d_w four times (the panel's `d`),
-        // then broadcast from memory into the arithmetic
-        let mut dd = [0f32; 8];
-        // SAFETY: AVX (the token); four d_x of tile r0 / 4 at super-block b; eight d_w of the
-        // panel from column j0 at super-block b (the panel pads them); eight floats on the stack
-        unsafe {
-            let dx = _mm256_broadcast_ps(&*x.dt.as_ptr().add((r0 / TILE_ROWS * bpr + b) * TILE_ROWS).cast::<__m128>());
-            let dw = _mm256_loadu_ps(p.d.as_ptr().add((b * PANEL_COLS + j0) * TILE_ROWS));
-            _mm256_storeu_ps(dd.as_mut_ptr(), _mm256_mul_ps(dx, dw));
-        }
-        for (i, acc_i) in acc.iter_mut().enumerate() {
-            let at = (r0 + i) * bpr + b;
-            for (j, acc) in acc_i.iter_mut().enumerate() {
-                let mut t = isum[i][j];
-                if split {
-                    t = s.add32(t, s.times8(ihi[i][j]));
-                }
-                if !T::HAS_MIN {
-                    // SAFETY: row r0 + i, super-block b; column j0 + j, super-block b of the panel
-                    let (bs, corr) = unsafe {
-                        (
-                            a2.load(x.bsums.as_ptr().add(16 * at).cast()),
-                            a2.load(p.corr.as_ptr().add(16 * ((j0 + j) * bpr + b)).cast()),
-                        )
-                    };
-                    t = s.add32(t, s.widen(a2.madd(bs, corr)));
-                }
-                *acc = s.fmadd(s.cvt(t), s.set1(dd[j * TILE_ROWS + i]), *acc);
-            }
-        }
-    }
-    let mut out = [[0f32; C]; R];
-    for (o, a) in out.iter_mut().zip(&acc) {
-        for (v, x) in o.iter_mut().zip(a) {
-            *v = s.hsum(*x);
-        }
-    }
-    out
 }
 
 /// Where a group writes: the `m × n` output.
@@ -553,28 +193,6 @@ pub struct Out {
 }
 
 impl Out {
-    /// Writes `t` plus the group's min terms (`terms[jt + j][r0 - g0 + i]`, where there are
-    /// any) at rows `r0..` (those below `g1` and `m`), columns `c0..c0 + C`.
-    ///
-    /// # Safety
-    /// Only this work item writes those elements; `c0 + C ≤ n`; `jt + C ≤ PANEL_COLS`.
-    #[inline(always)]
-    unsafe fn put<const R: usize, const C: usize>(
-        self,
-        t: [[f32; C]; R],
-        (g0, r0, g1): (usize, usize, usize),
-        c0: usize,
-        (terms, jt): (Option<&Terms>, usize),
-    ) {
-        for (i, row) in t.iter().enumerate().take(g1.min(self.m).saturating_sub(r0)) {
-            for (j, v) in row.iter().enumerate() {
-                let add = terms.map_or(0.0, |m| m[jt + j][r0 - g0 + i]);
-                // SAFETY: (r0 + i, c0 + j) is inside the output (caller's contract)
-                unsafe { *(self.ptr as *mut f32).add((r0 + i) * self.n + c0 + j) = *v + add };
-            }
-        }
-    }
-
     /// Writes `t` at rows `r0..r0 + R` of column `c`.
     ///
     /// # Safety
@@ -686,92 +304,9 @@ pub unsafe fn k_columns<T: KUnpack, S: Simd>(
     }
 }
 
-/// Columns `c0..c0 + cols` (at most `S::Q0_C`) of activation rows `g0..g1` of a 32-weight type.
-///
-/// # Safety
-/// As [`fill_q0`], [`q0_tile`] and [`min_terms`] for those columns and rows; only this call
-/// writes them.
-#[inline(always)]
-#[allow(clippy::too_many_arguments)]
-pub unsafe fn q0_group<T: Q0Unpack, S: Simd>(
-    s: S,
-    w: &[T],
-    bpr: usize,
-    (c0, cols): (usize, usize),
-    x: &Q8Rows,
-    (g0, g1): (usize, usize),
-    out: Out,
-    p: &mut Panel,
-) {
-    // SAFETY: the caller's contract
-    unsafe {
-        fill_q0::<T, S>(s, w, (bpr, x.blocks), (c0, cols), p);
-        let terms = q0_has_terms::<T, S>()
-            .then(|| min_terms(s, p, cols, bpr, &x.st[(g0 / PROMPT_ROWS) * bpr * PROMPT_ROWS..], (g0, g1)));
-        for r0 in (g0..g1).step_by(TILE_ROWS) {
-            if S::Q0_C == 2 && cols == 2 {
-                out.put(q0_tile::<T, S, 2>(s, p, 0, x, r0), (g0, r0, g1), c0, (terms.as_ref(), 0));
-            } else {
-                for j in 0..cols {
-                    out.put(q0_tile::<T, S, 1>(s, p, j, x, r0), (g0, r0, g1), c0 + j, (terms.as_ref(), j));
-                }
-            }
-        }
-    }
-}
-
-/// Columns `c0..c0 + cols` (at most `S::K_C`) of activation rows `g0..g1` of a 256-weight type.
-///
-/// # Safety
-/// As [`fill_k`], [`k_tile`] and [`min_terms`] for those columns and rows; only this call writes
-/// them.
-#[inline(always)]
-#[allow(clippy::too_many_arguments)]
-pub unsafe fn k_group<T: KUnpack, S: Simd>(
-    s: S,
-    w: &[T],
-    bpr: usize,
-    (c0, cols): (usize, usize),
-    x: &Q8KRows,
-    (g0, g1): (usize, usize),
-    out: Out,
-    p: &mut Panel,
-) {
-    // SAFETY: the caller's contract
-    unsafe {
-        fill_k::<T, S>(s, w, bpr, (c0, cols), p);
-        let kk = 8 * bpr;
-        let terms =
-            T::HAS_MIN.then(|| min_terms(s, p, cols, kk, &x.st[(g0 / PROMPT_ROWS) * kk * PROMPT_ROWS..], (g0, g1)));
-        for r0 in (g0..g1).step_by(TILE_ROWS) {
-            if S::K_C == 2 && cols == 2 {
-                out.put(k_tile::<T, S, 4, 2>(s, p, 0, bpr, x, r0), (g0, r0, g1), c0, (terms.as_ref(), 0));
-            } else {
-                for j in 0..cols {
-                    out.put(k_tile::<T, S, 4, 1>(s, p, j, bpr, x, r0), (g0, r0, g1), c0 + j, (terms.as_ref(), j));
-                }
-            }
-        }
-    }
-}
-
 /// Runs `columns((c0, c1))` over every column, ranges of columns split across candle's pool.
 fn each_column_range(n: usize, columns: impl Fn((usize, usize)) + Sync) {
     candle_core::utils::barrier_pool().execute_chunked(n, |cols| columns((cols.start, cols.end)));
-}
-
-/// Runs `group((c0, cols), panel)` over every group of up to `tc` columns, split across
-/// candle's pool.
-fn each_column_group(n: usize, tc: usize, group: impl Fn((usize, usize), &mut Panel) + Sync) {
-    candle_core::utils::barrier_pool().execute_chunked(n.div_ceil(tc), |groups| {
-        PANEL.with(|p| {
-            let p = &mut p.borrow_mut();
-            for g in groups {
-                let c0 = g * tc;
-                group((c0, (n - c0).min(tc)), p);
-            }
-        })
-    });
 }
 
 /// `dst[m, n] = lhs[m, k] @ w[n, k]ᵀ` for a 32-weight block type.
@@ -797,22 +332,10 @@ pub unsafe fn matmul_q0<T: Q0Unpack, S: Simd>(
         each_column_range(n, |cols| unsafe { s.q0_columns(w, bpr, cols, &x, out) });
         return;
     }
-    if S::VNNI {
-        // the min or offset terms come from `x.s`, so the rows are quantized with no offset
-        let x = Q8Rows::new(lhs, (m, k), m.next_multiple_of(TILE_ROWS), blocks, 0);
-        // SAFETY: each block writes its own columns of every row; rows are padded to tiles
-        lanes::each_block(n, lanes::block_cols::<S>(), |cols, p| unsafe { s.q0_lanes(w, bpr, cols, &x, out, p) });
-        return;
-    }
-    let mut x = Q8Rows::new(lhs, (m, k), m.next_multiple_of(TILE_ROWS), blocks, offset);
-    if q0_has_terms::<T, S>() {
-        x.st = transposed_groups(&x.s, (x.blocks, bpr), m, PROMPT_ROWS);
-    }
-    for g0 in (0..m).step_by(PROMPT_ROWS) {
-        let rows = (g0, (g0 + PROMPT_ROWS).min(m));
-        // SAFETY: each group writes its own columns of these rows; rows are padded to tiles
-        each_column_group(n, S::Q0_C, |cols, p| unsafe { s.q0_group(w, bpr, cols, &x, rows, out, p) });
-    }
+    // the min or offset terms come from `x.s`, so the rows are quantized with no offset
+    let x = Q8Rows::new(lhs, (m, k), m.next_multiple_of(lanes::ROWS), blocks, 0);
+    // SAFETY: each block writes its own columns of every row; rows are padded to tiles
+    lanes::each_block(n, lanes::block_cols::<S>(), |cols, p| unsafe { s.q0_lanes(w, bpr, cols, &x, out, p) });
 }
 
 /// `dst[m, n] = lhs[m, k] @ w[n, k]ᵀ` for a 256-weight block type.
@@ -835,20 +358,7 @@ pub unsafe fn matmul_k<T: KUnpack, S: Simd>(
         each_column_range(n, |cols| unsafe { s.k_columns(w, bpr, cols, &x, out) });
         return;
     }
-    if S::VNNI {
-        let x = Q8KRows::new(lhs, (m, k), m.next_multiple_of(TILE_ROWS));
-        // SAFETY: each block writes its own columns of every row; rows are padded to tiles
-        lanes::each_block(n, lanes::block_cols::<S>(), |cols, p| unsafe { s.k_lanes(w, bpr, cols, &x, out, p) });
-        return;
-    }
-    let mut x = Q8KRows::new(lhs, (m, k), m.next_multiple_of(TILE_ROWS));
-    x.dt = x.tile_scales(TILE_ROWS, bpr);
-    if T::HAS_MIN {
-        x.st = transposed_groups(&x.s32, (8 * bpr, 8 * bpr), m, PROMPT_ROWS);
-    }
-    for g0 in (0..m).step_by(PROMPT_ROWS) {
-        let rows = (g0, (g0 + PROMPT_ROWS).min(m));
-        // SAFETY: each group writes its own columns of these rows; rows are padded to tiles
-        each_column_group(n, S::K_C, |cols, p| unsafe { s.k_group(w, bpr, cols, &x, rows, out, p) });
-    }
+    let x = Q8KRows::new(lhs, (m, k), m.next_multiple_of(lanes::ROWS));
+    // SAFETY: each block writes its own columns of every row; rows are padded to tiles
+    lanes::each_block(n, lanes::block_cols::<S>(), |cols, p| unsafe { s.k_lanes(w, bpr, cols, &x, out, p) });
 }
