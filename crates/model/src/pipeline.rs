@@ -83,6 +83,12 @@ impl Session {
     pub fn cache_lens(&self) -> Vec<usize> {
         self.caches.iter().map(SliceCache::len).collect()
     }
+    /// Forgets every token after the first `n`, keeping the caches' storage.
+    pub fn truncate(&mut self, n: usize) {
+        let n = n.min(self.tokens.len());
+        self.caches.iter_mut().for_each(|c| c.truncate(n));
+        self.tokens.truncate(n);
+    }
     /// Forgets every token, keeping the caches' storage for the next conversation.
     pub fn reset(&mut self) {
         self.caches.iter_mut().for_each(|c| c.truncate(0));

@@ -256,6 +256,50 @@ fn long_prompts_are_read_a_chunk_per_step() {
     assert_eq!(ids[&1], want);
 }
 
+/// Submits `job` alone and steps until it is done: its tokens and the prompt tokens it kept
+/// from its slot's previous job.
+fn run_alone(b: &mut Batch, id: JobId, job: Job) -> (Vec<u32>, usize) {
+    b.handle_submit(id, job);
+    let mut ids = Vec::new();
+    for _ in 0..1000 {
+        for (got, o) in b.step() {
+            assert_eq!(got, id);
+            match o {
+                Output::Token(t) => ids.push(t),
+                Output::Done(st) => return (ids, st.cached_tokens),
+                Output::Error(e) => panic!("job {id}: {e}"),
+            }
+        }
+    }
+    panic!("job {id} never finished")
+}
+
+/// A follow-up whose prompt begins with the last one (a chat resending its conversation) keeps
+/// the whole chunks that prompt was read in, and answers exactly as a batch that reads it all.
+#[test]
+fn a_follow_up_keeps_the_last_prompts_whole_chunks_and_answers_the_same() {
+    let dir = tempfile::tempdir().unwrap();
+    let files = q4k_model(&dir);
+    let p = Arc::new(pipeline(&files, "cpu:4", 256));
+    let vocab = files.config.vocab as u32;
+    let greedy = |prompt: Vec<u32>| Job { prompt, max_tokens: 6, sampler: SamplerConfig::greedy(), ignore_eos: true };
+    let first = prompt(21, 3, vocab);
+    let mut second = first.clone();
+    second.extend(prompt(14, 4, vocab));
+    let mut b = Batch::new(p.clone(), 2, |_| false).unwrap().with_prefill_chunk(8);
+    assert_eq!(run_alone(&mut b, 0, greedy(first)).1, 0);
+    // 21 tokens read in chunks of 8: the two whole chunks are kept, the rest read again
+    let (got, kept) = run_alone(&mut b, 1, greedy(second.clone()));
+    assert_eq!(kept, 16);
+    let mut cold = Batch::new(p.clone(), 2, |_| false).unwrap().with_prefill_chunk(8);
+    let (want, none) = run_alone(&mut cold, 0, greedy(second.clone()));
+    assert_eq!((&got, none), (&want, 0));
+    // an unrelated prompt keeps nothing and takes the other slot; `second` again keeps its
+    // 4 whole chunks (32 of 35), not the tokens decoded after them
+    assert_eq!(run_alone(&mut b, 2, greedy(prompt(30, 5, vocab))).1, 0);
+    assert_eq!(run_alone(&mut b, 3, greedy(second)), (want, 32));
+}
+
 /// A sink over a std channel whose receiver the test drops to disconnect.
 struct ChanSink(std::sync::mpsc::Sender<Output>, Arc<std::sync::atomic::AtomicBool>);
 

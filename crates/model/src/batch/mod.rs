@@ -16,6 +16,15 @@
 //! **Batch invariance**: a row's numbers never depend on which other rows share the step (see
 //! [`crate::llama::Slice::forward_rows`]), and sampling and stop rules are `generate`'s, so a
 //! job's output is the one it gets alone, and greedy output equals `brigade run`'s.
+//!
+//! **Prompt cache**: a slot keeps its last conversation's caches. A job goes to the free slot
+//! whose cache begins with the longest run of the job's prompt in whole chunks that the slot's
+//! previous prompt was read in (from its start, [`PREFILL_CHUNK`] each), and reads its prompt
+//! from there: those chunks' cache entries are exactly what reading them again would compute,
+//! so the output is unchanged (a follow-up turn of a chat resends the conversation; its earlier
+//! turns' whole chunks are not read again). Tokens that were decoded, or read in a last partial
+//! chunk, are read again: the prompt kernels round differently from the decode kernels and a
+//! chunk's shape changes its rounding.
 
 mod engine;
 
@@ -69,6 +78,8 @@ pub struct JobStats {
     pub prompt_time: Duration,
     /// From the first token to the last.
     pub gen_time: Duration,
+    /// Prompt tokens whose cache entries were kept from the slot's previous job (not read).
+    pub cached_tokens: usize,
 }
 
 enum Phase {
@@ -87,11 +98,19 @@ struct Active {
     queued: Duration,
     admitted: Instant,
     first_token: Option<Instant>,
+    /// Prompt tokens kept from the slot's previous job.
+    cached: usize,
 }
 
 struct Slot {
     session: Session,
     active: Option<Active>,
+    /// Leading tokens of the session that its last job read as whole prompt chunks from the
+    /// start (the part of its cache a later job may keep).
+    chunked: usize,
+    /// When the slot last took a job ([`Batch::admitted`]): a job that keeps nothing goes to
+    /// the slot used longest ago, whose cache is least likely to be wanted.
+    used: u64,
 }
 
 /// The batch: slots with preallocated sessions, the jobs waiting for one, and the step.
@@ -103,6 +122,8 @@ pub struct Batch {
     chunk: usize,
     /// The slot whose prompt is read next, if it still has one (round robin).
     cursor: usize,
+    /// Jobs admitted so far.
+    admitted: u64,
 }
 
 impl Batch {
@@ -117,7 +138,7 @@ impl Batch {
             return Err(ModelError::BadInput("a batch of 0 slots".into()));
         }
         let slots = (0..parallel)
-            .map(|_| Ok(Slot { session: pipeline.new_session()?, active: None }))
+            .map(|_| Ok(Slot { session: pipeline.new_session()?, active: None, chunked: 0, used: 0 }))
             .collect::<Result<_, ModelError>>()?;
         Ok(Batch {
             pipeline,
@@ -126,6 +147,7 @@ impl Batch {
             is_eog: Box::new(is_eog),
             chunk: PREFILL_CHUNK,
             cursor: 0,
+            admitted: 0,
         })
     }
 
@@ -182,7 +204,7 @@ impl Batch {
 
     fn admit(&mut self, out: &mut Vec<(JobId, Output)>) {
         let n_ctx = self.pipeline.n_ctx();
-        for slot in self.slots.iter_mut().filter(|s| s.active.is_none()) {
+        while self.slots.iter().any(|s| s.active.is_none()) {
             let Some((id, job, t)) = self.waiting.pop_front() else { break };
             let queued = t.elapsed();
             if job.prompt.is_empty() {
@@ -202,22 +224,45 @@ impl Batch {
                     queued,
                     prompt_time: Duration::ZERO,
                     gen_time: Duration::ZERO,
+                    cached_tokens: 0,
                 };
                 out.push((id, Output::Done(stats)));
                 continue;
             }
-            slot.session.reset();
+            let (i, cached) = self.best_slot(&job.prompt);
+            self.admitted += 1;
+            let slot = &mut self.slots[i];
+            slot.session.truncate(cached);
+            slot.chunked = job.prompt.len() / self.chunk * self.chunk;
+            slot.used = self.admitted;
             slot.active = Some(Active {
                 id,
                 sampler: Sampler::new(job.sampler.clone()),
                 job,
-                phase: Phase::Prompt { fed: 0 },
+                phase: Phase::Prompt { fed: cached },
                 generated: 0,
                 queued,
                 admitted: Instant::now(),
                 first_token: None,
+                cached,
             });
         }
+    }
+
+    /// The free slot whose cache holds the longest run of whole chunks that begin `prompt` (of
+    /// those that hold none, the one used longest ago), and that run's length: at most the
+    /// chunks the slot's last prompt was read in, and short of the whole prompt (its last chunk
+    /// gives the logits). There is a free slot.
+    fn best_slot(&self, prompt: &[u32]) -> (usize, usize) {
+        let mut best: Option<(usize, usize, u64)> = None;
+        for (i, s) in self.slots.iter().enumerate().filter(|(_, s)| s.active.is_none()) {
+            let common = s.session.tokens().iter().zip(prompt).take_while(|(a, b)| a == b).count();
+            let keep = common.min(s.chunked).min(prompt.len().saturating_sub(1)) / self.chunk * self.chunk;
+            if best.is_none_or(|(_, k, used)| keep > k || (keep == k && s.used < used)) {
+                best = Some((i, keep, s.used));
+            }
+        }
+        best.map_or((0, 0), |(i, k, _)| (i, k))
     }
 
     fn prefill_one(&mut self, out: &mut Vec<(JobId, Output)>) {
@@ -301,6 +346,7 @@ impl Batch {
                 queued: a.queued,
                 prompt_time: first - a.admitted,
                 gen_time: first.elapsed(),
+                cached_tokens: a.cached,
             };
             out.push((a.id, Output::Done(stats)));
             slot.active = None;
