@@ -54,6 +54,7 @@ struct ToChannel(mpsc::UnboundedSender<EngineEvent>);
 impl Sink for ToChannel {
     fn deliver(&mut self, out: Output) -> bool {
         let ev = match out {
+            Output::Started { cached_tokens } => EngineEvent::Started { cached_tokens },
             Output::Token(t) => EngineEvent::Token(t),
             Output::Done(s) if s.stop == StopReason::Eos => EngineEvent::Done(Finish::Stop),
             Output::Done(_) => EngineEvent::Done(Finish::Length),

@@ -151,6 +151,7 @@ fn run_batch(b: &mut Batch, jobs: &[(usize, Job)]) -> HashMap<JobId, (Vec<u32>, 
         for (id, o) in b.step() {
             let e = out.entry(id).or_default();
             match o {
+                Output::Started { .. } => {}
                 Output::Token(t) => e.0.push(t),
                 Output::Done(st) => {
                     assert_eq!(st.generated, e.0.len());
@@ -260,13 +261,20 @@ fn long_prompts_are_read_a_chunk_per_step() {
 /// from its slot's previous job.
 fn run_alone(b: &mut Batch, id: JobId, job: Job) -> (Vec<u32>, usize) {
     b.handle_submit(id, job);
-    let mut ids = Vec::new();
+    let (mut ids, mut started) = (Vec::new(), None);
     for _ in 0..1000 {
         for (got, o) in b.step() {
             assert_eq!(got, id);
             match o {
-                Output::Token(t) => ids.push(t),
-                Output::Done(st) => return (ids, st.cached_tokens),
+                Output::Started { cached_tokens } => started = Some(cached_tokens),
+                Output::Token(t) => {
+                    assert!(started.is_some(), "job {id}: a token before Started");
+                    ids.push(t)
+                }
+                Output::Done(st) => {
+                    assert_eq!(started, Some(st.cached_tokens));
+                    return (ids, st.cached_tokens);
+                }
                 Output::Error(e) => panic!("job {id}: {e}"),
             }
         }
@@ -321,6 +329,7 @@ fn engine_cancels_gone_receivers_and_refuses_past_the_queue() {
     let closed = Arc::new(std::sync::atomic::AtomicBool::new(false));
     let (tx, rx) = std::sync::mpsc::channel();
     engine.submit(long.clone(), Box::new(ChanSink(tx, closed.clone()))).unwrap();
+    assert_eq!(rx.recv().unwrap(), Output::Started { cached_tokens: 0 });
     assert!(matches!(rx.recv().unwrap(), Output::Token(_)));
     // one waits, the next is refused
     let (tx2, rx2) = std::sync::mpsc::channel();
@@ -337,6 +346,7 @@ fn engine_cancels_gone_receivers_and_refuses_past_the_queue() {
     let mut n = 0;
     loop {
         match rx2.recv_timeout(std::time::Duration::from_secs(30)).unwrap() {
+            Output::Started { .. } => {}
             Output::Token(_) => n += 1,
             Output::Done(st) => {
                 assert_eq!((st.generated, st.stop), (3, StopReason::Length));

@@ -75,9 +75,12 @@ impl Finish {
     }
 }
 
-/// What a backend sends for a request, in order: tokens, then one `Done` or `Error`.
+/// What a backend sends for a request, in order: `Started` (optional: a backend that keeps
+/// prompt caches says how many prompt tokens it did not read again), tokens, then one `Done`
+/// or `Error`.
 #[derive(Debug, Clone, PartialEq)]
 pub enum EngineEvent {
+    Started { cached_tokens: usize },
     Token(u32),
     Done(Finish),
     Error(String),

@@ -265,7 +265,12 @@ enum Kind {
 /// What the pump sends the responder.
 enum Chunk {
     Text(String),
-    End { finish: Finish, tokens: usize },
+    /// `tokens` generated; `cached` prompt tokens the backend kept from an earlier request.
+    End {
+        finish: Finish,
+        tokens: usize,
+        cached: usize,
+    },
     Error(String),
 }
 
@@ -317,7 +322,9 @@ async fn run<B: Backend>(
     while let Some(c) = rx.recv().await {
         match c {
             Chunk::Text(t) => text.push_str(&t),
-            Chunk::End { finish, tokens } => return Ok(Json(answer.whole(&text, finish, tokens)).into_response()),
+            Chunk::End { finish, tokens, cached } => {
+                return Ok(Json(answer.whole(&text, finish, (tokens, cached))).into_response())
+            }
             Chunk::Error(e) => return Err(ApiError::internal(e)),
         }
     }
@@ -392,7 +399,7 @@ async fn pump_events(
     let gone = || "client gone".to_string();
     let mut text = tk.stream(prev);
     let mut stop = StopMatcher::new(stops);
-    let mut tokens = 0usize;
+    let (mut tokens, mut cached) = (0usize, 0usize);
     loop {
         let ev = tokio::select! {
             _ = out.closed() => return gone(),
@@ -403,13 +410,17 @@ async fn pump_events(
                 timing.token(record);
                 tokens += 1;
                 let piece = stop.push(&text.push(id));
-                (piece, stop.stopped().then_some(Chunk::End { finish: Finish::Stop, tokens }))
+                (piece, stop.stopped().then_some(Chunk::End { finish: Finish::Stop, tokens, cached }))
+            }
+            Some(EngineEvent::Started { cached_tokens }) => {
+                cached = cached_tokens;
+                continue;
             }
             Some(EngineEvent::Done(finish)) => {
                 let mut piece = stop.push(&text.finish());
                 piece.push_str(&stop.finish());
                 let finish = if stop.stopped() { Finish::Stop } else { finish };
-                (piece, Some(Chunk::End { finish, tokens }))
+                (piece, Some(Chunk::End { finish, tokens, cached }))
             }
             Some(EngineEvent::Error(e)) => (String::new(), Some(Chunk::Error(e))),
             None => (String::new(), Some(Chunk::Error("the backend dropped the request".into()))),
@@ -443,12 +454,14 @@ struct Answer {
 }
 
 impl Answer {
-    fn usage(&self, tokens: usize) -> Value {
-        json!({"prompt_tokens": self.n_prompt, "completion_tokens": tokens, "total_tokens": self.n_prompt + tokens})
+    /// OpenAI's `usage`: `tokens` generated, `cached` of the prompt's tokens not read again.
+    fn usage(&self, (tokens, cached): (usize, usize)) -> Value {
+        json!({"prompt_tokens": self.n_prompt, "completion_tokens": tokens, "total_tokens": self.n_prompt + tokens,
+               "prompt_tokens_details": {"cached_tokens": cached}})
     }
 
     /// The non-streamed answer.
-    fn whole(&self, text: &str, finish: Finish, tokens: usize) -> Value {
+    fn whole(&self, text: &str, finish: Finish, counts: (usize, usize)) -> Value {
         let (id, object, choice) = match &self.kind {
             Kind::Completion { id } => (
                 id,
@@ -463,7 +476,7 @@ impl Answer {
             ),
         };
         json!({"id": id, "object": object, "created": self.created, "model": self.model, "choices": [choice],
-               "usage": self.usage(tokens)})
+               "usage": self.usage(counts)})
     }
 
     /// A streamed chunk with one choice: `text` (or, for chat, a delta) and a finish reason.
@@ -513,7 +526,7 @@ impl Answer {
     fn events(&self, c: Chunk) -> Vec<Event> {
         match c {
             Chunk::Text(t) => vec![Self::data(&self.chunk(Some(&t), None, false))],
-            Chunk::End { finish, tokens } => {
+            Chunk::End { finish, tokens, cached } => {
                 let text = match self.kind {
                     Kind::Chat { .. } => None,
                     Kind::Completion { .. } => Some(""),
@@ -525,7 +538,7 @@ impl Answer {
                         Kind::Chat { id } => (id, "chat.completion.chunk"),
                     };
                     let u = json!({"id": id, "object": object, "created": self.created, "model": self.model,
-                                   "choices": [], "usage": self.usage(tokens)});
+                                   "choices": [], "usage": self.usage((tokens, cached))});
                     v.push(Self::data(&u));
                 }
                 v.push(Event::default().data("[DONE]"));

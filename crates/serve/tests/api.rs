@@ -28,6 +28,8 @@ struct Scripted {
     complete: bool,
     /// What `overview` answers.
     overview: Option<Overview>,
+    /// Prompt tokens the backend says it kept (a `Started` event first).
+    cached: Option<usize>,
 }
 
 fn tokenizer() -> Arc<Tokenizer> {
@@ -47,6 +49,7 @@ fn scripted(text: &str, finish: Finish) -> Scripted {
         senders: Mutex::default(),
         complete: true,
         overview: None,
+        cached: None,
     }
 }
 
@@ -67,6 +70,9 @@ impl Backend for Scripted {
         }
         let (tx, rx) = mpsc::unbounded_channel();
         let n = self.script.len().min(req.max_tokens);
+        if let Some(cached_tokens) = self.cached {
+            let _ = tx.send(EngineEvent::Started { cached_tokens });
+        }
         if self.complete {
             for &t in &self.script[..n] {
                 let _ = tx.send(EngineEvent::Token(t));
@@ -137,7 +143,8 @@ async fn completions_and_chat_answer_with_usage() {
     let n_prompt = b.tk.encode("Hi", true).unwrap().len();
     assert_eq!(
         j["usage"],
-        json!({"prompt_tokens": n_prompt, "completion_tokens": b.script.len(), "total_tokens": n_prompt + b.script.len()})
+        json!({"prompt_tokens": n_prompt, "completion_tokens": b.script.len(), "total_tokens": n_prompt + b.script.len(),
+               "prompt_tokens_details": {"cached_tokens": 0}})
     );
     {
         let seen = b.seen.lock().unwrap();
@@ -201,7 +208,8 @@ fn sse(body: &[u8]) -> Vec<String> {
 
 #[tokio::test]
 async fn streams_end_with_done_and_usage_when_asked() {
-    let (app, b) = app(scripted(TEXT, Finish::Stop));
+    // a backend that kept 2 of the prompt's tokens from an earlier request says so first
+    let (app, b) = app(Scripted { cached: Some(2), ..scripted(TEXT, Finish::Stop) });
     let req = json!({"model": "tiny", "messages": [{"role": "user", "content": "Hi"}], "stream": true,
                      "stream_options": {"include_usage": true}});
     let (st, body) = call(app.clone(), "POST", "/v1/chat/completions", Some(req), None).await;
@@ -218,6 +226,7 @@ async fn streams_end_with_done_and_usage_when_asked() {
     let usage = &chunks[chunks.len() - 1];
     assert_eq!(usage["choices"], json!([]));
     assert_eq!(usage["usage"]["completion_tokens"], b.script.len());
+    assert_eq!(usage["usage"]["prompt_tokens_details"], json!({"cached_tokens": 2}));
     assert!(chunks[1]["usage"].is_null());
     // completions stream: text chunks, no usage unless asked
     let (_, body) = call(

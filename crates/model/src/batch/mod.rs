@@ -51,9 +51,15 @@ pub struct Job {
     pub ignore_eos: bool,
 }
 
-/// What a job produces, in order: tokens, then one `Done` or `Error`.
+/// What a job produces, in order: `Started` when a slot takes it, tokens, then one `Done` or
+/// `Error` (a job refused before it gets a slot has only the `Error`, one of 0 tokens only the
+/// `Done`).
 #[derive(Debug, Clone, PartialEq)]
 pub enum Output {
+    /// The job has a slot; `cached_tokens` of its prompt are kept from the slot's last job.
+    Started {
+        cached_tokens: usize,
+    },
     Token(u32),
     Done(JobStats),
     Error(String),
@@ -62,7 +68,7 @@ pub enum Output {
 impl Output {
     /// Whether nothing follows this output.
     pub fn is_last(&self) -> bool {
-        !matches!(self, Output::Token(_))
+        matches!(self, Output::Done(_) | Output::Error(_))
     }
 }
 
@@ -246,6 +252,7 @@ impl Batch {
                 first_token: None,
                 cached,
             });
+            out.push((id, Output::Started { cached_tokens: cached }));
         }
     }
 
