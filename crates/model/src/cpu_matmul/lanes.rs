@@ -252,11 +252,11 @@ unsafe fn tile<T: KUnpack, S: Simd, const V: usize>(
 }
 
 /// Columns `c0..c0 + cols` (at most [`block_cols`]) of every row of `out` for a K-quant
-/// weight with VNNI: the panel filled once, then every tile of rows.
+/// weight: the panel filled once, then every tile of rows.
 ///
 /// # Safety
-/// `S::VNNI`; `w` holds those columns of `bpr` super-blocks; `x` holds
-/// `out.m` rows padded to a multiple of 4; only this call writes those columns.
+/// `w` holds those columns of `bpr` super-blocks; `x` holds `out.m` rows padded to a multiple
+/// of 4; only this call writes those columns.
 #[inline(always)]
 pub unsafe fn k_block<T: KUnpack, S: Simd>(
     s: S,
@@ -299,7 +299,7 @@ fn tile_rows<S: Simd, const V: usize>(s: S, t: [[S::F; V]; ROWS]) -> [[S::F; 2];
 /// columns past `cols` zero.
 ///
 /// # Safety
-/// `S::VNNI`; `w` holds those columns of `bpr` blocks each.
+/// `w` holds those columns of `bpr` blocks each.
 #[inline(always)]
 unsafe fn fill_q0<T: Q0Unpack, S: Simd>(s: S, w: &[T], bpr: usize, (c0, cols): (usize, usize), p: &mut LanePanel) {
     let a2 = s.avx2();
@@ -392,12 +392,12 @@ unsafe fn tile_q0<T: Q0Unpack, S: Simd, const V: usize>(
     acc
 }
 
-/// Columns `c0..c0 + cols` (at most [`block_cols`]) of every row of `out` for a 32-weight type
-/// with VNNI, as [`k_block`].
+/// Columns `c0..c0 + cols` (at most [`block_cols`]) of every row of `out` for a 32-weight type,
+/// as [`k_block`].
 ///
 /// # Safety
-/// `S::VNNI`; `w` holds those columns of `bpr` blocks; `x` holds `out.m` rows padded to a
-/// multiple of 4, quantized with no offset; only this call writes those columns.
+/// `w` holds those columns of `bpr` blocks; `x` holds `out.m` rows padded to a multiple of 4,
+/// quantized with no offset; only this call writes those columns.
 #[inline(always)]
 pub unsafe fn q0_block<T: Q0Unpack, S: Simd>(
     s: S,
