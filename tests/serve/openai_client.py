@@ -10,19 +10,12 @@ import argparse
 import concurrent.futures
 import json
 import subprocess
-import sys
 import time
 
 import httpx
 import openai
 
-checks = 0
-
-
-def check(cond, what):
-    global checks
-    assert cond, what
-    checks += 1
+from checks import check, run
 
 
 def run_json(args, *extra):
@@ -215,12 +208,7 @@ def main():
     ap.add_argument("--key")
     args = ap.parse_args()
     globals()["case_" + args.case](args)
-    print(f"ok: {checks} checks")
 
 
 if __name__ == "__main__":
-    try:
-        main()
-    except AssertionError as e:
-        print(f"FAILED: {e}", file=sys.stderr)
-        sys.exit(1)
+    run(main)
