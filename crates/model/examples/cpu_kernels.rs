@@ -3,9 +3,10 @@
 //! [avx512|avxvnni|avx2|portable]`. Prints GMAC/s (multiply-adds per second) for each, best of
 //! several runs, by the wall clock and by this thread's time on a CPU (`/proc/thread-self/schedstat`,
 //! which holds on a busy machine where wall times do not, with `RAYON_NUM_THREADS=1`); with one
-//! instruction set named, only that one.
+//! instruction set named, only that one. Types packed at load (Q4_K, Q6_K, Q8_0) are timed both
+//! ways: on the file's layout and packed (`packed`).
 
-use brigade_model::cpu_matmul::{matmul, Isa};
+use brigade_model::cpu_matmul::{matmul, matmul_packed, packs_on, Isa, Packed};
 use candle_core::quantized::{GgmlDType, QTensor};
 use candle_core::{Device, Tensor};
 use std::time::Instant;
@@ -48,13 +49,18 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         Some(name) => Some(Isa::parse(name)?.ok_or("name an instruction set")?),
         None => None,
     };
-    for isa in Isa::ALL.into_iter().filter(|i| i.available() && only.is_none_or(|o| o == *i)) {
+    let packed = if packs_on(dt, Isa::best()) { Some(Packed::new(dt, &data, (n, k))?) } else { None };
+    let runs = Isa::ALL.into_iter().flat_map(|i| [(i, false), (i, true)]);
+    for (isa, pack) in runs.filter(|(i, p)| i.available() && only.is_none_or(|o| o == *i) && (!p || packs_on(dt, *i))) {
         let (mut best, mut best_cpu) = (f64::MAX, f64::MAX);
         let mut kernel = None;
         for _ in 0..5 {
             let (t, c) = (Instant::now(), cpu_ns());
             for _ in 0..reps {
-                kernel = Some(matmul(dt, &data, (m, k, n), &lhs, &mut dst, isa)?);
+                kernel = Some(match (&packed, pack) {
+                    (Some(p), true) => matmul_packed(p, m, &lhs, &mut dst, isa)?,
+                    _ => matmul(dt, &data, (m, k, n), &lhs, &mut dst, isa)?,
+                });
             }
             best = best.min(t.elapsed().as_secs_f64() / reps as f64);
             best_cpu = best_cpu.min((cpu_ns() - c) as f64 * 1e-9 / reps as f64);

@@ -128,9 +128,10 @@ const CACHE_FILE: &str = "figures.json";
 
 fn cache_key(kind: &str, device: &str, threads: usize, effort: Effort) -> String {
     format!(
-        "{kind}|{device}|{threads}|{effort:?}|{}|{}",
+        "{kind}|{device}|{threads}|{effort:?}|{}|{}|{}|packed",
         env!("CARGO_PKG_VERSION"),
-        std::env::var("BRIGADE_CPU_KERNELS").unwrap_or_default()
+        std::env::var("BRIGADE_CPU_KERNELS").unwrap_or_default(),
+        std::env::var("BRIGADE_CPU_PACK").unwrap_or_default()
     )
 }
 
@@ -206,17 +207,24 @@ pub fn kernel_rates(t: GgmlDType, effort: Effort) -> Result<KernelFigures, Model
     let w = weight(t, n, k)?;
     let bytes = w.storage_size_in_bytes() as f64;
     let n = w.shape().dims()[0];
-    let op = crate::cpu_matmul::CpuMatMul(w);
+    // the kernels a model's weight of this type runs: packed at load where the CPU's are
+    let packed = crate::cpu_matmul::pack(t, &w.data()?, (n, k)).map_err(candle_core::Error::wrap)?;
+    let (packed, file) = match packed {
+        Some(p) => (Some(crate::cpu_matmul::PackedMatMul(Arc::new(p))), None),
+        None => (None, Some(crate::cpu_matmul::CpuMatMul(w))),
+    };
+    let apply = |x: &Tensor| -> Result<(), ModelError> {
+        match (&packed, &file) {
+            (Some(op), _) => x.apply_op1_no_bwd(op)?,
+            (None, Some(op)) => x.apply_op1_no_bwd(op)?,
+            (None, None) => return Err(ModelError::BadInput("no matmul to time".into())),
+        };
+        Ok(())
+    };
     let x1 = Tensor::randn(0f32, 1f32, (1, k), &Device::Cpu)?;
-    let decode = time(budget, || {
-        x1.apply_op1_no_bwd(&op)?;
-        Ok(())
-    })?;
+    let decode = time(budget, || apply(&x1))?;
     let xp = Tensor::randn(0f32, 1f32, (PROMPT_ROWS, k), &Device::Cpu)?;
-    let prompt = time(budget, || {
-        xp.apply_op1_no_bwd(&op)?;
-        Ok(())
-    })?;
+    let prompt = time(budget, || apply(&xp))?;
     Ok(KernelFigures {
         weight_type: type_name(t).to_string(),
         decode_bytes_per_s: bytes / decode,

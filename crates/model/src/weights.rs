@@ -111,6 +111,9 @@ pub struct Linear {
 #[derive(Debug, Clone)]
 enum LinearWeight {
     Quant(Arc<QTensor>),
+    /// On the CPU, a Q4_K/Q6_K/Q8_0 weight repacked at load for brigade's int8 kernels (the
+    /// file's bytes, columns regrouped; see [`crate::cpu_matmul::Packed`]).
+    Packed(Arc<crate::cpu_matmul::Packed>),
     Dense(Tensor),
 }
 
@@ -123,6 +126,11 @@ impl Linear {
                 .to_dtype(DType::F32)?
                 .contiguous()?
                 .apply_op1_no_bwd(&crate::cpu_matmul::CpuMatMul(q.clone()))?
+                .to_dtype(x.dtype())?,
+            LinearWeight::Packed(p) => x
+                .to_dtype(DType::F32)?
+                .contiguous()?
+                .apply_op1_no_bwd(&crate::cpu_matmul::PackedMatMul(p.clone()))?
                 .to_dtype(x.dtype())?,
             LinearWeight::Quant(q) => match x.apply_op1_no_bwd(q.as_ref()) {
                 Ok(y) => y,
@@ -148,10 +156,11 @@ impl Linear {
     /// all the rows and give each row the arithmetic it has alone) compute a row independently
     /// of the others; the prompt kernels round differently. So rows go in groups of at most that
     /// many, each a pass over the weight. Elsewhere (a GPU) the rows go in one call.
+    /// A packed weight computes every row as alone at any number of rows: one call.
     pub fn forward_rows(&self, x: &Tensor) -> candle_core::Result<Tensor> {
         let per_call = crate::cpu_matmul::DECODE_ROWS;
         let rows = x.dim(0)?;
-        if !x.device().is_cpu() || rows <= per_call {
+        if !x.device().is_cpu() || rows <= per_call || matches!(self.w, LinearWeight::Packed(_)) {
             return self.forward(x);
         }
         let parts = (0..rows)
@@ -164,6 +173,7 @@ impl Linear {
     pub fn out_features(&self) -> usize {
         match &self.w {
             LinearWeight::Quant(q) => q.shape().dims()[0],
+            LinearWeight::Packed(p) => p.shape().0,
             LinearWeight::Dense(w) => w.dims()[0],
         }
     }
@@ -171,6 +181,7 @@ impl Linear {
     pub fn storage_bytes(&self) -> u64 {
         let w = match &self.w {
             LinearWeight::Quant(q) => q.storage_size_in_bytes() as u64,
+            LinearWeight::Packed(p) => p.storage_bytes() as u64,
             LinearWeight::Dense(w) => (w.elem_count() * w.dtype().size_in_bytes()) as u64,
         };
         w + self.bias.as_ref().map(|b| (b.elem_count() * b.dtype().size_in_bytes()) as u64).unwrap_or(0)
@@ -225,6 +236,17 @@ fn with_aligned<R>(data: &[u8], f: impl FnOnce(&[u8]) -> R) -> R {
     f(bytes)
 }
 
+/// A CPU weight of a type brigade's int8 kernels read packed, packed from the file's bytes;
+/// `None` where it keeps the file's layout (another type, a GPU, no int8 kernels).
+fn packed(t: GgmlType, bytes: &[u8], shape: &[usize], device: &Device) -> Result<Option<LinearWeight>, ModelError> {
+    let &[n, k] = shape else { return Ok(None) };
+    if !device.is_cpu() {
+        return Ok(None);
+    }
+    let p = crate::cpu_matmul::pack(ggml_dtype(t), bytes, (n, k)).map_err(candle_core::Error::wrap)?;
+    Ok(p.map(|p| LinearWeight::Packed(Arc::new(p))))
+}
+
 impl ModelFiles {
     /// Opens a GGUF file or a Hugging Face directory (with `config.json`, `tokenizer.json` and
     /// `*.safetensors`).
@@ -271,7 +293,10 @@ impl ModelFiles {
     pub fn linear(&self, name: &str, bias: Option<&str>, device: &Device, dtype: DType) -> Result<Linear, ModelError> {
         let t = self.stored(name)?;
         let w = if ModelIndex::keeps_stored_form(t, device.is_cpu()) {
-            LinearWeight::Quant(Arc::new(self.qtensor(name, device)?))
+            match packed(t.ggml_type(), self.index.tensor_data(name)?, t.shape(), device)? {
+                Some(p) => p,
+                None => LinearWeight::Quant(Arc::new(self.qtensor(name, device)?)),
+            }
         } else {
             LinearWeight::Dense(self.dense(name, device, dtype)?)
         };
@@ -310,9 +335,14 @@ impl ModelFiles {
             for n in names {
                 bytes.extend_from_slice(self.index.tensor_data(n)?);
             }
-            let dtype = ggml_dtype(ty.ggml_type());
-            let storage = with_aligned(&bytes, |b| QStorage::from_data(Cow::Borrowed(b), device, dtype))?;
-            LinearWeight::Quant(Arc::new(QTensor::new(storage, (rows, cols))?))
+            match packed(ty.ggml_type(), &bytes, &[rows, cols], device)? {
+                Some(p) => p,
+                None => {
+                    let dtype = ggml_dtype(ty.ggml_type());
+                    let storage = with_aligned(&bytes, |b| QStorage::from_data(Cow::Borrowed(b), device, dtype))?;
+                    LinearWeight::Quant(Arc::new(QTensor::new(storage, (rows, cols))?))
+                }
+            }
         } else {
             let ts = names.iter().map(|n| self.dense(n, device, dtype)).collect::<Result<Vec<_>, _>>()?;
             LinearWeight::Dense(Tensor::cat(&ts, 0)?)

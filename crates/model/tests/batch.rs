@@ -13,8 +13,10 @@ use common::pipeline;
 use std::collections::HashMap;
 use std::sync::Arc;
 
-/// A small random model whose prompt and decode kernels round differently (Q4_K: int8 tiles
-/// above `DECODE_ROWS` rows, vec-dots up to it), so a batch that mixed them would show.
+/// A small random Q4_K model: on a CPU with int8 kernels its weights are packed at load, one
+/// kernel for every number of rows (10 sessions go through in one pass); where packing is off
+/// or there are no int8 kernels, its prompt and decode kernels round differently. The SmolLM2
+/// test (Q4_1, file layout: vec-dots up to `DECODE_ROWS`, lanes above) covers the other path.
 fn q4k_model(dir: &tempfile::TempDir) -> ModelFiles {
     let path = dir.path().join("q4k.gguf");
     let shape =

@@ -73,6 +73,8 @@ pub struct Q8Rows {
     pub fill: Vec<i32>,
     /// `d · Σq` per block (the min term of Q4_1/Q5_1: `m · d · Σq`).
     pub s: Vec<f32>,
+    /// `Σq` per block.
+    pub sums: Vec<i32>,
 
     /// Blocks per row (padded), `kp = 32 · blocks`.
     pub blocks: usize,
@@ -88,24 +90,27 @@ impl Q8Rows {
             d: vec![0.0; rows * blocks],
             fill: vec![0; rows * blocks],
             s: vec![0.0; rows * blocks],
+            sums: vec![0; rows * blocks],
             blocks,
             kp,
         };
-        let (qs, d, fill, s) = (
+        let (qs, d, fill, s, sums) = (
             Rows::new(&mut x.qs, kp),
             Rows::new(&mut x.d, blocks),
             Rows::new(&mut x.fill, blocks),
             Rows::new(&mut x.s, blocks),
+            Rows::new(&mut x.sums, blocks),
         );
         each_row(m, |r| {
             // SAFETY: row r is taken by this call only
-            let (qs, d, fill, s) = unsafe { (qs.row(r), d.row(r), fill.row(r), s.row(r)) };
+            let (qs, d, fill, s, sums) = unsafe { (qs.row(r), d.row(r), fill.row(r), s.row(r), sums.row(r)) };
             let xs = lhs[r * k..(r + 1) * k].chunks_exact(32);
             for (b, (xb, qb)) in xs.zip(qs.chunks_exact_mut(32)).enumerate() {
                 let (db, sum) = quantize(xb, qb);
                 d[b] = db;
                 fill[b] = -sum * (offset / 8);
                 s[b] = db * sum as f32;
+                sums[b] = sum;
             }
         });
         x
@@ -128,6 +133,9 @@ pub struct Q8KRows {
     pub bsums: Vec<i16>,
     /// `d · Σq` per 32 (the mins' term of prompts as a matrix, `rows × k/32`).
     pub s32: Vec<f32>,
+    /// `Σq` per 32, eight per super-block in the order 0, 2, 1, 3, 4, 6, 5, 7: i16 pairs for
+    /// `vpmaddwd` against the packed Q4_K mins (see `packed`).
+    pub bs32: Vec<i16>,
 }
 
 impl Q8KRows {
@@ -138,16 +146,18 @@ impl Q8KRows {
             d: vec![0.0; rows * bpr],
             bsums: vec![0; rows * bpr * 16],
             s32: vec![0.0; rows * k / 32],
+            bs32: vec![0; rows * k / 32],
         };
-        let (qs, d, bsums, s32) = (
+        let (qs, d, bsums, s32, bs32) = (
             Rows::new(&mut x.qs, k),
             Rows::new(&mut x.d, bpr),
             Rows::new(&mut x.bsums, 16 * bpr),
             Rows::new(&mut x.s32, 8 * bpr),
+            Rows::new(&mut x.bs32, 8 * bpr),
         );
         each_row(m, |r| {
             // SAFETY: row r is taken by this call only
-            let (qs, d, bsums, s32) = unsafe { (qs.row(r), d.row(r), bsums.row(r), s32.row(r)) };
+            let (qs, d, bsums, s32, bs32) = unsafe { (qs.row(r), d.row(r), bsums.row(r), s32.row(r), bs32.row(r)) };
             for (b, xb) in lhs[r * k..(r + 1) * k].chunks_exact(256).enumerate() {
                 let q = &mut qs[b * 256..(b + 1) * 256];
                 let (db, _) = quantize(xb, q);
@@ -158,6 +168,9 @@ impl Q8KRows {
                 }
                 for j in 0..8 {
                     s32[b * 8 + j] = db * (bsums[b * 16 + 2 * j] as f32 + bsums[b * 16 + 2 * j + 1] as f32);
+                    // 32 × 127 fits i16
+                    let pos = [0, 2, 1, 3, 4, 6, 5, 7][j];
+                    bs32[b * 8 + pos] = bsums[b * 16 + 2 * j] + bsums[b * 16 + 2 * j + 1];
                 }
             }
         });

@@ -4,18 +4,25 @@
 //! Why not candle's own `QTensor` op: on x86 it keeps a second, repacked copy of Q4_K weights
 //! (and of Q6_K/Q8_0 where it repacks) for every matmul, so a model takes up to 2.3× its file size
 //! in memory and a decode step reads 6 bits per Q4_K weight instead of 4.5. Here every weight
-//! keeps its file's bytes:
-//! - Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K and Q6_K go through int8 kernels of our own, as
-//!   llama.cpp computes them (activations quantized to int8 per 32 or per 256, integer dot
-//!   products, one float scale per block). Up to [`DECODE_ROWS`] activation rows (decode, also of
-//!   several sessions at once) are vec-dots per weight row straight from the blocks, each block
-//!   unpacked once for all the rows, each row quantized and computed exactly as it would be
-//!   alone (batch invariance); more rows (prompts) run over a panel of 32 (AVX-512) or 8
-//!   weight columns unpacked once for every row, the columns in vector lanes and each row's
-//!   activations broadcast (see `lanes`: with VNNI one `vpdpbusd` per weight and row, no
-//!   horizontal sums). The instruction set is
-//!   chosen at run time ([`Isa`]): AVX-512 VNNI (`vpdpbusd` on zmm), AVX-VNNI (ymm), AVX2, or
-//!   none; `BRIGADE_CPU_KERNELS=avx512|avxvnni|avx2|portable` picks a lesser one, to measure it.
+//! holds its file's bytes, once:
+//! - Q4_K, Q6_K and Q8_0 (every Q4_K_M file's types, and Q8_0's) are repacked when the model
+//!   loads ([`Packed`], `packed`): the same bytes regrouped into records of 32 output columns, so
+//!   that one vector load serves 16 (or 8) columns and each activation row is broadcast. One
+//!   kernel then serves every number of rows — decode of one session, of several at once, and
+//!   prompts — with each row's arithmetic its own (batch invariance at any batch size, and a
+//!   prompt row gets a decode row's numbers). `BRIGADE_CPU_PACK=off` keeps the file's layout.
+//! - Q4_0, Q4_1, Q5_0, Q5_1, Q5_K (and the packed types where packing is off or the weight is
+//!   also the token embedding) go through int8 kernels on the file's blocks, as llama.cpp
+//!   computes them (activations quantized to int8 per 32 or per 256, integer dot products, one
+//!   float scale per block). Up to [`DECODE_ROWS`] activation rows are vec-dots per weight row
+//!   straight from the blocks, each block unpacked once for all the rows, each row quantized
+//!   and computed exactly as it would be alone (batch invariance); more rows (prompts) run over
+//!   a panel of 32 (AVX-512) or 8 weight columns unpacked once per matmul, the columns in vector
+//!   lanes and each row's activations broadcast (see `lanes`: with VNNI one `vpdpbusd` per
+//!   weight and row, no horizontal sums).
+//! - The instruction set is chosen at run time ([`Isa`]): AVX-512 VNNI (`vpdpbusd` on zmm),
+//!   AVX-VNNI (ymm), AVX2, or none; `BRIGADE_CPU_KERNELS=avx512|avxvnni|avx2|portable` picks a
+//!   lesser one, to measure it.
 //! - the rest (Q2_K, Q3_K, floats), and every type where there is no AVX2: candle's vec-dots on
 //!   the weight's own blocks for up to [`DECODE_ROWS`] rows, else the weight dequantized a band of
 //!   rows at a time into a reused buffer and multiplied with the `gemm` crate (memory bounded by
@@ -31,17 +38,21 @@
 //! - `simd` (x86_64): the vector operations of each instruction set behind one trait, whose
 //!   values prove the CPU has it; `unpack`: each type's blocks to bytes; `tiles`: the decode
 //!   vec-dots written once over `simd`, and the drivers of both kinds on candle's thread pool;
-//!   `lanes`: the prompt kernels (columns in lanes, their panel), also over `simd`;
+//!   `lanes`: the prompt kernels (columns in lanes, their panel), also over `simd`; `packed`:
+//!   the load-time repacking and its kernels;
 //! - `tests`: every kernel on every instruction set this CPU has, against a scalar reference.
 //!
-//! Deliberately absent: weights kept in another layout (it would cost memory, the point of this
-//! module; prompts unpack a few columns at a time into a per-thread panel instead), and int8
-//! kernels for Q2_K/Q3_K (rare in practice).
+//! Deliberately absent: a second copy of any weight (the packed layout replaces the file's, it
+//! is not kept beside it: a tied output head stays in the file's layout for the embedding's
+//! lookups), packed layouts of the rarer types (Q4_0/Q4_1/Q5_*: their file-layout kernels stay),
+//! and int8 kernels for Q2_K/Q3_K (rare in practice).
 
 mod acts;
 pub mod blocks;
 #[cfg(target_arch = "x86_64")]
 mod lanes;
+#[cfg(target_arch = "x86_64")]
+mod packed;
 #[cfg(target_arch = "x86_64")]
 mod simd;
 #[cfg(test)]
@@ -60,9 +71,10 @@ use candle_core::{CpuStorage, Layout, Shape};
 use rayon::prelude::*;
 use std::sync::{Arc, OnceLock};
 
-/// Rows of activations up to which each row is computed as a vec-dot of its own (brigade's int8
-/// kernels, sharing the unpacking of each weight block, or candle's where those do not run): a
-/// row's result does not depend on the rows beside it. 8: `brigade serve`'s batches of up to 8
+/// Rows of activations up to which each row is computed as a vec-dot of its own on a weight in
+/// the file's layout (brigade's int8 kernels, sharing the unpacking of each weight block, or
+/// candle's where those do not run): a row's result does not depend on the rows beside it.
+/// (Packed weights compute every row as alone at any number of rows.) 8: `brigade serve`'s batches of up to 8
 /// sessions read each weight once per step, and on Q4_K the vec-dots beat the prompt kernel
 /// there (67 GMAC/s at 8 rows against 54 at 9, AVX-512, one thread, `cpu_kernels`), whose
 /// panel pays off from about 12 rows.
@@ -174,6 +186,8 @@ pub enum Kernel {
     VecDot(Isa),
     /// brigade's int8 prompt kernels, several activation rows (columns in vector lanes).
     Lanes(Isa),
+    /// brigade's int8 kernels on a weight packed at load ([`Packed`]), any number of rows.
+    Packed(Isa),
     CandleVecDot,
     DequantGemm,
 }
@@ -229,6 +243,24 @@ impl Kernel {
             }
             (Kernel::Lanes(_), false) => "brigade AVX2 int8, 4 rows × 8 columns in lanes (activations int8 per 32)",
             (Kernel::Lanes(_), true) => "brigade AVX2 int8, 4 rows × 8 columns in lanes (activations int8 per 256)",
+            (Kernel::Packed(Isa::Avx512Vnni), false) => {
+                "brigade AVX-512 VNNI int8, weights packed at load, 4 rows × 32 columns in lanes (activations int8 per 32)"
+            }
+            (Kernel::Packed(Isa::Avx512Vnni), true) => {
+                "brigade AVX-512 VNNI int8, weights packed at load, 4 rows × 32 columns in lanes (activations int8 per 256)"
+            }
+            (Kernel::Packed(Isa::AvxVnni), false) => {
+                "brigade AVX-VNNI int8, weights packed at load, 4 rows × 8 columns in lanes (activations int8 per 32)"
+            }
+            (Kernel::Packed(Isa::AvxVnni), true) => {
+                "brigade AVX-VNNI int8, weights packed at load, 4 rows × 8 columns in lanes (activations int8 per 256)"
+            }
+            (Kernel::Packed(_), false) => {
+                "brigade AVX2 int8, weights packed at load, 4 rows × 8 columns in lanes (activations int8 per 32)"
+            }
+            (Kernel::Packed(_), true) => {
+                "brigade AVX2 int8, weights packed at load, 4 rows × 8 columns in lanes (activations int8 per 256)"
+            }
             (Kernel::CandleVecDot, _) if float => "candle vec-dot (float)",
             (Kernel::CandleVecDot, _) => "candle int8 vec-dot",
             (Kernel::DequantGemm, _) if float => "f32 band + gemm",
@@ -239,7 +271,130 @@ impl Kernel {
 
 /// Which kernels the CPU runs for a weight type: (decode, prompt), for reports.
 pub fn kernels(dt: GgmlDType) -> (&'static str, &'static str) {
+    let isa = Isa::selected();
+    if packs_on(dt, isa) {
+        let k = Kernel::Packed(isa).describe(dt);
+        return (k, k);
+    }
     (Kernel::choose(dt, 1).describe(dt), Kernel::choose(dt, DECODE_ROWS + 1).describe(dt))
+}
+
+/// Whether weights of type `dt` are packed at load for `isa` (Q4_K, Q6_K and Q8_0 where there
+/// are int8 kernels; see [`Packed`]). `BRIGADE_CPU_PACK=off` keeps every weight in the file's
+/// layout (to measure the difference).
+pub fn packs_on(dt: GgmlDType, isa: Isa) -> bool {
+    static OFF: OnceLock<bool> = OnceLock::new();
+    let off =
+        *OFF.get_or_init(|| std::env::var("BRIGADE_CPU_PACK").is_ok_and(|v| matches!(v.trim(), "off" | "0" | "no")));
+    #[cfg(target_arch = "x86_64")]
+    {
+        !off && isa != Isa::Portable && packed::packs(dt)
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        let _ = (dt, isa, off);
+        false
+    }
+}
+
+/// The weight `w` (a `[n, k]` weight of type `dt` as the file stores it) packed for this CPU's
+/// kernels ([`Isa::selected`]), or `None` where it keeps the file's layout.
+pub fn pack(dt: GgmlDType, w: &[u8], nk: (usize, usize)) -> Result<Option<Packed>, KernelError> {
+    if !packs_on(dt, Isa::selected()) {
+        return Ok(None);
+    }
+    #[cfg(target_arch = "x86_64")]
+    {
+        Packed::new(dt, w, nk).map(Some)
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        let _ = (w, nk);
+        Ok(None)
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+pub use packed::Packed;
+
+/// Packed weights exist on x86-64 only (where the int8 kernels are).
+#[cfg(not(target_arch = "x86_64"))]
+#[derive(Debug)]
+pub enum Packed {}
+
+#[cfg(not(target_arch = "x86_64"))]
+impl Packed {
+    pub fn dtype(&self) -> GgmlDType {
+        match *self {}
+    }
+    pub fn shape(&self) -> (usize, usize) {
+        match *self {}
+    }
+    pub fn storage_bytes(&self) -> usize {
+        match *self {}
+    }
+}
+
+/// `dst[m, n] = lhs[m, k] @ w[n, k]ᵀ` for a packed weight on `isa`; checks that this CPU has
+/// `isa` and every length first.
+pub fn matmul_packed(w: &Packed, m: usize, lhs: &[f32], dst: &mut [f32], isa: Isa) -> Result<Kernel, KernelError> {
+    if !isa.available() || isa == Isa::Portable {
+        return Err(KernelError::Unavailable(isa.name()));
+    }
+    let (n, k) = w.shape();
+    let shape = |what, len, want| KernelError::Shape { what, len, want, m, k, n };
+    if Some(lhs.len()) != m.checked_mul(k) {
+        return Err(shape("the input", lhs.len(), m.saturating_mul(k)));
+    }
+    if Some(dst.len()) != m.checked_mul(n) {
+        return Err(shape("the output", dst.len(), m.saturating_mul(n)));
+    }
+    #[cfg(target_arch = "x86_64")]
+    {
+        let unavailable = KernelError::Unavailable(isa.name());
+        // SAFETY: the lengths are checked above; the tokens check the instructions
+        unsafe {
+            match isa {
+                Isa::Avx512Vnni => packed::matmul(simd::Zmm::new().ok_or(unavailable)?, w, m, lhs, dst),
+                Isa::AvxVnni => packed::matmul(simd::AvxVnni::new().ok_or(unavailable)?, w, m, lhs, dst),
+                Isa::Avx2 => packed::matmul(simd::Avx2::new().ok_or(unavailable)?, w, m, lhs, dst),
+                Isa::Portable => return Err(unavailable),
+            }
+        }
+        Ok(Kernel::Packed(isa))
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        match *w {}
+    }
+}
+
+/// `x @ wᵀ` for a weight packed at load ([`Packed`]).
+pub struct PackedMatMul(pub Arc<Packed>);
+
+impl candle_core::CustomOp1 for PackedMatMul {
+    fn name(&self) -> &'static str {
+        "brigade-packed-matmul"
+    }
+
+    fn cpu_fwd(&self, storage: &CpuStorage, layout: &Layout) -> candle_core::Result<(CpuStorage, Shape)> {
+        let (n, k) = self.0.shape();
+        let dims = layout.shape().dims();
+        let Some((&lk, batch)) = dims.split_last() else { candle_core::bail!("matmul input has no dimensions") };
+        if lk != k {
+            candle_core::bail!("matmul input {dims:?} does not match weight ({n}, {k})");
+        }
+        let m: usize = batch.iter().product();
+        let (o1, o2) = layout
+            .contiguous_offsets()
+            .ok_or_else(|| candle_core::Error::Msg("matmul input must be contiguous".into()))?;
+        let lhs = &storage.as_slice::<f32>()?[o1..o2];
+        let mut dst = vec![0f32; m * n];
+        matmul_packed(&self.0, m, lhs, &mut dst, Isa::selected()).map_err(candle_core::Error::wrap)?;
+        let mut out = batch.to_vec();
+        out.push(n);
+        Ok((CpuStorage::F32(dst), Shape::from(out)))
+    }
 }
 
 /// Checks the lengths of a `(m, k) × (n, k)ᵀ` matmul by a `dt` weight held as `w`.
@@ -286,6 +441,7 @@ pub fn matmul(
     let kernel = Kernel::choose_for(dt, m, isa);
     match kernel {
         Kernel::VecDot(_) | Kernel::Lanes(_) => int8(dt, w, (m, k, n), lhs, dst, isa)?,
+        Kernel::Packed(_) => unreachable!("`choose_for` picks file-layout kernels"),
         Kernel::CandleVecDot => {
             with_block!(dt, T => candle_core::quantized::k_quants::matmul::<T>((m, k, n), lhs, blocks::cast::<T>(w)?, dst)?)
         }

@@ -10,6 +10,7 @@
 
 use super::acts::{Q8KRows, Q8Rows};
 use super::lanes::{self, LanePanel};
+use super::packed::{self, Acts, Packed};
 use super::tiles::{self, Out};
 use super::unpack::{KUnpack, Q0Unpack};
 use half::f16;
@@ -53,6 +54,12 @@ pub trait Simd: Copy + Send + Sync + 'static {
     /// `acc + Σ u·x` over each 4 bytes into i32 lanes (`u` unsigned, `x` signed). Without VNNI the
     /// pairs go through i16: `u` must be below 128.
     fn dot_u8(self, acc: Self::I, u: Self::I, x: Self::I) -> Self::I;
+    /// `dot_u8(dot_u8(acc, u1, x1), u2, x2)`, the same integers. Without VNNI the two products
+    /// are added as i16 before widening: `u1`, `u2` must be below 64.
+    #[inline(always)]
+    fn dot_u8_pair(self, acc: Self::I, u1: Self::I, x1: Self::I, u2: Self::I, x2: Self::I) -> Self::I {
+        self.dot_u8(self.dot_u8(acc, u1, x1), u2, x2)
+    }
     /// `acc + Σ w·x` for signed `w` (−128 included) and `x` in −127..=127: `|w| · (x with w's
     /// sign)`, ggml's arrangement (`|−128|` is 128 as an unsigned byte).
     fn dot_s8(self, acc: Self::I, w: Self::I, x: Self::I) -> Self::I;
@@ -81,6 +88,29 @@ pub trait Simd: Copy + Send + Sync + 'static {
     /// # Safety
     /// `p` points to 4 readable bytes.
     unsafe fn bcast32(self, p: *const i8) -> Self::I;
+    fn and(self, a: Self::I, b: Self::I) -> Self::I;
+    fn or(self, a: Self::I, b: Self::I) -> Self::I;
+    /// Each i32 lane shifted right (logical) by `n` bits.
+    fn shr32(self, a: Self::I, n: i32) -> Self::I;
+    /// Each i32 lane shifted left by `n` bits.
+    fn shl32(self, a: Self::I, n: i32) -> Self::I;
+    fn set1_i32(self, v: i32) -> Self::I;
+    /// `W / 4` f16 as f32 lanes.
+    ///
+    /// # Safety
+    /// `p` points to `W / 2` readable bytes.
+    unsafe fn load_f16(self, p: *const u8) -> Self::F;
+    /// `W / 4` i8, sign-extended, as i32 lanes.
+    ///
+    /// # Safety
+    /// `p` points to `W / 4` readable bytes.
+    unsafe fn load_i8_i32(self, p: *const u8) -> Self::I;
+
+    /// [`packed::column_block`] compiled for this instruction set.
+    ///
+    /// # Safety
+    /// As [`packed::column_block`].
+    unsafe fn packed_block(self, w: &Packed, cb: usize, x: Acts<'_>, out: Out);
 
     /// [`lanes::q0_block`] compiled for this instruction set.
     ///
@@ -232,6 +262,12 @@ macro_rules! entry_points {
                 // SAFETY: the caller's contract
                 unsafe { lanes::k_block::<T, $isa>(s, w, bpr, cols, x, out, p) }
             }
+
+            #[target_feature(enable = $features)]
+            pub unsafe fn packed_block(s: $isa, w: &Packed, cb: usize, x: Acts<'_>, out: Out) {
+                // SAFETY: the caller's contract
+                unsafe { packed::column_block::<$isa>(s, w, cb, x, out) }
+            }
         }
     };
 }
@@ -283,6 +319,12 @@ macro_rules! forward_entries {
             let $s = self;
             // SAFETY: as above
             unsafe { match $on { $($p => $module::k_lanes($token, w, bpr, cols, x, out, p)),+ } }
+        }
+
+        unsafe fn packed_block(self, w: &Packed, cb: usize, x: Acts<'_>, out: Out) {
+            let $s = self;
+            // SAFETY: as above
+            unsafe { match $on { $($p => $module::packed_block($token, w, cb, x, out)),+ } }
         }
 
     };
@@ -347,6 +389,19 @@ impl<const V: u8> Simd for Ymm<V> {
                 AVX2 => _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, x), _mm256_set1_epi16(1))),
                 AVX_VNNI => _mm256_dpbusd_avx_epi32(acc, u, x),
                 _ => _mm256_dpbusd_epi32(acc, u, x),
+            }
+        }
+    }
+    #[inline(always)]
+    fn dot_u8_pair(self, acc: __m256i, u1: __m256i, x1: __m256i, u2: __m256i, x2: __m256i) -> __m256i {
+        unsafe {
+            match V {
+                // each pair of products at most 2·63·127, two of them 32004: fits i16
+                AVX2 => {
+                    let p = _mm256_add_epi16(_mm256_maddubs_epi16(u1, x1), _mm256_maddubs_epi16(u2, x2));
+                    _mm256_add_epi32(acc, _mm256_madd_epi16(p, _mm256_set1_epi16(1)))
+                }
+                _ => self.dot_u8(self.dot_u8(acc, u1, x1), u2, x2),
             }
         }
     }
@@ -431,6 +486,34 @@ impl<const V: u8> Simd for Ymm<V> {
     #[inline(always)]
     unsafe fn bcast32(self, p: *const i8) -> __m256i {
         unsafe { _mm256_set1_epi32(std::ptr::read_unaligned(p.cast::<i32>())) }
+    }
+    #[inline(always)]
+    fn and(self, a: __m256i, b: __m256i) -> __m256i {
+        unsafe { _mm256_and_si256(a, b) }
+    }
+    #[inline(always)]
+    fn or(self, a: __m256i, b: __m256i) -> __m256i {
+        unsafe { _mm256_or_si256(a, b) }
+    }
+    #[inline(always)]
+    fn shr32(self, a: __m256i, n: i32) -> __m256i {
+        unsafe { _mm256_srl_epi32(a, _mm_cvtsi32_si128(n)) }
+    }
+    #[inline(always)]
+    fn shl32(self, a: __m256i, n: i32) -> __m256i {
+        unsafe { _mm256_sll_epi32(a, _mm_cvtsi32_si128(n)) }
+    }
+    #[inline(always)]
+    fn set1_i32(self, v: i32) -> __m256i {
+        unsafe { _mm256_set1_epi32(v) }
+    }
+    #[inline(always)]
+    unsafe fn load_f16(self, p: *const u8) -> __m256 {
+        unsafe { _mm256_cvtph_ps(_mm_loadu_si128(p.cast())) }
+    }
+    #[inline(always)]
+    unsafe fn load_i8_i32(self, p: *const u8) -> __m256i {
+        unsafe { _mm256_cvtepi8_epi32(_mm_loadl_epi64(p.cast())) }
     }
 
     forward_entries!(_s, V;
@@ -561,6 +644,34 @@ impl Simd for Zmm {
     #[inline(always)]
     unsafe fn bcast32(self, p: *const i8) -> __m512i {
         unsafe { _mm512_set1_epi32(std::ptr::read_unaligned(p.cast::<i32>())) }
+    }
+    #[inline(always)]
+    fn and(self, a: __m512i, b: __m512i) -> __m512i {
+        unsafe { _mm512_and_si512(a, b) }
+    }
+    #[inline(always)]
+    fn or(self, a: __m512i, b: __m512i) -> __m512i {
+        unsafe { _mm512_or_si512(a, b) }
+    }
+    #[inline(always)]
+    fn shr32(self, a: __m512i, n: i32) -> __m512i {
+        unsafe { _mm512_srl_epi32(a, _mm_cvtsi32_si128(n)) }
+    }
+    #[inline(always)]
+    fn shl32(self, a: __m512i, n: i32) -> __m512i {
+        unsafe { _mm512_sll_epi32(a, _mm_cvtsi32_si128(n)) }
+    }
+    #[inline(always)]
+    fn set1_i32(self, v: i32) -> __m512i {
+        unsafe { _mm512_set1_epi32(v) }
+    }
+    #[inline(always)]
+    unsafe fn load_f16(self, p: *const u8) -> __m512 {
+        unsafe { _mm512_cvtph_ps(_mm256_loadu_si256(p.cast())) }
+    }
+    #[inline(always)]
+    unsafe fn load_i8_i32(self, p: *const u8) -> __m512i {
+        unsafe { _mm512_cvtepi8_epi32(_mm_loadu_si128(p.cast())) }
     }
 
     forward_entries!(s, (); () => zmm_entry(s));

@@ -287,6 +287,16 @@ fn kernel_choice_names_the_instruction_set() {
                 assert!(prompt.describe(dt).starts_with(&format!("brigade {} int8, 4 rows × ", isa.name())));
             }
         }
+        for dt in INT8_TYPES {
+            let packed = PACKED_TYPES.contains(&dt) && isa != Isa::Portable && cfg!(target_arch = "x86_64");
+            assert_eq!(packs_on(dt, isa), packed, "{dt:?} on {isa:?}");
+        }
+        assert!(
+            Kernel::Packed(isa)
+                .describe(GgmlDType::Q4K)
+                .starts_with(&format!("brigade {} int8, weights packed", isa.name()))
+                || isa == Isa::Portable
+        );
         assert_eq!(Kernel::choose_for(GgmlDType::Q3K, DECODE_ROWS, isa), Kernel::CandleVecDot);
         assert_eq!(Kernel::choose_for(GgmlDType::F16, DECODE_ROWS + 1, isa), Kernel::DequantGemm);
     }
@@ -328,4 +338,126 @@ fn matches_dequantized_matmul() {
     let x = Tensor::randn(0f32, 1.0, (1, 3, k), &Device::Cpu).unwrap();
     let got = x.apply_op1_no_bwd(&CpuMatMul(q.clone())).unwrap();
     assert_eq!(got.dims(), &[1, 3, n]);
+}
+
+const PACKED_TYPES: [GgmlDType; 3] = [GgmlDType::Q4K, GgmlDType::Q6K, GgmlDType::Q8_0];
+
+#[cfg(target_arch = "x86_64")]
+impl Target {
+    /// The packed kernels of this target.
+    fn matmul_packed(self, w: &Packed, m: usize, lhs: &[f32], dst: &mut [f32]) {
+        match self {
+            Target::Isa(i) => {
+                assert_eq!(matmul_packed(w, m, lhs, dst, i).unwrap(), Kernel::Packed(i));
+            }
+            // SAFETY: the token checks the instructions; the lengths are the test's
+            Target::Avx512Ymm => unsafe {
+                assert!(lhs.len() == m * w.shape().1 && dst.len() == m * w.shape().0);
+                packed::matmul(simd::Ymm::<{ simd::AVX512_YMM }>::new().unwrap(), w, m, lhs, dst)
+            },
+        }
+    }
+}
+
+/// The packed kernels (every tile height, row remainders, a part block of columns and a part
+/// vector of them) on each instruction set, against the scalar reference on the file's blocks.
+#[cfg(target_arch = "x86_64")]
+#[test]
+fn packed_kernels_equal_scalar_reference() {
+    let targets = int8_targets("packed_kernels_equal_scalar_reference");
+    let mut rng = ChaCha8Rng::seed_from_u64(17);
+    for dt in PACKED_TYPES {
+        for n in [37usize, 70] {
+            let k = if dt == GgmlDType::Q8_0 { 160 } else { 768 };
+            let w = random_weight(dt, (n, k), &mut rng);
+            let p = Packed::new(dt, w.bytes(), (n, k)).unwrap();
+            assert_eq!(p.storage_bytes(), n.div_ceil(32) * 32 * k / dt.block_size() * dt.type_size());
+            for m in [1usize, 2, 3, 4, 5, 7, 8, 9, 20] {
+                let lhs = activations(m * k, &mut rng);
+                let want = reference(dt, w.bytes(), (m, k, n), &lhs);
+                for &t in &targets {
+                    let mut got = vec![f32::NAN; m * n];
+                    t.matmul_packed(&p, m, &lhs, &mut got);
+                    assert_close(&got, &want, &format!("packed {dt:?} n={n} m={m} on {}", t.name()));
+                }
+            }
+        }
+    }
+}
+
+/// Packed, every row's result is, bit for bit, what it is alone, whatever the number of rows
+/// (decode of up to 16 sessions and prompts alike).
+#[cfg(target_arch = "x86_64")]
+#[test]
+fn packed_rows_are_computed_as_alone() {
+    let targets = int8_targets("packed_rows_are_computed_as_alone");
+    let mut rng = ChaCha8Rng::seed_from_u64(19);
+    for dt in PACKED_TYPES {
+        let (n, k) = if dt == GgmlDType::Q8_0 { (40, 96) } else { (40, 512) };
+        let w = random_weight(dt, (n, k), &mut rng);
+        let p = Packed::new(dt, w.bytes(), (n, k)).unwrap();
+        let rows = 13;
+        let lhs = activations(rows * k, &mut rng);
+        let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+        for &t in &targets {
+            let alone: Vec<Vec<f32>> = lhs
+                .chunks_exact(k)
+                .map(|row| {
+                    let mut d = vec![f32::NAN; n];
+                    t.matmul_packed(&p, 1, row, &mut d);
+                    d
+                })
+                .collect();
+            for m in 2..=rows {
+                let mut got = vec![f32::NAN; m * n];
+                t.matmul_packed(&p, m, &lhs[..m * k], &mut got);
+                for (r, want) in alone.iter().take(m).enumerate() {
+                    assert_eq!(bits(&got[r * n..(r + 1) * n]), bits(want), "{dt:?} row {r} of {m} on {}", t.name());
+                }
+            }
+        }
+    }
+}
+
+/// Packed Q8_0 with weight bytes of −128, and the packed entry's checks: lengths, a weight of
+/// the wrong size, `k` off the block, an instruction set this CPU lacks, a type not packed.
+#[cfg(target_arch = "x86_64")]
+#[test]
+fn packed_q8_0_minus_128_and_checks() {
+    let targets = int8_targets("packed_q8_0_minus_128_and_checks");
+    let (n, k) = (3usize, 64usize);
+    let blocks: Vec<blocks::Q8_0> = (0..n * k / 32)
+        .map(|b| blocks::Q8_0 {
+            d: f16::from_f32(0.5),
+            qs: std::array::from_fn(|i| if (i + b) % 3 == 0 { -128 } else { i as i8 - 16 }),
+        })
+        .collect();
+    let w = blocks::as_bytes(&blocks);
+    let p = Packed::new(GgmlDType::Q8_0, w, (n, k)).unwrap();
+    for m in [1usize, 5] {
+        let lhs: Vec<f32> = (0..m * k).map(|i| if i % 2 == 0 { -1.0 } else { 0.75 }).collect();
+        let want = reference(GgmlDType::Q8_0, w, (m, k, n), &lhs);
+        for &t in &targets {
+            let mut got = vec![0f32; m * n];
+            t.matmul_packed(&p, m, &lhs, &mut got);
+            assert_close(&got, &want, &format!("packed m={m} on {}", t.name()));
+        }
+    }
+    let lhs = vec![1f32; 64];
+    for isa in Isa::ALL.into_iter().filter(|i| i.available() && *i != Isa::Portable) {
+        let r = matmul_packed(&p, 1, &lhs, &mut [0.0; 2], isa);
+        assert!(matches!(r, Err(KernelError::Shape { len: 2, want: 3, .. })), "{r:?}");
+        let r = matmul_packed(&p, 1, &lhs[1..], &mut [0.0; 3], isa);
+        assert!(matches!(r, Err(KernelError::Shape { len: 63, want: 64, .. })), "{r:?}");
+    }
+    for isa in Isa::ALL.into_iter().filter(|i| !i.available() || *i == Isa::Portable) {
+        let r = matmul_packed(&p, 1, &lhs, &mut [0.0; 3], isa);
+        assert!(matches!(r, Err(KernelError::Unavailable(_))), "{isa:?}: {r:?}");
+    }
+    let r = Packed::new(GgmlDType::Q8_0, &w[..w.len() - 1], (n, k));
+    assert!(matches!(r, Err(KernelError::Shape { want: 204, .. })), "{r:?}");
+    let r = Packed::new(GgmlDType::Q8_0, w, (n, 48));
+    assert!(matches!(r, Err(KernelError::BlockSize { k: 48, block: 32 })), "{r:?}");
+    let r = Packed::new(GgmlDType::Q4_0, w, (n, k));
+    assert!(r.is_err_and(|e| e.to_string().contains("Q4_0 weights are not packed")));
 }

@@ -1,0 +1,616 @@
+//! Weights repacked once at load for the int8 kernels, and the kernels that read them: one
+//! kernel for every number of rows, decode and prompt alike.
+//!
+//! A ggml file keeps each weight row's blocks together, so a kernel that wants 16 or 32 output
+//! columns in the lanes of a vector (`lanes`) must gather them: the prompt kernels unpack a
+//! panel per matmul, which only pays from about 12 rows, and decode stays on vec-dots whose
+//! per-row epilogue (a float step and a horizontal sum per column) makes 8 rows cost ~4.4× one.
+//! Here the gathering is done once, when the model loads, into records of [`COLS`] columns by
+//! one block of `k` (256 weights for Q4_K/Q6_K, 32 for Q8_0), each exactly the bytes the file
+//! has for them (the same memory, the nibbles still packed):
+//!
+//! - Q4_K (144 bytes per column and super-block): 32 units of 8 weights, unit `u` of column `c`
+//!   at `(32u + c)·4`, byte `j` holding weight `8u + j` in its low nibble and `8u + 4 + j` in
+//!   its high one; the 12 scale bytes as three words per column (word `w` of column `c` at
+//!   `4096 + (32w + c)·4`, ggml's bit layout, unpacked in lanes by the kernel); `d` and `dmin`
+//!   as f16 per column at 4480 and 4544.
+//! - Q6_K (210): the low nibbles as Q4_K's units; the high two bits per 16 weights `t` as one
+//!   word per column at `4096 + (32t + c)·4`, byte `j` holding those of weights `16t + 4s + j`
+//!   at bits `2s, 2s + 1`; the 16 scales (i8) at `6144 + 32t + c`; `d` at 6656.
+//! - Q8_0 (34): 8 units of 4 weights at `(32u + c)·4`; `d` at 1024.
+//!
+//! A unit load is then 16 (zmm) or 8 (ymm) columns × 8 weights; each row's activation bytes
+//! are broadcast and one `vpdpbusd` advances every column of the vector by four weights. The
+//! sub-block scales multiply i32 lane sums (`vpmulld`, exact), the Q4_K mins are `vpmaddwd`s of
+//! the mins against the row's sums per 32, so a column's integer sums are exact and its float
+//! steps (one per super-block, or per block of 32) are in a fixed order: a row's result never
+//! depends on the rows beside it or on how many there are (batch invariance, tested), and a
+//! prompt row gets the numbers a decode row gets.
+//!
+//! Other types keep the file's layout (`tiles`, `lanes`).
+
+use super::acts::{Q8KRows, Q8Rows};
+use super::blocks::{self, Q4K, Q6K, Q8_0};
+use super::simd::Simd;
+use super::tiles::Out;
+use super::KernelError;
+use candle_core::quantized::GgmlDType;
+use rayon::prelude::*;
+
+/// Columns per record.
+pub const COLS: usize = 32;
+
+/// One cache line: records are whole lines, so the buffer's alignment is every record's.
+#[derive(Clone, Copy)]
+#[repr(C, align(64))]
+struct Line([u8; 64]);
+
+/// The packed types.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Kind {
+    Q4K,
+    Q6K,
+    Q8_0,
+}
+
+impl Kind {
+    fn of(dt: GgmlDType) -> Option<Kind> {
+        match dt {
+            GgmlDType::Q4K => Some(Kind::Q4K),
+            GgmlDType::Q6K => Some(Kind::Q6K),
+            GgmlDType::Q8_0 => Some(Kind::Q8_0),
+            _ => None,
+        }
+    }
+
+    /// Weights of `k` per block.
+    fn block(self) -> usize {
+        match self {
+            Kind::Q8_0 => 32,
+            _ => 256,
+        }
+    }
+
+    /// Bytes per column and block (the file's block size).
+    fn bytes(self) -> usize {
+        match self {
+            Kind::Q4K => 144,
+            Kind::Q6K => 210,
+            Kind::Q8_0 => 34,
+        }
+    }
+
+    /// Bytes per record.
+    fn record(self) -> usize {
+        self.bytes() * COLS
+    }
+}
+
+/// Whether weights of type `dt` are packed (on a CPU with int8 kernels).
+pub fn packs(dt: GgmlDType) -> bool {
+    Kind::of(dt).is_some()
+}
+
+/// A weight `[n, k]` repacked for the int8 kernels (see the module documentation).
+pub struct Packed {
+    kind: Kind,
+    dt: GgmlDType,
+    n: usize,
+    k: usize,
+    lines: Vec<Line>,
+}
+
+impl std::fmt::Debug for Packed {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "Packed({:?}, [{}, {}])", self.dt, self.n, self.k)
+    }
+}
+
+impl Packed {
+    /// Repacks `w`, the file's bytes of a `[n, k]` weight of type `dt` (any alignment).
+    pub fn new(dt: GgmlDType, w: &[u8], (n, k): (usize, usize)) -> Result<Packed, KernelError> {
+        let Some(kind) = Kind::of(dt) else {
+            return Err(KernelError::Candle(candle_core::Error::Msg(format!("{dt:?} weights are not packed"))));
+        };
+        let block = kind.block();
+        if !k.is_multiple_of(block) {
+            return Err(KernelError::BlockSize { k, block });
+        }
+        let bpr = k / block;
+        let want = bpr.checked_mul(n).and_then(|b| b.checked_mul(kind.bytes())).unwrap_or(usize::MAX);
+        if w.len() != want {
+            return Err(KernelError::Shape { what: "the weight's storage (bytes)", len: w.len(), want, m: 0, k, n });
+        }
+        let rec = kind.record();
+        let lines_per_block = (bpr * rec) / 64;
+        let mut lines = vec![Line([0; 64]); n.div_ceil(COLS) * lines_per_block];
+        let row_bytes = bpr * kind.bytes();
+        lines.par_chunks_mut(lines_per_block.max(1)).enumerate().for_each(|(cb, out)| {
+            // SAFETY: `Line` is 64 plain bytes
+            let out = unsafe { std::slice::from_raw_parts_mut(out.as_mut_ptr().cast::<u8>(), out.len() * 64) };
+            for c in 0..COLS.min(n - cb * COLS) {
+                let row = &w[(cb * COLS + c) * row_bytes..][..row_bytes];
+                for (b, blk) in row.chunks_exact(kind.bytes()).enumerate() {
+                    let rec = &mut out[b * rec..][..rec];
+                    match kind {
+                        Kind::Q4K => pack_q4k(&read::<Q4K>(blk), c, rec),
+                        Kind::Q6K => pack_q6k(&read::<Q6K>(blk), c, rec),
+                        Kind::Q8_0 => pack_q8_0(&read::<Q8_0>(blk), c, rec),
+                    }
+                }
+            }
+        });
+        Ok(Packed { kind, dt, n, k, lines })
+    }
+
+    pub fn dtype(&self) -> GgmlDType {
+        self.dt
+    }
+
+    /// `(n, k)`.
+    pub fn shape(&self) -> (usize, usize) {
+        (self.n, self.k)
+    }
+
+    /// Bytes held: the file's for this weight, columns rounded up to [`COLS`].
+    pub fn storage_bytes(&self) -> usize {
+        self.lines.len() * 64
+    }
+
+    fn bytes(&self) -> &[u8] {
+        // SAFETY: `Line` is 64 plain bytes
+        unsafe { std::slice::from_raw_parts(self.lines.as_ptr().cast::<u8>(), self.lines.len() * 64) }
+    }
+
+    /// Blocks of `k` per column.
+    fn bpr(&self) -> usize {
+        self.k / self.kind.block()
+    }
+
+    /// Where column block `cb`'s records start.
+    fn column_block(&self, cb: usize) -> *const u8 {
+        self.bytes()[cb * self.bpr() * self.kind.record()..].as_ptr()
+    }
+
+    /// Column blocks.
+    fn blocks(&self) -> usize {
+        self.n.div_ceil(COLS)
+    }
+}
+
+/// A block read from unaligned bytes.
+fn read<T: blocks::Block + Copy>(b: &[u8]) -> T {
+    debug_assert_eq!(b.len(), std::mem::size_of::<T>());
+    // SAFETY: `b` holds size_of::<T>() bytes (chunks of the type's size), and any bytes are a
+    // valid `T` (`Block`'s contract)
+    unsafe { std::ptr::read_unaligned(b.as_ptr().cast::<T>()) }
+}
+
+/// Eight weights' quants (each below 16 after masking) as unit bytes: low nibble `q[j]`, high
+/// `q[4 + j]`.
+fn put_unit(q: &[u8], c: usize, u: usize, rec: &mut [u8]) {
+    for j in 0..4 {
+        rec[(32 * u + c) * 4 + j] = (q[8 * u + j] & 15) | (q[8 * u + 4 + j] & 15) << 4;
+    }
+}
+
+fn pack_q4k(b: &Q4K, c: usize, rec: &mut [u8]) {
+    let mut q = [0u8; 256];
+    for j in 0..4 {
+        for i in 0..32 {
+            q[64 * j + i] = b.qs[32 * j + i] & 15;
+            q[64 * j + 32 + i] = b.qs[32 * j + i] >> 4;
+        }
+    }
+    for u in 0..32 {
+        put_unit(&q, c, u, rec);
+    }
+    for w in 0..3 {
+        rec[4096 + (32 * w + c) * 4..][..4].copy_from_slice(&b.scales[4 * w..4 * w + 4]);
+    }
+    rec[4480 + 2 * c..][..2].copy_from_slice(&b.d.to_le_bytes());
+    rec[4544 + 2 * c..][..2].copy_from_slice(&b.dmin.to_le_bytes());
+}
+
+fn pack_q6k(b: &Q6K, c: usize, rec: &mut [u8]) {
+    // ggml's arrangement: per half of 128 weights, ql's 64 bytes hold weights l and l + 32 (low
+    // nibbles) and l + 64, l + 96 (high), qh's 32 bytes their two high bits at 0, 2, 4, 6
+    let mut q = [0u8; 256];
+    for n in 0..2 {
+        let (ql, qh) = (&b.ql[64 * n..], &b.qh[32 * n..]);
+        for l in 0..32 {
+            let y = &mut q[128 * n..];
+            y[l] = (ql[l] & 15) | (qh[l] & 3) << 4;
+            y[l + 32] = (ql[l + 32] & 15) | ((qh[l] >> 2) & 3) << 4;
+            y[l + 64] = (ql[l] >> 4) | ((qh[l] >> 4) & 3) << 4;
+            y[l + 96] = (ql[l + 32] >> 4) | ((qh[l] >> 6) & 3) << 4;
+        }
+    }
+    for u in 0..32 {
+        put_unit(&q, c, u, rec);
+    }
+    for t in 0..16 {
+        for j in 0..4 {
+            let mut h = 0u8;
+            for s in 0..4 {
+                h |= (q[16 * t + 4 * s + j] >> 4) << (2 * s);
+            }
+            rec[4096 + (32 * t + c) * 4 + j] = h;
+        }
+        rec[6144 + 32 * t + c] = b.scales[t] as u8;
+    }
+    rec[6656 + 2 * c..][..2].copy_from_slice(&b.d.to_le_bytes());
+}
+
+fn pack_q8_0(b: &Q8_0, c: usize, rec: &mut [u8]) {
+    for u in 0..8 {
+        for j in 0..4 {
+            rec[(32 * u + c) * 4 + j] = b.qs[4 * u + j] as u8;
+        }
+    }
+    rec[1024 + 2 * c..][..2].copy_from_slice(&b.d.to_le_bytes());
+}
+
+/// The quantized activations of a packed matmul.
+#[derive(Clone, Copy)]
+pub enum Acts<'a> {
+    /// Per 256 (Q4_K, Q6_K).
+    K(&'a Q8KRows),
+    /// Per 32, no offset (Q8_0).
+    Q0(&'a Q8Rows),
+}
+
+/// Vectors of columns per tile: 2 zmm (32 columns), 1 ymm (8).
+const fn vectors<S: Simd>() -> usize {
+    if S::W == 64 {
+        2
+    } else {
+        1
+    }
+}
+
+/// Rows per tile, on every instruction set: three accumulators per row and vector, 24 of the 32
+/// zmm registers (2 vectors) or 12 of the 16 ymm ones (1 vector). On AVX2, 4 rows instead of 2
+/// together with `dot_u8_pair` took Q4_K k = 2048 from 68 to 85 GMAC/s at 8 rows and Q6_K
+/// from 47 to 62 (`cpu_kernels`, one thread, AMD EPYC forced to AVX2).
+const ROWS: usize = 4;
+
+/// Rows `r0..r0 + R` × columns `h..h + V·W/4` of a column block of Q4_K: per sub-block of 32
+/// `Σ q·x` in i32 lanes times its scale, per super-block that sum times `d·d_x`, less
+/// `dmin·d_x · Σ m·Σx` (`vpmaddwd` of the mins against the row's sums per 32).
+///
+/// # Safety
+/// `p` is the column block's first record of `bpr`; `x` holds rows `r0..r0 + R`; `h + V·W/4 ≤
+/// COLS`.
+#[inline(always)]
+unsafe fn tile_q4k<S: Simd, const V: usize, const R: usize>(
+    s: S,
+    p: *const u8,
+    bpr: usize,
+    h: usize,
+    x: &Q8KRows,
+    r0: usize,
+) -> [[S::F; V]; R] {
+    let l = S::W / 4;
+    let (low4, low6, hi2, ff) =
+        (s.set1_i32(0x0f0f_0f0f), s.set1_i32(0x3f3f_3f3f), s.set1_i32(0x3030_3030), s.set1_i32(0xff));
+    let pairs = s.set1_i32(0x00ff_00ff);
+    let mut acc = [[s.zero_f(); V]; R];
+    for b in 0..bpr {
+        // SAFETY: record b of the column block (the caller's contract); every offset below is
+        // inside its 4608 bytes, every row's bytes inside `x`
+        unsafe {
+            let rec = p.add(b * 4608);
+            let xs: [*const i8; R] = std::array::from_fn(|i| x.qs.as_ptr().add(((r0 + i) * bpr + b) * 256));
+            // a closure of addresses only: intrinsics in a closure would lose the target features
+            let word = |w: usize, v: usize| rec.add(4096 + (32 * w + h + v * l) * 4).cast::<i8>();
+            let mut isum = [[s.zero(); V]; R];
+            for t in 0..8 {
+                let mut sum = [[s.zero(); V]; R];
+                for u in 4 * t..4 * t + 4 {
+                    let mut lo = [s.zero(); V];
+                    let mut hi = [s.zero(); V];
+                    for v in 0..V {
+                        let w = s.load(rec.add((32 * u + h + v * l) * 4).cast());
+                        lo[v] = s.and(w, low4);
+                        hi[v] = s.and(s.shr32(w, 4), low4);
+                    }
+                    for (i, sum) in sum.iter_mut().enumerate() {
+                        let (xa, xb) = (s.bcast32(xs[i].add(8 * u)), s.bcast32(xs[i].add(8 * u + 4)));
+                        for v in 0..V {
+                            sum[v] = s.dot_u8_pair(sum[v], lo[v], xa, hi[v], xb);
+                        }
+                    }
+                }
+                for v in 0..V {
+                    // scales 0..4: low 6 bits of word 0; 4..8: low nibbles of word 2 and the
+                    // top 2 bits of word 0's bytes
+                    let bytes = if t < 4 {
+                        s.and(s.load(word(0, v)), low6)
+                    } else {
+                        s.or(s.and(s.load(word(2, v)), low4), s.and(s.shr32(s.load(word(0, v)), 2), hi2))
+                    };
+                    let sc = s.and(s.shr32(bytes, 8 * (t as i32 % 4)), ff);
+                    for (isum, sum) in isum.iter_mut().zip(&sum) {
+                        isum[v] = s.add32(isum[v], s.mullo32(sum[v], sc));
+                    }
+                }
+            }
+            for v in 0..V {
+                // mins 0..4: low 6 bits of word 1; 4..8: high nibbles of word 2 and the top 2
+                // bits of word 1's bytes; as i16 pairs (0, 2), (1, 3), (4, 6), (5, 7)
+                let (w1, w2) = (s.load(word(1, v)), s.load(word(2, v)));
+                let m_lo = s.and(w1, low6);
+                let m_hi = s.or(s.and(s.shr32(w2, 4), low4), s.and(s.shr32(w1, 2), hi2));
+                let m = [
+                    s.and(m_lo, pairs),
+                    s.and(s.shr32(m_lo, 8), pairs),
+                    s.and(m_hi, pairs),
+                    s.and(s.shr32(m_hi, 8), pairs),
+                ];
+                let d = s.load_f16(rec.add(4480 + 2 * (h + v * l)));
+                let dmin = s.load_f16(rec.add(4544 + 2 * (h + v * l)));
+                for (i, acc) in acc.iter_mut().enumerate() {
+                    let at = (r0 + i) * bpr + b;
+                    let bs = x.bs32.as_ptr().add(8 * at).cast::<i8>();
+                    let mut mm = s.madd(m[0], s.bcast32(bs));
+                    for (j, m) in m.iter().enumerate().skip(1) {
+                        mm = s.add32(mm, s.madd(*m, s.bcast32(bs.add(4 * j))));
+                    }
+                    let dx = *x.d.get_unchecked(at);
+                    acc[v] = s.fmadd(s.cvt(isum[i][v]), s.mul(d, s.set1(dx)), acc[v]);
+                    acc[v] = s.fmadd(s.cvt(mm), s.mul(dmin, s.set1(-dx)), acc[v]);
+                }
+            }
+        }
+    }
+    acc
+}
+
+/// As [`tile_q4k`] for Q6_K: per 16 weights `Σ q·x − 32·Σx` (its quants' offset) times the
+/// scale, per super-block times `d·d_x`.
+///
+/// # Safety
+/// As [`tile_q4k`].
+#[inline(always)]
+unsafe fn tile_q6k<S: Simd, const V: usize, const R: usize>(
+    s: S,
+    p: *const u8,
+    bpr: usize,
+    h: usize,
+    x: &Q8KRows,
+    r0: usize,
+) -> [[S::F; V]; R] {
+    let l = S::W / 4;
+    let (low4, hi2) = (s.set1_i32(0x0f0f_0f0f), s.set1_i32(0x3030_3030));
+    let mut acc = [[s.zero_f(); V]; R];
+    for b in 0..bpr {
+        // SAFETY: as in `tile_q4k`, inside the record's 6720 bytes
+        unsafe {
+            let rec = p.add(b * 6720);
+            let at: [usize; R] = std::array::from_fn(|i| (r0 + i) * bpr + b);
+            let xs: [*const i8; R] = std::array::from_fn(|i| x.qs.as_ptr().add(at[i] * 256));
+            let mut isum = [[s.zero(); V]; R];
+            for t in 0..16 {
+                let mut sum = [[s.zero(); V]; R];
+                for (i, sum) in sum.iter_mut().enumerate() {
+                    let off = s.set1_i32(-32 * *x.bsums.get_unchecked(at[i] * 16 + t) as i32);
+                    *sum = [off; V];
+                }
+                let mut hb = [s.zero(); V];
+                for (v, hb) in hb.iter_mut().enumerate() {
+                    *hb = s.load(rec.add(4096 + (32 * t + h + v * l) * 4).cast());
+                }
+                for u in 2 * t..2 * t + 2 {
+                    // the high bits of this unit's two halves: pairs s = 2(u − 2t) and s + 1
+                    let sh = 4 * (u - 2 * t) as i32;
+                    let mut lo = [s.zero(); V];
+                    let mut hi = [s.zero(); V];
+                    for v in 0..V {
+                        let w = s.load(rec.add((32 * u + h + v * l) * 4).cast());
+                        let (h0, h1) =
+                            if sh == 0 { (s.shl32(hb[v], 4), s.shl32(hb[v], 2)) } else { (hb[v], s.shr32(hb[v], 2)) };
+                        lo[v] = s.or(s.and(w, low4), s.and(h0, hi2));
+                        hi[v] = s.or(s.and(s.shr32(w, 4), low4), s.and(h1, hi2));
+                    }
+                    for (i, sum) in sum.iter_mut().enumerate() {
+                        let (xa, xb) = (s.bcast32(xs[i].add(8 * u)), s.bcast32(xs[i].add(8 * u + 4)));
+                        for v in 0..V {
+                            sum[v] = s.dot_u8_pair(sum[v], lo[v], xa, hi[v], xb);
+                        }
+                    }
+                }
+                for v in 0..V {
+                    let sc = s.load_i8_i32(rec.add(6144 + 32 * t + h + v * l));
+                    for (isum, sum) in isum.iter_mut().zip(&sum) {
+                        isum[v] = s.add32(isum[v], s.mullo32(sum[v], sc));
+                    }
+                }
+            }
+            for v in 0..V {
+                let d = s.load_f16(rec.add(6656 + 2 * (h + v * l)));
+                for (i, acc) in acc.iter_mut().enumerate() {
+                    let dx = *x.d.get_unchecked(at[i]);
+                    acc[v] = s.fmadd(s.cvt(isum[i][v]), s.mul(d, s.set1(dx)), acc[v]);
+                }
+            }
+        }
+    }
+    acc
+}
+
+/// As [`tile_q4k`] for Q8_0: per block `Σ q·x` in i32 lanes (with VNNI the weights made
+/// unsigned by 128 and the sum started at `−128·Σx`; AVX2 moves the weight's sign onto `x`)
+/// times `d·d_x`.
+///
+/// # Safety
+/// As [`tile_q4k`], `x` quantized per 32 with no offset.
+#[inline(always)]
+unsafe fn tile_q8_0<S: Simd, const V: usize, const R: usize>(
+    s: S,
+    p: *const u8,
+    bpr: usize,
+    h: usize,
+    x: &Q8Rows,
+    r0: usize,
+) -> [[S::F; V]; R] {
+    let l = S::W / 4;
+    let mut acc = [[s.zero_f(); V]; R];
+    for b in 0..bpr {
+        // SAFETY: as in `tile_q4k`, inside the record's 1088 bytes
+        unsafe {
+            let rec = p.add(b * 1088);
+            let at: [usize; R] = std::array::from_fn(|i| (r0 + i) * x.blocks + b);
+            let mut sum = [[s.zero(); V]; R];
+            if S::VNNI {
+                for (i, sum) in sum.iter_mut().enumerate() {
+                    *sum = [s.set1_i32(-128 * *x.sums.get_unchecked(at[i])); V];
+                }
+            }
+            for u in 0..8 {
+                let mut w = [s.zero(); V];
+                for (v, w) in w.iter_mut().enumerate() {
+                    *w = s.load(rec.add((32 * u + h + v * l) * 4).cast());
+                    if S::VNNI {
+                        *w = s.flip(*w);
+                    }
+                }
+                for (i, sum) in sum.iter_mut().enumerate() {
+                    let xb = s.bcast32(x.qs.as_ptr().add((r0 + i) * x.kp + 32 * b + 4 * u));
+                    for v in 0..V {
+                        sum[v] = if S::VNNI { s.dot_u8(sum[v], w[v], xb) } else { s.dot_s8(sum[v], w[v], xb) };
+                    }
+                }
+            }
+            for v in 0..V {
+                let d = s.load_f16(rec.add(1024 + 2 * (h + v * l)));
+                for (i, acc) in acc.iter_mut().enumerate() {
+                    let dx = *x.d.get_unchecked(at[i]);
+                    acc[v] = s.fmadd(s.cvt(sum[i][v]), s.mul(d, s.set1(dx)), acc[v]);
+                }
+            }
+        }
+    }
+    acc
+}
+
+/// One tile of `R` rows.
+///
+/// # Safety
+/// As the tiles.
+#[inline(always)]
+unsafe fn tile<S: Simd, const V: usize, const R: usize>(
+    s: S,
+    w: &Packed,
+    p: *const u8,
+    h: usize,
+    x: Acts<'_>,
+    r0: usize,
+) -> [[S::F; V]; R] {
+    let bpr = w.bpr();
+    // SAFETY: the caller's contract
+    unsafe {
+        match (w.kind, x) {
+            (Kind::Q4K, Acts::K(x)) => tile_q4k::<S, V, R>(s, p, bpr, h, x, r0),
+            (Kind::Q6K, Acts::K(x)) => tile_q6k::<S, V, R>(s, p, bpr, h, x, r0),
+            (Kind::Q8_0, Acts::Q0(x)) => tile_q8_0::<S, V, R>(s, p, bpr, h, x, r0),
+            _ => unreachable!("activations of the weight's kind (`matmul` quantizes them so)"),
+        }
+    }
+}
+
+/// Writes rows `r0..r0 + R` of a tile at columns `c0..` (those below `out.n`).
+///
+/// # Safety
+/// Rows `r0..r0 + R` are below `out.m`; only this call writes those elements.
+#[inline(always)]
+unsafe fn put<S: Simd, const V: usize, const R: usize>(s: S, t: [[S::F; V]; R], r0: usize, c0: usize, out: Out) {
+    let l = S::W / 4;
+    for (i, row) in t.iter().enumerate() {
+        for (v, r) in row.iter().enumerate() {
+            let c = c0 + v * l;
+            if c >= out.n {
+                break;
+            }
+            // SAFETY: (r0 + i, c..c + l) inside the output, or copied only up to n
+            unsafe {
+                let dst = (out.ptr as *mut f32).add((r0 + i) * out.n + c);
+                if c + l <= out.n {
+                    s.store_f(dst, *r);
+                } else {
+                    let mut all = [0f32; 16];
+                    s.store_f(all.as_mut_ptr(), *r);
+                    std::ptr::copy_nonoverlapping(all.as_ptr(), dst, out.n - c);
+                }
+            }
+        }
+    }
+}
+
+/// Every row of `out` at the columns of block `cb`: tiles of [`ROWS`] rows (fewer at the end) × [`vectors`] vectors of columns.
+///
+/// # Safety
+/// `cb` is a column block of `w`; `x` holds `out.m` rows quantized for `w`'s type; only this
+/// call writes those columns.
+#[inline(always)]
+pub unsafe fn column_block<S: Simd>(s: S, w: &Packed, cb: usize, x: Acts<'_>, out: Out) {
+    if vectors::<S>() == 2 {
+        // SAFETY: the caller's contract
+        unsafe { rows_of::<S, 2, ROWS>(s, w, cb, x, out) }
+    } else {
+        // SAFETY: the caller's contract
+        unsafe { rows_of::<S, 1, ROWS>(s, w, cb, x, out) }
+    }
+}
+
+/// [`column_block`] with `V` vectors and tiles of `R` rows.
+///
+/// # Safety
+/// As [`column_block`].
+#[inline(always)]
+unsafe fn rows_of<S: Simd, const V: usize, const R: usize>(s: S, w: &Packed, cb: usize, x: Acts<'_>, out: Out) {
+    let p = w.column_block(cb);
+    let step = V * S::W / 4;
+    for h in (0..COLS).step_by(step) {
+        let c0 = cb * COLS + h;
+        if c0 >= out.n {
+            break;
+        }
+        let mut r0 = 0;
+        // SAFETY: the caller's contract; each tile's rows are below out.m
+        unsafe {
+            while r0 + R <= out.m {
+                put(s, tile::<S, V, R>(s, w, p, h, x, r0), r0, c0, out);
+                r0 += R;
+            }
+            match out.m - r0 {
+                0 => {}
+                1 => put(s, tile::<S, V, 1>(s, w, p, h, x, r0), r0, c0, out),
+                2 => put(s, tile::<S, V, 2>(s, w, p, h, x, r0), r0, c0, out),
+                _ => put(s, tile::<S, V, 3>(s, w, p, h, x, r0), r0, c0, out),
+            }
+        }
+    }
+}
+
+/// `dst[m, n] = lhs[m, k] @ w[n, k]ᵀ` on the instruction set `s`.
+///
+/// # Safety
+/// `lhs` holds `m · k` values, `dst` `m · n`.
+pub unsafe fn matmul<S: Simd>(s: S, w: &Packed, m: usize, lhs: &[f32], dst: &mut [f32]) {
+    let (n, k) = (w.n, w.k);
+    debug_assert!(lhs.len() == m * k && dst.len() == m * n);
+    let out = Out { ptr: dst.as_mut_ptr() as usize, m, n };
+    let run = |x: Acts<'_>| {
+        candle_core::utils::barrier_pool().execute_chunked(w.blocks(), |blocks| {
+            for cb in blocks {
+                // SAFETY: each column block writes its own columns of every row
+                unsafe { s.packed_block(w, cb, x, out) }
+            }
+        })
+    };
+    match w.kind {
+        Kind::Q8_0 => run(Acts::Q0(&Q8Rows::new(lhs, (m, k), m, k / 32, 0))),
+        _ => run(Acts::K(&Q8KRows::new(lhs, (m, k), m))),
+    }
+}
