@@ -15,19 +15,22 @@ use std::collections::BTreeMap;
 pub const ASSUMED_LINK: Link = Link { bandwidth: 125e6, latency: 0.5e-3 };
 
 /// The rate a device decodes this model's layers at, bytes/s: the measured kernel rates of the
-/// model's weight types combined by their bytes (time adds up, so a harmonic mean). Types the
-/// worker did not measure count at half its read bandwidth.
+/// model's weight types combined by their bytes (time adds up, so a harmonic mean), none above
+/// the device's measured read bandwidth (the kernels are timed on a weight that may sit in the
+/// last-level cache; a model's layers come from memory). Types the worker did not measure count
+/// at half its read bandwidth.
 pub fn decode_rate(dev: &DeviceFigures, weight_types: &[(String, u64)]) -> f64 {
     let total: u64 = weight_types.iter().map(|(_, b)| b).sum();
     let fallback = (dev.mem_bandwidth * 0.5).max(1.0);
+    let cap = |r: f64| if dev.mem_bandwidth > 0.0 { r.min(dev.mem_bandwidth) } else { r };
     if total == 0 {
-        return dev.kernels.iter().map(|k| k.decode_bytes_per_s).fold(fallback, f64::max);
+        return cap(dev.kernels.iter().map(|k| k.decode_bytes_per_s).fold(fallback, f64::max));
     }
     let secs: f64 = weight_types
         .iter()
         .map(|(t, b)| {
             let rate = dev.kernel(t).map(|k| k.decode_bytes_per_s).filter(|r| *r > 0.0).unwrap_or(fallback);
-            *b as f64 / rate
+            *b as f64 / cap(rate)
         })
         .sum();
     total as f64 / secs.max(1e-12)

@@ -5,8 +5,8 @@
 //! (and of Q6_K/Q8_0 where it repacks) for every matmul, so a model takes up to 2.3× its file size
 //! in memory and a decode step reads 6 bits per Q4_K weight instead of 4.5. Here every weight
 //! holds its file's bytes, once:
-//! - Q4_K, Q6_K and Q8_0 (every Q4_K_M file's types, and Q8_0's) are repacked when the model
-//!   loads ([`Packed`], `packed`): the same bytes regrouped into records of 32 output columns, so
+//! - On AVX-512, Q4_K, Q6_K and Q8_0 (every Q4_K_M file's types, and Q8_0's) are repacked when
+//!   the model loads ([`Packed`], `packed`; [`packs_on`] says why not on 256-bit registers): the same bytes regrouped into records of 32 output columns, so
 //!   that one vector load serves 16 (or 8) columns and each activation row is broadcast. One
 //!   kernel then serves every number of rows — decode of one session, of several at once, and
 //!   prompts — with each row's arithmetic its own (batch invariance at any batch size, and a
@@ -279,16 +279,20 @@ pub fn kernels(dt: GgmlDType) -> (&'static str, &'static str) {
     (Kernel::choose(dt, 1).describe(dt), Kernel::choose(dt, DECODE_ROWS + 1).describe(dt))
 }
 
-/// Whether weights of type `dt` are packed at load for `isa` (Q4_K, Q6_K and Q8_0 where there
-/// are int8 kernels; see [`Packed`]). `BRIGADE_CPU_PACK=off` keeps every weight in the file's
-/// layout (to measure the difference).
+/// Whether weights of type `dt` are packed at load for `isa`: Q4_K, Q6_K and Q8_0 on AVX-512
+/// (see [`Packed`]). On 256-bit registers the packed kernels read a record as four chunks of
+/// 8 columns, every other cache line twice over, which memory serves slower than the vec-dots'
+/// one stream (one row × 2048 × 32000 from memory, AVX2, one thread on a 2-vCPU AMD EPYC:
+/// Q6_K 16 GMAC/s packed against 25, Q8_0 9 against 22), so AVX2 and AVX-VNNI keep the file's
+/// layout; their packed kernels are tested and timed (`cpu_kernels`), not chosen.
+/// `BRIGADE_CPU_PACK=off` keeps every weight in the file's layout (to measure the difference).
 pub fn packs_on(dt: GgmlDType, isa: Isa) -> bool {
     static OFF: OnceLock<bool> = OnceLock::new();
     let off =
         *OFF.get_or_init(|| std::env::var("BRIGADE_CPU_PACK").is_ok_and(|v| matches!(v.trim(), "off" | "0" | "no")));
     #[cfg(target_arch = "x86_64")]
     {
-        !off && isa != Isa::Portable && packed::packs(dt)
+        !off && isa == Isa::Avx512Vnni && packed::packs(dt)
     }
     #[cfg(not(target_arch = "x86_64"))]
     {

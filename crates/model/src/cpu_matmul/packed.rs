@@ -15,8 +15,10 @@
 //!   `4096 + (32w + c)·4`, ggml's bit layout, unpacked in lanes by the kernel); `d` and `dmin`
 //!   as f16 per column at 4480 and 4544.
 //! - Q6_K (210): the low nibbles as Q4_K's units; the high two bits per 16 weights `t` as one
-//!   word per column at `4096 + (32t + c)·4`, byte `j` holding those of weights `16t + 4s + j`
-//!   at bits `2s, 2s + 1`; the 16 scales (i8) at `6144 + 32t + c`; `d` at 6656.
+//!   word per column, byte `j` holding those of weights `16t + 4s + j` at bits `2s, 2s + 1`;
+//!   the 16 scales (i8); per 32 weights those four units, two words and 64 scale bytes are 832
+//!   bytes in a row (`q6_unit`, `q6_high`, `q6_scale`: read in order — three regions read
+//!   in step were 0.6× the vec-dots' speed from memory); `d` at 6656.
 //! - Q8_0 (34): 8 units of 4 weights at `(32u + c)·4`; `d` at 1024.
 //!
 //! A unit load is then 16 (zmm) or 8 (ymm) columns × 8 weights; each row's activation bytes
@@ -186,12 +188,33 @@ fn read<T: blocks::Block + Copy>(b: &[u8]) -> T {
     unsafe { std::ptr::read_unaligned(b.as_ptr().cast::<T>()) }
 }
 
-/// Eight weights' quants (each below 16 after masking) as unit bytes: low nibble `q[j]`, high
-/// `q[4 + j]`.
-fn put_unit(q: &[u8], c: usize, u: usize, rec: &mut [u8]) {
+/// Eight weights' quants (each below 16 after masking) as unit bytes at `at`: low nibble
+/// `q[j]`, high `q[4 + j]`.
+fn put_unit(q: &[u8], u: usize, rec: &mut [u8], at: usize) {
     for j in 0..4 {
-        rec[(32 * u + c) * 4 + j] = (q[8 * u + j] & 15) | (q[8 * u + 4 + j] & 15) << 4;
+        rec[at + j] = (q[8 * u + j] & 15) | (q[8 * u + 4 + j] & 15) << 4;
     }
+}
+
+/// Where a Q6_K record keeps column `c`'s unit `u` (weights `8u..8u + 8`): per 32 weights `g`,
+/// 832 bytes in the order they are read — four units, two words of high bits, 64 scale bytes.
+const fn q6_unit(u: usize, c: usize) -> usize {
+    832 * (u / 4) + 128 * (u % 4) + 4 * c
+}
+
+/// Where a Q6_K record keeps column `c`'s high bits of weights `16t..16t + 16`.
+const fn q6_high(t: usize, c: usize) -> usize {
+    832 * (t / 2) + 512 + 128 * (t % 2) + 4 * c
+}
+
+/// Where a Q6_K record keeps column `c`'s scale of weights `16t..16t + 16`.
+const fn q6_scale(t: usize, c: usize) -> usize {
+    832 * (t / 2) + 768 + 32 * (t % 2) + c
+}
+
+/// Where a Q6_K record keeps column `c`'s `d`.
+const fn q6_d(c: usize) -> usize {
+    6656 + 2 * c
 }
 
 fn pack_q4k(b: &Q4K, c: usize, rec: &mut [u8]) {
@@ -203,7 +226,7 @@ fn pack_q4k(b: &Q4K, c: usize, rec: &mut [u8]) {
         }
     }
     for u in 0..32 {
-        put_unit(&q, c, u, rec);
+        put_unit(&q, u, rec, (32 * u + c) * 4);
     }
     for w in 0..3 {
         rec[4096 + (32 * w + c) * 4..][..4].copy_from_slice(&b.scales[4 * w..4 * w + 4]);
@@ -227,7 +250,7 @@ fn pack_q6k(b: &Q6K, c: usize, rec: &mut [u8]) {
         }
     }
     for u in 0..32 {
-        put_unit(&q, c, u, rec);
+        put_unit(&q, u, rec, q6_unit(u, c));
     }
     for t in 0..16 {
         for j in 0..4 {
@@ -235,11 +258,11 @@ fn pack_q6k(b: &Q6K, c: usize, rec: &mut [u8]) {
             for s in 0..4 {
                 h |= (q[16 * t + 4 * s + j] >> 4) << (2 * s);
             }
-            rec[4096 + (32 * t + c) * 4 + j] = h;
+            rec[q6_high(t, c) + j] = h;
         }
-        rec[6144 + 32 * t + c] = b.scales[t] as u8;
+        rec[q6_scale(t, c)] = b.scales[t] as u8;
     }
-    rec[6656 + 2 * c..][..2].copy_from_slice(&b.d.to_le_bytes());
+    rec[q6_d(c)..][..2].copy_from_slice(&b.d.to_le_bytes());
 }
 
 fn pack_q8_0(b: &Q8_0, c: usize, rec: &mut [u8]) {
@@ -260,15 +283,6 @@ pub enum Acts<'a> {
     Q0(&'a Q8Rows),
 }
 
-/// Vectors of columns per tile: 2 zmm (32 columns), 1 ymm (8).
-const fn vectors<S: Simd>() -> usize {
-    if S::W == 64 {
-        2
-    } else {
-        1
-    }
-}
-
 /// Rows per tile, on every instruction set: three accumulators per row and vector, 24 of the 32
 /// zmm registers (2 vectors) or 12 of the 16 ymm ones (1 vector). On AVX2, 4 rows instead of 2
 /// together with `dot_u8_pair` took Q4_K k = 2048 from 68 to 85 GMAC/s at 8 rows and Q6_K
@@ -283,83 +297,87 @@ const ROWS: usize = 4;
 /// `p` is the column block's first record of `bpr`; `x` holds rows `r0..r0 + R`; `h + V·W/4 ≤
 /// COLS`.
 #[inline(always)]
-unsafe fn tile_q4k<S: Simd, const V: usize, const R: usize>(
+unsafe fn tile_q4k<S: Simd, const V: usize, const H: usize, const R: usize>(
     s: S,
     p: *const u8,
     bpr: usize,
-    h: usize,
     x: &Q8KRows,
     r0: usize,
-) -> [[S::F; V]; R] {
+) -> [[[S::F; V]; R]; H] {
     let l = S::W / 4;
     let (low4, low6, hi2, ff) =
         (s.set1_i32(0x0f0f_0f0f), s.set1_i32(0x3f3f_3f3f), s.set1_i32(0x3030_3030), s.set1_i32(0xff));
     let pairs = s.set1_i32(0x00ff_00ff);
-    let mut acc = [[s.zero_f(); V]; R];
+    let mut acc = [[[s.zero_f(); V]; R]; H];
     for b in 0..bpr {
         // SAFETY: record b of the column block (the caller's contract); every offset below is
         // inside its 4608 bytes, every row's bytes inside `x`
         unsafe {
             let rec = p.add(b * 4608);
-            let xs: [*const i8; R] = std::array::from_fn(|i| x.qs.as_ptr().add(((r0 + i) * bpr + b) * 256));
-            // a closure of addresses only: intrinsics in a closure would lose the target features
-            let word = |w: usize, v: usize| rec.add(4096 + (32 * w + h + v * l) * 4).cast::<i8>();
-            let mut isum = [[s.zero(); V]; R];
-            for t in 0..8 {
-                let mut sum = [[s.zero(); V]; R];
-                for u in 4 * t..4 * t + 4 {
-                    let mut lo = [s.zero(); V];
-                    let mut hi = [s.zero(); V];
-                    for v in 0..V {
-                        let w = s.load(rec.add((32 * u + h + v * l) * 4).cast());
-                        lo[v] = s.and(w, low4);
-                        hi[v] = s.and(s.shr32(w, 4), low4);
-                    }
-                    for (i, sum) in sum.iter_mut().enumerate() {
-                        let (xa, xb) = (s.bcast32(xs[i].add(8 * u)), s.bcast32(xs[i].add(8 * u + 4)));
+            // the record is read for every vector of columns (one pass on zmm, four on ymm)
+            // while it is in L1
+            for (hh, acc) in acc.iter_mut().enumerate() {
+                let h = hh * V * l;
+                let xs: [*const i8; R] = std::array::from_fn(|i| x.qs.as_ptr().add(((r0 + i) * bpr + b) * 256));
+                // a closure of addresses only: intrinsics in a closure would lose the target features
+                let word = |w: usize, v: usize| rec.add(4096 + (32 * w + h + v * l) * 4).cast::<i8>();
+                let mut isum = [[s.zero(); V]; R];
+                for t in 0..8 {
+                    let mut sum = [[s.zero(); V]; R];
+                    for u in 4 * t..4 * t + 4 {
+                        let mut lo = [s.zero(); V];
+                        let mut hi = [s.zero(); V];
                         for v in 0..V {
-                            sum[v] = s.dot_u8_pair(sum[v], lo[v], xa, hi[v], xb);
+                            let w = s.load(rec.add((32 * u + h + v * l) * 4).cast());
+                            lo[v] = s.and(w, low4);
+                            hi[v] = s.and(s.shr32(w, 4), low4);
+                        }
+                        for (i, sum) in sum.iter_mut().enumerate() {
+                            let (xa, xb) = (s.bcast32(xs[i].add(8 * u)), s.bcast32(xs[i].add(8 * u + 4)));
+                            for v in 0..V {
+                                sum[v] = s.dot_u8_pair(sum[v], lo[v], xa, hi[v], xb);
+                            }
+                        }
+                    }
+                    for v in 0..V {
+                        // scales 0..4: low 6 bits of word 0; 4..8: low nibbles of word 2 and the
+                        // top 2 bits of word 0's bytes
+                        let bytes = if t < 4 {
+                            s.and(s.load(word(0, v)), low6)
+                        } else {
+                            s.or(s.and(s.load(word(2, v)), low4), s.and(s.shr32(s.load(word(0, v)), 2), hi2))
+                        };
+                        let sc = s.and(s.shr32(bytes, 8 * (t as i32 % 4)), ff);
+                        for (isum, sum) in isum.iter_mut().zip(&sum) {
+                            isum[v] = s.add32(isum[v], s.mullo32(sum[v], sc));
                         }
                     }
                 }
                 for v in 0..V {
-                    // scales 0..4: low 6 bits of word 0; 4..8: low nibbles of word 2 and the
-                    // top 2 bits of word 0's bytes
-                    let bytes = if t < 4 {
-                        s.and(s.load(word(0, v)), low6)
-                    } else {
-                        s.or(s.and(s.load(word(2, v)), low4), s.and(s.shr32(s.load(word(0, v)), 2), hi2))
-                    };
-                    let sc = s.and(s.shr32(bytes, 8 * (t as i32 % 4)), ff);
-                    for (isum, sum) in isum.iter_mut().zip(&sum) {
-                        isum[v] = s.add32(isum[v], s.mullo32(sum[v], sc));
+                    // mins 0..4: low 6 bits of word 1; 4..8: high nibbles of word 2 and the top 2
+                    // bits of word 1's bytes; as i16 pairs (0, 2), (1, 3), (4, 6), (5, 7)
+                    let (w1, w2) = (s.load(word(1, v)), s.load(word(2, v)));
+                    let m_lo = s.and(w1, low6);
+                    let m_hi = s.or(s.and(s.shr32(w2, 4), low4), s.and(s.shr32(w1, 2), hi2));
+                    let m = [
+                        s.and(m_lo, pairs),
+                        s.and(s.shr32(m_lo, 8), pairs),
+                        s.and(m_hi, pairs),
+                        s.and(s.shr32(m_hi, 8), pairs),
+                    ];
+                    let d = s.load_f16(rec.add(4480 + 2 * (h + v * l)));
+                    let dmin = s.load_f16(rec.add(4544 + 2 * (h + v * l)));
+                    for (i, acc) in acc.iter_mut().enumerate() {
+                        let at = (r0 + i) * bpr + b;
+                        let bs = x.bs32.as_ptr().add(8 * at).cast::<i8>();
+                        let mut mm = s.madd(m[0], s.bcast32(bs));
+                        for (j, m) in m.iter().enumerate().skip(1) {
+                            mm = s.add32(mm, s.madd(*m, s.bcast32(bs.add(4 * j))));
+                        }
+                        let dx = *x.d.get_unchecked(at);
+                        acc[v] = s.fmadd(s.cvt(isum[i][v]), s.mul(d, s.set1(dx)), acc[v]);
+                        acc[v] = s.fmadd(s.cvt(mm), s.mul(dmin, s.set1(-dx)), acc[v]);
                     }
-                }
-            }
-            for v in 0..V {
-                // mins 0..4: low 6 bits of word 1; 4..8: high nibbles of word 2 and the top 2
-                // bits of word 1's bytes; as i16 pairs (0, 2), (1, 3), (4, 6), (5, 7)
-                let (w1, w2) = (s.load(word(1, v)), s.load(word(2, v)));
-                let m_lo = s.and(w1, low6);
-                let m_hi = s.or(s.and(s.shr32(w2, 4), low4), s.and(s.shr32(w1, 2), hi2));
-                let m = [
-                    s.and(m_lo, pairs),
-                    s.and(s.shr32(m_lo, 8), pairs),
-                    s.and(m_hi, pairs),
-                    s.and(s.shr32(m_hi, 8), pairs),
-                ];
-                let d = s.load_f16(rec.add(4480 + 2 * (h + v * l)));
-                let dmin = s.load_f16(rec.add(4544 + 2 * (h + v * l)));
-                for (i, acc) in acc.iter_mut().enumerate() {
-                    let at = (r0 + i) * bpr + b;
-                    let bs = x.bs32.as_ptr().add(8 * at).cast::<i8>();
-                    let mut mm = s.madd(m[0], s.bcast32(bs));
-                    for (j, m) in m.iter().enumerate().skip(1) {
-                        mm = s.add32(mm, s.madd(*m, s.bcast32(bs.add(4 * j))));
-                    }
-                    let dx = *x.d.get_unchecked(at);
-                    acc[v] = s.fmadd(s.cvt(isum[i][v]), s.mul(d, s.set1(dx)), acc[v]);
-                    acc[v] = s.fmadd(s.cvt(mm), s.mul(dmin, s.set1(-dx)), acc[v]);
                 }
             }
         }
@@ -373,65 +391,72 @@ unsafe fn tile_q4k<S: Simd, const V: usize, const R: usize>(
 /// # Safety
 /// As [`tile_q4k`].
 #[inline(always)]
-unsafe fn tile_q6k<S: Simd, const V: usize, const R: usize>(
+unsafe fn tile_q6k<S: Simd, const V: usize, const H: usize, const R: usize>(
     s: S,
     p: *const u8,
     bpr: usize,
-    h: usize,
     x: &Q8KRows,
     r0: usize,
-) -> [[S::F; V]; R] {
+) -> [[[S::F; V]; R]; H] {
     let l = S::W / 4;
     let (low4, hi2) = (s.set1_i32(0x0f0f_0f0f), s.set1_i32(0x3030_3030));
-    let mut acc = [[s.zero_f(); V]; R];
+    let mut acc = [[[s.zero_f(); V]; R]; H];
     for b in 0..bpr {
         // SAFETY: as in `tile_q4k`, inside the record's 6720 bytes
         unsafe {
             let rec = p.add(b * 6720);
-            let at: [usize; R] = std::array::from_fn(|i| (r0 + i) * bpr + b);
-            let xs: [*const i8; R] = std::array::from_fn(|i| x.qs.as_ptr().add(at[i] * 256));
-            let mut isum = [[s.zero(); V]; R];
-            for t in 0..16 {
-                let mut sum = [[s.zero(); V]; R];
-                for (i, sum) in sum.iter_mut().enumerate() {
-                    let off = s.set1_i32(-32 * *x.bsums.get_unchecked(at[i] * 16 + t) as i32);
-                    *sum = [off; V];
-                }
-                let mut hb = [s.zero(); V];
-                for (v, hb) in hb.iter_mut().enumerate() {
-                    *hb = s.load(rec.add(4096 + (32 * t + h + v * l) * 4).cast());
-                }
-                for u in 2 * t..2 * t + 2 {
-                    // the high bits of this unit's two halves: pairs s = 2(u − 2t) and s + 1
-                    let sh = 4 * (u - 2 * t) as i32;
-                    let mut lo = [s.zero(); V];
-                    let mut hi = [s.zero(); V];
-                    for v in 0..V {
-                        let w = s.load(rec.add((32 * u + h + v * l) * 4).cast());
-                        let (h0, h1) =
-                            if sh == 0 { (s.shl32(hb[v], 4), s.shl32(hb[v], 2)) } else { (hb[v], s.shr32(hb[v], 2)) };
-                        lo[v] = s.or(s.and(w, low4), s.and(h0, hi2));
-                        hi[v] = s.or(s.and(s.shr32(w, 4), low4), s.and(h1, hi2));
-                    }
+            // the record is read for every vector of columns (one pass on zmm, four on ymm)
+            // while it is in L1
+            for (hh, acc) in acc.iter_mut().enumerate() {
+                let h = hh * V * l;
+                let at: [usize; R] = std::array::from_fn(|i| (r0 + i) * bpr + b);
+                let xs: [*const i8; R] = std::array::from_fn(|i| x.qs.as_ptr().add(at[i] * 256));
+                let mut isum = [[s.zero(); V]; R];
+                for t in 0..16 {
+                    let mut sum = [[s.zero(); V]; R];
                     for (i, sum) in sum.iter_mut().enumerate() {
-                        let (xa, xb) = (s.bcast32(xs[i].add(8 * u)), s.bcast32(xs[i].add(8 * u + 4)));
+                        let off = s.set1_i32(-32 * *x.bsums.get_unchecked(at[i] * 16 + t) as i32);
+                        *sum = [off; V];
+                    }
+                    let mut hb = [s.zero(); V];
+                    for (v, hb) in hb.iter_mut().enumerate() {
+                        *hb = s.load(rec.add(q6_high(t, h + v * l)).cast());
+                    }
+                    for u in 2 * t..2 * t + 2 {
+                        // the high bits of this unit's two halves: pairs s = 2(u − 2t) and s + 1
+                        let sh = 4 * (u - 2 * t) as i32;
+                        let mut lo = [s.zero(); V];
+                        let mut hi = [s.zero(); V];
                         for v in 0..V {
-                            sum[v] = s.dot_u8_pair(sum[v], lo[v], xa, hi[v], xb);
+                            let w = s.load(rec.add(q6_unit(u, h + v * l)).cast());
+                            let (h0, h1) = if sh == 0 {
+                                (s.shl32(hb[v], 4), s.shl32(hb[v], 2))
+                            } else {
+                                (hb[v], s.shr32(hb[v], 2))
+                            };
+                            lo[v] = s.or(s.and(w, low4), s.and(h0, hi2));
+                            hi[v] = s.or(s.and(s.shr32(w, 4), low4), s.and(h1, hi2));
+                        }
+                        for (i, sum) in sum.iter_mut().enumerate() {
+                            let (xa, xb) = (s.bcast32(xs[i].add(8 * u)), s.bcast32(xs[i].add(8 * u + 4)));
+                            for v in 0..V {
+                                sum[v] = s.dot_u8_pair(sum[v], lo[v], xa, hi[v], xb);
+                            }
+                        }
+                    }
+                    for v in 0..V {
+                        let sc = s.load_i8_i32(rec.add(q6_scale(t, h + v * l)));
+                        for (isum, sum) in isum.iter_mut().zip(&sum) {
+                            isum[v] = s.add32(isum[v], s.mullo32(sum[v], sc));
                         }
                     }
                 }
                 for v in 0..V {
-                    let sc = s.load_i8_i32(rec.add(6144 + 32 * t + h + v * l));
-                    for (isum, sum) in isum.iter_mut().zip(&sum) {
-                        isum[v] = s.add32(isum[v], s.mullo32(sum[v], sc));
+                    let d = s.load_f16(rec.add(q6_d(h + v * l)));
+                    for (i, acc) in acc.iter_mut().enumerate() {
+                        let dx = *x.d.get_unchecked(at[i]);
+                        acc[v] = s.fmadd(s.cvt(isum[i][v]), s.mul(d, s.set1(dx)), acc[v]);
                     }
-                }
-            }
-            for v in 0..V {
-                let d = s.load_f16(rec.add(6656 + 2 * (h + v * l)));
-                for (i, acc) in acc.iter_mut().enumerate() {
-                    let dx = *x.d.get_unchecked(at[i]);
-                    acc[v] = s.fmadd(s.cvt(isum[i][v]), s.mul(d, s.set1(dx)), acc[v]);
                 }
             }
         }
@@ -446,47 +471,51 @@ unsafe fn tile_q6k<S: Simd, const V: usize, const R: usize>(
 /// # Safety
 /// As [`tile_q4k`], `x` quantized per 32 with no offset.
 #[inline(always)]
-unsafe fn tile_q8_0<S: Simd, const V: usize, const R: usize>(
+unsafe fn tile_q8_0<S: Simd, const V: usize, const H: usize, const R: usize>(
     s: S,
     p: *const u8,
     bpr: usize,
-    h: usize,
     x: &Q8Rows,
     r0: usize,
-) -> [[S::F; V]; R] {
+) -> [[[S::F; V]; R]; H] {
     let l = S::W / 4;
-    let mut acc = [[s.zero_f(); V]; R];
+    let mut acc = [[[s.zero_f(); V]; R]; H];
     for b in 0..bpr {
         // SAFETY: as in `tile_q4k`, inside the record's 1088 bytes
         unsafe {
             let rec = p.add(b * 1088);
-            let at: [usize; R] = std::array::from_fn(|i| (r0 + i) * x.blocks + b);
-            let mut sum = [[s.zero(); V]; R];
-            if S::VNNI {
-                for (i, sum) in sum.iter_mut().enumerate() {
-                    *sum = [s.set1_i32(-128 * *x.sums.get_unchecked(at[i])); V];
-                }
-            }
-            for u in 0..8 {
-                let mut w = [s.zero(); V];
-                for (v, w) in w.iter_mut().enumerate() {
-                    *w = s.load(rec.add((32 * u + h + v * l) * 4).cast());
-                    if S::VNNI {
-                        *w = s.flip(*w);
+            // the record is read for every vector of columns (one pass on zmm, four on ymm)
+            // while it is in L1
+            for (hh, acc) in acc.iter_mut().enumerate() {
+                let h = hh * V * l;
+                let at: [usize; R] = std::array::from_fn(|i| (r0 + i) * x.blocks + b);
+                let mut sum = [[s.zero(); V]; R];
+                if S::VNNI {
+                    for (i, sum) in sum.iter_mut().enumerate() {
+                        *sum = [s.set1_i32(-128 * *x.sums.get_unchecked(at[i])); V];
                     }
                 }
-                for (i, sum) in sum.iter_mut().enumerate() {
-                    let xb = s.bcast32(x.qs.as_ptr().add((r0 + i) * x.kp + 32 * b + 4 * u));
-                    for v in 0..V {
-                        sum[v] = if S::VNNI { s.dot_u8(sum[v], w[v], xb) } else { s.dot_s8(sum[v], w[v], xb) };
+                for u in 0..8 {
+                    let mut w = [s.zero(); V];
+                    for (v, w) in w.iter_mut().enumerate() {
+                        *w = s.load(rec.add((32 * u + h + v * l) * 4).cast());
+                        if S::VNNI {
+                            *w = s.flip(*w);
+                        }
+                    }
+                    for (i, sum) in sum.iter_mut().enumerate() {
+                        let xb = s.bcast32(x.qs.as_ptr().add((r0 + i) * x.kp + 32 * b + 4 * u));
+                        for v in 0..V {
+                            sum[v] = if S::VNNI { s.dot_u8(sum[v], w[v], xb) } else { s.dot_s8(sum[v], w[v], xb) };
+                        }
                     }
                 }
-            }
-            for v in 0..V {
-                let d = s.load_f16(rec.add(1024 + 2 * (h + v * l)));
-                for (i, acc) in acc.iter_mut().enumerate() {
-                    let dx = *x.d.get_unchecked(at[i]);
-                    acc[v] = s.fmadd(s.cvt(sum[i][v]), s.mul(d, s.set1(dx)), acc[v]);
+                for v in 0..V {
+                    let d = s.load_f16(rec.add(1024 + 2 * (h + v * l)));
+                    for (i, acc) in acc.iter_mut().enumerate() {
+                        let dx = *x.d.get_unchecked(at[i]);
+                        acc[v] = s.fmadd(s.cvt(sum[i][v]), s.mul(d, s.set1(dx)), acc[v]);
+                    }
                 }
             }
         }
@@ -494,26 +523,25 @@ unsafe fn tile_q8_0<S: Simd, const V: usize, const R: usize>(
     acc
 }
 
-/// One tile of `R` rows.
+/// One tile of `R` rows × the block's `COLS` columns (`H` chunks of `V` vectors).
 ///
 /// # Safety
 /// As the tiles.
 #[inline(always)]
-unsafe fn tile<S: Simd, const V: usize, const R: usize>(
+unsafe fn tile<S: Simd, const V: usize, const H: usize, const R: usize>(
     s: S,
     w: &Packed,
     p: *const u8,
-    h: usize,
     x: Acts<'_>,
     r0: usize,
-) -> [[S::F; V]; R] {
+) -> [[[S::F; V]; R]; H] {
     let bpr = w.bpr();
     // SAFETY: the caller's contract
     unsafe {
         match (w.kind, x) {
-            (Kind::Q4K, Acts::K(x)) => tile_q4k::<S, V, R>(s, p, bpr, h, x, r0),
-            (Kind::Q6K, Acts::K(x)) => tile_q6k::<S, V, R>(s, p, bpr, h, x, r0),
-            (Kind::Q8_0, Acts::Q0(x)) => tile_q8_0::<S, V, R>(s, p, bpr, h, x, r0),
+            (Kind::Q4K, Acts::K(x)) => tile_q4k::<S, V, H, R>(s, p, bpr, x, r0),
+            (Kind::Q6K, Acts::K(x)) => tile_q6k::<S, V, H, R>(s, p, bpr, x, r0),
+            (Kind::Q8_0, Acts::Q0(x)) => tile_q8_0::<S, V, H, R>(s, p, bpr, x, r0),
             _ => unreachable!("activations of the weight's kind (`matmul` quantizes them so)"),
         }
     }
@@ -524,71 +552,81 @@ unsafe fn tile<S: Simd, const V: usize, const R: usize>(
 /// # Safety
 /// Rows `r0..r0 + R` are below `out.m`; only this call writes those elements.
 #[inline(always)]
-unsafe fn put<S: Simd, const V: usize, const R: usize>(s: S, t: [[S::F; V]; R], r0: usize, c0: usize, out: Out) {
+unsafe fn put<S: Simd, const V: usize, const H: usize, const R: usize>(
+    s: S,
+    t: [[[S::F; V]; R]; H],
+    r0: usize,
+    c0: usize,
+    out: Out,
+) {
     let l = S::W / 4;
-    for (i, row) in t.iter().enumerate() {
-        for (v, r) in row.iter().enumerate() {
-            let c = c0 + v * l;
-            if c >= out.n {
-                break;
-            }
-            // SAFETY: (r0 + i, c..c + l) inside the output, or copied only up to n
-            unsafe {
-                let dst = (out.ptr as *mut f32).add((r0 + i) * out.n + c);
-                if c + l <= out.n {
-                    s.store_f(dst, *r);
-                } else {
-                    let mut all = [0f32; 16];
-                    s.store_f(all.as_mut_ptr(), *r);
-                    std::ptr::copy_nonoverlapping(all.as_ptr(), dst, out.n - c);
+    for (hh, t) in t.iter().enumerate() {
+        for (i, row) in t.iter().enumerate() {
+            for (v, r) in row.iter().enumerate() {
+                let c = c0 + (hh * V + v) * l;
+                if c >= out.n {
+                    break;
+                }
+                // SAFETY: (r0 + i, c..c + l) inside the output, or copied only up to n
+                unsafe {
+                    let dst = (out.ptr as *mut f32).add((r0 + i) * out.n + c);
+                    if c + l <= out.n {
+                        s.store_f(dst, *r);
+                    } else {
+                        let mut all = [0f32; 16];
+                        s.store_f(all.as_mut_ptr(), *r);
+                        std::ptr::copy_nonoverlapping(all.as_ptr(), dst, out.n - c);
+                    }
                 }
             }
         }
     }
 }
 
-/// Every row of `out` at the columns of block `cb`: tiles of [`ROWS`] rows (fewer at the end) × [`vectors`] vectors of columns.
+/// Every row of `out` at the columns of block `cb`: tiles of [`ROWS`] rows (fewer at the end)
+/// × the block's columns, as 2 zmm vectors or 4 chunks of 1 ymm vector.
 ///
 /// # Safety
 /// `cb` is a column block of `w`; `x` holds `out.m` rows quantized for `w`'s type; only this
 /// call writes those columns.
 #[inline(always)]
 pub unsafe fn column_block<S: Simd>(s: S, w: &Packed, cb: usize, x: Acts<'_>, out: Out) {
-    if vectors::<S>() == 2 {
+    if S::W == 64 {
         // SAFETY: the caller's contract
-        unsafe { rows_of::<S, 2, ROWS>(s, w, cb, x, out) }
+        unsafe { rows_of::<S, 2, 1, ROWS>(s, w, cb, x, out) }
     } else {
         // SAFETY: the caller's contract
-        unsafe { rows_of::<S, 1, ROWS>(s, w, cb, x, out) }
+        unsafe { rows_of::<S, 1, 4, ROWS>(s, w, cb, x, out) }
     }
 }
 
-/// [`column_block`] with `V` vectors and tiles of `R` rows.
+/// [`column_block`] with `H` chunks of `V` vectors and tiles of `R` rows.
 ///
 /// # Safety
 /// As [`column_block`].
 #[inline(always)]
-unsafe fn rows_of<S: Simd, const V: usize, const R: usize>(s: S, w: &Packed, cb: usize, x: Acts<'_>, out: Out) {
+unsafe fn rows_of<S: Simd, const V: usize, const H: usize, const R: usize>(
+    s: S,
+    w: &Packed,
+    cb: usize,
+    x: Acts<'_>,
+    out: Out,
+) {
+    debug_assert_eq!(H * V * S::W / 4, COLS);
     let p = w.column_block(cb);
-    let step = V * S::W / 4;
-    for h in (0..COLS).step_by(step) {
-        let c0 = cb * COLS + h;
-        if c0 >= out.n {
-            break;
+    let c0 = cb * COLS;
+    let mut r0 = 0;
+    // SAFETY: the caller's contract; each tile's rows are below out.m
+    unsafe {
+        while r0 + R <= out.m {
+            put(s, tile::<S, V, H, R>(s, w, p, x, r0), r0, c0, out);
+            r0 += R;
         }
-        let mut r0 = 0;
-        // SAFETY: the caller's contract; each tile's rows are below out.m
-        unsafe {
-            while r0 + R <= out.m {
-                put(s, tile::<S, V, R>(s, w, p, h, x, r0), r0, c0, out);
-                r0 += R;
-            }
-            match out.m - r0 {
-                0 => {}
-                1 => put(s, tile::<S, V, 1>(s, w, p, h, x, r0), r0, c0, out),
-                2 => put(s, tile::<S, V, 2>(s, w, p, h, x, r0), r0, c0, out),
-                _ => put(s, tile::<S, V, 3>(s, w, p, h, x, r0), r0, c0, out),
-            }
+        match out.m - r0 {
+            0 => {}
+            1 => put(s, tile::<S, V, H, 1>(s, w, p, x, r0), r0, c0, out),
+            2 => put(s, tile::<S, V, H, 2>(s, w, p, x, r0), r0, c0, out),
+            _ => put(s, tile::<S, V, H, 3>(s, w, p, x, r0), r0, c0, out),
         }
     }
 }
