@@ -364,6 +364,12 @@ impl Cluster {
         for p in self.coordinator.iter().chain(self.workers.iter()) {
             s.push_str(&format!("--- {} ---\n{}\n", p.name, p.log_text()));
         }
+        // replicas' logs outlive their processes (a killed replica's tells what it saw last)
+        for r in &self.replicas {
+            let name = format!("coordinator-{}", r.id);
+            let text = std::fs::read_to_string(self.path(&format!("{name}.log"))).unwrap_or_default();
+            s.push_str(&format!("--- {name} ---\n{text}\n"));
+        }
         s
     }
 }

@@ -674,7 +674,7 @@ pub fn status(a: StatusArgs) -> Result<()> {
             let raft = s.raft.as_ref().map(|r| serde_json::json!({
                 "id": r.id, "role": r.role, "term": r.term, "leader": r.leader,
                 "leader_address": r.leader_address, "commit_index": r.commit_index,
-                "applied_index": r.applied_index,
+                "applied_index": r.applied_index, "voters": r.voters,
                 "replicas": r.replicas.iter().map(|x| serde_json::json!({
                     "id": x.id, "address": x.address, "role": x.role, "match_index": x.match_index,
                     "is_self": x.is_self })).collect::<Vec<_>>(),

@@ -466,6 +466,7 @@ fn raft_status(shared: &Shared, state: &ClusterState) -> RaftStatus {
         applied_index: v.applied,
         role: v.role,
         replicas,
+        voters: v.voters,
     }
 }
 

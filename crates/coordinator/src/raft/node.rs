@@ -167,14 +167,21 @@ pub fn start(
     ca_pem: String,
 ) -> Result<RaftHandle, CoordError> {
     let applied: AppliedState = Arc::new(RwLock::new((0, ClusterState::new())));
-    let voters: Vec<u64> = opts.peers.keys().copied().collect();
-    let opened = DiskStorage::open(&opts.data_dir, &voters, applied.clone())?;
+    let opened = DiskStorage::open(&opts.data_dir, &opts.peers, applied.clone())?;
     let mut state = opened.state;
     if opened.snapshot_index == 0 {
-        // the members' addresses before the log says anything: the bootstrap configuration
-        // (the same on every replica that bootstraps), or what a joining replica was told when
-        // it joined (the group's members then; the log's changes follow)
+        // the members' addresses before the leader's snapshot arrives: what a joining replica
+        // was told when it joined (a bootstrapping one has them in its first snapshot; a log
+        // bootstrapped before there was one holds the bootstrap configuration beside it)
         state.replicas = if opts.peers.is_empty() { opts.known.clone() } else { opts.peers.clone() };
+    }
+    let voters = opened.storage.conf_state().voters;
+    if let (true, Some(addr)) = (voters == [opts.id], opts.peers.get(&opts.id)) {
+        // a group of one restarted at another address: nobody else holds its state to disagree
+        if state.replicas.get(&opts.id) != Some(addr) {
+            tracing::info!("replica {} now listens at {addr}", opts.id);
+            state.replicas.insert(opts.id, addr.clone());
+        }
     }
     if let Ok(mut a) = applied.write() {
         *a = (opened.snapshot_index, state.clone());
@@ -504,7 +511,8 @@ impl Task {
             }
             progress.sort();
         }
-        let voters: Vec<u64> = r.prs().conf().voters().ids().iter().collect();
+        let mut voters: Vec<u64> = r.prs().conf().voters().ids().iter().collect();
+        voters.sort_unstable();
         let view = RaftStatusView {
             id: self.id,
             role: role_name(r.state).into(),

@@ -14,6 +14,7 @@ use raft::eraftpb::{ConfState, Entry, HardState, Snapshot};
 use raft::storage::MemStorage;
 use raft::{GetEntriesContext, RaftState, Storage, StorageError};
 use redb::{ReadableDatabase, ReadableTable, TableDefinition};
+use std::collections::BTreeMap;
 use std::path::Path;
 use std::sync::{Arc, RwLock};
 
@@ -22,6 +23,9 @@ const META: TableDefinition<&str, &[u8]> = TableDefinition::new("meta");
 
 /// Applied entries between snapshots.
 pub const COMPACT_EVERY: u64 = 1024;
+
+/// The index (and term) of the snapshot a bootstrapped group's log starts from.
+pub const BOOTSTRAP_INDEX: u64 = 1;
 
 /// The state machine as snapshots see it: the applied index and the state at it.
 pub type AppliedState = Arc<RwLock<(u64, ClusterState)>>;
@@ -51,10 +55,19 @@ pub struct Opened {
 }
 
 impl DiskStorage {
-    /// Opens (or creates) the log in `dir`. A fresh log of a bootstrapping replica starts with
-    /// `voters` as its configuration; a replica joining a running group passes none and learns
+    /// Opens (or creates) the log in `dir`. A fresh log of a bootstrapping replica starts with a
+    /// snapshot at [`BOOTSTRAP_INDEX`] holding the group's members (`bootstrap`, id → address) as
+    /// its configuration and state; a replica joining a running group passes none and learns
     /// everything from the leader.
-    pub fn open(dir: &Path, voters: &[u64], applied: AppliedState) -> Result<Opened, CoordError> {
+    ///
+    /// The members are in a snapshot, not in a configuration beside an empty log, because a
+    /// joining replica replays the log from where it starts: a log whose first entries are the
+    /// group's later changes ("add replica 4") would leave the newcomer with a configuration of
+    /// itself alone, a group of one that elects itself and serves stale reads once the leader
+    /// it followed goes away. With the log starting after a snapshot, the leader sends the
+    /// snapshot, and the configuration in it, to every newcomer (raft-rs's own examples start
+    /// their first node the same way).
+    pub fn open(dir: &Path, bootstrap: &BTreeMap<u64, String>, applied: AppliedState) -> Result<Opened, CoordError> {
         let path = dir.join("raft.redb");
         let db = redb::Database::create(&path).map_err(|e| match e {
             redb::DatabaseError::DatabaseAlreadyOpen => CoordError::FailedPrecondition(format!(
@@ -98,9 +111,16 @@ impl DiskStorage {
         let fresh = snap.is_none() && hs.is_none() && cs.is_none() && entries.is_empty();
         let storage = DiskStorage { mem, db, applied };
         if fresh {
-            if !voters.is_empty() {
-                let cs = ConfState { voters: voters.to_vec(), ..Default::default() };
-                storage.set_conf_state(cs)?;
+            if !bootstrap.is_empty() {
+                state.replicas = bootstrap.clone();
+                let data = serde_json::to_vec(&state).map_err(|e| pb_err("bootstrap state", e))?;
+                let mut s = Snapshot { data: data.into(), ..Default::default() };
+                let m = s.mut_metadata();
+                m.index = BOOTSTRAP_INDEX;
+                m.term = BOOTSTRAP_INDEX;
+                m.set_conf_state(ConfState { voters: bootstrap.keys().copied().collect(), ..Default::default() });
+                storage.apply_snapshot(s)?;
+                snapshot_index = BOOTSTRAP_INDEX;
             }
             return Ok(Opened { storage, snapshot_index, state, fresh });
         }
@@ -279,41 +299,76 @@ mod tests {
         Entry { index, term, data: data.to_vec().into(), ..Default::default() }
     }
 
+    fn members(ids: &[u64]) -> BTreeMap<u64, String> {
+        ids.iter().map(|i| (*i, format!("10.0.0.{i}:7070"))).collect()
+    }
+
+    #[test]
+    fn a_bootstrapped_log_starts_from_a_snapshot_that_names_the_members() {
+        let dir = tempfile::tempdir().unwrap();
+        let applied: AppliedState = Arc::new(RwLock::new((0, ClusterState::new())));
+        let o = DiskStorage::open(dir.path(), &members(&[1, 2, 3]), applied.clone()).unwrap();
+        assert!(o.fresh);
+        assert_eq!(o.snapshot_index, BOOTSTRAP_INDEX);
+        assert_eq!(o.state.replicas, members(&[1, 2, 3]));
+        let s = o.storage;
+        // nothing before the snapshot can be sent as entries: a newcomer gets the snapshot
+        assert_eq!(s.first_index(), BOOTSTRAP_INDEX + 1);
+        assert!(s.entries(BOOTSTRAP_INDEX, BOOTSTRAP_INDEX + 1, None, GetEntriesContext::empty(false)).is_err());
+        *applied.write().unwrap() = (o.snapshot_index, o.state.clone());
+        let snap = s.snapshot(0, 4).unwrap();
+        assert_eq!(snap.get_metadata().get_conf_state().voters, vec![1, 2, 3]);
+        let sent: ClusterState = serde_json::from_slice(&snap.data).unwrap();
+        assert_eq!(sent.replicas, members(&[1, 2, 3]));
+        // and a restart finds the same
+        drop(s);
+        let o = DiskStorage::open(dir.path(), &BTreeMap::new(), applied).unwrap();
+        assert!(!o.fresh);
+        assert_eq!((o.snapshot_index, o.state.replicas), (BOOTSTRAP_INDEX, members(&[1, 2, 3])));
+        assert_eq!(o.storage.initial_state().unwrap().conf_state.voters, vec![1, 2, 3]);
+        // a joining replica starts empty: no configuration until the leader's snapshot
+        let dir = tempfile::tempdir().unwrap();
+        let applied: AppliedState = Arc::new(RwLock::new((0, ClusterState::new())));
+        let o = DiskStorage::open(dir.path(), &BTreeMap::new(), applied).unwrap();
+        assert_eq!(o.snapshot_index, 0);
+        assert!(o.storage.initial_state().unwrap().conf_state.voters.is_empty());
+    }
+
     #[test]
     fn the_log_survives_reopening_and_compaction() {
         let dir = tempfile::tempdir().unwrap();
         let applied: AppliedState = Arc::new(RwLock::new((0, ClusterState::new())));
-        let o = DiskStorage::open(dir.path(), &[1, 2, 3], applied.clone()).unwrap();
+        let o = DiskStorage::open(dir.path(), &members(&[1, 2, 3]), applied.clone()).unwrap();
         assert!(o.fresh);
         let s = o.storage;
-        s.append(&[entry(1, 1, b"a"), entry(2, 1, b"b"), entry(3, 1, b"c")]).unwrap();
+        s.append(&[entry(2, 2, b"a"), entry(3, 2, b"b"), entry(4, 2, b"c")]).unwrap();
         // a new leader's entries replace a conflicting suffix
-        s.append(&[entry(3, 2, b"C"), entry(4, 2, b"D")]).unwrap();
-        let hs = HardState { term: 2, vote: 3, commit: 3, ..Default::default() };
+        s.append(&[entry(4, 3, b"C"), entry(5, 3, b"D")]).unwrap();
+        let hs = HardState { term: 3, vote: 3, commit: 4, ..Default::default() };
         s.set_hardstate(hs.clone()).unwrap();
         drop(s);
-        let o = DiskStorage::open(dir.path(), &[9], applied.clone()).unwrap();
+        let o = DiskStorage::open(dir.path(), &members(&[9]), applied.clone()).unwrap();
         assert!(!o.fresh);
         let s = o.storage;
         let st = s.initial_state().unwrap();
         assert_eq!(st.hard_state, hs);
         assert_eq!(st.conf_state.voters, vec![1, 2, 3], "the stored configuration, not the argument");
-        let got = s.entries(1, 5, None, GetEntriesContext::empty(false)).unwrap();
+        let got = s.entries(2, 6, None, GetEntriesContext::empty(false)).unwrap();
         assert_eq!(
             got.iter().map(|e| (e.index, e.term, e.data.to_vec())).collect::<Vec<_>>(),
-            vec![(1, 1, b"a".to_vec()), (2, 1, b"b".to_vec()), (3, 2, b"C".to_vec()), (4, 2, b"D".to_vec())]
+            vec![(2, 2, b"a".to_vec()), (3, 2, b"b".to_vec()), (4, 3, b"C".to_vec()), (5, 3, b"D".to_vec())]
         );
-        // a snapshot at the applied index 3 drops entries 1 and 2 and carries the state
+        // a snapshot at the applied index 4 drops entries 2 and 3 and carries the state
         let mut state = ClusterState::new();
         state.next_generation = 42;
-        *applied.write().unwrap() = (3, state.clone());
-        assert_eq!(s.compact().unwrap(), 3);
-        assert_eq!(s.first_index(), 3, "entries before the snapshot index are dropped");
+        *applied.write().unwrap() = (4, state.clone());
+        assert_eq!(s.compact().unwrap(), 4);
+        assert_eq!(s.first_index(), 4, "entries before the snapshot index are dropped");
         drop(s);
-        let o = DiskStorage::open(dir.path(), &[], applied).unwrap();
-        assert_eq!(o.snapshot_index, 3);
+        let o = DiskStorage::open(dir.path(), &BTreeMap::new(), applied).unwrap();
+        assert_eq!(o.snapshot_index, 4);
         assert_eq!(o.state, state);
-        assert_eq!(o.storage.last_index().unwrap(), 4);
-        assert_eq!(o.storage.term(3).unwrap(), 2);
+        assert_eq!(o.storage.last_index().unwrap(), 5);
+        assert_eq!(o.storage.term(4).unwrap(), 3);
     }
 }
