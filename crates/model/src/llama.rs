@@ -15,6 +15,7 @@ use candle_core::{DType, Device, Tensor, D};
 use std::sync::Arc;
 
 mod rows;
+mod softmax;
 
 /// What a stage receives: token ids (first stage) or the previous stage's hidden state.
 pub enum StageInput<'a> {
@@ -261,11 +262,17 @@ fn attend(
     let g = nh / nkv;
     let qg = q.reshape((b, nkv, g * t, hd))?;
     let scale = 1.0 / (hd as f64).sqrt();
-    let mut att = (qg.matmul(&keys.t()?)? * scale)?;
-    if let Some(m) = mask {
-        att = att.reshape((b, nkv, g, t, l))?.broadcast_add(m)?.reshape((b, nkv, g * t, l))?;
-    }
-    let att = candle_nn::ops::softmax_last_dim(&att)?;
+    let att = qg.matmul(&keys.t()?)?;
+    // the mask, when there is one, is the causal one `Slice::forward` builds for a chunk
+    let att = if att.device().is_cpu() && att.dtype() == DType::F32 && mask.is_some() == (t > 1) {
+        att.apply_op1_no_bwd(&softmax::CausalSoftmax { scale: scale as f32, t, pos })?
+    } else {
+        let mut att = (att * scale)?;
+        if let Some(m) = mask {
+            att = att.reshape((b, nkv, g, t, l))?.broadcast_add(m)?.reshape((b, nkv, g * t, l))?;
+        }
+        candle_nn::ops::softmax_last_dim(&att)?
+    };
     let y = att.matmul(&values)?;
     y.reshape((b, nh, t, hd))?.transpose(1, 2)?.reshape((b, t, nh * hd))
 }
