@@ -128,7 +128,7 @@ const CACHE_FILE: &str = "figures.json";
 
 fn cache_key(kind: &str, device: &str, threads: usize, effort: Effort) -> String {
     format!(
-        "{kind}|{device}|{threads}|{effort:?}|{}|{}|{}|packed",
+        "{kind}|{device}|{threads}|{effort:?}|{}|{}|{}|packed-q4k-256",
         env!("CARGO_PKG_VERSION"),
         std::env::var("BRIGADE_CPU_KERNELS").unwrap_or_default(),
         std::env::var("BRIGADE_CPU_PACK").unwrap_or_default()

@@ -6,7 +6,8 @@
 //! in memory and a decode step reads 6 bits per Q4_K weight instead of 4.5. Here every weight
 //! holds its file's bytes, once:
 //! - On AVX-512, Q4_K, Q6_K and Q8_0 (every Q4_K_M file's types, and Q8_0's) are repacked when
-//!   the model loads ([`Packed`], `packed`; [`packs_on`] says why not on 256-bit registers): the same bytes regrouped into records of 32 output columns, so
+//!   the model loads, on AVX2 and AVX-VNNI Q4_K only ([`Packed`], `packed`; [`packs_on`] says
+//!   why): the same bytes regrouped into records of 32 output columns, so
 //!   that one vector load serves 16 (or 8) columns and each activation row is broadcast. One
 //!   kernel then serves every number of rows — decode of one session, of several at once, and
 //!   prompts — with each row's arithmetic its own (batch invariance at any batch size, and a
@@ -279,20 +280,28 @@ pub fn kernels(dt: GgmlDType) -> (&'static str, &'static str) {
     (Kernel::choose(dt, 1).describe(dt), Kernel::choose(dt, DECODE_ROWS + 1).describe(dt))
 }
 
-/// Whether weights of type `dt` are packed at load for `isa`: Q4_K, Q6_K and Q8_0 on AVX-512
-/// (see [`Packed`]). On 256-bit registers the packed kernels read a record as four chunks of
-/// 8 columns, every other cache line twice over, which memory serves slower than the vec-dots'
-/// one stream (one row × 2048 × 32000 from memory, AVX2, one thread on a 2-vCPU AMD EPYC:
-/// Q6_K 16 GMAC/s packed against 25, Q8_0 9 against 22), so AVX2 and AVX-VNNI keep the file's
-/// layout; their packed kernels are tested and timed (`cpu_kernels`), not chosen.
-/// `BRIGADE_CPU_PACK=off` keeps every weight in the file's layout (to measure the difference).
+/// Whether weights of type `dt` are packed at load for `isa` (see [`Packed`]): Q4_K, Q6_K and
+/// Q8_0 on AVX-512; Q4_K only on 256-bit registers (AVX2, AVX-VNNI). There the packed kernels
+/// read a record as four chunks of 8 columns, which memory serves slower than the vec-dots'
+/// one stream for Q6_K and Q8_0 (one row × 2048 × 32000 from memory, AVX2, one thread on a
+/// 2-vCPU AMD EPYC: Q6_K 17 GMAC/s packed against 27, Q8_0 9 against 22), while Q4_K's packed
+/// records are faster at every row count (36 against 31 GMAC/s from memory; in cache 57
+/// against 31 for one row, 95 against 59 for 8, 92 against 83 for 128). AVX-VNNI reads
+/// memory as AVX2 does and follows it (no such CPU has been timed). The kernels not chosen are
+/// tested and timed (`cpu_kernels`) all the same. `BRIGADE_CPU_PACK=off` keeps every weight in
+/// the file's layout (to measure the difference).
 pub fn packs_on(dt: GgmlDType, isa: Isa) -> bool {
     static OFF: OnceLock<bool> = OnceLock::new();
     let off =
         *OFF.get_or_init(|| std::env::var("BRIGADE_CPU_PACK").is_ok_and(|v| matches!(v.trim(), "off" | "0" | "no")));
     #[cfg(target_arch = "x86_64")]
     {
-        !off && isa == Isa::Avx512Vnni && packed::packs(dt)
+        !off && packed::packs(dt)
+            && match isa {
+                Isa::Avx512Vnni => true,
+                Isa::AvxVnni | Isa::Avx2 => dt == GgmlDType::Q4K,
+                Isa::Portable => false,
+            }
     }
     #[cfg(not(target_arch = "x86_64"))]
     {

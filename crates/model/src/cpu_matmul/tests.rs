@@ -288,7 +288,12 @@ fn kernel_choice_names_the_instruction_set() {
             }
         }
         for dt in INT8_TYPES {
-            let packed = PACKED_TYPES.contains(&dt) && isa == Isa::Avx512Vnni && cfg!(target_arch = "x86_64");
+            let packed = cfg!(target_arch = "x86_64")
+                && match isa {
+                    Isa::Avx512Vnni => PACKED_TYPES.contains(&dt),
+                    Isa::AvxVnni | Isa::Avx2 => dt == GgmlDType::Q4K,
+                    Isa::Portable => false,
+                };
             assert_eq!(packs_on(dt, isa), packed, "{dt:?} on {isa:?}");
         }
         assert!(
