@@ -19,6 +19,10 @@ use rayon::prelude::*;
 /// Scores `(…, rows, pos + t)` of `t` queries at positions `pos..pos + t` against `pos + t`
 /// keys, whose rows cycle through the `t` queries (`(batch, kv heads, group × t, keys)`), to
 /// attention weights: row `r` sees keys `0..=pos + r % t`.
+/// Scores below this many are done on the calling thread: a decode step's (one query per head,
+/// a few hundred keys) take microseconds, less than waking the pool's threads costs.
+const SERIAL_BELOW: usize = 1 << 17;
+
 pub(super) struct CausalSoftmax {
     pub scale: f32,
     pub t: usize,
@@ -50,7 +54,7 @@ impl CustomOp1 for CausalSoftmax {
         }
         let (scale, t, pos) = (self.scale, self.t, self.pos);
         let mut dst = vec![0f32; src.len()];
-        src.par_chunks(keys).zip(dst.par_chunks_mut(keys)).enumerate().for_each(|(r, (s, d))| {
+        let row = |(r, (s, d)): (usize, (&[f32], &mut [f32]))| {
             let seen = pos + r % t + 1;
             let (s, w) = (&s[..seen], &mut d[..seen]);
             for (x, y) in s.iter().zip(w.iter_mut()) {
@@ -66,7 +70,12 @@ impl CustomOp1 for CausalSoftmax {
             for y in d[..seen].iter_mut() {
                 *y /= sum;
             }
-        });
+        };
+        if src.len() < SERIAL_BELOW {
+            src.chunks(keys).zip(dst.chunks_mut(keys)).enumerate().for_each(row);
+        } else {
+            src.par_chunks(keys).zip(dst.par_chunks_mut(keys)).enumerate().for_each(row);
+        }
         Ok((CpuStorage::F32(dst), layout.shape().clone()))
     }
 }
@@ -94,7 +103,11 @@ mod tests {
 
     #[test]
     fn equals_scale_mask_and_softmax_bit_for_bit() {
-        for (kv, g, t, pos) in [(1, 1, 1, 0), (2, 4, 1, 37), (4, 8, 7, 0), (2, 3, 16, 5), (1, 2, 33, 100)] {
+        // the last is above SERIAL_BELOW: rows on the pool's threads
+        const _: () = assert!(4 * 8 * 64 * 66 >= SERIAL_BELOW);
+        for (kv, g, t, pos) in
+            [(1, 1, 1, 0), (2, 4, 1, 37), (4, 8, 7, 0), (2, 3, 16, 5), (1, 2, 33, 100), (4, 8, 64, 2)]
+        {
             let l = pos + t;
             let n = kv * g * t * l;
             // scores of a few units, as q·k / √d gives, with ties and repeats
