@@ -335,7 +335,7 @@ unsafe fn tile_q4k<S: Simd, const V: usize, const H: usize, const R: usize>(
                         for (i, sum) in sum.iter_mut().enumerate() {
                             let (xa, xb) = (s.bcast32(xs[i].add(8 * u)), s.bcast32(xs[i].add(8 * u + 4)));
                             for v in 0..V {
-                                sum[v] = s.dot_u8_pair(sum[v], lo[v], xa, hi[v], xb);
+                                sum[v] = s.dot_u4_part(sum[v], lo[v], xa, hi[v], xb);
                             }
                         }
                     }
@@ -349,7 +349,7 @@ unsafe fn tile_q4k<S: Simd, const V: usize, const H: usize, const R: usize>(
                         };
                         let sc = s.and(s.shr32(bytes, 8 * (t as i32 % 4)), ff);
                         for (isum, sum) in isum.iter_mut().zip(&sum) {
-                            isum[v] = s.add32(isum[v], s.mullo32(sum[v], sc));
+                            isum[v] = s.scale_part(isum[v], sum[v], sc);
                         }
                     }
                 }

@@ -60,6 +60,20 @@ pub trait Simd: Copy + Send + Sync + 'static {
     fn dot_u8_pair(self, acc: Self::I, u1: Self::I, x1: Self::I, u2: Self::I, x2: Self::I) -> Self::I {
         self.dot_u8(self.dot_u8(acc, u1, x1), u2, x2)
     }
+    /// `part + Σ u1·x1 + Σ u2·x2`, a sub-block's partial sum before its scale (see
+    /// [`Simd::scale_part`]): with VNNI the i32 lanes of [`Simd::dot_u8_pair`]; without, i16
+    /// pairs, widened only by `scale_part`, so `u1`, `u2` must be below 16 and a partial take at
+    /// most four calls (8 pair sums of at most 2·15·128 per i16: 30 720).
+    #[inline(always)]
+    fn dot_u4_part(self, part: Self::I, u1: Self::I, x1: Self::I, u2: Self::I, x2: Self::I) -> Self::I {
+        self.dot_u8_pair(part, u1, x1, u2, x2)
+    }
+    /// `acc + part · sc` in i32 lanes, for a partial of [`Simd::dot_u4_part`] and scales `sc`
+    /// below 64 in i32 lanes. The same integers either way.
+    #[inline(always)]
+    fn scale_part(self, acc: Self::I, part: Self::I, sc: Self::I) -> Self::I {
+        self.add32(acc, self.mullo32(part, sc))
+    }
     /// `acc + Σ w·x` for signed `w` (−128 included) and `x` in −127..=127: `|w| · (x with w's
     /// sign)`, ggml's arrangement (`|−128|` is 128 as an unsigned byte).
     fn dot_s8(self, acc: Self::I, w: Self::I, x: Self::I) -> Self::I;
@@ -402,6 +416,29 @@ impl<const V: u8> Simd for Ymm<V> {
                     _mm256_add_epi32(acc, _mm256_madd_epi16(p, _mm256_set1_epi16(1)))
                 }
                 _ => self.dot_u8(self.dot_u8(acc, u1, x1), u2, x2),
+            }
+        }
+    }
+    #[inline(always)]
+    fn dot_u4_part(self, part: __m256i, u1: __m256i, x1: __m256i, u2: __m256i, x2: __m256i) -> __m256i {
+        unsafe {
+            match V {
+                // i16 sums of 4-bit × i8 pairs: four calls add at most 8·3840 = 30720
+                AVX2 => {
+                    _mm256_add_epi16(part, _mm256_add_epi16(_mm256_maddubs_epi16(u1, x1), _mm256_maddubs_epi16(u2, x2)))
+                }
+                _ => self.dot_u8_pair(part, u1, x1, u2, x2),
+            }
+        }
+    }
+    #[inline(always)]
+    fn scale_part(self, acc: __m256i, part: __m256i, sc: __m256i) -> __m256i {
+        unsafe {
+            match V {
+                // the scale in both i16 halves of its lane: one vpmaddwd widens and scales the
+                // partial (a lane's two i16 sums times the scale, added), no vpmulld
+                AVX2 => _mm256_add_epi32(acc, _mm256_madd_epi16(part, _mm256_or_si256(sc, _mm256_slli_epi32(sc, 16)))),
+                _ => _mm256_add_epi32(acc, _mm256_mullo_epi32(part, sc)),
             }
         }
     }
