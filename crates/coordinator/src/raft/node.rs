@@ -223,6 +223,7 @@ pub fn start(
         pending_conf: HashMap::new(),
         reads: Vec::new(),
         deferred: Vec::new(),
+        compact_now: false,
         next: rand::random::<u32>() as u64,
         status: status_tx,
         changed: changed_tx,
@@ -246,6 +247,8 @@ struct Task {
     reads: Vec<PendingRead>,
     /// Requests made while no leader was known: made again once one is.
     deferred: Vec<Req>,
+    /// Compact at the end of this ready (a replica joined a log that starts at index 1).
+    compact_now: bool,
     next: u64,
     status: watch::Sender<RaftStatusView>,
     changed: watch::Sender<u64>,
@@ -418,7 +421,7 @@ impl Task {
         self.node.advance_apply();
         self.answer_reads();
         let applied = self.applied_index();
-        if applied >= self.node.store().first_index() + COMPACT_EVERY {
+        if std::mem::take(&mut self.compact_now) || applied >= self.node.store().first_index() + COMPACT_EVERY {
             let at = self.node.mut_store().compact()?;
             tracing::debug!("raft log compacted at {at}");
         }
@@ -478,6 +481,12 @@ impl Task {
                     }
                     if !add && cc.node_id == self.id {
                         tracing::warn!("this replica was removed from the coordinator group");
+                    }
+                    if add && self.node.store().first_index() <= 1 {
+                        // a log bootstrapped by an older build, whose members are not in it
+                        // (see `DiskStorage::open`): compacted before the newcomer's first reply
+                        // can ask for entries, so that the leader sends it a snapshot instead
+                        self.compact_now = true;
                     }
                 }
                 EntryType::EntryConfChangeV2 => {

@@ -335,6 +335,27 @@ mod tests {
     }
 
     #[test]
+    fn a_log_bootstrapped_by_an_older_build_hands_newcomers_a_snapshot_once_compacted() {
+        // the older layout: the members in a configuration beside a log that starts at 1
+        let dir = tempfile::tempdir().unwrap();
+        let applied: AppliedState = Arc::new(RwLock::new((0, ClusterState::new())));
+        let s = DiskStorage::open(dir.path(), &BTreeMap::new(), applied.clone()).unwrap().storage;
+        s.set_conf_state(ConfState { voters: vec![1, 2, 3], ..Default::default() }).unwrap();
+        s.append(&[entry(1, 1, b""), entry(2, 1, b"x")]).unwrap();
+        // what the raft task checks when a replica is added
+        assert_eq!(s.first_index(), 1, "entries from 1 would be sent to a newcomer");
+        let mut state = ClusterState::new();
+        state.replicas = members(&[1, 2, 3, 4]);
+        *applied.write().unwrap() = (2, state);
+        s.set_conf_state(ConfState { voters: vec![1, 2, 3, 4], ..Default::default() }).unwrap();
+        assert_eq!(s.compact().unwrap(), 2);
+        assert!(s.first_index() > 1);
+        assert!(s.entries(1, 2, None, GetEntriesContext::empty(false)).is_err(), "entry 1 is gone");
+        let snap = s.snapshot(0, 4).unwrap();
+        assert_eq!(snap.get_metadata().get_conf_state().voters, vec![1, 2, 3, 4]);
+    }
+
+    #[test]
     fn the_log_survives_reopening_and_compaction() {
         let dir = tempfile::tempdir().unwrap();
         let applied: AppliedState = Arc::new(RwLock::new((0, ClusterState::new())));
