@@ -14,6 +14,7 @@ use brigade_format::tensors::{slice_tensors, LayerTensor, OUTPUT, OUTPUT_NORM, S
 use candle_core::{DType, Device, Tensor, D};
 use std::sync::Arc;
 
+mod decode_attn;
 mod rows;
 mod softmax;
 
@@ -255,6 +256,12 @@ fn attend(
     kv.0.slice_set(&k, 2, pos)?;
     kv.1.slice_set(v, 2, pos)?;
     let l = pos + t;
+    if t == 1 && mask.is_none() && q.device().is_cpu() && q.dtype() == DType::F32 && b == 1 {
+        // a decode step reads the cache in place (see `decode_attn`)
+        let scale = (1.0 / (hd as f64).sqrt()) as f32;
+        let y = q.apply_op3_no_bwd(&kv.0, &kv.1, &decode_attn::DecodeAttention { seen: l, scale })?;
+        return y.reshape((b, t, nh * hd));
+    }
     let keys = kv.0.narrow(2, 0, l)?;
     let values = kv.1.narrow(2, 0, l)?;
     let y = grouped_attention(&q, (&keys, &values), nkv, pos, mask, QUERY_BLOCK)?;
@@ -560,7 +567,7 @@ mod tests {
     use super::*;
 
     /// A tensor of `shape` with values of a few units, distinct per position.
-    fn filled(shape: (usize, usize, usize, usize), salt: usize) -> Tensor {
+    pub(super) fn filled(shape: (usize, usize, usize, usize), salt: usize) -> Tensor {
         let n = shape.0 * shape.1 * shape.2 * shape.3;
         let v: Vec<f32> = (0..n).map(|i| (((i + salt) * 7919 % 2003) as f32 - 1001.0) / 301.0).collect();
         Tensor::from_vec(v, shape, &Device::Cpu).unwrap()

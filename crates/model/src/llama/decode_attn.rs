@@ -1,0 +1,210 @@
+//! One decode step's attention on the CPU in f32: each query head against the keys and values of
+//! its kv head read straight from the session's cache.
+//!
+//! Through candle this step is two `gemm` calls per kv head (8 query rows × a few hundred keys
+//! × 64), and `gemm` copies the keys (and then the values) into its packed panels on every call:
+//! the whole cache read and written again per layer and token, which profiled at 13% of a
+//! decode step's main thread on llama-1b. Here each key and each value row is read once, from
+//! the cache, for all the query heads that share it. Written by hand because the shape (a few
+//! rows against a strided cache, in place) is no BLAS call's; `gemm` is kept for prompts.
+//!
+//! The sums run in another order than `gemm`'s, so the weights differ from the prompt path's in
+//! the last bits; a decode step always takes this path, so every session's decode has the same
+//! numbers alone or batched.
+
+use candle_core::backend::BackendStorage;
+use candle_core::{CpuStorage, CustomOp3, Layout, Shape};
+
+/// Attention of one query position: `q` `(1, heads, 1, d)` against the first `seen` positions
+/// of the caches `(1, kv heads, n_ctx, d)`; returns `(1, heads, 1, d)`.
+pub(super) struct DecodeAttention {
+    pub seen: usize,
+    pub scale: f32,
+}
+
+impl CustomOp3 for DecodeAttention {
+    fn name(&self) -> &'static str {
+        "decode-attention"
+    }
+
+    fn cpu_fwd(
+        &self,
+        q: &CpuStorage,
+        lq: &Layout,
+        k: &CpuStorage,
+        lk: &Layout,
+        v: &CpuStorage,
+        lv: &Layout,
+    ) -> candle_core::Result<(CpuStorage, Shape)> {
+        let (CpuStorage::F32(q), CpuStorage::F32(k), CpuStorage::F32(v)) = (q, k, v) else {
+            candle_core::bail!("decode attention takes f32, not {:?}/{:?}/{:?}", q.dtype(), k.dtype(), v.dtype())
+        };
+        let (Some((q0, q1)), Some((k0, k1)), Some((v0, v1))) =
+            (lq.contiguous_offsets(), lk.contiguous_offsets(), lv.contiguous_offsets())
+        else {
+            candle_core::bail!("decode attention takes contiguous queries and caches")
+        };
+        let (qb, nh, qt, hd) = lq.shape().dims4()?;
+        let (kb, nkv, n_ctx, khd) = lk.shape().dims4()?;
+        if qb != 1
+            || qt != 1
+            || kb != 1
+            || khd != hd
+            || lv.shape() != lk.shape()
+            || nkv == 0
+            || nh % nkv != 0
+            || self.seen == 0
+            || self.seen > n_ctx
+        {
+            candle_core::bail!(
+                "decode attention: queries {:?}, keys {:?}, values {:?}, {} positions seen",
+                lq.shape().dims(),
+                lk.shape().dims(),
+                lv.shape().dims(),
+                self.seen
+            )
+        }
+        let (q, k, v) = (&q[q0..q1], &k[k0..k1], &v[v0..v1]);
+        let g = nh / nkv;
+        let mut out = vec![0f32; nh * hd];
+        let mut w = vec![0f32; g * self.seen];
+        for h in 0..nkv {
+            let keys = &k[h * n_ctx * hd..][..self.seen * hd];
+            let values = &v[h * n_ctx * hd..][..self.seen * hd];
+            let qh = &q[h * g * hd..][..g * hd];
+            let oh = &mut out[h * g * hd..][..g * hd];
+            head(qh, keys, values, self.scale, hd, &mut w, oh);
+        }
+        Ok((CpuStorage::F32(out), Shape::from_dims(&[1, nh, 1, hd])))
+    }
+}
+
+/// One kv head: `g` query rows `q` (`g × d`) against `seen` key and value rows; `w` is scratch
+/// of `g × seen`, `out` (`g × d`) receives the weighted values.
+fn head(q: &[f32], keys: &[f32], values: &[f32], scale: f32, hd: usize, w: &mut [f32], out: &mut [f32]) {
+    #[cfg(target_arch = "x86_64")]
+    {
+        if is_x86_feature_detected!("avx512f") {
+            // SAFETY: the CPU has the features
+            return unsafe { head_avx512(q, keys, values, scale, hd, w, out) };
+        }
+        if is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") {
+            // SAFETY: as above
+            return unsafe { head_avx2(q, keys, values, scale, hd, w, out) };
+        }
+    }
+    head_body(q, keys, values, scale, hd, w, out)
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx2,fma")]
+unsafe fn head_avx512(q: &[f32], keys: &[f32], values: &[f32], scale: f32, hd: usize, w: &mut [f32], out: &mut [f32]) {
+    head_body(q, keys, values, scale, hd, w, out)
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn head_avx2(q: &[f32], keys: &[f32], values: &[f32], scale: f32, hd: usize, w: &mut [f32], out: &mut [f32]) {
+    head_body(q, keys, values, scale, hd, w, out)
+}
+
+/// The loops, compiled into each of the wrappers above with their instruction sets.
+#[inline(always)]
+fn head_body(q: &[f32], keys: &[f32], values: &[f32], scale: f32, hd: usize, w: &mut [f32], out: &mut [f32]) {
+    let g = q.len() / hd;
+    let seen = keys.len() / hd;
+    let w = &mut w[..g * seen];
+    // scores: each key row read once for the g queries
+    for (j, key) in keys.chunks_exact(hd).enumerate() {
+        for (r, qr) in q.chunks_exact(hd).enumerate() {
+            w[r * seen + j] = dot(qr, key) * scale;
+        }
+    }
+    // weights, per query: the softmax of its scores
+    for row in w.chunks_exact_mut(seen) {
+        let max = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+        let mut sum = 0f32;
+        for x in row.iter_mut() {
+            *x = (*x - max).exp();
+            sum += *x;
+        }
+        let inv = 1.0 / sum;
+        for x in row.iter_mut() {
+            *x *= inv;
+        }
+    }
+    // the weighted values: each value row read once for the g queries
+    out.fill(0.0);
+    for (j, value) in values.chunks_exact(hd).enumerate() {
+        for (r, o) in out.chunks_exact_mut(hd).enumerate() {
+            let wj = w[r * seen + j];
+            for (o, x) in o.iter_mut().zip(value) {
+                *o += wj * x;
+            }
+        }
+    }
+}
+
+/// `Σ a·b` in 16 lanes (what one zmm or two ymm registers hold), then the lanes added.
+#[inline(always)]
+fn dot(a: &[f32], b: &[f32]) -> f32 {
+    let mut acc = [0f32; 16];
+    let (ac, bc) = (a.chunks_exact(16), b.chunks_exact(16));
+    let tail: f32 = ac.remainder().iter().zip(bc.remainder()).map(|(x, y)| x * y).sum();
+    for (x, y) in ac.zip(bc) {
+        for l in 0..16 {
+            acc[l] += x[l] * y[l];
+        }
+    }
+    acc.iter().sum::<f32>() + tail
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)]
+mod tests {
+    use super::*;
+    use crate::llama::tests::filled;
+    use candle_core::Tensor;
+
+    #[test]
+    fn agrees_with_softmax_of_matmuls() {
+        for (nh, nkv, hd, n_ctx, seen) in
+            [(8, 2, 16, 40, 1), (32, 4, 64, 300, 257), (4, 4, 24, 10, 10), (6, 3, 8, 9, 5)]
+        {
+            let q = filled((1, nh, 1, hd), 1);
+            let (k, v) = (filled((1, nkv, n_ctx, hd), 2), filled((1, nkv, n_ctx, hd), 3));
+            let scale = 1.0 / (hd as f32).sqrt();
+            let got = q.apply_op3_no_bwd(&k, &v, &DecodeAttention { seen, scale }).unwrap();
+            assert_eq!(got.dims(), [1, nh, 1, hd]);
+            // the composition: per kv head, (g × d)·(d × seen), softmax, (g × seen)·(seen × d)
+            let g = nh / nkv;
+            let qg = q.reshape((1, nkv, g, hd)).unwrap();
+            let (ks, vs) = (k.narrow(2, 0, seen).unwrap(), v.narrow(2, 0, seen).unwrap());
+            let att = (qg.matmul(&ks.t().unwrap()).unwrap() * scale as f64).unwrap();
+            let att = candle_nn::ops::softmax_last_dim(&att).unwrap();
+            let want = att.matmul(&vs.contiguous().unwrap()).unwrap().reshape((1, nh, 1, hd)).unwrap();
+            let d = (&got - &want).unwrap().abs().unwrap().max_all().unwrap().to_scalar::<f32>().unwrap();
+            assert!(d < 1e-4, "heads {nh}/{nkv}, d {hd}, {seen} seen: differs by {d}");
+            // and the positions past `seen` are not read: changing them changes nothing
+            let k2 = (k.clone() + 1000.0).unwrap();
+            let k2 =
+                Tensor::cat(&[k.narrow(2, 0, seen).unwrap(), k2.narrow(2, seen, n_ctx - seen).unwrap()], 2).unwrap();
+            let again = q.apply_op3_no_bwd(&k2, &v, &DecodeAttention { seen, scale }).unwrap();
+            let same = (&again - &got).unwrap().abs().unwrap().max_all().unwrap().to_scalar::<f32>().unwrap();
+            assert_eq!(same, 0.0, "a key past position {seen} was read");
+        }
+    }
+
+    #[test]
+    fn refuses_what_it_does_not_describe() {
+        let (q, k) = (filled((1, 8, 1, 16), 1), filled((1, 3, 40, 16), 2));
+        let e = q.apply_op3_no_bwd(&k, &k, &DecodeAttention { seen: 4, scale: 1.0 }).unwrap_err().to_string();
+        assert!(e.contains("[1, 8, 1, 16]") && e.contains("[1, 3, 40, 16]"), "{e}");
+        let k = filled((1, 2, 40, 16), 2);
+        let e = q.apply_op3_no_bwd(&k, &k, &DecodeAttention { seen: 41, scale: 1.0 }).unwrap_err().to_string();
+        assert!(e.contains("41 positions"), "{e}");
+        let e =
+            q.apply_op3_no_bwd(&k.t().unwrap(), &k, &DecodeAttention { seen: 4, scale: 1.0 }).unwrap_err().to_string();
+        assert!(e.contains("contiguous"), "{e}");
+    }
+}
