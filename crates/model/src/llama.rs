@@ -256,7 +256,7 @@ fn attend(
     kv.0.slice_set(&k, 2, pos)?;
     kv.1.slice_set(v, 2, pos)?;
     let l = pos + t;
-    if t == 1 && mask.is_none() && q.device().is_cpu() && q.dtype() == DType::F32 && b == 1 {
+    if t == 1 && b == 1 && own_cpu_attention(q.device(), q.dtype()) {
         // a decode step reads the cache in place (see `decode_attn`)
         let scale = (1.0 / (hd as f64).sqrt()) as f32;
         let y = q.apply_op3_no_bwd(&kv.0, &kv.1, &decode_attn::DecodeAttention { seen: l, scale })?;
@@ -271,10 +271,28 @@ fn attend(
 /// Queries per block of a prompt chunk's attention on the CPU (see [`grouped_attention`]).
 const QUERY_BLOCK: usize = 128;
 
+/// Whether attention runs brigade's own CPU ops ([`grouped_attention`], `decode_attn`), which
+/// apply the causal mask by position, or candle's composition, which adds [`causal_mask`].
+fn own_cpu_attention(device: &Device, dtype: DType) -> bool {
+    device.is_cpu() && dtype == DType::F32
+}
+
+/// The causal mask of `t` queries at positions `pos..pos + t` over `pos + t` keys: 0 where a
+/// query sees the key, −∞ where the key is after it.
+fn causal_mask(t: usize, pos: usize, device: &Device, dtype: DType) -> candle_core::Result<Tensor> {
+    let l = pos + t;
+    let m: Vec<f32> =
+        (0..t).flat_map(|i| (0..l).map(move |j| if j > pos + i { f32::NEG_INFINITY } else { 0.0 })).collect();
+    Tensor::from_vec(m, (t, l), device)?.to_dtype(dtype)
+}
+
 /// Grouped-query attention of `q` `(b, heads, t, d)` at positions `pos..pos + t` over `keys`
 /// and `values` `(b, kv heads, pos + t, d)`, without repeating K/V: the query heads that share
 /// a kv head are stacked as rows of one matrix, `(b, kv, groups × t, d)`. Returns `(b, heads,
 /// t, d)`.
+///
+/// `mask` is the [`causal_mask`] of a chunk (`None` for one query), which candle's composition
+/// adds; brigade's own CPU ops ([`own_cpu_attention`]) apply it by position instead.
 ///
 /// On the CPU in f32 the scores become weights in one op ([`softmax::CausalSoftmax`]), and a
 /// chunk longer than `block` runs its queries `block` at a time, each block against the keys
@@ -294,8 +312,7 @@ fn grouped_attention(
     let (b, nh, t, hd) = q.dims4()?;
     let (g, l) = (nh / nkv, pos + t);
     let scale = 1.0 / (hd as f64).sqrt();
-    // the mask, when there is one, is the causal one `Slice::forward` builds for a chunk
-    if q.device().is_cpu() && q.dtype() == DType::F32 && mask.is_some() == (t > 1) {
+    if own_cpu_attention(q.device(), q.dtype()) {
         let q5 = q.reshape((b, nkv, g, t, hd))?;
         let mut ys = Vec::with_capacity(t.div_ceil(block.max(1)));
         for i0 in (0..t).step_by(block.max(1)) {
@@ -493,11 +510,9 @@ impl Slice {
         }
         let cos = self.cos.narrow(0, pos, t)?;
         let sin = self.sin.narrow(0, pos, t)?;
-        let mask = if t > 1 {
-            let l = pos + t;
-            let m: Vec<f32> =
-                (0..t).flat_map(|i| (0..l).map(move |j| if j > pos + i { f32::NEG_INFINITY } else { 0.0 })).collect();
-            Some(Tensor::from_vec(m, (t, l), &self.device)?.to_dtype(self.dtype)?)
+        // built once for every layer, and only for candle's composition
+        let mask = if t > 1 && !own_cpu_attention(&self.device, self.dtype) {
+            Some(causal_mask(t, pos, &self.device, self.dtype)?)
         } else {
             None
         };
@@ -586,12 +601,9 @@ mod tests {
             let q = filled((1, nh, t, hd), 3 + t);
             let l = pos + t;
             let (k, v) = (kc.narrow(2, 0, l).unwrap(), vc.narrow(2, 0, l).unwrap());
-            let m: Vec<f32> =
-                (0..t).flat_map(|i| (0..l).map(move |j| if j > pos + i { f32::NEG_INFINITY } else { 0.0 })).collect();
-            let mask = Tensor::from_vec(m, (t, l), &Device::Cpu).unwrap();
-            let one = grouped_attention(&q, (&k, &v), nkv, pos, Some(&mask), t).unwrap();
+            let one = grouped_attention(&q, (&k, &v), nkv, pos, None, t).unwrap();
             for block in [1, 5, 64, 128] {
-                let got = grouped_attention(&q, (&k, &v), nkv, pos, Some(&mask), block).unwrap();
+                let got = grouped_attention(&q, (&k, &v), nkv, pos, None, block).unwrap();
                 assert_eq!(got.dims(), [1, nh, t, hd]);
                 // the same products; gemm's own blocking of shorter matrices may round a sum
                 // differently (seen: 3e-6 at most, values of a few units)
@@ -607,7 +619,7 @@ mod tests {
                 (&k.to_dtype(DType::F16).unwrap(), &v.to_dtype(DType::F16).unwrap()),
                 nkv,
                 pos,
-                Some(&mask.to_dtype(DType::F16).unwrap()),
+                Some(&causal_mask(t, pos, &Device::Cpu, DType::F16).unwrap()),
                 64,
             )
             .unwrap()

@@ -299,14 +299,18 @@ mod tests {
         Entry { index, term, data: data.to_vec().into(), ..Default::default() }
     }
 
+    /// A data dir and an empty applied state, as a replica starts with.
+    fn scratch() -> (tempfile::TempDir, AppliedState) {
+        (tempfile::tempdir().unwrap(), Arc::new(RwLock::new((0, ClusterState::new()))))
+    }
+
     fn members(ids: &[u64]) -> BTreeMap<u64, String> {
         ids.iter().map(|i| (*i, format!("10.0.0.{i}:7070"))).collect()
     }
 
     #[test]
     fn a_bootstrapped_log_starts_from_a_snapshot_that_names_the_members() {
-        let dir = tempfile::tempdir().unwrap();
-        let applied: AppliedState = Arc::new(RwLock::new((0, ClusterState::new())));
+        let (dir, applied) = scratch();
         let o = DiskStorage::open(dir.path(), &members(&[1, 2, 3]), applied.clone()).unwrap();
         assert!(o.fresh);
         assert_eq!(o.snapshot_index, BOOTSTRAP_INDEX);
@@ -327,8 +331,7 @@ mod tests {
         assert_eq!((o.snapshot_index, o.state.replicas), (BOOTSTRAP_INDEX, members(&[1, 2, 3])));
         assert_eq!(o.storage.initial_state().unwrap().conf_state.voters, vec![1, 2, 3]);
         // a joining replica starts empty: no configuration until the leader's snapshot
-        let dir = tempfile::tempdir().unwrap();
-        let applied: AppliedState = Arc::new(RwLock::new((0, ClusterState::new())));
+        let (dir, applied) = scratch();
         let o = DiskStorage::open(dir.path(), &BTreeMap::new(), applied).unwrap();
         assert_eq!(o.snapshot_index, 0);
         assert!(o.storage.initial_state().unwrap().conf_state.voters.is_empty());
@@ -337,8 +340,7 @@ mod tests {
     #[test]
     fn a_log_bootstrapped_by_an_older_build_hands_newcomers_a_snapshot_once_compacted() {
         // the older layout: the members in a configuration beside a log that starts at 1
-        let dir = tempfile::tempdir().unwrap();
-        let applied: AppliedState = Arc::new(RwLock::new((0, ClusterState::new())));
+        let (dir, applied) = scratch();
         let s = DiskStorage::open(dir.path(), &BTreeMap::new(), applied.clone()).unwrap().storage;
         s.set_conf_state(ConfState { voters: vec![1, 2, 3], ..Default::default() }).unwrap();
         s.append(&[entry(1, 1, b""), entry(2, 1, b"x")]).unwrap();
@@ -357,8 +359,7 @@ mod tests {
 
     #[test]
     fn the_log_survives_reopening_and_compaction() {
-        let dir = tempfile::tempdir().unwrap();
-        let applied: AppliedState = Arc::new(RwLock::new((0, ClusterState::new())));
+        let (dir, applied) = scratch();
         let o = DiskStorage::open(dir.path(), &members(&[1, 2, 3]), applied.clone()).unwrap();
         assert!(o.fresh);
         let s = o.storage;

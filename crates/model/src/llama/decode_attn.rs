@@ -12,6 +12,8 @@
 //! the last bits; a decode step always takes this path, so every session's decode has the same
 //! numbers alone or batched.
 
+#[cfg(target_arch = "x86_64")]
+use crate::cpu_matmul::Isa;
 use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, CustomOp3, Layout, Shape};
 
@@ -81,17 +83,17 @@ impl CustomOp3 for DecodeAttention {
 
 /// One kv head: `g` query rows `q` (`g × d`) against `seen` key and value rows; `w` is scratch
 /// of `g × seen`, `out` (`g × d`) receives the weighted values.
+///
+/// The instruction set is the matmuls' ([`Isa::selected`]: `BRIGADE_CPU_KERNELS` applies); the
+/// lanes are summed in the same order on each, so the numbers are the same.
 fn head(q: &[f32], keys: &[f32], values: &[f32], scale: f32, hd: usize, w: &mut [f32], out: &mut [f32]) {
     #[cfg(target_arch = "x86_64")]
-    {
-        if is_x86_feature_detected!("avx512f") {
-            // SAFETY: the CPU has the features
-            return unsafe { head_avx512(q, keys, values, scale, hd, w, out) };
-        }
-        if is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") {
-            // SAFETY: as above
-            return unsafe { head_avx2(q, keys, values, scale, hd, w, out) };
-        }
+    match Isa::selected() {
+        // SAFETY: the selected instruction set is one this CPU has, and implies the features
+        Isa::Avx512Vnni => return unsafe { head_avx512(q, keys, values, scale, hd, w, out) },
+        // SAFETY: as above
+        Isa::AvxVnni | Isa::Avx2 => return unsafe { head_avx2(q, keys, values, scale, hd, w, out) },
+        Isa::Portable => {}
     }
     head_body(q, keys, values, scale, hd, w, out)
 }

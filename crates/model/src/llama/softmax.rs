@@ -16,13 +16,13 @@ use candle_core::cpu::kernels::VecOps;
 use candle_core::{CpuStorage, CustomOp1, Layout, Shape};
 use rayon::prelude::*;
 
-/// Scores `(…, rows, pos + t)` of `t` queries at positions `pos..pos + t` against `pos + t`
-/// keys, whose rows cycle through the `t` queries (`(batch, kv heads, group × t, keys)`), to
-/// attention weights: row `r` sees keys `0..=pos + r % t`.
 /// Scores below this many are done on the calling thread: a decode step's (one query per head,
 /// a few hundred keys) take microseconds, less than waking the pool's threads costs.
 const SERIAL_BELOW: usize = 1 << 17;
 
+/// Scores `(…, rows, pos + t)` of `t` queries at positions `pos..pos + t` against `pos + t`
+/// keys, whose rows cycle through the `t` queries (`(batch, kv heads, group × t, keys)`), to
+/// attention weights: row `r` sees keys `0..=pos + r % t`.
 pub(super) struct CausalSoftmax {
     pub scale: f32,
     pub t: usize,
@@ -91,9 +91,7 @@ mod tests {
         let (b, kv, rows, l) = s.dims4().unwrap();
         let s = (s * scale).unwrap();
         let s = if t > 1 {
-            let m: Vec<f32> =
-                (0..t).flat_map(|i| (0..l).map(move |j| if j > pos + i { f32::NEG_INFINITY } else { 0.0 })).collect();
-            let m = Tensor::from_vec(m, (t, l), &Device::Cpu).unwrap();
+            let m = crate::llama::causal_mask(t, pos, &Device::Cpu, candle_core::DType::F32).unwrap();
             s.reshape((b, kv, rows / t, t, l)).unwrap().broadcast_add(&m).unwrap().reshape((b, kv, rows, l)).unwrap()
         } else {
             s
