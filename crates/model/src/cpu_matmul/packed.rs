@@ -308,6 +308,13 @@ pub(super) fn fetch_ahead(p: *const u8, lines: std::ops::Range<usize>) {
     }
 }
 
+/// Whether the packed kernels ask for their weights ahead ([`fetch_ahead`]):
+/// `BRIGADE_CPU_PREFETCH=off` turns the requests off, to measure what they give on a machine.
+fn fetches() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| !std::env::var("BRIGADE_CPU_PREFETCH").is_ok_and(|v| matches!(v.trim(), "off" | "0" | "no")))
+}
+
 /// Share `slot` of `slots` of the lines of a record of `bytes` (whole lines).
 #[inline(always)]
 fn share(bytes: usize, slot: usize, slots: usize) -> std::ops::Range<usize> {
@@ -323,7 +330,8 @@ const ROWS: usize = 4;
 
 /// Rows `r0..r0 + R` × columns `h..h + V·W/4` of a column block of Q4_K: per sub-block of 32
 /// `Σ q·x` in i32 lanes times its scale, per super-block that sum times `d·d_x`, less
-/// `dmin·d_x · Σ m·Σx` (`vpmaddwd` of the mins against the row's sums per 32).
+/// `dmin·d_x · Σ m·Σx` (`vpmaddwd` of the mins against the row's sums per 32). With `fetch`
+/// it asks for the records [`AHEAD`] as it reads them (see [`fetch_ahead`]).
 ///
 /// # Safety
 /// `p` is the column block's first record of `bpr`; `x` holds rows `r0..r0 + R`; `h + V·W/4 ≤
@@ -335,6 +343,7 @@ unsafe fn tile_q4k<S: Simd, const V: usize, const H: usize, const R: usize>(
     bpr: usize,
     x: &Q8KRows,
     r0: usize,
+    fetch: bool,
 ) -> [[[S::F; V]; R]; H] {
     let l = S::W / 4;
     let (low4, low6, hi2, ff) =
@@ -355,7 +364,7 @@ unsafe fn tile_q4k<S: Simd, const V: usize, const H: usize, const R: usize>(
                 let word = |w: usize, v: usize| rec.add(4096 + (32 * w + h + v * l) * 4).cast::<i8>();
                 let mut isum = [[s.zero(); V]; R];
                 for t in 0..8 {
-                    if r0 == 0 {
+                    if fetch {
                         fetch_ahead(rec, share(4608, hh * 8 + t, H * 8));
                     }
                     let mut sum = [[s.zero(); V]; R];
@@ -432,6 +441,7 @@ unsafe fn tile_q6k<S: Simd, const V: usize, const H: usize, const R: usize>(
     bpr: usize,
     x: &Q8KRows,
     r0: usize,
+    fetch: bool,
 ) -> [[[S::F; V]; R]; H] {
     let l = S::W / 4;
     let (low4, hi2) = (s.set1_i32(0x0f0f_0f0f), s.set1_i32(0x3030_3030));
@@ -448,7 +458,7 @@ unsafe fn tile_q6k<S: Simd, const V: usize, const H: usize, const R: usize>(
                 let xs: [*const i8; R] = std::array::from_fn(|i| x.qs.as_ptr().add(at[i] * 256));
                 let mut isum = [[s.zero(); V]; R];
                 for t in 0..16 {
-                    if r0 == 0 {
+                    if fetch {
                         fetch_ahead(rec, share(6720, hh * 16 + t, H * 16));
                     }
                     let mut sum = [[s.zero(); V]; R];
@@ -515,6 +525,7 @@ unsafe fn tile_q8_0<S: Simd, const V: usize, const H: usize, const R: usize>(
     bpr: usize,
     x: &Q8Rows,
     r0: usize,
+    fetch: bool,
 ) -> [[[S::F; V]; R]; H] {
     let l = S::W / 4;
     let mut acc = [[[s.zero_f(); V]; R]; H];
@@ -534,7 +545,7 @@ unsafe fn tile_q8_0<S: Simd, const V: usize, const H: usize, const R: usize>(
                     }
                 }
                 for u in 0..8 {
-                    if r0 == 0 {
+                    if fetch {
                         fetch_ahead(rec, share(1088, hh * 8 + u, H * 8));
                     }
                     let mut w = [s.zero(); V];
@@ -577,12 +588,14 @@ unsafe fn tile<S: Simd, const V: usize, const H: usize, const R: usize>(
     r0: usize,
 ) -> [[[S::F; V]; R]; H] {
     let bpr = w.bpr();
+    // the first tile of a column block reads its records from memory; the others find them in L2
+    let fetch = r0 == 0 && fetches();
     // SAFETY: the caller's contract
     unsafe {
         match (w.kind, x) {
-            (Kind::Q4K, Acts::K(x)) => tile_q4k::<S, V, H, R>(s, p, bpr, x, r0),
-            (Kind::Q6K, Acts::K(x)) => tile_q6k::<S, V, H, R>(s, p, bpr, x, r0),
-            (Kind::Q8_0, Acts::Q0(x)) => tile_q8_0::<S, V, H, R>(s, p, bpr, x, r0),
+            (Kind::Q4K, Acts::K(x)) => tile_q4k::<S, V, H, R>(s, p, bpr, x, r0, fetch),
+            (Kind::Q6K, Acts::K(x)) => tile_q6k::<S, V, H, R>(s, p, bpr, x, r0, fetch),
+            (Kind::Q8_0, Acts::Q0(x)) => tile_q8_0::<S, V, H, R>(s, p, bpr, x, r0, fetch),
             _ => unreachable!("activations of the weight's kind (`matmul` quantizes them so)"),
         }
     }
