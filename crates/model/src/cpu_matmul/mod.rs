@@ -295,8 +295,7 @@ pub fn kernels(dt: GgmlDType) -> (&'static str, &'static str) {
 /// the file's layout (to measure the difference).
 pub fn packs_on(dt: GgmlDType, isa: Isa) -> bool {
     static OFF: OnceLock<bool> = OnceLock::new();
-    let off =
-        *OFF.get_or_init(|| std::env::var("BRIGADE_CPU_PACK").is_ok_and(|v| matches!(v.trim(), "off" | "0" | "no")));
+    let off = *OFF.get_or_init(|| switched_off("BRIGADE_CPU_PACK"));
     #[cfg(target_arch = "x86_64")]
     {
         !off && packed::packs(dt)
@@ -311,6 +310,12 @@ pub fn packs_on(dt: GgmlDType, isa: Isa) -> bool {
         let _ = (dt, isa, off);
         false
     }
+}
+
+/// Whether the environment variable `var` turns a kernel feature off (`off`, `0` or `no`), for
+/// measuring what the feature gives.
+fn switched_off(var: &str) -> bool {
+    std::env::var(var).is_ok_and(|v| matches!(v.trim(), "off" | "0" | "no"))
 }
 
 /// The weight `w` (a `[n, k]` weight of type `dt` as the file stores it) packed for this CPU's

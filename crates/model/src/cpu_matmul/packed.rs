@@ -296,7 +296,7 @@ const AHEAD: usize = 16 << 10;
 /// Kernels call it as they read, a share at a time, so the requests are spread over the time
 /// the reading takes.
 #[inline(always)]
-pub(super) fn fetch_ahead(p: *const u8, lines: std::ops::Range<usize>) {
+fn fetch_ahead(p: *const u8, lines: std::ops::Range<usize>) {
     for line in lines {
         // SAFETY: a prefetch never faults, whatever the address (past the weight's end it
         // fetches nothing useful); the address is computed without `add`'s in-bounds promise
@@ -312,7 +312,7 @@ pub(super) fn fetch_ahead(p: *const u8, lines: std::ops::Range<usize>) {
 /// `BRIGADE_CPU_PREFETCH=off` turns the requests off, to measure what they give on a machine.
 fn fetches() -> bool {
     static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *ON.get_or_init(|| !std::env::var("BRIGADE_CPU_PREFETCH").is_ok_and(|v| matches!(v.trim(), "off" | "0" | "no")))
+    *ON.get_or_init(|| !super::switched_off("BRIGADE_CPU_PREFETCH"))
 }
 
 /// Share `slot` of `slots` of the lines of a record of `bytes` (whole lines).
@@ -365,7 +365,7 @@ unsafe fn tile_q4k<S: Simd, const V: usize, const H: usize, const R: usize>(
                 let mut isum = [[s.zero(); V]; R];
                 for t in 0..8 {
                     if fetch {
-                        fetch_ahead(rec, share(4608, hh * 8 + t, H * 8));
+                        fetch_ahead(rec, share(Kind::Q4K.record(), hh * 8 + t, H * 8));
                     }
                     let mut sum = [[s.zero(); V]; R];
                     for u in 4 * t..4 * t + 4 {
@@ -459,7 +459,7 @@ unsafe fn tile_q6k<S: Simd, const V: usize, const H: usize, const R: usize>(
                 let mut isum = [[s.zero(); V]; R];
                 for t in 0..16 {
                     if fetch {
-                        fetch_ahead(rec, share(6720, hh * 16 + t, H * 16));
+                        fetch_ahead(rec, share(Kind::Q6K.record(), hh * 16 + t, H * 16));
                     }
                     let mut sum = [[s.zero(); V]; R];
                     for (i, sum) in sum.iter_mut().enumerate() {
@@ -546,7 +546,7 @@ unsafe fn tile_q8_0<S: Simd, const V: usize, const H: usize, const R: usize>(
                 }
                 for u in 0..8 {
                     if fetch {
-                        fetch_ahead(rec, share(1088, hh * 8 + u, H * 8));
+                        fetch_ahead(rec, share(Kind::Q8_0.record(), hh * 8 + u, H * 8));
                     }
                     let mut w = [s.zero(); V];
                     for (v, w) in w.iter_mut().enumerate() {
