@@ -126,12 +126,15 @@ struct Cached {
 const CACHE_ENTRIES: usize = 16;
 const CACHE_FILE: &str = "figures.json";
 
+/// What cached figures hold for: the device, the threads, the effort, the build, the kernel
+/// switches in the environment, and a marker renamed when the kernels' speed changes.
 fn cache_key(kind: &str, device: &str, threads: usize, effort: Effort) -> String {
     format!(
-        "{kind}|{device}|{threads}|{effort:?}|{}|{}|{}|packed-q4k-256",
+        "{kind}|{device}|{threads}|{effort:?}|{}|{}|{}|{}|packed-q4k-256-ahead",
         env!("CARGO_PKG_VERSION"),
         std::env::var("BRIGADE_CPU_KERNELS").unwrap_or_default(),
-        std::env::var("BRIGADE_CPU_PACK").unwrap_or_default()
+        std::env::var("BRIGADE_CPU_PACK").unwrap_or_default(),
+        std::env::var("BRIGADE_CPU_PREFETCH").unwrap_or_default()
     )
 }
 
