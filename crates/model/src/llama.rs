@@ -15,6 +15,7 @@ use candle_core::{DType, Device, Tensor, D};
 use std::sync::Arc;
 
 mod decode_attn;
+mod fused;
 mod rows;
 mod softmax;
 
@@ -161,6 +162,10 @@ pub struct Slice {
     sin: Tensor,
     n_ctx: usize,
     weight_bytes: u64,
+    /// Whether decode steps take the fused CPU path (`fused`): where the slice can
+    /// ([`Slice::decodes_on_slices`]) unless `BRIGADE_CPU_FUSED=off` or
+    /// [`Slice::set_fused_decode`] says otherwise.
+    fused: bool,
     span: tracing::Span,
 }
 
@@ -402,7 +407,7 @@ impl Slice {
         let cos = angles.cos()?.to_dtype(dtype)?.to_device(device)?;
         let sin = angles.sin()?.to_dtype(dtype)?.to_device(device)?;
         drop(_g);
-        Ok(Slice {
+        let mut slice = Slice {
             cfg,
             layers,
             device: device.clone(),
@@ -414,8 +419,18 @@ impl Slice {
             sin,
             n_ctx,
             weight_bytes,
+            fused: false,
             span,
-        })
+        };
+        slice.set_fused_decode(!crate::cpu_matmul::switched_off("BRIGADE_CPU_FUSED"));
+        Ok(slice)
+    }
+
+    /// Turns the fused CPU decode step on or off (on by default where the slice can take it;
+    /// the numbers are the same either way, see `fused`); returns whether it is on.
+    pub fn set_fused_decode(&mut self, on: bool) -> bool {
+        self.fused = on && self.decodes_on_slices();
+        self.fused
     }
 
     pub fn layers(&self) -> LayerRange {
@@ -516,8 +531,12 @@ impl Slice {
         } else {
             None
         };
-        for (block, kv) in self.blocks.iter().zip(cache.kv.iter_mut()) {
-            x = block.forward(&self.cfg, &x, kv, pos, &cos, &sin, mask.as_ref())?;
+        if t == 1 && self.fused {
+            x = self.decode_fused(&[&mut *cache], &x)?;
+        } else {
+            for (block, kv) in self.blocks.iter().zip(cache.kv.iter_mut()) {
+                x = block.forward(&self.cfg, &x, kv, pos, &cos, &sin, mask.as_ref())?;
+            }
         }
         cache.len = pos + t;
         match &self.head {

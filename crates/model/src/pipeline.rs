@@ -131,6 +131,12 @@ impl Pipeline {
         self.n_ctx
     }
 
+    /// Turns the fused CPU decode step on or off on every stage (see [`Slice::set_fused_decode`]:
+    /// the same numbers either way; for measuring it); returns how many stages run it.
+    pub fn set_fused_decode(&mut self, on: bool) -> usize {
+        self.stages.iter_mut().filter_map(|(_, s)| s.set_fused_decode(on).then_some(())).count()
+    }
+
     /// Decode steps so far (a one-token `forward` or a `forward_rows` of any number of sessions)
     /// and the seconds each stage computed in them.
     pub fn decode_timing(&self) -> DecodeTimes {

@@ -170,6 +170,63 @@ impl Linear {
         Tensor::cat(&parts, 0)
     }
 
+    /// Whether [`Linear::cpu_rows`] takes this weight: one held for brigade's CPU kernels (packed
+    /// or in the file's blocks, on the CPU), with no bias or an f32 one.
+    pub(crate) fn runs_on_slices(&self) -> bool {
+        let w = match &self.w {
+            LinearWeight::Packed(_) => true,
+            LinearWeight::Quant(q) => q.device().is_cpu(),
+            LinearWeight::Dense(_) => false,
+        };
+        w && self.bias.as_ref().is_none_or(|b| b.device().is_cpu() && b.dtype() == DType::F32)
+    }
+
+    /// `dst[m, out] = lhs[m, in] @ wᵀ (+ bias)` straight from slices of f32, for a weight that
+    /// [`Linear::runs_on_slices`]: the kernels and the grouping of rows of
+    /// [`Linear::forward_rows`], so each row's numbers are, bit for bit, those `forward_rows`
+    /// (and `forward` of that row alone) gives. The decode step of `llama::fused` calls it
+    /// without building a tensor per matmul.
+    pub(crate) fn cpu_rows(&self, m: usize, lhs: &[f32], dst: &mut [f32]) -> candle_core::Result<()> {
+        use crate::cpu_matmul::{matmul, matmul_packed, Isa, DECODE_ROWS};
+        let n = self.out_features();
+        let k = lhs.len().checked_div(m).unwrap_or(0);
+        if m.checked_mul(k) != Some(lhs.len()) || m.checked_mul(n) != Some(dst.len()) {
+            candle_core::bail!("{m} rows: {} inputs and {} outputs for a weight of {n} outputs", lhs.len(), dst.len())
+        }
+        match &self.w {
+            LinearWeight::Packed(p) => {
+                matmul_packed(p, m, lhs, dst, Isa::selected()).map_err(candle_core::Error::wrap)?;
+            }
+            LinearWeight::Quant(q) if q.device().is_cpu() => {
+                let data = q.data()?;
+                // groups of at most DECODE_ROWS rows, as `forward_rows` calls `forward`
+                for r in (0..m).step_by(DECODE_ROWS) {
+                    let g = DECODE_ROWS.min(m - r);
+                    let (x, y) = (&lhs[r * k..(r + g) * k], &mut dst[r * n..(r + g) * n]);
+                    matmul(q.dtype(), &data, (g, k, n), x, y, Isa::selected()).map_err(candle_core::Error::wrap)?;
+                }
+            }
+            _ => candle_core::bail!("this weight is not held for the CPU's kernels"),
+        }
+        if let Some(b) = &self.bias {
+            let (s, l) = b.storage_and_layout();
+            let (candle_core::Storage::Cpu(candle_core::CpuStorage::F32(v)), Some((o1, o2))) =
+                (&*s, l.contiguous_offsets())
+            else {
+                candle_core::bail!("the bias is not f32 on the CPU")
+            };
+            let b = &v[o1..o2];
+            if b.len() != n {
+                candle_core::bail!("a bias of {} values for a weight of {n} outputs", b.len())
+            }
+            for row in dst.chunks_exact_mut(n) {
+                // `broadcast_add`'s sum, element by element
+                row.iter_mut().zip(b).for_each(|(y, b)| *y += *b);
+            }
+        }
+        Ok(())
+    }
+
     pub fn out_features(&self) -> usize {
         match &self.w {
             LinearWeight::Quant(q) => q.shape().dims()[0],

@@ -119,25 +119,7 @@ fn f16_and_bf16_files_load_and_agree() {
 /// The same model with every quantized tensor replaced by its dequantization in f32 (ggml's
 /// dequantization, through candle): the exact weights the quantized file holds, computed in f32.
 fn dequantized_twin(path: &std::path::Path, out: &std::path::Path) -> ModelFiles {
-    use brigade_model::gguf::{write_gguf, GgmlType, Gguf, TensorSpec};
-    let bytes = std::fs::read(path).unwrap();
-    let g = Gguf::parse(&bytes).unwrap();
-    let files = ModelFiles::open(path).unwrap();
-    let md: Vec<_> = g.keys.iter().map(|k| (k.clone(), g.metadata[k].clone())).collect();
-    let specs: Vec<TensorSpec> = g
-        .tensors
-        .iter()
-        .map(|t| TensorSpec { name: t.name.clone(), dims: t.dims.clone(), dtype: GgmlType::F32 })
-        .collect();
-    let mut buf = Vec::new();
-    write_gguf(&mut buf, &md, &specs, |i, b| {
-        let t = files.dense(&specs[i].name, &candle_core::Device::Cpu, candle_core::DType::F32).unwrap();
-        b.extend(t.flatten_all().unwrap().to_vec1::<f32>().unwrap().iter().flat_map(|x| x.to_le_bytes()));
-        Ok(())
-    })
-    .unwrap();
-    std::fs::write(out, buf).unwrap();
-    ModelFiles::open(out).unwrap()
+    retyped(path, out, |_| true)
 }
 
 /// Max |Δ| ÷ max |logit| of `q` against `f`; argmax flips only between near-ties.
@@ -210,43 +192,7 @@ fn qwen2_biases() {
     let dir = tempfile::tempdir().unwrap();
     let llama = dir.path().join("llama");
     write_safetensors_dir(&llama, &small_shape(), SynthType::F32, 5, |_, _| {}).unwrap();
-    let make_qwen = |name: &str, scale: f32| -> std::path::PathBuf {
-        let q = dir.path().join(name);
-        std::fs::create_dir_all(&q).unwrap();
-        for f in ["tokenizer.json", "tokenizer_config.json"] {
-            std::fs::copy(llama.join(f), q.join(f)).unwrap();
-        }
-        let cfg = std::fs::read_to_string(llama.join("config.json")).unwrap();
-        std::fs::write(
-            q.join("config.json"),
-            cfg.replace("LlamaForCausalLM", "Qwen2ForCausalLM").replace("\"llama\"", "\"qwen2\""),
-        )
-        .unwrap();
-        let bytes = std::fs::read(llama.join("model.safetensors")).unwrap();
-        let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
-        let mut owned: Vec<(String, Vec<usize>, Vec<u8>)> =
-            st.tensors().into_iter().map(|(n, v)| (n, v.shape().to_vec(), v.data().to_vec())).collect();
-        let s = small_shape();
-        let hd = s.hidden / s.heads;
-        for i in 0..s.layers {
-            for (p, rows) in [("q", s.heads * hd), ("k", s.kv_heads * hd), ("v", s.kv_heads * hd)] {
-                let vals: Vec<f32> = (0..rows).map(|r| scale * (((r * 7 + i * 13) % 11) as f32 - 5.0) / 5.0).collect();
-                owned.push((
-                    format!("model.layers.{i}.self_attn.{p}_proj.bias"),
-                    vec![rows],
-                    vals.iter().flat_map(|x| x.to_le_bytes()).collect(),
-                ));
-            }
-        }
-        let views: Vec<(String, safetensors::tensor::TensorView)> = owned
-            .iter()
-            .map(|(n, sh, d)| {
-                (n.clone(), safetensors::tensor::TensorView::new(safetensors::Dtype::F32, sh.clone(), d).unwrap())
-            })
-            .collect();
-        safetensors::serialize_to_file(views, None, &q.join("model.safetensors")).unwrap();
-        q
-    };
+    let make_qwen = |name: &str, scale: f32| qwen2_twin(&llama, &dir.path().join(name), &small_shape(), scale);
     let base = ModelFiles::open(&llama).unwrap();
     let zero = ModelFiles::open(&make_qwen("qwen-zero", 0.0)).unwrap();
     let real = ModelFiles::open(&make_qwen("qwen", 0.5)).unwrap();

@@ -314,7 +314,7 @@ pub fn packs_on(dt: GgmlDType, isa: Isa) -> bool {
 
 /// Whether the environment variable `var` turns a kernel feature off (`off`, `0` or `no`), for
 /// measuring what the feature gives.
-fn switched_off(var: &str) -> bool {
+pub(crate) fn switched_off(var: &str) -> bool {
     std::env::var(var).is_ok_and(|v| matches!(v.trim(), "off" | "0" | "no"))
 }
 

@@ -86,7 +86,7 @@ impl CustomOp3 for DecodeAttention {
 ///
 /// The instruction set is the matmuls' ([`Isa::selected`]: `BRIGADE_CPU_KERNELS` applies); the
 /// lanes are summed in the same order on each, so the numbers are the same.
-fn head(q: &[f32], keys: &[f32], values: &[f32], scale: f32, hd: usize, w: &mut [f32], out: &mut [f32]) {
+pub(super) fn head(q: &[f32], keys: &[f32], values: &[f32], scale: f32, hd: usize, w: &mut [f32], out: &mut [f32]) {
     #[cfg(target_arch = "x86_64")]
     match Isa::selected() {
         // SAFETY: the selected instruction set is one this CPU has, and implies the features

@@ -6,7 +6,8 @@
 //! RoPE, the cache write and attention run per session on its own cache with the code of the
 //! one-session path. So a row's numbers never depend on which other rows share the step: the
 //! logits equal, bit for bit, those of [`Slice::forward`] for that session alone (on the CPU;
-//! candle's CUDA kernels promise no such thing).
+//! candle's CUDA kernels promise no such thing). On the CPU in f32 the step is the fused one
+//! ([`super::fused`]), which computes the same numbers row by row.
 
 use super::{attend, rms_norm, Slice, SliceCache, StageInput};
 use crate::weights::Linear;
@@ -35,20 +36,10 @@ impl Slice {
         if x.dim(1)? != 1 {
             return Err(ModelError::BadInput(format!("{} positions per row: a decode step takes one", x.dim(1)?)));
         }
-        let rope: Vec<(Tensor, Tensor)> = caches
-            .iter()
-            .map(|c| Ok((self.cos.narrow(0, c.len, 1)?, self.sin.narrow(0, c.len, 1)?)))
-            .collect::<candle_core::Result<_>>()?;
-        for (l, block) in self.blocks.iter().enumerate() {
-            let _b = block.span.enter();
-            let (q, k, v) = block.qkv(&self.cfg, &x, Linear::forward_rows)?;
-            let mut ys = Vec::with_capacity(n);
-            for (i, (cache, (cos, sin))) in caches.iter_mut().zip(&rope).enumerate() {
-                let row = |t: &Tensor| t.narrow(0, i, 1);
-                let pos = cache.len;
-                ys.push(attend(&self.cfg, (&row(&q)?, &row(&k)?, &row(&v)?), &mut cache.kv[l], pos, (cos, sin), None)?);
-            }
-            x = block.output(&self.cfg, &x, &Tensor::cat(&ys, 0)?, Linear::forward_rows)?;
+        if self.fused {
+            x = self.decode_fused(caches, &x)?;
+        } else {
+            self.rows_through_blocks(caches, &mut x)?;
         }
         for c in caches.iter_mut() {
             c.len += 1;
@@ -60,5 +51,26 @@ impl Slice {
                 Ok(head.out.forward_rows(&x)?.to_dtype(DType::F32)?)
             }
         }
+    }
+
+    /// The blocks of [`Slice::forward_rows`] as candle ops (where the fused step does not run).
+    fn rows_through_blocks(&self, caches: &mut [&mut SliceCache], x: &mut Tensor) -> Result<(), ModelError> {
+        let n = caches.len();
+        let rope: Vec<(Tensor, Tensor)> = caches
+            .iter()
+            .map(|c| Ok((self.cos.narrow(0, c.len, 1)?, self.sin.narrow(0, c.len, 1)?)))
+            .collect::<candle_core::Result<_>>()?;
+        for (l, block) in self.blocks.iter().enumerate() {
+            let _b = block.span.enter();
+            let (q, k, v) = block.qkv(&self.cfg, x, Linear::forward_rows)?;
+            let mut ys = Vec::with_capacity(n);
+            for (i, (cache, (cos, sin))) in caches.iter_mut().zip(&rope).enumerate() {
+                let row = |t: &Tensor| t.narrow(0, i, 1);
+                let pos = cache.len;
+                ys.push(attend(&self.cfg, (&row(&q)?, &row(&k)?, &row(&v)?), &mut cache.kv[l], pos, (cos, sin), None)?);
+            }
+            *x = block.output(&self.cfg, x, &Tensor::cat(&ys, 0)?, Linear::forward_rows)?;
+        }
+        Ok(())
     }
 }

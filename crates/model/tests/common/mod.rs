@@ -2,9 +2,10 @@
 #![allow(dead_code, clippy::unwrap_used)]
 
 use brigade_core::DeviceMap;
+use brigade_model::synth::Shape;
 use brigade_model::{Logits, ModelFiles, Pipeline};
 use candle_core::Tensor;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 
 pub fn repo_root() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../..")
@@ -61,4 +62,78 @@ pub fn max_abs_diff(a: &[Vec<f32>], b: &[Vec<f32>]) -> f32 {
 
 pub fn argmax(v: &[f32]) -> u32 {
     v.iter().enumerate().max_by(|a, b| a.1.total_cmp(b.1)).unwrap().0 as u32
+}
+
+/// A Qwen2 twin of the Hugging Face Llama directory `llama` (of `shape`) in `out`: the same
+/// weights and tokenizer plus q/k/v biases of `scale` × a fixed pattern in [-1, 1] (0: zero
+/// biases, where it computes exactly what the Llama checkpoint computes).
+pub fn qwen2_twin(llama: &Path, out: &Path, shape: &Shape, scale: f32) -> PathBuf {
+    std::fs::create_dir_all(out).unwrap();
+    for f in ["tokenizer.json", "tokenizer_config.json"] {
+        std::fs::copy(llama.join(f), out.join(f)).unwrap();
+    }
+    let cfg = std::fs::read_to_string(llama.join("config.json")).unwrap();
+    std::fs::write(
+        out.join("config.json"),
+        cfg.replace("LlamaForCausalLM", "Qwen2ForCausalLM").replace("\"llama\"", "\"qwen2\""),
+    )
+    .unwrap();
+    let bytes = std::fs::read(llama.join("model.safetensors")).unwrap();
+    let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+    let mut owned: Vec<(String, Vec<usize>, Vec<u8>)> =
+        st.tensors().into_iter().map(|(n, v)| (n, v.shape().to_vec(), v.data().to_vec())).collect();
+    let hd = shape.hidden / shape.heads;
+    for i in 0..shape.layers {
+        for (p, rows) in [("q", shape.heads * hd), ("k", shape.kv_heads * hd), ("v", shape.kv_heads * hd)] {
+            let vals: Vec<f32> = (0..rows).map(|r| scale * (((r * 7 + i * 13) % 11) as f32 - 5.0) / 5.0).collect();
+            owned.push((
+                format!("model.layers.{i}.self_attn.{p}_proj.bias"),
+                vec![rows],
+                vals.iter().flat_map(|x| x.to_le_bytes()).collect(),
+            ));
+        }
+    }
+    let views: Vec<(String, safetensors::tensor::TensorView)> = owned
+        .iter()
+        .map(|(n, sh, d)| {
+            (n.clone(), safetensors::tensor::TensorView::new(safetensors::Dtype::F32, sh.clone(), d).unwrap())
+        })
+        .collect();
+    safetensors::serialize_to_file(views, None, &out.join("model.safetensors")).unwrap();
+    out.to_path_buf()
+}
+
+/// The GGUF `path` written to `out` with the tensors `pick` names stored in f32 (ggml's
+/// dequantization, through candle: the exact weights the file holds) and the rest as they are.
+/// Every tensor: a quantized file's f32 twin; some: projections of different types, which
+/// cannot be stacked into one matmul (as llama.cpp's Q4_K_M stores v in q6_k).
+pub fn retyped(path: &Path, out: &Path, pick: impl Fn(&str) -> bool) -> ModelFiles {
+    use brigade_model::gguf::{GgmlType, TensorSpec};
+    let bytes = std::fs::read(path).unwrap();
+    let g = brigade_model::gguf::Gguf::parse(&bytes).unwrap();
+    let files = ModelFiles::open(path).unwrap();
+    let md: Vec<_> = g.keys.iter().map(|k| (k.clone(), g.metadata[k].clone())).collect();
+    let specs: Vec<TensorSpec> = g
+        .tensors
+        .iter()
+        .map(|t| TensorSpec {
+            name: t.name.clone(),
+            dims: t.dims.clone(),
+            dtype: if pick(&t.name) { GgmlType::F32 } else { t.dtype },
+        })
+        .collect();
+    let mut buf = Vec::new();
+    brigade_model::gguf::write_gguf(&mut buf, &md, &specs, |i, b| {
+        let name = &specs[i].name;
+        if pick(name) {
+            let t = files.dense(name, &candle_core::Device::Cpu, candle_core::DType::F32).unwrap();
+            b.extend(t.flatten_all().unwrap().to_vec1::<f32>().unwrap().iter().flat_map(|x| x.to_le_bytes()));
+        } else {
+            b.extend_from_slice(files.index().tensor_data(name).unwrap());
+        }
+        Ok(())
+    })
+    .unwrap();
+    std::fs::write(out, buf).unwrap();
+    ModelFiles::open(out).unwrap()
 }

@@ -1,0 +1,335 @@
+//! A decode step on the CPU in f32 without a tensor per op: one token for each of `n` sessions
+//! through every block of a slice, on slices of f32 held across the step.
+//!
+//! Through candle a decode step of one layer is some twenty ops (norm, matmul, three narrows and
+//! copies, two RoPEs, two cache writes, attention, reshapes, add, norm, matmul, SiLU, mul,
+//! matmul, add), each allocating its output, and the ones that are not matmuls run on the
+//! calling thread while the compute pool's other threads spin. Profiled on llama-1b Q4_K
+//! (2 threads, Intel Xeon AVX-512): 20% of a decode step was outside the matmuls, the second
+//! thread idle for half of it. Here the step runs on buffers allocated once per step; attention
+//! (each session's kv heads) and SiLU·up run on every thread of the pool, and the matmuls call
+//! the CPU kernels on slices ([`Linear::cpu_rows`]).
+//!
+//! **The numbers are candle's, bit for bit**: the norm, RoPE, SiLU and additions are candle's
+//! loops for f32 written out in the same order of operations (Rust does not contract a·b + c
+//! into an FMA, and `f32::exp` is the same libm call), the matmuls are the same kernels with
+//! the same grouping of rows, and attention is [`decode_attn`]'s. So a session decodes to the
+//! same logits with this path on or off (`BRIGADE_CPU_FUSED=off` turns it off, to measure it),
+//! and a row's numbers still do not depend on the rows beside it (batch invariance). Tested
+//! against the tensor path on every weight layout the CPU kernels have.
+
+use super::{decode_attn, Block, Proj, Slice, SliceCache};
+use crate::config::{ModelConfig, RopeStyle};
+use crate::weights::Linear;
+use crate::ModelError;
+use candle_core::{CpuStorage, InplaceOp1, Layout, Storage, StorageRef, Tensor};
+use std::ops::Range;
+use std::sync::Mutex;
+
+/// The f32 values of a contiguous CPU tensor, read-locked for as long as the view lives.
+struct View<'a> {
+    guard: StorageRef<'a>,
+    range: Range<usize>,
+}
+
+impl<'a> View<'a> {
+    fn of(t: &'a Tensor) -> candle_core::Result<Self> {
+        let (guard, layout) = t.storage_and_layout();
+        let Some((a, b)) = layout.contiguous_offsets() else {
+            candle_core::bail!("a fused decode step takes contiguous tensors, not {:?}", layout.shape().dims())
+        };
+        if !matches!(&*guard, Storage::Cpu(CpuStorage::F32(_))) {
+            candle_core::bail!("a fused decode step takes f32 tensors on the CPU, not {:?}", t.dtype())
+        }
+        Ok(View { guard, range: a..b })
+    }
+
+    fn get(&self) -> &[f32] {
+        match &*self.guard {
+            Storage::Cpu(CpuStorage::F32(v)) => &v[self.range.clone()],
+            // checked in `of`
+            _ => &[],
+        }
+    }
+}
+
+/// Writes one position's keys (or values) of every kv head, `row` (`kv heads × head_dim`), into
+/// a cache `(1, kv heads, n_ctx, head_dim)` at position `pos`: `slice_set`'s copy, in place.
+struct PutRow<'a> {
+    pos: usize,
+    row: &'a [f32],
+}
+
+impl InplaceOp1 for PutRow<'_> {
+    fn name(&self) -> &'static str {
+        "put-cache-row"
+    }
+
+    fn cpu_fwd(&self, storage: &mut CpuStorage, layout: &Layout) -> candle_core::Result<()> {
+        let CpuStorage::F32(v) = storage else { candle_core::bail!("the cache is not f32") };
+        let (b, nkv, n_ctx, hd) = layout.shape().dims4()?;
+        let Some((o1, o2)) = layout.contiguous_offsets() else { candle_core::bail!("the cache is not contiguous") };
+        if b != 1 || self.pos >= n_ctx || self.row.len() != nkv * hd {
+            candle_core::bail!(
+                "a row of {} values at position {} of a cache {:?}",
+                self.row.len(),
+                self.pos,
+                layout.shape().dims()
+            )
+        }
+        let v = &mut v[o1..o2];
+        for (h, src) in self.row.chunks_exact(hd).enumerate() {
+            v[(h * n_ctx + self.pos) * hd..][..hd].copy_from_slice(src);
+        }
+        Ok(())
+    }
+}
+
+/// Runs `f` on every unit of work on candle's CPU pool (the matmuls' threads, already spinning
+/// between ops), each unit on one thread.
+fn par_units<T: Send>(units: Vec<T>, f: impl Fn(&mut T) + Sync) {
+    let units: Vec<Mutex<T>> = units.into_iter().map(Mutex::new).collect();
+    candle_core::utils::barrier_pool().execute_chunked(units.len(), |range| {
+        for i in range {
+            // each unit is locked by the one thread that takes it
+            if let Ok(mut u) = units[i].lock() {
+                f(&mut u)
+            }
+        }
+    });
+}
+
+/// Columns of SiLU·up per unit of work on the pool.
+const ACT_CHUNK: usize = 1024;
+
+/// `candle_nn::ops::rms_norm` of each row of `x` (rows of `w.len()`), as candle's CPU loop
+/// computes it for f32.
+fn rms_norm_rows(x: &[f32], w: &[f32], eps: f32, out: &mut [f32]) {
+    let n = w.len();
+    for (src, dst) in x.chunks_exact(n).zip(out.chunks_exact_mut(n)) {
+        let sum2 = src.iter().map(|&v| v * v).sum::<f32>();
+        let m = (sum2 / n as f32 + eps).sqrt();
+        for ((d, s), a) in dst.iter_mut().zip(src).zip(w) {
+            *d = *s / m * *a
+        }
+    }
+}
+
+/// candle's `rope_i` (pairs 2i, 2i+1) or `rope` (pairs i, i + d/2) of one position, `src` as
+/// heads of `d`, with that position's `cos` and `sin` (`d / 2` each): candle's loops for one
+/// position in f32.
+fn rope(style: RopeStyle, src: &[f32], (cos, sin): (&[f32], &[f32]), d: usize, dst: &mut [f32]) {
+    for (s, o) in src.chunks_exact(d).zip(dst.chunks_exact_mut(d)) {
+        match style {
+            RopeStyle::Interleaved => {
+                for i in 0..d / 2 {
+                    let (a, b) = (s[2 * i], s[2 * i + 1]);
+                    o[2 * i] = a * cos[i] - b * sin[i];
+                    o[2 * i + 1] = a * sin[i] + b * cos[i];
+                }
+            }
+            RopeStyle::Halves => {
+                for i in 0..d / 2 {
+                    let (a, b) = (s[i], s[i + d / 2]);
+                    o[i] = a * cos[i] - b * sin[i];
+                    o[i + d / 2] = a * sin[i] + b * cos[i];
+                }
+            }
+        }
+    }
+}
+
+/// `x += y`, candle's `x + y`.
+fn add(x: &mut [f32], y: &[f32]) {
+    x.iter_mut().zip(y).for_each(|(x, y)| *x += *y);
+}
+
+/// The outputs of a [`Proj`] for `m` rows: part `p` (q, k, v or gate, up) of row `r`.
+enum ProjRows {
+    /// One buffer of rows of `width`, part `p` at `parts[p]` within each.
+    Stacked { y: Vec<f32>, width: usize, parts: Vec<Range<usize>> },
+    /// A buffer per part.
+    Separate(Vec<(Vec<f32>, usize)>),
+}
+
+impl ProjRows {
+    fn part(&self, p: usize, r: usize) -> &[f32] {
+        match self {
+            ProjRows::Stacked { y, width, parts } => &y[r * width..][parts[p].clone()],
+            ProjRows::Separate(v) => &v[p].0[r * v[p].1..][..v[p].1],
+        }
+    }
+}
+
+impl Proj {
+    fn runs_on_slices(&self) -> bool {
+        match self {
+            Proj::Stacked(l, _) => l.runs_on_slices(),
+            Proj::Separate(ls) => ls.iter().all(Linear::runs_on_slices),
+        }
+    }
+
+    /// [`Proj::forward`] of `m` rows on slices.
+    fn rows(&self, m: usize, lhs: &[f32]) -> candle_core::Result<ProjRows> {
+        Ok(match self {
+            Proj::Stacked(l, sizes) => {
+                let width: usize = sizes.iter().sum();
+                let mut y = vec![0f32; m * width];
+                l.cpu_rows(m, lhs, &mut y)?;
+                let mut at = 0;
+                let parts = sizes
+                    .iter()
+                    .map(|&n| {
+                        at += n;
+                        at - n..at
+                    })
+                    .collect();
+                ProjRows::Stacked { y, width, parts }
+            }
+            Proj::Separate(ls) => ProjRows::Separate(
+                ls.iter()
+                    .map(|l| {
+                        let n = l.out_features();
+                        let mut y = vec![0f32; m * n];
+                        l.cpu_rows(m, lhs, &mut y)?;
+                        Ok((y, n))
+                    })
+                    .collect::<candle_core::Result<_>>()?,
+            ),
+        })
+    }
+}
+
+fn is_cpu_f32(t: &Tensor) -> bool {
+    t.device().is_cpu() && t.dtype() == candle_core::DType::F32
+}
+
+impl Block {
+    /// Whether [`Block::decode`] can run this block: every matmul by the CPU's kernels, the
+    /// norms f32 on the CPU.
+    pub(super) fn runs_on_slices(&self) -> bool {
+        self.qkv.runs_on_slices()
+            && self.gate_up.runs_on_slices()
+            && self.wo.runs_on_slices()
+            && self.down.runs_on_slices()
+            && is_cpu_f32(&self.attn_norm)
+            && is_cpu_f32(&self.ffn_norm)
+    }
+
+    /// One token of each session through the block: `x` is `n × hidden` (row `i` session
+    /// `i`'s), updated in place; `kv[i]` is session `i`'s cache of this layer, written at
+    /// `pos[i]`; `rope` the rotary tables `(n_ctx, head_dim / 2)`.
+    fn decode(
+        &self,
+        cfg: &ModelConfig,
+        x: &mut [f32],
+        kv: &[&(Tensor, Tensor)],
+        pos: &[usize],
+        (cos, sin): (&[f32], &[f32]),
+    ) -> candle_core::Result<()> {
+        let n = pos.len();
+        let (hidden, nh, nkv, hd) = (cfg.hidden, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim);
+        let (qd, kd, half, g) = (nh * hd, nkv * hd, hd / 2, nh / nkv);
+        let eps = cfg.rms_eps as f32;
+        let mut h = vec![0f32; n * hidden];
+        rms_norm_rows(x, View::of(&self.attn_norm)?.get(), eps, &mut h);
+        let qkv = self.qkv.rows(n, &h)?;
+        let (mut q, mut k) = (vec![0f32; n * qd], vec![0f32; kd]);
+        for (i, (&p, (k_cache, v_cache))) in pos.iter().zip(kv.iter().map(|c| (&c.0, &c.1))).enumerate() {
+            let cs = (&cos[p * half..][..half], &sin[p * half..][..half]);
+            rope(cfg.rope_style, qkv.part(0, i), cs, hd, &mut q[i * qd..][..qd]);
+            rope(cfg.rope_style, qkv.part(1, i), cs, hd, &mut k);
+            k_cache.inplace_op1(&PutRow { pos: p, row: &k })?;
+            v_cache.inplace_op1(&PutRow { pos: p, row: qkv.part(2, i) })?;
+        }
+        drop(qkv);
+        // attention: one unit per session and kv head, each writing its g query heads' output
+        let mut y = vec![0f32; n * qd];
+        {
+            let caches = kv
+                .iter()
+                .map(|c| Ok((View::of(&c.0)?, View::of(&c.1)?, c.0.dim(2)?)))
+                .collect::<candle_core::Result<Vec<_>>>()?;
+            let scale = (1.0 / (hd as f64).sqrt()) as f32;
+            par_units(y.chunks_mut(g * hd).enumerate().collect(), |(u, out)| {
+                let (i, head) = (*u / nkv, *u % nkv);
+                let (kc, vc, n_ctx) = &caches[i];
+                let seen = pos[i] + 1;
+                let keys = &kc.get()[head * n_ctx * hd..][..seen * hd];
+                let values = &vc.get()[head * n_ctx * hd..][..seen * hd];
+                let mut w = vec![0f32; g * seen];
+                decode_attn::head(&q[i * qd + head * g * hd..][..g * hd], keys, values, scale, hd, &mut w, out);
+            });
+        }
+        let mut o = vec![0f32; n * hidden];
+        self.wo.cpu_rows(n, &y, &mut o)?;
+        add(x, &o);
+        rms_norm_rows(x, View::of(&self.ffn_norm)?.get(), eps, &mut h);
+        let gu = self.gate_up.rows(n, &h)?;
+        let ffn = self.down_inputs();
+        let mut act = vec![0f32; n * ffn];
+        let units = act
+            .chunks_mut(ffn.max(1))
+            .enumerate()
+            .flat_map(|(r, row)| row.chunks_mut(ACT_CHUNK).enumerate().map(move |(j, a)| (r, j * ACT_CHUNK, a)))
+            .collect();
+        par_units(units, |(r, c0, out)| {
+            let (gate, up) = (&gu.part(0, *r)[*c0..], &gu.part(1, *r)[*c0..]);
+            for ((a, &g), &u) in out.iter_mut().zip(gate).zip(up) {
+                // candle's SiLU for f32, then the product
+                *a = g / (1.0 + (-g).exp()) * u;
+            }
+        });
+        self.down.cpu_rows(n, &act, &mut o)?;
+        add(x, &o);
+        Ok(())
+    }
+
+    /// The feed-forward width (the down projection's input).
+    fn down_inputs(&self) -> usize {
+        match &self.gate_up {
+            Proj::Stacked(_, sizes) => sizes.get(1).copied().unwrap_or(0),
+            Proj::Separate(ls) => ls.get(1).map_or(0, Linear::out_features),
+        }
+    }
+}
+
+impl Slice {
+    /// Whether this slice can take the fused decode step: f32 on the CPU (where attention is
+    /// brigade's own), every block's matmuls by the CPU's kernels, rotary tables of half a head.
+    pub(super) fn decodes_on_slices(&self) -> bool {
+        super::own_cpu_attention(&self.device, self.dtype)
+            && self.blocks.iter().all(Block::runs_on_slices)
+            && self.cos.dims() == [self.n_ctx, self.cfg.head_dim / 2]
+            && self.cfg.head_dim.is_multiple_of(2)
+            && self.cfg.n_kv_heads > 0
+            && self.cfg.n_heads.is_multiple_of(self.cfg.n_kv_heads)
+    }
+
+    /// One token for each of `caches.len()` sessions through every block, `x` `(n, 1, hidden)`;
+    /// writes each cache at its length (the caller advances the lengths). Returns the blocks'
+    /// output `(n, 1, hidden)`.
+    pub(super) fn decode_fused(&self, caches: &[&mut SliceCache], x: &Tensor) -> Result<Tensor, ModelError> {
+        let n = caches.len();
+        if let Some(c) = caches.iter().find(|c| c.kv.len() != self.blocks.len()) {
+            return Err(ModelError::BadInput(format!(
+                "a cache of {} layers for slice {} of {} layers",
+                c.kv.len(),
+                self.layers,
+                self.blocks.len()
+            )));
+        }
+        let mut xs = x.flatten_all()?.to_vec1::<f32>()?;
+        if xs.len() != n * self.cfg.hidden {
+            return Err(ModelError::BadInput(format!("{} values for {n} rows of {}", xs.len(), self.cfg.hidden)));
+        }
+        let pos: Vec<usize> = caches.iter().map(|c| c.len).collect();
+        let (cos, sin) = (View::of(&self.cos)?, View::of(&self.sin)?);
+        for (l, block) in self.blocks.iter().enumerate() {
+            let _b = block.span.enter();
+            let kv: Vec<&(Tensor, Tensor)> = caches.iter().map(|c| &c.kv[l]).collect();
+            block.decode(&self.cfg, &mut xs, &kv, &pos, (cos.get(), sin.get()))?;
+        }
+        Ok(Tensor::from_vec(xs, (n, 1, self.cfg.hidden), &self.device)?)
+    }
+}

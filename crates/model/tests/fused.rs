@@ -1,0 +1,155 @@
+//! The fused CPU decode step (`llama::fused`) against the same step as candle ops: the same
+//! logits, bit for bit, for one session and for several decoded together, on every weight layout
+//! the CPU kernels have (packed, the file's blocks, floats; stacked and separate projections),
+//! both RoPE layouts, q/k/v biases, and a model cut into stages.
+#![allow(clippy::unwrap_used)]
+
+mod common;
+
+use brigade_model::synth::{write_gguf, write_safetensors_dir, Shape, SynthType};
+use brigade_model::{Logits, ModelFiles, Pipeline, Sampler, SamplerConfig, Session};
+use common::{pipeline, retyped};
+use std::path::Path;
+
+fn shape() -> Shape {
+    Shape { layers: 3, hidden: 256, ffn: 512, heads: 4, kv_heads: 2, vocab: 300, context: 512, rope_theta: 1e4 }
+}
+
+fn argmax(l: &[f32]) -> u32 {
+    Sampler::new(SamplerConfig::greedy()).sample(l, &[])
+}
+
+fn bits(rows: &[Vec<f32>]) -> Vec<u32> {
+    rows.iter().flatten().map(|x| x.to_bits()).collect()
+}
+
+fn prompt(len: usize, salt: u32, vocab: u32) -> Vec<u32> {
+    (0..len as u32).map(|i| 3 + (i * 31 + salt * 17) % (vocab - 3)).collect()
+}
+
+/// A 12-token prompt, then 6 greedy steps one token at a time: the decode steps' logits.
+fn one_session(p: &Pipeline, vocab: u32) -> Vec<Vec<f32>> {
+    let mut s = p.new_session().unwrap();
+    let mut l = p.prefill(&mut s, &prompt(12, 1, vocab), 512).unwrap();
+    let mut out = Vec::new();
+    for _ in 0..6 {
+        l = p.forward(&mut s, &[argmax(&l)], Logits::Last).unwrap().get(0).unwrap().to_vec1().unwrap();
+        out.push(l.clone());
+    }
+    assert_eq!(s.cache_lens(), vec![18; p.stages().count()]);
+    out
+}
+
+/// Three sessions with prompts of 3, 17 and 8 tokens decoded together for 5 steps: every row's
+/// logits at every step.
+fn three_rows(p: &Pipeline, vocab: u32) -> Vec<Vec<f32>> {
+    let mut sessions: Vec<(Session, Vec<f32>)> = [3, 17, 8]
+        .iter()
+        .enumerate()
+        .map(|(k, &len)| {
+            let mut s = p.new_session().unwrap();
+            let l = p.prefill(&mut s, &prompt(len, k as u32 + 2, vocab), 512).unwrap();
+            (s, l)
+        })
+        .collect();
+    let mut out = Vec::new();
+    for _ in 0..5 {
+        let tokens: Vec<u32> = sessions.iter().map(|s| argmax(&s.1)).collect();
+        let mut batch: Vec<&mut Session> = sessions.iter_mut().map(|s| &mut s.0).collect();
+        let rows = p.forward_rows(&mut batch, &tokens).unwrap();
+        for (s, l) in sessions.iter_mut().zip(rows) {
+            out.push(l.clone());
+            s.1 = l;
+        }
+    }
+    out
+}
+
+/// The fused step runs on every stage of `map` and gives, bit for bit, the logits of candle's ops.
+fn check(what: &str, files: &ModelFiles, map: &str) {
+    let vocab = files.config.vocab as u32;
+    let mut fused = pipeline(files, map, 128);
+    let stages = fused.stages().count();
+    assert_eq!(fused.set_fused_decode(true), stages, "{what}: the fused step does not run on every stage");
+    let mut ops = pipeline(files, map, 128);
+    assert_eq!(ops.set_fused_decode(false), 0);
+    let (a, b) = (one_session(&fused, vocab), one_session(&ops, vocab));
+    assert!(
+        bits(&a) == bits(&b),
+        "{what} {map}: one session's logits differ (max |Δ| {})",
+        common::max_abs_diff(&a, &b)
+    );
+    let (a, b) = (three_rows(&fused, vocab), three_rows(&ops, vocab));
+    assert!(bits(&a) == bits(&b), "{what} {map}: batched rows differ (max |Δ| {})", common::max_abs_diff(&a, &b));
+    // and the logits are a model's, not zeros
+    assert!(a.iter().flatten().any(|x| x.abs() > 1e-3), "{what}: logits all near 0");
+}
+
+fn synth(dir: &Path, ty: SynthType) -> ModelFiles {
+    let path = dir.join(format!("{ty:?}.gguf"));
+    write_gguf(&path, &shape(), ty, 11, |_, _| {}).unwrap();
+    ModelFiles::open(&path).unwrap()
+}
+
+#[test]
+fn fused_decode_equals_candle_ops_on_every_weight_layout() {
+    let dir = tempfile::tempdir().unwrap();
+    // Q4_K: packed where the CPU has int8 kernels; Q8_0: packed on AVX-512, the file's blocks
+    // elsewhere; Q4_0: the file's blocks (int8 vec-dots); F32 and F16: candle's vec-dots
+    for ty in [SynthType::Q4K, SynthType::Q8_0, SynthType::Q4_0, SynthType::F32, SynthType::F16] {
+        let files = synth(dir.path(), ty);
+        check(&format!("{ty:?}"), &files, "cpu:3");
+        check(&format!("{ty:?}"), &files, "cpu:1,cpu:2");
+    }
+    // separate projections: v and up in f32 beside Q4_K q, k and gate
+    let q4k = dir.path().join("Q4K.gguf");
+    let mixed =
+        retyped(&q4k, &dir.path().join("mixed.gguf"), |n| n.ends_with("attn_v.weight") || n.ends_with("ffn_up.weight"));
+    check("Q4_K with f32 v and up", &mixed, "cpu:3");
+}
+
+#[test]
+fn fused_decode_equals_candle_ops_on_hugging_face_layouts() {
+    let dir = tempfile::tempdir().unwrap();
+    // RoPE on halves, weights as safetensors floats
+    let llama = dir.path().join("llama");
+    write_safetensors_dir(&llama, &shape(), SynthType::F32, 5, |_, _| {}).unwrap();
+    let files = ModelFiles::open(&llama).unwrap();
+    assert_eq!(files.config.rope_style, brigade_model::config::RopeStyle::Halves);
+    check("safetensors", &files, "cpu:3");
+    // q/k/v biases (Qwen2)
+    let qwen = common::qwen2_twin(&llama, &dir.path().join("qwen"), &shape(), 0.5);
+    let files = ModelFiles::open(&qwen).unwrap();
+    assert!(files.config.qkv_bias);
+    check("qwen2 biases", &files, "cpu:2,cpu:1");
+}
+
+#[test]
+fn the_embedded_model_decodes_fused() {
+    check("stories260K", &common::stories_f32(), "cpu:5");
+}
+
+/// A GPU's activation type run on the CPU (bf16) does not take the fused step (it is f32 only)
+/// and still decodes.
+#[test]
+fn other_activation_types_keep_candle_ops() {
+    use brigade_core::LayerRange;
+    use brigade_model::Slice;
+    let files = common::stories_f32();
+    let n = files.config.n_layers;
+    let mut s =
+        Slice::load(&files, LayerRange::new(0, n).unwrap(), &candle_core::Device::Cpu, candle_core::DType::BF16, 32)
+            .unwrap();
+    assert!(!s.set_fused_decode(true));
+    let mut c = s.new_cache().unwrap();
+    let l = s.forward(&mut c, brigade_model::StageInput::Tokens(&[1, 5, 9]), Logits::Last).unwrap();
+    let l = s
+        .forward(
+            &mut c,
+            brigade_model::StageInput::Tokens(&[argmax(&l.flatten_all().unwrap().to_vec1().unwrap())]),
+            Logits::Last,
+        )
+        .unwrap();
+    assert_eq!(c.len(), 4);
+    assert!(l.flatten_all().unwrap().to_vec1::<f32>().unwrap().iter().all(|x| x.is_finite()));
+}
