@@ -91,6 +91,11 @@ pub fn instruction_sets() -> Vec<&'static str> {
                 f.push(name);
             }
         }
+        // the tile unit, where this process may use it (the CPU has it and Linux granted it)
+        #[cfg(target_os = "linux")]
+        if crate::cpu_matmul::amx::available() {
+            f.push("amx-int8");
+        }
     }
     #[cfg(target_arch = "aarch64")]
     f.push("neon");
@@ -130,11 +135,12 @@ const CACHE_FILE: &str = "figures.json";
 /// switches in the environment, and a marker renamed when the kernels' speed changes.
 fn cache_key(kind: &str, device: &str, threads: usize, effort: Effort) -> String {
     format!(
-        "{kind}|{device}|{threads}|{effort:?}|{}|{}|{}|{}|packed-q4k-256-ahead",
+        "{kind}|{device}|{threads}|{effort:?}|{}|{}|{}|{}|{}|packed-q4k-256-ahead-amx",
         env!("CARGO_PKG_VERSION"),
         std::env::var("BRIGADE_CPU_KERNELS").unwrap_or_default(),
         std::env::var("BRIGADE_CPU_PACK").unwrap_or_default(),
-        std::env::var("BRIGADE_CPU_PREFETCH").unwrap_or_default()
+        std::env::var("BRIGADE_CPU_PREFETCH").unwrap_or_default(),
+        std::env::var("BRIGADE_CPU_AMX").unwrap_or_default()
     )
 }
 

@@ -21,6 +21,9 @@
 //!   a panel of 32 (AVX-512) or 8 weight columns unpacked once per matmul, the columns in vector
 //!   lanes and each row's activations broadcast (see `lanes`: with VNNI one `vpdpbusd` per
 //!   weight and row, no horizontal sums).
+//! - Prompts (16 rows or more) on packed Q4_K go through Intel AMX where the CPU has it and
+//!   Linux grants it (`amx`: the same numbers, the integer sums from the tile unit);
+//!   `BRIGADE_CPU_AMX=off` keeps them on AVX-512.
 //! - The instruction set is chosen at run time ([`Isa`]): AVX-512 VNNI (`vpdpbusd` on zmm),
 //!   AVX-VNNI (ymm), AVX2, or none; `BRIGADE_CPU_KERNELS=avx512|avxvnni|avx2|portable` picks a
 //!   lesser one, to measure it.
@@ -49,6 +52,8 @@
 //! and int8 kernels for Q2_K/Q3_K (rare in practice).
 
 mod acts;
+#[cfg(all(target_arch = "x86_64", target_os = "linux"))]
+pub(crate) mod amx;
 pub mod blocks;
 #[cfg(target_arch = "x86_64")]
 mod lanes;
@@ -275,6 +280,10 @@ pub fn kernels(dt: GgmlDType) -> (&'static str, &'static str) {
     let isa = Isa::selected();
     if packs_on(dt, isa) {
         let k = Kernel::Packed(isa).describe(dt);
+        #[cfg(all(target_arch = "x86_64", target_os = "linux"))]
+        if dt == GgmlDType::Q4K && isa == Isa::Avx512Vnni && amx::available() {
+            return (k, "brigade AMX int8 tiles, 16 rows × 16 columns (fewer rows: AVX-512 VNNI), weights packed at load (activations int8 per 256)");
+        }
         return (k, k);
     }
     (Kernel::choose(dt, 1).describe(dt), Kernel::choose(dt, DECODE_ROWS + 1).describe(dt))

@@ -49,7 +49,7 @@ struct Line([u8; 64]);
 
 /// The packed types.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Kind {
+pub(super) enum Kind {
     Q4K,
     Q6K,
     Q8_0,
@@ -95,7 +95,7 @@ pub fn packs(dt: GgmlDType) -> bool {
 
 /// A weight `[n, k]` repacked for the int8 kernels (see the module documentation).
 pub struct Packed {
-    kind: Kind,
+    pub(super) kind: Kind,
     dt: GgmlDType,
     n: usize,
     k: usize,
@@ -154,7 +154,7 @@ impl Packed {
         (self.n, self.k)
     }
 
-    /// Bytes held: the file's for this weight, columns rounded up to [`COLS`].
+    /// Bytes held: the file's for this weight, columns rounded up to `COLS` (32).
     pub fn storage_bytes(&self) -> usize {
         self.lines.len() * 64
     }
@@ -165,12 +165,12 @@ impl Packed {
     }
 
     /// Blocks of `k` per column.
-    fn bpr(&self) -> usize {
+    pub(super) fn bpr(&self) -> usize {
         self.k / self.kind.block()
     }
 
     /// Where column block `cb`'s records start.
-    fn column_block(&self, cb: usize) -> *const u8 {
+    pub(super) fn column_block(&self, cb: usize) -> *const u8 {
         self.bytes()[cb * self.bpr() * self.kind.record()..].as_ptr()
     }
 
@@ -328,6 +328,48 @@ fn share(bytes: usize, slot: usize, slots: usize) -> std::ops::Range<usize> {
 /// from 47 to 62 (`cpu_kernels`, one thread, AMD EPYC forced to AVX2).
 const ROWS: usize = 4;
 
+/// A Q4_K record's mins (words 1 and 2 of its columns) as i16 pairs for `vpmaddwd`: mins 0..4
+/// are the low 6 bits of word 1; 4..8 the high nibbles of word 2 and the top 2 bits of word 1's
+/// bytes; pairs (0, 2), (1, 3), (4, 6), (5, 7), as `Q8KRows::bs32` orders the row's sums.
+#[inline(always)]
+pub(super) fn q4k_mins<S: Simd>(s: S, w1: S::I, w2: S::I) -> [S::I; 4] {
+    let (low4, low6, hi2) = (s.set1_i32(0x0f0f_0f0f), s.set1_i32(0x3f3f_3f3f), s.set1_i32(0x3030_3030));
+    let pairs = s.set1_i32(0x00ff_00ff);
+    let m_lo = s.and(w1, low6);
+    let m_hi = s.or(s.and(s.shr32(w2, 4), low4), s.and(s.shr32(w1, 2), hi2));
+    [s.and(m_lo, pairs), s.and(s.shr32(m_lo, 8), pairs), s.and(m_hi, pairs), s.and(s.shr32(m_hi, 8), pairs)]
+}
+
+/// `acc` plus one super-block of Q4_K for activation row and super-block `at` of `x`: `isum`
+/// (`Σ_t sc_t·Σ q·x` per column) times `d·d_x`, less `dmin·d_x·Σ m·Σx` (the mins `m` of
+/// [`q4k_mins`] against the row's sums per 32). The float steps of every Q4_K packed kernel
+/// (AVX-512 and AMX alike), so that they give the same numbers.
+///
+/// # Safety
+/// `at` is a row and super-block of `x`.
+#[inline(always)]
+pub(super) unsafe fn q4k_step<S: Simd>(
+    s: S,
+    acc: S::F,
+    isum: S::I,
+    m: &[S::I; 4],
+    (d, dmin): (S::F, S::F),
+    x: &Q8KRows,
+    at: usize,
+) -> S::F {
+    // SAFETY: the caller's contract: 8 sums at 8·at, a scale at `at`
+    unsafe {
+        let bs = x.bs32.as_ptr().add(8 * at).cast::<i8>();
+        let mut mm = s.madd(m[0], s.bcast32(bs));
+        for (j, m) in m.iter().enumerate().skip(1) {
+            mm = s.add32(mm, s.madd(*m, s.bcast32(bs.add(4 * j))));
+        }
+        let dx = *x.d.get_unchecked(at);
+        let acc = s.fmadd(s.cvt(isum), s.mul(d, s.set1(dx)), acc);
+        s.fmadd(s.cvt(mm), s.mul(dmin, s.set1(-dx)), acc)
+    }
+}
+
 /// Rows `r0..r0 + R` × columns `h..h + V·W/4` of a column block of Q4_K: per sub-block of 32
 /// `Σ q·x` in i32 lanes times its scale, per super-block that sum times `d·d_x`, less
 /// `dmin·d_x · Σ m·Σx` (`vpmaddwd` of the mins against the row's sums per 32). With `fetch`
@@ -348,7 +390,6 @@ unsafe fn tile_q4k<S: Simd, const V: usize, const H: usize, const R: usize>(
     let l = S::W / 4;
     let (low4, low6, hi2, ff) =
         (s.set1_i32(0x0f0f_0f0f), s.set1_i32(0x3f3f_3f3f), s.set1_i32(0x3030_3030), s.set1_i32(0xff));
-    let pairs = s.set1_i32(0x00ff_00ff);
     let mut acc = [[[s.zero_f(); V]; R]; H];
     for b in 0..bpr {
         // SAFETY: record b of the column block (the caller's contract); every offset below is
@@ -398,29 +439,12 @@ unsafe fn tile_q4k<S: Simd, const V: usize, const H: usize, const R: usize>(
                     }
                 }
                 for v in 0..V {
-                    // mins 0..4: low 6 bits of word 1; 4..8: high nibbles of word 2 and the top 2
-                    // bits of word 1's bytes; as i16 pairs (0, 2), (1, 3), (4, 6), (5, 7)
-                    let (w1, w2) = (s.load(word(1, v)), s.load(word(2, v)));
-                    let m_lo = s.and(w1, low6);
-                    let m_hi = s.or(s.and(s.shr32(w2, 4), low4), s.and(s.shr32(w1, 2), hi2));
-                    let m = [
-                        s.and(m_lo, pairs),
-                        s.and(s.shr32(m_lo, 8), pairs),
-                        s.and(m_hi, pairs),
-                        s.and(s.shr32(m_hi, 8), pairs),
-                    ];
+                    let m = q4k_mins(s, s.load(word(1, v)), s.load(word(2, v)));
                     let d = s.load_f16(rec.add(4480 + 2 * (h + v * l)));
                     let dmin = s.load_f16(rec.add(4544 + 2 * (h + v * l)));
                     for (i, acc) in acc.iter_mut().enumerate() {
                         let at = (r0 + i) * bpr + b;
-                        let bs = x.bs32.as_ptr().add(8 * at).cast::<i8>();
-                        let mut mm = s.madd(m[0], s.bcast32(bs));
-                        for (j, m) in m.iter().enumerate().skip(1) {
-                            mm = s.add32(mm, s.madd(*m, s.bcast32(bs.add(4 * j))));
-                        }
-                        let dx = *x.d.get_unchecked(at);
-                        acc[v] = s.fmadd(s.cvt(isum[i][v]), s.mul(d, s.set1(dx)), acc[v]);
-                        acc[v] = s.fmadd(s.cvt(mm), s.mul(dmin, s.set1(-dx)), acc[v]);
+                        acc[v] = q4k_step(s, acc[v], isum[i][v], &m, (d, dmin), x, at);
                     }
                 }
             }
@@ -637,20 +661,20 @@ unsafe fn put<S: Simd, const V: usize, const H: usize, const R: usize>(
     }
 }
 
-/// Every row of `out` at the columns of block `cb`: tiles of [`ROWS`] rows (fewer at the end)
+/// Rows `from..` of `out` at the columns of block `cb`: tiles of [`ROWS`] rows (fewer at the end)
 /// × the block's columns, as 2 zmm vectors or 4 chunks of 1 ymm vector.
 ///
 /// # Safety
 /// `cb` is a column block of `w`; `x` holds `out.m` rows quantized for `w`'s type; only this
 /// call writes those columns.
 #[inline(always)]
-pub unsafe fn column_block<S: Simd>(s: S, w: &Packed, cb: usize, x: Acts<'_>, out: Out) {
+pub unsafe fn column_block<S: Simd>(s: S, w: &Packed, cb: usize, x: Acts<'_>, out: Out, from: usize) {
     if S::W == 64 {
         // SAFETY: the caller's contract
-        unsafe { rows_of::<S, 2, 1, ROWS>(s, w, cb, x, out) }
+        unsafe { rows_of::<S, 2, 1, ROWS>(s, w, cb, x, out, from) }
     } else {
         // SAFETY: the caller's contract
-        unsafe { rows_of::<S, 1, 4, ROWS>(s, w, cb, x, out) }
+        unsafe { rows_of::<S, 1, 4, ROWS>(s, w, cb, x, out, from) }
     }
 }
 
@@ -665,11 +689,12 @@ unsafe fn rows_of<S: Simd, const V: usize, const H: usize, const R: usize>(
     cb: usize,
     x: Acts<'_>,
     out: Out,
+    from: usize,
 ) {
     debug_assert_eq!(H * V * S::W / 4, COLS);
     let p = w.column_block(cb);
     let c0 = cb * COLS;
-    let mut r0 = 0;
+    let mut r0 = from;
     // SAFETY: the caller's contract; each tile's rows are below out.m
     unsafe {
         while r0 + R <= out.m {
@@ -697,12 +722,31 @@ pub unsafe fn matmul<S: Simd>(s: S, w: &Packed, m: usize, lhs: &[f32], dst: &mut
         candle_core::utils::barrier_pool().execute_chunked(w.blocks(), |blocks| {
             for cb in blocks {
                 // SAFETY: each column block writes its own columns of every row
-                unsafe { s.packed_block(w, cb, x, out) }
+                unsafe { s.packed_block(w, cb, x, out, 0) }
             }
         })
     };
     match w.kind {
         Kind::Q8_0 => run(Acts::Q0(&Q8Rows::new(lhs, (m, k), m, k / 32, 0))),
+        #[cfg(target_os = "linux")]
+        Kind::Q4K if m >= super::amx::ROWS && S::W == 64 && super::amx::available() => {
+            let x = Q8KRows::new(lhs, (m, k), m);
+            let (z, whole) = (super::simd::Zmm::new(), m - m % super::amx::ROWS);
+            let a = super::amx::APanel::new(&x, whole, k / 256);
+            candle_core::utils::barrier_pool().execute_chunked(w.blocks(), |blocks| {
+                let Some(z) = z else { return };
+                // SAFETY: AMX is available (checked above)
+                let _tiles = unsafe { super::amx::Tiles::configure() };
+                for cb in blocks {
+                    // SAFETY: each column block writes its own columns of every row: rows
+                    // 0..whole through the tile unit, the rest as above (the same numbers)
+                    unsafe {
+                        super::amx::q4k_rows(z, w, cb, &x, &a, out, whole);
+                        s.packed_block(w, cb, Acts::K(&x), out, whole);
+                    }
+                }
+            })
+        }
         _ => run(Acts::K(&Q8KRows::new(lhs, (m, k), m))),
     }
 }

@@ -124,7 +124,7 @@ pub trait Simd: Copy + Send + Sync + 'static {
     ///
     /// # Safety
     /// As [`packed::column_block`].
-    unsafe fn packed_block(self, w: &Packed, cb: usize, x: Acts<'_>, out: Out);
+    unsafe fn packed_block(self, w: &Packed, cb: usize, x: Acts<'_>, out: Out, from: usize);
 
     /// [`lanes::q0_block`] compiled for this instruction set.
     ///
@@ -278,9 +278,9 @@ macro_rules! entry_points {
             }
 
             #[target_feature(enable = $features)]
-            pub unsafe fn packed_block(s: $isa, w: &Packed, cb: usize, x: Acts<'_>, out: Out) {
+            pub unsafe fn packed_block(s: $isa, w: &Packed, cb: usize, x: Acts<'_>, out: Out, from: usize) {
                 // SAFETY: the caller's contract
-                unsafe { packed::column_block::<$isa>(s, w, cb, x, out) }
+                unsafe { packed::column_block::<$isa>(s, w, cb, x, out, from) }
             }
         }
     };
@@ -335,10 +335,10 @@ macro_rules! forward_entries {
             unsafe { match $on { $($p => $module::k_lanes($token, w, bpr, cols, x, out, p)),+ } }
         }
 
-        unsafe fn packed_block(self, w: &Packed, cb: usize, x: Acts<'_>, out: Out) {
+        unsafe fn packed_block(self, w: &Packed, cb: usize, x: Acts<'_>, out: Out, from: usize) {
             let $s = self;
             // SAFETY: as above
-            unsafe { match $on { $($p => $module::packed_block($token, w, cb, x, out)),+ } }
+            unsafe { match $on { $($p => $module::packed_block($token, w, cb, x, out, from)),+ } }
         }
 
     };

@@ -1,0 +1,408 @@
+//! Prompts on packed Q4_K weights through Intel AMX, the tile unit of Xeons since Sapphire
+//! Rapids: one `tdpbssd` multiplies 16 activation rows by 16 weight columns over 64 weights
+//! (16 384 products, ~5 ns on the 2-vCPU Xeon this was written on), where AVX-512 VNNI does 64
+//! per `vpdpbusd`.
+//!
+//! The numbers are the AVX-512 packed kernel's (`packed::tile_q4k`), bit for bit: the tile unit
+//! only replaces the integer part, a super-block's `Σ_t sc_t · Σ q·x` of a row and a column,
+//! which is exact in i32 either way (see [`q4k_rows`] for how the scales get into the tiles);
+//! the mins (`vpmaddwd`) and every float step are that kernel's operations in its order,
+//! through the same `Simd` calls. So a prompt row still gets a decode row's numbers, and a
+//! row's result does not depend on how many rows there are (batch invariance): tested against
+//! the AVX-512 kernel.
+//!
+//! Per column block (32 columns) the weights are unpacked once into B tiles (`unpack`), each
+//! group of 16 activation rows is regrouped once per matmul into A tiles ([`APanel`]), and a
+//! super-block of a group is 16 `tdpbssd` (`products`) then one pass of AVX-512 over the four
+//! C tiles. Rows past the last whole group of 16 take the AVX-512 kernel. From 160 to 250
+//! GMAC/s on one thread (`cpu_kernels q4_k 256 2048 16384 avx512`, `BRIGADE_CPU_AMX=off` and
+//! on). A first version with one `tdpbssd` per sub-block of 32 and the scales applied after
+//! each (`vpmulld`, as the AVX-512 kernel does) reached 185–205: the stores and reloads of a
+//! C tile per sub-block cost more than the tile unit's work. Written with inline assembly
+//! because stable Rust has no AMX intrinsics; the tile registers are no one else's in this
+//! process.
+//!
+//! Linux grants a process the tile registers' state only when it asks (`arch_prctl`
+//! `ARCH_REQ_XCOMP_PERM`); [`available`] asks once, and says no where the CPU lacks AMX-INT8,
+//! the kernel refuses, or `BRIGADE_CPU_AMX=off`.
+
+use super::acts::Q8KRows;
+use super::packed::{q4k_mins, q4k_step, Kind, Packed, COLS};
+use super::simd::{Simd, Zmm};
+use super::tiles::Out;
+use std::arch::asm;
+use std::cell::RefCell;
+use std::sync::OnceLock;
+
+/// Rows of activations per A tile (and of a C tile): the tile unit's maximum.
+pub const ROWS: usize = 16;
+
+/// Whether this process may run AMX-INT8 (see the module documentation). Decided once.
+pub fn available() -> bool {
+    static ON: OnceLock<bool> = OnceLock::new();
+    *ON.get_or_init(|| {
+        if super::switched_off("BRIGADE_CPU_AMX") || Zmm::new().is_none() || !cpu_has_amx_int8() {
+            return false;
+        }
+        // ARCH_REQ_XCOMP_PERM for XFEATURE_XTILEDATA: the tile data is then saved and restored
+        // with every thread's state; process-wide
+        const ARCH_REQ_XCOMP_PERM: libc::c_long = 0x1023;
+        const XFEATURE_XTILEDATA: libc::c_long = 18;
+        // SAFETY: a syscall with two integer arguments, no memory
+        let r = unsafe { libc::syscall(libc::SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) };
+        if r != 0 {
+            tracing::info!(
+                "AMX: the kernel refused the tile state ({}); AVX-512 kernels instead",
+                std::io::Error::last_os_error()
+            );
+        }
+        r == 0
+    })
+}
+
+/// CPUID leaf 7: AMX-TILE (EDX bit 24) and AMX-INT8 (bit 25), and the OS saving the tile state
+/// (XCR0 bits 17 and 18, through OSXSAVE).
+fn cpu_has_amx_int8() -> bool {
+    use std::arch::x86_64::{__cpuid, __cpuid_count};
+    let (max, l1, l7) = (__cpuid(0).eax, __cpuid(1), __cpuid_count(7, 0));
+    if max < 7 || l7.edx & (1 << 24) == 0 || l7.edx & (1 << 25) == 0 || l1.ecx & (1 << 27) == 0 {
+        return false;
+    }
+    // SAFETY: OSXSAVE (checked above) makes XGETBV with ECX = 0 valid
+    let xcr0 = unsafe { std::arch::x86_64::_xgetbv(0) };
+    xcr0 & (0b11 << 17) == 0b11 << 17
+}
+
+/// The tile configuration (palette 1): every tile 16 rows × 64 bytes. tmm0–tmm3 = C (16 rows ×
+/// 16 i32: the two products of each half, see [`q4k_rows`]), tmm4 = A (16 activation rows × 64
+/// weights), tmm5–tmm7 = B (16 rows of 4 weights × 16 columns).
+#[repr(C, align(64))]
+struct Config {
+    palette: u8,
+    start_row: u8,
+    reserved: [u8; 14],
+    colsb: [u16; 16],
+    rows: [u8; 16],
+}
+
+const CONFIG: Config = {
+    let mut c = Config { palette: 1, start_row: 0, reserved: [0; 14], colsb: [0; 16], rows: [0; 16] };
+    let mut t = 0;
+    while t < 8 {
+        c.colsb[t] = 64;
+        c.rows[t] = ROWS as u8;
+        t += 1;
+    }
+    c
+};
+
+/// The tiles configured on this thread for as long as it lives.
+pub struct Tiles(());
+
+impl Tiles {
+    /// # Safety
+    /// [`available`] said yes.
+    pub unsafe fn configure() -> Tiles {
+        // SAFETY: AMX is available (the caller's contract); the configuration is 64 valid bytes
+        unsafe { asm!("ldtilecfg [{}]", in(reg) &CONFIG as *const Config, options(nostack, readonly)) };
+        Tiles(())
+    }
+}
+
+impl Drop for Tiles {
+    fn drop(&mut self) {
+        // SAFETY: configured by `configure`, so AMX is available
+        unsafe { asm!("tilerelease", options(nostack, nomem)) }
+    }
+}
+
+/// One cache line: a tile row.
+#[derive(Clone, Copy)]
+#[repr(C, align(64))]
+struct Line([u8; 64]);
+
+/// Lines per tile.
+const TILE: usize = ROWS;
+
+/// The activations of the whole groups of 16 rows as A tiles: tile `(g, blk, s)` (group,
+/// super-block, step of 64 weights) at line `((g·bpr + blk)·4 + s)·16`, row `i` its line `i`.
+/// Read straight from [`Q8KRows`] a tile's rows are `k` bytes apart, the same few cache sets
+/// for every row (`k` a multiple of 2048), and the loads were a third of the kernel's time.
+pub struct APanel {
+    lines: Vec<Line>,
+    bpr: usize,
+}
+
+impl APanel {
+    /// The first `rows` (a multiple of [`ROWS`]) rows of `x`, of `bpr` super-blocks; groups of
+    /// rows on candle's pool.
+    pub fn new(x: &Q8KRows, rows: usize, bpr: usize) -> APanel {
+        let per_group = bpr * 4 * TILE;
+        let mut lines = vec![Line([0; 64]); rows / ROWS * per_group];
+        let groups: Vec<std::sync::Mutex<&mut [Line]>> =
+            lines.chunks_mut(per_group.max(1)).map(std::sync::Mutex::new).collect();
+        candle_core::utils::barrier_pool().execute_chunked(groups.len(), |range| {
+            for g in range {
+                // each group's lines are locked by the one thread that fills them
+                let Ok(mut dst) = groups[g].lock() else { continue };
+                for (l, line) in dst.iter_mut().enumerate() {
+                    let (blk, s, i) = (l / (4 * TILE), l / TILE % 4, l % TILE);
+                    let src = &x.qs[((g * ROWS + i) * bpr + blk) * 256 + 64 * s..][..64];
+                    for (d, q) in line.0.iter_mut().zip(src) {
+                        *d = *q as u8;
+                    }
+                }
+            }
+        });
+        drop(groups);
+        APanel { lines, bpr }
+    }
+
+    /// Group `g`'s four A tiles of super-block `blk`.
+    fn tiles(&self, g: usize, blk: usize) -> *const Line {
+        self.lines[(g * self.bpr + blk) * 4 * TILE..][..4 * TILE].as_ptr()
+    }
+}
+
+thread_local! {
+    /// A column block's B tiles (see [`unpack`]).
+    static B_TILES: RefCell<Vec<Line>> = const { RefCell::new(Vec::new()) };
+}
+
+/// Lines of B tiles per super-block of a column block: 2 halves × 2 parts × 4 steps × 16 rows.
+const B_LINES: usize = 2 * 2 * 4 * TILE;
+
+/// Rows `0..rows` (a multiple of [`ROWS`]) of `out` at the columns of block `cb` of the packed
+/// Q4_K weight `w`.
+///
+/// The sub-block scales go into the weights, so that a super-block is four `tdpbssd` of 64
+/// weights per product with no step between sub-blocks: a weight times its sub-block's scale
+/// (`q·sc`, up to 15·63) does not fit a byte, but with `sc = sa + 8·sb` (each below 8) both
+/// `q·sa` and `q·sb` do (at most 105), and `Σ q·sc·x = Σ (q·sa)·x + 8·Σ (q·sb)·x` exactly: the
+/// integer `tile_q4k` gets from its per-sub-block products and `vpmulld`s.
+///
+/// # Safety
+/// [`Tiles::configure`] ran on this thread; `w` is Q4_K; `cb` is a column block of `w`; `x`
+/// holds at least `rows ≤ out.m` rows quantized from `w.k` columns and `a` its first `rows`;
+/// only this call writes those columns of those rows.
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
+pub unsafe fn q4k_rows(s: Zmm, w: &Packed, cb: usize, x: &Q8KRows, a: &APanel, out: Out, rows: usize) {
+    debug_assert!(w.kind == Kind::Q4K && rows.is_multiple_of(ROWS) && rows <= out.m);
+    let bpr = w.bpr();
+    let p = w.column_block(cb);
+    B_TILES.with(|b| {
+        let mut b = b.borrow_mut();
+        if b.len() < bpr * B_LINES {
+            b.resize(bpr * B_LINES, Line([0; 64]));
+        }
+        // SAFETY: the records of the column block (the caller's contract); `b` holds
+        // bpr × B_LINES lines
+        unsafe {
+            unpack(p, bpr, &mut b);
+            for r0 in (0..rows).step_by(ROWS) {
+                let acc = group(s, p, &b, x, a, bpr, r0);
+                for (half, acc) in acc.iter().enumerate() {
+                    put(s, acc, r0, cb * COLS + 16 * half, out);
+                }
+            }
+        }
+    })
+}
+
+/// The B tiles of a column block: for super-block `blk`, half `h` (16 columns), part `q` (`q·sa`
+/// or `q·sb`) and step `st` (weights `64st..64st + 64`), the tile at line
+/// `(((blk·2 + h)·2 + q)·4 + st)·16`, its row `r` holding weights `64st + 4r..+4` of each column
+/// (4 bytes per column).
+///
+/// # Safety
+/// `p` is a Q4_K column block of `bpr` records; `b` holds `bpr · B_LINES` lines.
+#[inline(always)]
+unsafe fn unpack(p: *const u8, bpr: usize, b: &mut [Line]) {
+    use std::arch::x86_64::*;
+    // SAFETY: AVX-512 BW (the caller's target features); every address inside the record or `b`
+    unsafe {
+        let (low4, low6, hi2, ff) = (
+            _mm512_set1_epi32(0x0f0f_0f0f),
+            _mm512_set1_epi32(0x3f3f_3f3f),
+            _mm512_set1_epi32(0x3030_3030),
+            _mm512_set1_epi32(0xff),
+        );
+        for blk in 0..bpr {
+            let rec = p.add(blk * 4608);
+            for h in 0..2 {
+                let word = |w: usize| rec.add(4096 + (32 * w + 16 * h) * 4).cast::<__m512i>();
+                let (w0, w2) = (_mm512_loadu_si512(word(0)), _mm512_loadu_si512(word(2)));
+                let lo_sc = _mm512_and_si512(w0, low6);
+                let hi_sc =
+                    _mm512_or_si512(_mm512_and_si512(w2, low4), _mm512_and_si512(_mm512_srli_epi32(w0, 2), hi2));
+                let tiles = &mut b[(blk * 2 + h) * 2 * 4 * TILE..][..2 * 4 * TILE];
+                for u in 0..32 {
+                    let t = u / 4;
+                    // the scale of sub-block t, as `tile_q4k` unpacks it
+                    let bytes = if t < 4 { lo_sc } else { hi_sc };
+                    let sc = _mm512_and_si512(_mm512_srlv_epi32(bytes, _mm512_set1_epi32(8 * (t as i32 % 4))), ff);
+                    let (sa, sb) = (_mm512_and_si512(sc, _mm512_set1_epi32(7)), _mm512_srli_epi32(sc, 3));
+                    let q = _mm512_loadu_si512(rec.add((32 * u + 16 * h) * 4).cast());
+                    // unit u holds weights 8u..8u + 4 (low nibbles) and 8u + 4..8u + 8 (high):
+                    // groups of 4 weights 2u and 2u + 1, step (2u) / 16, rows (2u) % 16 and next
+                    let (lo, hi) = (_mm512_and_si512(q, low4), _mm512_and_si512(_mm512_srli_epi32(q, 4), low4));
+                    let (st, r) = (u / 8, (2 * u) % 16);
+                    for (part, sx) in [sa, sb].into_iter().enumerate() {
+                        let at = (part * 4 + st) * TILE + r;
+                        _mm512_storeu_si512(tiles[at].0.as_mut_ptr().cast(), times(lo, sx));
+                        _mm512_storeu_si512(tiles[at + 1].0.as_mut_ptr().cast(), times(hi, sx));
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// `q·sc` per byte for bytes `q` below 16 and `sc` below 8 in each i32 lane (the column's
+/// scale): i16 products of the even and the odd bytes, each below 256, back into bytes.
+///
+/// # Safety
+/// Inlined into a function with AVX-512 BW.
+#[inline(always)]
+unsafe fn times(q: std::arch::x86_64::__m512i, sc: std::arch::x86_64::__m512i) -> std::arch::x86_64::__m512i {
+    use std::arch::x86_64::*;
+    // SAFETY: the caller's target features
+    unsafe {
+        let evens = _mm512_set1_epi32(0x00ff_00ff);
+        let sc16 = _mm512_or_si512(sc, _mm512_slli_epi32(sc, 16));
+        let even = _mm512_mullo_epi16(_mm512_and_si512(q, evens), sc16);
+        let odd = _mm512_mullo_epi16(_mm512_and_si512(_mm512_srli_epi32(q, 8), evens), sc16);
+        _mm512_or_si512(even, _mm512_slli_epi32(odd, 8))
+    }
+}
+
+/// The two products of both halves for one super-block of 16 rows: C tile `(h, q)` at line
+/// `(h·2 + q)·16` of `c` (a row's 16 i32 per line) = Σ over the 4 steps of A tile `st` (`a`)
+/// × B tile `(h, q, st)` (`b`, as [`unpack`] lays them out).
+///
+/// # Safety
+/// [`Tiles::configure`] ran on this thread; `a` holds 4 tiles, `b` 16, `c` 64 writable lines.
+#[inline(always)]
+unsafe fn products(a: *const Line, b: *const Line, c: *mut Line) {
+    // SAFETY: the caller's contract
+    unsafe {
+        asm!(
+            "tilezero tmm0",
+            "tilezero tmm1",
+            "tilezero tmm2",
+            "tilezero tmm3",
+            "tileloadd tmm4, [{a} + {s}*1 + 0]",
+            "tileloadd tmm5, [{b} + {s}*1 + 0]",
+            "tdpbssd tmm0, tmm4, tmm5",
+            "tileloadd tmm6, [{b} + {s}*1 + 4096]",
+            "tdpbssd tmm1, tmm4, tmm6",
+            "tileloadd tmm7, [{b} + {s}*1 + 8192]",
+            "tdpbssd tmm2, tmm4, tmm7",
+            "tileloadd tmm5, [{b} + {s}*1 + 12288]",
+            "tdpbssd tmm3, tmm4, tmm5",
+            "tileloadd tmm4, [{a} + {s}*1 + 1024]",
+            "tileloadd tmm5, [{b} + {s}*1 + 1024]",
+            "tdpbssd tmm0, tmm4, tmm5",
+            "tileloadd tmm6, [{b} + {s}*1 + 5120]",
+            "tdpbssd tmm1, tmm4, tmm6",
+            "tileloadd tmm7, [{b} + {s}*1 + 9216]",
+            "tdpbssd tmm2, tmm4, tmm7",
+            "tileloadd tmm5, [{b} + {s}*1 + 13312]",
+            "tdpbssd tmm3, tmm4, tmm5",
+            "tileloadd tmm4, [{a} + {s}*1 + 2048]",
+            "tileloadd tmm5, [{b} + {s}*1 + 2048]",
+            "tdpbssd tmm0, tmm4, tmm5",
+            "tileloadd tmm6, [{b} + {s}*1 + 6144]",
+            "tdpbssd tmm1, tmm4, tmm6",
+            "tileloadd tmm7, [{b} + {s}*1 + 10240]",
+            "tdpbssd tmm2, tmm4, tmm7",
+            "tileloadd tmm5, [{b} + {s}*1 + 14336]",
+            "tdpbssd tmm3, tmm4, tmm5",
+            "tileloadd tmm4, [{a} + {s}*1 + 3072]",
+            "tileloadd tmm5, [{b} + {s}*1 + 3072]",
+            "tdpbssd tmm0, tmm4, tmm5",
+            "tileloadd tmm6, [{b} + {s}*1 + 7168]",
+            "tdpbssd tmm1, tmm4, tmm6",
+            "tileloadd tmm7, [{b} + {s}*1 + 11264]",
+            "tdpbssd tmm2, tmm4, tmm7",
+            "tileloadd tmm5, [{b} + {s}*1 + 15360]",
+            "tdpbssd tmm3, tmm4, tmm5",
+            "tilestored [{c} + {s}*1], tmm0",
+            "tilestored [{c} + {s}*1 + 1024], tmm1",
+            "tilestored [{c} + {s}*1 + 2048], tmm2",
+            "tilestored [{c} + {s}*1 + 3072], tmm3",
+            a = in(reg) a,
+            b = in(reg) b,
+            c = in(reg) c,
+            s = in(reg) 64usize,
+            options(nostack),
+        )
+    }
+}
+
+/// Rows `r0..r0 + 16` × the 32 columns: `tile_q4k`'s arithmetic, its integer sums from the tile
+/// unit. Returns each half's 16 rows.
+///
+/// # Safety
+/// As [`q4k_rows`]; `b` unpacked from `p`.
+#[inline(always)]
+#[allow(clippy::too_many_arguments)]
+unsafe fn group(
+    s: Zmm,
+    p: *const u8,
+    b: &[Line],
+    x: &Q8KRows,
+    a: &APanel,
+    bpr: usize,
+    r0: usize,
+) -> [[__m512; ROWS]; 2] {
+    let mut acc = [[s.zero_f(); ROWS]; 2];
+    let mut c = [Line([0; 64]); 4 * TILE];
+    for blk in 0..bpr {
+        // SAFETY: record `blk` of the column block; rows r0..r0 + 16 of `x` and `a`; the lines
+        // of `b`
+        unsafe {
+            products(a.tiles(r0 / ROWS, blk), b[blk * B_LINES..].as_ptr(), c.as_mut_ptr());
+            let rec = p.add(blk * 4608);
+            for (h, acc) in acc.iter_mut().enumerate() {
+                let word = |w: usize| rec.add(4096 + (32 * w + 16 * h) * 4).cast::<i8>();
+                let m = q4k_mins(s, s.load(word(1)), s.load(word(2)));
+                let d = s.load_f16(rec.add(4480 + 2 * 16 * h));
+                let dmin = s.load_f16(rec.add(4544 + 2 * 16 * h));
+                for (i, acc) in acc.iter_mut().enumerate() {
+                    let ca = s.load(c[(2 * h) * TILE + i].0.as_ptr().cast());
+                    let cb = s.load(c[(2 * h + 1) * TILE + i].0.as_ptr().cast());
+                    let isum = s.add32(ca, s.shl32(cb, 3));
+                    *acc = q4k_step(s, *acc, isum, &m, (d, dmin), x, (r0 + i) * bpr + blk);
+                }
+            }
+        }
+    }
+    acc
+}
+
+use std::arch::x86_64::__m512;
+
+/// Writes rows `r0..r0 + 16` at columns `c0..c0 + 16` (those below `out.n`).
+///
+/// # Safety
+/// The rows are below `out.m`; only this call writes those elements.
+#[inline(always)]
+unsafe fn put(s: Zmm, acc: &[__m512; ROWS], r0: usize, c0: usize, out: Out) {
+    if c0 >= out.n {
+        return;
+    }
+    for (i, r) in acc.iter().enumerate() {
+        // SAFETY: (r0 + i, c0..) inside the output, 16 values or up to n
+        unsafe {
+            let dst = (out.ptr as *mut f32).add((r0 + i) * out.n + c0);
+            if c0 + 16 <= out.n {
+                s.store_f(dst, *r);
+            } else {
+                let mut all = [0f32; 16];
+                s.store_f(all.as_mut_ptr(), *r);
+                std::ptr::copy_nonoverlapping(all.as_ptr(), dst, out.n - c0);
+            }
+        }
+    }
+}
