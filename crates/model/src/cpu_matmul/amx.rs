@@ -1,33 +1,33 @@
-//! Prompts on packed Q4_K weights through Intel AMX, the tile unit of Xeons since Sapphire
-//! Rapids: one `tdpbssd` multiplies 16 activation rows by 16 weight columns over 64 weights
-//! (16 384 products, ~5 ns on the 2-vCPU Xeon this was written on), where AVX-512 VNNI does 64
-//! per `vpdpbusd`.
+//! Prompts on packed Q4_K and Q6_K weights through Intel AMX, the tile unit of Xeons since
+//! Sapphire Rapids: one `tdpbssd` multiplies 16 activation rows by 16 weight columns over 64
+//! weights (16 384 products, ~5 ns on the 2-vCPU Xeon this was written on), where AVX-512 VNNI
+//! does 64 per `vpdpbusd`.
 //!
-//! The numbers are the AVX-512 packed kernel's (`packed::tile_q4k`), bit for bit: the tile unit
-//! only replaces the integer part, a super-block's `Σ_t sc_t · Σ q·x` of a row and a column,
-//! which is exact in i32 either way (see [`q4k_rows`] for how the scales get into the tiles);
-//! the mins (`vpmaddwd`) and every float step are that kernel's operations in its order,
-//! through the same `Simd` calls. So a prompt row still gets a decode row's numbers, and a
-//! row's result does not depend on how many rows there are (batch invariance): tested against
-//! the AVX-512 kernel.
+//! The numbers are the AVX-512 packed kernels' (`packed::tile_q4k`, `tile_q6k`), bit for bit:
+//! the tile unit only replaces the integer part, a super-block's `Σ_t sc_t · Σ q·x` of a row and
+//! a column, which is exact in i32 either way (see [`rows`] for how the scales get into the
+//! tiles); the mins or offsets and every float step are those kernels'
+//! operations in their order (shared helpers: `packed::q4k_step`, `q6k_step`). So a prompt row
+//! still gets a decode row's numbers, and a row's result does not depend on how many rows there
+//! are (batch invariance): tested against the AVX-512 kernels.
 //!
-//! Per column block (32 columns) the weights are unpacked once into B tiles (`unpack`), each
-//! group of 16 activation rows is regrouped once per matmul into A tiles ([`APanel`]), and a
-//! super-block of a group is 16 `tdpbssd` (`products`) then one pass of AVX-512 over the four
-//! C tiles. Rows past the last whole group of 16 take the AVX-512 kernel. From 160 to 250
-//! GMAC/s on one thread (`cpu_kernels q4_k 256 2048 16384 avx512`, `BRIGADE_CPU_AMX=off` and
-//! on). A first version with one `tdpbssd` per sub-block of 32 and the scales applied after
-//! each (`vpmulld`, as the AVX-512 kernel does) reached 185–205: the stores and reloads of a
-//! C tile per sub-block cost more than the tile unit's work. Written with inline assembly
-//! because stable Rust has no AMX intrinsics; the tile registers are no one else's in this
-//! process.
+//! Per column block (32 columns) the weights are unpacked once into B tiles (`unpack`,
+//! `unpack_q6k`), each group of 16 activation rows is regrouped once per matmul into A tiles
+//! ([`APanel`]), and a super-block of a group is 16 `tdpbssd` (Q4_K; 32 for Q6_K) then one pass
+//! of AVX-512 over the C tiles. Rows past the last whole group of 16 take the AVX-512 kernel.
+//! One thread, `cpu_kernels TYPE 256 2048 16384 avx512` with `BRIGADE_CPU_AMX=off` and on:
+//! Q4_K 180 → 303 GMAC/s, Q6_K 118 → 182. A first version with one `tdpbssd` per sub-block of
+//! 32 and the scales applied after each (`vpmulld`, as the AVX-512 kernel does) reached
+//! 185–205 on Q4_K: the stores and reloads of a C tile per sub-block cost more than the tile
+//! unit's work. Written with inline assembly because stable Rust has no AMX intrinsics; the
+//! tile registers are no one else's in this process.
 //!
 //! Linux grants a process the tile registers' state only when it asks (`arch_prctl`
 //! `ARCH_REQ_XCOMP_PERM`); [`available`] asks once, and says no where the CPU lacks AMX-INT8,
 //! the kernel refuses, or `BRIGADE_CPU_AMX=off`.
 
 use super::acts::Q8KRows;
-use super::packed::{q4k_mins, q4k_step, Kind, Packed, COLS};
+use super::packed::{q4k_mins, q4k_step, q6k_step, Kind, Packed, COLS};
 use super::simd::{Simd, Zmm};
 use super::tiles::Out;
 use std::arch::asm;
@@ -74,7 +74,7 @@ fn cpu_has_amx_int8() -> bool {
 }
 
 /// The tile configuration (palette 1): every tile 16 rows × 64 bytes. tmm0–tmm3 = C (16 rows ×
-/// 16 i32: the two products of each half, see [`q4k_rows`]), tmm4 = A (16 activation rows × 64
+/// 16 i32: the products, see [`rows`]), tmm4 = A (16 activation rows × 64
 /// weights), tmm5–tmm7 = B (16 rows of 4 weights × 16 columns).
 #[repr(C, align(64))]
 struct Config {
@@ -169,44 +169,188 @@ thread_local! {
     static B_TILES: RefCell<Vec<Line>> = const { RefCell::new(Vec::new()) };
 }
 
-/// Lines of B tiles per super-block of a column block: 2 halves × 2 parts × 4 steps × 16 rows.
+/// What a group of 16 rows of one column block reads: the block's records `p` (`bpr` of them),
+/// its B tiles `b`, the activations `x` and their A tiles `a`.
+#[derive(Clone, Copy)]
+struct Group<'a> {
+    p: *const u8,
+    b: &'a [Line],
+    x: &'a Q8KRows,
+    a: &'a APanel,
+    bpr: usize,
+}
+
+/// Lines of B tiles per super-block of a column block: 2 halves × 2 parts × 4 steps × 16 rows
+/// (Q4_K).
 const B_LINES: usize = 2 * 2 * 4 * TILE;
 
+/// Lines of Q6_K B tiles per super-block of a column block: 2 halves × 4 parts × 4 steps × 16.
+const B_LINES6: usize = 2 * 4 * 4 * TILE;
+
 /// Rows `0..rows` (a multiple of [`ROWS`]) of `out` at the columns of block `cb` of the packed
-/// Q4_K weight `w`.
+/// Q4_K or Q6_K weight `w` (any other type: nothing).
 ///
 /// The sub-block scales go into the weights, so that a super-block is four `tdpbssd` of 64
-/// weights per product with no step between sub-blocks: a weight times its sub-block's scale
-/// (`q·sc`, up to 15·63) does not fit a byte, but with `sc = sa + 8·sb` (each below 8) both
-/// `q·sa` and `q·sb` do (at most 105), and `Σ q·sc·x = Σ (q·sa)·x + 8·Σ (q·sb)·x` exactly: the
-/// integer `tile_q4k` gets from its per-sub-block products and `vpmulld`s.
+/// weights per product with no step between sub-blocks. Q4_K: a weight times its sub-block's
+/// scale (`q·sc`, up to 15·63) does not fit a byte, but with `sc = sa + 8·sb` (each below 8)
+/// both `q·sa` and `q·sb` do (at most 105), and `Σ q·sc·x = Σ (q·sa)·x + 8·Σ (q·sb)·x` exactly:
+/// the integer `tile_q4k` gets from its per-sub-block products and `vpmulld`s. Q6_K: its scales
+/// are signed and its quants reach 63, so neither `q·sc` nor a split of `sc` in two fits a
+/// byte: `sc = d0 + 4·d1 + 16·d2 + 64·d3` with every digit in −2..=2 (`digits`), each `q·d` a
+/// byte, four products per half and `Σ q·sc·x = Σ_p 4^p·Σ (q·d_p)·x`; its quants' offset
+/// (`−32·Σ_t sc_t·Σx` over the 16 sub-blocks of 16) comes from the row's sums per 16
+/// (`vpmaddwd`). The integers are `tile_q6k`'s, and so are the float steps.
 ///
 /// # Safety
-/// [`Tiles::configure`] ran on this thread; `w` is Q4_K; `cb` is a column block of `w`; `x`
-/// holds at least `rows ≤ out.m` rows quantized from `w.k` columns and `a` its first `rows`;
-/// only this call writes those columns of those rows.
+/// [`Tiles::configure`] ran on this thread; `cb` is a column block of `w`; `x` holds at least
+/// `rows ≤ out.m` rows quantized from `w.k` columns and `a` its first `rows`; only this call
+/// writes those columns of those rows.
 #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
-pub unsafe fn q4k_rows(s: Zmm, w: &Packed, cb: usize, x: &Q8KRows, a: &APanel, out: Out, rows: usize) {
-    debug_assert!(w.kind == Kind::Q4K && rows.is_multiple_of(ROWS) && rows <= out.m);
+pub unsafe fn rows(s: Zmm, w: &Packed, cb: usize, x: &Q8KRows, a: &APanel, out: Out, rows: usize) {
+    debug_assert!(rows.is_multiple_of(ROWS) && rows <= out.m);
+    let lines = match w.kind {
+        Kind::Q4K => B_LINES,
+        Kind::Q6K => B_LINES6,
+        Kind::Q8_0 => return,
+    };
     let bpr = w.bpr();
     let p = w.column_block(cb);
     B_TILES.with(|b| {
         let mut b = b.borrow_mut();
-        if b.len() < bpr * B_LINES {
-            b.resize(bpr * B_LINES, Line([0; 64]));
+        if b.len() < bpr * lines {
+            b.resize(bpr * lines, Line([0; 64]));
         }
         // SAFETY: the records of the column block (the caller's contract); `b` holds
-        // bpr × B_LINES lines
+        // bpr × lines lines
         unsafe {
-            unpack(p, bpr, &mut b);
+            if w.kind == Kind::Q4K {
+                unpack(p, bpr, &mut b);
+            } else {
+                unpack_q6k(p, bpr, &mut b);
+            }
+            let g = Group { p, b: &b, x, a, bpr };
             for r0 in (0..rows).step_by(ROWS) {
-                let acc = group(s, p, &b, x, a, bpr, r0);
+                let acc = if w.kind == Kind::Q4K { group(s, &g, r0) } else { group_q6k(s, &g, r0) };
                 for (half, acc) in acc.iter().enumerate() {
                     put(s, acc, r0, cb * COLS + 16 * half, out);
                 }
             }
         }
     })
+}
+
+/// The digits of signed scales `sc` (i32 lanes, −128..=127): `sc = d0 + 4·d1 + 16·d2 + 64·d3`,
+/// `d0..d2` in −2..=1 and `d3` in −2..=2.
+///
+/// # Safety
+/// Inlined into a function with AVX-512.
+#[inline(always)]
+unsafe fn digits(sc: std::arch::x86_64::__m512i) -> [std::arch::x86_64::__m512i; 4] {
+    use std::arch::x86_64::*;
+    // SAFETY: the caller's target features
+    unsafe {
+        let (two, three) = (_mm512_set1_epi32(2), _mm512_set1_epi32(3));
+        let digit = |v: __m512i| _mm512_sub_epi32(_mm512_and_si512(_mm512_add_epi32(v, two), three), two);
+        let d0 = digit(sc);
+        let v1 = _mm512_srai_epi32(_mm512_sub_epi32(sc, d0), 2);
+        let d1 = digit(v1);
+        let v2 = _mm512_srai_epi32(_mm512_sub_epi32(v1, d1), 2);
+        let d2 = digit(v2);
+        [d0, d1, d2, _mm512_srai_epi32(_mm512_sub_epi32(v2, d2), 2)]
+    }
+}
+
+/// The Q6_K B tiles of a column block: for super-block `blk`, half `h`, part `p` (`q·d_p`) and
+/// step `st`, the tile at line `(((blk·2 + h)·4 + p)·4 + st)·16`, rows as in [`unpack`].
+///
+/// # Safety
+/// `p` is a Q6_K column block of `bpr` records; `b` holds `bpr · B_LINES6` lines.
+#[inline(always)]
+unsafe fn unpack_q6k(p: *const u8, bpr: usize, b: &mut [Line]) {
+    use super::packed::{q6_high, q6_scale, q6_unit};
+    use std::arch::x86_64::*;
+    // SAFETY: AVX-512 BW (the caller's target features); every address inside the record or `b`
+    unsafe {
+        let (low4, hi2) = (_mm512_set1_epi32(0x0f0f_0f0f), _mm512_set1_epi32(0x3030_3030));
+        for blk in 0..bpr {
+            let rec = p.add(blk * 6720);
+            for h in 0..2 {
+                let tiles = &mut b[(blk * 2 + h) * 4 * 4 * TILE..][..4 * 4 * TILE];
+                for t in 0..16 {
+                    let sc = _mm512_cvtepi8_epi32(_mm_loadu_si128(rec.add(q6_scale(t, 16 * h)).cast()));
+                    let d = digits(sc);
+                    let hb = _mm512_loadu_si512(rec.add(q6_high(t, 16 * h)).cast());
+                    for u in 2 * t..2 * t + 2 {
+                        // the quants of unit u as `tile_q6k` builds them: low nibbles and two
+                        // high bits per weight
+                        let w = _mm512_loadu_si512(rec.add(q6_unit(u, 16 * h)).cast());
+                        let (h0, h1) = if u == 2 * t {
+                            (_mm512_slli_epi32(hb, 4), _mm512_slli_epi32(hb, 2))
+                        } else {
+                            (hb, _mm512_srli_epi32(hb, 2))
+                        };
+                        let lo = _mm512_or_si512(_mm512_and_si512(w, low4), _mm512_and_si512(h0, hi2));
+                        let hi =
+                            _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi32(w, 4), low4), _mm512_and_si512(h1, hi2));
+                        let (st, r) = (u / 8, (2 * u) % 16);
+                        for (part, dp) in d.iter().enumerate() {
+                            let at = (part * 4 + st) * TILE + r;
+                            _mm512_storeu_si512(tiles[at].0.as_mut_ptr().cast(), times(lo, *dp));
+                            _mm512_storeu_si512(tiles[at + 1].0.as_mut_ptr().cast(), times(hi, *dp));
+                        }
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// As [`group`] for Q6_K.
+///
+/// # Safety
+/// As [`rows`], for Q6_K; `b` unpacked from `p`.
+#[inline(always)]
+unsafe fn group_q6k(s: Zmm, g: &Group<'_>, r0: usize) -> [[__m512; ROWS]; 2] {
+    use super::packed::{q6_d, q6_scale};
+    let Group { p, b, x, a, bpr } = *g;
+    let mut acc = [[s.zero_f(); ROWS]; 2];
+    let mut c = [Line([0; 64]); 4 * TILE];
+    let (low16, minus32) = (s.set1_i32(0xffff), s.set1_i32(-32));
+    for blk in 0..bpr {
+        // SAFETY: record `blk` of the column block; rows r0..r0 + 16 of `x` and `a`; the lines
+        // of `b`
+        unsafe {
+            let rec = p.add(blk * 6720);
+            for (h, acc) in acc.iter_mut().enumerate() {
+                products(a.tiles(r0 / ROWS, blk), b[blk * B_LINES6 + h * 4 * 4 * TILE..].as_ptr(), c.as_mut_ptr());
+                // the scales of sub-blocks 2j and 2j + 1 as i16 pairs, against the row's sums
+                let pairs: [_; 8] = std::array::from_fn(|j| {
+                    let (a, b) = (
+                        s.load_i8_i32(rec.add(q6_scale(2 * j, 16 * h))),
+                        s.load_i8_i32(rec.add(q6_scale(2 * j + 1, 16 * h))),
+                    );
+                    s.or(s.and(a, low16), s.shl32(b, 16))
+                });
+                let d = s.load_f16(rec.add(q6_d(16 * h)));
+                for (i, acc) in acc.iter_mut().enumerate() {
+                    let at = (r0 + i) * bpr + blk;
+                    let part = |p: usize| s.load(c[p * TILE + i].0.as_ptr().cast());
+                    let qx = s.add32(
+                        s.add32(part(0), s.shl32(part(1), 2)),
+                        s.add32(s.shl32(part(2), 4), s.shl32(part(3), 6)),
+                    );
+                    let bs = x.bsums.as_ptr().add(16 * at).cast::<i8>();
+                    let mut off = s.madd(pairs[0], s.bcast32(bs));
+                    for (j, pair) in pairs.iter().enumerate().skip(1) {
+                        off = s.add32(off, s.madd(*pair, s.bcast32(bs.add(4 * j))));
+                    }
+                    let isum = s.add32(qx, s.mullo32(off, minus32));
+                    *acc = q6k_step(s, *acc, isum, d, x, at);
+                }
+            }
+        }
+    }
+    acc
 }
 
 /// The B tiles of a column block: for super-block `blk`, half `h` (16 columns), part `q` (`q·sa`
@@ -258,8 +402,9 @@ unsafe fn unpack(p: *const u8, bpr: usize, b: &mut [Line]) {
     }
 }
 
-/// `q·sc` per byte for bytes `q` below 16 and `sc` below 8 in each i32 lane (the column's
-/// scale): i16 products of the even and the odd bytes, each below 256, back into bytes.
+/// `q·sc` per byte for bytes `q` below 64 and `sc` in each i32 lane (the column's scale, or a
+/// digit of it) with `|q·sc|` below 128: i16 products of the even and the odd bytes, back into
+/// bytes (two's complement).
 ///
 /// # Safety
 /// Inlined into a function with AVX-512 BW.
@@ -269,10 +414,10 @@ unsafe fn times(q: std::arch::x86_64::__m512i, sc: std::arch::x86_64::__m512i) -
     // SAFETY: the caller's target features
     unsafe {
         let evens = _mm512_set1_epi32(0x00ff_00ff);
-        let sc16 = _mm512_or_si512(sc, _mm512_slli_epi32(sc, 16));
+        let sc16 = _mm512_or_si512(_mm512_and_si512(sc, _mm512_set1_epi32(0xffff)), _mm512_slli_epi32(sc, 16));
         let even = _mm512_mullo_epi16(_mm512_and_si512(q, evens), sc16);
         let odd = _mm512_mullo_epi16(_mm512_and_si512(_mm512_srli_epi32(q, 8), evens), sc16);
-        _mm512_or_si512(even, _mm512_slli_epi32(odd, 8))
+        _mm512_or_si512(_mm512_and_si512(even, evens), _mm512_slli_epi16(odd, 8))
     }
 }
 
@@ -344,18 +489,10 @@ unsafe fn products(a: *const Line, b: *const Line, c: *mut Line) {
 /// unit. Returns each half's 16 rows.
 ///
 /// # Safety
-/// As [`q4k_rows`]; `b` unpacked from `p`.
+/// As [`rows`]; `b` unpacked from `p`.
 #[inline(always)]
-#[allow(clippy::too_many_arguments)]
-unsafe fn group(
-    s: Zmm,
-    p: *const u8,
-    b: &[Line],
-    x: &Q8KRows,
-    a: &APanel,
-    bpr: usize,
-    r0: usize,
-) -> [[__m512; ROWS]; 2] {
+unsafe fn group(s: Zmm, g: &Group<'_>, r0: usize) -> [[__m512; ROWS]; 2] {
+    let Group { p, b, x, a, bpr } = *g;
     let mut acc = [[s.zero_f(); ROWS]; 2];
     let mut c = [Line([0; 64]); 4 * TILE];
     for blk in 0..bpr {

@@ -198,22 +198,22 @@ fn put_unit(q: &[u8], u: usize, rec: &mut [u8], at: usize) {
 
 /// Where a Q6_K record keeps column `c`'s unit `u` (weights `8u..8u + 8`): per 32 weights `g`,
 /// 832 bytes in the order they are read — four units, two words of high bits, 64 scale bytes.
-const fn q6_unit(u: usize, c: usize) -> usize {
+pub(super) const fn q6_unit(u: usize, c: usize) -> usize {
     832 * (u / 4) + 128 * (u % 4) + 4 * c
 }
 
 /// Where a Q6_K record keeps column `c`'s high bits of weights `16t..16t + 16`.
-const fn q6_high(t: usize, c: usize) -> usize {
+pub(super) const fn q6_high(t: usize, c: usize) -> usize {
     832 * (t / 2) + 512 + 128 * (t % 2) + 4 * c
 }
 
 /// Where a Q6_K record keeps column `c`'s scale of weights `16t..16t + 16`.
-const fn q6_scale(t: usize, c: usize) -> usize {
+pub(super) const fn q6_scale(t: usize, c: usize) -> usize {
     832 * (t / 2) + 768 + 32 * (t % 2) + c
 }
 
 /// Where a Q6_K record keeps column `c`'s `d`.
-const fn q6_d(c: usize) -> usize {
+pub(super) const fn q6_d(c: usize) -> usize {
     6656 + 2 * c
 }
 
@@ -368,6 +368,19 @@ pub(super) unsafe fn q4k_step<S: Simd>(
         let acc = s.fmadd(s.cvt(isum), s.mul(d, s.set1(dx)), acc);
         s.fmadd(s.cvt(mm), s.mul(dmin, s.set1(-dx)), acc)
     }
+}
+
+/// `acc` plus one super-block of Q6_K for activation row and super-block `at` of `x`: `isum`
+/// (`Σ_t sc_t·(Σ q·x − 32·Σx)` per column) times `d·d_x`. The float step of every Q6_K packed
+/// kernel (AVX-512 and AMX alike).
+///
+/// # Safety
+/// `at` is a row and super-block of `x`.
+#[inline(always)]
+pub(super) unsafe fn q6k_step<S: Simd>(s: S, acc: S::F, isum: S::I, d: S::F, x: &Q8KRows, at: usize) -> S::F {
+    // SAFETY: the caller's contract
+    let dx = unsafe { *x.d.get_unchecked(at) };
+    s.fmadd(s.cvt(isum), s.mul(d, s.set1(dx)), acc)
 }
 
 /// Rows `r0..r0 + R` × columns `h..h + V·W/4` of a column block of Q4_K: per sub-block of 32
@@ -526,8 +539,7 @@ unsafe fn tile_q6k<S: Simd, const V: usize, const H: usize, const R: usize>(
                 for v in 0..V {
                     let d = s.load_f16(rec.add(q6_d(h + v * l)));
                     for (i, acc) in acc.iter_mut().enumerate() {
-                        let dx = *x.d.get_unchecked(at[i]);
-                        acc[v] = s.fmadd(s.cvt(isum[i][v]), s.mul(d, s.set1(dx)), acc[v]);
+                        acc[v] = q6k_step(s, acc[v], isum[i][v], d, x, at[i]);
                     }
                 }
             }
@@ -729,7 +741,7 @@ pub unsafe fn matmul<S: Simd>(s: S, w: &Packed, m: usize, lhs: &[f32], dst: &mut
     match w.kind {
         Kind::Q8_0 => run(Acts::Q0(&Q8Rows::new(lhs, (m, k), m, k / 32, 0))),
         #[cfg(target_os = "linux")]
-        Kind::Q4K if m >= super::amx::ROWS && S::W == 64 && super::amx::available() => {
+        Kind::Q4K | Kind::Q6K if m >= super::amx::ROWS && S::W == 64 && super::amx::available() => {
             let x = Q8KRows::new(lhs, (m, k), m);
             let (z, whole) = (super::simd::Zmm::new(), m - m % super::amx::ROWS);
             let a = super::amx::APanel::new(&x, whole, k / 256);
@@ -741,7 +753,7 @@ pub unsafe fn matmul<S: Simd>(s: S, w: &Packed, m: usize, lhs: &[f32], dst: &mut
                     // SAFETY: each column block writes its own columns of every row: rows
                     // 0..whole through the tile unit, the rest as above (the same numbers)
                     unsafe {
-                        super::amx::q4k_rows(z, w, cb, &x, &a, out, whole);
+                        super::amx::rows(z, w, cb, &x, &a, out, whole);
                         s.packed_block(w, cb, Acts::K(&x), out, whole);
                     }
                 }

@@ -391,10 +391,10 @@ fn packed_kernels_equal_scalar_reference() {
 }
 
 /// Packed, every row's result is, bit for bit, what it is alone, whatever the number of rows
-/// (decode of up to 16 sessions and prompts alike). Q4_K goes to 37 rows: where the CPU has
-/// AMX, groups of 16 rows take the tile unit (`amx`) and the rest the AVX-512 kernel, a row
-/// alone only the latter, so this is also AMX against AVX-512, bit for bit (and a part block
-/// of columns: 70 = 2·32 + 6).
+/// (decode of up to 16 sessions and prompts alike). Q4_K and Q6_K go to 37 rows: where the CPU
+/// has AMX, groups of 16 rows take the tile unit (`amx`) and the rest the AVX-512 kernel, a
+/// row alone only the latter, so this is also AMX against AVX-512, bit for bit (and a part
+/// block of columns: 70 = 2·32 + 6).
 #[cfg(target_arch = "x86_64")]
 #[test]
 fn packed_rows_are_computed_as_alone() {
@@ -409,7 +409,7 @@ fn packed_rows_are_computed_as_alone() {
         let (n, k) = if dt == GgmlDType::Q8_0 { (40, 96) } else { (70, 512) };
         let w = random_weight(dt, (n, k), &mut rng);
         let p = Packed::new(dt, w.bytes(), (n, k)).unwrap();
-        let rows = if dt == GgmlDType::Q4K { 37 } else { 13 };
+        let rows = if dt == GgmlDType::Q8_0 { 13 } else { 37 };
         let lhs = activations(rows * k, &mut rng);
         let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
         for &t in &targets {
