@@ -229,8 +229,10 @@ pub unsafe fn rows(s: Zmm, w: &Packed, cb: usize, x: &Q8KRows, a: &APanel, out: 
                 unpack_q6k(p, bpr, &mut b);
             }
             let g = Group { p, b: &b, x, a, bpr };
+            // the C tiles' stores, rewritten whole by every super-block
+            let mut c = [Line([0; 64]); 4 * TILE];
             for r0 in (0..rows).step_by(ROWS) {
-                let acc = if w.kind == Kind::Q4K { group(s, &g, r0) } else { group_q6k(s, &g, r0) };
+                let acc = if w.kind == Kind::Q4K { group(s, &g, r0, &mut c) } else { group_q6k(s, &g, r0, &mut c) };
                 for (half, acc) in acc.iter().enumerate() {
                     put(s, acc, r0, cb * COLS + 16 * half, out);
                 }
@@ -310,11 +312,10 @@ unsafe fn unpack_q6k(p: *const u8, bpr: usize, b: &mut [Line]) {
 /// # Safety
 /// As [`rows`], for Q6_K; `b` unpacked from `p`.
 #[inline(always)]
-unsafe fn group_q6k(s: Zmm, g: &Group<'_>, r0: usize) -> [[__m512; ROWS]; 2] {
+unsafe fn group_q6k(s: Zmm, g: &Group<'_>, r0: usize, c: &mut [Line; 4 * TILE]) -> [[__m512; ROWS]; 2] {
     use super::packed::{q6_d, q6_scale};
     let Group { p, b, x, a, bpr } = *g;
     let mut acc = [[s.zero_f(); ROWS]; 2];
-    let mut c = [Line([0; 64]); 4 * TILE];
     let (low16, minus32) = (s.set1_i32(0xffff), s.set1_i32(-32));
     for blk in 0..bpr {
         // SAFETY: record `blk` of the column block; rows r0..r0 + 16 of `x` and `a`; the lines
@@ -491,10 +492,9 @@ unsafe fn products(a: *const Line, b: *const Line, c: *mut Line) {
 /// # Safety
 /// As [`rows`]; `b` unpacked from `p`.
 #[inline(always)]
-unsafe fn group(s: Zmm, g: &Group<'_>, r0: usize) -> [[__m512; ROWS]; 2] {
+unsafe fn group(s: Zmm, g: &Group<'_>, r0: usize, c: &mut [Line; 4 * TILE]) -> [[__m512; ROWS]; 2] {
     let Group { p, b, x, a, bpr } = *g;
     let mut acc = [[s.zero_f(); ROWS]; 2];
-    let mut c = [Line([0; 64]); 4 * TILE];
     for blk in 0..bpr {
         // SAFETY: record `blk` of the column block; rows r0..r0 + 16 of `x` and `a`; the lines
         // of `b`
