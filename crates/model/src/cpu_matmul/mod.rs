@@ -21,7 +21,7 @@
 //!   a panel of 32 (AVX-512) or 8 weight columns unpacked once per matmul, the columns in vector
 //!   lanes and each row's activations broadcast (see `lanes`: with VNNI one `vpdpbusd` per
 //!   weight and row, no horizontal sums).
-//! - Prompts (16 rows or more) on packed Q4_K and Q6_K go through Intel AMX where the CPU has it and
+//! - Prompts (32 rows or more) on packed Q4_K and Q6_K go through Intel AMX where the CPU has it and
 //!   Linux grants it (`amx`: the same numbers, the integer sums from the tile unit);
 //!   `BRIGADE_CPU_AMX=off` keeps them on AVX-512.
 //! - The instruction set is chosen at run time ([`Isa`]): AVX-512 VNNI (`vpdpbusd` on zmm),
@@ -282,7 +282,7 @@ pub fn kernels(dt: GgmlDType) -> (&'static str, &'static str) {
         let k = Kernel::Packed(isa).describe(dt);
         #[cfg(all(target_arch = "x86_64", target_os = "linux"))]
         if matches!(dt, GgmlDType::Q4K | GgmlDType::Q6K) && isa == Isa::Avx512Vnni && amx::available() {
-            return (k, "brigade AMX int8 tiles, 16 rows × 16 columns (fewer rows: AVX-512 VNNI), weights packed at load (activations int8 per 256)");
+            return (k, "brigade AMX int8 tiles, 16 rows × 16 columns from 32 rows (fewer: AVX-512 VNNI), weights packed at load (activations int8 per 256)");
         }
         return (k, k);
     }

@@ -741,7 +741,7 @@ pub unsafe fn matmul<S: Simd>(s: S, w: &Packed, m: usize, lhs: &[f32], dst: &mut
     match w.kind {
         Kind::Q8_0 => run(Acts::Q0(&Q8Rows::new(lhs, (m, k), m, k / 32, 0))),
         #[cfg(target_os = "linux")]
-        Kind::Q4K | Kind::Q6K if m >= super::amx::ROWS && S::W == 64 && super::amx::available() => {
+        Kind::Q4K | Kind::Q6K if m >= super::amx::MIN_ROWS && S::W == 64 && super::amx::available() => {
             let x = Q8KRows::new(lhs, (m, k), m);
             let (z, whole) = (super::simd::Zmm::new(), m - m % super::amx::ROWS);
             let a = super::amx::APanel::new(&x, whole, k / 256);

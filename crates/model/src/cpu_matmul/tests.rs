@@ -392,7 +392,7 @@ fn packed_kernels_equal_scalar_reference() {
 
 /// Packed, every row's result is, bit for bit, what it is alone, whatever the number of rows
 /// (decode of up to 16 sessions and prompts alike). Q4_K and Q6_K go to 37 rows: where the CPU
-/// has AMX, groups of 16 rows take the tile unit (`amx`) and the rest the AVX-512 kernel, a
+/// has AMX, from 32 rows groups of 16 rows take the tile unit (`amx`) and the rest the AVX-512 kernel, a
 /// row alone only the latter, so this is also AMX against AVX-512, bit for bit (and a part
 /// block of columns: 70 = 2·32 + 6).
 #[cfg(target_arch = "x86_64")]
