@@ -216,6 +216,7 @@ pub unsafe fn rows(s: Zmm, w: &Packed, cb: usize, x: &Q8KRows, a: &APanel, out: 
     let lines = match w.kind {
         Kind::Q4K => B_LINES,
         Kind::Q6K => B_LINES6,
+        // `packed::matmul` sends only Q4_K and Q6_K here
         Kind::Q8_0 => return,
     };
     let bpr = w.bpr();

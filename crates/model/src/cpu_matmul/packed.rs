@@ -742,11 +742,12 @@ pub unsafe fn matmul<S: Simd>(s: S, w: &Packed, m: usize, lhs: &[f32], dst: &mut
         Kind::Q8_0 => run(Acts::Q0(&Q8Rows::new(lhs, (m, k), m, k / 32, 0))),
         #[cfg(target_os = "linux")]
         Kind::Q4K | Kind::Q6K if m >= super::amx::MIN_ROWS && S::W == 64 && super::amx::available() => {
+            // `available` implies AVX-512: the token exists
+            let Some(z) = super::simd::Zmm::new() else { return run(Acts::K(&Q8KRows::new(lhs, (m, k), m))) };
             let x = Q8KRows::new(lhs, (m, k), m);
-            let (z, whole) = (super::simd::Zmm::new(), m - m % super::amx::ROWS);
+            let whole = m - m % super::amx::ROWS;
             let a = super::amx::APanel::new(&x, whole, k / 256);
             candle_core::utils::barrier_pool().execute_chunked(w.blocks(), |blocks| {
-                let Some(z) = z else { return };
                 // SAFETY: AMX is available (checked above)
                 let _tiles = unsafe { super::amx::Tiles::configure() };
                 for cb in blocks {
