@@ -17,6 +17,7 @@ use std::sync::Arc;
 mod decode_attn;
 mod fused;
 mod rows;
+mod silu;
 mod softmax;
 
 /// What a stage receives: token ids (first stage) or the previous stage's hidden state.
@@ -234,7 +235,12 @@ impl Block {
         let x = (x + mm(&self.wo, y)?)?;
         let h = rms_norm(&x, &self.ffn_norm, cfg.rms_eps)?;
         let gu = self.gate_up.forward(&h, mm)?;
-        let act = (candle_nn::ops::silu(&gu[0])? * &gu[1])?;
+        let act = if own_cpu_attention(gu[0].device(), gu[0].dtype()) {
+            // one pass with an exp that vectorizes, the numbers of the fused decode step
+            gu[0].apply_op2_no_bwd(&gu[1], &silu::SiluMul)?
+        } else {
+            (candle_nn::ops::silu(&gu[0])? * &gu[1])?
+        };
         x + mm(&self.down, &act)?
     }
 }

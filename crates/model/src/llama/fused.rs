@@ -10,13 +10,13 @@
 //! (each session's kv heads) and SiLU·up run on every thread of the pool, and the matmuls call
 //! the CPU kernels on slices ([`Linear::cpu_rows`]).
 //!
-//! **The numbers are candle's, bit for bit**: the norm, RoPE, SiLU and additions are candle's
+//! **The numbers are the op path's, bit for bit**: the norm, RoPE and additions are candle's
 //! loops for f32 written out in the same order of operations (Rust does not contract a·b + c
-//! into an FMA, and `f32::exp` is the same libm call), the matmuls are the same kernels with
-//! the same grouping of rows, and attention is [`decode_attn`]'s. So a session decodes to the
-//! same logits with this path on or off (`BRIGADE_CPU_FUSED=off` turns it off, to measure it),
-//! and a row's numbers still do not depend on the rows beside it (batch invariance). Tested
-//! against the tensor path on every weight layout the CPU kernels have.
+//! into an FMA), SiLU·up is the prompt path's own op's function (`silu::silu_mul`), the matmuls
+//! are the same kernels with the same grouping of rows, and attention is [`decode_attn`]'s. So
+//! a session decodes to the same logits with this path on or off (`BRIGADE_CPU_FUSED=off` turns
+//! it off, to measure it), and a row's numbers still do not depend on the rows beside it (batch
+//! invariance). Tested against the tensor path on every weight layout the CPU kernels have.
 
 use super::{decode_attn, Block, Proj, Slice, SliceCache};
 use crate::config::{ModelConfig, RopeStyle};
@@ -274,11 +274,8 @@ impl Block {
             .flat_map(|(r, row)| row.chunks_mut(ACT_CHUNK).enumerate().map(move |(j, a)| (r, j * ACT_CHUNK, a)))
             .collect();
         par_units(units, |(r, c0, out)| {
-            let (gate, up) = (&gu.part(0, *r)[*c0..], &gu.part(1, *r)[*c0..]);
-            for ((a, &g), &u) in out.iter_mut().zip(gate).zip(up) {
-                // candle's SiLU for f32, then the product
-                *a = g / (1.0 + (-g).exp()) * u;
-            }
+            // the prompt path's SiLU·up (`silu`), so the numbers are its
+            super::silu::silu_mul(&gu.part(0, *r)[*c0..], &gu.part(1, *r)[*c0..], out);
         });
         self.down.cpu_rows(n, &act, &mut o)?;
         add(x, &o);
