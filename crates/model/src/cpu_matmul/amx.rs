@@ -16,7 +16,7 @@
 //! ([`APanel`]), and a super-block of a group is 16 `tdpbssd` (Q4_K; 32 for Q6_K) then one pass
 //! of AVX-512 over the C tiles. Rows past the last whole group of 16 take the AVX-512 kernel.
 //! One thread, `cpu_kernels TYPE 256 2048 16384 avx512` with `BRIGADE_CPU_AMX=off` and on:
-//! Q4_K 180 → 303 GMAC/s, Q6_K 118 → 182. A first version with one `tdpbssd` per sub-block of
+//! Q4_K 180 → 323 GMAC/s, Q6_K 118 → 195. A first version with one `tdpbssd` per sub-block of
 //! 32 and the scales applied after each (`vpmulld`, as the AVX-512 kernel does) reached
 //! 185–205 on Q4_K: the stores and reloads of a C tile per sub-block cost more than the tile
 //! unit's work. Written with inline assembly because stable Rust has no AMX intrinsics; the
@@ -101,8 +101,9 @@ const CONFIG: Config = {
     c
 };
 
-/// The tiles configured on this thread for as long as it lives.
-pub struct Tiles(());
+/// The tiles configured on this thread for as long as it lives (not `Send`: released on the
+/// thread that configured them).
+pub struct Tiles(std::marker::PhantomData<*const ()>);
 
 impl Tiles {
     /// # Safety
@@ -110,7 +111,7 @@ impl Tiles {
     pub unsafe fn configure() -> Tiles {
         // SAFETY: AMX is available (the caller's contract); the configuration is 64 valid bytes
         unsafe { asm!("ldtilecfg [{}]", in(reg) &CONFIG as *const Config, options(nostack, readonly)) };
-        Tiles(())
+        Tiles(std::marker::PhantomData)
     }
 }
 
@@ -217,7 +218,10 @@ pub unsafe fn rows(s: Zmm, w: &Packed, cb: usize, x: &Q8KRows, a: &APanel, out: 
         Kind::Q4K => B_LINES,
         Kind::Q6K => B_LINES6,
         // `packed::matmul` sends only Q4_K and Q6_K here
-        Kind::Q8_0 => return,
+        Kind::Q8_0 => {
+            debug_assert!(false, "Q8_0 has no AMX kernel");
+            return;
+        }
     };
     let bpr = w.bpr();
     let p = w.column_block(cb);
@@ -331,20 +335,23 @@ unsafe fn group_q6k(s: Zmm, g: &Group<'_>, r0: usize, c: &mut [Line; 4 * TILE]) 
             for (h, acc) in acc.iter_mut().enumerate() {
                 products(a.tiles(r0 / ROWS, blk), b[blk * B_LINES6 + h * 4 * 4 * TILE..].as_ptr(), c.as_mut_ptr());
                 // the scales of sub-blocks 2j and 2j + 1 as i16 pairs, against the row's sums
-                let pairs: [_; 8] = std::array::from_fn(|j| {
-                    let (a, b) = (
-                        s.load_i8_i32(rec.add(q6_scale(2 * j, 16 * h))),
-                        s.load_i8_i32(rec.add(q6_scale(2 * j + 1, 16 * h))),
-                    );
-                    s.or(s.and(a, low16), s.shl32(b, 16))
-                });
+                // (loops, not closures: a closure would not inherit the target features)
+                let mut pairs = [s.zero(); 8];
+                for (j, pair) in pairs.iter_mut().enumerate() {
+                    let a = s.load_i8_i32(rec.add(q6_scale(2 * j, 16 * h)));
+                    let b = s.load_i8_i32(rec.add(q6_scale(2 * j + 1, 16 * h)));
+                    *pair = s.or(s.and(a, low16), s.shl32(b, 16));
+                }
                 let d = s.load_f16(rec.add(q6_d(16 * h)));
                 for (i, acc) in acc.iter_mut().enumerate() {
                     let at = (r0 + i) * bpr + blk;
-                    let part = |p: usize| s.load(c[p * TILE + i].0.as_ptr().cast());
+                    let mut part = [s.zero(); 4];
+                    for (p, v) in part.iter_mut().enumerate() {
+                        *v = s.load(c[p * TILE + i].0.as_ptr().cast());
+                    }
                     let qx = s.add32(
-                        s.add32(part(0), s.shl32(part(1), 2)),
-                        s.add32(s.shl32(part(2), 4), s.shl32(part(3), 6)),
+                        s.add32(part[0], s.shl32(part[1], 2)),
+                        s.add32(s.shl32(part[2], 4), s.shl32(part[3], 6)),
                     );
                     let bs = x.bsums.as_ptr().add(16 * at).cast::<i8>();
                     let mut off = s.madd(pairs[0], s.bcast32(bs));
@@ -428,9 +435,10 @@ unsafe fn times(q: std::arch::x86_64::__m512i, sc: std::arch::x86_64::__m512i) -
     }
 }
 
-/// The two products of both halves for one super-block of 16 rows: C tile `(h, q)` at line
-/// `(h·2 + q)·16` of `c` (a row's 16 i32 per line) = Σ over the 4 steps of A tile `st` (`a`)
-/// × B tile `(h, q, st)` (`b`, as [`unpack`] lays them out).
+/// Four C tiles for one super-block of 16 rows: C tile `j` at line `16j` of `c` (a row's 16
+/// i32 per line) = Σ over the 4 steps `st` of A tile `st` (`a`) × B tile `4j + st` (`b`). For
+/// Q4_K the four are both halves' two products (`j = 2h + q`, as [`unpack`] lays them out); for
+/// Q6_K one half's four digit products (`unpack_q6k`).
 ///
 /// # Safety
 /// [`Tiles::configure`] ran on this thread; `a` holds 4 tiles, `b` 16, `c` 64 writable lines.

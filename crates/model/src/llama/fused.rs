@@ -162,6 +162,14 @@ impl ProjRows {
 }
 
 impl Proj {
+    /// The widths of the parts.
+    fn sizes(&self) -> Vec<usize> {
+        match self {
+            Proj::Stacked(_, sizes) => sizes.clone(),
+            Proj::Separate(ls) => ls.iter().map(Linear::out_features).collect(),
+        }
+    }
+
     fn runs_on_slices(&self) -> bool {
         match self {
             Proj::Stacked(l, _) => l.runs_on_slices(),
@@ -206,14 +214,24 @@ fn is_cpu_f32(t: &Tensor) -> bool {
 
 impl Block {
     /// Whether [`Block::decode`] can run this block: every matmul by the CPU's kernels, the
-    /// norms f32 on the CPU.
-    pub(super) fn runs_on_slices(&self) -> bool {
+    /// norms f32 on the CPU, and every width the configuration's (the loader checks them; a
+    /// block that disagrees keeps candle's ops, which return errors instead of slicing short).
+    pub(super) fn runs_on_slices(&self, cfg: &ModelConfig) -> bool {
+        let (q, kv) = (cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim);
         self.qkv.runs_on_slices()
             && self.gate_up.runs_on_slices()
             && self.wo.runs_on_slices()
             && self.down.runs_on_slices()
             && is_cpu_f32(&self.attn_norm)
             && is_cpu_f32(&self.ffn_norm)
+            && self.attn_norm.elem_count() == cfg.hidden
+            && self.ffn_norm.elem_count() == cfg.hidden
+            && self.qkv.sizes() == [q, kv, kv]
+            && self.gate_up.sizes() == [cfg.ffn, cfg.ffn]
+            && self.wo.out_features() == cfg.hidden
+            && self.down.out_features() == cfg.hidden
+            && q > 0
+            && kv > 0
     }
 
     /// One token of each session through the block: `x` is `n × hidden` (row `i` session
@@ -296,7 +314,7 @@ impl Slice {
     /// brigade's own), every block's matmuls by the CPU's kernels, rotary tables of half a head.
     pub(super) fn decodes_on_slices(&self) -> bool {
         super::own_cpu_attention(&self.device, self.dtype)
-            && self.blocks.iter().all(Block::runs_on_slices)
+            && self.blocks.iter().all(|b| b.runs_on_slices(&self.cfg))
             && self.cos.dims() == [self.n_ctx, self.cfg.head_dim / 2]
             && self.cfg.head_dim.is_multiple_of(2)
             && self.cfg.n_kv_heads > 0

@@ -20,7 +20,8 @@ impl Slice {
     /// to every cache. Returns the hidden state `(rows, 1, hidden)` for the next stage or, on the
     /// last slice, logits `(rows, 1, vocab)` in f32.
     ///
-    /// Every cache is checked for room before anything is computed: on error no cache changes.
+    /// Every cache is checked for room before anything is computed: on error no cache's length
+    /// changes (entries past a cache's length may have been written; they are never read).
     pub fn forward_rows(&self, caches: &mut [&mut SliceCache], input: StageInput<'_>) -> Result<Tensor, ModelError> {
         let _g = self.span.enter();
         let n = caches.len();
