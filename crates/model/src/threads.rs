@@ -56,6 +56,21 @@ pub fn current() -> usize {
     candle_core::utils::get_num_threads().max(1)
 }
 
+/// Runs `f` on every unit of work on candle's barrier pool (the threads the CPU matmuls use,
+/// spinning between ops), each unit on one thread: the units hold the disjoint parts of an
+/// output they write (`chunks_mut` of it, with their indices).
+pub(crate) fn par_units<T: Send>(units: Vec<T>, f: impl Fn(&mut T) + Sync) {
+    let units: Vec<std::sync::Mutex<T>> = units.into_iter().map(std::sync::Mutex::new).collect();
+    candle_core::utils::barrier_pool().execute_chunked(units.len(), |range| {
+        for i in range {
+            // each unit is locked by the one thread that takes it
+            if let Ok(mut u) = units[i].lock() {
+                f(&mut u)
+            }
+        }
+    });
+}
+
 /// Runs `f` with candle's CPU pool installed, so that its worker threads stay warm across the many
 /// short parallel sections of a forward pass.
 pub fn with_compute_pool<R: Send>(f: impl FnOnce() -> R + Send) -> R {

@@ -209,13 +209,8 @@ impl Linear {
             _ => candle_core::bail!("this weight is not held for the CPU's kernels"),
         }
         if let Some(b) = &self.bias {
-            let (s, l) = b.storage_and_layout();
-            let (candle_core::Storage::Cpu(candle_core::CpuStorage::F32(v)), Some((o1, o2))) =
-                (&*s, l.contiguous_offsets())
-            else {
-                candle_core::bail!("the bias is not f32 on the CPU")
-            };
-            let b = &v[o1..o2];
+            let view = View::of(b)?;
+            let b = view.get();
             if b.len() != n {
                 candle_core::bail!("a bias of {} values for a weight of {n} outputs", b.len())
             }
@@ -248,6 +243,35 @@ impl Linear {
         match e {
             Embedding::Quant(q) => Linear { w: LinearWeight::Quant(q.clone()), bias: None },
             Embedding::Dense(t) => Linear { w: LinearWeight::Dense(t.clone()), bias: None },
+        }
+    }
+}
+
+/// The f32 values of a contiguous CPU tensor, read-locked for as long as the view lives (the
+/// fused decode step's norms, rotary tables and caches; a bias on slices).
+pub(crate) struct View<'a> {
+    guard: candle_core::StorageRef<'a>,
+    range: std::ops::Range<usize>,
+}
+
+impl<'a> View<'a> {
+    pub(crate) fn of(t: &'a Tensor) -> candle_core::Result<Self> {
+        use candle_core::{CpuStorage, Storage};
+        let (guard, layout) = t.storage_and_layout();
+        let Some((a, b)) = layout.contiguous_offsets() else {
+            candle_core::bail!("expected a contiguous tensor, not one of strides {:?}", layout.stride())
+        };
+        if !matches!(&*guard, Storage::Cpu(CpuStorage::F32(_))) {
+            candle_core::bail!("expected an f32 tensor on the CPU, not {:?} on {:?}", t.dtype(), t.device())
+        }
+        Ok(View { guard, range: a..b })
+    }
+
+    pub(crate) fn get(&self) -> &[f32] {
+        match &*self.guard {
+            candle_core::Storage::Cpu(candle_core::CpuStorage::F32(v)) => &v[self.range.clone()],
+            // checked in `of`
+            _ => &[],
         }
     }
 }

@@ -150,13 +150,7 @@ struct K8Row<'a> {
 /// Whether [`Q8KRows::new`] runs its loops compiled for AVX2 and FMA (the same operations on
 /// 256-bit registers: they were scalar SSE code, 6% of a prompt's time with AMX matmuls).
 fn wide_loops() -> bool {
-    #[cfg(target_arch = "x86_64")]
-    {
-        static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-        *ON.get_or_init(|| std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma"))
-    }
-    #[cfg(not(target_arch = "x86_64"))]
-    false
+    super::Isa::Avx2.available()
 }
 
 /// [`q8k_row`] compiled for AVX2 and FMA.

@@ -145,22 +145,15 @@ impl APanel {
     pub fn new(x: &Q8KRows, rows: usize, bpr: usize) -> APanel {
         let per_group = bpr * 4 * TILE;
         let mut lines = vec![Line([0; 64]); rows / ROWS * per_group];
-        let groups: Vec<std::sync::Mutex<&mut [Line]>> =
-            lines.chunks_mut(per_group.max(1)).map(std::sync::Mutex::new).collect();
-        candle_core::utils::barrier_pool().execute_chunked(groups.len(), |range| {
-            for g in range {
-                // each group's lines are locked by the one thread that fills them
-                let Ok(mut dst) = groups[g].lock() else { continue };
-                for (l, line) in dst.iter_mut().enumerate() {
-                    let (blk, s, i) = (l / (4 * TILE), l / TILE % 4, l % TILE);
-                    let src = &x.qs[((g * ROWS + i) * bpr + blk) * 256 + 64 * s..][..64];
-                    for (d, q) in line.0.iter_mut().zip(src) {
-                        *d = *q as u8;
-                    }
+        crate::threads::par_units(lines.chunks_mut(per_group.max(1)).enumerate().collect(), |(g, dst)| {
+            for (l, line) in dst.iter_mut().enumerate() {
+                let (blk, s, i) = (l / (4 * TILE), l / TILE % 4, l % TILE);
+                let src = &x.qs[((*g * ROWS + i) * bpr + blk) * 256 + 64 * s..][..64];
+                for (d, q) in line.0.iter_mut().zip(src) {
+                    *d = *q as u8;
                 }
             }
         });
-        drop(groups);
         APanel { lines, bpr }
     }
 

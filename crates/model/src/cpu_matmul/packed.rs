@@ -738,28 +738,29 @@ pub unsafe fn matmul<S: Simd>(s: S, w: &Packed, m: usize, lhs: &[f32], dst: &mut
             }
         })
     };
-    match w.kind {
-        Kind::Q8_0 => run(Acts::Q0(&Q8Rows::new(lhs, (m, k), m, k / 32, 0))),
-        #[cfg(target_os = "linux")]
-        Kind::Q4K | Kind::Q6K if m >= super::amx::MIN_ROWS && S::W == 64 && super::amx::available() => {
-            // `available` implies AVX-512: the token exists
-            let Some(z) = super::simd::Zmm::new() else { return run(Acts::K(&Q8KRows::new(lhs, (m, k), m))) };
-            let x = Q8KRows::new(lhs, (m, k), m);
-            let whole = m - m % super::amx::ROWS;
-            let a = super::amx::APanel::new(&x, whole, k / 256);
-            candle_core::utils::barrier_pool().execute_chunked(w.blocks(), |blocks| {
-                // SAFETY: AMX is available (checked above)
-                let _tiles = unsafe { super::amx::Tiles::configure() };
-                for cb in blocks {
-                    // SAFETY: each column block writes its own columns of every row: rows
-                    // 0..whole through the tile unit, the rest as above (the same numbers)
-                    unsafe {
-                        super::amx::rows(z, w, cb, &x, &a, out, whole);
-                        s.packed_block(w, cb, Acts::K(&x), out, whole);
-                    }
-                }
-            })
-        }
-        _ => run(Acts::K(&Q8KRows::new(lhs, (m, k), m))),
+    if w.kind == Kind::Q8_0 {
+        return run(Acts::Q0(&Q8Rows::new(lhs, (m, k), m, k / 32, 0)));
     }
+    let x = Q8KRows::new(lhs, (m, k), m);
+    // `available` implies AVX-512, so the token exists where it says yes
+    #[cfg(target_os = "linux")]
+    if let (true, Some(z)) =
+        (m >= super::amx::MIN_ROWS && S::W == 64 && super::amx::available(), super::simd::Zmm::new())
+    {
+        let whole = m - m % super::amx::ROWS;
+        let a = super::amx::APanel::new(&x, whole, k / 256);
+        return candle_core::utils::barrier_pool().execute_chunked(w.blocks(), |blocks| {
+            // SAFETY: AMX is available (checked above)
+            let _tiles = unsafe { super::amx::Tiles::configure() };
+            for cb in blocks {
+                // SAFETY: each column block writes its own columns of every row: rows
+                // 0..whole through the tile unit, the rest as above (the same numbers)
+                unsafe {
+                    super::amx::rows(z, w, cb, &x, &a, out, whole);
+                    s.packed_block(w, cb, Acts::K(&x), out, whole);
+                }
+            }
+        });
+    }
+    run(Acts::K(&x))
 }

@@ -20,38 +20,11 @@
 
 use super::{decode_attn, Block, Proj, Slice, SliceCache};
 use crate::config::{ModelConfig, RopeStyle};
-use crate::weights::Linear;
+use crate::threads::par_units;
+use crate::weights::{Linear, View};
 use crate::ModelError;
-use candle_core::{CpuStorage, InplaceOp1, Layout, Storage, StorageRef, Tensor};
+use candle_core::{CpuStorage, InplaceOp1, Layout, Tensor};
 use std::ops::Range;
-use std::sync::Mutex;
-
-/// The f32 values of a contiguous CPU tensor, read-locked for as long as the view lives.
-struct View<'a> {
-    guard: StorageRef<'a>,
-    range: Range<usize>,
-}
-
-impl<'a> View<'a> {
-    fn of(t: &'a Tensor) -> candle_core::Result<Self> {
-        let (guard, layout) = t.storage_and_layout();
-        let Some((a, b)) = layout.contiguous_offsets() else {
-            candle_core::bail!("a fused decode step takes contiguous tensors, not {:?}", layout.shape().dims())
-        };
-        if !matches!(&*guard, Storage::Cpu(CpuStorage::F32(_))) {
-            candle_core::bail!("a fused decode step takes f32 tensors on the CPU, not {:?}", t.dtype())
-        }
-        Ok(View { guard, range: a..b })
-    }
-
-    fn get(&self) -> &[f32] {
-        match &*self.guard {
-            Storage::Cpu(CpuStorage::F32(v)) => &v[self.range.clone()],
-            // checked in `of`
-            _ => &[],
-        }
-    }
-}
 
 /// Writes one position's keys (or values) of every kv head, `row` (`kv heads × head_dim`), into
 /// a cache `(1, kv heads, n_ctx, head_dim)` at position `pos`: `slice_set`'s copy, in place.
@@ -83,20 +56,6 @@ impl InplaceOp1 for PutRow<'_> {
         }
         Ok(())
     }
-}
-
-/// Runs `f` on every unit of work on candle's CPU pool (the matmuls' threads, already spinning
-/// between ops), each unit on one thread.
-fn par_units<T: Send>(units: Vec<T>, f: impl Fn(&mut T) + Sync) {
-    let units: Vec<Mutex<T>> = units.into_iter().map(Mutex::new).collect();
-    candle_core::utils::barrier_pool().execute_chunked(units.len(), |range| {
-        for i in range {
-            // each unit is locked by the one thread that takes it
-            if let Ok(mut u) = units[i].lock() {
-                f(&mut u)
-            }
-        }
-    });
 }
 
 /// Columns of SiLU·up per unit of work on the pool.

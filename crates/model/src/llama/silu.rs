@@ -75,12 +75,9 @@ fn width() -> Width {
     *W.get_or_init(|| {
         #[cfg(target_arch = "x86_64")]
         {
-            use std::arch::is_x86_feature_detected as has;
-            if has!("avx512f") && has!("avx2") && has!("fma") {
-                return Width::Avx512;
-            }
-            if has!("avx2") && has!("fma") {
-                return Width::Avx2;
+            // AVX2 and FMA as the int8 kernels want them; AVX-512 F on top
+            if crate::cpu_matmul::Isa::Avx2.available() {
+                return if std::arch::is_x86_feature_detected!("avx512f") { Width::Avx512 } else { Width::Avx2 };
             }
         }
         Width::Scalar
@@ -104,8 +101,8 @@ pub(super) fn silu_mul(gate: &[f32], up: &[f32], out: &mut [f32]) {
     body_on(width(), gate, up, out)
 }
 
-/// Values per unit of work on candle's pool.
-const CHUNK: usize = 4096;
+/// Values below which the op runs on the calling thread (a decode step's row).
+const SERIAL_BELOW: usize = 1 << 16;
 
 /// `SiLU(gate) · up` of two tensors of one shape (the halves of a stacked gate/up output may be
 /// strided views: each is read as its runs of contiguous values).
@@ -154,29 +151,13 @@ impl CustomOp2 for SiluMul {
         let (rg, ru) = (rows(lg)?, rows(lu)?);
         let mut out = vec![0f32; n];
         let w = width();
-        let work = |r: usize, o: &mut [f32]| {
-            let (a, b) = (&g[rg[r]..][..cols], &u[ru[r]..][..cols]);
-            for (j, o) in o.chunks_mut(CHUNK).enumerate() {
-                let at = j * CHUNK;
-                body_on(w, &a[at..], &b[at..], o);
-            }
-        };
-        if n < 1 << 16 {
+        let work = |r: usize, o: &mut [f32]| body_on(w, &g[rg[r]..][..cols], &u[ru[r]..][..cols], o);
+        if n < SERIAL_BELOW {
             for (r, o) in out.chunks_mut(cols.max(1)).enumerate() {
                 work(r, o);
             }
         } else {
-            let units: Vec<std::sync::Mutex<(usize, &mut [f32])>> =
-                out.chunks_mut(cols.max(1)).enumerate().map(std::sync::Mutex::new).collect();
-            candle_core::utils::barrier_pool().execute_chunked(units.len(), |range| {
-                for i in range {
-                    // each row is locked by the one thread that takes it
-                    if let Ok(mut unit) = units[i].lock() {
-                        let (r, o) = &mut *unit;
-                        work(*r, o);
-                    }
-                }
-            });
+            crate::threads::par_units(out.chunks_mut(cols.max(1)).enumerate().collect(), |(r, o)| work(*r, o));
         }
         Ok((CpuStorage::F32(out), lg.shape().clone()))
     }
