@@ -116,8 +116,27 @@ fn smollm2_matches_references() {
     assert_eq!(files.tokenizer.decode(&got, prompt.last().copied()), case["text"].as_str().unwrap());
     let r = reference("logits_SmolLM2-135M-Instruct.Q4_1.json");
     let logits = all_logits(&pipeline(&files, "cpu:10,cpu:20", 64), &ids(&r["input_ids"]));
+    // transformers dequantizes the Q4_1 weights and keeps f32 activations; brigade (as ggml)
+    // quantizes the activations to 8 bits per block, and a value on a rounding edge moves later
+    // layers: these top-5 logits (about 5 to 28) differ from transformers' by up to 0.47
+    // (measured, positions 0 to 7; two builds whose attention exps differ by an ulp give
+    // −0.30..0.47 and −0.38..0.47). So every reference top-5 logit must be within 0.75, and
+    // the argmax must be the reference's, or — where the reference's best two are closer than
+    // 0.25 (position 7: 5.77 against 5.61) — one of its top 5 within 0.25 of its best.
     for (pos, want) in r["argmax_next"].as_array().unwrap().iter().enumerate() {
-        assert_eq!(argmax(&logits[pos]), want.as_u64().unwrap() as u32, "position {pos}");
+        let top5: Vec<(u32, f32)> = r["top5_per_position"][pos]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|p| (p[0].as_u64().unwrap() as u32, p[1].as_f64().unwrap() as f32))
+            .collect();
+        for &(id, v) in &top5 {
+            let d = logits[pos][id as usize] - v;
+            assert!(d.abs() < 0.75, "position {pos}: logit of {id} is {} against {v}", logits[pos][id as usize]);
+        }
+        let (got, want) = (argmax(&logits[pos]), want.as_u64().unwrap() as u32);
+        let near = top5.iter().any(|&(id, v)| id == got && v > top5[0].1 - 0.25);
+        assert!(got == want || near, "position {pos}: argmax {got}, the reference's {want} (top 5 {top5:?})");
     }
     // the ChatML template renders and tokenizes with its special tokens
     let rendered = files.tokenizer.apply_chat_template(&[("user".into(), "Hi there".into())]).unwrap();

@@ -10,7 +10,8 @@
 //!
 //! The sums run in another order than `gemm`'s, so the weights differ from the prompt path's in
 //! the last bits; a decode step always takes this path, so every session's decode has the same
-//! numbers alone or batched.
+//! numbers alone or batched. Its `exp` is the prompt softmax's ([`super::silu::exp`], the same
+//! bits at every vector width).
 
 #[cfg(target_arch = "x86_64")]
 use crate::cpu_matmul::Isa;
@@ -125,11 +126,11 @@ fn head_body(q: &[f32], keys: &[f32], values: &[f32], scale: f32, hd: usize, w: 
     // weights, per query: the softmax of its scores
     for row in w.chunks_exact_mut(seen) {
         let max = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-        let mut sum = 0f32;
+        // the exps in vectors (libm's `expf` is a scalar call), then summed in order
         for x in row.iter_mut() {
-            *x = (*x - max).exp();
-            sum += *x;
+            *x = super::silu::exp(*x - max);
         }
+        let sum: f32 = row.iter().sum();
         let inv = 1.0 / sum;
         for x in row.iter_mut() {
             *x *= inv;

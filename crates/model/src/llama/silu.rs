@@ -10,7 +10,8 @@
 //! compilation of the same function). Every instruction set computes the same operations per
 //! value, so the numbers do not depend on the vector width, the thread count or the rows
 //! beside a value; the prompt path (this op) and the fused decode step (`fused`, the same
-//! [`silu_mul`]) give the same numbers for a row.
+//! [`silu_mul`]) give the same numbers for a row. The attention softmaxes (`softmax`,
+//! `decode_attn`) use the same [`exp`].
 
 use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, CustomOp2, Layout, Shape};
@@ -62,15 +63,15 @@ unsafe fn body_avx2(gate: &[f32], up: &[f32], out: &mut [f32]) {
     body(gate, up, out)
 }
 
-/// The widest compilation of [`body`] this CPU runs.
+/// The widest compilation of [`body`] (and of the softmax rows that use [`exp`]) this CPU runs.
 #[derive(Clone, Copy, PartialEq, Debug)]
-enum Width {
+pub(super) enum Width {
     Avx512,
     Avx2,
     Scalar,
 }
 
-fn width() -> Width {
+pub(super) fn width() -> Width {
     static W: OnceLock<Width> = OnceLock::new();
     *W.get_or_init(|| {
         #[cfg(target_arch = "x86_64")]

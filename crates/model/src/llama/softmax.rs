@@ -6,11 +6,15 @@
 //! about half of them are masked. Here each row reads its scores once, and only the positions
 //! the query may see are scaled and exponentiated.
 //!
-//! The numbers are those of the composition, bit for bit: the same f32 products by the scale,
-//! the maximum (order does not change it) and `exp(x − max)` of the visible positions, the same
-//! `vec_reduce_sum` of candle over the whole row (whose masked tail is 0 in both), the same
-//! division. Written by hand because no candle op masks by position.
+//! The numbers are those of the composition but for `exp`: the same f32 products by the scale,
+//! the maximum (order does not change it), the same `vec_reduce_sum` of candle over the whole row
+//! (whose masked tail is 0 in both), the same division; `exp(x − max)` is [`silu::exp`] (within
+//! 2 ulp of libm's, which candle calls once per value, scalar), compiled for the widest vectors
+//! the CPU has — the same bits at every width, so a row's weights do not depend on the CPU's
+//! vector width or on which thread ran it. Written by hand because no candle op masks by
+//! position.
 
+use super::silu::{self, Width};
 use candle_core::backend::BackendStorage;
 use candle_core::cpu::kernels::VecOps;
 use candle_core::{CpuStorage, CustomOp1, Layout, Shape};
@@ -54,29 +58,58 @@ impl CustomOp1 for CausalSoftmax {
         }
         let (scale, t, pos) = (self.scale, self.t, self.pos);
         let mut dst = vec![0f32; src.len()];
-        let row = |(r, (s, d)): (usize, (&[f32], &mut [f32]))| {
-            let seen = pos + r % t + 1;
-            let (s, w) = (&s[..seen], &mut d[..seen]);
-            for (x, y) in s.iter().zip(w.iter_mut()) {
-                *y = *x * scale;
-            }
-            let max = w.iter().copied().fold(w[0], f32::max);
-            for y in w.iter_mut() {
-                *y = (*y - max).exp();
-            }
-            let mut sum = 0f32;
-            // SAFETY: `d` holds `keys` floats and `sum` is one
-            unsafe { f32::vec_reduce_sum(d.as_ptr(), &mut sum, keys) };
-            for y in d[..seen].iter_mut() {
-                *y /= sum;
-            }
-        };
+        let width = silu::width();
+        let row = |(r, (s, d)): (usize, (&[f32], &mut [f32]))| row_on(width, s, d, pos + r % t + 1, scale);
         if src.len() < SERIAL_BELOW {
             src.chunks(keys).zip(dst.chunks_mut(keys)).enumerate().for_each(row);
         } else {
             src.par_chunks(keys).zip(dst.par_chunks_mut(keys)).enumerate().for_each(row);
         }
         Ok((CpuStorage::F32(dst), layout.shape().clone()))
+    }
+}
+
+/// One row: the first `seen` of `s` scaled, to weights in `d` (whose tail stays 0).
+#[inline(always)]
+fn row(s: &[f32], d: &mut [f32], seen: usize, scale: f32) {
+    let keys = d.len();
+    let (s, w) = (&s[..seen], &mut d[..seen]);
+    for (x, y) in s.iter().zip(w.iter_mut()) {
+        *y = *x * scale;
+    }
+    let max = w.iter().copied().fold(w[0], f32::max);
+    for y in w.iter_mut() {
+        *y = silu::exp(*y - max);
+    }
+    let mut sum = 0f32;
+    // SAFETY: `d` holds `keys` floats and `sum` is one
+    unsafe { f32::vec_reduce_sum(d.as_ptr(), &mut sum, keys) };
+    for y in d[..seen].iter_mut() {
+        *y /= sum;
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx2,fma")]
+unsafe fn row_avx512(s: &[f32], d: &mut [f32], seen: usize, scale: f32) {
+    row(s, d, seen, scale)
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn row_avx2(s: &[f32], d: &mut [f32], seen: usize, scale: f32) {
+    row(s, d, seen, scale)
+}
+
+fn row_on(w: Width, s: &[f32], d: &mut [f32], seen: usize, scale: f32) {
+    match w {
+        // SAFETY: `silu::width` found the instructions
+        #[cfg(target_arch = "x86_64")]
+        Width::Avx512 => unsafe { row_avx512(s, d, seen, scale) },
+        // SAFETY: as above
+        #[cfg(target_arch = "x86_64")]
+        Width::Avx2 => unsafe { row_avx2(s, d, seen, scale) },
+        _ => row(s, d, seen, scale),
     }
 }
 
@@ -100,7 +133,7 @@ mod tests {
     }
 
     #[test]
-    fn equals_scale_mask_and_softmax_bit_for_bit() {
+    fn agrees_with_scale_mask_and_softmax_and_every_width_gives_the_same_bits() {
         // the last is above SERIAL_BELOW: rows on the pool's threads
         const _: () = assert!(4 * 8 * 64 * 66 >= SERIAL_BELOW);
         for (kv, g, t, pos) in
@@ -120,8 +153,34 @@ mod tests {
                 .unwrap()
                 .to_vec1::<f32>()
                 .unwrap();
-            let differ = want.iter().zip(&got).filter(|(a, b)| a.to_bits() != b.to_bits()).count();
-            assert_eq!(differ, 0, "kv {kv} g {g} t {t} pos {pos}: {differ} of {n} weights differ");
+            // exp within 2 ulp of libm's: each weight within a few ulp of the composition's
+            let far = want
+                .iter()
+                .zip(&got)
+                .filter(|(a, b)| (*a - *b).abs() > 8.0 * f32::EPSILON * a.abs() + f32::MIN_POSITIVE)
+                .count();
+            assert_eq!(far, 0, "kv {kv} g {g} t {t} pos {pos}: {far} of {n} weights differ by more than 8 ulp");
+            // the op (pool threads above SERIAL_BELOW) equals the scalar compilation of its rows,
+            // and so does every width this CPU has
+            let mut widths = vec![Width::Scalar];
+            #[cfg(target_arch = "x86_64")]
+            {
+                if silu::width() != Width::Scalar {
+                    widths.push(Width::Avx2);
+                }
+                if silu::width() == Width::Avx512 {
+                    widths.push(Width::Avx512);
+                }
+            }
+            let src = s.flatten_all().unwrap().to_vec1::<f32>().unwrap();
+            for w in widths {
+                let mut one = vec![0f32; n];
+                for (r, (s, d)) in src.chunks(l).zip(one.chunks_mut(l)).enumerate() {
+                    row_on(w, s, d, pos + r % t + 1, scale as f32);
+                }
+                let differ = one.iter().zip(&got).filter(|(a, b)| a.to_bits() != b.to_bits()).count();
+                assert_eq!(differ, 0, "{w:?}, kv {kv} g {g} t {t} pos {pos}: {differ} of {n} weights differ");
+            }
             // and the mask holds: row r sees keys 0..=pos + r % t
             for (r, row) in got.chunks(l).enumerate() {
                 let seen = pos + r % t + 1;
