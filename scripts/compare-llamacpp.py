@@ -120,11 +120,24 @@ def llama_worker(args):
     print(json.dumps(out))
 
 
+def run(what, cmd, env=None):
+    """Runs one engine; a failure ends the comparison with what failed and why, not a traceback."""
+    res = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    if res.returncode != 0:
+        why = f"exit status {res.returncode}"
+        if res.returncode < 0:
+            why = f"signal {-res.returncode}"
+            if -res.returncode == 4:
+                why += " (SIGILL: built for instructions this CPU does not have? compare its CMAKE_ARGS with lscpu's flags)"
+        tail = "\n".join(res.stderr.strip().splitlines()[-5:])
+        sys.exit(f"{what} failed: {why}\n  {' '.join(cmd)}\n{tail}")
+    return res.stdout
+
+
 def run_llama(args, model):
     cmd = [args.python, os.path.abspath(__file__), "--llama-worker", "-p", str(args.n_prompt), "-n", str(args.n_gen),
            "-r", str(args.reps), "-t", str(args.threads), model]
-    res = subprocess.run(cmd, capture_output=True, text=True, check=True)
-    return json.loads(res.stdout.strip().splitlines()[-1])
+    return json.loads(run(f"llama.cpp on {model}", cmd).strip().splitlines()[-1])
 
 
 def run_brigade(args, model, kernels, binary=None):
@@ -133,8 +146,7 @@ def run_brigade(args, model, kernels, binary=None):
         env["BRIGADE_CPU_KERNELS"] = kernels
     cmd = [binary or args.brigade, "bench", "-m", model, "-p", str(args.n_prompt), "-n", str(args.n_gen), "-r", str(args.reps),
            "-t", str(args.threads), "--no-bandwidth", "-o", "json"]
-    res = subprocess.run(cmd, capture_output=True, text=True, check=True, env=env)
-    out = json.loads(res.stdout)
+    out = json.loads(run(f"brigade ({kernels}) on {model}", cmd, env))
     samples = {"pp": [], "tg": []}
     for row in out["rows"]:
         samples["pp" if row["n_prompt"] else "tg"].extend(row["samples_ts"])
@@ -206,7 +218,10 @@ def main():
             r = results.setdefault((model, "llama.cpp"), {"pp": [], "tg": []})
             r["pp"] += s["pp"]
             r["tg"] += s["tg"]
-            print(f"round {rnd + 1}/{args.rounds}: {os.path.basename(model)} done", file=sys.stderr)
+            # each round's figures as they come, so that a run that fails later leaves them
+            figures = "; ".join(f"{e} pp {mean(r['pp'][-args.reps:]):.1f} tg {mean(r['tg'][-args.reps:]):.1f}"
+                                for (m, e), r in results.items() if m == model)
+            print(f"round {rnd + 1}/{args.rounds}: {os.path.basename(model)}: {figures}", file=sys.stderr)
 
     print(f"CPU: {cpu_summary()}; {args.threads} threads; pp{args.n_prompt} / tg{args.n_gen}, "
           f"{args.reps} reps × {args.rounds} interleaved rounds; t/s means\n")

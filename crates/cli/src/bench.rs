@@ -76,6 +76,7 @@ pub fn bench(a: BenchArgs) -> Result<()> {
             reps: a.reps.max(1),
             concurrency: a.concurrency,
             long_prompt: a.http.long_prompt,
+            prompt: a.http.prompt(),
             json: a.output == OutFormat::Json,
         });
     }
@@ -473,6 +474,7 @@ fn bench_served(a: BenchArgs) -> Result<()> {
         reps: a.reps.max(1),
         concurrency: a.concurrency,
         long_prompt: a.http.long_prompt,
+        prompt: a.http.prompt(),
         json: a.output == OutFormat::Json,
     })
 }

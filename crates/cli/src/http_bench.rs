@@ -1,6 +1,10 @@
 //! `brigade bench --url URL`: aggregate generation speed and time to first token of a running
 //! OpenAI-compatible server (brigade's or llama.cpp's `llama-server`), at several concurrency
-//! levels: each client streams one completion of `-n` tokens after a distinct ~60-word prompt.
+//! levels: each client streams one completion of `-n` tokens after a distinct ~60-word prompt
+//! (`--prompt-words`), or after a distinct prompt of `--prompt-tokens N` token ids: the same
+//! length on every tokenizer (a synthetic model's vocabulary splits those 60 words into ~230
+//! tokens where a real one, SmolLM2's, gives 60). The table's note gives the prompts' length in
+//! tokens as the server counted them (`usage.prompt_tokens`).
 //! `--long-prompt N` adds the test of one N-token prompt arriving among `c - 1` decoding
 //! streams (its time to first token, and the others' longest wait between two tokens).
 //!
@@ -26,6 +30,31 @@ pub struct HttpArgs {
     /// With --url: also time one prompt of this many tokens arriving among decoding streams.
     #[arg(long = "long-prompt", default_value_t = 0)]
     pub long_prompt: usize,
+    /// Concurrency tests: each client's prompt is this many words (distinct per client).
+    #[arg(long = "prompt-words", default_value_t = 60, value_parser = clap::value_parser!(u32).range(1..=100_000))]
+    pub prompt_words: u32,
+    /// Concurrency tests: each client's prompt is this many token ids instead (distinct per
+    /// client, inside the vocabulary the server's /v1/models gives as `meta.n_vocab`).
+    #[arg(long = "prompt-tokens", conflicts_with = "prompt_words",
+          value_parser = clap::value_parser!(u32).range(1..=1_000_000))]
+    pub prompt_tokens: Option<u32>,
+}
+
+impl HttpArgs {
+    /// The prompt the flags ask for.
+    pub fn prompt(&self) -> Prompt {
+        match self.prompt_tokens {
+            Some(n) => Prompt::Tokens(n as usize),
+            None => Prompt::Words(self.prompt_words as usize),
+        }
+    }
+}
+
+/// Each client's prompt in the concurrency tests.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum Prompt {
+    Words(usize),
+    Tokens(usize),
 }
 
 pub struct HttpBench {
@@ -36,6 +65,7 @@ pub struct HttpBench {
     pub reps: usize,
     pub concurrency: Vec<usize>,
     pub long_prompt: usize,
+    pub prompt: Prompt,
     pub json: bool,
 }
 
@@ -50,6 +80,10 @@ struct Row {
     /// Long-prompt test: the decoding streams' longest pause between two tokens, ms (p95 over them).
     #[serde(skip_serializing_if = "Option::is_none")]
     others_gap_p95_ms: Option<f64>,
+    /// The clients' prompts in tokens, as the server counted them (mean; absent where the
+    /// server gave no `usage.prompt_tokens`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    prompt_tokens_avg: Option<f64>,
 }
 
 /// `host:port` and path prefix of a base URL like `http://127.0.0.1:8080` (plain HTTP only).
@@ -97,22 +131,49 @@ impl Target {
         Ok(resp)
     }
 
-    async fn first_model(&self) -> Result<String> {
+    /// The model named `want` (or the first listed) and its vocabulary size where the server
+    /// gives it (`meta.n_vocab`, as llama-server and brigade do).
+    async fn model(&self, want: Option<&str>) -> Result<(String, Option<usize>)> {
         let body = self.send("GET", "/v1/models", None).await?.into_body().collect().await?.to_bytes();
         let j: Value = serde_json::from_slice(&body)?;
-        j["data"][0]["id"].as_str().map(str::to_string).context("the server lists no model")
+        let listed = j["data"].as_array().cloned().unwrap_or_default();
+        let card = match want {
+            Some(w) => listed.iter().find(|m| m["id"].as_str() == Some(w)),
+            None => listed.first(),
+        };
+        let Some(card) = card else {
+            return match want {
+                // a server may answer for names it does not list
+                Some(w) => Ok((w.to_string(), None)),
+                None => bail!("the server lists no model"),
+            };
+        };
+        let id = card["id"].as_str().context("a model without an id in /v1/models")?.to_string();
+        let vocab = card["meta"]["n_vocab"].as_u64().map(|v| v as usize).filter(|&v| v >= 16);
+        Ok((id, vocab))
     }
 }
 
-/// One streamed completion: (seconds to the first token, generated tokens, arrival times).
-async fn stream(t: &Target, model: &str, prompt: Value, n: usize) -> Result<(f64, usize, Vec<f64>)> {
+/// One streamed completion as the client saw it.
+struct Streamed {
+    /// Seconds to the first token.
+    ttft: f64,
+    /// Generated tokens.
+    tokens: usize,
+    /// Seconds from the request to each chunk with text.
+    arrivals: Vec<f64>,
+    /// The prompt's tokens, as the server counted them.
+    prompt_tokens: Option<usize>,
+}
+
+async fn stream(t: &Target, model: &str, prompt: Value, n: usize) -> Result<Streamed> {
     let body = json!({"model": model, "prompt": prompt, "max_tokens": n, "temperature": 0, "stream": true,
                       "ignore_eos": true, "stream_options": {"include_usage": true}});
     let t0 = Instant::now();
     let mut resp = t.send("POST", "/v1/completions", Some(body)).await?.into_body();
     let mut buf = Vec::new();
     let mut arrivals = Vec::new();
-    let mut usage = None;
+    let (mut usage, mut prompt_tokens) = (None, None);
     while let Some(frame) = resp.frame().await {
         let Ok(data) = frame?.into_data() else { continue };
         buf.extend_from_slice(&data);
@@ -129,13 +190,16 @@ async fn stream(t: &Target, model: &str, prompt: Value, n: usize) -> Result<(f64
             if let Some(n) = j["usage"]["completion_tokens"].as_u64() {
                 usage = Some(n as usize);
             }
+            if let Some(n) = j["usage"]["prompt_tokens"].as_u64() {
+                prompt_tokens = Some(n as usize);
+            }
             if j["choices"][0]["text"].as_str().is_some_and(|s| !s.is_empty()) {
                 arrivals.push(t0.elapsed().as_secs_f64());
             }
         }
     }
     let ttft = *arrivals.first().context("the stream carried no text")?;
-    Ok((ttft, usage.unwrap_or(arrivals.len()), arrivals))
+    Ok(Streamed { ttft, tokens: usage.unwrap_or(arrivals.len()), arrivals, prompt_tokens })
 }
 
 const WORDS: &[&str] = &[
@@ -149,6 +213,27 @@ fn words_prompt(words: usize, k: usize) -> String {
     (0..words).map(|i| WORDS[(i * 7 + k * 13 + i * i * k) % WORDS.len()]).collect::<Vec<_>>().join(" ")
 }
 
+/// A distinct prompt of `n` token ids for client `k`, from the middle three quarters of a
+/// `vocab`-token vocabulary (the special tokens of the vocabularies brigade reads sit at its
+/// ends).
+fn ids_prompt(n: usize, vocab: usize, k: usize) -> Vec<u32> {
+    let (lo, span) = (vocab / 8, (vocab * 3 / 4).max(1));
+    (0..n).map(|i| (lo + (i * 7919 + k * 104_729 + i * i * (k + 1)) % span) as u32).collect()
+}
+
+/// Client `k`'s prompt as the request's `prompt` field.
+fn prompt_of(p: Prompt, vocab: Option<usize>, k: usize) -> Result<Value> {
+    Ok(match p {
+        Prompt::Words(w) => json!(words_prompt(w, k)),
+        Prompt::Tokens(n) => {
+            let v = vocab.context(
+                "--prompt-tokens: the server gives no vocabulary size (meta.n_vocab in /v1/models) to pick ids from",
+            )?;
+            json!(ids_prompt(n, v, k))
+        }
+    })
+}
+
 fn pct(v: &mut [f64], p: f64) -> f64 {
     if v.is_empty() {
         return 0.0;
@@ -157,49 +242,64 @@ fn pct(v: &mut [f64], p: f64) -> f64 {
     v[((v.len() - 1) as f64 * p).round() as usize]
 }
 
-async fn level(t: &std::sync::Arc<Target>, model: &str, c: usize, n: usize, rep: usize) -> Result<(f64, Vec<f64>)> {
+/// One level of `c` clients: (aggregate t/s, TTFTs in ms, the prompts' token counts the server gave).
+async fn level(
+    t: &std::sync::Arc<Target>,
+    (model, vocab): (&str, Option<usize>),
+    prompt: Prompt,
+    (c, n, rep): (usize, usize, usize),
+) -> Result<(f64, Vec<f64>, Vec<usize>)> {
+    // distinct for every client, repetition and level: a server that caches prompts
+    // (llama-server keeps each slot's last prompt) gets no head start from earlier ones
+    let prompts = (0..c).map(|k| prompt_of(prompt, vocab, c * 1009 + rep * 131 + k + 1)).collect::<Result<Vec<_>>>()?;
     let t0 = Instant::now();
-    let tasks: Vec<_> = (0..c)
-        .map(|k| {
+    let tasks: Vec<_> = prompts
+        .into_iter()
+        .map(|p| {
             let (t, m) = (t.clone(), model.to_string());
-            // distinct for every client, repetition and level: a server that caches prompts
-            // (llama-server keeps each slot's last prompt) gets no head start from earlier ones
-            let p = json!(words_prompt(60, c * 1009 + rep * 131 + k + 1));
             tokio::spawn(async move { stream(&t, &m, p, n).await })
         })
         .collect();
-    let (mut tokens, mut ttfts) = (0, Vec::new());
+    let (mut tokens, mut ttfts, mut lens) = (0, Vec::new(), Vec::new());
     for task in tasks {
-        let (ttft, got, _) = task.await??;
-        tokens += got;
-        ttfts.push(ttft * 1e3);
+        let s = task.await??;
+        tokens += s.tokens;
+        ttfts.push(s.ttft * 1e3);
+        lens.extend(s.prompt_tokens);
     }
-    Ok((tokens as f64 / t0.elapsed().as_secs_f64(), ttfts))
+    Ok((tokens as f64 / t0.elapsed().as_secs_f64(), ttfts, lens))
 }
 
 /// `c - 1` streams decoding, then one prompt of `len` token ids: its TTFT, and the others'
 /// longest gaps between tokens.
 async fn long_prompt(
     t: &std::sync::Arc<Target>,
-    model: &str,
+    (model, vocab): (&str, Option<usize>),
+    prompt: Prompt,
     c: usize,
     len: usize,
     n: usize,
 ) -> Result<(f64, Vec<f64>)> {
-    let others: Vec<_> = (0..c.saturating_sub(1))
-        .map(|k| {
+    let prompts = (0..c.saturating_sub(1)).map(|k| prompt_of(prompt, vocab, 1000 + k)).collect::<Result<Vec<_>>>()?;
+    let others: Vec<_> = prompts
+        .into_iter()
+        .map(|p| {
             let (t, m) = (t.clone(), model.to_string());
-            let p = json!(words_prompt(60, 1000 + k));
             tokio::spawn(async move { stream(&t, &m, p, n).await })
         })
         .collect();
     // let the others get going first
     tokio::time::sleep(Duration::from_secs(2)).await;
-    let ids: Vec<u32> = (0..len).map(|i| 100 + ((i * 7919) % 20000) as u32).collect();
-    let (ttft, _, _) = stream(t, model, json!(ids), 4).await?;
+    // ids inside the vocabulary where the server gives its size; else ids below 20 100 (every
+    // vocabulary of a model worth a long-prompt test has them)
+    let ids: Vec<u32> = match vocab {
+        Some(v) => ids_prompt(len, v, 7),
+        None => (0..len).map(|i| 100 + ((i * 7919) % 20000) as u32).collect(),
+    };
+    let ttft = stream(t, model, json!(ids), 4).await?.ttft;
     let mut gaps = Vec::new();
     for o in others {
-        let (_, _, arrivals) = o.await??;
+        let arrivals = o.await??.arrivals;
         let gap = arrivals.windows(2).map(|w| w[1] - w[0]).fold(0.0, f64::max);
         gaps.push(gap * 1e3);
     }
@@ -211,19 +311,18 @@ pub fn bench(b: HttpBench) -> Result<()> {
     let target = std::sync::Arc::new(Target { host, prefix, key: b.api_key.clone() });
     let rt = runtime()?;
     let rows = rt.block_on(async {
-        let model = match &b.model {
-            Some(m) => m.clone(),
-            None => target.first_model().await?,
-        };
+        let (model, vocab) = target.model(b.model.as_deref()).await?;
+        let m = (model.as_str(), vocab);
         // warm-up: a connection made, the server's first request served
         stream(&target, &model, json!(words_prompt(8, 0)), 2).await?;
         let mut rows = Vec::new();
         for &c in &b.concurrency {
-            let (mut samples, mut ttfts) = (Vec::new(), Vec::new());
+            let (mut samples, mut ttfts, mut lens) = (Vec::new(), Vec::new(), Vec::new());
             for r in 0..b.reps {
-                let (ts, mut tt) = level(&target, &model, c, b.n_gen, r).await?;
+                let (ts, mut tt, mut l) = level(&target, m, b.prompt, (c, b.n_gen, r)).await?;
                 samples.push(ts);
                 ttfts.append(&mut tt);
+                lens.append(&mut l);
             }
             rows.push(Row {
                 test: format!("tg{}", b.n_gen),
@@ -233,13 +332,14 @@ pub fn bench(b: HttpBench) -> Result<()> {
                 ttft_p50_ms: pct(&mut ttfts.clone(), 0.5),
                 ttft_p95_ms: pct(&mut ttfts, 0.95),
                 others_gap_p95_ms: None,
+                prompt_tokens_avg: (!lens.is_empty()).then(|| lens.iter().sum::<usize>() as f64 / lens.len() as f64),
             });
         }
         if b.long_prompt > 0 {
             let c = b.concurrency.iter().copied().max().unwrap_or(1).max(2);
             let (mut ttfts, mut gaps) = (Vec::new(), Vec::new());
             for _ in 0..b.reps {
-                let (ttft, mut g) = long_prompt(&target, &model, c, b.long_prompt, b.n_gen.max(64)).await?;
+                let (ttft, mut g) = long_prompt(&target, m, b.prompt, c, b.long_prompt, b.n_gen.max(64)).await?;
                 ttfts.push(ttft);
                 gaps.append(&mut g);
             }
@@ -251,6 +351,7 @@ pub fn bench(b: HttpBench) -> Result<()> {
                 ttft_p50_ms: pct(&mut ttfts.clone(), 0.5),
                 ttft_p95_ms: pct(&mut ttfts, 0.95),
                 others_gap_p95_ms: Some(pct(&mut gaps, 0.95)),
+                prompt_tokens_avg: None,
             });
         }
         anyhow::Ok((model, rows))
@@ -262,6 +363,20 @@ pub fn bench(b: HttpBench) -> Result<()> {
     }
     let table = rows.iter().map(|r| (r.test.as_str(), r.concurrency, &r.samples_ts[..], r.ttft_p50_ms, r.ttft_p95_ms));
     crate::cluster_bench::print_table(&model, table);
+    let lens: Vec<f64> = rows.iter().filter_map(|r| r.prompt_tokens_avg).collect();
+    let what = match b.prompt {
+        Prompt::Words(w) => format!("{w} words"),
+        Prompt::Tokens(n) => format!("{n} token ids"),
+    };
+    match (lens.iter().copied().reduce(f64::min), lens.iter().copied().reduce(f64::max)) {
+        (Some(lo), Some(hi)) if hi - lo < 0.5 => {
+            println!("\neach client's prompt: {what}, {lo:.0} tokens (the server's count)")
+        }
+        (Some(lo), Some(hi)) => {
+            println!("\neach client's prompt: {what}, {lo:.1} to {hi:.1} tokens (the server's count)")
+        }
+        _ => println!("\neach client's prompt: {what} (the server gave no prompt token counts)"),
+    }
     if let Some(r) = rows.iter().find(|r| r.others_gap_p95_ms.is_some()) {
         println!(
             "\nwhile the {} ran, the decoding streams' longest pause between two tokens: p95 {:.1} ms",
@@ -284,5 +399,14 @@ mod tests {
         let (a, b) = (words_prompt(60, 1), words_prompt(60, 2));
         assert_ne!(a, b);
         assert_eq!(a.split(' ').count(), 60);
+        // token prompts: the length asked, distinct per client, inside the vocabulary's middle
+        for vocab in [16, 512, 32000, 128_256] {
+            let (a, b) = (ids_prompt(60, vocab, 1), ids_prompt(60, vocab, 2));
+            assert_eq!(a.len(), 60);
+            assert_ne!(a, b, "vocab {vocab}");
+            assert!(a.iter().chain(&b).all(|&i| (vocab / 8..vocab - vocab / 8).contains(&(i as usize))), "{vocab}");
+        }
+        assert!(prompt_of(Prompt::Tokens(4), None, 0).unwrap_err().to_string().contains("n_vocab"));
+        assert_eq!(prompt_of(Prompt::Tokens(4), Some(512), 0).unwrap().as_array().unwrap().len(), 4);
     }
 }

@@ -143,7 +143,9 @@ async fn health<B: Backend>(State(app): State<Arc<App<B>>>) -> Json<Value> {
 }
 
 fn card(m: &ModelInfo) -> Value {
-    json!({"id": m.id, "object": "model", "created": m.created, "owned_by": m.owned_by, "meta": {"n_ctx": m.n_ctx}})
+    // `meta` as llama-server gives it (a benchmark picks valid token ids by `n_vocab`)
+    json!({"id": m.id, "object": "model", "created": m.created, "owned_by": m.owned_by,
+           "meta": {"n_ctx": m.n_ctx, "n_vocab": m.tokenizer.vocab_size()}})
 }
 
 async fn models<B: Backend>(State(app): State<Arc<App<B>>>) -> Json<Value> {
