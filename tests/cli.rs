@@ -323,6 +323,31 @@ fn bench_sweeps_thread_counts_in_child_processes() {
 }
 
 #[test]
+fn bench_concurrency_prompts_of_words_or_token_ids() {
+    // `brigade serve` on the embedded model (vocabulary 512), measured through its API
+    let common = ["bench", "--concurrency", "1,2", "-n", "4", "-r", "1", "-t", "1", "-o", "json"];
+    let j = ok_json(&[&common[..], &["--prompt-tokens", "12"]].concat());
+    let rows = j.as_array().unwrap();
+    assert_eq!(rows.iter().map(|r| r["concurrency"].as_u64().unwrap()).collect::<Vec<_>>(), [1, 2]);
+    for r in rows {
+        assert_eq!(r["prompt_tokens_avg"], 12.0, "{r}");
+        assert!(r["avg_ts"].as_f64().unwrap() > 0.0, "{r}");
+    }
+    // words: as many tokens as the server's tokenizer makes of them (more than one per word here)
+    let j = ok_json(&[&common[..], &["--prompt-words", "5"]].concat());
+    let n = j[0]["prompt_tokens_avg"].as_f64().unwrap();
+    assert!(n > 5.0, "{j}");
+    // the table says how long the prompts were
+    let out = brigade(&["bench", "--concurrency", "2", "-n", "2", "-r", "1", "-t", "1", "--prompt-tokens", "7"]);
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(text.contains("each client's prompt: 7 token ids, 7 tokens"), "{text}");
+    // one or the other
+    let out = brigade(&["bench", "--concurrency", "2", "--prompt-tokens", "7", "--prompt-words", "3"]);
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("cannot be used with"), "{out:?}");
+}
+
+#[test]
 fn doctor_describes_this_machine() {
     let j = ok_json(&["doctor", "--json", "-t", "1"]);
     assert_eq!(j["brigade"]["version"], env!("CARGO_PKG_VERSION"));
