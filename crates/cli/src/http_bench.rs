@@ -218,7 +218,10 @@ fn words_prompt(words: usize, k: usize) -> String {
 /// ends).
 fn ids_prompt(n: usize, vocab: usize, k: usize) -> Vec<u32> {
     let (lo, span) = (vocab / 8, (vocab * 3 / 4).max(1));
-    (0..n).map(|i| (lo + (i * 7919 + k * 104_729 + i * i * (k + 1)) % span) as u32).collect()
+    let mix = |i: usize| {
+        i.wrapping_mul(7919).wrapping_add(k.wrapping_mul(104_729)).wrapping_add(i.wrapping_mul(i).wrapping_mul(k + 1))
+    };
+    (0..n).map(|i| (lo + mix(i) % span) as u32).collect()
 }
 
 /// Client `k`'s prompt as the request's `prompt` field.
