@@ -2,7 +2,7 @@
 //! OpenAI-compatible server (brigade's or llama.cpp's `llama-server`), at several concurrency
 //! levels: each client streams one completion of `-n` tokens after a distinct ~60-word prompt
 //! (`--prompt-words`), or after a distinct prompt of `--prompt-tokens N` token ids: the same
-//! length on every tokenizer (a synthetic model's vocabulary splits those 60 words into ~230
+//! length on every tokenizer (a synthetic model's vocabulary splits those 60 words into ~240
 //! tokens where a real one, SmolLM2's, gives 60). The table's note gives the prompts' length in
 //! tokens as the server counted them (`usage.prompt_tokens`).
 //! `--long-prompt N` adds the test of one N-token prompt arriving among `c - 1` decoding
