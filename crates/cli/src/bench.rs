@@ -81,6 +81,9 @@ pub fn bench(a: BenchArgs) -> Result<()> {
         });
     }
     if a.connect.coordinator.is_some() {
+        if let Some(flag) = a.http.asked() {
+            bail!("{flag} is a test of an HTTP server: with --url, or --concurrency on a model file");
+        }
         let Some(model) = a.model.as_ref().map(|m| m.display().to_string()) else {
             bail!("with --coordinator, -m names the deployment to benchmark");
         };
@@ -100,7 +103,8 @@ pub fn bench(a: BenchArgs) -> Result<()> {
     if a.reps == 0 {
         bail!("-r 0: at least one repetition");
     }
-    if a.concurrency.iter().any(|&c| c != 1) {
+    // a flag of the HTTP tests serves the file even for one client
+    if a.concurrency.iter().any(|&c| c != 1) || a.http.asked().is_some() {
         return bench_served(a);
     }
     let out = if a.threads.len() > 1 { sweep(&a)? } else { bench_here(&a)? };

@@ -30,9 +30,9 @@ pub struct HttpArgs {
     /// With --url: also time one prompt of this many tokens arriving among decoding streams.
     #[arg(long = "long-prompt", default_value_t = 0)]
     pub long_prompt: usize,
-    /// Concurrency tests: each client's prompt is this many words (distinct per client).
-    #[arg(long = "prompt-words", default_value_t = 60, value_parser = clap::value_parser!(u32).range(1..=100_000))]
-    pub prompt_words: u32,
+    /// Concurrency tests: each client's prompt is this many words, distinct per client (default 60).
+    #[arg(long = "prompt-words", value_parser = clap::value_parser!(u32).range(1..=100_000))]
+    pub prompt_words: Option<u32>,
     /// Concurrency tests: each client's prompt is this many token ids instead (distinct per
     /// client, inside the vocabulary the server's /v1/models gives as `meta.n_vocab`).
     #[arg(long = "prompt-tokens", conflicts_with = "prompt_words",
@@ -45,7 +45,21 @@ impl HttpArgs {
     pub fn prompt(&self) -> Prompt {
         match self.prompt_tokens {
             Some(n) => Prompt::Tokens(n as usize),
-            None => Prompt::Words(self.prompt_words as usize),
+            None => Prompt::Words(self.prompt_words.unwrap_or(60) as usize),
+        }
+    }
+
+    /// Whether a flag of the HTTP concurrency tests was given (they need `--url` or a served
+    /// model file).
+    pub fn asked(&self) -> Option<&'static str> {
+        if self.prompt_tokens.is_some() {
+            Some("--prompt-tokens")
+        } else if self.prompt_words.is_some() {
+            Some("--prompt-words")
+        } else if self.long_prompt > 0 {
+            Some("--long-prompt")
+        } else {
+            None
         }
     }
 }
@@ -134,8 +148,16 @@ impl Target {
     /// The model named `want` (or the first listed) and its vocabulary size where the server
     /// gives it (`meta.n_vocab`, as llama-server and brigade do).
     async fn model(&self, want: Option<&str>) -> Result<(String, Option<usize>)> {
-        let body = self.send("GET", "/v1/models", None).await?.into_body().collect().await?.to_bytes();
-        let j: Value = serde_json::from_slice(&body)?;
+        let listing = async {
+            let body = self.send("GET", "/v1/models", None).await?.into_body().collect().await?.to_bytes();
+            anyhow::Ok(serde_json::from_slice::<Value>(&body)?)
+        };
+        let j = match (listing.await, want) {
+            (Ok(j), _) => j,
+            // a named model needs no listing (only --prompt-tokens needs its vocabulary)
+            (Err(_), Some(w)) => return Ok((w.to_string(), None)),
+            (Err(e), None) => return Err(e.context("listing the server's models (or name one with -m)")),
+        };
         let listed = j["data"].as_array().cloned().unwrap_or_default();
         let card = match want {
             Some(w) => listed.iter().find(|m| m["id"].as_str() == Some(w)),
@@ -149,7 +171,9 @@ impl Target {
             };
         };
         let id = card["id"].as_str().context("a model without an id in /v1/models")?.to_string();
-        let vocab = card["meta"]["n_vocab"].as_u64().map(|v| v as usize).filter(|&v| v >= 16);
+        // a vocabulary brigade can draw u32 ids from, with room for its middle three quarters
+        let vocab =
+            card["meta"]["n_vocab"].as_u64().filter(|v| (16..=u64::from(u32::MAX)).contains(v)).map(|v| v as usize);
         Ok((id, vocab))
     }
 }
@@ -217,9 +241,11 @@ fn words_prompt(words: usize, k: usize) -> String {
 /// `vocab`-token vocabulary (the special tokens of the vocabularies brigade reads sit at its
 /// ends).
 fn ids_prompt(n: usize, vocab: usize, k: usize) -> Vec<u32> {
-    let (lo, span) = (vocab / 8, (vocab * 3 / 4).max(1));
+    let (lo, span) = (vocab / 8, (vocab / 4 * 3).max(1));
     let mix = |i: usize| {
-        i.wrapping_mul(7919).wrapping_add(k.wrapping_mul(104_729)).wrapping_add(i.wrapping_mul(i).wrapping_mul(k + 1))
+        i.wrapping_mul(7919)
+            .wrapping_add(k.wrapping_mul(104_729))
+            .wrapping_add(i.wrapping_mul(i).wrapping_mul(k.wrapping_add(1)))
     };
     (0..n).map(|i| (lo + mix(i) % span) as u32).collect()
 }
@@ -230,7 +256,8 @@ fn prompt_of(p: Prompt, vocab: Option<usize>, k: usize) -> Result<Value> {
         Prompt::Words(w) => json!(words_prompt(w, k)),
         Prompt::Tokens(n) => {
             let v = vocab.context(
-                "--prompt-tokens: the server gives no vocabulary size (meta.n_vocab in /v1/models) to pick ids from",
+                "--prompt-tokens: no vocabulary size to pick ids from (the server's /v1/models lists no \
+                 meta.n_vocab of 16 to 2^32 for this model)",
             )?;
             json!(ids_prompt(n, v, k))
         }
@@ -279,9 +306,7 @@ async fn long_prompt(
     t: &std::sync::Arc<Target>,
     (model, vocab): (&str, Option<usize>),
     prompt: Prompt,
-    c: usize,
-    len: usize,
-    n: usize,
+    (c, len, n, rep): (usize, usize, usize, usize),
 ) -> Result<(f64, Vec<f64>)> {
     let prompts = (0..c.saturating_sub(1)).map(|k| prompt_of(prompt, vocab, 1000 + k)).collect::<Result<Vec<_>>>()?;
     let others: Vec<_> = prompts
@@ -296,8 +321,9 @@ async fn long_prompt(
     // ids inside the vocabulary where the server gives its size; else ids below 20 100 (every
     // vocabulary of a model worth a long-prompt test has them)
     let ids: Vec<u32> = match vocab {
-        Some(v) => ids_prompt(len, v, 7),
-        None => (0..len).map(|i| 100 + ((i * 7919) % 20000) as u32).collect(),
+        // distinct per repetition: a server's prompt cache must not serve a repeat
+        Some(v) => ids_prompt(len, v, 7 + rep),
+        None => (0..len).map(|i| 100 + ((i * 7919 + rep * 104_729) % 20000) as u32).collect(),
     };
     let ttft = stream(t, model, json!(ids), 4).await?.ttft;
     let mut gaps = Vec::new();
@@ -341,8 +367,8 @@ pub fn bench(b: HttpBench) -> Result<()> {
         if b.long_prompt > 0 {
             let c = b.concurrency.iter().copied().max().unwrap_or(1).max(2);
             let (mut ttfts, mut gaps) = (Vec::new(), Vec::new());
-            for _ in 0..b.reps {
-                let (ttft, mut g) = long_prompt(&target, m, b.prompt, c, b.long_prompt, b.n_gen.max(64)).await?;
+            for rep in 0..b.reps {
+                let (ttft, mut g) = long_prompt(&target, m, b.prompt, (c, b.long_prompt, b.n_gen.max(64), rep)).await?;
                 ttfts.push(ttft);
                 gaps.append(&mut g);
             }

@@ -173,6 +173,7 @@ async fn completions_and_chat_answer_with_usage() {
     let (st, body) = call(app.clone(), "GET", "/v1/models", None, None).await;
     assert_eq!(st, StatusCode::OK);
     assert_eq!(json_of(&body)["data"][0]["id"], "tiny");
+    assert_eq!(json_of(&body)["data"][0]["meta"]["n_vocab"], b.tk.vocab_size());
     let (_, body) = call(app.clone(), "GET", "/health", None, None).await;
     assert_eq!(json_of(&body), json!({"status": "ok", "slots_idle": 3, "slots_processing": 1, "requests_waiting": 2}));
 }

@@ -17,15 +17,16 @@ use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, CustomOp2, Layout, Shape};
 use std::sync::OnceLock;
 
-/// `e^x` for `x` in −87.3..=88.3 (clamped there; a NaN stays NaN only through the callers'
-/// other operands): `x = n·ln 2 + r`, `|r| ≤ ln 2 / 2`, `e^r` by Cephes' polynomial, `2^n` on the
-/// exponent bits.
+/// `e^x`: within 2 ulp of libm's for `x` in −87.3..=88.3, 0 below (where libm's are subnormal
+/// or 0: a softmax's far keys weigh nothing), `e^88.3` above, NaN for NaN. `x = n·ln 2 + r`,
+/// `|r| ≤ ln 2 / 2`, `e^r` by Cephes' polynomial, `2^n` on the exponent bits.
 #[inline(always)]
 pub(super) fn exp(x: f32) -> f32 {
     const MAGIC: f32 = 12_582_912.0; // 1.5 · 2^23: adding it rounds to an integer in the low bits
     const LOG2E: f32 = std::f32::consts::LOG2_E;
     const LN2_HI: f32 = 0.693_359_4;
     const LN2_LO: f32 = -2.121_944_4e-4;
+    let low = x < -87.3;
     let x = x.clamp(-87.3, 88.3);
     let t = x.mul_add(LOG2E, MAGIC);
     let n = t - MAGIC;
@@ -40,7 +41,13 @@ pub(super) fn exp(x: f32) -> f32 {
     let p = p.mul_add(r, 0.5); // Cephes: 5.0000001201e-1, which is 0.5 in f32
     let y = p.mul_add(r * r, r) + 1.0;
     // 2^n for n in −126..=127
-    y * f32::from_bits((ni.wrapping_add(127) << 23) as u32)
+    let e = y * f32::from_bits((ni.wrapping_add(127) << 23) as u32);
+    // a select, not a branch: the loops around stay vector code
+    if low {
+        0.0
+    } else {
+        e
+    }
 }
 
 /// `out[i] = SiLU(gate[i]) · up[i]`.
@@ -85,7 +92,11 @@ pub(super) fn width() -> Width {
     })
 }
 
-fn body_on(w: Width, gate: &[f32], up: &[f32], out: &mut [f32]) {
+/// [`body`] compiled for `w`.
+///
+/// # Safety
+/// `w` is [`width`]'s answer or a narrower width.
+unsafe fn body_on(w: Width, gate: &[f32], up: &[f32], out: &mut [f32]) {
     match w {
         // SAFETY: `width` found the instructions
         #[cfg(target_arch = "x86_64")]
@@ -99,7 +110,8 @@ fn body_on(w: Width, gate: &[f32], up: &[f32], out: &mut [f32]) {
 
 /// `out[i] = SiLU(gate[i]) · up[i]` over the shortest of the three.
 pub(super) fn silu_mul(gate: &[f32], up: &[f32], out: &mut [f32]) {
-    body_on(width(), gate, up, out)
+    // SAFETY: this CPU's width
+    unsafe { body_on(width(), gate, up, out) }
 }
 
 /// Values below which the op runs on the calling thread (a decode step's row).
@@ -152,7 +164,8 @@ impl CustomOp2 for SiluMul {
         let (rg, ru) = (rows(lg)?, rows(lu)?);
         let mut out = vec![0f32; n];
         let w = width();
-        let work = |r: usize, o: &mut [f32]| body_on(w, &g[rg[r]..][..cols], &u[ru[r]..][..cols], o);
+        // SAFETY: this CPU's width
+        let work = |r: usize, o: &mut [f32]| unsafe { body_on(w, &g[rg[r]..][..cols], &u[ru[r]..][..cols], o) };
         if n < SERIAL_BELOW {
             for (r, o) in out.chunks_mut(cols.max(1)).enumerate() {
                 work(r, o);
@@ -181,6 +194,13 @@ mod tests {
         }
         assert!(worst <= 2.0, "exp is {worst} ulp from libm's");
         assert_eq!(exp(0.0), 1.0);
+        // past the ends: 0 below (libm: subnormal, then 0), e^88.3 above, NaN kept
+        for x in [-87.31, -100.0, -1e30, f32::NEG_INFINITY] {
+            assert_eq!(exp(x), 0.0, "{x}");
+        }
+        assert_eq!(exp(f32::INFINITY), exp(88.3));
+        assert!(exp(88.3).is_finite() && exp(88.3) > 1e38);
+        assert!(exp(f32::NAN).is_nan());
     }
 
     #[test]
@@ -195,7 +215,8 @@ mod tests {
                 continue;
             }
             let mut got = vec![0f32; n];
-            body_on(w, &gate, &up, &mut got);
+            // SAFETY: skipped above unless this CPU has `w`
+            unsafe { body_on(w, &gate, &up, &mut got) };
             assert!(got.iter().zip(&scalar).all(|(a, b)| a.to_bits() == b.to_bits()), "{w:?} differs from scalar");
         }
         // candle's SiLU (libm) times up: within a few ulp

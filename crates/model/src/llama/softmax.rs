@@ -9,7 +9,8 @@
 //! The numbers are those of the composition but for `exp`: the same f32 products by the scale,
 //! the maximum (order does not change it), the same `vec_reduce_sum` of candle over the whole row
 //! (whose masked tail is 0 in both), the same division; `exp(x − max)` is [`silu::exp`] (within
-//! 2 ulp of libm's, which candle calls once per value, scalar), compiled for the widest vectors
+//! 2 ulp of libm's, which candle calls once per value, scalar, down to `x − max = −87.3`; 0
+//! below, where libm's is subnormal or 0), compiled for the widest vectors
 //! the CPU has — the same bits at every width, so a row's weights do not depend on the CPU's
 //! vector width or on which thread ran it. Written by hand because no candle op masks by
 //! position.
@@ -59,7 +60,8 @@ impl CustomOp1 for CausalSoftmax {
         let (scale, t, pos) = (self.scale, self.t, self.pos);
         let mut dst = vec![0f32; src.len()];
         let width = silu::width();
-        let row = |(r, (s, d)): (usize, (&[f32], &mut [f32]))| row_on(width, s, d, pos + r % t + 1, scale);
+        // SAFETY: this CPU's width
+        let row = |(r, (s, d)): (usize, (&[f32], &mut [f32]))| unsafe { row_on(width, s, d, pos + r % t + 1, scale) };
         if src.len() < SERIAL_BELOW {
             src.chunks(keys).zip(dst.chunks_mut(keys)).enumerate().for_each(row);
         } else {
@@ -101,7 +103,11 @@ unsafe fn row_avx2(s: &[f32], d: &mut [f32], seen: usize, scale: f32) {
     row(s, d, seen, scale)
 }
 
-fn row_on(w: Width, s: &[f32], d: &mut [f32], seen: usize, scale: f32) {
+/// [`row`] compiled for `w`.
+///
+/// # Safety
+/// `w` is [`silu::width`]'s answer or a narrower width.
+unsafe fn row_on(w: Width, s: &[f32], d: &mut [f32], seen: usize, scale: f32) {
     match w {
         // SAFETY: `silu::width` found the instructions
         #[cfg(target_arch = "x86_64")]
@@ -136,13 +142,20 @@ mod tests {
     fn agrees_with_scale_mask_and_softmax_and_every_width_gives_the_same_bits() {
         // the last is above SERIAL_BELOW: rows on the pool's threads
         const _: () = assert!(4 * 8 * 64 * 66 >= SERIAL_BELOW);
-        for (kv, g, t, pos) in
-            [(1, 1, 1, 0), (2, 4, 1, 37), (4, 8, 7, 0), (2, 3, 16, 5), (1, 2, 33, 100), (4, 8, 64, 2)]
-        {
+        for (kv, g, t, pos, spread) in [
+            (1, 1, 1, 0, 61.0),
+            (2, 4, 1, 37, 61.0),
+            (4, 8, 7, 0, 61.0),
+            (2, 3, 16, 5, 61.0),
+            (1, 2, 33, 100, 61.0),
+            (4, 8, 64, 2, 61.0),
+            // scores ~260 apart after the scale: far keys past the exp's −87.3 weigh 0
+            (2, 2, 9, 40, 0.5),
+        ] {
             let l = pos + t;
             let n = kv * g * t * l;
-            // scores of a few units, as q·k / √d gives, with ties and repeats
-            let v: Vec<f32> = (0..n).map(|i| ((i * 7919 % 1013) as f32 - 506.0) / 61.0).collect();
+            // scores of a few units, as q·k / √d gives, with ties and repeats (or far apart)
+            let v: Vec<f32> = (0..n).map(|i| ((i * 7919 % 1013) as f32 - 506.0) / spread).collect();
             let s = Tensor::from_vec(v, (1, kv, g * t, l), &Device::Cpu).unwrap();
             let scale = 1.0 / (64f64).sqrt();
             let want = composed(&s, scale, t, pos).flatten_all().unwrap().to_vec1::<f32>().unwrap();
@@ -162,6 +175,7 @@ mod tests {
             assert_eq!(far, 0, "kv {kv} g {g} t {t} pos {pos}: {far} of {n} weights differ by more than 8 ulp");
             // the op (pool threads above SERIAL_BELOW) equals the scalar compilation of its rows,
             // and so does every width this CPU has
+            #[allow(unused_mut)]
             let mut widths = vec![Width::Scalar];
             #[cfg(target_arch = "x86_64")]
             {
@@ -176,7 +190,8 @@ mod tests {
             for w in widths {
                 let mut one = vec![0f32; n];
                 for (r, (s, d)) in src.chunks(l).zip(one.chunks_mut(l)).enumerate() {
-                    row_on(w, s, d, pos + r % t + 1, scale as f32);
+                    // SAFETY: only the widths this CPU has (above)
+                    unsafe { row_on(w, s, d, pos + r % t + 1, scale as f32) };
                 }
                 let differ = one.iter().zip(&got).filter(|(a, b)| a.to_bits() != b.to_bits()).count();
                 assert_eq!(differ, 0, "{w:?}, kv {kv} g {g} t {t} pos {pos}: {differ} of {n} weights differ");
@@ -187,6 +202,10 @@ mod tests {
                 assert!(row[seen..].iter().all(|w| *w == 0.0), "row {r} weighs a future key");
                 assert!((row.iter().sum::<f32>() - 1.0).abs() < 1e-5, "row {r} does not sum to 1");
             }
+            // the far-apart case reaches the exp's floor: visible keys that weigh exactly 0
+            let floored =
+                got.chunks(l).enumerate().map(|(r, row)| row[..pos + r % t + 1].iter().filter(|w| **w == 0.0).count());
+            assert_eq!(floored.sum::<usize>() > 0, spread < 1.0, "kv {kv} g {g} t {t} pos {pos}");
         }
     }
 
