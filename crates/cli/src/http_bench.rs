@@ -272,6 +272,22 @@ fn pct(v: &mut [f64], p: f64) -> f64 {
     v[((v.len() - 1) as f64 * p).round() as usize]
 }
 
+/// One streaming completion of `n` tokens per prompt, all at once.
+fn spawn_streams(
+    t: &std::sync::Arc<Target>,
+    model: &str,
+    prompts: Vec<Value>,
+    n: usize,
+) -> Vec<tokio::task::JoinHandle<Result<Streamed>>> {
+    prompts
+        .into_iter()
+        .map(|p| {
+            let (t, m) = (t.clone(), model.to_string());
+            tokio::spawn(async move { stream(&t, &m, p, n).await })
+        })
+        .collect()
+}
+
 /// One level of `c` clients: (aggregate t/s, TTFTs in ms, the prompts' token counts the server gave).
 async fn level(
     t: &std::sync::Arc<Target>,
@@ -283,13 +299,7 @@ async fn level(
     // (llama-server keeps each slot's last prompt) gets no head start from earlier ones
     let prompts = (0..c).map(|k| prompt_of(prompt, vocab, c * 1009 + rep * 131 + k + 1)).collect::<Result<Vec<_>>>()?;
     let t0 = Instant::now();
-    let tasks: Vec<_> = prompts
-        .into_iter()
-        .map(|p| {
-            let (t, m) = (t.clone(), model.to_string());
-            tokio::spawn(async move { stream(&t, &m, p, n).await })
-        })
-        .collect();
+    let tasks = spawn_streams(t, model, prompts, n);
     let (mut tokens, mut ttfts, mut lens) = (0, Vec::new(), Vec::new());
     for task in tasks {
         let s = task.await??;
@@ -309,22 +319,14 @@ async fn long_prompt(
     (c, len, n, rep): (usize, usize, usize, usize),
 ) -> Result<(f64, Vec<f64>)> {
     let prompts = (0..c.saturating_sub(1)).map(|k| prompt_of(prompt, vocab, 1000 + k)).collect::<Result<Vec<_>>>()?;
-    let others: Vec<_> = prompts
-        .into_iter()
-        .map(|p| {
-            let (t, m) = (t.clone(), model.to_string());
-            tokio::spawn(async move { stream(&t, &m, p, n).await })
-        })
-        .collect();
+    let others = spawn_streams(t, model, prompts, n);
     // let the others get going first
     tokio::time::sleep(Duration::from_secs(2)).await;
-    // ids inside the vocabulary where the server gives its size; else ids below 20 100 (every
-    // vocabulary of a model worth a long-prompt test has them)
-    let ids: Vec<u32> = match vocab {
-        // distinct per repetition: a server's prompt cache must not serve a repeat
-        Some(v) => ids_prompt(len, v, 7 + rep),
-        None => (0..len).map(|i| 100 + ((i * 7919 + rep * 104_729) % 20000) as u32).collect(),
-    };
+    // ids inside the vocabulary where the server gives its size; else ids below 20 100, which
+    // every vocabulary of a model worth a long-prompt test has (the middle three quarters of
+    // 22 968 ids are 2 871..20 097); distinct per repetition: a server's prompt cache must not
+    // serve a repeat
+    let ids = ids_prompt(len, vocab.unwrap_or(22_968), 7 + rep);
     let ttft = stream(t, model, json!(ids), 4).await?.ttft;
     let mut gaps = Vec::new();
     for o in others {
@@ -429,7 +431,7 @@ mod tests {
         assert_ne!(a, b);
         assert_eq!(a.split(' ').count(), 60);
         // token prompts: the length asked, distinct per client, inside the vocabulary's middle
-        for vocab in [16, 512, 32000, 128_256] {
+        for vocab in [16, 512, 22_968, 32000, 128_256] {
             let (a, b) = (ids_prompt(60, vocab, 1), ids_prompt(60, vocab, 2));
             assert_eq!(a.len(), 60);
             assert_ne!(a, b, "vocab {vocab}");
