@@ -68,8 +68,15 @@ pub trait Simd: Copy + Send + Sync + 'static {
     fn dot_u4_part(self, part: Self::I, u1: Self::I, x1: Self::I, u2: Self::I, x2: Self::I) -> Self::I {
         self.dot_u8_pair(part, u1, x1, u2, x2)
     }
-    /// `acc + part · sc` in i32 lanes, for a partial of [`Simd::dot_u4_part`] and scales `sc`
-    /// below 64 in i32 lanes. The same integers either way.
+    /// Byte `j` (0..4) of each i32 lane of `bytes` (each below 64) as the scales
+    /// [`Simd::scale_part`] takes: the byte in i32 lanes; without VNNI the byte in both i16
+    /// halves of its lane (one `vpshufb`, where a shift, a mask and two more steps did it).
+    #[inline(always)]
+    fn part_scale(self, bytes: Self::I, j: usize) -> Self::I {
+        self.and(self.shr32(bytes, 8 * j as i32), self.set1_i32(0xff))
+    }
+    /// `acc + part · sc` in i32 lanes, for a partial of [`Simd::dot_u4_part`] and scales of
+    /// [`Simd::part_scale`]. The same integers either way.
     #[inline(always)]
     fn scale_part(self, acc: Self::I, part: Self::I, sc: Self::I) -> Self::I {
         self.add32(acc, self.mullo32(part, sc))
@@ -432,12 +439,29 @@ impl<const V: u8> Simd for Ymm<V> {
         }
     }
     #[inline(always)]
+    fn part_scale(self, bytes: __m256i, j: usize) -> __m256i {
+        unsafe {
+            match V {
+                // byte j of each lane to bytes 0 and 2 of the lane, zeros (index bit 7) in 1 and 3
+                AVX2 => {
+                    let j = j as i32;
+                    let pick = |lane: i32| (lane * 4 + j) | (0x80 << 8) | ((lane * 4 + j) << 16) | (0x80 << 24);
+                    let c = _mm256_setr_epi32(pick(0), pick(1), pick(2), pick(3), pick(0), pick(1), pick(2), pick(3));
+                    _mm256_shuffle_epi8(bytes, c)
+                }
+                _ => {
+                    _mm256_and_si256(_mm256_srl_epi32(bytes, _mm_cvtsi32_si128(8 * j as i32)), _mm256_set1_epi32(0xff))
+                }
+            }
+        }
+    }
+    #[inline(always)]
     fn scale_part(self, acc: __m256i, part: __m256i, sc: __m256i) -> __m256i {
         unsafe {
             match V {
-                // the scale in both i16 halves of its lane: one vpmaddwd widens and scales the
-                // partial (a lane's two i16 sums times the scale, added), no vpmulld
-                AVX2 => _mm256_add_epi32(acc, _mm256_madd_epi16(part, _mm256_or_si256(sc, _mm256_slli_epi32(sc, 16)))),
+                // the scale in both i16 halves of its lane (`part_scale`): one vpmaddwd widens and
+                // scales the partial (a lane's two i16 sums times the scale, added), no vpmulld
+                AVX2 => _mm256_add_epi32(acc, _mm256_madd_epi16(part, sc)),
                 _ => _mm256_add_epi32(acc, _mm256_mullo_epi32(part, sc)),
             }
         }
