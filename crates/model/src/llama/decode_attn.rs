@@ -13,8 +13,7 @@
 //! numbers alone or batched. Its `exp` is the prompt softmax's ([`super::silu::exp`], the same
 //! bits at every vector width).
 
-#[cfg(target_arch = "x86_64")]
-use crate::cpu_matmul::Isa;
+use super::silu::{self, per_width};
 use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, CustomOp3, Layout, Shape};
 
@@ -85,33 +84,29 @@ impl CustomOp3 for DecodeAttention {
 /// One kv head: `g` query rows `q` (`g × d`) against `seen` key and value rows; `w` is scratch
 /// of `g × seen`, `out` (`g × d`) receives the weighted values.
 ///
-/// The instruction set is the matmuls' ([`Isa::selected`]: `BRIGADE_CPU_KERNELS` applies); the
-/// lanes are summed in the same order on each, so the numbers are the same.
+/// The vector width is the element-wise ops' ([`silu::width`], whatever `BRIGADE_CPU_KERNELS`
+/// picks for the matmuls: without FMA the `exp`s would be libm `fmaf` calls); the lanes are
+/// summed in the same order at each width, so the numbers are the same (tested).
 pub(super) fn head(q: &[f32], keys: &[f32], values: &[f32], scale: f32, hd: usize, w: &mut [f32], out: &mut [f32]) {
-    #[cfg(target_arch = "x86_64")]
-    match Isa::selected() {
-        // SAFETY: the selected instruction set is one this CPU has, and implies the features
-        Isa::Avx512Vnni => return unsafe { head_avx512(q, keys, values, scale, hd, w, out) },
-        // SAFETY: as above
-        Isa::AvxVnni | Isa::Avx2 => return unsafe { head_avx2(q, keys, values, scale, hd, w, out) },
-        Isa::Portable => {}
-    }
-    head_body(q, keys, values, scale, hd, w, out)
+    // SAFETY: this CPU's width
+    unsafe { head_on(silu::width(), q, keys, values, scale, hd, w, out) }
 }
 
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx512f,avx2,fma")]
-unsafe fn head_avx512(q: &[f32], keys: &[f32], values: &[f32], scale: f32, hd: usize, w: &mut [f32], out: &mut [f32]) {
-    head_body(q, keys, values, scale, hd, w, out)
-}
+per_width!(
+    /// [`head_body`] compiled for `on`.
+    #[allow(clippy::too_many_arguments)]
+    unsafe fn head_on = head_body(
+        q: &[f32],
+        keys: &[f32],
+        values: &[f32],
+        scale: f32,
+        hd: usize,
+        w: &mut [f32],
+        out: &mut [f32],
+    )
+);
 
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2,fma")]
-unsafe fn head_avx2(q: &[f32], keys: &[f32], values: &[f32], scale: f32, hd: usize, w: &mut [f32], out: &mut [f32]) {
-    head_body(q, keys, values, scale, hd, w, out)
-}
-
-/// The loops, compiled into each of the wrappers above with their instruction sets.
+/// The loops, compiled for each vector width by [`head_on`].
 #[inline(always)]
 fn head_body(q: &[f32], keys: &[f32], values: &[f32], scale: f32, hd: usize, w: &mut [f32], out: &mut [f32]) {
     let g = q.len() / hd;
@@ -195,6 +190,26 @@ mod tests {
             let again = q.apply_op3_no_bwd(&k2, &v, &DecodeAttention { seen, scale }).unwrap();
             let same = (&again - &got).unwrap().abs().unwrap().max_all().unwrap().to_scalar::<f32>().unwrap();
             assert_eq!(same, 0.0, "a key past position {seen} was read");
+        }
+    }
+
+    #[test]
+    fn every_width_gives_the_same_bits() {
+        let (g, hd, seen) = (4, 64, 300);
+        let f = |n: usize, seed: usize| -> Vec<f32> {
+            (0..n).map(|i| ((i * 7919 + seed * 104_729) % 2003) as f32 / 400.0 - 2.5).collect()
+        };
+        let (q, keys, values) = (f(g * hd, 1), f(seen * hd, 2), f(seen * hd, 3));
+        let mut want = None;
+        for on in silu::widths() {
+            let (mut w, mut out) = (vec![0f32; g * seen], vec![0f32; g * hd]);
+            // SAFETY: a width this CPU has
+            unsafe { head_on(on, &q, &keys, &values, 0.125, hd, &mut w, &mut out) };
+            let bits: Vec<u32> = out.iter().map(|v| v.to_bits()).collect();
+            match &want {
+                None => want = Some(bits),
+                Some(want) => assert!(&bits == want, "{on:?} differs from the scalar compilation"),
+            }
         }
     }
 

@@ -58,18 +58,6 @@ fn body(gate: &[f32], up: &[f32], out: &mut [f32]) {
     }
 }
 
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx512f,avx2,fma")]
-unsafe fn body_avx512(gate: &[f32], up: &[f32], out: &mut [f32]) {
-    body(gate, up, out)
-}
-
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2,fma")]
-unsafe fn body_avx2(gate: &[f32], up: &[f32], out: &mut [f32]) {
-    body(gate, up, out)
-}
-
 /// The widest compilation of [`body`] (and of the softmax rows that use [`exp`]) this CPU runs.
 #[derive(Clone, Copy, PartialEq, Debug)]
 pub(super) enum Width {
@@ -92,21 +80,55 @@ pub(super) fn width() -> Width {
     })
 }
 
-/// [`body`] compiled for `w`.
-///
-/// # Safety
-/// `w` is [`width`]'s answer or a narrower width.
-unsafe fn body_on(w: Width, gate: &[f32], up: &[f32], out: &mut [f32]) {
-    match w {
-        // SAFETY: `width` found the instructions
-        #[cfg(target_arch = "x86_64")]
-        Width::Avx512 => unsafe { body_avx512(gate, up, out) },
-        // SAFETY: as above
-        #[cfg(target_arch = "x86_64")]
-        Width::Avx2 => unsafe { body_avx2(gate, up, out) },
-        _ => body(gate, up, out),
-    }
+/// Every width this CPU runs, narrowest first (what the tests compare).
+#[cfg(test)]
+pub(super) fn widths() -> Vec<Width> {
+    let all = [Width::Scalar, Width::Avx2, Width::Avx512];
+    let here = all.iter().position(|&w| w == width()).unwrap_or(0);
+    all[..=here].to_vec()
 }
+
+/// `unsafe fn $on(w: Width, args…)`: the `#[inline(always)]` function `$body` compiled for each
+/// [`Width`] (AVX-512, AVX2 — both with FMA — and the baseline), run for `w`. The one place the
+/// element-wise loops (SiLU, the softmaxes and their `exp`) get their vector code: the compiler
+/// vectorizes `$body` inside each `#[target_feature]` copy, and since every copy does the same
+/// operations per value (`mul_add` is fused in each, without FMA by libm's `fmaf`), the numbers
+/// do not depend on the width. The generated function's safety contract: `w` is [`width`]'s
+/// answer or a narrower width (`on`, the first parameter).
+macro_rules! per_width {
+    ($(#[$m:meta])* $vis:vis unsafe fn $on:ident = $body:ident($($a:ident: $t:ty),* $(,)?) $(-> $r:ty)?) => {
+        $(#[$m])*
+        /// # Safety
+        /// `on` is [`super::silu::width`]'s answer or a narrower width.
+        $vis unsafe fn $on(on: super::silu::Width, $($a: $t),*) $(-> $r)? {
+            #[cfg(target_arch = "x86_64")]
+            #[target_feature(enable = "avx512f,avx2,fma")]
+            unsafe fn avx512($($a: $t),*) $(-> $r)? {
+                $body($($a),*)
+            }
+            #[cfg(target_arch = "x86_64")]
+            #[target_feature(enable = "avx2,fma")]
+            unsafe fn avx2($($a: $t),*) $(-> $r)? {
+                $body($($a),*)
+            }
+            match on {
+                // SAFETY: the caller's contract: `width` found the instructions
+                #[cfg(target_arch = "x86_64")]
+                super::silu::Width::Avx512 => unsafe { avx512($($a),*) },
+                // SAFETY: as above
+                #[cfg(target_arch = "x86_64")]
+                super::silu::Width::Avx2 => unsafe { avx2($($a),*) },
+                _ => $body($($a),*),
+            }
+        }
+    };
+}
+pub(super) use per_width;
+
+per_width!(
+    /// [`body`] compiled for `w`.
+    unsafe fn body_on = body(gate: &[f32], up: &[f32], out: &mut [f32])
+);
 
 /// `out[i] = SiLU(gate[i]) · up[i]` over the shortest of the three.
 pub(super) fn silu_mul(gate: &[f32], up: &[f32], out: &mut [f32]) {
@@ -210,12 +232,9 @@ mod tests {
         let up: Vec<f32> = (0..n).map(|i| ((i * 104_729 % 997) as f32 - 498.0) / 100.0).collect();
         let mut scalar = vec![0f32; n];
         body(&gate, &up, &mut scalar);
-        for w in [Width::Avx512, Width::Avx2] {
-            if w == Width::Avx512 && width() != Width::Avx512 || w == Width::Avx2 && width() == Width::Scalar {
-                continue;
-            }
+        for w in widths() {
             let mut got = vec![0f32; n];
-            // SAFETY: skipped above unless this CPU has `w`
+            // SAFETY: a width this CPU has
             unsafe { body_on(w, &gate, &up, &mut got) };
             assert!(got.iter().zip(&scalar).all(|(a, b)| a.to_bits() == b.to_bits()), "{w:?} differs from scalar");
         }

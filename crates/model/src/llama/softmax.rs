@@ -15,7 +15,7 @@
 //! vector width or on which thread ran it. Written by hand because no candle op masks by
 //! position.
 
-use super::silu::{self, Width};
+use super::silu::{self, per_width};
 use candle_core::backend::BackendStorage;
 use candle_core::cpu::kernels::VecOps;
 use candle_core::{CpuStorage, CustomOp1, Layout, Shape};
@@ -91,33 +91,10 @@ fn row(s: &[f32], d: &mut [f32], seen: usize, scale: f32) {
     }
 }
 
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx512f,avx2,fma")]
-unsafe fn row_avx512(s: &[f32], d: &mut [f32], seen: usize, scale: f32) {
-    row(s, d, seen, scale)
-}
-
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2,fma")]
-unsafe fn row_avx2(s: &[f32], d: &mut [f32], seen: usize, scale: f32) {
-    row(s, d, seen, scale)
-}
-
-/// [`row`] compiled for `w`.
-///
-/// # Safety
-/// `w` is [`silu::width`]'s answer or a narrower width.
-unsafe fn row_on(w: Width, s: &[f32], d: &mut [f32], seen: usize, scale: f32) {
-    match w {
-        // SAFETY: `silu::width` found the instructions
-        #[cfg(target_arch = "x86_64")]
-        Width::Avx512 => unsafe { row_avx512(s, d, seen, scale) },
-        // SAFETY: as above
-        #[cfg(target_arch = "x86_64")]
-        Width::Avx2 => unsafe { row_avx2(s, d, seen, scale) },
-        _ => row(s, d, seen, scale),
-    }
-}
+per_width!(
+    /// [`row`] compiled for `w`.
+    unsafe fn row_on = row(s: &[f32], d: &mut [f32], seen: usize, scale: f32)
+);
 
 #[cfg(test)]
 #[allow(clippy::unwrap_used)]
@@ -175,22 +152,11 @@ mod tests {
             assert_eq!(far, 0, "kv {kv} g {g} t {t} pos {pos}: {far} of {n} weights differ by more than 8 ulp");
             // the op (pool threads above SERIAL_BELOW) equals the scalar compilation of its rows,
             // and so does every width this CPU has
-            #[allow(unused_mut)]
-            let mut widths = vec![Width::Scalar];
-            #[cfg(target_arch = "x86_64")]
-            {
-                if silu::width() != Width::Scalar {
-                    widths.push(Width::Avx2);
-                }
-                if silu::width() == Width::Avx512 {
-                    widths.push(Width::Avx512);
-                }
-            }
             let src = s.flatten_all().unwrap().to_vec1::<f32>().unwrap();
-            for w in widths {
+            for w in silu::widths() {
                 let mut one = vec![0f32; n];
                 for (r, (s, d)) in src.chunks(l).zip(one.chunks_mut(l)).enumerate() {
-                    // SAFETY: only the widths this CPU has (above)
+                    // SAFETY: a width this CPU has
                     unsafe { row_on(w, s, d, pos + r % t + 1, scale as f32) };
                 }
                 let differ = one.iter().zip(&got).filter(|(a, b)| a.to_bits() != b.to_bits()).count();
