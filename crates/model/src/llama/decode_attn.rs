@@ -84,9 +84,8 @@ impl CustomOp3 for DecodeAttention {
 /// One kv head: `g` query rows `q` (`g × d`) against `seen` key and value rows; `w` is scratch
 /// of `g × seen`, `out` (`g × d`) receives the weighted values.
 ///
-/// The vector width is the element-wise ops' ([`silu::width`], whatever `BRIGADE_CPU_KERNELS`
-/// picks for the matmuls: without FMA the `exp`s would be libm `fmaf` calls); the lanes are
-/// summed in the same order at each width, so the numbers are the same (tested).
+/// The vector width is the element-wise ops' ([`silu::width`]); the lanes are summed in the same
+/// order at each width, so the numbers are the same (tested).
 pub(super) fn head(q: &[f32], keys: &[f32], values: &[f32], scale: f32, hd: usize, w: &mut [f32], out: &mut [f32]) {
     // SAFETY: this CPU's width
     unsafe { head_on(silu::width(), q, keys, values, scale, hd, w, out) }

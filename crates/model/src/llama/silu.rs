@@ -58,7 +58,8 @@ fn body(gate: &[f32], up: &[f32], out: &mut [f32]) {
     }
 }
 
-/// The widest compilation of [`body`] (and of the softmax rows that use [`exp`]) this CPU runs.
+/// The widest compilation of [`body`] (and of the softmax rows that use [`exp`]) this CPU runs,
+/// no wider than the int8 kernels' instruction set ([`crate::cpu_matmul::Isa::selected`]).
 #[derive(Clone, Copy, PartialEq, Debug)]
 pub(super) enum Width {
     Avx512,
@@ -71,13 +72,34 @@ pub(super) fn width() -> Width {
     *W.get_or_init(|| {
         #[cfg(target_arch = "x86_64")]
         {
+            use crate::cpu_matmul::Isa;
             // AVX2 and FMA as the int8 kernels want them; AVX-512 F on top
-            if crate::cpu_matmul::Isa::Avx2.available() {
-                return if std::arch::is_x86_feature_detected!("avx512f") { Width::Avx512 } else { Width::Avx2 };
-            }
+            let cpu = if !Isa::Avx2.available() {
+                Width::Scalar
+            } else if std::arch::is_x86_feature_detected!("avx512f") {
+                Width::Avx512
+            } else {
+                Width::Avx2
+            };
+            return capped(cpu, Isa::selected());
         }
+        #[allow(unreachable_code)]
         Width::Scalar
     })
+}
+
+/// The CPU's width `cpu` no wider than the int8 kernels' instruction set `isa`: a lesser one
+/// asked for by `BRIGADE_CPU_KERNELS` holds for these loops too, so that `=avx2` measures what a
+/// CPU without AVX-512 runs (bar the `gemm` crate's own choice for the prompt's attention).
+#[cfg(target_arch = "x86_64")]
+fn capped(cpu: Width, isa: crate::cpu_matmul::Isa) -> Width {
+    use crate::cpu_matmul::Isa;
+    match isa {
+        Isa::Avx512Vnni => cpu,
+        Isa::AvxVnni | Isa::Avx2 if cpu == Width::Avx512 => Width::Avx2,
+        Isa::AvxVnni | Isa::Avx2 => cpu,
+        Isa::Portable => Width::Scalar,
+    }
 }
 
 /// Every width this CPU runs, narrowest first (what the tests compare).
@@ -223,6 +245,18 @@ mod tests {
         assert_eq!(exp(f32::INFINITY), exp(88.3));
         assert!(exp(88.3).is_finite() && exp(88.3) > 1e38);
         assert!(exp(f32::NAN).is_nan());
+    }
+
+    #[test]
+    #[cfg(target_arch = "x86_64")]
+    fn brigade_cpu_kernels_caps_the_width() {
+        use crate::cpu_matmul::Isa;
+        assert_eq!(capped(Width::Avx512, Isa::Avx512Vnni), Width::Avx512);
+        assert_eq!(capped(Width::Avx512, Isa::Avx2), Width::Avx2);
+        assert_eq!(capped(Width::Avx512, Isa::AvxVnni), Width::Avx2);
+        assert_eq!(capped(Width::Avx2, Isa::AvxVnni), Width::Avx2);
+        assert_eq!(capped(Width::Avx512, Isa::Portable), Width::Scalar);
+        assert_eq!(capped(Width::Scalar, Isa::Portable), Width::Scalar);
     }
 
     #[test]
