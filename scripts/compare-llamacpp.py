@@ -185,7 +185,7 @@ def main():
     ap.add_argument("--rounds", type=int, default=2, help="interleaved rounds of every engine")
     ap.add_argument("--kernels", default="auto", help="BRIGADE_CPU_KERNELS settings to run, comma separated")
     ap.add_argument("--brigade", default="target/release/brigade")
-    ap.add_argument("--baseline", help="another brigade binary to run beside (e.g. one built from main)")
+    ap.add_argument("--baseline", help="another brigade binary to run beside, under each --kernels setting (e.g. one built from main)")
     ap.add_argument("--python", default=DEFAULT_PYTHON, help="a python with llama-cpp-python")
     ap.add_argument("--wait-quiet", type=float, default=0, metavar="S",
                     help="before each run, wait up to S seconds for no compiler to run")
@@ -207,10 +207,11 @@ def main():
                 r = results.setdefault((model, f"brigade {k}"), {"pp": [], "tg": []})
                 r["pp"] += s["pp"]
                 r["tg"] += s["tg"]
-            if args.baseline:
+            # the other binary under each of the same kernel settings
+            for k in kernels if args.baseline else []:
                 wait_quiet(args.wait_quiet)
-                s, _ = run_brigade(args, model, "auto", args.baseline)
-                r = results.setdefault((model, "baseline"), {"pp": [], "tg": []})
+                s, _ = run_brigade(args, model, k, args.baseline)
+                r = results.setdefault((model, f"baseline {k}"), {"pp": [], "tg": []})
                 r["pp"] += s["pp"]
                 r["tg"] += s["tg"]
             wait_quiet(args.wait_quiet)
@@ -229,7 +230,7 @@ def main():
     print("| --- | --- | ---: | ---: | ---: | ---: |")
     for model in args.models:
         ref = results[(model, "llama.cpp")]
-        for engine in [f"brigade {k}" for k in kernels] + (["baseline"] if args.baseline else []) + ["llama.cpp"]:
+        for engine in [f"brigade {k}" for k in kernels] + ([f"baseline {k}" for k in kernels] if args.baseline else []) + ["llama.cpp"]:
             r = results[(model, engine)]
             pp, tg = mean(r["pp"]), mean(r["tg"])
             rp = pp / mean(ref["pp"]) if ref["pp"] else float("nan")
