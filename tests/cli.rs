@@ -363,11 +363,24 @@ fn doctor_describes_this_machine() {
         assert!(sets.contains(&"sse4.2"), "{sets:?}");
     }
     // a kernel for each weight type, Q4_K and Q8_0 among them
-    let kernels = j["kernels"].as_array().unwrap();
+    let kernels = j["kernels"]["weights"].as_array().unwrap();
     for t in ["f32", "q8_0", "q4_k", "q6_k"] {
         let k = kernels.iter().find(|k| k["weight_type"] == t).unwrap_or_else(|| panic!("{t}: {kernels:?}"));
         assert!(!k["decode"].as_str().unwrap().is_empty() && !k["prompt"].as_str().unwrap().is_empty());
     }
+    let loops = j["kernels"]["vector_loops"].as_str().unwrap();
+    assert!(["avx512", "avx2", "scalar"].contains(&loops), "{loops}");
+    // BRIGADE_CPU_KERNELS=portable holds for the matmuls and the vector loops alike
+    let out = Command::new(env!("CARGO_BIN_EXE_brigade"))
+        .args(["doctor", "--json", "-t", "1"])
+        .env("BRIGADE_CPU_KERNELS", "portable")
+        .output()
+        .unwrap();
+    let p: Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(p["kernels"]["asked"], "portable");
+    assert_eq!(p["kernels"]["vector_loops"], "scalar");
+    let q4k = p["kernels"]["weights"].as_array().unwrap().iter().find(|k| k["weight_type"] == "q4_k").unwrap();
+    assert!(!q4k["decode"].as_str().unwrap().contains("brigade"), "{q4k}");
     let m = &j["memory"];
     assert!(m["available_bytes"].as_u64().unwrap() <= m["total_bytes"].as_u64().unwrap());
     assert!(m["total_bytes"].as_u64().unwrap() > 1 << 28);
@@ -386,7 +399,14 @@ fn doctor_describes_this_machine() {
         assert!(j["notes"][0].as_str().unwrap().contains("no CUDA"));
     }
     let text = String::from_utf8(brigade(&["doctor", "-t", "1"]).stdout).unwrap();
-    for want in ["brigade ", "instruction sets:", "kernels (decode / prompt):", "read bandwidth:", "cuda libraries"] {
+    for want in [
+        "brigade ",
+        "instruction sets:",
+        "kernels (decode / prompt):",
+        "vector loops",
+        "read bandwidth:",
+        "cuda libraries",
+    ] {
         assert!(text.contains(want), "`{want}` missing:\n{text}");
     }
 }

@@ -43,6 +43,16 @@ struct Cpu {
 }
 
 #[derive(Serialize)]
+struct Kernels {
+    /// `BRIGADE_CPU_KERNELS` as set (empty: the best this CPU has).
+    asked: String,
+    /// What the element-wise loops (SiLU·up, softmaxes, a decode step's attention) are
+    /// compiled for: avx512, avx2 or scalar.
+    vector_loops: &'static str,
+    weights: Vec<KernelChoice>,
+}
+
+#[derive(Serialize)]
 struct KernelChoice {
     weight_type: &'static str,
     decode: &'static str,
@@ -86,7 +96,7 @@ struct Library {
 struct Report {
     brigade: Build,
     cpu: Cpu,
-    kernels: Vec<KernelChoice>,
+    kernels: Kernels,
     memory: Memory,
     bandwidth: Bandwidth,
     gpus: Vec<Gpu>,
@@ -154,13 +164,17 @@ fn report() -> Report {
             instruction_sets: measure::instruction_sets(),
             last_level_cache_bytes: bandwidth::last_level_cache(),
         },
-        kernels: measure::weight_types()
-            .iter()
-            .map(|&t| {
-                let (decode, prompt) = cpu_matmul::kernels(t);
-                KernelChoice { weight_type: measure::type_name(t), decode, prompt }
-            })
-            .collect(),
+        kernels: Kernels {
+            asked: std::env::var("BRIGADE_CPU_KERNELS").unwrap_or_default(),
+            vector_loops: brigade_model::llama::vector_loops(),
+            weights: measure::weight_types()
+                .iter()
+                .map(|&t| {
+                    let (decode, prompt) = cpu_matmul::kernels(t);
+                    KernelChoice { weight_type: measure::type_name(t), decode, prompt }
+                })
+                .collect(),
+        },
         memory: Memory { total_bytes: cpu.memory_total, available_bytes: cpu.memory_available },
         bandwidth: Bandwidth { read_bytes_per_s: read, threads: n, reader: bandwidth::reader(), buffer_bytes: buffer },
         gpus,
@@ -289,10 +303,13 @@ fn text(r: &Report) -> String {
         c.last_level_cache_bytes.map(|b| format!("{} MiB", b >> 20)).unwrap_or_else(|| "unknown".into())
     ));
     s.push_str(&format!("instruction sets: {}\n", c.instruction_sets.join(" ")));
-    s.push_str("kernels (decode / prompt):\n");
-    for k in &r.kernels {
+    let asked =
+        if r.kernels.asked.is_empty() { String::new() } else { format!(" (BRIGADE_CPU_KERNELS={})", r.kernels.asked) };
+    s.push_str(&format!("kernels (decode / prompt){asked}:\n"));
+    for k in &r.kernels.weights {
         s.push_str(&format!("  {:5} {} / {}\n", k.weight_type, k.decode, k.prompt));
     }
+    s.push_str(&format!("  vector loops (SiLU·up, softmaxes, decode attention): {}\n", r.kernels.vector_loops));
     s.push_str(&format!(
         "memory: {:.1} GiB, {:.1} GiB available\n",
         gib(r.memory.total_bytes),

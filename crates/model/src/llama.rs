@@ -20,6 +20,17 @@ mod rows;
 mod silu;
 mod softmax;
 
+/// The vector code the element-wise CPU loops run (SiLU·up, the softmaxes, a decode step's
+/// attention): `avx512`, `avx2` or `scalar` (this CPU's widest, no wider than
+/// `BRIGADE_CPU_KERNELS` asks), for `brigade doctor`.
+pub fn vector_loops() -> &'static str {
+    match silu::width() {
+        silu::Width::Avx512 => "avx512",
+        silu::Width::Avx2 => "avx2",
+        silu::Width::Scalar => "scalar",
+    }
+}
+
 /// What a stage receives: token ids (first stage) or the previous stage's hidden state.
 pub enum StageInput<'a> {
     Tokens(&'a [u32]),
