@@ -308,9 +308,10 @@ fn fetch_ahead(p: *const u8, lines: std::ops::Range<usize>) {
     }
 }
 
-/// Whether the packed kernels ask for their weights ahead ([`fetch_ahead`]):
+/// Whether the kernels ask for their weights ahead ([`fetch_ahead`], and the vec-dots'
+/// `tiles::prefetch`):
 /// `BRIGADE_CPU_PREFETCH=off` turns the requests off, to measure what they give on a machine.
-fn fetches() -> bool {
+pub(super) fn fetches() -> bool {
     static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
     *ON.get_or_init(|| !super::switched_off("BRIGADE_CPU_PREFETCH"))
 }
