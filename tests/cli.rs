@@ -374,8 +374,10 @@ fn doctor_describes_this_machine() {
     let out = Command::new(env!("CARGO_BIN_EXE_brigade"))
         .args(["doctor", "--json", "-t", "1"])
         .env("BRIGADE_CPU_KERNELS", "portable")
+        .env("XDG_CACHE_HOME", Path::new(env!("CARGO_TARGET_TMPDIR")).join("cli-cache"))
         .output()
         .unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
     let p: Value = serde_json::from_slice(&out.stdout).unwrap();
     assert_eq!(p["kernels"]["asked"], "portable");
     assert_eq!(p["kernels"]["vector_loops"], "scalar");

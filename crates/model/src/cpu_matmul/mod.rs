@@ -162,6 +162,15 @@ impl Isa {
         }
     }
 
+    /// The instruction set `BRIGADE_CPU_KERNELS` names, where this CPU has it (`None`: unset,
+    /// unknown, or not on this CPU).
+    pub fn asked() -> Option<Isa> {
+        match Isa::parse(&std::env::var("BRIGADE_CPU_KERNELS").unwrap_or_default()) {
+            Ok(Some(isa)) if isa.available() => Some(isa),
+            _ => None,
+        }
+    }
+
     /// The instruction set the op uses: [`Isa::best`], or `BRIGADE_CPU_KERNELS` where this CPU
     /// has it. Decided once per process.
     pub fn selected() -> Isa {

@@ -290,7 +290,7 @@ pub enum Acts<'a> {
 /// 26 GB/s), AVX2 packed went from 22 to 37–41 GMAC/s and AVX-512 from 35 to 45 with requests
 /// 1–8 records ahead into L2 (`_MM_HINT_T1`); into L1 (`T0`) the fill buffers ran out first
 /// (AVX2 32–37, AVX-512 35–39).
-const AHEAD: usize = 16 << 10;
+pub(super) const AHEAD: usize = 16 << 10;
 
 /// Asks for the cache lines `lines` (counted from `p`) `AHEAD` bytes further on, into L2.
 /// Kernels call it as they read, a share at a time, so the requests are spread over the time
@@ -308,12 +308,33 @@ fn fetch_ahead(p: *const u8, lines: std::ops::Range<usize>) {
     }
 }
 
-/// Whether the kernels ask for their weights ahead ([`fetch_ahead`], and the vec-dots'
-/// `tiles::prefetch`):
-/// `BRIGADE_CPU_PREFETCH=off` turns the requests off, to measure what they give on a machine.
-pub(super) fn fetches() -> bool {
-    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *ON.get_or_init(|| !super::switched_off("BRIGADE_CPU_PREFETCH"))
+/// How the kernels ask for their weights ahead: `BRIGADE_CPU_PREFETCH=off` makes no requests,
+/// `near` has the vec-dots ask 1 KiB ahead into L1 (what they did before the 16 KiB into L2 of
+/// [`fetch_ahead`], to measure one against the other on a machine); the packed kernels ask
+/// unless `off`.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+pub(super) enum Fetch {
+    Off,
+    Near,
+    Far,
+}
+
+pub(super) fn fetch_mode() -> Fetch {
+    static MODE: std::sync::OnceLock<Fetch> = std::sync::OnceLock::new();
+    *MODE.get_or_init(|| {
+        if super::switched_off("BRIGADE_CPU_PREFETCH") {
+            Fetch::Off
+        } else if std::env::var("BRIGADE_CPU_PREFETCH").is_ok_and(|v| v.trim() == "near") {
+            Fetch::Near
+        } else {
+            Fetch::Far
+        }
+    })
+}
+
+/// Whether the packed kernels ask for their records ahead ([`fetch_ahead`]).
+fn fetches() -> bool {
+    fetch_mode() != Fetch::Off
 }
 
 /// Share `slot` of `slots` of the lines of a record of `bytes` (whole lines).
@@ -389,7 +410,7 @@ pub(super) unsafe fn q6k_step<S: Simd>(s: S, acc: S::F, isum: S::I, d: S::F, x: 
 /// into `isum`. `(rec, h, hh, t)` in one tuple: the caller writes the eight calls out.
 ///
 /// # Safety
-/// As [`tile_q4k`]: `rec` is a record, `xs` the rows' super-blocks, `h + V·W/4 ≤ COLS`.
+/// As [`tile_q4k`]: `rec` is a record, `xs` the rows' super-blocks, `h + V·W/4 ≤ COLS`, `t < 8`.
 #[inline(always)]
 unsafe fn q4k_sub<S: Simd, const V: usize, const H: usize, const R: usize>(
     s: S,

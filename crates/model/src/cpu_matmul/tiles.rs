@@ -16,25 +16,33 @@
 use super::acts::{Q8KRows, Q8Rows};
 use super::blocks::Q0Block;
 use super::lanes;
+use super::packed::{fetch_mode, Fetch, AHEAD};
 use super::simd::Simd;
 use super::unpack::{KUnpack, Q0Unpack};
 use super::DECODE_ROWS;
 use half::f16;
 use std::arch::x86_64::*;
 
-/// How far ahead of the block in use the vec-dots ask for weight bytes, into L2 (as the packed
-/// kernels do, `packed::AHEAD`): decode reads each weight once, from memory. One row × 2048 ×
-/// 200000 from memory, 2 threads, `cpu_kernels`, Ice Lake Xeon, best of 3 interleaved: against
-/// the 1 KiB into L1 used before, 16 KiB into L2 read Q6_K 1.17×, Q8_0 1.10×, Q5_K 1.16× faster
-/// on AVX2 and Q4_0 1.10× on AVX-512; 4 KiB 0.86–0.98× of 16, 32 KiB level with it; in cache
-/// level.
-const PREFETCH: usize = 16 << 10;
-
+/// Asks for `lines` cache lines from `p` on, ahead of the block in use, as `mode` says: by
+/// default [`AHEAD`] (16 KiB) ahead into L2, as the packed kernels; `near`: 1 KiB ahead into L1,
+/// what the vec-dots did before. One row × 2048 × 200000 from memory, 2 threads, `cpu_kernels`,
+/// Ice Lake Xeon, best of 3 interleaved, far against near: AVX2 Q6_K 1.17×, Q8_0 1.10×, Q5_K
+/// 1.16×, AVX-512 Q4_0 1.10×, Q8_0 1.16× (4 KiB into L2: 0.86–0.98× of 16; 32 KiB level); in
+/// cache level. On the model-167 Xeon (AMX) requests like these made the vec-dots slower (Q4_K
+/// 44.6 → 37.8, Q8_0 25.6 → 20.5 GMAC/s, then against near): `BRIGADE_CPU_PREFETCH=near|off`
+/// measures it on another machine.
 #[inline(always)]
-fn prefetch<T>(p: *const T, lines: usize) {
+fn prefetch<T>(mode: Fetch, p: *const T, lines: usize) {
+    let p = p.cast::<i8>();
     for l in 0..lines {
         // SAFETY: a prefetch does not fault; the address is computed without dereferencing
-        unsafe { _mm_prefetch::<_MM_HINT_T1>(p.cast::<i8>().wrapping_add(PREFETCH + 64 * l)) };
+        unsafe {
+            match mode {
+                Fetch::Far => _mm_prefetch::<_MM_HINT_T1>(p.wrapping_add(AHEAD + 64 * l)),
+                Fetch::Near => _mm_prefetch::<_MM_HINT_T0>(p.wrapping_add(1024 + 64 * l)),
+                Fetch::Off => {}
+            }
+        }
     }
 }
 
@@ -66,7 +74,7 @@ pub unsafe fn q0_dot_rows<T: Q0Unpack, S: Simd, const R: usize>(
     let two = S::W == 64;
     let flip = T::SIGNED && S::VNNI;
     let fill = q0_offset::<T, S>() != 0;
-    let fetch = super::packed::fetches();
+    let fetch = fetch_mode();
     let mut acc = [s.zero_f(); R];
     let mut b0 = 0;
     while b0 < x.blocks {
@@ -75,9 +83,7 @@ pub unsafe fn q0_dot_rows<T: Q0Unpack, S: Simd, const R: usize>(
             let row = w.as_ptr().add(c * bpr);
             (&*row.add(b0), if two && b0 + 1 < bpr { Some(&*row.add(b0 + 1)) } else { None })
         };
-        if fetch {
-            prefetch(b, 1);
-        }
+        prefetch(fetch, b, 1);
         let (q1, d1, m1) = match next {
             Some(n) => (n.unpack(a2), n.d(), n.m()),
             None => (a2.zero(), f16::ZERO, f16::ZERO),
@@ -141,15 +147,13 @@ pub unsafe fn k_dot_rows<T: KUnpack, S: Simd, const R: usize>(
 ) -> [f32; R] {
     debug_assert!((c + 1) * bpr <= w.len() && (r0 + R) * bpr <= x.d.len());
     let a2 = s.avx2();
-    let fetch = super::packed::fetches();
+    let fetch = fetch_mode();
     let mut acc = [s.zero_f(); R];
     let mut accm = [a2.zero_f(); R];
     for b in 0..bpr {
         // SAFETY: row c, super-block b is in `w`
         let blk = unsafe { w.get_unchecked(c * bpr + b) };
-        if fetch {
-            prefetch(blk, std::mem::size_of::<T>().div_ceil(64));
-        }
+        prefetch(fetch, blk, std::mem::size_of::<T>().div_ceil(64));
         let ks = blk.scales(a2);
         let mut isum = [s.zero(); R];
         for st in 0..256 / S::W {

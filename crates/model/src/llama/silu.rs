@@ -58,8 +58,8 @@ fn body(gate: &[f32], up: &[f32], out: &mut [f32]) {
     }
 }
 
-/// The widest compilation of [`body`] (and of the softmax rows that use [`exp`]) this CPU runs,
-/// no wider than the int8 kernels' instruction set ([`crate::cpu_matmul::Isa::selected`]).
+/// The widest compilation of [`body`] (and of the softmax rows and decode head that use [`exp`])
+/// this CPU runs, no wider than what `BRIGADE_CPU_KERNELS` asks for ([`capped`]).
 #[derive(Clone, Copy, PartialEq, Debug)]
 pub(super) enum Width {
     Avx512,
@@ -81,15 +81,17 @@ pub(super) fn width() -> Width {
             } else {
                 Width::Avx2
             };
-            return capped(cpu, Isa::selected());
+            // only an explicit request caps it: a CPU with AVX-512 F but not VNNI (Skylake-SP)
+            // runs AVX2 int8 kernels and AVX-512 vector loops
+            return Isa::asked().map_or(cpu, |isa| capped(cpu, isa));
         }
         #[allow(unreachable_code)]
         Width::Scalar
     })
 }
 
-/// The CPU's width `cpu` no wider than the int8 kernels' instruction set `isa`: a lesser one
-/// asked for by `BRIGADE_CPU_KERNELS` holds for these loops too, so that `=avx2` measures what a
+/// The CPU's width `cpu` no wider than the instruction set `isa` that `BRIGADE_CPU_KERNELS`
+/// asks for: a lesser one holds for these loops too, so that `=avx2` measures what a
 /// CPU without AVX-512 runs (bar the `gemm` crate's own choice for the prompt's attention).
 #[cfg(target_arch = "x86_64")]
 fn capped(cpu: Width, isa: crate::cpu_matmul::Isa) -> Width {
@@ -102,7 +104,8 @@ fn capped(cpu: Width, isa: crate::cpu_matmul::Isa) -> Width {
     }
 }
 
-/// Every width this CPU runs, narrowest first (what the tests compare).
+/// Every width up to [`width`]'s, narrowest first (what the tests compare; under
+/// `BRIGADE_CPU_KERNELS=avx2` the AVX-512 compilation is left out).
 #[cfg(test)]
 pub(super) fn widths() -> Vec<Width> {
     let all = [Width::Scalar, Width::Avx2, Width::Avx512];
@@ -110,19 +113,19 @@ pub(super) fn widths() -> Vec<Width> {
     all[..=here].to_vec()
 }
 
-/// `unsafe fn $on(w: Width, args…)`: the `#[inline(always)]` function `$body` compiled for each
+/// `unsafe fn $on(on: Width, args…)`: the `#[inline(always)]` function `$body` compiled for each
 /// [`Width`] (AVX-512, AVX2 — both with FMA — and the baseline), run for `w`. The one place the
 /// element-wise loops (SiLU, the softmaxes and their `exp`) get their vector code: the compiler
 /// vectorizes `$body` inside each `#[target_feature]` copy, and since every copy does the same
 /// operations per value (`mul_add` is fused in each, without FMA by libm's `fmaf`), the numbers
-/// do not depend on the width. The generated function's safety contract: `w` is [`width`]'s
-/// answer or a narrower width (`on`, the first parameter).
+/// do not depend on the width. The generated function's safety contract: `on` is [`width`]'s
+/// answer or a narrower width.
 macro_rules! per_width {
     ($(#[$m:meta])* $vis:vis unsafe fn $on:ident = $body:ident($($a:ident: $t:ty),* $(,)?) $(-> $r:ty)?) => {
         $(#[$m])*
         /// # Safety
-        /// `on` is [`super::silu::width`]'s answer or a narrower width.
-        $vis unsafe fn $on(on: super::silu::Width, $($a: $t),*) $(-> $r)? {
+        /// `on` is [`crate::llama::silu::width`]'s answer or a narrower width.
+        $vis unsafe fn $on(on: $crate::llama::silu::Width, $($a: $t),*) $(-> $r)? {
             #[cfg(target_arch = "x86_64")]
             #[target_feature(enable = "avx512f,avx2,fma")]
             unsafe fn avx512($($a: $t),*) $(-> $r)? {
@@ -136,10 +139,10 @@ macro_rules! per_width {
             match on {
                 // SAFETY: the caller's contract: `width` found the instructions
                 #[cfg(target_arch = "x86_64")]
-                super::silu::Width::Avx512 => unsafe { avx512($($a),*) },
+                $crate::llama::silu::Width::Avx512 => unsafe { avx512($($a),*) },
                 // SAFETY: as above
                 #[cfg(target_arch = "x86_64")]
-                super::silu::Width::Avx2 => unsafe { avx2($($a),*) },
+                $crate::llama::silu::Width::Avx2 => unsafe { avx2($($a),*) },
                 _ => $body($($a),*),
             }
         }
@@ -148,7 +151,7 @@ macro_rules! per_width {
 pub(super) use per_width;
 
 per_width!(
-    /// [`body`] compiled for `w`.
+    /// [`body`] compiled for `on`.
     unsafe fn body_on = body(gate: &[f32], up: &[f32], out: &mut [f32])
 );
 

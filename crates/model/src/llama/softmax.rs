@@ -92,7 +92,7 @@ fn row(s: &[f32], d: &mut [f32], seen: usize, scale: f32) {
 }
 
 per_width!(
-    /// [`row`] compiled for `w`.
+    /// [`row`] compiled for `on`.
     unsafe fn row_on = row(s: &[f32], d: &mut [f32], seen: usize, scale: f32)
 );
 
