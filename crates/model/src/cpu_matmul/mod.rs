@@ -176,20 +176,20 @@ impl Isa {
     pub fn selected() -> Isa {
         static SELECTED: OnceLock<Isa> = OnceLock::new();
         *SELECTED.get_or_init(|| {
+            if let Some(isa) = Isa::asked() {
+                return isa;
+            }
+            // unset, or a request this CPU cannot honour: say which
             let best = Isa::best();
             let asked = std::env::var("BRIGADE_CPU_KERNELS").unwrap_or_default();
             match Isa::parse(&asked) {
-                Ok(None) => best,
-                Ok(Some(isa)) if isa.available() => isa,
+                Ok(None) => {}
                 Ok(Some(isa)) => {
-                    tracing::warn!("BRIGADE_CPU_KERNELS={asked}: this CPU lacks {}, using {}", isa.name(), best.name());
-                    best
+                    tracing::warn!("BRIGADE_CPU_KERNELS={asked}: this CPU lacks {}, using {}", isa.name(), best.name())
                 }
-                Err(e) => {
-                    tracing::warn!("{e}; using {}", best.name());
-                    best
-                }
+                Err(e) => tracing::warn!("{e}; using {}", best.name()),
             }
+            best
         })
     }
 }

@@ -83,9 +83,9 @@ pub(super) fn width() -> Width {
             };
             // only an explicit request caps it: a CPU with AVX-512 F but not VNNI (Skylake-SP)
             // runs AVX2 int8 kernels and AVX-512 vector loops
-            return Isa::asked().map_or(cpu, |isa| capped(cpu, isa));
+            Isa::asked().map_or(cpu, |isa| capped(cpu, isa))
         }
-        #[allow(unreachable_code)]
+        #[cfg(not(target_arch = "x86_64"))]
         Width::Scalar
     })
 }
