@@ -494,10 +494,26 @@ impl<const V: u8> Simd for Ymm<V> {
     }
     #[inline(always)]
     fn scales(self, sc: __m128i, step: usize) -> __m256i {
+        // Steps 0–3 take their scales from one vector of the even scales' i16 pairs in the low
+        // half and the odd ones' in the high (4–7 from another), then one `vpshufd` a step: the
+        // two vectors are the same for every step of a super-block (computed once where the steps
+        // are unrolled). Picking the bytes by a `vpshufb` per step, LLVM rewrote each into an
+        // unpack, two word shuffles and the sign extension (28 shuffles a Q6_K super-block where
+        // ggml's AVX2 code has 16).
         unsafe {
-            let base = _mm_set_epi64x(0x0101_0101_0101_0101, 0);
-            let pick = _mm_add_epi8(base, _mm_set1_epi8(2 * step as i8));
-            _mm256_cvtepi8_epi16(_mm_shuffle_epi8(sc, pick))
+            let pairs = |first: i64| {
+                // bytes 2j, 2j, 2j+2, 2j+2, … then 2j+1, 2j+1, …, from scale `first` on
+                let even = first | first << 8 | (first + 2) << 16 | (first + 2) << 24;
+                let even = even | (even + 0x0404_0404) << 32;
+                _mm_set_epi64x(even + 0x0101_0101_0101_0101, even)
+            };
+            let half = _mm256_cvtepi8_epi16(_mm_shuffle_epi8(sc, pairs(if step < 4 { 0 } else { 8 })));
+            match step % 4 {
+                0 => _mm256_shuffle_epi32::<0x00>(half),
+                1 => _mm256_shuffle_epi32::<0x55>(half),
+                2 => _mm256_shuffle_epi32::<0xAA>(half),
+                _ => _mm256_shuffle_epi32::<0xFF>(half),
+            }
         }
     }
     #[inline(always)]
