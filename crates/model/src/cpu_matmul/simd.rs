@@ -498,8 +498,8 @@ impl<const V: u8> Simd for Ymm<V> {
         // half and the odd ones' in the high (4–7 from another), then one `vpshufd` a step: the
         // two vectors are the same for every step of a super-block (computed once where the steps
         // are unrolled). Picking the bytes by a `vpshufb` per step, LLVM rewrote each into an
-        // unpack, two word shuffles and the sign extension (28 shuffles a Q6_K super-block where
-        // ggml's AVX2 code has 16).
+        // unpack, two word shuffles and the sign extension: 27 shuffles and sign extensions a
+        // Q6_K super-block (broadcasts not counted), where ggml's AVX2 code has 17; now 13.
         unsafe {
             let pairs = |first: i64| {
                 // bytes 2j, 2j, 2j+2, 2j+2, … then 2j+1, 2j+1, …, from scale `first` on
