@@ -561,3 +561,77 @@ fn plan_errors() {
     assert!(j["error"].as_str().unwrap().contains("does not fit"));
     assert!(j["shortfall_bytes"].as_u64().unwrap() > 100 << 30);
 }
+
+/// `brigade` on a CPU without AVX-512, whatever CPU runs the tests: valgrind's `none` tool (no
+/// checking, ~30× slower) runs the binary on valgrind's own x86 model, which has AVX2, FMA and
+/// F16C where the host has them and never any AVX-512 (valgrind decodes no AVX-512 instruction:
+/// one would stop the run with SIGILL). What an AVX2-only machine (an AMD EPYC before Zen 4, a
+/// desktop Intel) takes: the kernels chosen at run time by CPUID, not by `BRIGADE_CPU_KERNELS`.
+fn on_avx2_cpu(args: &[&str]) -> Value {
+    let out = Command::new("valgrind")
+        .args(["--tool=none", "-q", "--error-exitcode=9", env!("CARGO_BIN_EXE_brigade")])
+        .args(args)
+        .env("XDG_CACHE_HOME", Path::new(env!("CARGO_TARGET_TMPDIR")).join("cli-cache"))
+        .env_remove("BRIGADE_CPU_KERNELS")
+        .output()
+        .expect("running valgrind (.ci/run installs it: Debian's valgrind)");
+    assert!(out.status.success(), "valgrind brigade {args:?} failed: {}", String::from_utf8_lossy(&out.stderr));
+    serde_json::from_slice(&out.stdout)
+        .unwrap_or_else(|e| panic!("not JSON ({e}): {}", String::from_utf8_lossy(&out.stdout)))
+}
+
+#[cfg(target_arch = "x86_64")]
+#[test]
+fn on_a_cpu_without_avx512_the_avx2_kernels_run_and_give_the_same_tokens() {
+    // what brigade sees: no AVX-512, and AVX2 kernels for every type it has its own kernels for
+    let j = on_avx2_cpu(&["doctor", "--json", "-t", "1"]);
+    let sets: Vec<&str> =
+        j["cpu"]["instruction_sets"].as_array().unwrap().iter().map(|s| s.as_str().unwrap()).collect();
+    assert!(sets.contains(&"avx2") && sets.contains(&"fma") && sets.contains(&"f16c"), "{sets:?}");
+    assert!(!sets.iter().any(|s| s.starts_with("avx512")), "{sets:?}");
+    assert_eq!(j["kernels"]["asked"], "");
+    assert_eq!(j["kernels"]["vector_loops"], "avx2");
+    let kernels = j["kernels"]["weights"].as_array().unwrap();
+    for t in ["q4_0", "q4_1", "q5_0", "q5_1", "q8_0", "q4_k", "q5_k", "q6_k"] {
+        let k = kernels.iter().find(|k| k["weight_type"] == t).unwrap_or_else(|| panic!("{t}: {kernels:?}"));
+        for path in ["decode", "prompt"] {
+            let name = k[path].as_str().unwrap();
+            assert!(name.starts_with("brigade AVX2 int8"), "{t} {path}: {name}");
+        }
+    }
+
+    // llama.cpp's greedy tokens, as on the host's own kernels (Q8_0 and Q4_0 decode)
+    let r = reference();
+    for (key, n_match) in [("stories260K-Q8_0.gguf", 60), ("stories260K-Q4_0.gguf", 27)] {
+        let path = fixture(key);
+        let j = on_avx2_cpu(&["run", "-m", path.to_str().unwrap(), "-p", "", "-n", "60", "--temp", "0", "--json"]);
+        assert_eq!(ids(&j["generated_ids"])[..n_match], ids(&r[key]["greedy_ids"])[..n_match], "{key}");
+    }
+
+    // K-quants (packed Q4_K, Q6_K) and Q4_0, prompts long enough for the int8 tiles: the tokens
+    // of the host's AVX2 kernels forced by BRIGADE_CPU_KERNELS (the same code, so the same bits)
+    let dir = tempfile::tempdir().unwrap();
+    let prompt = "The quick brown fox jumps over the lazy dog and then runs far away into the forest";
+    for ty in ["q4_k", "q6_k", "q4_0"] {
+        let m = dir.path().join(format!("{ty}.gguf"));
+        let m = m.to_str().unwrap();
+        let shape = ["--layers", "2", "--hidden", "256", "--ffn", "512", "--heads", "4", "--kv-heads", "2"];
+        let mut a = vec!["synth", "-o", m, "--type", ty, "--vocab", "512", "--seed", "3"];
+        a.extend(shape);
+        assert!(brigade(&a).status.success());
+        let args = ["run", "-m", m, "-p", prompt, "-n", "24", "--temp", "0", "--json"];
+        let got = on_avx2_cpu(&args);
+        let out = Command::new(env!("CARGO_BIN_EXE_brigade"))
+            .args(args)
+            .env("BRIGADE_CPU_KERNELS", "avx2")
+            .env("XDG_CACHE_HOME", Path::new(env!("CARGO_TARGET_TMPDIR")).join("cli-cache"))
+            .output()
+            .unwrap();
+        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+        let want: Value = serde_json::from_slice(&out.stdout).unwrap();
+        assert!(ids(&got["prompt_ids"]).len() > 32, "{ty}: the prompt must take the tiles");
+        assert_eq!(got["prompt_ids"], want["prompt_ids"], "{ty}");
+        assert_eq!(ids(&got["generated_ids"]).len(), 24, "{ty}");
+        assert_eq!(got["generated_ids"], want["generated_ids"], "{ty}");
+    }
+}
