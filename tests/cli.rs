@@ -30,6 +30,18 @@ fn ok_json(args: &[&str]) -> Value {
         .unwrap_or_else(|e| panic!("not JSON ({e}): {}", String::from_utf8_lossy(&out.stdout)))
 }
 
+/// [`ok_json`] with `BRIGADE_CPU_KERNELS` set to `kernels`.
+fn json_with_kernels(args: &[&str], kernels: &str) -> Value {
+    let out = Command::new(env!("CARGO_BIN_EXE_brigade"))
+        .args(args)
+        .env("BRIGADE_CPU_KERNELS", kernels)
+        .env("XDG_CACHE_HOME", Path::new(env!("CARGO_TARGET_TMPDIR")).join("cli-cache"))
+        .output()
+        .expect("running brigade");
+    assert!(out.status.success(), "brigade {args:?} failed: {}", String::from_utf8_lossy(&out.stderr));
+    serde_json::from_slice(&out.stdout).unwrap()
+}
+
 fn ids(v: &Value) -> Vec<u64> {
     v.as_array().unwrap().iter().map(|x| x.as_u64().unwrap()).collect()
 }
@@ -371,14 +383,7 @@ fn doctor_describes_this_machine() {
     let loops = j["kernels"]["vector_loops"].as_str().unwrap();
     assert!(["avx512", "avx2", "scalar"].contains(&loops), "{loops}");
     // BRIGADE_CPU_KERNELS=portable holds for the matmuls and the vector loops alike
-    let out = Command::new(env!("CARGO_BIN_EXE_brigade"))
-        .args(["doctor", "--json", "-t", "1"])
-        .env("BRIGADE_CPU_KERNELS", "portable")
-        .env("XDG_CACHE_HOME", Path::new(env!("CARGO_TARGET_TMPDIR")).join("cli-cache"))
-        .output()
-        .unwrap();
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
-    let p: Value = serde_json::from_slice(&out.stdout).unwrap();
+    let p = json_with_kernels(&["doctor", "--json", "-t", "1"], "portable");
     assert_eq!(p["kernels"]["asked"], "portable");
     assert_eq!(p["kernels"]["vector_loops"], "scalar");
     let q4k = p["kernels"]["weights"].as_array().unwrap().iter().find(|k| k["weight_type"] == "q4_k").unwrap();
@@ -621,14 +626,7 @@ fn on_a_cpu_without_avx512_the_avx2_kernels_run_and_give_the_same_tokens() {
         assert!(brigade(&a).status.success());
         let args = ["run", "-m", m, "-p", prompt, "-n", "24", "--temp", "0", "--json"];
         let got = on_avx2_cpu(&args);
-        let out = Command::new(env!("CARGO_BIN_EXE_brigade"))
-            .args(args)
-            .env("BRIGADE_CPU_KERNELS", "avx2")
-            .env("XDG_CACHE_HOME", Path::new(env!("CARGO_TARGET_TMPDIR")).join("cli-cache"))
-            .output()
-            .unwrap();
-        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
-        let want: Value = serde_json::from_slice(&out.stdout).unwrap();
+        let want = json_with_kernels(&args, "avx2");
         assert!(ids(&got["prompt_ids"]).len() > 32, "{ty}: the prompt must take the tiles");
         assert_eq!(got["prompt_ids"], want["prompt_ids"], "{ty}");
         assert_eq!(ids(&got["generated_ids"]).len(), 24, "{ty}");
