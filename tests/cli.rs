@@ -32,9 +32,14 @@ fn ok_json(args: &[&str]) -> Value {
 
 /// [`ok_json`] with `BRIGADE_CPU_KERNELS` set to `kernels`.
 fn json_with_kernels(args: &[&str], kernels: &str) -> Value {
+    json_with(args, &[("BRIGADE_CPU_KERNELS", kernels)])
+}
+
+/// [`ok_json`] with the environment variables `vars` set.
+fn json_with(args: &[&str], vars: &[(&str, &str)]) -> Value {
     let out = Command::new(env!("CARGO_BIN_EXE_brigade"))
         .args(args)
-        .env("BRIGADE_CPU_KERNELS", kernels)
+        .envs(vars.iter().copied())
         .env("XDG_CACHE_HOME", Path::new(env!("CARGO_TARGET_TMPDIR")).join("cli-cache"))
         .output()
         .expect("running brigade");
@@ -631,5 +636,29 @@ fn on_a_cpu_without_avx512_the_avx2_kernels_run_and_give_the_same_tokens() {
         assert_eq!(got["prompt_ids"], want["prompt_ids"], "{ty}");
         assert_eq!(ids(&got["generated_ids"]).len(), 24, "{ty}");
         assert_eq!(got["generated_ids"], want["generated_ids"], "{ty}");
+    }
+}
+
+/// The vec-dots are compiled once for the default prefetch and once for the others
+/// (`BRIGADE_CPU_PREFETCH=off|near`, read per block): every mode gives the same tokens, for the
+/// 32-weight loop (Q4_0) and the super-block one (Q6_K, a vec-dot on AVX2), and on the instruction
+/// set the CPU has (Q4_0 decode is a vec-dot on every one).
+#[test]
+fn prefetch_modes_give_the_same_tokens() {
+    let dir = tempfile::tempdir().unwrap();
+    let q6k = dir.path().join("q6_k.gguf");
+    let shape = ["--layers", "2", "--hidden", "256", "--ffn", "512", "--heads", "4", "--kv-heads", "2"];
+    let mut a = vec!["synth", "-o", q6k.to_str().unwrap(), "--type", "q6_k", "--vocab", "512", "--seed", "5"];
+    a.extend(shape);
+    assert!(brigade(&a).status.success());
+    let q4_0 = fixture("stories260K-Q4_0.gguf");
+    for (model, kernels) in [(q4_0.to_str().unwrap(), "auto"), (q6k.to_str().unwrap(), "avx2")] {
+        let args = ["run", "-m", model, "-p", "Once upon a time", "-n", "24", "--temp", "0", "--json"];
+        let want = json_with(&args, &[("BRIGADE_CPU_KERNELS", kernels)]);
+        assert_eq!(ids(&want["generated_ids"]).len(), 24);
+        for mode in ["off", "near"] {
+            let got = json_with(&args, &[("BRIGADE_CPU_KERNELS", kernels), ("BRIGADE_CPU_PREFETCH", mode)]);
+            assert_eq!(got["generated_ids"], want["generated_ids"], "{model} BRIGADE_CPU_PREFETCH={mode}");
+        }
     }
 }

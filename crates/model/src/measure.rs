@@ -135,7 +135,7 @@ const CACHE_FILE: &str = "figures.json";
 /// switches in the environment, and a marker renamed when the kernels' speed changes.
 fn cache_key(kind: &str, device: &str, threads: usize, effort: Effort) -> String {
     format!(
-        "{kind}|{device}|{threads}|{effort:?}|{}|{}|{}|{}|{}|packed-q4k-256-ahead-amx-ymm-sub-vecdot-l2-kscales",
+        "{kind}|{device}|{threads}|{effort:?}|{}|{}|{}|{}|{}|packed-q4k-256-ahead-amx-ymm-sub-vecdot-l2-kscales-f16table",
         env!("CARGO_PKG_VERSION"),
         std::env::var("BRIGADE_CPU_KERNELS").unwrap_or_default(),
         std::env::var("BRIGADE_CPU_PACK").unwrap_or_default(),

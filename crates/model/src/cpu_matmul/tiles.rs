@@ -17,7 +17,7 @@ use super::acts::{Q8KRows, Q8Rows};
 use super::blocks::Q0Block;
 use super::lanes;
 use super::packed::{fetch_mode, Fetch, AHEAD};
-use super::simd::Simd;
+use super::simd::{f16_table, F16Table, Simd};
 use super::unpack::{KUnpack, Q0Unpack};
 use super::DECODE_ROWS;
 use half::f16;
@@ -31,13 +31,18 @@ use std::arch::x86_64::*;
 /// cache level. On the model-167 Xeon (AMX) requests like these made the vec-dots slower (Q4_K
 /// 44.6 → 37.8, Q8_0 25.6 → 20.5 GMAC/s, then against near): `BRIGADE_CPU_PREFETCH=near|off`
 /// measures it on another machine.
+///
+/// `FAR`: the default, compiled without looking at `mode`. The vec-dots' loops are compiled
+/// twice, with `FAR` and with the mode read per block, because LLVM kept the mode's `match` in
+/// the loop: two compare-and-branches a block (llvm-mca, the AVX2 Q8_0 loop: 22 → 19 uops a
+/// block).
 #[inline(always)]
-fn prefetch<T>(mode: Fetch, p: *const T, lines: usize) {
+fn prefetch<const FAR: bool, T>(mode: Fetch, p: *const T, lines: usize) {
     let p = p.cast::<i8>();
     for l in 0..lines {
         // SAFETY: a prefetch does not fault; the address is computed without dereferencing
         unsafe {
-            match mode {
+            match if FAR { Fetch::Far } else { mode } {
                 Fetch::Far => _mm_prefetch::<_MM_HINT_T1>(p.wrapping_add(AHEAD + 64 * l)),
                 Fetch::Near => _mm_prefetch::<_MM_HINT_T0>(p.wrapping_add(1024 + 64 * l)),
                 Fetch::Off => {}
@@ -60,13 +65,14 @@ fn prefetch<T>(mode: Fetch, p: *const T, lines: usize) {
 /// `bpr.next_multiple_of(S::W / 32)` blocks, quantized with the offset 128 for Q8_0 on VNNI and
 /// `T::OFFSET` otherwise.
 #[inline(always)]
-pub unsafe fn q0_dot_rows<T: Q0Unpack, S: Simd, const R: usize>(
+pub unsafe fn q0_dot_rows<T: Q0Unpack, S: Simd, const R: usize, const FAR: bool>(
     s: S,
     w: &[T],
     bpr: usize,
     c: usize,
     x: &Q8Rows,
     r0: usize,
+    f16s: &F16Table,
 ) -> [f32; R] {
     debug_assert!((c + 1) * bpr <= w.len() && x.blocks == bpr.next_multiple_of(S::W / 32));
     debug_assert!((r0 + R) * x.blocks <= x.d.len());
@@ -83,7 +89,7 @@ pub unsafe fn q0_dot_rows<T: Q0Unpack, S: Simd, const R: usize>(
             let row = w.as_ptr().add(c * bpr);
             (&*row.add(b0), if two && b0 + 1 < bpr { Some(&*row.add(b0 + 1)) } else { None })
         };
-        prefetch(fetch, b, 1);
+        prefetch::<FAR, _>(fetch, b, 1);
         let (q1, d1, m1) = match next {
             Some(n) => (n.unpack(a2), n.d(), n.m()),
             None => (a2.zero(), f16::ZERO, f16::ZERO),
@@ -92,8 +98,8 @@ pub unsafe fn q0_dot_rows<T: Q0Unpack, S: Simd, const R: usize>(
         if flip {
             wv = s.flip(wv);
         }
-        let dw = s.per_block_f16([b.d(), d1]);
-        let mw = if T::HAS_MIN { s.mul(s.per_block_f16([b.m(), m1]), s.set1(0.125)) } else { s.zero_f() };
+        let dw = s.per_block_f16_in(f16s, [b.d(), d1]);
+        let mw = if T::HAS_MIN { s.mul(s.per_block_f16_in(f16s, [b.m(), m1]), s.set1(0.125)) } else { s.zero_f() };
         for (i, acc) in acc.iter_mut().enumerate() {
             let (at, t1) = ((r0 + i) * x.blocks + b0, if two { 1 } else { 0 });
             // SAFETY: blocks b0..b0 + W/32 of row r0 + i are in `x`
@@ -137,7 +143,7 @@ pub unsafe fn q0_dot_rows<T: Q0Unpack, S: Simd, const R: usize>(
 /// # Safety
 /// `w` holds row `c` of `bpr` super-blocks; `x` holds rows `r0..r0 + R` of `bpr` super-blocks.
 #[inline(always)]
-pub unsafe fn k_dot_rows<T: KUnpack, S: Simd, const R: usize>(
+pub unsafe fn k_dot_rows<T: KUnpack, S: Simd, const R: usize, const FAR: bool>(
     s: S,
     w: &[T],
     bpr: usize,
@@ -153,7 +159,7 @@ pub unsafe fn k_dot_rows<T: KUnpack, S: Simd, const R: usize>(
     for b in 0..bpr {
         // SAFETY: row c, super-block b is in `w`
         let blk = unsafe { w.get_unchecked(c * bpr + b) };
-        prefetch(fetch, blk, std::mem::size_of::<T>().div_ceil(64));
+        prefetch::<FAR, _>(fetch, blk, std::mem::size_of::<T>().div_ceil(64));
         let ks = blk.scales(a2);
         let mut isum = [s.zero(); R];
         for st in 0..256 / S::W {
@@ -267,6 +273,29 @@ macro_rules! with_rows {
     };
 }
 
+/// Every column of `$cols` for every row of `$out`, `$dot` giving rows `$r0..$r0 + $R` of
+/// column `$c` (`$R` up to [`DOT_ROWS`]). Compiled twice, `$far` true for the default prefetch
+/// and false for a mode read per block (see [`prefetch`]).
+macro_rules! dot_columns {
+    ($out:expr, $cols:expr, |$c:ident, $r0:ident, $R:ident, $far:ident| $dot:expr) => {{
+        let (c0, c1) = $cols;
+        if fetch_mode() == Fetch::Far {
+            const $far: bool = true;
+            dot_columns!(@each $out, c0, c1, $c, $r0, $R, $dot)
+        } else {
+            const $far: bool = false;
+            dot_columns!(@each $out, c0, c1, $c, $r0, $R, $dot)
+        }
+    }};
+    (@each $out:expr, $c0:expr, $c1:expr, $c:ident, $r0:ident, $R:ident, $dot:expr) => {
+        for $c in $c0..$c1 {
+            for $r0 in (0..$out.m).step_by(DOT_ROWS) {
+                with_rows!(($out.m - $r0).min(DOT_ROWS), $R => $out.put_column($dot, $r0, $c))
+            }
+        }
+    };
+}
+
 /// Columns `c0..c1` of every decode row (`out.m ≤ DECODE_ROWS`) of a 32-weight type: per
 /// column, the rows in groups of up to [`DOT_ROWS`] through [`q0_dot_rows`], so that each
 /// row's result is the one it has alone.
@@ -283,14 +312,9 @@ pub unsafe fn q0_columns<T: Q0Unpack, S: Simd>(
     x: &Q8Rows,
     out: Out,
 ) {
-    for c in c0..c1 {
-        for r0 in (0..out.m).step_by(DOT_ROWS) {
-            // SAFETY: the caller's contract; rows r0..r0 + R are below out.m
-            unsafe {
-                with_rows!((out.m - r0).min(DOT_ROWS), R => out.put_column(q0_dot_rows::<T, S, R>(s, w, bpr, c, x, r0), r0, c))
-            }
-        }
-    }
+    let f16s = f16_table();
+    // SAFETY: the caller's contract; rows r0..r0 + R are below out.m
+    unsafe { dot_columns!(out, (c0, c1), |c, r0, R, FAR| q0_dot_rows::<T, S, R, FAR>(s, w, bpr, c, x, r0, f16s)) }
 }
 
 /// Columns `c0..c1` of every decode row (`out.m ≤ DECODE_ROWS`) of a 256-weight type, as
@@ -308,14 +332,8 @@ pub unsafe fn k_columns<T: KUnpack, S: Simd>(
     x: &Q8KRows,
     out: Out,
 ) {
-    for c in c0..c1 {
-        for r0 in (0..out.m).step_by(DOT_ROWS) {
-            // SAFETY: the caller's contract; rows r0..r0 + R are below out.m
-            unsafe {
-                with_rows!((out.m - r0).min(DOT_ROWS), R => out.put_column(k_dot_rows::<T, S, R>(s, w, bpr, c, x, r0), r0, c))
-            }
-        }
-    }
+    // SAFETY: the caller's contract; rows r0..r0 + R are below out.m
+    unsafe { dot_columns!(out, (c0, c1), |c, r0, R, FAR| k_dot_rows::<T, S, R, FAR>(s, w, bpr, c, x, r0)) }
 }
 
 /// Runs `columns((c0, c1))` over every column, ranges of columns split across candle's pool.
