@@ -32,17 +32,17 @@ use std::arch::x86_64::*;
 /// 44.6 → 37.8, Q8_0 25.6 → 20.5 GMAC/s, then against near): `BRIGADE_CPU_PREFETCH=near|off`
 /// measures it on another machine.
 ///
-/// `FAR`: the default, compiled without looking at `mode`. The vec-dots' loops are compiled
-/// twice, with `FAR` and with the mode read per block, because LLVM kept the mode's `match` in
-/// the loop: two compare-and-branches a block (llvm-mca, the AVX2 Q8_0 loop: 22 → 19 uops a
-/// block).
+/// The vec-dots' loops are compiled twice ([`dot_columns!`]): with `mode` the constant default,
+/// which folds this `match` away, and with the mode read once per call, because LLVM kept that
+/// `match` in the loop: two compare-and-branches a block (llvm-mca, the AVX2 Q8_0 loop: 22 → 19
+/// uops a block).
 #[inline(always)]
-fn prefetch<const FAR: bool, T>(mode: Fetch, p: *const T, lines: usize) {
+fn prefetch<T>(mode: Fetch, p: *const T, lines: usize) {
     let p = p.cast::<i8>();
     for l in 0..lines {
         // SAFETY: a prefetch does not fault; the address is computed without dereferencing
         unsafe {
-            match if FAR { Fetch::Far } else { mode } {
+            match mode {
                 Fetch::Far => _mm_prefetch::<_MM_HINT_T1>(p.wrapping_add(AHEAD + 64 * l)),
                 Fetch::Near => _mm_prefetch::<_MM_HINT_T0>(p.wrapping_add(1024 + 64 * l)),
                 Fetch::Off => {}
@@ -59,6 +59,8 @@ fn prefetch<const FAR: bool, T>(mode: Fetch, p: *const T, lines: usize) {
 /// Each weight block is unpacked once for the `R` rows; each row then runs the same operations
 /// in the same order into accumulators of its own, so a row's result is, bit for bit, the one it
 /// has with `R = 1` (batch invariance; tested).
+///
+/// `FAR`: the default prefetch compiled in (see [`prefetch`]); else the mode is read once.
 ///
 /// # Safety
 /// `w` holds row `c` of `bpr` blocks; `x` holds rows `r0..r0 + R` of
@@ -80,7 +82,7 @@ pub unsafe fn q0_dot_rows<T: Q0Unpack, S: Simd, const R: usize, const FAR: bool>
     let two = S::W == 64;
     let flip = T::SIGNED && S::VNNI;
     let fill = q0_offset::<T, S>() != 0;
-    let fetch = fetch_mode();
+    let fetch = if FAR { Fetch::Far } else { fetch_mode() };
     let mut acc = [s.zero_f(); R];
     let mut b0 = 0;
     while b0 < x.blocks {
@@ -89,7 +91,7 @@ pub unsafe fn q0_dot_rows<T: Q0Unpack, S: Simd, const R: usize, const FAR: bool>
             let row = w.as_ptr().add(c * bpr);
             (&*row.add(b0), if two && b0 + 1 < bpr { Some(&*row.add(b0 + 1)) } else { None })
         };
-        prefetch::<FAR, _>(fetch, b, 1);
+        prefetch(fetch, b, 1);
         let (q1, d1, m1) = match next {
             Some(n) => (n.unpack(a2), n.d(), n.m()),
             None => (a2.zero(), f16::ZERO, f16::ZERO),
@@ -140,6 +142,8 @@ pub unsafe fn q0_dot_rows<T: Q0Unpack, S: Simd, const R: usize, const FAR: bool>
 /// order into accumulators of its own, so a row's result is, bit for bit, the one it has with
 /// `R = 1` (batch invariance; tested).
 ///
+/// `FAR`: the default prefetch compiled in (see [`prefetch`]); else the mode is read once.
+///
 /// # Safety
 /// `w` holds row `c` of `bpr` super-blocks; `x` holds rows `r0..r0 + R` of `bpr` super-blocks.
 #[inline(always)]
@@ -153,13 +157,13 @@ pub unsafe fn k_dot_rows<T: KUnpack, S: Simd, const R: usize, const FAR: bool>(
 ) -> [f32; R] {
     debug_assert!((c + 1) * bpr <= w.len() && (r0 + R) * bpr <= x.d.len());
     let a2 = s.avx2();
-    let fetch = fetch_mode();
+    let fetch = if FAR { Fetch::Far } else { fetch_mode() };
     let mut acc = [s.zero_f(); R];
     let mut accm = [a2.zero_f(); R];
     for b in 0..bpr {
         // SAFETY: row c, super-block b is in `w`
         let blk = unsafe { w.get_unchecked(c * bpr + b) };
-        prefetch::<FAR, _>(fetch, blk, std::mem::size_of::<T>().div_ceil(64));
+        prefetch(fetch, blk, std::mem::size_of::<T>().div_ceil(64));
         let ks = blk.scales(a2);
         let mut isum = [s.zero(); R];
         for st in 0..256 / S::W {
