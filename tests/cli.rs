@@ -14,37 +14,66 @@ fn fixture(name: &str) -> PathBuf {
     root().join("tests/fixtures").join(name)
 }
 
-/// The binary, with its measured figures cached under the target dir (not the user's cache).
-fn brigade(args: &[&str]) -> Output {
+/// Where the binary caches its measured figures: under the target dir, not the user's cache.
+fn cache_home() -> PathBuf {
+    Path::new(env!("CARGO_TARGET_TMPDIR")).join("cli-cache")
+}
+
+/// The binary, with the environment variables `vars` set.
+fn brigade_with(args: &[&str], vars: &[(&str, &str)]) -> Output {
     Command::new(env!("CARGO_BIN_EXE_brigade"))
         .args(args)
-        .env("XDG_CACHE_HOME", Path::new(env!("CARGO_TARGET_TMPDIR")).join("cli-cache"))
+        .envs(vars.iter().copied())
+        .env("XDG_CACHE_HOME", cache_home())
         .output()
         .expect("running brigade")
 }
 
-fn ok_json(args: &[&str]) -> Value {
-    let out = brigade(args);
+fn brigade(args: &[&str]) -> Output {
+    brigade_with(args, &[])
+}
+
+/// The JSON a successful run of `args` printed.
+fn json_of(args: &[&str], out: Output) -> Value {
     assert!(out.status.success(), "brigade {args:?} failed: {}", String::from_utf8_lossy(&out.stderr));
     serde_json::from_slice(&out.stdout)
         .unwrap_or_else(|e| panic!("not JSON ({e}): {}", String::from_utf8_lossy(&out.stdout)))
 }
 
-/// [`ok_json`] with `BRIGADE_CPU_KERNELS` set to `kernels`.
-fn json_with_kernels(args: &[&str], kernels: &str) -> Value {
-    json_with(args, &[("BRIGADE_CPU_KERNELS", kernels)])
+fn ok_json(args: &[&str]) -> Value {
+    json_of(args, brigade(args))
 }
 
 /// [`ok_json`] with the environment variables `vars` set.
 fn json_with(args: &[&str], vars: &[(&str, &str)]) -> Value {
-    let out = Command::new(env!("CARGO_BIN_EXE_brigade"))
-        .args(args)
-        .envs(vars.iter().copied())
-        .env("XDG_CACHE_HOME", Path::new(env!("CARGO_TARGET_TMPDIR")).join("cli-cache"))
-        .output()
-        .expect("running brigade");
-    assert!(out.status.success(), "brigade {args:?} failed: {}", String::from_utf8_lossy(&out.stderr));
-    serde_json::from_slice(&out.stdout).unwrap()
+    json_of(args, brigade_with(args, vars))
+}
+
+/// A random-weight model of 2 layers, hidden 256, vocab 512 at `path`.
+fn synth_small(path: &Path, ty: &str, seed: &str) {
+    let p = path.to_str().unwrap();
+    let out = brigade(&[
+        "synth",
+        "-o",
+        p,
+        "--type",
+        ty,
+        "--seed",
+        seed,
+        "--layers",
+        "2",
+        "--hidden",
+        "256",
+        "--ffn",
+        "512",
+        "--heads",
+        "4",
+        "--kv-heads",
+        "2",
+        "--vocab",
+        "512",
+    ]);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
 }
 
 fn ids(v: &Value) -> Vec<u64> {
@@ -388,7 +417,7 @@ fn doctor_describes_this_machine() {
     let loops = j["kernels"]["vector_loops"].as_str().unwrap();
     assert!(["avx512", "avx2", "scalar"].contains(&loops), "{loops}");
     // BRIGADE_CPU_KERNELS=portable holds for the matmuls and the vector loops alike
-    let p = json_with_kernels(&["doctor", "--json", "-t", "1"], "portable");
+    let p = json_with(&["doctor", "--json", "-t", "1"], &[("BRIGADE_CPU_KERNELS", "portable")]);
     assert_eq!(p["kernels"]["asked"], "portable");
     assert_eq!(p["kernels"]["vector_loops"], "scalar");
     let q4k = p["kernels"]["weights"].as_array().unwrap().iter().find(|k| k["weight_type"] == "q4_k").unwrap();
@@ -581,13 +610,11 @@ fn on_avx2_cpu(args: &[&str]) -> Value {
     let out = Command::new("valgrind")
         .args(["--tool=none", "-q", "--error-exitcode=9", env!("CARGO_BIN_EXE_brigade")])
         .args(args)
-        .env("XDG_CACHE_HOME", Path::new(env!("CARGO_TARGET_TMPDIR")).join("cli-cache"))
+        .env("XDG_CACHE_HOME", cache_home())
         .env_remove("BRIGADE_CPU_KERNELS")
         .output()
         .expect("running valgrind (.ci/run installs it: Debian's valgrind)");
-    assert!(out.status.success(), "valgrind brigade {args:?} failed: {}", String::from_utf8_lossy(&out.stderr));
-    serde_json::from_slice(&out.stdout)
-        .unwrap_or_else(|e| panic!("not JSON ({e}): {}", String::from_utf8_lossy(&out.stdout)))
+    json_of(args, out)
 }
 
 #[cfg(target_arch = "x86_64")]
@@ -624,14 +651,10 @@ fn on_a_cpu_without_avx512_the_avx2_kernels_run_and_give_the_same_tokens() {
     let prompt = "The quick brown fox jumps over the lazy dog and then runs far away into the forest";
     for ty in ["q4_k", "q6_k", "q4_0"] {
         let m = dir.path().join(format!("{ty}.gguf"));
-        let m = m.to_str().unwrap();
-        let shape = ["--layers", "2", "--hidden", "256", "--ffn", "512", "--heads", "4", "--kv-heads", "2"];
-        let mut a = vec!["synth", "-o", m, "--type", ty, "--vocab", "512", "--seed", "3"];
-        a.extend(shape);
-        assert!(brigade(&a).status.success());
-        let args = ["run", "-m", m, "-p", prompt, "-n", "24", "--temp", "0", "--json"];
+        synth_small(&m, ty, "3");
+        let args = ["run", "-m", m.to_str().unwrap(), "-p", prompt, "-n", "24", "--temp", "0", "--json"];
         let got = on_avx2_cpu(&args);
-        let want = json_with_kernels(&args, "avx2");
+        let want = json_with(&args, &[("BRIGADE_CPU_KERNELS", "avx2")]);
         assert!(ids(&got["prompt_ids"]).len() > 32, "{ty}: the prompt must take the tiles");
         assert_eq!(got["prompt_ids"], want["prompt_ids"], "{ty}");
         assert_eq!(ids(&got["generated_ids"]).len(), 24, "{ty}");
@@ -647,10 +670,7 @@ fn on_a_cpu_without_avx512_the_avx2_kernels_run_and_give_the_same_tokens() {
 fn prefetch_modes_give_the_same_tokens() {
     let dir = tempfile::tempdir().unwrap();
     let q6k = dir.path().join("q6_k.gguf");
-    let shape = ["--layers", "2", "--hidden", "256", "--ffn", "512", "--heads", "4", "--kv-heads", "2"];
-    let mut a = vec!["synth", "-o", q6k.to_str().unwrap(), "--type", "q6_k", "--vocab", "512", "--seed", "5"];
-    a.extend(shape);
-    assert!(brigade(&a).status.success());
+    synth_small(&q6k, "q6_k", "5");
     let q4_0 = fixture("stories260K-Q4_0.gguf");
     for (model, kernels) in [(q4_0.to_str().unwrap(), "auto"), (q6k.to_str().unwrap(), "avx2")] {
         let args = ["run", "-m", model, "-p", "Once upon a time", "-n", "24", "--temp", "0", "--json"];
