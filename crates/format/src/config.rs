@@ -3,20 +3,25 @@
 //! shape, computes every product of its fields with checked arithmetic and refuses RoPE settings
 //! that would give non-finite frequencies, before anything is sized by them.
 
+pub mod family;
 mod hf;
+
+pub use family::{Family, LayerSpec, FAMILIES};
 
 use crate::gguf::{Gguf, Value};
 use crate::{FormatError, GgmlType};
 use serde::{Deserialize, Serialize};
 
-/// Architectures brigade runs. Mistral and SmolLM/TinyLlama are Llama-shaped; Qwen2 adds q/k/v
-/// biases and rotates halves.
+/// Architectures brigade runs ([`family::FAMILIES`] says how each differs). Mistral and
+/// SmolLM/TinyLlama are Llama-shaped; Qwen2 adds q/k/v biases and rotates halves; Qwen3 norms
+/// each head of q and k and sizes its heads explicitly.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum Arch {
     Llama,
     Mistral,
     Qwen2,
+    Qwen3,
 }
 
 /// How RoPE pairs the dimensions of a head.
@@ -66,6 +71,9 @@ pub struct ModelConfig {
     /// The context length the model declares (`-c` defaults to at most this).
     pub context_length: usize,
     pub qkv_bias: bool,
+    /// An RMSNorm over each head of q and k before RoPE ([`LayerSpec::qk_norm`]).
+    #[serde(default)]
+    pub qk_norm: bool,
     /// `tie_word_embeddings` of a `config.json`: whether the head is the embedding matrix. `None`
     /// (GGUF) means the tensor table decides: no `output.weight`, a tied head.
     pub tie_word_embeddings: Option<bool>,
@@ -167,6 +175,11 @@ impl ModelConfig {
         }
     }
 
+    /// How each layer computes: what the model runtime follows (see [`LayerSpec`]).
+    pub fn layer(&self) -> LayerSpec {
+        LayerSpec { qkv_bias: self.qkv_bias, qk_norm: self.qk_norm }
+    }
+
     /// `n_heads × head_dim`: the rows of the query projection; `None` on overflow (a validated
     /// configuration never overflows).
     pub fn q_width(&self) -> Option<usize> {
@@ -222,12 +235,8 @@ impl ModelConfig {
             .and_then(Value::as_str)
             .ok_or_else(|| FormatError::MissingMetadata("general.architecture".into()))?
             .to_string();
-        let arch = match arch_name.as_str() {
-            "llama" => Arch::Llama,
-            "mistral" => Arch::Mistral,
-            "qwen2" => Arch::Qwen2,
-            other => return Err(FormatError::UnsupportedArch(other.to_string())),
-        };
+        let family = family::by_gguf(&arch_name).ok_or_else(|| FormatError::UnsupportedArch(arch_name.clone()))?;
+        let arch = family.arch;
         let key = |k: &str| format!("{arch_name}.{k}");
         let req_u = |k: &str| -> Result<usize, FormatError> {
             let full = key(k);
@@ -287,11 +296,12 @@ impl ModelConfig {
             head_dim,
             vocab,
             rope_theta: opt_f("rope.freq_base").unwrap_or(10_000.0) as f32,
-            rope_style: if arch == Arch::Qwen2 { RopeStyle::Halves } else { RopeStyle::Interleaved },
+            rope_style: family.gguf_rope,
             rope_scaling,
             rms_eps: opt_f("attention.layer_norm_rms_epsilon").unwrap_or(1e-5),
             context_length,
-            qkv_bias: g.tensor("blk.0.attn_q.bias").is_some(),
+            qkv_bias: family.layer.qkv_bias || g.tensor("blk.0.attn_q.bias").is_some(),
+            qk_norm: family.layer.qk_norm,
             tie_word_embeddings: None,
             dtype: None,
         };
@@ -349,6 +359,7 @@ mod tests {
             rms_eps: 1e-5,
             context_length: 512,
             qkv_bias: false,
+            qk_norm: false,
             tie_word_embeddings: None,
             dtype: None,
         }

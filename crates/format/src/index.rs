@@ -354,10 +354,7 @@ impl ModelIndex {
             for t in LayerTensor::ALL {
                 let name = t.name(i);
                 if !t.required(c) && self.tensors.contains_key(&name) {
-                    return Err(FormatError::BadTensor {
-                        name,
-                        why: "present, but the configuration has no q/k/v biases".into(),
-                    });
+                    return Err(FormatError::BadTensor { name, why: t.unwanted_because().into() });
                 }
                 self.check_one(&name, t.required(c), || t.shape(c))?;
             }

@@ -33,6 +33,8 @@ pub enum Dim {
     QWidth,
     /// `n_kv_heads × head_dim`.
     KvWidth,
+    /// `head_dim`.
+    HeadDim,
 }
 
 impl Dim {
@@ -44,6 +46,7 @@ impl Dim {
             Dim::Vocab => Some(c.vocab),
             Dim::QWidth => c.q_width(),
             Dim::KvWidth => c.kv_width(),
+            Dim::HeadDim => Some(c.head_dim),
         }
     }
 }
@@ -61,6 +64,8 @@ pub enum Need {
     Always,
     /// When the configuration has q/k/v biases (Qwen2, `attention_bias`).
     QkvBias,
+    /// When each head of q and k is normed ([`crate::config::LayerSpec::qk_norm`]: Qwen3).
+    QkNorm,
 }
 
 /// One tensor of a transformer layer.
@@ -74,6 +79,8 @@ pub enum LayerTensor {
     AttnQBias,
     AttnKBias,
     AttnVBias,
+    AttnQNorm,
+    AttnKNorm,
     FfnNorm,
     FfnGate,
     FfnUp,
@@ -81,7 +88,7 @@ pub enum LayerTensor {
 }
 
 impl LayerTensor {
-    pub const ALL: [LayerTensor; 12] = [
+    pub const ALL: [LayerTensor; 14] = [
         LayerTensor::AttnNorm,
         LayerTensor::AttnQ,
         LayerTensor::AttnK,
@@ -90,6 +97,8 @@ impl LayerTensor {
         LayerTensor::AttnQBias,
         LayerTensor::AttnKBias,
         LayerTensor::AttnVBias,
+        LayerTensor::AttnQNorm,
+        LayerTensor::AttnKNorm,
         LayerTensor::FfnNorm,
         LayerTensor::FfnGate,
         LayerTensor::FfnUp,
@@ -110,6 +119,8 @@ impl LayerTensor {
             LayerTensor::AttnQBias => ("attn_q.bias", "self_attn.q_proj.bias", &[QWidth], QkvBias),
             LayerTensor::AttnKBias => ("attn_k.bias", "self_attn.k_proj.bias", &[KvWidth], QkvBias),
             LayerTensor::AttnVBias => ("attn_v.bias", "self_attn.v_proj.bias", &[KvWidth], QkvBias),
+            LayerTensor::AttnQNorm => ("attn_q_norm.weight", "self_attn.q_norm.weight", &[HeadDim], QkNorm),
+            LayerTensor::AttnKNorm => ("attn_k_norm.weight", "self_attn.k_norm.weight", &[HeadDim], QkNorm),
             LayerTensor::FfnNorm => ("ffn_norm.weight", "post_attention_layernorm.weight", &[Hidden], Always),
             LayerTensor::FfnGate => ("ffn_gate.weight", "mlp.gate_proj.weight", &[Ffn, Hidden], Always),
             LayerTensor::FfnUp => ("ffn_up.weight", "mlp.up_proj.weight", &[Ffn, Hidden], Always),
@@ -142,6 +153,16 @@ impl LayerTensor {
         match self.spec().3 {
             Need::Always => true,
             Need::QkvBias => c.qkv_bias,
+            Need::QkNorm => c.qk_norm,
+        }
+    }
+
+    /// Why a model may not store the tensor when its configuration does not ask for it.
+    pub fn unwanted_because(self) -> &'static str {
+        match self.spec().3 {
+            Need::Always => "",
+            Need::QkvBias => "present, but the configuration has no q/k/v biases",
+            Need::QkNorm => "present, but the configuration's family has no q/k norms",
         }
     }
 
@@ -152,7 +173,7 @@ impl LayerTensor {
 
     /// RMS norm weights: always dense in the activation type on a device.
     pub fn is_norm(self) -> bool {
-        matches!(self, LayerTensor::AttnNorm | LayerTensor::FfnNorm)
+        matches!(self, LayerTensor::AttnNorm | LayerTensor::FfnNorm | LayerTensor::AttnQNorm | LayerTensor::AttnKNorm)
     }
 
     /// `blk.N.<suffix>` as (N, tensor).
@@ -168,7 +189,7 @@ pub fn is_norm(name: &str) -> bool {
     name == OUTPUT_NORM || LayerTensor::parse(name).is_some_and(|(_, t)| t.is_norm())
 }
 
-/// Hugging Face Llama/Mistral/Qwen2 tensor names to llama.cpp's GGUF names; `None` for tensors
+/// Hugging Face Llama/Mistral/Qwen2/Qwen3 tensor names to llama.cpp's GGUF names; `None` for tensors
 /// brigade does not read (rotary buffers of old checkpoints, for example).
 pub fn hf_to_gguf_name(name: &str) -> Option<String> {
     if let Some((g, _)) = HF_NAMES.iter().find(|(_, h)| *h == name) {

@@ -112,6 +112,32 @@ fn biases_are_where_the_configuration_says() {
 }
 
 #[test]
+fn qk_norms_are_where_the_family_says() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut qwen3 = tiny_config();
+    qwen3["architectures"] = serde_json::json!(["Qwen3ForCausalLM"]);
+    qwen3["head_dim"] = 32.into(); // explicit, not hidden / heads (16)
+                                   // Qwen3 has a q and a k norm of head_dim weights in every layer
+    let p = dir.path().join("qwen3");
+    write_hf_dir(&p, &qwen3, 1, &[], |n| !n.contains("bias"));
+    let m = ModelIndex::open(&p).unwrap();
+    assert!(m.config().qk_norm);
+    assert_eq!(m.tensor_info("blk.1.attn_k_norm.weight").unwrap().shape(), &[32]);
+    assert_eq!(m.tensor_info("blk.1.attn_q.weight").unwrap().shape(), &[4 * 32, 64]);
+    let p = dir.path().join("qwen3-without");
+    write_hf_dir(&p, &qwen3, 1, &[], |n| !n.contains("bias") && n != "model.layers.1.self_attn.k_norm.weight");
+    let e = ModelIndex::open(&p).err();
+    assert!(matches!(e, Some(FormatError::MissingTensor(ref n)) if n == "blk.1.attn_k_norm.weight"), "{e:?}");
+    // a Llama that stores a q norm: nothing would apply it
+    let p = dir.path().join("llama-with-norm");
+    write_hf_dir(&p, &tiny_config(), 1, &[("model.layers.0.self_attn.q_norm.weight", vec![8])], |n| {
+        !n.contains("bias")
+    });
+    let e = ModelIndex::open(&p).err().map(|e| e.to_string()).unwrap_or_default();
+    assert!(e.contains("blk.0.attn_q_norm.weight") && e.contains("no q/k norms"), "{e}");
+}
+
+#[test]
 fn device_bytes_follow_the_stored_form() {
     let f32 = ModelIndex::embedded().unwrap();
     let q8 = ModelIndex::open(&repo_root().join("tests/fixtures/stories260K-Q8_0.gguf")).unwrap();

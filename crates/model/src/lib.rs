@@ -61,7 +61,7 @@ pub enum ModelError {
     MissingMetadata(String),
     #[error("model metadata `{key}` is invalid: {why}")]
     BadMetadata { key: String, why: String },
-    #[error("architecture `{0}` is not supported (llama, mistral, qwen2 are)")]
+    #[error("architecture `{0}` is not supported ({known} are)", known = crate::config::family::names())]
     UnsupportedArch(String),
     #[error("invalid model configuration: {0}")]
     BadConfig(String),

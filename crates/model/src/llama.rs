@@ -104,6 +104,9 @@ impl Proj {
 
 struct Block {
     attn_norm: Tensor,
+    /// The per-head norms of q and k (`head_dim` weights each) where the layer has them
+    /// ([`brigade_format::config::LayerSpec::qk_norm`]).
+    qk_norm: Option<(Tensor, Tensor)>,
     ffn_norm: Tensor,
     /// q, k, v
     qkv: Proj,
@@ -192,8 +195,14 @@ impl Block {
         let cfg = files.config();
         let n = |t: T| t.name(i);
         let qkv_bias = T::AttnQBias.required(cfg).then(|| vec![n(T::AttnQBias), n(T::AttnKBias), n(T::AttnVBias)]);
+        let qk_norm = if cfg.layer().qk_norm {
+            Some((files.dense(&n(T::AttnQNorm), device, dtype)?, files.dense(&n(T::AttnKNorm), device, dtype)?))
+        } else {
+            None
+        };
         Ok(Block {
             attn_norm: files.dense(&n(T::AttnNorm), device, dtype)?,
+            qk_norm,
             ffn_norm: files.dense(&n(T::FfnNorm), device, dtype)?,
             qkv: Proj::load(files, &[n(T::AttnQ), n(T::AttnK), n(T::AttnV)], qkv_bias, device, dtype)?,
             wo: files.linear(&n(T::AttnOutput), None, device, dtype)?,
@@ -204,7 +213,8 @@ impl Block {
     }
 
     fn bytes(&self) -> u64 {
-        let norms = ((self.attn_norm.elem_count() + self.ffn_norm.elem_count())
+        let qk = self.qk_norm.as_ref().map_or(0, |(q, k)| q.elem_count() + k.elem_count());
+        let norms = ((self.attn_norm.elem_count() + self.ffn_norm.elem_count() + qk)
             * self.attn_norm.dtype().size_in_bytes()) as u64;
         norms + self.qkv.bytes() + self.gate_up.bytes() + self.wo.storage_bytes() + self.down.storage_bytes()
     }
@@ -228,14 +238,20 @@ impl Block {
     }
 
     /// The attention norm and the q, k, v projections of `x: (b, t, hidden)`: q as
-    /// `(b, heads, t, head_dim)`, k and v as `(b, kv_heads, t, head_dim)`, before RoPE.
+    /// `(b, heads, t, head_dim)`, k and v as `(b, kv_heads, t, head_dim)`, before RoPE (q and k
+    /// normed per head where the layer says so).
     fn qkv(&self, cfg: &ModelConfig, x: &Tensor, mm: MatMul) -> candle_core::Result<(Tensor, Tensor, Tensor)> {
         let (b, t, _) = x.dims3()?;
         let (nh, nkv, hd) = (cfg.n_heads, cfg.n_kv_heads, cfg.head_dim);
         let h = rms_norm(x, &self.attn_norm, cfg.rms_eps)?;
         let qkv = self.qkv.forward(&h, mm)?;
-        let q = qkv[0].contiguous()?.reshape((b, t, nh, hd))?.transpose(1, 2)?.contiguous()?;
-        let k = qkv[1].contiguous()?.reshape((b, t, nkv, hd))?.transpose(1, 2)?.contiguous()?;
+        let (q, k) = (qkv[0].contiguous()?.reshape((b, t, nh, hd))?, qkv[1].contiguous()?.reshape((b, t, nkv, hd))?);
+        let (q, k) = match &self.qk_norm {
+            Some((qn, kn)) => (rms_norm(&q, qn, cfg.rms_eps)?, rms_norm(&k, kn, cfg.rms_eps)?),
+            None => (q, k),
+        };
+        let q = q.transpose(1, 2)?.contiguous()?;
+        let k = k.transpose(1, 2)?.contiguous()?;
         let v = qkv[2].contiguous()?.reshape((b, t, nkv, hd))?.transpose(1, 2)?.contiguous()?;
         Ok((q, k, v))
     }

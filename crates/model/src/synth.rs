@@ -91,6 +91,7 @@ impl Shape {
             rms_eps: 1e-5,
             context_length: self.context,
             qkv_bias: false,
+            qk_norm: false,
             tie_word_embeddings: Some(false),
             dtype: None,
         }

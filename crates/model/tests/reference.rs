@@ -2,29 +2,8 @@
 
 #![allow(clippy::unwrap_used)]
 mod common;
-use brigade_model::{ModelFiles, Sampler, SamplerConfig};
+use brigade_model::ModelFiles;
 use common::*;
-
-fn greedy(files: &ModelFiles, map: &str, prompt: &[u32], n: usize) -> Vec<u32> {
-    let p = pipeline(files, map, 256);
-    let mut s = p.new_session().unwrap();
-    let mut out = Vec::new();
-    let mut sampler = Sampler::new(SamplerConfig::greedy());
-    p.generate(
-        &mut s,
-        prompt,
-        n,
-        &mut sampler,
-        |_| false,
-        true,
-        |t| {
-            out.push(t);
-            true
-        },
-    )
-    .unwrap();
-    out
-}
 
 #[test]
 fn stories_f32_logits_match_transformers() {

@@ -4,7 +4,7 @@
 #![allow(clippy::unwrap_used)]
 mod common;
 use brigade_model::synth::{write_gguf, write_safetensors_dir, Shape, SynthType};
-use brigade_model::{ModelFiles, Sampler, SamplerConfig};
+use brigade_model::ModelFiles;
 use common::*;
 
 fn small_shape() -> Shape {
@@ -71,27 +71,7 @@ fn split_invariance_safetensors_and_format_equivalence() {
     assert_eq!(tg[0], g.tokenizer.bos.unwrap());
     assert!(tg.len() < text.len(), "merges should shorten the text: {tg:?}");
     assert_eq!(g.tokenizer.decode(&tg[1..], None), text);
-    let gen = |f: &ModelFiles| {
-        let p = pipeline(f, "cpu:2,cpu:2", 64);
-        let mut s = p.new_session().unwrap();
-        let mut out = vec![];
-        let mut sampler = Sampler::new(SamplerConfig::greedy());
-        p.generate(
-            &mut s,
-            &tg,
-            20,
-            &mut sampler,
-            |_| false,
-            true,
-            |t| {
-                out.push(t);
-                true
-            },
-        )
-        .unwrap();
-        out
-    };
-    assert_eq!(gen(&g), gen(&h));
+    assert_eq!(greedy(&g, "cpu:2,cpu:2", &tg, 20), greedy(&h, "cpu:2,cpu:2", &tg, 20));
 }
 
 #[test]

@@ -32,6 +32,9 @@ struct HfConfig {
     tie_word_embeddings: Option<bool>,
     torch_dtype: Option<String>,
     dtype: Option<String>,
+    use_sliding_window: Option<bool>,
+    sliding_window: Option<Value>,
+    layer_types: Option<Vec<String>>,
 }
 
 /// transformers' `default_theta`.
@@ -40,12 +43,9 @@ const DEFAULT_THETA: f64 = 10_000.0;
 pub(super) fn from_json(text: &str) -> Result<ModelConfig, FormatError> {
     let hf: HfConfig = serde_json::from_str(text).map_err(|e| FormatError::BadConfig(format!("config.json: {e}")))?;
     let arch_name = hf.architectures.first().cloned().or(hf.model_type.clone()).unwrap_or_default();
-    let arch = match arch_name.as_str() {
-        "LlamaForCausalLM" | "llama" => Arch::Llama,
-        "MistralForCausalLM" | "mistral" => Arch::Mistral,
-        "Qwen2ForCausalLM" | "qwen2" => Arch::Qwen2,
-        other => return Err(FormatError::UnsupportedArch(other.to_string())),
-    };
+    let family = super::family::by_hf(&arch_name).ok_or_else(|| FormatError::UnsupportedArch(arch_name.clone()))?;
+    let arch = family.arch;
+    sliding_window(&hf, arch)?;
     if hf.num_attention_heads == 0 {
         return bad("zero attention heads".into());
     }
@@ -74,12 +74,27 @@ pub(super) fn from_json(text: &str) -> Result<ModelConfig, FormatError> {
         rope_scaling,
         rms_eps: hf.rms_norm_eps.unwrap_or(1e-5),
         context_length: hf.max_position_embeddings.unwrap_or(2048),
-        qkv_bias: arch == Arch::Qwen2 || hf.attention_bias.unwrap_or(false),
+        qkv_bias: family.layer.qkv_bias || hf.attention_bias.unwrap_or(false),
+        qk_norm: family.layer.qk_norm,
         tie_word_embeddings: hf.tie_word_embeddings,
         dtype: dtype(&hf)?,
     };
     cfg.validate()?;
     Ok(cfg)
+}
+
+/// Sliding-window attention is not implemented: a Qwen family that turns it on, or any layer
+/// of `layer_types` other than full attention, is refused by name. (Mistral's `sliding_window`
+/// is read as before: it changes nothing below the window.)
+fn sliding_window(hf: &HfConfig, arch: Arch) -> Result<(), FormatError> {
+    if let Some(t) = hf.layer_types.iter().flatten().find(|t| t.as_str() != "full_attention") {
+        return bad(format!("layer_types: `{t}` layers are not supported (full_attention is)"));
+    }
+    let window = hf.sliding_window.as_ref().filter(|v| !v.is_null());
+    if matches!(arch, Arch::Qwen2 | Arch::Qwen3) && hf.use_sliding_window == Some(true) && window.is_some() {
+        return bad("use_sliding_window: sliding-window attention is not supported".into());
+    }
+    Ok(())
 }
 
 /// `dtype` (transformers 5) or `torch_dtype` (4); both present must agree.

@@ -40,14 +40,14 @@ pub fn write_hf_dir(
     let vocab = config["vocab_size"].as_u64().unwrap() as usize;
     std::fs::write(dir.join("tokenizer.json"), synthetic_tokenizer_json(vocab).unwrap()).unwrap();
     let mut c: ModelConfig = ModelConfig::from_hf_json(&config.to_string()).unwrap();
-    c.qkv_bias = true; // every bias of the table; `keep` drops what a case does not want
+    c.qkv_bias = true; // every bias of the table; `keep` drops what a case does not want (q/k norms as the family has them)
     let mut tensors: Vec<(String, Vec<usize>, usize)> = vec![
         (TOKEN_EMBD.into(), vec![c.vocab, c.hidden], 0),
         (OUTPUT_NORM.into(), vec![c.hidden], shards - 1),
         (OUTPUT.into(), vec![c.vocab, c.hidden], shards - 1),
     ];
     for i in 0..c.n_layers {
-        for t in LayerTensor::ALL {
+        for t in LayerTensor::required_in(&c) {
             tensors.push((t.name(i), t.shape(&c).unwrap(), i * shards / c.n_layers));
         }
     }

@@ -183,6 +183,9 @@ impl Block {
             && self.down.runs_on_slices()
             && is_cpu_f32(&self.attn_norm)
             && is_cpu_f32(&self.ffn_norm)
+            && self.qk_norm.as_ref().is_none_or(|(qn, kn)| {
+                is_cpu_f32(qn) && is_cpu_f32(kn) && qn.elem_count() == cfg.head_dim && kn.elem_count() == cfg.head_dim
+            })
             && self.attn_norm.elem_count() == cfg.hidden
             && self.ffn_norm.elem_count() == cfg.hidden
             && self.qkv.sizes() == [q, kv, kv]
@@ -212,10 +215,24 @@ impl Block {
         rms_norm_rows(x, View::of(&self.attn_norm)?.get(), eps, &mut h);
         let qkv = self.qkv.rows(n, &h)?;
         let (mut q, mut k) = (vec![0f32; n * qd], vec![0f32; kd]);
+        let qk_norm = match &self.qk_norm {
+            Some((qn, kn)) => Some((View::of(qn)?, View::of(kn)?)),
+            None => None,
+        };
+        // q and k of one row normed per head (rows of `head_dim`), as the op path's rms_norm
+        let (mut qh, mut kh) = (vec![0f32; if qk_norm.is_some() { qd } else { 0 }], vec![0f32; kd]);
         for (i, (&p, (k_cache, v_cache))) in pos.iter().zip(kv.iter().map(|c| (&c.0, &c.1))).enumerate() {
             let cs = (&cos[p * half..][..half], &sin[p * half..][..half]);
-            rope(cfg.rope_style, qkv.part(0, i), cs, hd, &mut q[i * qd..][..qd]);
-            rope(cfg.rope_style, qkv.part(1, i), cs, hd, &mut k);
+            let (qi, ki) = match &qk_norm {
+                Some((qn, kn)) => {
+                    rms_norm_rows(qkv.part(0, i), qn.get(), eps, &mut qh);
+                    rms_norm_rows(qkv.part(1, i), kn.get(), eps, &mut kh);
+                    (&qh[..], &kh[..])
+                }
+                None => (qkv.part(0, i), qkv.part(1, i)),
+            };
+            rope(cfg.rope_style, qi, cs, hd, &mut q[i * qd..][..qd]);
+            rope(cfg.rope_style, ki, cs, hd, &mut k);
             k_cache.inplace_op1(&PutRow { pos: p, row: &k })?;
             v_cache.inplace_op1(&PutRow { pos: p, row: qkv.part(2, i) })?;
         }

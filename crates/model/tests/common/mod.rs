@@ -3,7 +3,7 @@
 
 use brigade_core::DeviceMap;
 use brigade_model::synth::Shape;
-use brigade_model::{Logits, ModelFiles, Pipeline};
+use brigade_model::{Logits, ModelFiles, Pipeline, Sampler, SamplerConfig};
 use candle_core::Tensor;
 use std::path::{Path, PathBuf};
 
@@ -49,6 +49,28 @@ pub fn pipeline(files: &ModelFiles, map: &str, n_ctx: usize) -> Pipeline {
 }
 
 /// Logits for every position of `ids` fed as one chunk, as rows of f32.
+/// `n` ids decoded greedily from `prompt` over stage map `map`.
+pub fn greedy(files: &ModelFiles, map: &str, prompt: &[u32], n: usize) -> Vec<u32> {
+    let p = pipeline(files, map, 256);
+    let mut s = p.new_session().unwrap();
+    let mut out = Vec::new();
+    let mut sampler = Sampler::new(SamplerConfig::greedy());
+    p.generate(
+        &mut s,
+        prompt,
+        n,
+        &mut sampler,
+        |_| false,
+        true,
+        |t| {
+            out.push(t);
+            true
+        },
+    )
+    .unwrap();
+    out
+}
+
 pub fn all_logits(p: &Pipeline, ids: &[u32]) -> Vec<Vec<f32>> {
     let mut s = p.new_session().unwrap();
     let l: Tensor = p.forward(&mut s, ids, Logits::All).unwrap();
@@ -136,4 +158,10 @@ pub fn retyped(path: &Path, out: &Path, pick: impl Fn(&str) -> bool) -> ModelFil
     .unwrap();
     std::fs::write(out, buf).unwrap();
     ModelFiles::open(out).unwrap()
+}
+
+/// A file of `tests/fixtures/families/<family>/` (written by scripts/make-family-fixtures.py:
+/// transformers' random-weight checkpoint, llama.cpp's conversions, their greedy ids).
+pub fn family_file(family: &str, name: &str) -> PathBuf {
+    fixture(&format!("families/{family}/{name}"))
 }

@@ -1,0 +1,114 @@
+//! The model families brigade runs, one row each: the names a family goes by in GGUF
+//! (`general.architecture`) and in a Hugging Face `config.json` (`architectures`, `model_type`),
+//! and the layer it builds ([`LayerSpec`]). Both configuration readers take a family's layer from
+//! here, so a Llama-shaped family whose differences the layer description covers is one row.
+//!
+//! What the layer description cannot say yet (post-norms, GeLU, soft-capping, sliding windows,
+//! partial rotary) is refused by the readers with the field that asks for it, never ignored.
+
+use super::{Arch, RopeStyle};
+use serde::{Deserialize, Serialize};
+
+/// How one transformer layer computes, beyond the Llama block every family shares (pre-norm
+/// RMSNorm, grouped-query attention with RoPE, SiLU-gated feed-forward, residual adds). The
+/// model runtime reads only this, never the family's name: the op path, the fused CPU decode
+/// and the batched rows path all follow it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
+pub struct LayerSpec {
+    /// Biases on the q, k and v projections (Qwen2; `attention_bias` in a `config.json`).
+    pub qkv_bias: bool,
+    /// An RMSNorm over each head of q and of k (weights of `head_dim`), after the projection and
+    /// before RoPE (Qwen3, OLMo 2, Gemma 3).
+    pub qk_norm: bool,
+}
+
+/// One family.
+pub struct Family {
+    pub arch: Arch,
+    /// `general.architecture` in GGUF (and the prefix of its keys).
+    pub gguf: &'static str,
+    /// `architectures[0]` or `model_type` in a `config.json`.
+    pub hf: &'static [&'static str],
+    /// How GGUF files of the family store q and k for RoPE (llama.cpp's converter permutes Llama
+    /// and Mistral rows for its "normal" rope; NEOX families keep the checkpoint's halves).
+    /// Hugging Face checkpoints always rotate halves.
+    pub gguf_rope: RopeStyle,
+    /// The layer every file of the family has (a `config.json` may add q/k/v biases to any).
+    pub layer: LayerSpec,
+}
+
+const LLAMA_LAYER: LayerSpec = LayerSpec { qkv_bias: false, qk_norm: false };
+
+/// Every family brigade runs.
+pub static FAMILIES: [Family; 4] = [
+    Family {
+        arch: Arch::Llama,
+        gguf: "llama",
+        hf: &["LlamaForCausalLM", "llama"],
+        gguf_rope: RopeStyle::Interleaved,
+        layer: LLAMA_LAYER,
+    },
+    Family {
+        arch: Arch::Mistral,
+        gguf: "mistral",
+        hf: &["MistralForCausalLM", "mistral"],
+        gguf_rope: RopeStyle::Interleaved,
+        layer: LLAMA_LAYER,
+    },
+    Family {
+        arch: Arch::Qwen2,
+        gguf: "qwen2",
+        hf: &["Qwen2ForCausalLM", "qwen2"],
+        gguf_rope: RopeStyle::Halves,
+        layer: LayerSpec { qkv_bias: true, qk_norm: false },
+    },
+    Family {
+        arch: Arch::Qwen3,
+        gguf: "qwen3",
+        hf: &["Qwen3ForCausalLM", "qwen3"],
+        gguf_rope: RopeStyle::Halves,
+        layer: LayerSpec { qkv_bias: false, qk_norm: true },
+    },
+];
+
+/// The family of a GGUF `general.architecture`.
+pub fn by_gguf(name: &str) -> Option<&'static Family> {
+    FAMILIES.iter().find(|f| f.gguf == name)
+}
+
+/// The family of a `config.json`'s `architectures[0]` or `model_type`.
+pub fn by_hf(name: &str) -> Option<&'static Family> {
+    FAMILIES.iter().find(|f| f.hf.contains(&name))
+}
+
+/// The GGUF names of every family, for error messages (`llama, mistral, qwen2, qwen3`).
+pub fn names() -> String {
+    FAMILIES.iter().map(|f| f.gguf).collect::<Vec<_>>().join(", ")
+}
+
+impl Arch {
+    /// The family's row.
+    pub fn family(self) -> &'static Family {
+        // every Arch has exactly one row (tested)
+        FAMILIES.iter().find(|f| f.arch == self).unwrap_or(&FAMILIES[0])
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_arch_has_one_row_and_names_are_unique() {
+        for f in &FAMILIES {
+            assert_eq!(FAMILIES.iter().filter(|g| g.arch == f.arch).count(), 1);
+            assert!(std::ptr::eq(f.arch.family(), f));
+            assert!(std::ptr::eq(by_gguf(f.gguf).unwrap(), f));
+            for h in f.hf {
+                assert!(std::ptr::eq(by_hf(h).unwrap(), f), "{h}");
+            }
+        }
+        assert!(by_gguf("gemma3").is_none() && by_hf("Gemma3ForCausalLM").is_none());
+        assert_eq!(names(), "llama, mistral, qwen2, qwen3");
+    }
+}

@@ -1,0 +1,264 @@
+#!/usr/bin/env python3
+"""Writes the tiny random-weight checkpoints of the model families brigade runs, and the
+references brigade is tested against, with tools that are not brigade:
+
+    scripts/make-family-fixtures.py --llama-cpp DIR [--out tests/fixtures/families] [--family qwen3]
+
+For each family:
+  1. a SentencePiece BPE tokenizer (512 pieces, byte fallback) trained on a short corpus;
+  2. Hugging Face transformers builds the model from a config of a tiny size with random weights
+     (seeded; the norms' weights randomised too so that each one matters) and saves it as a
+     safetensors directory in float16;
+  3. llama.cpp's own `convert_hf_to_gguf.py` turns that directory into an F16 GGUF, and
+     `llama-quantize` the F16 GGUF into Q4_K_M;
+  4. references: transformers' greedy ids (float32 compute on the float16 weights) with the gap
+     between the best two logits at every step, and llama.cpp's greedy ids (llama-server,
+     temperature 0, `return_tokens`) with its top-5 log-probabilities at every step, for each
+     GGUF, over the same prompts given as token ids.
+
+Needs torch, transformers, sentencepiece, safetensors, numpy and gguf (a venv), and a llama.cpp
+tree built with llama-server and llama-quantize (DIR is its root; binaries under DIR/build/bin).
+The output is what tests/fixtures/families holds; the tests read only that.
+"""
+
+import argparse
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+CORPUS = """Once upon a time there was a little robot who lived in a quiet town by the sea.
+Every morning the robot walked to the harbour and counted the boats, one by one, and wrote
+the numbers in a small blue book. The fishermen laughed, but the robot did not mind.
+One day a storm came, and the boats did not come back. The robot climbed the lighthouse,
+turned on the great lamp and waited all night. In the morning, one by one, the boats came home.
+The quick brown fox jumps over the lazy dog. Pack my box with five dozen liquor jugs.
+def add(a, b):\n    return a + b\n\nfor i in range(10):\n    print(add(i, i * 2))
+The cluster placed layers on every device: the GPU held attention, the CPU held the rest.
+"""
+
+N_GEN = 40
+
+# Prompts as token ids inside the 512-id vocabulary (given as ids, so no tokenizer decides them):
+# a short one, one longer than 32 tokens, and one that repeats a pattern.
+PROMPTS = [
+    [305, 17, 442, 98, 260],
+    [(i * 37 + 11) % 500 + 3 for i in range(48)],
+    [100, 200, 300, 400] * 6,
+]
+
+# The families: transformers' config class and fields, and what the GGUF references cover.
+FAMILIES = {
+    "qwen3": {
+        "config": "Qwen3Config",
+        "model": "Qwen3ForCausalLM",
+        "fields": dict(
+            vocab_size=512,
+            hidden_size=256,
+            intermediate_size=256,
+            num_hidden_layers=3,
+            num_attention_heads=8,
+            num_key_value_heads=2,
+            head_dim=64,  # heads x head_dim = 512 != hidden: the explicit head size is used
+            max_position_embeddings=4096,
+            rope_theta=1_000_000.0,
+            rms_norm_eps=1e-6,
+            tie_word_embeddings=True,
+            initializer_range=0.15,
+            use_sliding_window=False,
+            attention_bias=False,
+            bos_token_id=1,
+            eos_token_id=2,
+            pad_token_id=0,
+        ),
+    },
+}
+
+
+def log(*a):
+    print(*a, file=sys.stderr, flush=True)
+
+
+def train_tokenizer(work: Path) -> Path:
+    import sentencepiece as spm
+
+    text = work / "corpus.txt"
+    text.write_text(CORPUS * 4)
+    prefix = work / "tok"
+    spm.SentencePieceTrainer.train(
+        input=str(text),
+        model_prefix=str(prefix),
+        vocab_size=512,
+        model_type="bpe",
+        byte_fallback=True,
+        character_coverage=1.0,
+        bos_id=1,
+        eos_id=2,
+        unk_id=0,
+        pad_id=-1,
+        hard_vocab_limit=False,
+        minloglevel=2,
+    )
+    return Path(str(prefix) + ".model")
+
+
+def build_hf(family: str, spec: dict, tok_model: Path, out: Path, seed: int):
+    import torch
+    import transformers
+
+    torch.manual_seed(seed)
+    cfg = getattr(transformers, spec["config"])(**spec["fields"])
+    model = getattr(transformers, spec["model"])(cfg).to(torch.float32)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                # RMSNorm weights start at 1; randomise them so a misplaced norm changes the ids
+                p.copy_(1.0 + 0.25 * torch.randn_like(p))
+    model = model.to(torch.float16)
+    model.config.torch_dtype = torch.float16
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out, safe_serialization=True)
+    # the SentencePiece model under its usual name (the converter reads it), and transformers'
+    # tokenizer.json made from it (brigade's directory loader reads that)
+    shutil.copy(tok_model, out / "tokenizer.model")
+    tok = transformers.LlamaTokenizer.from_pretrained(out, legacy=False, add_bos_token=False)
+    tok.save_pretrained(out)
+    return model
+
+
+def hf_greedy(out: Path, family: str, spec: dict):
+    import torch
+    import transformers
+
+    model = getattr(transformers, spec["model"]).from_pretrained(out, dtype=torch.float32)
+    model.eval()
+    cases = []
+    for prompt in PROMPTS:
+        ids = list(prompt)
+        gaps = []
+        with torch.no_grad():
+            for _ in range(N_GEN):
+                logits = model(torch.tensor([ids])).logits[0, -1]
+                top = torch.topk(logits, 2)
+                gaps.append(round(float(top.values[0] - top.values[1]), 5))
+                ids.append(int(top.indices[0]))
+        cases.append({"prompt_ids": prompt, "greedy_ids": ids[len(prompt):], "top2_gap": gaps})
+        log(f"  transformers {family}: min top-2 gap {min(gaps):.4f}")
+    return cases
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def llama_greedy(server: Path, gguf: Path):
+    port = free_port()
+    proc = subprocess.Popen(
+        [str(server), "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port), "-c", "512", "-t", "2",
+         "-np", "1", "--no-warmup",
+         # ggml's own vec-dots: the repacked (AMX) buffers crash llama-server in these VMs
+         "--no-repack"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
+    )
+    try:
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.time() + 120
+        while True:
+            try:
+                with urllib.request.urlopen(url + "/health", timeout=2) as r:
+                    if r.status == 200:
+                        break
+            except Exception:
+                pass
+            if time.time() > deadline or proc.poll() is not None:
+                raise RuntimeError(f"llama-server did not start for {gguf}")
+            time.sleep(0.3)
+        cases = []
+        for prompt in PROMPTS:
+            body = json.dumps({
+                "prompt": prompt, "n_predict": N_GEN, "temperature": 0.0, "top_k": 1, "samplers": ["top_k"],
+                "return_tokens": True, "cache_prompt": False, "ignore_eos": True, "n_probs": 5,
+            }).encode()
+            req = urllib.request.Request(url + "/completion", data=body, headers={"Content-Type": "application/json"})
+            with urllib.request.urlopen(req, timeout=120) as r:
+                got = json.loads(r.read())
+            # llama.cpp's top 5 log-probabilities (softmax of its raw logits) at each step; the
+            # server leaves out the steps of tokens it held back as incomplete UTF-8 (byte
+            # tokens), so entries are matched to steps by their sampled id, and a step without
+            # one is null
+            top5, steps = [None] * len(got["tokens"]), iter(enumerate(got["tokens"]))
+            for entry in got["completion_probabilities"]:
+                for i, tok in steps:
+                    if tok == entry["id"]:
+                        top5[i] = [[t["id"], round(t["logprob"], 5)] for t in entry["top_logprobs"]]
+                        break
+            cases.append({"prompt_ids": prompt, "greedy_ids": got["tokens"], "top5_logprobs": top5})
+        return cases
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGTERM)
+            proc.wait(timeout=30)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--llama-cpp", required=True, type=Path)
+    ap.add_argument("--out", type=Path, default=Path(__file__).resolve().parent.parent / "tests/fixtures/families")
+    ap.add_argument("--family", action="append")
+    ap.add_argument("--seed", type=int, default=7)
+    a = ap.parse_args()
+    import torch
+    import transformers
+
+    bin_dir = a.llama_cpp / "build" / "bin"
+    for family in a.family or list(FAMILIES):
+        spec = FAMILIES[family]
+        log(f"{family}:")
+        dest = a.out / family
+        if dest.exists():
+            shutil.rmtree(dest)
+        with tempfile.TemporaryDirectory() as tmp:
+            tmp = Path(tmp)
+            tok = train_tokenizer(tmp)
+            hf_dir = dest / "hf"
+            build_hf(family, spec, tok, hf_dir, a.seed)
+            ref = {
+                "family": family,
+                "made_by": {
+                    "script": "scripts/make-family-fixtures.py",
+                    "torch": torch.__version__,
+                    "transformers": transformers.__version__,
+                    "llama_cpp": a.llama_cpp.name,
+                    "seed": a.seed,
+                },
+                "config": spec["fields"],
+                "transformers": hf_greedy(hf_dir, family, spec),
+                "llama_cpp": {},
+            }
+            f16 = dest / f"{family}-tiny-F16.gguf"
+            subprocess.run([sys.executable, str(a.llama_cpp / "convert_hf_to_gguf.py"), str(hf_dir), "--outtype", "f16",
+                            "--outfile", str(f16)], check=True, stdout=subprocess.DEVNULL)
+            q4 = dest / f"{family}-tiny-Q4_K_M.gguf"
+            subprocess.run([str(bin_dir / "llama-quantize"), str(f16), str(q4), "Q4_K_M"], check=True,
+                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            for g in (f16, q4):
+                ref["llama_cpp"][g.name] = llama_greedy(bin_dir / "llama-server", g)
+                same = [c["greedy_ids"] == t["greedy_ids"] for c, t in zip(ref["llama_cpp"][g.name], ref["transformers"])]
+                log(f"  llama.cpp {g.name}: equal to transformers per prompt {same}")
+            # the converter's own side files are not needed by anyone
+            for extra in ("generation_config.json",):
+                (hf_dir / extra).unlink(missing_ok=True)
+            (dest / "reference.json").write_text(json.dumps(ref, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
