@@ -113,6 +113,13 @@ fn decode_rows_are_batch_invariant_smollm2() {
     check_rows_invariant(&files, "cpu:12,cpu:10,cpu:8");
 }
 
+#[test]
+fn decode_rows_are_batch_invariant_qwen3() {
+    let files = ModelFiles::open(&common::family_file("qwen3", "qwen3-tiny-Q4_K_M.gguf")).unwrap();
+    check_rows_invariant(&files, "cpu:3");
+    check_rows_invariant(&files, "cpu:2,cpu:1");
+}
+
 /// What `Pipeline::generate` gives for a job alone.
 fn generate_alone(p: &Pipeline, files: &ModelFiles, job: &Job) -> (Vec<u32>, StopReason) {
     let mut s = p.new_session().unwrap();

@@ -124,6 +124,17 @@ fn fused_decode_equals_candle_ops_on_hugging_face_layouts() {
     check("qwen2 biases", &files, "cpu:2,cpu:1");
 }
 
+/// Qwen3's per-head q/k norms, from the transformers checkpoint and from llama.cpp's Q4_K_M file.
+#[test]
+fn fused_decode_equals_candle_ops_on_qwen3() {
+    for name in ["hf", "qwen3-tiny-Q4_K_M.gguf"] {
+        let files = ModelFiles::open(&common::family_file("qwen3", name)).unwrap();
+        assert!(files.config.qk_norm, "{name}");
+        check(&format!("qwen3 {name}"), &files, "cpu:3");
+        check(&format!("qwen3 {name}"), &files, "cpu:1,cpu:2");
+    }
+}
+
 #[test]
 fn the_embedded_model_decodes_fused() {
     check("stories260K", &common::stories_f32(), "cpu:5");
