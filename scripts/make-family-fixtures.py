@@ -4,6 +4,8 @@ references brigade is tested against, with tools that are not brigade:
 
     scripts/make-family-fixtures.py --llama-cpp DIR [--out tests/fixtures/families] [--family qwen3]
 
+(`--family mistral` alone needs no llama.cpp: see its entry in FAMILIES.)
+
 For each family:
   1. a SentencePiece BPE tokenizer (512 pieces, byte fallback) trained on a short corpus;
   2. Hugging Face transformers builds the model from a config of a tiny size with random weights
@@ -54,11 +56,38 @@ PROMPTS = [
     [100, 200, 300, 400] * 6,
 ]
 
-# The families: transformers' config class and fields, and what the GGUF references cover.
+# The families: transformers' config class and fields, and whether llama.cpp's GGUF files and
+# greedy ids are references for it.
 FAMILIES = {
+    # Mistral with a sliding window shorter than every prompt but the first (which crosses it
+    # while decoding). transformers only: llama.cpp's converter writes Mistral as a Llama and no
+    # window (llama.cpp runs it with full attention), so its ids are not a reference here.
+    "mistral": {
+        "config": "MistralConfig",
+        "model": "MistralForCausalLM",
+        "gguf": False,
+        "fields": dict(
+            vocab_size=512,
+            hidden_size=256,
+            intermediate_size=384,
+            num_hidden_layers=3,
+            num_attention_heads=8,
+            num_key_value_heads=2,
+            max_position_embeddings=4096,
+            rope_theta=10_000.0,
+            rms_norm_eps=1e-5,
+            tie_word_embeddings=False,
+            initializer_range=0.15,
+            sliding_window=16,
+            bos_token_id=1,
+            eos_token_id=2,
+            pad_token_id=0,
+        ),
+    },
     "qwen3": {
         "config": "Qwen3Config",
         "model": "Qwen3ForCausalLM",
+        "gguf": True,
         "fields": dict(
             vocab_size=512,
             hidden_size=256,
@@ -133,12 +162,15 @@ def build_hf(family: str, spec: dict, tok_model: Path, out: Path, seed: int):
     return model
 
 
-def hf_greedy(out: Path, family: str, spec: dict):
+def hf_greedy(out: Path, family: str, spec: dict, window: bool = True):
     import torch
     import transformers
 
     model = getattr(transformers, spec["model"]).from_pretrained(out, dtype=torch.float32)
     model.eval()
+    if not window:
+        # the same weights with full attention: the ids a reader that ignores the window gives
+        model.config.sliding_window = None
     cases = []
     for prompt in PROMPTS:
         ids = list(prompt)
@@ -150,7 +182,7 @@ def hf_greedy(out: Path, family: str, spec: dict):
                 gaps.append(round(float(top.values[0] - top.values[1]), 5))
                 ids.append(int(top.indices[0]))
         cases.append({"prompt_ids": prompt, "greedy_ids": ids[len(prompt):], "top2_gap": gaps})
-        log(f"  transformers {family}: min top-2 gap {min(gaps):.4f}")
+        log(f"  transformers {family}{'' if window else ' (no window)'}: min top-2 gap {min(gaps):.4f}")
     return cases
 
 
@@ -211,7 +243,7 @@ def llama_greedy(server: Path, gguf: Path):
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--llama-cpp", required=True, type=Path)
+    ap.add_argument("--llama-cpp", type=Path, help="needed by the families with GGUF references")
     ap.add_argument("--out", type=Path, default=Path(__file__).resolve().parent.parent / "tests/fixtures/families")
     ap.add_argument("--family", action="append")
     ap.add_argument("--seed", type=int, default=7)
@@ -219,9 +251,10 @@ def main():
     import torch
     import transformers
 
-    bin_dir = a.llama_cpp / "build" / "bin"
     for family in a.family or list(FAMILIES):
         spec = FAMILIES[family]
+        if spec["gguf"] and a.llama_cpp is None:
+            ap.error(f"{family} has llama.cpp references: --llama-cpp DIR is needed")
         log(f"{family}:")
         dest = a.out / family
         if dest.exists():
@@ -237,27 +270,35 @@ def main():
                     "script": "scripts/make-family-fixtures.py",
                     "torch": torch.__version__,
                     "transformers": transformers.__version__,
-                    "llama_cpp": a.llama_cpp.name,
+                    "llama_cpp": a.llama_cpp.name if spec["gguf"] else None,
                     "seed": a.seed,
                 },
                 "config": spec["fields"],
                 "transformers": hf_greedy(hf_dir, family, spec),
                 "llama_cpp": {},
             }
-            f16 = dest / f"{family}-tiny-F16.gguf"
-            subprocess.run([sys.executable, str(a.llama_cpp / "convert_hf_to_gguf.py"), str(hf_dir), "--outtype", "f16",
-                            "--outfile", str(f16)], check=True, stdout=subprocess.DEVNULL)
-            q4 = dest / f"{family}-tiny-Q4_K_M.gguf"
-            subprocess.run([str(bin_dir / "llama-quantize"), str(f16), str(q4), "Q4_K_M"], check=True,
-                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-            for g in (f16, q4):
-                ref["llama_cpp"][g.name] = llama_greedy(bin_dir / "llama-server", g)
-                same = [c["greedy_ids"] == t["greedy_ids"] for c, t in zip(ref["llama_cpp"][g.name], ref["transformers"])]
-                log(f"  llama.cpp {g.name}: equal to transformers per prompt {same}")
+            if spec["fields"].get("sliding_window"):
+                ref["transformers_without_window"] = hf_greedy(hf_dir, family, spec, window=False)
+            if spec["gguf"]:
+                gguf_references(a.llama_cpp, family, hf_dir, dest, ref)
             # the converter's own side files are not needed by anyone
             for extra in ("generation_config.json",):
                 (hf_dir / extra).unlink(missing_ok=True)
             (dest / "reference.json").write_text(json.dumps(ref, indent=1) + "\n")
+
+
+def gguf_references(llama_cpp: Path, family: str, hf_dir: Path, dest: Path, ref: dict):
+    bin_dir = llama_cpp / "build" / "bin"
+    f16 = dest / f"{family}-tiny-F16.gguf"
+    subprocess.run([sys.executable, str(llama_cpp / "convert_hf_to_gguf.py"), str(hf_dir), "--outtype", "f16",
+                    "--outfile", str(f16)], check=True, stdout=subprocess.DEVNULL)
+    q4 = dest / f"{family}-tiny-Q4_K_M.gguf"
+    subprocess.run([str(bin_dir / "llama-quantize"), str(f16), str(q4), "Q4_K_M"], check=True,
+                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    for g in (f16, q4):
+        ref["llama_cpp"][g.name] = llama_greedy(bin_dir / "llama-server", g)
+        same = [c["greedy_ids"] == t["greedy_ids"] for c, t in zip(ref["llama_cpp"][g.name], ref["transformers"])]
+        log(f"  llama.cpp {g.name}: equal to transformers per prompt {same}")
 
 
 if __name__ == "__main__":

@@ -74,6 +74,11 @@ pub struct ModelConfig {
     /// An RMSNorm over each head of q and k before RoPE ([`LayerSpec::qk_norm`]).
     #[serde(default)]
     pub qk_norm: bool,
+    /// Sliding-window attention on every layer (Mistral's `sliding_window`): a query at position
+    /// `p` sees the keys at `p − window + 1 ..= p`, as transformers masks them. `None`: all
+    /// earlier keys.
+    #[serde(default)]
+    pub sliding_window: Option<usize>,
     /// `tie_word_embeddings` of a `config.json`: whether the head is the embedding matrix. `None`
     /// (GGUF) means the tensor table decides: no `output.weight`, a tied head.
     pub tie_word_embeddings: Option<bool>,
@@ -136,6 +141,9 @@ impl ModelConfig {
         if !(self.rms_eps.is_finite() && self.rms_eps > 0.0) {
             return bad(format!("rms eps {} must be positive", self.rms_eps));
         }
+        if self.sliding_window == Some(0) {
+            return bad("sliding window 0: a query would see no key, not even its own".into());
+        }
         self.validate_rope_scaling()
     }
 
@@ -178,6 +186,12 @@ impl ModelConfig {
     /// How each layer computes: what the model runtime follows (see [`LayerSpec`]).
     pub fn layer(&self) -> LayerSpec {
         LayerSpec { qkv_bias: self.qkv_bias, qk_norm: self.qk_norm }
+    }
+
+    /// The first key position a query at position `pos` sees: 0, or the start of its sliding
+    /// window.
+    pub fn first_key(&self, pos: usize) -> usize {
+        self.sliding_window.map_or(0, |w| (pos + 1).saturating_sub(w))
     }
 
     /// `n_heads × head_dim`: the rows of the query projection; `None` on overflow (a validated
@@ -302,6 +316,10 @@ impl ModelConfig {
             context_length,
             qkv_bias: family.layer.qkv_bias || g.tensor("blk.0.attn_q.bias").is_some(),
             qk_norm: family.layer.qk_norm,
+            // llama.cpp runs Llama-shaped GGUF files with full attention whatever
+            // `attention.sliding_window` says (its converter writes none for Mistral): so does
+            // brigade, to give llama.cpp's numbers
+            sliding_window: None,
             tie_word_embeddings: None,
             dtype: None,
         };
@@ -360,6 +378,7 @@ mod tests {
             context_length: 512,
             qkv_bias: false,
             qk_norm: false,
+            sliding_window: None,
             tie_word_embeddings: None,
             dtype: None,
         }

@@ -297,12 +297,20 @@ fn attend(
     if t == 1 && b == 1 && own_cpu_attention(q.device(), q.dtype()) {
         // a decode step reads the cache in place (see `decode_attn`)
         let scale = (1.0 / (hd as f64).sqrt()) as f32;
-        let y = q.apply_op3_no_bwd(&kv.0, &kv.1, &decode_attn::DecodeAttention { seen: l, scale })?;
+        let op = decode_attn::DecodeAttention { from: cfg.first_key(pos), seen: l, scale };
+        let y = q.apply_op3_no_bwd(&kv.0, &kv.1, &op)?;
         return y.reshape((b, t, nh * hd));
+    }
+    if t == 1 {
+        // one query: the keys of its window are all it sees, and no mask is needed
+        let from = cfg.first_key(pos);
+        let (keys, values) = (kv.0.narrow(2, from, l - from)?, kv.1.narrow(2, from, l - from)?);
+        let y = grouped_attention(&q, (&keys, &values), nkv, l - from - 1, None, None, QUERY_BLOCK)?;
+        return y.transpose(1, 2)?.reshape((b, t, nh * hd));
     }
     let keys = kv.0.narrow(2, 0, l)?;
     let values = kv.1.narrow(2, 0, l)?;
-    let y = grouped_attention(&q, (&keys, &values), nkv, pos, mask, QUERY_BLOCK)?;
+    let y = grouped_attention(&q, (&keys, &values), nkv, pos, cfg.sliding_window, mask, QUERY_BLOCK)?;
     y.transpose(1, 2)?.reshape((b, t, nh * hd))
 }
 
@@ -316,11 +324,19 @@ fn own_cpu_attention(device: &Device, dtype: DType) -> bool {
 }
 
 /// The causal mask of `t` queries at positions `pos..pos + t` over `pos + t` keys: 0 where a
-/// query sees the key, −∞ where the key is after it.
-fn causal_mask(t: usize, pos: usize, device: &Device, dtype: DType) -> candle_core::Result<Tensor> {
+/// query sees the key, −∞ where the key is after it (or, with a sliding `window`, `window` or
+/// more positions before it).
+fn causal_mask(
+    t: usize,
+    pos: usize,
+    window: Option<usize>,
+    device: &Device,
+    dtype: DType,
+) -> candle_core::Result<Tensor> {
     let l = pos + t;
+    let hidden = move |i: usize, j: usize| j > pos + i || window.is_some_and(|w| pos + i >= j + w);
     let m: Vec<f32> =
-        (0..t).flat_map(|i| (0..l).map(move |j| if j > pos + i { f32::NEG_INFINITY } else { 0.0 })).collect();
+        (0..t).flat_map(|i| (0..l).map(move |j| if hidden(i, j) { f32::NEG_INFINITY } else { 0.0 })).collect();
     Tensor::from_vec(m, (t, l), device)?.to_dtype(dtype)
 }
 
@@ -330,7 +346,8 @@ fn causal_mask(t: usize, pos: usize, device: &Device, dtype: DType) -> candle_co
 /// t, d)`.
 ///
 /// `mask` is the [`causal_mask`] of a chunk (`None` for one query), which candle's composition
-/// adds; brigade's own CPU ops ([`own_cpu_attention`]) apply it by position instead.
+/// adds; brigade's own CPU ops ([`own_cpu_attention`]) apply it by position instead, with the
+/// sliding `window` if the model has one.
 ///
 /// On the CPU in f32 the scores become weights in one op ([`softmax::CausalSoftmax`]), and a
 /// chunk longer than `block` runs its queries `block` at a time, each block against the keys
@@ -344,6 +361,7 @@ fn grouped_attention(
     (keys, values): (&Tensor, &Tensor),
     nkv: usize,
     pos: usize,
+    window: Option<usize>,
     mask: Option<&Tensor>,
     block: usize,
 ) -> candle_core::Result<Tensor> {
@@ -356,11 +374,14 @@ fn grouped_attention(
         for i0 in (0..t).step_by(block.max(1)) {
             let tb = block.max(1).min(t - i0);
             let seen = pos + i0 + tb;
+            // keys before the block's first window are seen by none of its queries
+            let from = window.map_or(0, |w| (pos + i0 + 1).saturating_sub(w));
             let qb = if tb == t { q5.clone() } else { q5.narrow(3, i0, tb)?.contiguous()? };
             let qb = qb.reshape((b, nkv, g * tb, hd))?;
-            let att = qb.matmul(&keys.narrow(2, 0, seen)?.t()?)?;
-            let att = att.apply_op1_no_bwd(&softmax::CausalSoftmax { scale: scale as f32, t: tb, pos: pos + i0 })?;
-            ys.push(att.matmul(&values.narrow(2, 0, seen)?)?.reshape((b, nkv, g, tb, hd))?);
+            let att = qb.matmul(&keys.narrow(2, from, seen - from)?.t()?)?;
+            let op = softmax::CausalSoftmax { scale: scale as f32, t: tb, pos: pos + i0 - from, window };
+            let att = att.apply_op1_no_bwd(&op)?;
+            ys.push(att.matmul(&values.narrow(2, from, seen - from)?)?.reshape((b, nkv, g, tb, hd))?);
         }
         let y = if ys.len() == 1 { ys.remove(0) } else { Tensor::cat(&ys, 3)? };
         return y.reshape((b, nh, t, hd));
@@ -560,7 +581,7 @@ impl Slice {
         let sin = self.sin.narrow(0, pos, t)?;
         // built once for every layer, and only for candle's composition
         let mask = if t > 1 && !own_cpu_attention(&self.device, self.dtype) {
-            Some(causal_mask(t, pos, &self.device, self.dtype)?)
+            Some(causal_mask(t, pos, self.cfg.sliding_window, &self.device, self.dtype)?)
         } else {
             None
         };
@@ -649,18 +670,20 @@ mod tests {
         let (nh, nkv, hd, n_ctx) = (8, 2, 16, 300);
         // a cache larger than what is read, as the real one (strided keys and values)
         let (kc, vc) = (filled((1, nkv, n_ctx, hd), 1), filled((1, nkv, n_ctx, hd), 2));
-        for (t, pos) in [(37, 11), (200, 0), (129, 40), (2, 0)] {
+        for (t, pos, window) in
+            [(37, 11, None), (200, 0, None), (129, 40, None), (2, 0, None), (150, 20, Some(40)), (37, 11, Some(1))]
+        {
             let q = filled((1, nh, t, hd), 3 + t);
             let l = pos + t;
             let (k, v) = (kc.narrow(2, 0, l).unwrap(), vc.narrow(2, 0, l).unwrap());
-            let one = grouped_attention(&q, (&k, &v), nkv, pos, None, t).unwrap();
+            let one = grouped_attention(&q, (&k, &v), nkv, pos, window, None, t).unwrap();
             for block in [1, 5, 64, 128] {
-                let got = grouped_attention(&q, (&k, &v), nkv, pos, None, block).unwrap();
+                let got = grouped_attention(&q, (&k, &v), nkv, pos, window, None, block).unwrap();
                 assert_eq!(got.dims(), [1, nh, t, hd]);
                 // the same products; gemm's own blocking of shorter matrices may round a sum
                 // differently (seen: 3e-6 at most, values of a few units)
                 let d = (&got - &one).unwrap().abs().unwrap().max_all().unwrap().to_scalar::<f32>().unwrap();
-                assert!(d < 2e-5, "t {t} pos {pos}: blocks of {block} differ from one block by {d}");
+                assert!(d < 2e-5, "t {t} pos {pos} window {window:?}: blocks of {block} differ from one block by {d}");
                 if block >= t {
                     assert!(bits(&got) == bits(&one), "t {t} pos {pos}: one block of {block} is not one block");
                 }
@@ -671,14 +694,23 @@ mod tests {
                 (&k.to_dtype(DType::F16).unwrap(), &v.to_dtype(DType::F16).unwrap()),
                 nkv,
                 pos,
-                Some(&causal_mask(t, pos, &Device::Cpu, DType::F16).unwrap()),
+                window,
+                Some(&causal_mask(t, pos, window, &Device::Cpu, DType::F16).unwrap()),
                 64,
             )
             .unwrap()
             .to_dtype(DType::F32)
             .unwrap();
             let diff = (f16 - &one).unwrap().abs().unwrap().max_all().unwrap().to_scalar::<f32>().unwrap();
-            assert!(diff < 0.05, "t {t} pos {pos}: f16 composition differs by {diff}");
+            assert!(diff < 0.05, "t {t} pos {pos} window {window:?}: f16 composition differs by {diff}");
+            // a window changes what the last query sees once the keys outnumber it
+            if let Some(w) = window {
+                let full = grouped_attention(&q, (&k, &v), nkv, pos, None, None, t).unwrap();
+                let last = |y: &Tensor| y.narrow(2, t - 1, 1).unwrap();
+                let d =
+                    (last(&full) - last(&one)).unwrap().abs().unwrap().max_all().unwrap().to_scalar::<f32>().unwrap();
+                assert!(l > w && d > 1e-3, "window {w} over {l} keys changed the last query by {d}");
+            }
         }
     }
 }

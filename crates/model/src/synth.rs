@@ -92,6 +92,7 @@ impl Shape {
             context_length: self.context,
             qkv_bias: false,
             qk_norm: false,
+            sliding_window: None,
             tie_word_embeddings: Some(false),
             dtype: None,
         }

@@ -120,6 +120,12 @@ fn decode_rows_are_batch_invariant_qwen3() {
     check_rows_invariant(&files, "cpu:2,cpu:1");
 }
 
+#[test]
+fn decode_rows_are_batch_invariant_in_a_sliding_window() {
+    let files = ModelFiles::open(&common::family_file("mistral", "hf")).unwrap();
+    check_rows_invariant(&files, "cpu:3");
+}
+
 /// What `Pipeline::generate` gives for a job alone.
 fn generate_alone(p: &Pipeline, files: &ModelFiles, job: &Job) -> (Vec<u32>, StopReason) {
     let mut s = p.new_session().unwrap();

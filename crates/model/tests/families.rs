@@ -52,6 +52,27 @@ fn qwen3_safetensors_matches_transformers() {
     check("qwen3 safetensors", &files, &r["transformers"], &MAPS);
 }
 
+/// Mistral's sliding window (16 positions here): every prompt but the first is longer than the
+/// window, and the first crosses it while decoding. transformers is the only reference:
+/// llama.cpp's converter writes Mistral as a Llama without the window, and llama.cpp runs it
+/// with full attention.
+#[test]
+fn mistral_safetensors_honours_its_sliding_window() {
+    let r = reference("mistral");
+    let files = ModelFiles::open(&family_file("mistral", "hf")).unwrap();
+    assert_eq!(files.config.arch, brigade_model::config::Arch::Mistral);
+    assert_eq!(files.config.sliding_window, Some(16));
+    // the window matters: full attention over the same weights gives other ids on every prompt
+    for (w, full) in
+        r["transformers"].as_array().unwrap().iter().zip(r["transformers_without_window"].as_array().unwrap())
+    {
+        assert_ne!(ids(&w["greedy_ids"]), ids(&full["greedy_ids"]), "a prompt the window does not change");
+    }
+    // the smallest gap between transformers' best two logits is 0.0011 (prompt 3), still two
+    // orders above this model's f32 rounding
+    check("mistral safetensors", &files, &r["transformers"], &MAPS);
+}
+
 #[test]
 fn qwen3_gguf_f16_matches_llama_cpp_and_transformers() {
     let r = reference("qwen3");

@@ -135,6 +135,15 @@ fn fused_decode_equals_candle_ops_on_qwen3() {
     }
 }
 
+/// Mistral's 16-position sliding window: the sessions' decode steps cross it.
+#[test]
+fn fused_decode_equals_candle_ops_in_a_sliding_window() {
+    let files = ModelFiles::open(&common::family_file("mistral", "hf")).unwrap();
+    assert_eq!(files.config.sliding_window, Some(16));
+    check("mistral", &files, "cpu:3");
+    check("mistral", &files, "cpu:2,cpu:1");
+}
+
 #[test]
 fn the_embedded_model_decodes_fused() {
     check("stories260K", &common::stories_f32(), "cpu:5");

@@ -45,7 +45,7 @@ pub(super) fn from_json(text: &str) -> Result<ModelConfig, FormatError> {
     let arch_name = hf.architectures.first().cloned().or(hf.model_type.clone()).unwrap_or_default();
     let family = super::family::by_hf(&arch_name).ok_or_else(|| FormatError::UnsupportedArch(arch_name.clone()))?;
     let arch = family.arch;
-    sliding_window(&hf, arch)?;
+    let sliding_window = sliding_window(&hf, arch)?;
     if hf.num_attention_heads == 0 {
         return bad("zero attention heads".into());
     }
@@ -76,6 +76,7 @@ pub(super) fn from_json(text: &str) -> Result<ModelConfig, FormatError> {
         context_length: hf.max_position_embeddings.unwrap_or(2048),
         qkv_bias: family.layer.qkv_bias || hf.attention_bias.unwrap_or(false),
         qk_norm: family.layer.qk_norm,
+        sliding_window,
         tie_word_embeddings: hf.tie_word_embeddings,
         dtype: dtype(&hf)?,
     };
@@ -83,18 +84,29 @@ pub(super) fn from_json(text: &str) -> Result<ModelConfig, FormatError> {
     Ok(cfg)
 }
 
-/// Sliding-window attention is not implemented: a Qwen family that turns it on, or any layer
-/// of `layer_types` other than full attention, is refused by name. (Mistral's `sliding_window`
-/// is read as before: it changes nothing below the window.)
-fn sliding_window(hf: &HfConfig, arch: Arch) -> Result<(), FormatError> {
+/// The window of every layer: Mistral's `sliding_window` (transformers applies it to every
+/// layer; `null` means none). Windows on some layers only — a Qwen family's `use_sliding_window`
+/// (from `max_window_layers` on) or `layer_types` other than full attention — are refused by
+/// name. Llama and the Qwen families without `use_sliding_window` ignore the field, as
+/// transformers does.
+fn sliding_window(hf: &HfConfig, arch: Arch) -> Result<Option<usize>, FormatError> {
     if let Some(t) = hf.layer_types.iter().flatten().find(|t| t.as_str() != "full_attention") {
         return bad(format!("layer_types: `{t}` layers are not supported (full_attention is)"));
     }
-    let window = hf.sliding_window.as_ref().filter(|v| !v.is_null());
-    if matches!(arch, Arch::Qwen2 | Arch::Qwen3) && hf.use_sliding_window == Some(true) && window.is_some() {
-        return bad("use_sliding_window: sliding-window attention is not supported".into());
+    let window = || match &hf.sliding_window {
+        None | Some(Value::Null) => Ok(None),
+        Some(v) => match v.as_u64() {
+            Some(w) if w > 0 => Ok(Some(usize::try_from(w).unwrap_or(usize::MAX))),
+            _ => bad(format!("sliding_window {v}: a window is a positive number of positions")),
+        },
+    };
+    match arch {
+        Arch::Mistral => window(),
+        Arch::Qwen2 | Arch::Qwen3 if hf.use_sliding_window == Some(true) && window()?.is_some() => {
+            bad("use_sliding_window: windows on the layers from max_window_layers on are not supported".into())
+        }
+        _ => Ok(None),
     }
-    Ok(())
 }
 
 /// `dtype` (transformers 5) or `torch_dtype` (4); both present must agree.
@@ -350,6 +362,41 @@ mod tests {
         assert_eq!(c.rope_style, RopeStyle::Halves);
         assert_eq!(c.head_dim, 64);
         assert_eq!(c.kv_bytes_per_token_layer(2), 2 * 2 * 64 * 2);
+    }
+
+    #[test]
+    fn sliding_windows_are_read_where_they_apply_and_refused_where_they_cannot() {
+        let mistral = r#"{"architectures": ["MistralForCausalLM"], "hidden_size": 64, "intermediate_size": 128,
+            "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 300,
+            "sliding_window": 4096}"#;
+        let c = parse(mistral).unwrap();
+        assert_eq!(c.sliding_window, Some(4096));
+        assert_eq!((c.first_key(4095), c.first_key(4096), c.first_key(10_000)), (0, 1, 5905));
+        // Mistral v0.2 and later: no window
+        assert_eq!(parse(&mistral.replace("4096", "null")).unwrap().sliding_window, None);
+        assert_eq!(
+            parse(&mistral.replace(",\n            \"sliding_window\": 4096", "")).unwrap().sliding_window,
+            None
+        );
+        for (v, named) in
+            [("0", "sliding_window 0"), ("-5", "sliding_window -5"), ("\"big\"", "sliding_window \"big\"")]
+        {
+            let e = parse(&mistral.replace("4096", v)).err().map(|e| e.to_string()).unwrap_or_default();
+            assert!(e.contains(named), "{v}: {e}");
+        }
+        // Llama ignores the field, as transformers does
+        let llama = mistral.replace("MistralForCausalLM", "LlamaForCausalLM");
+        assert_eq!(parse(&llama).unwrap().sliding_window, None);
+        // windows on some layers only are refused by name
+        let qwen = mistral.replace("MistralForCausalLM", "Qwen2ForCausalLM");
+        assert_eq!(parse(&qwen).unwrap().sliding_window, None);
+        let e = parse(&qwen.replace("\"sliding_window\"", "\"use_sliding_window\": true, \"sliding_window\""));
+        assert!(e.err().map(|e| e.to_string()).unwrap_or_default().contains("use_sliding_window"));
+        let e = parse(&mistral.replace(
+            "\"sliding_window\"",
+            "\"layer_types\": [\"sliding_attention\", \"full_attention\"], \"sliding_window\"",
+        ));
+        assert!(e.err().map(|e| e.to_string()).unwrap_or_default().contains("layer_types: `sliding_attention`"));
     }
 
     #[test]

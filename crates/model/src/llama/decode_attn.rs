@@ -17,9 +17,11 @@ use super::silu::{self, per_width};
 use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, CustomOp3, Layout, Shape};
 
-/// Attention of one query position: `q` `(1, heads, 1, d)` against the first `seen` positions
-/// of the caches `(1, kv heads, n_ctx, d)`; returns `(1, heads, 1, d)`.
+/// Attention of one query position: `q` `(1, heads, 1, d)` against positions `from..seen` of
+/// the caches `(1, kv heads, n_ctx, d)` (`from` > 0 in a sliding window); returns `(1, heads,
+/// 1, d)`.
 pub(super) struct DecodeAttention {
+    pub from: usize,
     pub seen: usize,
     pub scale: f32,
 }
@@ -55,24 +57,25 @@ impl CustomOp3 for DecodeAttention {
             || lv.shape() != lk.shape()
             || nkv == 0
             || nh % nkv != 0
-            || self.seen == 0
+            || self.from >= self.seen
             || self.seen > n_ctx
         {
             candle_core::bail!(
-                "decode attention: queries {:?}, keys {:?}, values {:?}, {} positions seen",
+                "decode attention: queries {:?}, keys {:?}, values {:?}, positions {}..{} seen",
                 lq.shape().dims(),
                 lk.shape().dims(),
                 lv.shape().dims(),
+                self.from,
                 self.seen
             )
         }
         let (q, k, v) = (&q[q0..q1], &k[k0..k1], &v[v0..v1]);
-        let g = nh / nkv;
+        let (g, n) = (nh / nkv, self.seen - self.from);
         let mut out = vec![0f32; nh * hd];
-        let mut w = vec![0f32; g * self.seen];
+        let mut w = vec![0f32; g * n];
         for h in 0..nkv {
-            let keys = &k[h * n_ctx * hd..][..self.seen * hd];
-            let values = &v[h * n_ctx * hd..][..self.seen * hd];
+            let keys = &k[(h * n_ctx + self.from) * hd..][..n * hd];
+            let values = &v[(h * n_ctx + self.from) * hd..][..n * hd];
             let qh = &q[h * g * hd..][..g * hd];
             let oh = &mut out[h * g * hd..][..g * hd];
             head(qh, keys, values, self.scale, hd, &mut w, oh);
@@ -165,30 +168,42 @@ mod tests {
 
     #[test]
     fn agrees_with_softmax_of_matmuls() {
-        for (nh, nkv, hd, n_ctx, seen) in
-            [(8, 2, 16, 40, 1), (32, 4, 64, 300, 257), (4, 4, 24, 10, 10), (6, 3, 8, 9, 5)]
-        {
+        for (nh, nkv, hd, n_ctx, from, seen) in [
+            (8, 2, 16, 40, 0, 1),
+            (32, 4, 64, 300, 0, 257),
+            (4, 4, 24, 10, 0, 10),
+            (6, 3, 8, 9, 0, 5),
+            (8, 2, 16, 40, 13, 29),
+            (4, 2, 16, 40, 39, 40),
+        ] {
             let q = filled((1, nh, 1, hd), 1);
             let (k, v) = (filled((1, nkv, n_ctx, hd), 2), filled((1, nkv, n_ctx, hd), 3));
             let scale = 1.0 / (hd as f32).sqrt();
-            let got = q.apply_op3_no_bwd(&k, &v, &DecodeAttention { seen, scale }).unwrap();
+            let got = q.apply_op3_no_bwd(&k, &v, &DecodeAttention { from, seen, scale }).unwrap();
             assert_eq!(got.dims(), [1, nh, 1, hd]);
             // the composition: per kv head, (g × d)·(d × seen), softmax, (g × seen)·(seen × d)
             let g = nh / nkv;
             let qg = q.reshape((1, nkv, g, hd)).unwrap();
-            let (ks, vs) = (k.narrow(2, 0, seen).unwrap(), v.narrow(2, 0, seen).unwrap());
+            let (ks, vs) = (k.narrow(2, from, seen - from).unwrap(), v.narrow(2, from, seen - from).unwrap());
             let att = (qg.matmul(&ks.t().unwrap()).unwrap() * scale as f64).unwrap();
             let att = candle_nn::ops::softmax_last_dim(&att).unwrap();
             let want = att.matmul(&vs.contiguous().unwrap()).unwrap().reshape((1, nh, 1, hd)).unwrap();
             let d = (&got - &want).unwrap().abs().unwrap().max_all().unwrap().to_scalar::<f32>().unwrap();
-            assert!(d < 1e-4, "heads {nh}/{nkv}, d {hd}, {seen} seen: differs by {d}");
-            // and the positions past `seen` are not read: changing them changes nothing
+            assert!(d < 1e-4, "heads {nh}/{nkv}, d {hd}, {from}..{seen} seen: differs by {d}");
+            // and the positions outside `from..seen` are not read: changing them changes nothing
             let k2 = (k.clone() + 1000.0).unwrap();
-            let k2 =
-                Tensor::cat(&[k.narrow(2, 0, seen).unwrap(), k2.narrow(2, seen, n_ctx - seen).unwrap()], 2).unwrap();
-            let again = q.apply_op3_no_bwd(&k2, &v, &DecodeAttention { seen, scale }).unwrap();
+            let k2 = Tensor::cat(
+                &[
+                    k2.narrow(2, 0, from).unwrap(),
+                    k.narrow(2, from, seen - from).unwrap(),
+                    k2.narrow(2, seen, n_ctx - seen).unwrap(),
+                ],
+                2,
+            )
+            .unwrap();
+            let again = q.apply_op3_no_bwd(&k2, &v, &DecodeAttention { from, seen, scale }).unwrap();
             let same = (&again - &got).unwrap().abs().unwrap().max_all().unwrap().to_scalar::<f32>().unwrap();
-            assert_eq!(same, 0.0, "a key past position {seen} was read");
+            assert_eq!(same, 0.0, "a key outside positions {from}..{seen} was read");
         }
     }
 
@@ -217,13 +232,17 @@ mod tests {
     #[test]
     fn refuses_what_it_does_not_describe() {
         let (q, k) = (filled((1, 8, 1, 16), 1), filled((1, 3, 40, 16), 2));
-        let e = q.apply_op3_no_bwd(&k, &k, &DecodeAttention { seen: 4, scale: 1.0 }).unwrap_err().to_string();
+        let e = q.apply_op3_no_bwd(&k, &k, &DecodeAttention { from: 0, seen: 4, scale: 1.0 }).unwrap_err().to_string();
         assert!(e.contains("[1, 8, 1, 16]") && e.contains("[1, 3, 40, 16]"), "{e}");
         let k = filled((1, 2, 40, 16), 2);
-        let e = q.apply_op3_no_bwd(&k, &k, &DecodeAttention { seen: 41, scale: 1.0 }).unwrap_err().to_string();
-        assert!(e.contains("41 positions"), "{e}");
-        let e =
-            q.apply_op3_no_bwd(&k.t().unwrap(), &k, &DecodeAttention { seen: 4, scale: 1.0 }).unwrap_err().to_string();
+        let e = q.apply_op3_no_bwd(&k, &k, &DecodeAttention { from: 0, seen: 41, scale: 1.0 }).unwrap_err().to_string();
+        assert!(e.contains("positions 0..41"), "{e}");
+        let e = q.apply_op3_no_bwd(&k, &k, &DecodeAttention { from: 4, seen: 4, scale: 1.0 }).unwrap_err().to_string();
+        assert!(e.contains("positions 4..4"), "{e}");
+        let e = q
+            .apply_op3_no_bwd(&k.t().unwrap(), &k, &DecodeAttention { from: 0, seen: 4, scale: 1.0 })
+            .unwrap_err()
+            .to_string();
         assert!(e.contains("contiguous"), "{e}");
     }
 }

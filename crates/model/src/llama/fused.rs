@@ -248,10 +248,10 @@ impl Block {
             par_units(y.chunks_mut(g * hd).enumerate().collect(), |(u, out)| {
                 let (i, head) = (*u / nkv, *u % nkv);
                 let (kc, vc, n_ctx) = &caches[i];
-                let seen = pos[i] + 1;
-                let keys = &kc.get()[head * n_ctx * hd..][..seen * hd];
-                let values = &vc.get()[head * n_ctx * hd..][..seen * hd];
-                let mut w = vec![0f32; g * seen];
+                let (from, seen) = (cfg.first_key(pos[i]), pos[i] + 1);
+                let keys = &kc.get()[(head * n_ctx + from) * hd..][..(seen - from) * hd];
+                let values = &vc.get()[(head * n_ctx + from) * hd..][..(seen - from) * hd];
+                let mut w = vec![0f32; g * (seen - from)];
                 decode_attn::head(&q[i * qd + head * g * hd..][..g * hd], keys, values, scale, hd, &mut w, out);
             });
         }

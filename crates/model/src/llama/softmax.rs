@@ -27,11 +27,13 @@ const SERIAL_BELOW: usize = 1 << 17;
 
 /// Scores `(…, rows, pos + t)` of `t` queries at positions `pos..pos + t` against `pos + t`
 /// keys, whose rows cycle through the `t` queries (`(batch, kv heads, group × t, keys)`), to
-/// attention weights: row `r` sees keys `0..=pos + r % t`.
+/// attention weights: row `r` sees keys `0..=pos + r % t`, or with a sliding `window` only the
+/// last `window` of those.
 pub(super) struct CausalSoftmax {
     pub scale: f32,
     pub t: usize,
     pub pos: usize,
+    pub window: Option<usize>,
 }
 
 impl CustomOp1 for CausalSoftmax {
@@ -57,11 +59,15 @@ impl CustomOp1 for CausalSoftmax {
                 self.pos
             )
         }
-        let (scale, t, pos) = (self.scale, self.t, self.pos);
+        let (scale, t, pos, window) = (self.scale, self.t, self.pos, self.window);
         let mut dst = vec![0f32; src.len()];
         let width = silu::width();
-        // SAFETY: this CPU's width
-        let row = |(r, (s, d)): (usize, (&[f32], &mut [f32]))| unsafe { row_on(width, s, d, pos + r % t + 1, scale) };
+        let row = |(r, (s, d)): (usize, (&[f32], &mut [f32]))| {
+            let seen = pos + r % t + 1;
+            let from = window.map_or(0, |w| seen.saturating_sub(w));
+            // SAFETY: this CPU's width
+            unsafe { row_on(width, s, d, from, seen, scale) }
+        };
         if src.len() < SERIAL_BELOW {
             src.chunks(keys).zip(dst.chunks_mut(keys)).enumerate().for_each(row);
         } else {
@@ -71,11 +77,11 @@ impl CustomOp1 for CausalSoftmax {
     }
 }
 
-/// One row: the first `seen` of `s` scaled, to weights in `d` (whose tail stays 0).
+/// One row: `s[from..seen]` scaled, to weights in `d` (whose head before `from` and tail stay 0).
 #[inline(always)]
-fn row(s: &[f32], d: &mut [f32], seen: usize, scale: f32) {
+fn row(s: &[f32], d: &mut [f32], from: usize, seen: usize, scale: f32) {
     let keys = d.len();
-    let (s, w) = (&s[..seen], &mut d[..seen]);
+    let (s, w) = (&s[from..seen], &mut d[from..seen]);
     for (x, y) in s.iter().zip(w.iter_mut()) {
         *y = *x * scale;
     }
@@ -86,14 +92,14 @@ fn row(s: &[f32], d: &mut [f32], seen: usize, scale: f32) {
     let mut sum = 0f32;
     // SAFETY: `d` holds `keys` floats and `sum` is one
     unsafe { f32::vec_reduce_sum(d.as_ptr(), &mut sum, keys) };
-    for y in d[..seen].iter_mut() {
+    for y in d[from..seen].iter_mut() {
         *y /= sum;
     }
 }
 
 per_width!(
     /// [`row`] compiled for `on`.
-    unsafe fn row_on = row(s: &[f32], d: &mut [f32], seen: usize, scale: f32)
+    unsafe fn row_on = row(s: &[f32], d: &mut [f32], from: usize, seen: usize, scale: f32)
 );
 
 #[cfg(test)]
@@ -103,11 +109,11 @@ mod tests {
     use candle_core::{Device, Tensor};
 
     /// The composition `attend` used before: scale, add the causal mask, softmax.
-    fn composed(s: &Tensor, scale: f64, t: usize, pos: usize) -> Tensor {
+    fn composed(s: &Tensor, scale: f64, t: usize, pos: usize, window: Option<usize>) -> Tensor {
         let (b, kv, rows, l) = s.dims4().unwrap();
         let s = (s * scale).unwrap();
-        let s = if t > 1 {
-            let m = crate::llama::causal_mask(t, pos, &Device::Cpu, candle_core::DType::F32).unwrap();
+        let s = if t > 1 || window.is_some() {
+            let m = crate::llama::causal_mask(t, pos, window, &Device::Cpu, candle_core::DType::F32).unwrap();
             s.reshape((b, kv, rows / t, t, l)).unwrap().broadcast_add(&m).unwrap().reshape((b, kv, rows, l)).unwrap()
         } else {
             s
@@ -119,15 +125,20 @@ mod tests {
     fn agrees_with_scale_mask_and_softmax_and_every_width_gives_the_same_bits() {
         // the last is above SERIAL_BELOW: rows on the pool's threads
         const _: () = assert!(4 * 8 * 64 * 66 >= SERIAL_BELOW);
-        for (kv, g, t, pos, spread) in [
-            (1, 1, 1, 0, 61.0),
-            (2, 4, 1, 37, 61.0),
-            (4, 8, 7, 0, 61.0),
-            (2, 3, 16, 5, 61.0),
-            (1, 2, 33, 100, 61.0),
-            (4, 8, 64, 2, 61.0),
+        for (kv, g, t, pos, spread, window) in [
+            (1, 1, 1, 0, 61.0, None),
+            (2, 4, 1, 37, 61.0, None),
+            (4, 8, 7, 0, 61.0, None),
+            (2, 3, 16, 5, 61.0, None),
+            (1, 2, 33, 100, 61.0, None),
+            (4, 8, 64, 2, 61.0, None),
             // scores ~260 apart after the scale: far keys past the exp's −87.3 weigh 0
-            (2, 2, 9, 40, 0.5),
+            (2, 2, 9, 40, 0.5, None),
+            // sliding windows: shorter than the chunk, than the keys before it, one key
+            (2, 4, 16, 5, 61.0, Some(6)),
+            (1, 2, 33, 100, 61.0, Some(40)),
+            (2, 2, 3, 7, 61.0, Some(1)),
+            (2, 4, 1, 37, 61.0, Some(8)),
         ] {
             let l = pos + t;
             let n = kv * g * t * l;
@@ -135,9 +146,9 @@ mod tests {
             let v: Vec<f32> = (0..n).map(|i| ((i * 7919 % 1013) as f32 - 506.0) / spread).collect();
             let s = Tensor::from_vec(v, (1, kv, g * t, l), &Device::Cpu).unwrap();
             let scale = 1.0 / (64f64).sqrt();
-            let want = composed(&s, scale, t, pos).flatten_all().unwrap().to_vec1::<f32>().unwrap();
+            let want = composed(&s, scale, t, pos, window).flatten_all().unwrap().to_vec1::<f32>().unwrap();
             let got = s
-                .apply_op1_no_bwd(&CausalSoftmax { scale: scale as f32, t, pos })
+                .apply_op1_no_bwd(&CausalSoftmax { scale: scale as f32, t, pos, window })
                 .unwrap()
                 .flatten_all()
                 .unwrap()
@@ -149,7 +160,11 @@ mod tests {
                 .zip(&got)
                 .filter(|(a, b)| (*a - *b).abs() > 8.0 * f32::EPSILON * a.abs() + f32::MIN_POSITIVE)
                 .count();
-            assert_eq!(far, 0, "kv {kv} g {g} t {t} pos {pos}: {far} of {n} weights differ by more than 8 ulp");
+            assert_eq!(
+                far, 0,
+                "kv {kv} g {g} t {t} pos {pos} window {window:?}: {far} of {n} weights differ by more than 8 ulp"
+            );
+            let first = |seen: usize| window.map_or(0, |w| seen.saturating_sub(w));
             // the op (pool threads above SERIAL_BELOW) equals the scalar compilation of its rows,
             // and so does every width this CPU has
             let src = s.flatten_all().unwrap().to_vec1::<f32>().unwrap();
@@ -157,20 +172,23 @@ mod tests {
                 let mut one = vec![0f32; n];
                 for (r, (s, d)) in src.chunks(l).zip(one.chunks_mut(l)).enumerate() {
                     // SAFETY: a width this CPU has
-                    unsafe { row_on(w, s, d, pos + r % t + 1, scale as f32) };
+                    unsafe { row_on(w, s, d, first(pos + r % t + 1), pos + r % t + 1, scale as f32) };
                 }
                 let differ = one.iter().zip(&got).filter(|(a, b)| a.to_bits() != b.to_bits()).count();
                 assert_eq!(differ, 0, "{w:?}, kv {kv} g {g} t {t} pos {pos}: {differ} of {n} weights differ");
             }
-            // and the mask holds: row r sees keys 0..=pos + r % t
+            // and the mask holds: row r sees keys 0..=pos + r % t (the last `window` of them)
             for (r, row) in got.chunks(l).enumerate() {
                 let seen = pos + r % t + 1;
                 assert!(row[seen..].iter().all(|w| *w == 0.0), "row {r} weighs a future key");
+                assert!(row[..first(seen)].iter().all(|w| *w == 0.0), "row {r} weighs a key before its window");
                 assert!((row.iter().sum::<f32>() - 1.0).abs() < 1e-5, "row {r} does not sum to 1");
             }
             // the far-apart case reaches the exp's floor: visible keys that weigh exactly 0
-            let floored =
-                got.chunks(l).enumerate().map(|(r, row)| row[..pos + r % t + 1].iter().filter(|w| **w == 0.0).count());
+            let floored = got
+                .chunks(l)
+                .enumerate()
+                .map(|(r, row)| row[first(pos + r % t + 1)..pos + r % t + 1].iter().filter(|w| **w == 0.0).count());
             assert_eq!(floored.sum::<usize>() > 0, spread < 1.0, "kv {kv} g {g} t {t} pos {pos}");
         }
     }
@@ -178,16 +196,21 @@ mod tests {
     #[test]
     fn refuses_scores_it_does_not_describe() {
         let s = Tensor::zeros((1, 2, 6, 5), candle_core::DType::F32, &Device::Cpu).unwrap();
-        let e = s.apply_op1_no_bwd(&CausalSoftmax { scale: 1.0, t: 4, pos: 0 }).unwrap_err().to_string();
+        let e = s.apply_op1_no_bwd(&CausalSoftmax { scale: 1.0, t: 4, pos: 0, window: None }).unwrap_err().to_string();
         assert!(e.contains("[1, 2, 6, 5]") && e.contains("4 keys"), "{e}");
         let e = s
             .to_dtype(candle_core::DType::F16)
             .unwrap()
-            .apply_op1_no_bwd(&CausalSoftmax { scale: 1.0, t: 1, pos: 4 })
+            .apply_op1_no_bwd(&CausalSoftmax { scale: 1.0, t: 1, pos: 4, window: None })
             .unwrap_err()
             .to_string();
         assert!(e.contains("f32"), "{e}");
-        let e = s.t().unwrap().apply_op1_no_bwd(&CausalSoftmax { scale: 1.0, t: 1, pos: 5 }).unwrap_err().to_string();
+        let e = s
+            .t()
+            .unwrap()
+            .apply_op1_no_bwd(&CausalSoftmax { scale: 1.0, t: 1, pos: 5, window: None })
+            .unwrap_err()
+            .to_string();
         assert!(e.contains("contiguous"), "{e}");
     }
 }
