@@ -56,6 +56,20 @@ PROMPTS = [
     [100, 200, 300, 400] * 6,
 ]
 
+# What every family's tiny model shares.
+TINY = dict(
+    vocab_size=512,
+    hidden_size=256,
+    num_hidden_layers=3,
+    num_attention_heads=8,
+    num_key_value_heads=2,
+    max_position_embeddings=4096,
+    initializer_range=0.15,
+    bos_token_id=1,
+    eos_token_id=2,
+    pad_token_id=0,
+)
+
 # The families: transformers' config class and fields, and whether llama.cpp's GGUF files and
 # greedy ids are references for it.
 FAMILIES = {
@@ -67,21 +81,12 @@ FAMILIES = {
         "model": "MistralForCausalLM",
         "gguf": False,
         "fields": dict(
-            vocab_size=512,
-            hidden_size=256,
+            TINY,
             intermediate_size=384,
-            num_hidden_layers=3,
-            num_attention_heads=8,
-            num_key_value_heads=2,
-            max_position_embeddings=4096,
             rope_theta=10_000.0,
             rms_norm_eps=1e-5,
             tie_word_embeddings=False,
-            initializer_range=0.15,
             sliding_window=16,
-            bos_token_id=1,
-            eos_token_id=2,
-            pad_token_id=0,
         ),
     },
     "qwen3": {
@@ -89,23 +94,14 @@ FAMILIES = {
         "model": "Qwen3ForCausalLM",
         "gguf": True,
         "fields": dict(
-            vocab_size=512,
-            hidden_size=256,
+            TINY,
             intermediate_size=256,
-            num_hidden_layers=3,
-            num_attention_heads=8,
-            num_key_value_heads=2,
             head_dim=64,  # heads x head_dim = 512 != hidden: the explicit head size is used
-            max_position_embeddings=4096,
             rope_theta=1_000_000.0,
             rms_norm_eps=1e-6,
             tie_word_embeddings=True,
-            initializer_range=0.15,
             use_sliding_window=False,
             attention_bias=False,
-            bos_token_id=1,
-            eos_token_id=2,
-            pad_token_id=0,
         ),
     },
 }
