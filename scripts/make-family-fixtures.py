@@ -89,6 +89,22 @@ FAMILIES = {
             sliding_window=16,
         ),
     },
+    # Phi-3: q/k/v and gate/up stored as one matrix each (both in the checkpoint and in GGUF),
+    # RoPE on halves; no window (llama.cpp turns Phi-3's off), as Phi-4's config has none.
+    "phi3": {
+        "config": "Phi3Config",
+        "model": "Phi3ForCausalLM",
+        "gguf": True,
+        "fields": dict(
+            TINY,
+            intermediate_size=320,
+            rope_theta=10_000.0,
+            rms_norm_eps=1e-5,
+            tie_word_embeddings=False,
+            sliding_window=None,
+            original_max_position_embeddings=4096,
+        ),
+    },
     "qwen3": {
         "config": "Qwen3Config",
         "model": "Qwen3ForCausalLM",

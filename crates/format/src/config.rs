@@ -22,6 +22,7 @@ pub enum Arch {
     Mistral,
     Qwen2,
     Qwen3,
+    Phi3,
 }
 
 /// How RoPE pairs the dimensions of a head.
@@ -74,6 +75,12 @@ pub struct ModelConfig {
     /// An RMSNorm over each head of q and k before RoPE ([`LayerSpec::qk_norm`]).
     #[serde(default)]
     pub qk_norm: bool,
+    /// q/k/v stored as one matrix ([`LayerSpec::fused_qkv`]).
+    #[serde(default)]
+    pub fused_qkv: bool,
+    /// gate/up stored as one matrix ([`LayerSpec::fused_gate_up`]).
+    #[serde(default)]
+    pub fused_gate_up: bool,
     /// Sliding-window attention on every layer (Mistral's `sliding_window`): a query at position
     /// `p` sees the keys at `p − window + 1 ..= p`, as transformers masks them. `None`: all
     /// earlier keys.
@@ -141,6 +148,9 @@ impl ModelConfig {
         if !(self.rms_eps.is_finite() && self.rms_eps > 0.0) {
             return bad(format!("rms eps {} must be positive", self.rms_eps));
         }
+        if self.fused_qkv && self.qkv_bias {
+            return bad("attention_bias: biases on a fused q/k/v matrix are not supported".into());
+        }
         if self.sliding_window == Some(0) {
             return bad("sliding window 0: a query would see no key, not even its own".into());
         }
@@ -185,7 +195,12 @@ impl ModelConfig {
 
     /// How each layer computes: what the model runtime follows (see [`LayerSpec`]).
     pub fn layer(&self) -> LayerSpec {
-        LayerSpec { qkv_bias: self.qkv_bias, qk_norm: self.qk_norm }
+        LayerSpec {
+            qkv_bias: self.qkv_bias,
+            qk_norm: self.qk_norm,
+            fused_qkv: self.fused_qkv,
+            fused_gate_up: self.fused_gate_up,
+        }
     }
 
     /// The first key position a query at position `pos` sees: 0, or the start of its sliding
@@ -295,6 +310,10 @@ impl ModelConfig {
                 .ok_or_else(|| FormatError::MissingMetadata("tokenizer.ggml.tokens".into()))?,
         };
         let ffn = req_u("feed_forward_length")?;
+        // Phi-3's 128k models: per-frequency factors that change with the context length
+        if g.tensor("rope_factors_long.weight").is_some() || g.get(&key("rope.scaling.attn_factor")).is_some() {
+            return bad("rope_factors_long: LongRoPE scaling (Phi-3 128k) is not supported".into());
+        }
         let context_length = opt_u("context_length", 2048)?;
         let rope_scaling = match rope_freqs {
             Some(f) => RopeScaling::FreqFactors(f),
@@ -316,9 +335,11 @@ impl ModelConfig {
             context_length,
             qkv_bias: family.layer.qkv_bias || g.tensor("blk.0.attn_q.bias").is_some(),
             qk_norm: family.layer.qk_norm,
+            fused_qkv: family.layer.fused_qkv,
+            fused_gate_up: family.layer.fused_gate_up,
             // llama.cpp runs Llama-shaped GGUF files with full attention whatever
-            // `attention.sliding_window` says (its converter writes none for Mistral): so does
-            // brigade, to give llama.cpp's numbers
+            // `attention.sliding_window` says (its converter writes none for Mistral, and it
+            // turns Phi-3's off): so does brigade, to give llama.cpp's numbers
             sliding_window: None,
             tie_word_embeddings: None,
             dtype: None,
@@ -378,6 +399,8 @@ mod tests {
             context_length: 512,
             qkv_bias: false,
             qk_norm: false,
+            fused_qkv: false,
+            fused_gate_up: false,
             sliding_window: None,
             tie_word_embeddings: None,
             dtype: None,

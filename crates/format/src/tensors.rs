@@ -35,6 +35,10 @@ pub enum Dim {
     KvWidth,
     /// `head_dim`.
     HeadDim,
+    /// `(n_heads + 2 n_kv_heads) × head_dim`: q, k and v in one matrix.
+    QkvWidth,
+    /// The up projection's rows: `ffn`, or `2 × ffn` where gate and up are one matrix.
+    UpRows,
 }
 
 impl Dim {
@@ -47,6 +51,8 @@ impl Dim {
             Dim::QWidth => c.q_width(),
             Dim::KvWidth => c.kv_width(),
             Dim::HeadDim => Some(c.head_dim),
+            Dim::QkvWidth => c.q_width()?.checked_add(c.kv_width()?.checked_mul(2)?),
+            Dim::UpRows => c.ffn.checked_mul(if c.fused_gate_up { 2 } else { 1 }),
         }
     }
 }
@@ -66,6 +72,12 @@ pub enum Need {
     QkvBias,
     /// When each head of q and k is normed ([`crate::config::LayerSpec::qk_norm`]: Qwen3).
     QkNorm,
+    /// When q, k and v are separate matrices (not [`crate::config::LayerSpec::fused_qkv`]).
+    SeparateQkv,
+    /// When q, k and v are one matrix (Phi-3).
+    FusedQkv,
+    /// When the gate is its own matrix (not [`crate::config::LayerSpec::fused_gate_up`]).
+    SeparateGate,
 }
 
 /// One tensor of a transformer layer.
@@ -75,6 +87,7 @@ pub enum LayerTensor {
     AttnQ,
     AttnK,
     AttnV,
+    AttnQkv,
     AttnOutput,
     AttnQBias,
     AttnKBias,
@@ -88,11 +101,12 @@ pub enum LayerTensor {
 }
 
 impl LayerTensor {
-    pub const ALL: [LayerTensor; 14] = [
+    pub const ALL: [LayerTensor; 15] = [
         LayerTensor::AttnNorm,
         LayerTensor::AttnQ,
         LayerTensor::AttnK,
         LayerTensor::AttnV,
+        LayerTensor::AttnQkv,
         LayerTensor::AttnOutput,
         LayerTensor::AttnQBias,
         LayerTensor::AttnKBias,
@@ -112,9 +126,10 @@ impl LayerTensor {
         use Need::*;
         match self {
             LayerTensor::AttnNorm => ("attn_norm.weight", "input_layernorm.weight", &[Hidden], Always),
-            LayerTensor::AttnQ => ("attn_q.weight", "self_attn.q_proj.weight", &[QWidth, Hidden], Always),
-            LayerTensor::AttnK => ("attn_k.weight", "self_attn.k_proj.weight", &[KvWidth, Hidden], Always),
-            LayerTensor::AttnV => ("attn_v.weight", "self_attn.v_proj.weight", &[KvWidth, Hidden], Always),
+            LayerTensor::AttnQ => ("attn_q.weight", "self_attn.q_proj.weight", &[QWidth, Hidden], SeparateQkv),
+            LayerTensor::AttnK => ("attn_k.weight", "self_attn.k_proj.weight", &[KvWidth, Hidden], SeparateQkv),
+            LayerTensor::AttnV => ("attn_v.weight", "self_attn.v_proj.weight", &[KvWidth, Hidden], SeparateQkv),
+            LayerTensor::AttnQkv => ("attn_qkv.weight", "self_attn.qkv_proj.weight", &[QkvWidth, Hidden], FusedQkv),
             LayerTensor::AttnOutput => ("attn_output.weight", "self_attn.o_proj.weight", &[Hidden, QWidth], Always),
             LayerTensor::AttnQBias => ("attn_q.bias", "self_attn.q_proj.bias", &[QWidth], QkvBias),
             LayerTensor::AttnKBias => ("attn_k.bias", "self_attn.k_proj.bias", &[KvWidth], QkvBias),
@@ -122,8 +137,10 @@ impl LayerTensor {
             LayerTensor::AttnQNorm => ("attn_q_norm.weight", "self_attn.q_norm.weight", &[HeadDim], QkNorm),
             LayerTensor::AttnKNorm => ("attn_k_norm.weight", "self_attn.k_norm.weight", &[HeadDim], QkNorm),
             LayerTensor::FfnNorm => ("ffn_norm.weight", "post_attention_layernorm.weight", &[Hidden], Always),
-            LayerTensor::FfnGate => ("ffn_gate.weight", "mlp.gate_proj.weight", &[Ffn, Hidden], Always),
-            LayerTensor::FfnUp => ("ffn_up.weight", "mlp.up_proj.weight", &[Ffn, Hidden], Always),
+            LayerTensor::FfnGate => ("ffn_gate.weight", "mlp.gate_proj.weight", &[Ffn, Hidden], SeparateGate),
+            // gate and up in one matrix where the family stores them so (`gate_up_proj` in a
+            // checkpoint, see `HF_ALIASES`)
+            LayerTensor::FfnUp => ("ffn_up.weight", "mlp.up_proj.weight", &[UpRows, Hidden], Always),
             LayerTensor::FfnDown => ("ffn_down.weight", "mlp.down_proj.weight", &[Hidden, Ffn], Always),
         }
     }
@@ -154,6 +171,9 @@ impl LayerTensor {
             Need::Always => true,
             Need::QkvBias => c.qkv_bias,
             Need::QkNorm => c.qk_norm,
+            Need::SeparateQkv => !c.fused_qkv,
+            Need::FusedQkv => c.fused_qkv,
+            Need::SeparateGate => !c.fused_gate_up,
         }
     }
 
@@ -163,6 +183,9 @@ impl LayerTensor {
             Need::Always => "",
             Need::QkvBias => "present, but the configuration has no q/k/v biases",
             Need::QkNorm => "present, but the configuration's family has no q/k norms",
+            Need::SeparateQkv => "present, but the family stores q, k and v as one matrix (attn_qkv)",
+            Need::FusedQkv => "present, but the family stores q, k and v as separate matrices",
+            Need::SeparateGate => "present, but the family stores gate and up as one matrix (ffn_up)",
         }
     }
 
@@ -197,8 +220,13 @@ pub fn hf_to_gguf_name(name: &str) -> Option<String> {
     }
     let (i, rest) = name.strip_prefix("model.layers.")?.split_once('.')?;
     let i: usize = i.parse().ok()?;
-    LayerTensor::ALL.into_iter().find(|t| t.hf_suffix() == rest).map(|t| t.name(i))
+    let alias = HF_ALIASES.iter().find(|(h, _)| *h == rest).map(|(_, t)| *t);
+    alias.or_else(|| LayerTensor::ALL.into_iter().find(|t| t.hf_suffix() == rest)).map(|t| t.name(i))
 }
+
+/// Checkpoint names of layer tensors that GGUF stores under another tensor's name: Phi-3's
+/// `gate_up_proj` is llama.cpp's `ffn_up` of `2 × ffn` rows ([`Dim::UpRows`]).
+const HF_ALIASES: [(&str, LayerTensor); 1] = [("mlp.gate_up_proj.weight", LayerTensor::FfnUp)];
 
 /// llama.cpp's GGUF names to Hugging Face names (for writing safetensors).
 pub fn gguf_to_hf_name(name: &str) -> Option<String> {

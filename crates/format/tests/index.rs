@@ -112,6 +112,30 @@ fn biases_are_where_the_configuration_says() {
 }
 
 #[test]
+fn phi3_projections_are_one_matrix_each() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut phi3 = tiny_config();
+    phi3["architectures"] = serde_json::json!(["Phi3ForCausalLM"]);
+    // the checkpoint's gate_up_proj is llama.cpp's ffn_up (the fixture of crates/model/tests
+    // reads a real one)
+    let name = brigade_format::tensors::hf_to_gguf_name("model.layers.3.mlp.gate_up_proj.weight");
+    assert_eq!(name.as_deref(), Some("blk.3.ffn_up.weight"));
+    let p = dir.path().join("phi3");
+    write_hf_dir(&p, &phi3, 1, &[], |n| !n.contains("bias"));
+    let m = ModelIndex::open(&p).unwrap();
+    let c = m.config();
+    assert!(c.fused_qkv && c.fused_gate_up);
+    assert_eq!(m.tensor_info("blk.2.attn_qkv.weight").unwrap().shape(), &[64 + 2 * 32, 64]);
+    assert_eq!(m.tensor_info("blk.2.ffn_up.weight").unwrap().shape(), &[2 * 96, 64]);
+    assert!(m.tensor_info("blk.2.ffn_gate.weight").is_none() && m.tensor_info("blk.2.attn_q.weight").is_none());
+    // a separate q beside the fused matrix: nothing would read it
+    let p = dir.path().join("phi3-with-q");
+    write_hf_dir(&p, &phi3, 1, &[("model.layers.0.self_attn.q_proj.weight", vec![64, 64])], |n| !n.contains("bias"));
+    let e = ModelIndex::open(&p).err().map(|e| e.to_string()).unwrap_or_default();
+    assert!(e.contains("blk.0.attn_q.weight") && e.contains("one matrix"), "{e}");
+}
+
+#[test]
 fn qk_norms_are_where_the_family_says() {
     let dir = tempfile::tempdir().unwrap();
     let mut qwen3 = tiny_config();

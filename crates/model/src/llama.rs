@@ -204,9 +204,18 @@ impl Block {
             attn_norm: files.dense(&n(T::AttnNorm), device, dtype)?,
             qk_norm,
             ffn_norm: files.dense(&n(T::FfnNorm), device, dtype)?,
-            qkv: Proj::load(files, &[n(T::AttnQ), n(T::AttnK), n(T::AttnV)], qkv_bias, device, dtype)?,
+            qkv: if cfg.fused_qkv {
+                let (q, kv) = (cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim);
+                Proj::Stacked(files.linear(&n(T::AttnQkv), None, device, dtype)?, vec![q, kv, kv])
+            } else {
+                Proj::load(files, &[n(T::AttnQ), n(T::AttnK), n(T::AttnV)], qkv_bias, device, dtype)?
+            },
             wo: files.linear(&n(T::AttnOutput), None, device, dtype)?,
-            gate_up: Proj::load(files, &[n(T::FfnGate), n(T::FfnUp)], None, device, dtype)?,
+            gate_up: if cfg.fused_gate_up {
+                Proj::Stacked(files.linear(&n(T::FfnUp), None, device, dtype)?, vec![cfg.ffn, cfg.ffn])
+            } else {
+                Proj::load(files, &[n(T::FfnGate), n(T::FfnUp)], None, device, dtype)?
+            },
             down: files.linear(&n(T::FfnDown), None, device, dtype)?,
             span: tracing::trace_span!("block", layer = i),
         })

@@ -92,6 +92,8 @@ impl Shape {
             context_length: self.context,
             qkv_bias: false,
             qk_norm: false,
+            fused_qkv: false,
+            fused_gate_up: false,
             sliding_window: None,
             tie_word_embeddings: Some(false),
             dtype: None,

@@ -121,6 +121,12 @@ fn decode_rows_are_batch_invariant_qwen3() {
 }
 
 #[test]
+fn decode_rows_are_batch_invariant_phi3() {
+    let files = ModelFiles::open(&common::family_file("phi3", "phi3-tiny-Q4_K_M.gguf")).unwrap();
+    check_rows_invariant(&files, "cpu:1,cpu:2");
+}
+
+#[test]
 fn decode_rows_are_batch_invariant_in_a_sliding_window() {
     let files = ModelFiles::open(&common::family_file("mistral", "hf")).unwrap();
     check_rows_invariant(&files, "cpu:3");

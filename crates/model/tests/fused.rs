@@ -135,6 +135,17 @@ fn fused_decode_equals_candle_ops_on_qwen3() {
     }
 }
 
+/// Phi-3's fused q/k/v and gate/up matrices, from the checkpoint and from llama.cpp's Q4_K_M.
+#[test]
+fn fused_decode_equals_candle_ops_on_phi3() {
+    for name in ["hf", "phi3-tiny-Q4_K_M.gguf"] {
+        let files = ModelFiles::open(&common::family_file("phi3", name)).unwrap();
+        assert!(files.config.fused_qkv && files.config.fused_gate_up, "{name}");
+        check(&format!("phi3 {name}"), &files, "cpu:3");
+        check(&format!("phi3 {name}"), &files, "cpu:2,cpu:1");
+    }
+}
+
 /// Mistral's 16-position sliding window: the sessions' decode steps cross it.
 #[test]
 fn fused_decode_equals_candle_ops_in_a_sliding_window() {

@@ -3,8 +3,9 @@
 //! and the layer it builds ([`LayerSpec`]). Both configuration readers take a family's layer from
 //! here, so a Llama-shaped family whose differences the layer description covers is one row.
 //!
-//! What the layer description cannot say yet (post-norms, GeLU, soft-capping, sliding windows,
-//! partial rotary) is refused by the readers with the field that asks for it, never ignored.
+//! What the layer description cannot say yet (post-norms, GeLU, soft-capping, windows on some
+//! layers only, partial rotary, LongRoPE) is refused by the readers with the field that asks for
+//! it, never ignored.
 
 use super::{Arch, RopeStyle};
 use serde::{Deserialize, Serialize};
@@ -20,6 +21,13 @@ pub struct LayerSpec {
     /// An RMSNorm over each head of q and of k (weights of `head_dim`), after the projection and
     /// before RoPE (Qwen3, OLMo 2, Gemma 3).
     pub qk_norm: bool,
+    /// q, k and v as one stored matrix (`attn_qkv`, `qkv_proj`: Phi-3), rows in that order.
+    #[serde(default)]
+    pub fused_qkv: bool,
+    /// The gate and up projections as one stored matrix of `2 × ffn` rows, gate first (Phi-3's
+    /// `ffn_up`, `gate_up_proj`).
+    #[serde(default)]
+    pub fused_gate_up: bool,
 }
 
 /// One family.
@@ -37,10 +45,10 @@ pub struct Family {
     pub layer: LayerSpec,
 }
 
-const LLAMA_LAYER: LayerSpec = LayerSpec { qkv_bias: false, qk_norm: false };
+const LLAMA_LAYER: LayerSpec = LayerSpec { qkv_bias: false, qk_norm: false, fused_qkv: false, fused_gate_up: false };
 
 /// Every family brigade runs.
-pub static FAMILIES: [Family; 4] = [
+pub static FAMILIES: [Family; 5] = [
     Family {
         arch: Arch::Llama,
         gguf: "llama",
@@ -60,14 +68,21 @@ pub static FAMILIES: [Family; 4] = [
         gguf: "qwen2",
         hf: &["Qwen2ForCausalLM", "qwen2"],
         gguf_rope: RopeStyle::Halves,
-        layer: LayerSpec { qkv_bias: true, qk_norm: false },
+        layer: LayerSpec { qkv_bias: true, ..LLAMA_LAYER },
     },
     Family {
         arch: Arch::Qwen3,
         gguf: "qwen3",
         hf: &["Qwen3ForCausalLM", "qwen3"],
         gguf_rope: RopeStyle::Halves,
-        layer: LayerSpec { qkv_bias: false, qk_norm: true },
+        layer: LayerSpec { qk_norm: true, ..LLAMA_LAYER },
+    },
+    Family {
+        arch: Arch::Phi3,
+        gguf: "phi3",
+        hf: &["Phi3ForCausalLM", "phi3"],
+        gguf_rope: RopeStyle::Halves,
+        layer: LayerSpec { fused_qkv: true, fused_gate_up: true, ..LLAMA_LAYER },
     },
 ];
 
@@ -109,6 +124,6 @@ mod tests {
             }
         }
         assert!(by_gguf("gemma3").is_none() && by_hf("Gemma3ForCausalLM").is_none());
-        assert_eq!(names(), "llama, mistral, qwen2, qwen3");
+        assert_eq!(names(), "llama, mistral, qwen2, qwen3, phi3");
     }
 }

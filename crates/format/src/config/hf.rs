@@ -76,6 +76,8 @@ pub(super) fn from_json(text: &str) -> Result<ModelConfig, FormatError> {
         context_length: hf.max_position_embeddings.unwrap_or(2048),
         qkv_bias: family.layer.qkv_bias || hf.attention_bias.unwrap_or(false),
         qk_norm: family.layer.qk_norm,
+        fused_qkv: family.layer.fused_qkv,
+        fused_gate_up: family.layer.fused_gate_up,
         sliding_window,
         tie_word_embeddings: hf.tie_word_embeddings,
         dtype: dtype(&hf)?,
@@ -84,8 +86,8 @@ pub(super) fn from_json(text: &str) -> Result<ModelConfig, FormatError> {
     Ok(cfg)
 }
 
-/// The window of every layer: Mistral's `sliding_window` (transformers applies it to every
-/// layer; `null` means none). Windows on some layers only — a Qwen family's `use_sliding_window`
+/// The window of every layer: Mistral's and Phi-3's `sliding_window` (transformers applies it
+/// to every layer; `null` means none). Windows on some layers only — a Qwen family's `use_sliding_window`
 /// (from `max_window_layers` on) or `layer_types` other than full attention — are refused by
 /// name. Llama and the Qwen families without `use_sliding_window` ignore the field, as
 /// transformers does.
@@ -101,7 +103,7 @@ fn sliding_window(hf: &HfConfig, arch: Arch) -> Result<Option<usize>, FormatErro
         },
     };
     match arch {
-        Arch::Mistral => window(),
+        Arch::Mistral | Arch::Phi3 => window(),
         Arch::Qwen2 | Arch::Qwen3 if hf.use_sliding_window == Some(true) && window()?.is_some() => {
             bad("use_sliding_window: windows on the layers from max_window_layers on are not supported".into())
         }
@@ -397,6 +399,28 @@ mod tests {
             "\"layer_types\": [\"sliding_attention\", \"full_attention\"], \"sliding_window\"",
         ));
         assert!(e.err().map(|e| e.to_string()).unwrap_or_default().contains("layer_types: `sliding_attention`"));
+    }
+
+    #[test]
+    fn phi3_stores_fused_projections() {
+        // Phi-3-mini-4k's shape, as transformers 5 saves it
+        let j = r#"{"architectures": ["Phi3ForCausalLM"], "hidden_size": 3072, "intermediate_size": 8192,
+            "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 32, "vocab_size": 32064,
+            "original_max_position_embeddings": 4096, "max_position_embeddings": 4096, "sliding_window": 2047,
+            "rope_parameters": {"partial_rotary_factor": 1.0, "rope_theta": 10000.0, "rope_type": "default"}}"#;
+        let c = parse(j).unwrap();
+        assert_eq!(c.arch, Arch::Phi3);
+        assert!(c.fused_qkv && c.fused_gate_up && !c.qkv_bias);
+        assert_eq!((c.rope_style, c.sliding_window), (RopeStyle::Halves, Some(2047)));
+        // biases on the fused matrix, rotary over part of a head, LongRoPE: named, not ignored
+        for (from, to, named) in [
+            (r#""vocab_size""#, r#""attention_bias": true, "vocab_size""#, "attention_bias"),
+            (r#""partial_rotary_factor": 1.0"#, r#""partial_rotary_factor": 0.75"#, "partial_rotary"),
+            (r#""rope_type": "default""#, r#""rope_type": "longrope""#, "longrope"),
+        ] {
+            let e = parse(&j.replacen(from, to, 1)).err().map(|e| e.to_string()).unwrap_or_default();
+            assert!(e.contains(named), "{named}: {e:?}");
+        }
     }
 
     #[test]
