@@ -80,6 +80,8 @@ FAMILIES = {
         "config": "MistralConfig",
         "model": "MistralForCausalLM",
         "gguf": False,
+        # the ids of the same weights with full attention too: the window must change them
+        "compare_without_window": True,
         "fields": dict(
             TINY,
             intermediate_size=384,
@@ -103,6 +105,32 @@ FAMILIES = {
             tie_word_embeddings=False,
             sliding_window=None,
             original_max_position_embeddings=4096,
+        ),
+    },
+    # Gemma 3 (text): pre- and post-norms of Gemma's (1 + w) kind, GeLU-tanh, the embedding scaled
+    # by sqrt(hidden), QK-norm, and five local layers (window 8, RoPE base 10 000) before a global
+    # one (base 1e6): six layers, so one of each pattern. The scores are scaled by
+    # 1/sqrt(head_dim) (query_pre_attn_scalar = head_dim), which is what llama.cpp does for every
+    # Gemma 3 but the 27B.
+    "gemma3": {
+        "config": "Gemma3TextConfig",
+        "model": "Gemma3ForCausalLM",
+        "gguf": True,
+        "norm_center": 0.0,
+        "fields": dict(
+            TINY,
+            num_hidden_layers=6,
+            num_attention_heads=4,
+            intermediate_size=384,
+            head_dim=64,
+            query_pre_attn_scalar=64,
+            sliding_window=8,
+            rope_theta=1_000_000.0,
+            rope_local_base_freq=10_000.0,
+            rms_norm_eps=1e-6,
+            # untied: with a tied head the sqrt(hidden)-scaled embedding of the last token
+            # dominates its own logit on random weights, and every prompt repeats its last token
+            tie_word_embeddings=False,
         ),
     },
     "qwen3": {
@@ -160,8 +188,9 @@ def build_hf(family: str, spec: dict, tok_model: Path, out: Path, seed: int):
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name.endswith("norm.weight"):
-                # RMSNorm weights start at 1; randomise them so a misplaced norm changes the ids
-                p.copy_(1.0 + 0.25 * torch.randn_like(p))
+                # RMSNorm weights start at 1 (Gemma's at 0: it scales by 1 + w); randomise them so
+                # a misplaced norm changes the ids
+                p.copy_(spec.get("norm_center", 1.0) + 0.25 * torch.randn_like(p))
     model = model.to(torch.float16)
     model.config.torch_dtype = torch.float16
     out.mkdir(parents=True, exist_ok=True)
@@ -289,7 +318,7 @@ def main():
                 "transformers": hf_greedy(hf_dir, family, spec),
                 "llama_cpp": {},
             }
-            if spec["fields"].get("sliding_window"):
+            if spec.get("compare_without_window"):
                 ref["transformers_without_window"] = hf_greedy(hf_dir, family, spec, window=False)
             if spec["gguf"]:
                 gguf_references(a.llama_cpp, family, hf_dir, dest, ref)

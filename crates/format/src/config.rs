@@ -23,6 +23,7 @@ pub enum Arch {
     Qwen2,
     Qwen3,
     Phi3,
+    Gemma3,
 }
 
 /// How RoPE pairs the dimensions of a head.
@@ -71,21 +72,30 @@ pub struct ModelConfig {
     pub rms_eps: f64,
     /// The context length the model declares (`-c` defaults to at most this).
     pub context_length: usize,
-    pub qkv_bias: bool,
-    /// An RMSNorm over each head of q and k before RoPE ([`LayerSpec::qk_norm`]).
-    #[serde(default)]
-    pub qk_norm: bool,
-    /// q/k/v stored as one matrix ([`LayerSpec::fused_qkv`]).
-    #[serde(default)]
-    pub fused_qkv: bool,
-    /// gate/up stored as one matrix ([`LayerSpec::fused_gate_up`]).
-    #[serde(default)]
-    pub fused_gate_up: bool,
-    /// Sliding-window attention on every layer (Mistral's `sliding_window`): a query at position
-    /// `p` sees the keys at `p − window + 1 ..= p`, as transformers masks them. `None`: all
-    /// earlier keys.
+    /// How each layer computes (the family's, plus the q/k/v biases a `config.json` may add).
+    #[serde(flatten)]
+    pub layer: LayerSpec,
+    /// Sliding-window attention (Mistral's and Gemma's `sliding_window`): a query at position
+    /// `p` sees the keys at `p − window + 1 ..= p`, as transformers masks them, on the layers
+    /// `swa_layers` names (every layer when it is `None`). `None`: all earlier keys.
     #[serde(default)]
     pub sliding_window: Option<usize>,
+    /// Which layers the window applies to (Gemma 3: five local layers, then a global one).
+    #[serde(default)]
+    pub swa_layers: Option<Vec<bool>>,
+    /// The RoPE base of the windowed layers where it differs from `rope_theta` (Gemma 3's local
+    /// layers: 10 000), unscaled.
+    #[serde(default)]
+    pub rope_theta_local: Option<f32>,
+    /// The embedding's output scale (Gemma: √hidden).
+    #[serde(default)]
+    pub embed_scale: Option<f32>,
+    /// Added to every RMSNorm weight when it is loaded ([`family::Family::hf_norm_offset`]).
+    #[serde(default)]
+    pub norm_offset: f32,
+    /// Attention scores are scaled by `1 / √query_pre_attn_scalar` (Gemma), not `1 / √head_dim`.
+    #[serde(default)]
+    pub query_pre_attn_scalar: Option<f64>,
     /// `tie_word_embeddings` of a `config.json`: whether the head is the embedding matrix. `None`
     /// (GGUF) means the tensor table decides: no `output.weight`, a tied head.
     pub tie_word_embeddings: Option<bool>,
@@ -148,11 +158,28 @@ impl ModelConfig {
         if !(self.rms_eps.is_finite() && self.rms_eps > 0.0) {
             return bad(format!("rms eps {} must be positive", self.rms_eps));
         }
-        if self.fused_qkv && self.qkv_bias {
+        if self.layer.fused_qkv && self.layer.qkv_bias {
             return bad("attention_bias: biases on a fused q/k/v matrix are not supported".into());
         }
         if self.sliding_window == Some(0) {
             return bad("sliding window 0: a query would see no key, not even its own".into());
+        }
+        if let Some(l) = &self.swa_layers {
+            if l.len() != self.n_layers {
+                return bad(format!("{} sliding-window layer flags for {} layers", l.len(), self.n_layers));
+            }
+            if self.sliding_window.is_none() && l.iter().any(|w| *w) {
+                return bad("sliding-window layers without a sliding_window".into());
+            }
+        }
+        for (what, v) in [
+            ("query_pre_attn_scalar", self.query_pre_attn_scalar.unwrap_or(1.0)),
+            ("embedding scale", self.embed_scale.unwrap_or(1.0) as f64),
+            ("local rope theta", self.rope_theta_local.unwrap_or(1.0) as f64),
+        ] {
+            if !(v.is_finite() && v > 0.0) {
+                return bad(format!("{what} {v} must be a finite positive number"));
+            }
         }
         self.validate_rope_scaling()
     }
@@ -193,20 +220,22 @@ impl ModelConfig {
         }
     }
 
-    /// How each layer computes: what the model runtime follows (see [`LayerSpec`]).
-    pub fn layer(&self) -> LayerSpec {
-        LayerSpec {
-            qkv_bias: self.qkv_bias,
-            qk_norm: self.qk_norm,
-            fused_qkv: self.fused_qkv,
-            fused_gate_up: self.fused_gate_up,
+    /// The sliding window of layer `layer`, if it has one.
+    pub fn window(&self, layer: usize) -> Option<usize> {
+        match &self.swa_layers {
+            Some(l) if !l.get(layer).copied().unwrap_or(false) => None,
+            _ => self.sliding_window,
         }
     }
 
-    /// The first key position a query at position `pos` sees: 0, or the start of its sliding
-    /// window.
-    pub fn first_key(&self, pos: usize) -> usize {
-        self.sliding_window.map_or(0, |w| (pos + 1).saturating_sub(w))
+    /// The RoPE base of layer `layer` where it is not `rope_theta` (a windowed layer's own).
+    pub fn local_rope_theta(&self, layer: usize) -> Option<f32> {
+        self.rope_theta_local.filter(|_| self.window(layer).is_some())
+    }
+
+    /// The scale of attention scores: `1 / √query_pre_attn_scalar`, or `1 / √head_dim`.
+    pub fn attention_scale(&self) -> f64 {
+        1.0 / self.query_pre_attn_scalar.unwrap_or(self.head_dim as f64).sqrt()
     }
 
     /// `n_heads × head_dim`: the rows of the query projection; `None` on overflow (a validated
@@ -220,11 +249,16 @@ impl ModelConfig {
         self.n_kv_heads.checked_mul(self.head_dim)
     }
 
+    /// Inverse frequencies of the rotary embedding of a windowed layer with its own base
+    /// ([`ModelConfig::rope_theta_local`]): unscaled.
+    pub fn rope_inv_freq_at(&self, theta: f32) -> Vec<f32> {
+        let d = self.head_dim;
+        (0..d / 2).map(|i| 1.0 / (theta as f64).powf(2.0 * i as f64 / d as f64) as f32).collect()
+    }
+
     /// Inverse frequencies of the rotary embedding, one per pair of dimensions, scaling applied.
     pub fn rope_inv_freq(&self) -> Vec<f32> {
-        let d = self.head_dim;
-        let base: Vec<f32> =
-            (0..d / 2).map(|i| 1.0 / (self.rope_theta as f64).powf(2.0 * i as f64 / d as f64) as f32).collect();
+        let base = self.rope_inv_freq_at(self.rope_theta);
         match &self.rope_scaling {
             RopeScaling::None => base,
             RopeScaling::Linear { factor } => base.iter().map(|f| f / factor).collect(),
@@ -310,6 +344,40 @@ impl ModelConfig {
                 .ok_or_else(|| FormatError::MissingMetadata("tokenizer.ggml.tokens".into()))?,
         };
         let ffn = req_u("feed_forward_length")?;
+        if let Some(cap) = opt_f("final_logit_softcapping").filter(|c| *c != 0.0) {
+            return bad(format!("final_logit_softcapping {cap}: logit soft-capping (Gemma 2) is not supported"));
+        }
+        // llama.cpp runs Llama-shaped GGUF files with full attention whatever
+        // `attention.sliding_window` says (its converter writes none for Mistral, and it turns
+        // Phi-3's off): so does brigade, to give llama.cpp's numbers. Gemma 3's local layers
+        // are windowed, five in six unless the file says otherwise, as llama.cpp reads them.
+        let (windows, rope_theta_local, query_pre_attn_scalar) = if arch == Arch::Gemma3 {
+            let window = opt_u("attention.sliding_window", 0)?;
+            let windows = if window == 0 {
+                None
+            } else {
+                let pattern_key = key("attention.sliding_window_pattern");
+                let flags = match g.get(&pattern_key) {
+                    None => (0..n_layers).map(|i| i % 6 < 5).collect(),
+                    Some(Value::Array(a)) => {
+                        a.iter().map(|v| v.as_bool()).collect::<Option<Vec<bool>>>().ok_or_else(|| {
+                            FormatError::BadMetadata { key: pattern_key.clone(), why: "not booleans".into() }
+                        })?
+                    }
+                    Some(_) => {
+                        let n = req_u("attention.sliding_window_pattern")?;
+                        (0..n_layers).map(|i| n == 0 || i % n < n - 1).collect()
+                    }
+                };
+                Some((window, flags))
+            };
+            let local = windows.as_ref().map(|_| opt_f("rope.freq_base_swa").unwrap_or(10_000.0) as f32);
+            // llama.cpp scales scores by 1/√head_dim, and by 1/√(hidden/heads) on the 62-layer 27B
+            let scalar = if n_layers == 62 { hidden / n_heads } else { head_dim };
+            (windows, local, Some(scalar as f64))
+        } else {
+            (None, None, None)
+        };
         // Phi-3's 128k models: per-frequency factors that change with the context length
         if g.tensor("rope_factors_long.weight").is_some() || g.get(&key("rope.scaling.attn_factor")).is_some() {
             return bad("rope_factors_long: LongRoPE scaling (Phi-3 128k) is not supported".into());
@@ -333,14 +401,17 @@ impl ModelConfig {
             rope_scaling,
             rms_eps: opt_f("attention.layer_norm_rms_epsilon").unwrap_or(1e-5),
             context_length,
-            qkv_bias: family.layer.qkv_bias || g.tensor("blk.0.attn_q.bias").is_some(),
-            qk_norm: family.layer.qk_norm,
-            fused_qkv: family.layer.fused_qkv,
-            fused_gate_up: family.layer.fused_gate_up,
-            // llama.cpp runs Llama-shaped GGUF files with full attention whatever
-            // `attention.sliding_window` says (its converter writes none for Mistral, and it
-            // turns Phi-3's off): so does brigade, to give llama.cpp's numbers
-            sliding_window: None,
+            layer: LayerSpec {
+                qkv_bias: family.layer.qkv_bias || g.tensor("blk.0.attn_q.bias").is_some(),
+                ..family.layer
+            },
+            sliding_window: windows.as_ref().map(|w| w.0),
+            swa_layers: windows.map(|w| w.1),
+            rope_theta_local,
+            embed_scale: family.scaled_embedding.then(|| (hidden as f32).sqrt()),
+            // llama.cpp's converter adds Gemma's 1 to the stored norms
+            norm_offset: 0.0,
+            query_pre_attn_scalar,
             tie_word_embeddings: None,
             dtype: None,
         };
@@ -353,6 +424,12 @@ impl ModelConfig {
     pub fn from_hf_json(text: &str) -> Result<Self, FormatError> {
         hf::from_json(text)
     }
+}
+
+/// The first key position a query at position `pos` sees under a sliding `window`: 0 without
+/// one.
+pub fn first_key(window: Option<usize>, pos: usize) -> usize {
+    window.map_or(0, |w| (pos + 1).saturating_sub(w))
 }
 
 /// `hidden / n_heads` when a file gives no head size: it must divide evenly.
@@ -397,11 +474,13 @@ mod tests {
             rope_scaling: RopeScaling::None,
             rms_eps: 1e-5,
             context_length: 512,
-            qkv_bias: false,
-            qk_norm: false,
-            fused_qkv: false,
-            fused_gate_up: false,
+            layer: LayerSpec::default(),
             sliding_window: None,
+            swa_layers: None,
+            rope_theta_local: None,
+            embed_scale: None,
+            norm_offset: 0.0,
+            query_pre_attn_scalar: None,
             tie_word_embeddings: None,
             dtype: None,
         }

@@ -301,7 +301,7 @@ impl ModelIndex {
                         })
                     }
                 };
-                let Some(gname) = tensors::hf_to_gguf_name(&name) else {
+                let Some(gname) = tensors::hf_to_gguf_name_in(&name, &config) else {
                     continue;
                 };
                 if gname == OUTPUT && config.tie_word_embeddings == Some(true) {

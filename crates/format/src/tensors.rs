@@ -52,7 +52,7 @@ impl Dim {
             Dim::KvWidth => c.kv_width(),
             Dim::HeadDim => Some(c.head_dim),
             Dim::QkvWidth => c.q_width()?.checked_add(c.kv_width()?.checked_mul(2)?),
-            Dim::UpRows => c.ffn.checked_mul(if c.fused_gate_up { 2 } else { 1 }),
+            Dim::UpRows => c.ffn.checked_mul(if c.layer.fused_gate_up { 2 } else { 1 }),
         }
     }
 }
@@ -78,6 +78,8 @@ pub enum Need {
     FusedQkv,
     /// When the gate is its own matrix (not [`crate::config::LayerSpec::fused_gate_up`]).
     SeparateGate,
+    /// When the layer norms after attention and the feed-forward block too (Gemma).
+    PostNorms,
 }
 
 /// One tensor of a transformer layer.
@@ -94,14 +96,16 @@ pub enum LayerTensor {
     AttnVBias,
     AttnQNorm,
     AttnKNorm,
+    AttnPostNorm,
     FfnNorm,
     FfnGate,
     FfnUp,
     FfnDown,
+    FfnPostNorm,
 }
 
 impl LayerTensor {
-    pub const ALL: [LayerTensor; 15] = [
+    pub const ALL: [LayerTensor; 17] = [
         LayerTensor::AttnNorm,
         LayerTensor::AttnQ,
         LayerTensor::AttnK,
@@ -113,10 +117,12 @@ impl LayerTensor {
         LayerTensor::AttnVBias,
         LayerTensor::AttnQNorm,
         LayerTensor::AttnKNorm,
+        LayerTensor::AttnPostNorm,
         LayerTensor::FfnNorm,
         LayerTensor::FfnGate,
         LayerTensor::FfnUp,
         LayerTensor::FfnDown,
+        LayerTensor::FfnPostNorm,
     ];
 
     /// The table: GGUF name after `blk.N.`, Hugging Face name after `model.layers.N.`, shape
@@ -136,12 +142,19 @@ impl LayerTensor {
             LayerTensor::AttnVBias => ("attn_v.bias", "self_attn.v_proj.bias", &[KvWidth], QkvBias),
             LayerTensor::AttnQNorm => ("attn_q_norm.weight", "self_attn.q_norm.weight", &[HeadDim], QkNorm),
             LayerTensor::AttnKNorm => ("attn_k_norm.weight", "self_attn.k_norm.weight", &[HeadDim], QkNorm),
+            // Gemma's checkpoints name the norms around the feed-forward block otherwise, and
+            // call this one what a Llama calls `FfnNorm`: `hf_to_gguf_name_in` reads them by
+            // `GEMMA_NORMS`, and the name here is only what `gguf_to_hf_name` writes
+            LayerTensor::AttnPostNorm => ("post_attention_norm.weight", "post_attn_norm.weight", &[Hidden], PostNorms),
             LayerTensor::FfnNorm => ("ffn_norm.weight", "post_attention_layernorm.weight", &[Hidden], Always),
             LayerTensor::FfnGate => ("ffn_gate.weight", "mlp.gate_proj.weight", &[Ffn, Hidden], SeparateGate),
             // gate and up in one matrix where the family stores them so (`gate_up_proj` in a
             // checkpoint, see `HF_ALIASES`)
             LayerTensor::FfnUp => ("ffn_up.weight", "mlp.up_proj.weight", &[UpRows, Hidden], Always),
             LayerTensor::FfnDown => ("ffn_down.weight", "mlp.down_proj.weight", &[Hidden, Ffn], Always),
+            LayerTensor::FfnPostNorm => {
+                ("post_ffw_norm.weight", "post_feedforward_layernorm.weight", &[Hidden], PostNorms)
+            }
         }
     }
 
@@ -169,11 +182,12 @@ impl LayerTensor {
     pub fn required(self, c: &ModelConfig) -> bool {
         match self.spec().3 {
             Need::Always => true,
-            Need::QkvBias => c.qkv_bias,
-            Need::QkNorm => c.qk_norm,
-            Need::SeparateQkv => !c.fused_qkv,
-            Need::FusedQkv => c.fused_qkv,
-            Need::SeparateGate => !c.fused_gate_up,
+            Need::QkvBias => c.layer.qkv_bias,
+            Need::QkNorm => c.layer.qk_norm,
+            Need::SeparateQkv => !c.layer.fused_qkv,
+            Need::FusedQkv => c.layer.fused_qkv,
+            Need::SeparateGate => !c.layer.fused_gate_up,
+            Need::PostNorms => c.layer.post_norms,
         }
     }
 
@@ -186,6 +200,7 @@ impl LayerTensor {
             Need::SeparateQkv => "present, but the family stores q, k and v as one matrix (attn_qkv)",
             Need::FusedQkv => "present, but the family stores q, k and v as separate matrices",
             Need::SeparateGate => "present, but the family stores gate and up as one matrix (ffn_up)",
+            Need::PostNorms => "present, but the family has no norms after attention and the feed-forward block",
         }
     }
 
@@ -196,7 +211,15 @@ impl LayerTensor {
 
     /// RMS norm weights: always dense in the activation type on a device.
     pub fn is_norm(self) -> bool {
-        matches!(self, LayerTensor::AttnNorm | LayerTensor::FfnNorm | LayerTensor::AttnQNorm | LayerTensor::AttnKNorm)
+        matches!(
+            self,
+            LayerTensor::AttnNorm
+                | LayerTensor::FfnNorm
+                | LayerTensor::AttnQNorm
+                | LayerTensor::AttnKNorm
+                | LayerTensor::AttnPostNorm
+                | LayerTensor::FfnPostNorm
+        )
     }
 
     /// `blk.N.<suffix>` as (N, tensor).
@@ -223,6 +246,27 @@ pub fn hf_to_gguf_name(name: &str) -> Option<String> {
     let alias = HF_ALIASES.iter().find(|(h, _)| *h == rest).map(|(_, t)| *t);
     alias.or_else(|| LayerTensor::ALL.into_iter().find(|t| t.hf_suffix() == rest)).map(|t| t.name(i))
 }
+
+/// [`hf_to_gguf_name`] for a model of configuration `c`: Gemma's checkpoints (post-norms) call
+/// the norm after attention `post_attention_layernorm` — a Llama's name for the norm before the
+/// feed-forward block, which Gemma calls `pre_feedforward_layernorm`.
+pub fn hf_to_gguf_name_in(name: &str, c: &ModelConfig) -> Option<String> {
+    if c.layer.post_norms {
+        if let Some((i, rest)) = name.strip_prefix("model.layers.").and_then(|r| r.split_once('.')) {
+            if let (Ok(i), Some((_, t))) = (i.parse::<usize>(), GEMMA_NORMS.iter().find(|(h, _)| *h == rest)) {
+                return Some(t.name(i));
+            }
+        }
+    }
+    hf_to_gguf_name(name)
+}
+
+/// Gemma's checkpoint names of the norms around its feed-forward block.
+const GEMMA_NORMS: [(&str, LayerTensor); 3] = [
+    ("post_attention_layernorm.weight", LayerTensor::AttnPostNorm),
+    ("pre_feedforward_layernorm.weight", LayerTensor::FfnNorm),
+    ("post_feedforward_layernorm.weight", LayerTensor::FfnPostNorm),
+];
 
 /// Checkpoint names of layer tensors that GGUF stores under another tensor's name: Phi-3's
 /// `gate_up_proj` is llama.cpp's `ffn_up` of `2 × ffn` rows ([`Dim::UpRows`]).

@@ -124,7 +124,7 @@ fn phi3_projections_are_one_matrix_each() {
     write_hf_dir(&p, &phi3, 1, &[], |n| !n.contains("bias"));
     let m = ModelIndex::open(&p).unwrap();
     let c = m.config();
-    assert!(c.fused_qkv && c.fused_gate_up);
+    assert!(c.layer.fused_qkv && c.layer.fused_gate_up);
     assert_eq!(m.tensor_info("blk.2.attn_qkv.weight").unwrap().shape(), &[64 + 2 * 32, 64]);
     assert_eq!(m.tensor_info("blk.2.ffn_up.weight").unwrap().shape(), &[2 * 96, 64]);
     assert!(m.tensor_info("blk.2.ffn_gate.weight").is_none() && m.tensor_info("blk.2.attn_q.weight").is_none());
@@ -145,7 +145,7 @@ fn qk_norms_are_where_the_family_says() {
     let p = dir.path().join("qwen3");
     write_hf_dir(&p, &qwen3, 1, &[], |n| !n.contains("bias"));
     let m = ModelIndex::open(&p).unwrap();
-    assert!(m.config().qk_norm);
+    assert!(m.config().layer.qk_norm);
     assert_eq!(m.tensor_info("blk.1.attn_k_norm.weight").unwrap().shape(), &[32]);
     assert_eq!(m.tensor_info("blk.1.attn_q.weight").unwrap().shape(), &[4 * 32, 64]);
     let p = dir.path().join("qwen3-without");

@@ -6,7 +6,7 @@
 //! [`SliceCache`] per session, preallocated for the context length and written in place, so one
 //! loaded slice serves many sessions and a decode step appends without concatenating.
 
-use crate::config::{ModelConfig, RopeStyle};
+use crate::config::{first_key, ModelConfig, RopeStyle};
 use crate::weights::{Embedding, Linear, ModelFiles};
 use crate::ModelError;
 use brigade_core::{DeviceId, LayerRange};
@@ -104,6 +104,15 @@ impl Proj {
 
 struct Block {
     attn_norm: Tensor,
+    /// The norms after attention and after the feed-forward block
+    /// ([`brigade_format::config::LayerSpec::post_norms`]).
+    post_norms: Option<(Tensor, Tensor)>,
+    /// GeLU-tanh instead of SiLU gating the feed-forward block.
+    gelu: bool,
+    /// The layer's sliding window ([`ModelConfig::window`]).
+    window: Option<usize>,
+    /// Whether RoPE uses the windowed layers' own base ([`ModelConfig::local_rope_theta`]).
+    local_rope: bool,
     /// The per-head norms of q and k (`head_dim` weights each) where the layer has them
     /// ([`brigade_format::config::LayerSpec::qk_norm`]).
     qk_norm: Option<(Tensor, Tensor)>,
@@ -175,6 +184,8 @@ pub struct Slice {
     head: Option<Head>,
     cos: Tensor,
     sin: Tensor,
+    /// The rotary tables of the windowed layers' own base, where the slice has such layers.
+    local_rope: Option<(Tensor, Tensor)>,
     n_ctx: usize,
     weight_bytes: u64,
     /// Whether decode steps take the fused CPU path (`fused`): where the slice can
@@ -195,23 +206,26 @@ impl Block {
         let cfg = files.config();
         let n = |t: T| t.name(i);
         let qkv_bias = T::AttnQBias.required(cfg).then(|| vec![n(T::AttnQBias), n(T::AttnKBias), n(T::AttnVBias)]);
-        let qk_norm = if cfg.layer().qk_norm {
-            Some((files.dense(&n(T::AttnQNorm), device, dtype)?, files.dense(&n(T::AttnKNorm), device, dtype)?))
-        } else {
-            None
-        };
+        let norm = |t: T| files.norm(&n(t), device, dtype);
+        let qk_norm = if cfg.layer.qk_norm { Some((norm(T::AttnQNorm)?, norm(T::AttnKNorm)?)) } else { None };
+        let post_norms =
+            if cfg.layer.post_norms { Some((norm(T::AttnPostNorm)?, norm(T::FfnPostNorm)?)) } else { None };
         Ok(Block {
-            attn_norm: files.dense(&n(T::AttnNorm), device, dtype)?,
+            attn_norm: norm(T::AttnNorm)?,
+            post_norms,
+            gelu: cfg.layer.gelu,
+            window: cfg.window(i),
+            local_rope: cfg.local_rope_theta(i).is_some(),
             qk_norm,
-            ffn_norm: files.dense(&n(T::FfnNorm), device, dtype)?,
-            qkv: if cfg.fused_qkv {
+            ffn_norm: norm(T::FfnNorm)?,
+            qkv: if cfg.layer.fused_qkv {
                 let (q, kv) = (cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim);
                 Proj::Stacked(files.linear(&n(T::AttnQkv), None, device, dtype)?, vec![q, kv, kv])
             } else {
                 Proj::load(files, &[n(T::AttnQ), n(T::AttnK), n(T::AttnV)], qkv_bias, device, dtype)?
             },
             wo: files.linear(&n(T::AttnOutput), None, device, dtype)?,
-            gate_up: if cfg.fused_gate_up {
+            gate_up: if cfg.layer.fused_gate_up {
                 Proj::Stacked(files.linear(&n(T::FfnUp), None, device, dtype)?, vec![cfg.ffn, cfg.ffn])
             } else {
                 Proj::load(files, &[n(T::FfnGate), n(T::FfnUp)], None, device, dtype)?
@@ -223,7 +237,8 @@ impl Block {
 
     fn bytes(&self) -> u64 {
         let qk = self.qk_norm.as_ref().map_or(0, |(q, k)| q.elem_count() + k.elem_count());
-        let norms = ((self.attn_norm.elem_count() + self.ffn_norm.elem_count() + qk)
+        let post = self.post_norms.as_ref().map_or(0, |(a, f)| a.elem_count() + f.elem_count());
+        let norms = ((self.attn_norm.elem_count() + self.ffn_norm.elem_count() + qk + post)
             * self.attn_norm.dtype().size_in_bytes()) as u64;
         norms + self.qkv.bytes() + self.gate_up.bytes() + self.wo.storage_bytes() + self.down.storage_bytes()
     }
@@ -242,7 +257,7 @@ impl Block {
     ) -> candle_core::Result<Tensor> {
         let _g = self.span.enter();
         let (q, k, v) = self.qkv(cfg, x, Linear::forward)?;
-        let y = attend(cfg, (&q, &k, &v), kv, pos, (cos, sin), mask)?;
+        let y = attend(cfg, self.window, (&q, &k, &v), kv, pos, (cos, sin), mask)?;
         self.output(cfg, x, &y, Linear::forward)
     }
 
@@ -268,24 +283,33 @@ impl Block {
     /// The attention output `y: (b, t, heads × head_dim)` projected and added to `x`, then the
     /// feed-forward half of the block.
     fn output(&self, cfg: &ModelConfig, x: &Tensor, y: &Tensor, mm: MatMul) -> candle_core::Result<Tensor> {
-        let x = (x + mm(&self.wo, y)?)?;
+        let post = |t: Tensor, which: usize| match &self.post_norms {
+            Some(n) => rms_norm(&t, if which == 0 { &n.0 } else { &n.1 }, cfg.rms_eps),
+            None => Ok(t),
+        };
+        let x = (x + post(mm(&self.wo, y)?, 0)?)?;
         let h = rms_norm(&x, &self.ffn_norm, cfg.rms_eps)?;
         let gu = self.gate_up.forward(&h, mm)?;
-        let act = if own_cpu_attention(gu[0].device(), gu[0].dtype()) {
+        let act = if self.gelu {
+            // transformers' gelu_pytorch_tanh, llama.cpp's GELU
+            (gu[0].gelu()? * &gu[1])?
+        } else if own_cpu_attention(gu[0].device(), gu[0].dtype()) {
             // one pass with an exp that vectorizes, the numbers of the fused decode step
             gu[0].apply_op2_no_bwd(&gu[1], &silu::SiluMul)?
         } else {
             (candle_nn::ops::silu(&gu[0])? * &gu[1])?
         };
-        x + mm(&self.down, &act)?
+        x + post(mm(&self.down, &act)?, 1)?
     }
 }
 
 /// One session's attention over its own cache: RoPE at positions `pos..pos + t`, k and v written
 /// into the cache there, then grouped-query attention over the `pos + t` cached positions.
 /// Returns `(1, t, heads × head_dim)`.
+#[allow(clippy::too_many_arguments)]
 fn attend(
     cfg: &ModelConfig,
+    window: Option<usize>,
     (q, k, v): (&Tensor, &Tensor, &Tensor),
     kv: &mut (Tensor, Tensor),
     pos: usize,
@@ -303,24 +327,32 @@ fn attend(
     kv.0.slice_set(&k, 2, pos)?;
     kv.1.slice_set(v, 2, pos)?;
     let l = pos + t;
+    let scale = cfg.attention_scale();
     if t == 1 && b == 1 && own_cpu_attention(q.device(), q.dtype()) {
         // a decode step reads the cache in place (see `decode_attn`)
-        let scale = (1.0 / (hd as f64).sqrt()) as f32;
-        let op = decode_attn::DecodeAttention { from: cfg.first_key(pos), seen: l, scale };
+        let op = decode_attn::DecodeAttention { from: first_key(window, pos), seen: l, scale: scale as f32 };
         let y = q.apply_op3_no_bwd(&kv.0, &kv.1, &op)?;
         return y.reshape((b, t, nh * hd));
     }
     if t == 1 {
         // one query: the keys of its window are all it sees, and no mask is needed
-        let from = cfg.first_key(pos);
+        let from = first_key(window, pos);
         let (keys, values) = (kv.0.narrow(2, from, l - from)?, kv.1.narrow(2, from, l - from)?);
-        let y = grouped_attention(&q, (&keys, &values), nkv, l - from - 1, None, None, QUERY_BLOCK)?;
+        let scores = Scores { scale, window: None };
+        let y = grouped_attention(&q, (&keys, &values), nkv, l - from - 1, scores, None, QUERY_BLOCK)?;
         return y.transpose(1, 2)?.reshape((b, t, nh * hd));
     }
     let keys = kv.0.narrow(2, 0, l)?;
     let values = kv.1.narrow(2, 0, l)?;
-    let y = grouped_attention(&q, (&keys, &values), nkv, pos, cfg.sliding_window, mask, QUERY_BLOCK)?;
+    let y = grouped_attention(&q, (&keys, &values), nkv, pos, Scores { scale, window }, mask, QUERY_BLOCK)?;
     y.transpose(1, 2)?.reshape((b, t, nh * hd))
+}
+
+/// How attention scores become weights: scaled by `scale`, and seen only within `window`.
+#[derive(Clone, Copy)]
+struct Scores {
+    scale: f64,
+    window: Option<usize>,
 }
 
 /// Queries per block of a prompt chunk's attention on the CPU (see [`grouped_attention`]).
@@ -356,7 +388,7 @@ fn causal_mask(
 ///
 /// `mask` is the [`causal_mask`] of a chunk (`None` for one query), which candle's composition
 /// adds; brigade's own CPU ops ([`own_cpu_attention`]) apply it by position instead, with the
-/// sliding `window` if the model has one.
+/// sliding window of `scores` if the layer has one.
 ///
 /// On the CPU in f32 the scores become weights in one op ([`softmax::CausalSoftmax`]), and a
 /// chunk longer than `block` runs its queries `block` at a time, each block against the keys
@@ -370,13 +402,12 @@ fn grouped_attention(
     (keys, values): (&Tensor, &Tensor),
     nkv: usize,
     pos: usize,
-    window: Option<usize>,
+    Scores { scale, window }: Scores,
     mask: Option<&Tensor>,
     block: usize,
 ) -> candle_core::Result<Tensor> {
     let (b, nh, t, hd) = q.dims4()?;
     let (g, l) = (nh / nkv, pos + t);
-    let scale = 1.0 / (hd as f64).sqrt();
     if own_cpu_attention(q.device(), q.dtype()) {
         let q5 = q.reshape((b, nkv, g, t, hd))?;
         let mut ys = Vec::with_capacity(t.div_ceil(block.max(1)));
@@ -438,7 +469,7 @@ impl Slice {
             blocks.push(b);
         }
         let head = if layers.is_last(cfg.n_layers) {
-            let norm = files.dense(OUTPUT_NORM, device, dtype)?;
+            let norm = files.norm(OUTPUT_NORM, device, dtype)?;
             weight_bytes += (norm.elem_count() * norm.dtype().size_in_bytes()) as u64;
             let out = if !files.tied_head() {
                 let l = files.linear(OUTPUT, None, device, dtype)?;
@@ -456,19 +487,13 @@ impl Slice {
         } else {
             None
         };
-        let inv = cfg.rope_inv_freq();
-        let half = inv.len();
-        // the rotary table is built on the host whatever the device: a context too large for
-        // memory is an error here, not an allocation failure
-        let too_large = || ModelError::BadSlice(format!("a context of {n_ctx} tokens does not fit in memory"));
-        let mut angles: Vec<f32> = Vec::new();
-        angles.try_reserve_exact(n_ctx.checked_mul(half).ok_or_else(too_large)?).map_err(|_| too_large())?;
-        for p in 0..n_ctx {
-            angles.extend(inv.iter().map(|f| p as f32 * f));
-        }
-        let angles = Tensor::from_vec(angles, (n_ctx, half), &Device::Cpu)?;
-        let cos = angles.cos()?.to_dtype(dtype)?.to_device(device)?;
-        let sin = angles.sin()?.to_dtype(dtype)?.to_device(device)?;
+        let (cos, sin) = rope_tables(&cfg.rope_inv_freq(), n_ctx, device, dtype)?;
+        let local_rope = match cfg.rope_theta_local {
+            Some(theta) if blocks.iter().any(|b| b.local_rope) => {
+                Some(rope_tables(&cfg.rope_inv_freq_at(theta), n_ctx, device, dtype)?)
+            }
+            _ => None,
+        };
         drop(_g);
         let mut slice = Slice {
             cfg,
@@ -480,6 +505,7 @@ impl Slice {
             head,
             cos,
             sin,
+            local_rope,
             n_ctx,
             weight_bytes,
             fused: false,
@@ -553,7 +579,11 @@ impl Slice {
                     return Err(ModelError::BadInput(format!("{} token ids for {batch} rows", ids.len())));
                 }
                 let ids = Tensor::new(ids, &self.device)?.reshape((batch, ids.len() / batch))?;
-                e.forward(&ids)?.to_dtype(self.dtype)?
+                let x = e.forward(&ids)?.to_dtype(self.dtype)?;
+                match self.cfg.embed_scale {
+                    Some(s) => (x * s as f64)?,
+                    None => x,
+                }
             }
             (StageInput::Hidden(h), None) => {
                 let (b, _, hid) = h.dims3()?;
@@ -586,19 +616,30 @@ impl Slice {
         if pos + t > self.n_ctx.min(cache.n_ctx) {
             return Err(ModelError::ContextFull { need: pos + t, n_ctx: self.n_ctx });
         }
-        let cos = self.cos.narrow(0, pos, t)?;
-        let sin = self.sin.narrow(0, pos, t)?;
-        // built once for every layer, and only for candle's composition
-        let mask = if t > 1 && !own_cpu_attention(&self.device, self.dtype) {
-            Some(causal_mask(t, pos, self.cfg.sliding_window, &self.device, self.dtype)?)
-        } else {
-            None
+        let tables = |local: bool| -> candle_core::Result<(Tensor, Tensor)> {
+            let (cos, sin) = match (&self.local_rope, local) {
+                (Some(l), true) => (&l.0, &l.1),
+                _ => (&self.cos, &self.sin),
+            };
+            Ok((cos.narrow(0, pos, t)?, sin.narrow(0, pos, t)?))
         };
+        let (global, local) = (tables(false)?, tables(true)?);
+        // built once for every layer of each window, and only for candle's composition
+        let mut masks: Vec<(Option<usize>, Tensor)> = Vec::new();
+        if t > 1 && !own_cpu_attention(&self.device, self.dtype) {
+            for w in self.blocks.iter().map(|b| b.window) {
+                if !masks.iter().any(|(m, _)| *m == w) {
+                    masks.push((w, causal_mask(t, pos, w, &self.device, self.dtype)?));
+                }
+            }
+        }
         if t == 1 && self.fused {
             x = self.decode_fused(&[&mut *cache], &x)?;
         } else {
             for (block, kv) in self.blocks.iter().zip(cache.kv.iter_mut()) {
-                x = block.forward(&self.cfg, &x, kv, pos, &cos, &sin, mask.as_ref())?;
+                let (cos, sin) = if block.local_rope { &local } else { &global };
+                let mask = masks.iter().find(|(w, _)| *w == block.window).map(|(_, m)| m);
+                x = block.forward(&self.cfg, &x, kv, pos, cos, sin, mask)?;
             }
         }
         cache.len = pos + t;
@@ -614,6 +655,23 @@ impl Slice {
             }
         }
     }
+}
+
+/// The rotary tables `(n_ctx, head_dim / 2)` of inverse frequencies `inv`: cos and sin of each
+/// position's angles, built on the host whatever the device (a context too large for memory is
+/// an error here, not an allocation failure).
+fn rope_tables(inv: &[f32], n_ctx: usize, device: &Device, dtype: DType) -> Result<(Tensor, Tensor), ModelError> {
+    let half = inv.len();
+    let too_large = || ModelError::BadSlice(format!("a context of {n_ctx} tokens does not fit in memory"));
+    let mut angles: Vec<f32> = Vec::new();
+    angles.try_reserve_exact(n_ctx.checked_mul(half).ok_or_else(too_large)?).map_err(|_| too_large())?;
+    for p in 0..n_ctx {
+        angles.extend(inv.iter().map(|f| p as f32 * f));
+    }
+    let angles = Tensor::from_vec(angles, (n_ctx, half), &Device::Cpu)?;
+    let cos = angles.cos()?.to_dtype(dtype)?.to_device(device)?;
+    let sin = angles.sin()?.to_dtype(dtype)?.to_device(device)?;
+    Ok((cos, sin))
 }
 
 /// Bytes a slice will hold on its device, predicted from the file before loading anything.
@@ -685,9 +743,10 @@ mod tests {
             let q = filled((1, nh, t, hd), 3 + t);
             let l = pos + t;
             let (k, v) = (kc.narrow(2, 0, l).unwrap(), vc.narrow(2, 0, l).unwrap());
-            let one = grouped_attention(&q, (&k, &v), nkv, pos, window, None, t).unwrap();
+            let scores = Scores { scale: 1.0 / (hd as f64).sqrt(), window };
+            let one = grouped_attention(&q, (&k, &v), nkv, pos, scores, None, t).unwrap();
             for block in [1, 5, 64, 128] {
-                let got = grouped_attention(&q, (&k, &v), nkv, pos, window, None, block).unwrap();
+                let got = grouped_attention(&q, (&k, &v), nkv, pos, scores, None, block).unwrap();
                 assert_eq!(got.dims(), [1, nh, t, hd]);
                 // the same products; gemm's own blocking of shorter matrices may round a sum
                 // differently (seen: 3e-6 at most, values of a few units)
@@ -703,7 +762,7 @@ mod tests {
                 (&k.to_dtype(DType::F16).unwrap(), &v.to_dtype(DType::F16).unwrap()),
                 nkv,
                 pos,
-                window,
+                scores,
                 Some(&causal_mask(t, pos, window, &Device::Cpu, DType::F16).unwrap()),
                 64,
             )
@@ -714,7 +773,8 @@ mod tests {
             assert!(diff < 0.05, "t {t} pos {pos} window {window:?}: f16 composition differs by {diff}");
             // a window changes what the last query sees once the keys outnumber it
             if let Some(w) = window {
-                let full = grouped_attention(&q, (&k, &v), nkv, pos, None, None, t).unwrap();
+                let full =
+                    grouped_attention(&q, (&k, &v), nkv, pos, Scores { window: None, ..scores }, None, t).unwrap();
                 let last = |y: &Tensor| y.narrow(2, t - 1, 1).unwrap();
                 let d =
                     (last(&full) - last(&one)).unwrap().abs().unwrap().max_all().unwrap().to_scalar::<f32>().unwrap();

@@ -349,6 +349,17 @@ impl ModelFiles {
         self.index.tensor_info(name).ok_or_else(|| ModelError::MissingTensor(name.to_string()))
     }
 
+    /// An RMSNorm weight in `dtype` on `device`, with the configuration's `norm_offset` added
+    /// (Gemma's checkpoints store `w` of `x̂ · (1 + w)`), in f32 before the conversion.
+    pub fn norm(&self, name: &str, device: &Device, dtype: DType) -> Result<Tensor, ModelError> {
+        let offset = self.config().norm_offset;
+        if offset == 0.0 {
+            return self.dense(name, device, dtype);
+        }
+        let w = (self.dense(name, &Device::Cpu, DType::F32)? + offset as f64)?;
+        Ok(w.to_dtype(dtype)?.to_device(device)?)
+    }
+
     /// A dense tensor in `dtype` on `device` (any stored type is converted).
     pub fn dense(&self, name: &str, device: &Device, dtype: DType) -> Result<Tensor, ModelError> {
         let t = self.stored(name)?;

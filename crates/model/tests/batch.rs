@@ -126,6 +126,13 @@ fn decode_rows_are_batch_invariant_phi3() {
     check_rows_invariant(&files, "cpu:1,cpu:2");
 }
 
+/// Gemma 3 on the op path: windowed and global layers, two RoPE bases.
+#[test]
+fn decode_rows_are_batch_invariant_gemma3() {
+    let files = ModelFiles::open(&common::family_file("gemma3", "gemma3-tiny-Q4_K_M.gguf")).unwrap();
+    check_rows_invariant(&files, "cpu:4,cpu:2");
+}
+
 #[test]
 fn decode_rows_are_batch_invariant_in_a_sliding_window() {
     let files = ModelFiles::open(&common::family_file("mistral", "hf")).unwrap();

@@ -120,7 +120,7 @@ fn fused_decode_equals_candle_ops_on_hugging_face_layouts() {
     // q/k/v biases (Qwen2)
     let qwen = common::qwen2_twin(&llama, &dir.path().join("qwen"), &shape(), 0.5);
     let files = ModelFiles::open(&qwen).unwrap();
-    assert!(files.config.qkv_bias);
+    assert!(files.config.layer.qkv_bias);
     check("qwen2 biases", &files, "cpu:2,cpu:1");
 }
 
@@ -129,7 +129,7 @@ fn fused_decode_equals_candle_ops_on_hugging_face_layouts() {
 fn fused_decode_equals_candle_ops_on_qwen3() {
     for name in ["hf", "qwen3-tiny-Q4_K_M.gguf"] {
         let files = ModelFiles::open(&common::family_file("qwen3", name)).unwrap();
-        assert!(files.config.qk_norm, "{name}");
+        assert!(files.config.layer.qk_norm, "{name}");
         check(&format!("qwen3 {name}"), &files, "cpu:3");
         check(&format!("qwen3 {name}"), &files, "cpu:1,cpu:2");
     }
@@ -140,7 +140,7 @@ fn fused_decode_equals_candle_ops_on_qwen3() {
 fn fused_decode_equals_candle_ops_on_phi3() {
     for name in ["hf", "phi3-tiny-Q4_K_M.gguf"] {
         let files = ModelFiles::open(&common::family_file("phi3", name)).unwrap();
-        assert!(files.config.fused_qkv && files.config.fused_gate_up, "{name}");
+        assert!(files.config.layer.fused_qkv && files.config.layer.fused_gate_up, "{name}");
         check(&format!("phi3 {name}"), &files, "cpu:3");
         check(&format!("phi3 {name}"), &files, "cpu:2,cpu:1");
     }
@@ -153,6 +153,18 @@ fn fused_decode_equals_candle_ops_in_a_sliding_window() {
     assert_eq!(files.config.sliding_window, Some(16));
     check("mistral", &files, "cpu:3");
     check("mistral", &files, "cpu:2,cpu:1");
+}
+
+/// Gemma 3's post-norms, GeLU and local RoPE base are not in the fused step: its slices keep
+/// the op path (and decode what transformers decodes, `families.rs`).
+#[test]
+fn gemma3_keeps_the_op_path() {
+    let files = ModelFiles::open(&common::family_file("gemma3", "gemma3-tiny-Q4_K_M.gguf")).unwrap();
+    let mut p = pipeline(&files, "cpu:6", 128);
+    assert_eq!(p.set_fused_decode(true), 0);
+    let mut p = pipeline(&files, "cpu:5,cpu:1", 128);
+    // the last layer alone is global: no post-norm or GeLU is in the fused step either way
+    assert_eq!(p.set_fused_decode(true), 0);
 }
 
 #[test]

@@ -177,7 +177,7 @@ fn qwen2_biases() {
     let zero = ModelFiles::open(&make_qwen("qwen-zero", 0.0)).unwrap();
     let real = ModelFiles::open(&make_qwen("qwen", 0.5)).unwrap();
     assert_eq!(zero.config.arch, brigade_model::config::Arch::Qwen2);
-    assert!(zero.config.qkv_bias);
+    assert!(zero.config.layer.qkv_bias);
     let a = trace(&base, "cpu:4");
     assert!(max_abs_diff(&a, &trace(&zero, "cpu:4")) <= 1e-6);
     assert!(max_abs_diff(&a, &trace(&real, "cpu:4")) > 1e-3, "biases must change the logits");

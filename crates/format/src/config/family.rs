@@ -17,9 +17,11 @@ use serde::{Deserialize, Serialize};
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
 pub struct LayerSpec {
     /// Biases on the q, k and v projections (Qwen2; `attention_bias` in a `config.json`).
+    #[serde(default)]
     pub qkv_bias: bool,
     /// An RMSNorm over each head of q and of k (weights of `head_dim`), after the projection and
     /// before RoPE (Qwen3, OLMo 2, Gemma 3).
+    #[serde(default)]
     pub qk_norm: bool,
     /// q, k and v as one stored matrix (`attn_qkv`, `qkv_proj`: Phi-3), rows in that order.
     #[serde(default)]
@@ -28,6 +30,13 @@ pub struct LayerSpec {
     /// `ffn_up`, `gate_up_proj`).
     #[serde(default)]
     pub fused_gate_up: bool,
+    /// RMSNorms after attention and after the feed-forward block too, before each residual add
+    /// (Gemma 2 and 3: `post_attention_norm`, `post_ffw_norm`).
+    #[serde(default)]
+    pub post_norms: bool,
+    /// GeLU (tanh approximation) gating the feed-forward block instead of SiLU (Gemma).
+    #[serde(default)]
+    pub gelu: bool,
 }
 
 /// One family.
@@ -43,18 +52,33 @@ pub struct Family {
     pub gguf_rope: RopeStyle,
     /// The layer every file of the family has (a `config.json` may add q/k/v biases to any).
     pub layer: LayerSpec,
+    /// The embedding scaled by √hidden (Gemma).
+    pub scaled_embedding: bool,
+    /// What a checkpoint's RMSNorm weights are stored without: Gemma computes `x̂ · (1 + w)`,
+    /// and llama.cpp's converter adds the 1 to the GGUF's weights, so brigade adds it to a
+    /// checkpoint's when it loads them.
+    pub hf_norm_offset: f32,
 }
 
-const LLAMA_LAYER: LayerSpec = LayerSpec { qkv_bias: false, qk_norm: false, fused_qkv: false, fused_gate_up: false };
+const LLAMA_LAYER: LayerSpec = LayerSpec {
+    qkv_bias: false,
+    qk_norm: false,
+    fused_qkv: false,
+    fused_gate_up: false,
+    post_norms: false,
+    gelu: false,
+};
 
 /// Every family brigade runs.
-pub static FAMILIES: [Family; 5] = [
+pub static FAMILIES: [Family; 6] = [
     Family {
         arch: Arch::Llama,
         gguf: "llama",
         hf: &["LlamaForCausalLM", "llama"],
         gguf_rope: RopeStyle::Interleaved,
         layer: LLAMA_LAYER,
+        scaled_embedding: false,
+        hf_norm_offset: 0.0,
     },
     Family {
         arch: Arch::Mistral,
@@ -62,6 +86,8 @@ pub static FAMILIES: [Family; 5] = [
         hf: &["MistralForCausalLM", "mistral"],
         gguf_rope: RopeStyle::Interleaved,
         layer: LLAMA_LAYER,
+        scaled_embedding: false,
+        hf_norm_offset: 0.0,
     },
     Family {
         arch: Arch::Qwen2,
@@ -69,6 +95,8 @@ pub static FAMILIES: [Family; 5] = [
         hf: &["Qwen2ForCausalLM", "qwen2"],
         gguf_rope: RopeStyle::Halves,
         layer: LayerSpec { qkv_bias: true, ..LLAMA_LAYER },
+        scaled_embedding: false,
+        hf_norm_offset: 0.0,
     },
     Family {
         arch: Arch::Qwen3,
@@ -76,6 +104,8 @@ pub static FAMILIES: [Family; 5] = [
         hf: &["Qwen3ForCausalLM", "qwen3"],
         gguf_rope: RopeStyle::Halves,
         layer: LayerSpec { qk_norm: true, ..LLAMA_LAYER },
+        scaled_embedding: false,
+        hf_norm_offset: 0.0,
     },
     Family {
         arch: Arch::Phi3,
@@ -83,6 +113,17 @@ pub static FAMILIES: [Family; 5] = [
         hf: &["Phi3ForCausalLM", "phi3"],
         gguf_rope: RopeStyle::Halves,
         layer: LayerSpec { fused_qkv: true, fused_gate_up: true, ..LLAMA_LAYER },
+        scaled_embedding: false,
+        hf_norm_offset: 0.0,
+    },
+    Family {
+        arch: Arch::Gemma3,
+        gguf: "gemma3",
+        hf: &["Gemma3ForCausalLM", "gemma3_text"],
+        gguf_rope: RopeStyle::Halves,
+        layer: LayerSpec { qk_norm: true, post_norms: true, gelu: true, ..LLAMA_LAYER },
+        scaled_embedding: true,
+        hf_norm_offset: 1.0,
     },
 ];
 
@@ -123,7 +164,7 @@ mod tests {
                 assert!(std::ptr::eq(by_hf(h).unwrap(), f), "{h}");
             }
         }
-        assert!(by_gguf("gemma3").is_none() && by_hf("Gemma3ForCausalLM").is_none());
-        assert_eq!(names(), "llama, mistral, qwen2, qwen3, phi3");
+        assert!(by_gguf("gemma2").is_none() && by_hf("Gemma2ForCausalLM").is_none());
+        assert_eq!(names(), "llama, mistral, qwen2, qwen3, phi3, gemma3");
     }
 }

@@ -3,7 +3,7 @@
 //! must agree. A RoPE type or parameter brigade does not implement is an error that names it:
 //! a default in its place would silently compute other numbers than the checkpoint was trained on.
 
-use super::{bad, derived_head_dim, Arch, ModelConfig, RopeScaling, RopeStyle};
+use super::{bad, derived_head_dim, Arch, LayerSpec, ModelConfig, RopeScaling, RopeStyle};
 use crate::{FormatError, GgmlType};
 use serde::Deserialize;
 use serde_json::{Map, Value};
@@ -34,7 +34,13 @@ struct HfConfig {
     dtype: Option<String>,
     use_sliding_window: Option<bool>,
     sliding_window: Option<Value>,
+    sliding_window_pattern: Option<usize>,
     layer_types: Option<Vec<String>>,
+    query_pre_attn_scalar: Option<f64>,
+    final_logit_softcapping: Option<f64>,
+    attn_logit_softcapping: Option<f64>,
+    hidden_activation: Option<String>,
+    use_bidirectional_attention: Option<bool>,
 }
 
 /// transformers' `default_theta`.
@@ -45,7 +51,10 @@ pub(super) fn from_json(text: &str) -> Result<ModelConfig, FormatError> {
     let arch_name = hf.architectures.first().cloned().or(hf.model_type.clone()).unwrap_or_default();
     let family = super::family::by_hf(&arch_name).ok_or_else(|| FormatError::UnsupportedArch(arch_name.clone()))?;
     let arch = family.arch;
-    let sliding_window = sliding_window(&hf, arch)?;
+    let (sliding_window, swa_layers) = sliding_window(&hf, arch)?;
+    if arch == Arch::Gemma3 {
+        gemma(&hf)?;
+    }
     if hf.num_attention_heads == 0 {
         return bad("zero attention heads".into());
     }
@@ -59,7 +68,7 @@ pub(super) fn from_json(text: &str) -> Result<ModelConfig, FormatError> {
     if hf.mlp_bias == Some(true) {
         return bad("mlp_bias: biases on the feed-forward projections are not supported".into());
     }
-    let (rope_theta, rope_scaling) = rope(&hf)?;
+    let (rope_theta, rope_scaling, rope_theta_local) = rope(&hf)?;
     let cfg = ModelConfig {
         arch,
         n_layers: hf.num_hidden_layers,
@@ -74,11 +83,13 @@ pub(super) fn from_json(text: &str) -> Result<ModelConfig, FormatError> {
         rope_scaling,
         rms_eps: hf.rms_norm_eps.unwrap_or(1e-5),
         context_length: hf.max_position_embeddings.unwrap_or(2048),
-        qkv_bias: family.layer.qkv_bias || hf.attention_bias.unwrap_or(false),
-        qk_norm: family.layer.qk_norm,
-        fused_qkv: family.layer.fused_qkv,
-        fused_gate_up: family.layer.fused_gate_up,
+        layer: LayerSpec { qkv_bias: family.layer.qkv_bias || hf.attention_bias.unwrap_or(false), ..family.layer },
+        rope_theta_local: rope_theta_local.filter(|_| sliding_window.is_some()).map(|t| t as f32),
         sliding_window,
+        swa_layers,
+        embed_scale: family.scaled_embedding.then(|| (hf.hidden_size as f32).sqrt()),
+        norm_offset: family.hf_norm_offset,
+        query_pre_attn_scalar: if arch == Arch::Gemma3 { hf.query_pre_attn_scalar.or(Some(256.0)) } else { None },
         tie_word_embeddings: hf.tie_word_embeddings,
         dtype: dtype(&hf)?,
     };
@@ -86,15 +97,13 @@ pub(super) fn from_json(text: &str) -> Result<ModelConfig, FormatError> {
     Ok(cfg)
 }
 
-/// The window of every layer: Mistral's and Phi-3's `sliding_window` (transformers applies it
-/// to every layer; `null` means none). Windows on some layers only — a Qwen family's `use_sliding_window`
-/// (from `max_window_layers` on) or `layer_types` other than full attention — are refused by
-/// name. Llama and the Qwen families without `use_sliding_window` ignore the field, as
+/// The sliding window and the layers it applies to: Mistral's and Phi-3's `sliding_window` on
+/// every layer (`null`: none), Gemma 3's on the `sliding_attention` layers of `layer_types`
+/// (five in six without it, as transformers fills it in). A Qwen family's `use_sliding_window`
+/// (windows from `max_window_layers` on) and `layer_types` of any other family than Gemma are
+/// refused by name; Llama and Qwen without `use_sliding_window` ignore the field, as
 /// transformers does.
-fn sliding_window(hf: &HfConfig, arch: Arch) -> Result<Option<usize>, FormatError> {
-    if let Some(t) = hf.layer_types.iter().flatten().find(|t| t.as_str() != "full_attention") {
-        return bad(format!("layer_types: `{t}` layers are not supported (full_attention is)"));
-    }
+fn sliding_window(hf: &HfConfig, arch: Arch) -> Result<(Option<usize>, Option<Vec<bool>>), FormatError> {
     let window = || match &hf.sliding_window {
         None | Some(Value::Null) => Ok(None),
         Some(v) => match v.as_u64() {
@@ -102,13 +111,61 @@ fn sliding_window(hf: &HfConfig, arch: Arch) -> Result<Option<usize>, FormatErro
             _ => bad(format!("sliding_window {v}: a window is a positive number of positions")),
         },
     };
+    if arch == Arch::Gemma3 {
+        let flags = match &hf.layer_types {
+            Some(types) => types
+                .iter()
+                .map(|t| match t.as_str() {
+                    "sliding_attention" => Ok(true),
+                    "full_attention" => Ok(false),
+                    other => bad(format!("layer_types: `{other}` layers are not supported")),
+                })
+                .collect::<Result<Vec<bool>, _>>()?,
+            None => {
+                let n = hf.sliding_window_pattern.unwrap_or(6).max(1);
+                (0..hf.num_hidden_layers).map(|i| (i + 1) % n != 0).collect()
+            }
+        };
+        return match window()? {
+            Some(w) => Ok((Some(w), Some(flags))),
+            None if flags.iter().any(|f| *f) => {
+                bad("layer_types: sliding_attention layers without a sliding_window".into())
+            }
+            None => Ok((None, None)),
+        };
+    }
+    if let Some(t) = hf.layer_types.iter().flatten().find(|t| t.as_str() != "full_attention") {
+        return bad(format!("layer_types: `{t}` layers are not supported (full_attention is)"));
+    }
     match arch {
-        Arch::Mistral | Arch::Phi3 => window(),
+        Arch::Mistral | Arch::Phi3 => Ok((window()?, None)),
         Arch::Qwen2 | Arch::Qwen3 if hf.use_sliding_window == Some(true) && window()?.is_some() => {
             bad("use_sliding_window: windows on the layers from max_window_layers on are not supported".into())
         }
-        _ => Ok(None),
+        _ => Ok((None, None)),
     }
+}
+
+/// What Gemma 3 may ask for that brigade does not do, by name.
+fn gemma(hf: &HfConfig) -> Result<(), FormatError> {
+    for (key, v) in
+        [("final_logit_softcapping", hf.final_logit_softcapping), ("attn_logit_softcapping", hf.attn_logit_softcapping)]
+    {
+        if let Some(v) = v {
+            return bad(format!("{key} {v}: soft-capping (Gemma 2) is not supported"));
+        }
+    }
+    match hf.hidden_activation.as_deref() {
+        None | Some("gelu_pytorch_tanh") => {}
+        Some(other) => return bad(format!("hidden_activation `{other}` is not supported (gelu_pytorch_tanh is)")),
+    }
+    if hf.use_bidirectional_attention == Some(true) {
+        return bad("use_bidirectional_attention: only causal attention is supported".into());
+    }
+    if hf.query_pre_attn_scalar.is_some_and(|q| !(q.is_finite() && q > 0.0)) {
+        return bad(format!("query_pre_attn_scalar {:?} must be positive", hf.query_pre_attn_scalar));
+    }
+    Ok(())
 }
 
 /// `dtype` (transformers 5) or `torch_dtype` (4); both present must agree.
@@ -135,7 +192,9 @@ fn partial_rotary(factor: Option<f64>, key: &str) -> Result<(), FormatError> {
 }
 
 /// RoPE settings of either layout: `rope_parameters`, or top-level `rope_theta` + `rope_scaling`.
-fn rope(hf: &HfConfig) -> Result<(f64, RopeScaling), FormatError> {
+/// Also the RoPE base of the windowed layers where `rope_parameters` gives one per kind of layer
+/// (Gemma 3: `{"full_attention": {…}, "sliding_attention": {…}}`); those are unscaled.
+fn rope(hf: &HfConfig) -> Result<(f64, RopeScaling, Option<f64>), FormatError> {
     let object = |key: &str, v: &Option<Value>| -> Result<Option<Map<String, Value>>, FormatError> {
         match v {
             None | Some(Value::Null) => Ok(None),
@@ -143,7 +202,23 @@ fn rope(hf: &HfConfig) -> Result<(f64, RopeScaling), FormatError> {
             Some(other) => bad(format!("{key} is {other}, not an object")),
         }
     };
-    let new = object("rope_parameters", &hf.rope_parameters)?.map(|m| parse_rope("rope_parameters", &m)).transpose()?;
+    let mut params = object("rope_parameters", &hf.rope_parameters)?;
+    let mut local = None;
+    if let Some(m) = params.as_ref().filter(|m| m.contains_key("full_attention")) {
+        let key = "rope_parameters.sliding_attention";
+        if let Some(l) = object(key, &m.get("sliding_attention").cloned())? {
+            let p = parse_rope(key, &l)?;
+            if p.scaling != RopeScaling::None {
+                return bad(format!("{key}: scaled RoPE on the windowed layers is not supported"));
+            }
+            local = Some(p.theta.unwrap_or(DEFAULT_THETA));
+        }
+        if let Some(k) = m.keys().find(|k| !["full_attention", "sliding_attention"].contains(&k.as_str())) {
+            return bad(format!("rope_parameters: `{k}` beside full_attention is not supported"));
+        }
+        params = object("rope_parameters.full_attention", &m.get("full_attention").cloned())?;
+    }
+    let new = params.map(|m| parse_rope("rope_parameters", &m)).transpose()?;
     let old = object("rope_scaling", &hf.rope_scaling)?.map(|m| parse_rope("rope_scaling", &m)).transpose()?;
     let theta = match (new.as_ref().and_then(|p| p.theta), hf.rope_theta) {
         (Some(a), Some(b)) if a != b => {
@@ -158,7 +233,7 @@ fn rope(hf: &HfConfig) -> Result<(f64, RopeScaling), FormatError> {
         (Some(p), _) | (None, Some(p)) => p.scaling,
         (None, None) => RopeScaling::None,
     };
-    Ok((theta, scaling))
+    Ok((theta, scaling, local))
 }
 
 struct RopeParams {
@@ -360,7 +435,7 @@ mod tests {
             "rope_theta": 1000000.0, "rms_norm_eps": 1e-06, "max_position_embeddings": 32768}"#;
         let c = parse(j).unwrap();
         assert_eq!(c.arch, Arch::Qwen2);
-        assert!(c.qkv_bias);
+        assert!(c.layer.qkv_bias);
         assert_eq!(c.rope_style, RopeStyle::Halves);
         assert_eq!(c.head_dim, 64);
         assert_eq!(c.kv_bytes_per_token_layer(2), 2 * 2 * 64 * 2);
@@ -373,7 +448,8 @@ mod tests {
             "sliding_window": 4096}"#;
         let c = parse(mistral).unwrap();
         assert_eq!(c.sliding_window, Some(4096));
-        assert_eq!((c.first_key(4095), c.first_key(4096), c.first_key(10_000)), (0, 1, 5905));
+        let first = |p| crate::config::first_key(c.window(1), p);
+        assert_eq!((first(4095), first(4096), first(10_000)), (0, 1, 5905));
         // Mistral v0.2 and later: no window
         assert_eq!(parse(&mistral.replace("4096", "null")).unwrap().sliding_window, None);
         assert_eq!(
@@ -410,7 +486,7 @@ mod tests {
             "rope_parameters": {"partial_rotary_factor": 1.0, "rope_theta": 10000.0, "rope_type": "default"}}"#;
         let c = parse(j).unwrap();
         assert_eq!(c.arch, Arch::Phi3);
-        assert!(c.fused_qkv && c.fused_gate_up && !c.qkv_bias);
+        assert!(c.layer.fused_qkv && c.layer.fused_gate_up && !c.layer.qkv_bias);
         assert_eq!((c.rope_style, c.sliding_window), (RopeStyle::Halves, Some(2047)));
         // biases on the fused matrix, rotary over part of a head, LongRoPE: named, not ignored
         for (from, to, named) in [
@@ -418,6 +494,50 @@ mod tests {
             (r#""partial_rotary_factor": 1.0"#, r#""partial_rotary_factor": 0.75"#, "partial_rotary"),
             (r#""rope_type": "default""#, r#""rope_type": "longrope""#, "longrope"),
         ] {
+            let e = parse(&j.replacen(from, to, 1)).err().map(|e| e.to_string()).unwrap_or_default();
+            assert!(e.contains(named), "{named}: {e:?}");
+        }
+    }
+
+    #[test]
+    fn gemma3_reads_its_layers_and_names_what_it_cannot_do() {
+        // Gemma 3 1B's shape as transformers 5 saves it
+        let j = r#"{"architectures": ["Gemma3ForCausalLM"], "model_type": "gemma3_text", "hidden_size": 1152,
+            "intermediate_size": 6912, "num_hidden_layers": 26, "num_attention_heads": 4, "num_key_value_heads": 1,
+            "head_dim": 256, "vocab_size": 262144, "query_pre_attn_scalar": 256, "sliding_window": 512,
+            "hidden_activation": "gelu_pytorch_tanh", "final_logit_softcapping": null, "attn_logit_softcapping": null,
+            "rope_parameters": {"full_attention": {"rope_theta": 1000000.0, "rope_type": "default"},
+                                "sliding_attention": {"rope_theta": 10000.0, "rope_type": "default"}}}"#;
+        let c = parse(j).unwrap();
+        assert_eq!(c.arch, Arch::Gemma3);
+        assert!(c.layer.post_norms && c.layer.gelu && c.layer.qk_norm && c.norm_offset == 1.0);
+        assert_eq!((c.rope_theta, c.rope_theta_local, c.sliding_window), (1e6, Some(10_000.0), Some(512)));
+        assert_eq!(c.embed_scale, Some((1152f32).sqrt()));
+        assert_eq!(c.attention_scale(), 1.0 / 16.0);
+        // five local layers, then a global one, as transformers fills layer_types in
+        let flags = c.swa_layers.clone().unwrap();
+        assert_eq!(flags.len(), 26);
+        assert!((0..26).all(|i| flags[i] == ((i + 1) % 6 != 0)), "{flags:?}");
+        assert_eq!((c.window(4), c.window(5), c.local_rope_theta(5)), (Some(512), None, None));
+        // explicit layer types win
+        let typed = j.replacen(
+            r#""sliding_window": 512"#,
+            &format!(r#""sliding_window": 512, "layer_types": [{}]"#, vec![r#""full_attention""#; 26].join(",")),
+            1,
+        );
+        assert!(parse(&typed).unwrap().swa_layers.unwrap().iter().all(|w| !w));
+        for (from, to, named) in [
+            (r#""final_logit_softcapping": null"#, r#""final_logit_softcapping": 30.0"#, "final_logit_softcapping"),
+            (r#""attn_logit_softcapping": null"#, r#""attn_logit_softcapping": 50.0"#, "attn_logit_softcapping"),
+            (r#""gelu_pytorch_tanh""#, r#""relu""#, "hidden_activation `relu`"),
+            (r#""rope_type": "default"}}"#, r#""rope_type": "linear", "factor": 2.0}}"#, "sliding_attention"),
+            (
+                r#""sliding_window": 512"#,
+                r#""sliding_window": 512, "layer_types": ["chunked_attention"]"#,
+                "chunked_attention",
+            ),
+        ] {
+            assert!(j.contains(from), "{from}");
             let e = parse(&j.replacen(from, to, 1)).err().map(|e| e.to_string()).unwrap_or_default();
             assert!(e.contains(named), "{named}: {e:?}");
         }

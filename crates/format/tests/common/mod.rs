@@ -40,7 +40,7 @@ pub fn write_hf_dir(
     let vocab = config["vocab_size"].as_u64().unwrap() as usize;
     std::fs::write(dir.join("tokenizer.json"), synthetic_tokenizer_json(vocab).unwrap()).unwrap();
     let mut c: ModelConfig = ModelConfig::from_hf_json(&config.to_string()).unwrap();
-    c.qkv_bias = true; // every bias of the table; `keep` drops what a case does not want (q/k norms as the family has them)
+    c.layer.qkv_bias = true; // every bias of the table; `keep` drops what a case does not want (q/k norms as the family has them)
     let mut tensors: Vec<(String, Vec<usize>, usize)> = vec![
         (TOKEN_EMBD.into(), vec![c.vocab, c.hidden], 0),
         (OUTPUT_NORM.into(), vec![c.hidden], shards - 1),
@@ -129,7 +129,7 @@ pub fn tiny_gguf(layers: usize, hidden: usize, vocab: usize) -> Vec<u8> {
     .unwrap();
     // the configuration the metadata gives, for the table's shapes
     let mut c = ModelConfig::from_gguf(&g, None).unwrap();
-    c.qkv_bias = false;
+    c.layer.qkv_bias = false;
     let mut shapes = vec![(TOKEN_EMBD.to_string(), vec![vocab, hidden])];
     for i in 0..layers {
         shapes.extend(LayerTensor::required_in(&c).map(|t| (t.name(i), t.shape(&c).unwrap())));

@@ -19,6 +19,7 @@
 //! invariance). Tested against the tensor path on every weight layout the CPU kernels have.
 
 use super::{decode_attn, Block, Proj, Slice, SliceCache};
+use crate::config::first_key;
 use crate::config::{ModelConfig, RopeStyle};
 use crate::threads::par_units;
 use crate::weights::{Linear, View};
@@ -183,6 +184,10 @@ impl Block {
             && self.down.runs_on_slices()
             && is_cpu_f32(&self.attn_norm)
             && is_cpu_f32(&self.ffn_norm)
+            // what `decode` does not do: the slice keeps the op path
+            && self.post_norms.is_none()
+            && !self.gelu
+            && !self.local_rope
             && self.qk_norm.as_ref().is_none_or(|(qn, kn)| {
                 is_cpu_f32(qn) && is_cpu_f32(kn) && qn.elem_count() == cfg.head_dim && kn.elem_count() == cfg.head_dim
             })
@@ -244,11 +249,11 @@ impl Block {
                 .iter()
                 .map(|c| Ok((View::of(&c.0)?, View::of(&c.1)?, c.0.dim(2)?)))
                 .collect::<candle_core::Result<Vec<_>>>()?;
-            let scale = (1.0 / (hd as f64).sqrt()) as f32;
+            let scale = cfg.attention_scale() as f32;
             par_units(y.chunks_mut(g * hd).enumerate().collect(), |(u, out)| {
                 let (i, head) = (*u / nkv, *u % nkv);
                 let (kc, vc, n_ctx) = &caches[i];
-                let (from, seen) = (cfg.first_key(pos[i]), pos[i] + 1);
+                let (from, seen) = (first_key(self.window, pos[i]), pos[i] + 1);
                 let keys = &kc.get()[(head * n_ctx + from) * hd..][..(seen - from) * hd];
                 let values = &vc.get()[(head * n_ctx + from) * hd..][..(seen - from) * hd];
                 let mut w = vec![0f32; g * (seen - from)];

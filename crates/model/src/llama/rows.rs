@@ -57,18 +57,27 @@ impl Slice {
     /// The blocks of [`Slice::forward_rows`] as candle ops (where the fused step does not run).
     fn rows_through_blocks(&self, caches: &mut [&mut SliceCache], x: &mut Tensor) -> Result<(), ModelError> {
         let n = caches.len();
-        let rope: Vec<(Tensor, Tensor)> = caches
-            .iter()
-            .map(|c| Ok((self.cos.narrow(0, c.len, 1)?, self.sin.narrow(0, c.len, 1)?)))
-            .collect::<candle_core::Result<_>>()?;
+        let rope = |cos: &Tensor, sin: &Tensor| -> candle_core::Result<Vec<(Tensor, Tensor)>> {
+            caches.iter().map(|c| Ok((cos.narrow(0, c.len, 1)?, sin.narrow(0, c.len, 1)?))).collect()
+        };
+        let global = rope(&self.cos, &self.sin)?;
+        let local = match &self.local_rope {
+            Some((cos, sin)) => Some(rope(cos, sin)?),
+            None => None,
+        };
         for (l, block) in self.blocks.iter().enumerate() {
             let _b = block.span.enter();
             let (q, k, v) = block.qkv(&self.cfg, x, Linear::forward_rows)?;
+            let tables = match &local {
+                Some(t) if block.local_rope => t,
+                _ => &global,
+            };
             let mut ys = Vec::with_capacity(n);
-            for (i, (cache, (cos, sin))) in caches.iter_mut().zip(&rope).enumerate() {
+            for (i, (cache, (cos, sin))) in caches.iter_mut().zip(tables).enumerate() {
                 let row = |t: &Tensor| t.narrow(0, i, 1);
                 let pos = cache.len;
-                ys.push(attend(&self.cfg, (&row(&q)?, &row(&k)?, &row(&v)?), &mut cache.kv[l], pos, (cos, sin), None)?);
+                let qkv = (&row(&q)?, &row(&k)?, &row(&v)?);
+                ys.push(attend(&self.cfg, block.window, qkv, &mut cache.kv[l], pos, (cos, sin), None)?);
             }
             *x = block.output(&self.cfg, x, &Tensor::cat(&ys, 0)?, Linear::forward_rows)?;
         }
