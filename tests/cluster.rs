@@ -45,13 +45,20 @@ fn three_workers_generate_what_run_generates_with_sixteen_clients_at_once() {
         assert!(f > 0 && f < size * 3 / 5, "stage {i} fetched {f} of a {size}-byte file");
         assert!(f + 64 * 1024 >= weights, "stage {i} fetched {f} bytes for {weights} bytes of weights");
     }
-    // a Qwen3 (q/k norms) quantized by llama.cpp, one layer a worker: the workers fetch its
-    // slices, norms included, and answer what `run` answers (which equals llama.cpp's ids,
-    // crates/model/tests/families.rs)
-    let qwen3 = root().join("tests/fixtures/families/qwen3/qwen3-tiny-Q4_K_M.gguf");
-    let q = c.deploy(&["--name", "qwen3", "-m", qwen3.to_str().unwrap(), "--device-map", "w2:cpu:1,w3:cpu:1,w1:cpu:1"]);
-    assert_eq!(q["stages"].as_array().unwrap().len(), 3);
-    assert!(stage_fetched(&q).iter().all(|f| *f > 0), "{q}");
+    // Qwen3 (q/k norms), Phi-3 (fused projections) and Gemma 3 (post-norms, local windows)
+    // quantized by llama.cpp, cut over the three workers: the workers fetch their slices and
+    // answer what `run` answers (which equals llama.cpp's ids, crates/model/tests/families.rs)
+    let families = [
+        ("qwen3", "w2:cpu:1,w3:cpu:1,w1:cpu:1"),
+        ("phi3", "w1:cpu:1,w2:cpu:1,w3:cpu:1"),
+        ("gemma3", "w3:cpu:2,w1:cpu:3,w2:cpu:1"),
+    ];
+    let family_file = |f: &str| root().join(format!("tests/fixtures/families/{f}/{f}-tiny-Q4_K_M.gguf"));
+    for (f, map) in families {
+        let d = c.deploy(&["--name", f, "-m", family_file(f).to_str().unwrap(), "--device-map", map]);
+        assert_eq!(d["stages"].as_array().unwrap().len(), 3, "{f}: {d}");
+        assert!(stage_fetched(&d).iter().all(|b| *b > 0), "{f}: {d}");
+    }
     // the same order over gRPC instead of QUIC, in another order of nodes
     c.deploy(&["--name", "stories-grpc", "--transport", "grpc", "--device-map", "w3:cpu:2,w1:cpu:2,w2:cpu:1"]);
 
@@ -65,8 +72,10 @@ fn three_workers_generate_what_run_generates_with_sixteen_clients_at_once() {
             assert_eq!(hops.len(), 3, "per stage compute and per hop transfer: {got}");
             assert!(hops.iter().all(|h| h["compute_ms_per_token"].as_f64().unwrap() > 0.0));
         }
-        let (_, want) = run_ids(Some(&qwen3), p, 32);
-        assert_eq!(ids(&c.generate("qwen3", p, 32)["generated_ids"]), want, "qwen3: {p}");
+        for (f, _) in families {
+            let (_, want) = run_ids(Some(&family_file(f)), p, 32);
+            assert_eq!(ids(&c.generate(f, p, 32)["generated_ids"]), want, "{f}: {p}");
+        }
         let (_, want) = run_ids(Some(&synth_path), p, 16);
         assert_eq!(ids(&c.generate("small", p, 16)["generated_ids"]), want, "small: {p}");
     }
