@@ -6,6 +6,12 @@ references brigade is tested against, with tools that are not brigade:
 
 (`--family mistral` alone needs no llama.cpp: see its entry in FAMILIES.)
 
+    scripts/make-family-fixtures.py --llama-cpp DIR --bench OUT [--family phi3]
+
+writes, instead, each GGUF family at the size of BENCH (about 150M parameters) as OUT/<family>-
+bench-Q4_K_M.gguf, for `brigade bench` beside `llama-bench` (random weights: the speed of the
+shapes, not of a trained model).
+
 For each family:
   1. a SentencePiece BPE tokenizer (512 pieces, byte fallback) trained on a short corpus;
   2. Hugging Face transformers builds the model from a config of a tiny size with random weights
@@ -70,6 +76,10 @@ TINY = dict(
     pad_token_id=0,
 )
 
+# The bench size: every family's tiny fields with these instead.
+BENCH = dict(hidden_size=1024, intermediate_size=4096, num_hidden_layers=12, num_attention_heads=16,
+             num_key_value_heads=4, head_dim=64)
+
 # The families: transformers' config class and fields, and whether llama.cpp's GGUF files and
 # greedy ids are references for it.
 FAMILIES = {
@@ -90,6 +100,15 @@ FAMILIES = {
             tie_word_embeddings=False,
             sliding_window=16,
         ),
+    },
+    # Llama: the family every other is measured beside (bench size only; its fixtures are
+    # tests/fixtures/*.gguf and SmolLM2)
+    "llama": {
+        "config": "LlamaConfig",
+        "model": "LlamaForCausalLM",
+        "gguf": True,
+        "bench_only": True,
+        "fields": dict(TINY, intermediate_size=256, rope_theta=10_000.0, rms_norm_eps=1e-5, tie_word_embeddings=False),
     },
     # Phi-3: q/k/v and gate/up stored as one matrix each (both in the checkpoint and in GGUF),
     # RoPE on halves; no window (llama.cpp turns Phi-3's off), as Phi-4's config has none.
@@ -288,11 +307,15 @@ def main():
     ap.add_argument("--out", type=Path, default=Path(__file__).resolve().parent.parent / "tests/fixtures/families")
     ap.add_argument("--family", action="append")
     ap.add_argument("--seed", type=int, default=7)
+    ap.add_argument("--bench", type=Path, help="write bench-size Q4_K_M files here instead of fixtures")
     a = ap.parse_args()
     import torch
     import transformers
 
-    for family in a.family or list(FAMILIES):
+    if a.bench:
+        return bench_models(a)
+
+    for family in a.family or [f for f in FAMILIES if not FAMILIES[f].get("bench_only")]:
         spec = FAMILIES[family]
         if spec["gguf"] and a.llama_cpp is None:
             ap.error(f"{family} has llama.cpp references: --llama-cpp DIR is needed")
@@ -326,6 +349,26 @@ def main():
             for extra in ("generation_config.json",):
                 (hf_dir / extra).unlink(missing_ok=True)
             (dest / "reference.json").write_text(json.dumps(ref, indent=1) + "\n")
+
+
+def bench_models(a):
+    bin_dir = a.llama_cpp / "build" / "bin"
+    a.bench.mkdir(parents=True, exist_ok=True)
+    for family in a.family or [f for f in FAMILIES if FAMILIES[f]["gguf"]]:
+        spec = dict(FAMILIES[family])
+        spec["fields"] = {**spec["fields"], **BENCH}
+        if family == "gemma3":
+            spec["fields"]["query_pre_attn_scalar"] = BENCH["head_dim"]
+        with tempfile.TemporaryDirectory() as tmp:
+            tmp = Path(tmp)
+            build_hf(family, spec, train_tokenizer(tmp), tmp / "hf", a.seed)
+            f16 = tmp / "f16.gguf"
+            subprocess.run([sys.executable, str(a.llama_cpp / "convert_hf_to_gguf.py"), str(tmp / "hf"), "--outtype",
+                            "f16", "--outfile", str(f16)], check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            out = a.bench / f"{family}-bench-Q4_K_M.gguf"
+            subprocess.run([str(bin_dir / "llama-quantize"), str(f16), str(out), "Q4_K_M"], check=True,
+                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            log(f"{out}: {out.stat().st_size / 2**20:.1f} MiB")
 
 
 def gguf_references(llama_cpp: Path, family: str, hf_dir: Path, dest: Path, ref: dict):
