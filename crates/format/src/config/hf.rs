@@ -37,6 +37,8 @@ struct HfConfig {
     sliding_window_pattern: Option<usize>,
     layer_types: Option<Vec<String>>,
     query_pre_attn_scalar: Option<f64>,
+    /// Gemma 3's local RoPE base in transformers 4's layout (5 nests it in `rope_parameters`).
+    rope_local_base_freq: Option<f64>,
     final_logit_softcapping: Option<f64>,
     attn_logit_softcapping: Option<f64>,
     hidden_activation: Option<String>,
@@ -84,7 +86,17 @@ pub(super) fn from_json(text: &str) -> Result<ModelConfig, FormatError> {
         rms_eps: hf.rms_norm_eps.unwrap_or(1e-5),
         context_length: hf.max_position_embeddings.unwrap_or(2048),
         layer: LayerSpec { qkv_bias: family.layer.qkv_bias || hf.attention_bias.unwrap_or(false), ..family.layer },
-        rope_theta_local: rope_theta_local.filter(|_| sliding_window.is_some()).map(|t| t as f32),
+        rope_theta_local: match (rope_theta_local, hf.rope_local_base_freq) {
+            (Some(a), Some(b)) if a != b => {
+                return bad(format!(
+                    "rope_parameters.sliding_attention.rope_theta {a} and rope_local_base_freq {b} disagree"
+                ))
+            }
+            // Gemma 3's default when neither layout gives it (transformers' `default_theta["local"]`)
+            (a, b) => a.or(b).or((arch == Arch::Gemma3).then_some(10_000.0)),
+        }
+        .filter(|_| sliding_window.is_some())
+        .map(|t| t as f32),
         sliding_window,
         swa_layers,
         embed_scale: family.scaled_embedding.then(|| (hf.hidden_size as f32).sqrt()),
@@ -519,6 +531,19 @@ mod tests {
         assert_eq!(flags.len(), 26);
         assert!((0..26).all(|i| flags[i] == ((i + 1) % 6 != 0)), "{flags:?}");
         assert_eq!((c.window(4), c.window(5), c.local_rope_theta(5)), (Some(512), None, None));
+        // transformers 4's layout: a top-level theta and local base, the pattern by count
+        let v4 = r#"{"architectures": ["Gemma3ForCausalLM"], "model_type": "gemma3_text", "hidden_size": 1152,
+            "intermediate_size": 6912, "num_hidden_layers": 26, "num_attention_heads": 4, "num_key_value_heads": 1,
+            "head_dim": 256, "vocab_size": 262144, "query_pre_attn_scalar": 256, "sliding_window": 512,
+            "rope_theta": 1000000.0, "rope_local_base_freq": 10000.0, "sliding_window_pattern": 6,
+            "rope_scaling": null, "torch_dtype": "bfloat16"}"#;
+        let old = parse(v4).unwrap();
+        assert_eq!(
+            (old.rope_theta, old.rope_theta_local, old.swa_layers.clone()),
+            (1e6, Some(10_000.0), c.swa_layers.clone())
+        );
+        let e = parse(&v4.replace(r#""rope_local_base_freq": 10000.0"#, r#""rope_local_base_freq": 10000.0, "rope_parameters": {"full_attention": {"rope_theta": 1000000.0}, "sliding_attention": {"rope_theta": 20000.0}}"#));
+        assert!(e.err().map(|e| e.to_string()).unwrap_or_default().contains("disagree"));
         // explicit layer types win
         let typed = j.replacen(
             r#""sliding_window": 512"#,
