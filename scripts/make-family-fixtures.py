@@ -76,6 +76,15 @@ TINY = dict(
     pad_token_id=0,
 )
 
+# Texts both tokenizers are checked on: words, spaces and newlines, code, and characters the
+# 512 pieces only have as bytes.
+TEXTS = [
+    "Once upon a time there was a little robot.",
+    "The quick brown fox\n  jumps over   the lazy dog!",
+    "def add(a, b):\n    return a + b",
+    "Grüße aus Köln, 東京 🙂",
+]
+
 # The bench size: every family's tiny fields with these instead.
 BENCH = dict(hidden_size=1024, intermediate_size=4096, num_hidden_layers=12, num_attention_heads=16,
              num_key_value_heads=4, head_dim=64)
@@ -246,6 +255,13 @@ def hf_greedy(out: Path, family: str, spec: dict, window: bool = True):
     return cases
 
 
+def hf_tokenize(out: Path):
+    import transformers
+
+    tok = transformers.AutoTokenizer.from_pretrained(out)
+    return [{"text": t, "ids": tok(t, add_special_tokens=True)["input_ids"]} for t in TEXTS]
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -274,6 +290,12 @@ def llama_greedy(server: Path, gguf: Path):
             if time.time() > deadline or proc.poll() is not None:
                 raise RuntimeError(f"llama-server did not start for {gguf}")
             time.sleep(0.3)
+        tokenized = []
+        for text in TEXTS:
+            body = json.dumps({"content": text, "add_special": True}).encode()
+            req = urllib.request.Request(url + "/tokenize", data=body, headers={"Content-Type": "application/json"})
+            with urllib.request.urlopen(req, timeout=60) as r:
+                tokenized.append({"text": text, "ids": json.loads(r.read())["tokens"]})
         cases = []
         for prompt in PROMPTS:
             body = json.dumps({
@@ -294,7 +316,7 @@ def llama_greedy(server: Path, gguf: Path):
                         top5[i] = [[t["id"], round(t["logprob"], 5)] for t in entry["top_logprobs"]]
                         break
             cases.append({"prompt_ids": prompt, "greedy_ids": got["tokens"], "top5_logprobs": top5})
-        return cases
+        return cases, tokenized
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGTERM)
@@ -339,6 +361,7 @@ def main():
                 },
                 "config": spec["fields"],
                 "transformers": hf_greedy(hf_dir, family, spec),
+                "transformers_tokenize": hf_tokenize(hf_dir),
                 "llama_cpp": {},
             }
             if spec.get("compare_without_window"):
@@ -380,7 +403,9 @@ def gguf_references(llama_cpp: Path, family: str, hf_dir: Path, dest: Path, ref:
     subprocess.run([str(bin_dir / "llama-quantize"), str(f16), str(q4), "Q4_K_M"], check=True,
                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     for g in (f16, q4):
-        ref["llama_cpp"][g.name] = llama_greedy(bin_dir / "llama-server", g)
+        ref["llama_cpp"][g.name], tokenized = llama_greedy(bin_dir / "llama-server", g)
+        # the same tokenizer in both files
+        ref["llama_cpp_tokenize"] = tokenized
         same = [c["greedy_ids"] == t["greedy_ids"] for c, t in zip(ref["llama_cpp"][g.name], ref["transformers"])]
         log(f"  llama.cpp {g.name}: equal to transformers per prompt {same}")
 

@@ -281,3 +281,30 @@ fn gemma3_gguf_f16_matches_llama_cpp() {
 fn gemma3_q4_k_m_matches_llama_cpp() {
     q4_k_m_matches_llama_cpp("gemma3", 0.3);
 }
+
+/// Each family's tokenizer as brigade reads it: from the checkpoint's `tokenizer.json` it
+/// gives transformers' ids, from llama.cpp's GGUF files llama.cpp's (`/tokenize`, with the BOS
+/// llama.cpp adds), over words, whitespace runs, code and characters the 512 pieces only have
+/// as bytes.
+#[test]
+fn every_family_tokenizes_as_transformers_and_llama_cpp() {
+    let mut checked = 0;
+    for family in ["qwen3", "mistral", "phi3", "gemma3"] {
+        let r = reference(family);
+        let mut sources = vec![("hf".to_string(), &r["transformers_tokenize"])];
+        if let Some(ggufs) = r["llama_cpp"].as_object() {
+            sources.extend(ggufs.keys().map(|g| (g.clone(), &r["llama_cpp_tokenize"])));
+        }
+        for (file, cases) in sources {
+            let files = ModelFiles::open(&family_file(family, &file)).unwrap();
+            for case in cases.as_array().unwrap() {
+                let text = case["text"].as_str().unwrap();
+                let got = files.tokenizer.encode(text, true).unwrap();
+                assert_eq!(got, ids(&case["ids"]), "{family} {file}: {text:?}");
+                checked += 1;
+            }
+        }
+    }
+    // four texts: qwen3, phi3 and gemma3 from their directory and two GGUF files, mistral from its directory
+    assert_eq!(checked, 4 * (3 + 1 + 3 + 3), "texts checked");
+}
