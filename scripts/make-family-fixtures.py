@@ -135,6 +135,34 @@ FAMILIES = {
             original_max_position_embeddings=4096,
         ),
     },
+    # Gemma 2: Gemma 3's layer without QK-norm, local layers every other one (window 8, the global
+    # RoPE base), attention scores soft-capped at 50 and the logits at 30 (the real values).
+    # (What caps does on a random model: scores here are a few units, far below 50, so it is the
+    # final cap that changes the numbers.)
+    "gemma2": {
+        "config": "Gemma2Config",
+        "model": "Gemma2ForCausalLM",
+        "gguf": True,
+        # tied, as every Gemma 2 (llama.cpp's converter drops a separate head), with the embedding
+        # at a fifth of the others' scale: the sqrt(hidden)-scaled embedding of the last token
+        # would otherwise outweigh the layers and pick that token again at every step
+        "norm_center": 0.0,
+        "embedding_scale": 0.2,
+        "fields": dict(
+            TINY,
+            num_hidden_layers=4,
+            num_attention_heads=4,
+            intermediate_size=384,
+            head_dim=64,
+            query_pre_attn_scalar=64,
+            sliding_window=8,
+            rope_theta=10_000.0,
+            rms_norm_eps=1e-6,
+            attn_logit_softcapping=50.0,
+            final_logit_softcapping=30.0,
+            tie_word_embeddings=True,
+        ),
+    },
     # Gemma 3 (text): pre- and post-norms of Gemma's (1 + w) kind, GeLU-tanh, the embedding scaled
     # by sqrt(hidden), QK-norm, and five local layers (window 8, RoPE base 10 000) before a global
     # one (base 1e6): six layers, so one of each pattern. The scores are scaled by
@@ -219,6 +247,8 @@ def build_hf(family: str, spec: dict, tok_model: Path, out: Path, seed: int):
                 # RMSNorm weights start at 1 (Gemma's at 0: it scales by 1 + w); randomise them so
                 # a misplaced norm changes the ids
                 p.copy_(spec.get("norm_center", 1.0) + 0.25 * torch.randn_like(p))
+            elif name.endswith("embed_tokens.weight"):
+                p.mul_(spec.get("embedding_scale", 1.0))
     model = model.to(torch.float16)
     model.config.torch_dtype = torch.float16
     out.mkdir(parents=True, exist_ok=True)

@@ -23,6 +23,7 @@ pub enum Arch {
     Qwen2,
     Qwen3,
     Phi3,
+    Gemma2,
     Gemma3,
 }
 
@@ -96,6 +97,12 @@ pub struct ModelConfig {
     /// Attention scores are scaled by `1 / √query_pre_attn_scalar` (Gemma), not `1 / √head_dim`.
     #[serde(default)]
     pub query_pre_attn_scalar: Option<f64>,
+    /// Scaled attention scores soft-capped as `c · tanh(s / c)` before the softmax (Gemma 2: 50).
+    #[serde(default)]
+    pub attn_softcap: Option<f32>,
+    /// The logits soft-capped the same way (Gemma 2: 30).
+    #[serde(default)]
+    pub final_softcap: Option<f32>,
     /// `tie_word_embeddings` of a `config.json`: whether the head is the embedding matrix. `None`
     /// (GGUF) means the tensor table decides: no `output.weight`, a tied head.
     pub tie_word_embeddings: Option<bool>,
@@ -176,6 +183,8 @@ impl ModelConfig {
             ("query_pre_attn_scalar", self.query_pre_attn_scalar.unwrap_or(1.0)),
             ("embedding scale", self.embed_scale.unwrap_or(1.0) as f64),
             ("local rope theta", self.rope_theta_local.unwrap_or(1.0) as f64),
+            ("attn_logit_softcapping", self.attn_softcap.unwrap_or(1.0) as f64),
+            ("final_logit_softcapping", self.final_softcap.unwrap_or(1.0) as f64),
         ] {
             if !(v.is_finite() && v > 0.0) {
                 return bad(format!("{what} {v} must be a finite positive number"));
@@ -344,21 +353,26 @@ impl ModelConfig {
                 .ok_or_else(|| FormatError::MissingMetadata("tokenizer.ggml.tokens".into()))?,
         };
         let ffn = req_u("feed_forward_length")?;
-        if let Some(cap) = opt_f("final_logit_softcapping").filter(|c| *c != 0.0) {
-            return bad(format!("final_logit_softcapping {cap}: logit soft-capping (Gemma 2) is not supported"));
-        }
+        // 0 is llama.cpp's "none"
+        let cap = |k: &str| opt_f(k).filter(|c| *c != 0.0).map(|c| c as f32);
+        let (attn_softcap, final_softcap) = match arch {
+            Arch::Gemma2 => (cap("attn_logit_softcapping"), cap("final_logit_softcapping")),
+            _ => (None, cap("final_logit_softcapping")),
+        };
         // llama.cpp runs Llama-shaped GGUF files with full attention whatever
         // `attention.sliding_window` says (its converter writes none for Mistral, and it turns
-        // Phi-3's off): so does brigade, to give llama.cpp's numbers. Gemma 3's local layers
-        // are windowed, five in six unless the file says otherwise, as llama.cpp reads them.
-        let (windows, rope_theta_local, query_pre_attn_scalar) = if arch == Arch::Gemma3 {
-            let window = opt_u("attention.sliding_window", 0)?;
+        // Phi-3's off): so does brigade, to give llama.cpp's numbers. Gemma's local layers are
+        // windowed, five in six (Gemma 3) or every other (Gemma 2) unless the file says
+        // otherwise, as llama.cpp reads them.
+        let (windows, rope_theta_local, query_pre_attn_scalar) = if matches!(arch, Arch::Gemma2 | Arch::Gemma3) {
+            let (pattern, default_window, big) = if arch == Arch::Gemma2 { (2, 4096, 46) } else { (6, 0, 62) };
+            let window = opt_u("attention.sliding_window", default_window)?;
             let windows = if window == 0 {
                 None
             } else {
                 let pattern_key = key("attention.sliding_window_pattern");
                 let flags = match g.get(&pattern_key) {
-                    None => (0..n_layers).map(|i| i % 6 < 5).collect(),
+                    None => (0..n_layers).map(|i| i % pattern < pattern - 1).collect(),
                     Some(Value::Array(a)) => {
                         a.iter().map(|v| v.as_bool()).collect::<Option<Vec<bool>>>().ok_or_else(|| {
                             FormatError::BadMetadata { key: pattern_key.clone(), why: "not booleans".into() }
@@ -371,9 +385,11 @@ impl ModelConfig {
                 };
                 Some((window, flags))
             };
-            let local = windows.as_ref().map(|_| opt_f("rope.freq_base_swa").unwrap_or(10_000.0) as f32);
-            // llama.cpp scales scores by 1/√head_dim, and by 1/√(hidden/heads) on the 62-layer 27B
-            let scalar = if n_layers == 62 { hidden / n_heads } else { head_dim };
+            // Gemma 2's local layers share the global base unless the file gives one
+            let default_local = if arch == Arch::Gemma2 { None } else { Some(10_000.0) };
+            let local = windows.as_ref().and_then(|_| opt_f("rope.freq_base_swa").or(default_local)).map(|t| t as f32);
+            // llama.cpp scales scores by 1/√head_dim, and by 1/√(hidden/heads) on the 27B
+            let scalar = if n_layers == big { hidden / n_heads } else { head_dim };
             (windows, local, Some(scalar as f64))
         } else {
             (None, None, None)
@@ -412,6 +428,8 @@ impl ModelConfig {
             // llama.cpp's converter adds Gemma's 1 to the stored norms
             norm_offset: 0.0,
             query_pre_attn_scalar,
+            attn_softcap,
+            final_softcap,
             tie_word_embeddings: None,
             dtype: None,
         };
@@ -481,6 +499,8 @@ mod tests {
             embed_scale: None,
             norm_offset: 0.0,
             query_pre_attn_scalar: None,
+            attn_softcap: None,
+            final_softcap: None,
             tie_word_embeddings: None,
             dtype: None,
         }

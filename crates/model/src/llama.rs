@@ -330,7 +330,8 @@ fn attend(
     let scale = cfg.attention_scale();
     if t == 1 && b == 1 && own_cpu_attention(q.device(), q.dtype()) {
         // a decode step reads the cache in place (see `decode_attn`)
-        let op = decode_attn::DecodeAttention { from: first_key(window, pos), seen: l, scale: scale as f32 };
+        let from = first_key(window, pos);
+        let op = decode_attn::DecodeAttention { from, seen: l, scale: scale as f32, cap: cfg.attn_softcap };
         let y = q.apply_op3_no_bwd(&kv.0, &kv.1, &op)?;
         return y.reshape((b, t, nh * hd));
     }
@@ -338,13 +339,14 @@ fn attend(
         // one query: the keys of its window are all it sees, and no mask is needed
         let from = first_key(window, pos);
         let (keys, values) = (kv.0.narrow(2, from, l - from)?, kv.1.narrow(2, from, l - from)?);
-        let scores = Scores { scale, window: None };
+        let scores = Scores { scale, window: None, cap: cfg.attn_softcap };
         let y = grouped_attention(&q, (&keys, &values), nkv, l - from - 1, scores, None, QUERY_BLOCK)?;
         return y.transpose(1, 2)?.reshape((b, t, nh * hd));
     }
     let keys = kv.0.narrow(2, 0, l)?;
     let values = kv.1.narrow(2, 0, l)?;
-    let y = grouped_attention(&q, (&keys, &values), nkv, pos, Scores { scale, window }, mask, QUERY_BLOCK)?;
+    let scores = Scores { scale, window, cap: cfg.attn_softcap };
+    let y = grouped_attention(&q, (&keys, &values), nkv, pos, scores, mask, QUERY_BLOCK)?;
     y.transpose(1, 2)?.reshape((b, t, nh * hd))
 }
 
@@ -353,6 +355,8 @@ fn attend(
 struct Scores {
     scale: f64,
     window: Option<usize>,
+    /// Soft cap of the scaled scores (Gemma 2).
+    cap: Option<f32>,
 }
 
 /// Queries per block of a prompt chunk's attention on the CPU (see [`grouped_attention`]).
@@ -402,7 +406,7 @@ fn grouped_attention(
     (keys, values): (&Tensor, &Tensor),
     nkv: usize,
     pos: usize,
-    Scores { scale, window }: Scores,
+    Scores { scale, window, cap }: Scores,
     mask: Option<&Tensor>,
     block: usize,
 ) -> candle_core::Result<Tensor> {
@@ -419,7 +423,7 @@ fn grouped_attention(
             let qb = if tb == t { q5.clone() } else { q5.narrow(3, i0, tb)?.contiguous()? };
             let qb = qb.reshape((b, nkv, g * tb, hd))?;
             let att = qb.matmul(&keys.narrow(2, from, seen - from)?.t()?)?;
-            let op = softmax::CausalSoftmax { scale: scale as f32, t: tb, pos: pos + i0 - from, window };
+            let op = softmax::CausalSoftmax { scale: scale as f32, t: tb, pos: pos + i0 - from, window, cap };
             let att = att.apply_op1_no_bwd(&op)?;
             ys.push(att.matmul(&values.narrow(2, from, seen - from)?)?.reshape((b, nkv, g, tb, hd))?);
         }
@@ -428,6 +432,9 @@ fn grouped_attention(
     }
     let qg = q.reshape((b, nkv, g * t, hd))?;
     let mut att = (qg.matmul(&keys.t()?)? * scale)?;
+    if let Some(c) = cap {
+        att = ((att / c as f64)?.tanh()? * c as f64)?;
+    }
     if let Some(m) = mask {
         att = att.reshape((b, nkv, g, t, l))?.broadcast_add(m)?.reshape((b, nkv, g * t, l))?;
     }
@@ -540,6 +547,14 @@ impl Slice {
     pub fn is_last(&self) -> bool {
         self.head.is_some()
     }
+    /// The final logits soft-capped as `c · tanh(l / c)` where the model says so (Gemma 2).
+    fn soft_cap_logits(&self, logits: Tensor) -> candle_core::Result<Tensor> {
+        match self.cfg.final_softcap {
+            Some(c) => (logits / c as f64)?.tanh()? * c as f64,
+            None => Ok(logits),
+        }
+    }
+
     /// Bytes of weights this slice holds on its device.
     pub fn weight_bytes(&self) -> u64 {
         self.weight_bytes
@@ -651,7 +666,7 @@ impl Slice {
                     _ => x,
                 };
                 let x = rms_norm(&x, &head.norm, self.cfg.rms_eps)?;
-                Ok(head.out.forward(&x)?.to_dtype(DType::F32)?)
+                Ok(self.soft_cap_logits(head.out.forward(&x)?.to_dtype(DType::F32)?)?)
             }
         }
     }
@@ -743,7 +758,7 @@ mod tests {
             let q = filled((1, nh, t, hd), 3 + t);
             let l = pos + t;
             let (k, v) = (kc.narrow(2, 0, l).unwrap(), vc.narrow(2, 0, l).unwrap());
-            let scores = Scores { scale: 1.0 / (hd as f64).sqrt(), window };
+            let scores = Scores { scale: 1.0 / (hd as f64).sqrt(), window, cap: None };
             let one = grouped_attention(&q, (&k, &v), nkv, pos, scores, None, t).unwrap();
             for block in [1, 5, 64, 128] {
                 let got = grouped_attention(&q, (&k, &v), nkv, pos, scores, None, block).unwrap();

@@ -97,6 +97,8 @@ impl Shape {
             embed_scale: None,
             norm_offset: 0.0,
             query_pre_attn_scalar: None,
+            attn_softcap: None,
+            final_softcap: None,
             tie_word_embeddings: Some(false),
             dtype: None,
         }

@@ -133,6 +133,13 @@ fn decode_rows_are_batch_invariant_gemma3() {
     check_rows_invariant(&files, "cpu:4,cpu:2");
 }
 
+/// Gemma 2: soft-capped scores and logits on the rows path too.
+#[test]
+fn decode_rows_are_batch_invariant_gemma2() {
+    let files = ModelFiles::open(&common::family_file("gemma2", "gemma2-tiny-Q4_K_M.gguf")).unwrap();
+    check_rows_invariant(&files, "cpu:1,cpu:3");
+}
+
 #[test]
 fn decode_rows_are_batch_invariant_in_a_sliding_window() {
     let files = ModelFiles::open(&common::family_file("mistral", "hf")).unwrap();

@@ -3,8 +3,8 @@
 //! and the layer it builds ([`LayerSpec`]). Both configuration readers take a family's layer from
 //! here, so a Llama-shaped family whose differences the layer description covers is one row.
 //!
-//! What the layer description cannot say yet (post-norms, GeLU, soft-capping, windows on some
-//! layers only, partial rotary, LongRoPE) is refused by the readers with the field that asks for
+//! What the layer description cannot say yet (partial rotary, LongRoPE, Qwen's windows from
+//! `max_window_layers` on, other activations) is refused by the readers with the field that asks for
 //! it, never ignored.
 
 use super::{Arch, RopeStyle};
@@ -70,7 +70,7 @@ const LLAMA_LAYER: LayerSpec = LayerSpec {
 };
 
 /// Every family brigade runs.
-pub static FAMILIES: [Family; 6] = [
+pub static FAMILIES: [Family; 7] = [
     Family {
         arch: Arch::Llama,
         gguf: "llama",
@@ -115,6 +115,15 @@ pub static FAMILIES: [Family; 6] = [
         layer: LayerSpec { fused_qkv: true, fused_gate_up: true, ..LLAMA_LAYER },
         scaled_embedding: false,
         hf_norm_offset: 0.0,
+    },
+    Family {
+        arch: Arch::Gemma2,
+        gguf: "gemma2",
+        hf: &["Gemma2ForCausalLM", "gemma2"],
+        gguf_rope: RopeStyle::Halves,
+        layer: LayerSpec { post_norms: true, gelu: true, ..LLAMA_LAYER },
+        scaled_embedding: true,
+        hf_norm_offset: 1.0,
     },
     Family {
         arch: Arch::Gemma3,
@@ -164,7 +173,7 @@ mod tests {
                 assert!(std::ptr::eq(by_hf(h).unwrap(), f), "{h}");
             }
         }
-        assert!(by_gguf("gemma2").is_none() && by_hf("Gemma2ForCausalLM").is_none());
-        assert_eq!(names(), "llama, mistral, qwen2, qwen3, phi3, gemma3");
+        assert!(by_gguf("gemma").is_none() && by_hf("GemmaForCausalLM").is_none());
+        assert_eq!(names(), "llama, mistral, qwen2, qwen3, phi3, gemma2, gemma3");
     }
 }

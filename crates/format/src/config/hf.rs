@@ -54,7 +54,8 @@ pub(super) fn from_json(text: &str) -> Result<ModelConfig, FormatError> {
     let family = super::family::by_hf(&arch_name).ok_or_else(|| FormatError::UnsupportedArch(arch_name.clone()))?;
     let arch = family.arch;
     let (sliding_window, swa_layers) = sliding_window(&hf, arch)?;
-    if arch == Arch::Gemma3 {
+    let gemma_family = matches!(arch, Arch::Gemma2 | Arch::Gemma3);
+    if gemma_family {
         gemma(&hf)?;
     }
     if hf.num_attention_heads == 0 {
@@ -101,7 +102,9 @@ pub(super) fn from_json(text: &str) -> Result<ModelConfig, FormatError> {
         swa_layers,
         embed_scale: family.scaled_embedding.then(|| (hf.hidden_size as f32).sqrt()),
         norm_offset: family.hf_norm_offset,
-        query_pre_attn_scalar: if arch == Arch::Gemma3 { hf.query_pre_attn_scalar.or(Some(256.0)) } else { None },
+        query_pre_attn_scalar: if gemma_family { hf.query_pre_attn_scalar.or(Some(256.0)) } else { None },
+        attn_softcap: hf.attn_logit_softcapping.filter(|_| gemma_family).map(|c| c as f32),
+        final_softcap: hf.final_logit_softcapping.filter(|_| gemma_family).map(|c| c as f32),
         tie_word_embeddings: hf.tie_word_embeddings,
         dtype: dtype(&hf)?,
     };
@@ -110,11 +113,11 @@ pub(super) fn from_json(text: &str) -> Result<ModelConfig, FormatError> {
 }
 
 /// The sliding window and the layers it applies to: Mistral's and Phi-3's `sliding_window` on
-/// every layer (`null`: none), Gemma 3's on the `sliding_attention` layers of `layer_types`
-/// (five in six without it, as transformers fills it in). A Qwen family's `use_sliding_window`
-/// (windows from `max_window_layers` on) and `layer_types` of any other family than Gemma are
-/// refused by name; Llama and Qwen without `use_sliding_window` ignore the field, as
-/// transformers does.
+/// every layer (`null`: none), Gemma's on the `sliding_attention` layers of `layer_types`
+/// (without it, as transformers fills it in: five in six for Gemma 3, every other for Gemma 2).
+/// A Qwen family's `use_sliding_window` (windows from `max_window_layers` on) and `layer_types`
+/// of any family but Gemma are refused by name; Llama and Qwen without `use_sliding_window`
+/// ignore the field, as transformers does.
 fn sliding_window(hf: &HfConfig, arch: Arch) -> Result<(Option<usize>, Option<Vec<bool>>), FormatError> {
     let window = || match &hf.sliding_window {
         None | Some(Value::Null) => Ok(None),
@@ -123,7 +126,7 @@ fn sliding_window(hf: &HfConfig, arch: Arch) -> Result<(Option<usize>, Option<Ve
             _ => bad(format!("sliding_window {v}: a window is a positive number of positions")),
         },
     };
-    if arch == Arch::Gemma3 {
+    if matches!(arch, Arch::Gemma2 | Arch::Gemma3) {
         let flags = match &hf.layer_types {
             Some(types) => types
                 .iter()
@@ -134,7 +137,8 @@ fn sliding_window(hf: &HfConfig, arch: Arch) -> Result<(Option<usize>, Option<Ve
                 })
                 .collect::<Result<Vec<bool>, _>>()?,
             None => {
-                let n = hf.sliding_window_pattern.unwrap_or(6).max(1);
+                // transformers' own filling in: five local layers in six (Gemma 3), every other (2)
+                let n = hf.sliding_window_pattern.unwrap_or(if arch == Arch::Gemma2 { 2 } else { 6 }).max(1);
                 (0..hf.num_hidden_layers).map(|i| (i + 1) % n != 0).collect()
             }
         };
@@ -158,15 +162,8 @@ fn sliding_window(hf: &HfConfig, arch: Arch) -> Result<(Option<usize>, Option<Ve
     }
 }
 
-/// What Gemma 3 may ask for that brigade does not do, by name.
+/// What Gemma 2 or 3 may ask for that brigade does not do, by name.
 fn gemma(hf: &HfConfig) -> Result<(), FormatError> {
-    for (key, v) in
-        [("final_logit_softcapping", hf.final_logit_softcapping), ("attn_logit_softcapping", hf.attn_logit_softcapping)]
-    {
-        if let Some(v) = v {
-            return bad(format!("{key} {v}: soft-capping (Gemma 2) is not supported"));
-        }
-    }
     match hf.hidden_activation.as_deref() {
         None | Some("gelu_pytorch_tanh") => {}
         Some(other) => return bad(format!("hidden_activation `{other}` is not supported (gelu_pytorch_tanh is)")),
@@ -552,8 +549,8 @@ mod tests {
         );
         assert!(parse(&typed).unwrap().swa_layers.unwrap().iter().all(|w| !w));
         for (from, to, named) in [
-            (r#""final_logit_softcapping": null"#, r#""final_logit_softcapping": 30.0"#, "final_logit_softcapping"),
-            (r#""attn_logit_softcapping": null"#, r#""attn_logit_softcapping": 50.0"#, "attn_logit_softcapping"),
+            (r#""final_logit_softcapping": null"#, r#""final_logit_softcapping": -30.0"#, "final_logit_softcapping"),
+            (r#""attn_logit_softcapping": null"#, r#""attn_logit_softcapping": 0.0"#, "attn_logit_softcapping"),
             (r#""gelu_pytorch_tanh""#, r#""relu""#, "hidden_activation `relu`"),
             (r#""rope_type": "default"}}"#, r#""rope_type": "linear", "factor": 2.0}}"#, "sliding_attention"),
             (

@@ -24,6 +24,17 @@ pub(super) struct DecodeAttention {
     pub from: usize,
     pub seen: usize,
     pub scale: f32,
+    /// Scores soft-capped as `c · tanh(s / c)` after the scale (Gemma 2).
+    pub cap: Option<f32>,
+}
+
+/// Soft-caps scaled scores in place: `c · tanh(s / c)`.
+pub(super) fn soft_cap(scores: &mut [f32], cap: Option<f32>) {
+    if let Some(c) = cap {
+        for s in scores {
+            *s = c * (*s / c).tanh();
+        }
+    }
 }
 
 impl CustomOp3 for DecodeAttention {
@@ -78,7 +89,7 @@ impl CustomOp3 for DecodeAttention {
             let values = &v[(h * n_ctx + self.from) * hd..][..n * hd];
             let qh = &q[h * g * hd..][..g * hd];
             let oh = &mut out[h * g * hd..][..g * hd];
-            head(qh, keys, values, self.scale, hd, &mut w, oh);
+            head(qh, keys, values, (self.scale, self.cap), hd, &mut w, oh);
         }
         Ok((CpuStorage::F32(out), Shape::from_dims(&[1, nh, 1, hd])))
     }
@@ -89,7 +100,16 @@ impl CustomOp3 for DecodeAttention {
 ///
 /// The vector width is the element-wise ops' ([`silu::width`]); the lanes are summed in the same
 /// order at each width, so the numbers are the same (tested).
-pub(super) fn head(q: &[f32], keys: &[f32], values: &[f32], scale: f32, hd: usize, w: &mut [f32], out: &mut [f32]) {
+/// `scale` is the scores' scale and their soft cap ([`soft_cap`]).
+pub(super) fn head(
+    q: &[f32],
+    keys: &[f32],
+    values: &[f32],
+    scale: (f32, Option<f32>),
+    hd: usize,
+    w: &mut [f32],
+    out: &mut [f32],
+) {
     // SAFETY: this CPU's width
     unsafe { head_on(silu::width(), q, keys, values, scale, hd, w, out) }
 }
@@ -101,7 +121,7 @@ per_width!(
         q: &[f32],
         keys: &[f32],
         values: &[f32],
-        scale: f32,
+        scale: (f32, Option<f32>),
         hd: usize,
         w: &mut [f32],
         out: &mut [f32],
@@ -110,7 +130,15 @@ per_width!(
 
 /// The loops, compiled for each vector width by [`head_on`].
 #[inline(always)]
-fn head_body(q: &[f32], keys: &[f32], values: &[f32], scale: f32, hd: usize, w: &mut [f32], out: &mut [f32]) {
+fn head_body(
+    q: &[f32],
+    keys: &[f32],
+    values: &[f32],
+    (scale, cap): (f32, Option<f32>),
+    hd: usize,
+    w: &mut [f32],
+    out: &mut [f32],
+) {
     let g = q.len() / hd;
     let seen = keys.len() / hd;
     let w = &mut w[..g * seen];
@@ -120,6 +148,7 @@ fn head_body(q: &[f32], keys: &[f32], values: &[f32], scale: f32, hd: usize, w: 
             w[r * seen + j] = dot(qr, key) * scale;
         }
     }
+    soft_cap(w, cap);
     // weights, per query: the softmax of its scores
     for row in w.chunks_exact_mut(seen) {
         let max = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
@@ -179,7 +208,7 @@ mod tests {
             let q = filled((1, nh, 1, hd), 1);
             let (k, v) = (filled((1, nkv, n_ctx, hd), 2), filled((1, nkv, n_ctx, hd), 3));
             let scale = 1.0 / (hd as f32).sqrt();
-            let got = q.apply_op3_no_bwd(&k, &v, &DecodeAttention { from, seen, scale }).unwrap();
+            let got = q.apply_op3_no_bwd(&k, &v, &DecodeAttention { from, seen, scale, cap: None }).unwrap();
             assert_eq!(got.dims(), [1, nh, 1, hd]);
             // the composition: per kv head, (g × d)·(d × seen), softmax, (g × seen)·(seen × d)
             let g = nh / nkv;
@@ -190,6 +219,14 @@ mod tests {
             let want = att.matmul(&vs.contiguous().unwrap()).unwrap().reshape((1, nh, 1, hd)).unwrap();
             let d = (&got - &want).unwrap().abs().unwrap().max_all().unwrap().to_scalar::<f32>().unwrap();
             assert!(d < 1e-4, "heads {nh}/{nkv}, d {hd}, {from}..{seen} seen: differs by {d}");
+            // soft-capped scores (a cap of 1.5 bends scores of a few units hard)
+            let capped = q.apply_op3_no_bwd(&k, &v, &DecodeAttention { from, seen, scale, cap: Some(1.5) }).unwrap();
+            let att = (qg.matmul(&ks.t().unwrap()).unwrap() * scale as f64).unwrap();
+            let att = ((att / 1.5).unwrap().tanh().unwrap() * 1.5).unwrap();
+            let att = candle_nn::ops::softmax_last_dim(&att).unwrap();
+            let want_capped = att.matmul(&vs.contiguous().unwrap()).unwrap().reshape((1, nh, 1, hd)).unwrap();
+            let d = (&capped - &want_capped).unwrap().abs().unwrap().max_all().unwrap().to_scalar::<f32>().unwrap();
+            assert!(d < 1e-4, "heads {nh}/{nkv}, d {hd}, capped: differs by {d}");
             // and the positions outside `from..seen` are not read: changing them changes nothing
             let k2 = (k.clone() + 1000.0).unwrap();
             let k2 = Tensor::cat(
@@ -201,7 +238,7 @@ mod tests {
                 2,
             )
             .unwrap();
-            let again = q.apply_op3_no_bwd(&k2, &v, &DecodeAttention { from, seen, scale }).unwrap();
+            let again = q.apply_op3_no_bwd(&k2, &v, &DecodeAttention { from, seen, scale, cap: None }).unwrap();
             let same = (&again - &got).unwrap().abs().unwrap().max_all().unwrap().to_scalar::<f32>().unwrap();
             assert_eq!(same, 0.0, "a key outside positions {from}..{seen} was read");
         }
@@ -219,7 +256,7 @@ mod tests {
             for on in silu::widths() {
                 let (mut w, mut out) = (vec![0f32; g * seen], vec![0f32; g * hd]);
                 // SAFETY: a width this CPU has
-                unsafe { head_on(on, &q, &keys, &values, 0.125, hd, &mut w, &mut out) };
+                unsafe { head_on(on, &q, &keys, &values, (0.125, Some(3.0)), hd, &mut w, &mut out) };
                 let bits: Vec<u32> = out.iter().map(|v| v.to_bits()).collect();
                 match &want {
                     None => want = Some(bits),
@@ -232,15 +269,24 @@ mod tests {
     #[test]
     fn refuses_what_it_does_not_describe() {
         let (q, k) = (filled((1, 8, 1, 16), 1), filled((1, 3, 40, 16), 2));
-        let e = q.apply_op3_no_bwd(&k, &k, &DecodeAttention { from: 0, seen: 4, scale: 1.0 }).unwrap_err().to_string();
+        let e = q
+            .apply_op3_no_bwd(&k, &k, &DecodeAttention { from: 0, seen: 4, scale: 1.0, cap: None })
+            .unwrap_err()
+            .to_string();
         assert!(e.contains("[1, 8, 1, 16]") && e.contains("[1, 3, 40, 16]"), "{e}");
         let k = filled((1, 2, 40, 16), 2);
-        let e = q.apply_op3_no_bwd(&k, &k, &DecodeAttention { from: 0, seen: 41, scale: 1.0 }).unwrap_err().to_string();
+        let e = q
+            .apply_op3_no_bwd(&k, &k, &DecodeAttention { from: 0, seen: 41, scale: 1.0, cap: None })
+            .unwrap_err()
+            .to_string();
         assert!(e.contains("positions 0..41"), "{e}");
-        let e = q.apply_op3_no_bwd(&k, &k, &DecodeAttention { from: 4, seen: 4, scale: 1.0 }).unwrap_err().to_string();
+        let e = q
+            .apply_op3_no_bwd(&k, &k, &DecodeAttention { from: 4, seen: 4, scale: 1.0, cap: None })
+            .unwrap_err()
+            .to_string();
         assert!(e.contains("positions 4..4"), "{e}");
         let e = q
-            .apply_op3_no_bwd(&k.t().unwrap(), &k, &DecodeAttention { from: 0, seen: 4, scale: 1.0 })
+            .apply_op3_no_bwd(&k.t().unwrap(), &k, &DecodeAttention { from: 0, seen: 4, scale: 1.0, cap: None })
             .unwrap_err()
             .to_string();
         assert!(e.contains("contiguous"), "{e}");

@@ -257,6 +257,7 @@ impl Block {
                 let keys = &kc.get()[(head * n_ctx + from) * hd..][..(seen - from) * hd];
                 let values = &vc.get()[(head * n_ctx + from) * hd..][..(seen - from) * hd];
                 let mut w = vec![0f32; g * (seen - from)];
+                let scale = (scale, cfg.attn_softcap);
                 decode_attn::head(&q[i * qd + head * g * hd..][..g * hd], keys, values, scale, hd, &mut w, out);
             });
         }

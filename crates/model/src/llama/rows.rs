@@ -49,7 +49,7 @@ impl Slice {
             None => Ok(x),
             Some(head) => {
                 let x = rms_norm(&x, &head.norm, self.cfg.rms_eps)?;
-                Ok(head.out.forward_rows(&x)?.to_dtype(DType::F32)?)
+                Ok(self.soft_cap_logits(head.out.forward_rows(&x)?.to_dtype(DType::F32)?)?)
             }
         }
     }

@@ -34,6 +34,8 @@ pub(super) struct CausalSoftmax {
     pub t: usize,
     pub pos: usize,
     pub window: Option<usize>,
+    /// Scaled scores soft-capped as `c · tanh(s / c)` (Gemma 2).
+    pub cap: Option<f32>,
 }
 
 impl CustomOp1 for CausalSoftmax {
@@ -59,14 +61,14 @@ impl CustomOp1 for CausalSoftmax {
                 self.pos
             )
         }
-        let (scale, t, pos, window) = (self.scale, self.t, self.pos, self.window);
+        let (scale, t, pos, window, cap) = (self.scale, self.t, self.pos, self.window, self.cap);
         let mut dst = vec![0f32; src.len()];
         let width = silu::width();
         let row = |(r, (s, d)): (usize, (&[f32], &mut [f32]))| {
             let seen = pos + r % t + 1;
             let from = window.map_or(0, |w| seen.saturating_sub(w));
             // SAFETY: this CPU's width
-            unsafe { row_on(width, s, d, from, seen, scale) }
+            unsafe { row_on(width, s, d, from, seen, (scale, cap)) }
         };
         if src.len() < SERIAL_BELOW {
             src.chunks(keys).zip(dst.chunks_mut(keys)).enumerate().for_each(row);
@@ -79,12 +81,13 @@ impl CustomOp1 for CausalSoftmax {
 
 /// One row: `s[from..seen]` scaled, to weights in `d` (whose head before `from` and tail stay 0).
 #[inline(always)]
-fn row(s: &[f32], d: &mut [f32], from: usize, seen: usize, scale: f32) {
+fn row(s: &[f32], d: &mut [f32], from: usize, seen: usize, (scale, cap): (f32, Option<f32>)) {
     let keys = d.len();
     let (s, w) = (&s[from..seen], &mut d[from..seen]);
     for (x, y) in s.iter().zip(w.iter_mut()) {
         *y = *x * scale;
     }
+    super::decode_attn::soft_cap(w, cap);
     let max = w.iter().copied().fold(w[0], f32::max);
     for y in w.iter_mut() {
         *y = silu::exp(*y - max);
@@ -99,7 +102,7 @@ fn row(s: &[f32], d: &mut [f32], from: usize, seen: usize, scale: f32) {
 
 per_width!(
     /// [`row`] compiled for `on`.
-    unsafe fn row_on = row(s: &[f32], d: &mut [f32], from: usize, seen: usize, scale: f32)
+    unsafe fn row_on = row(s: &[f32], d: &mut [f32], from: usize, seen: usize, scale: (f32, Option<f32>))
 );
 
 #[cfg(test)]
@@ -148,7 +151,7 @@ mod tests {
             let scale = 1.0 / (64f64).sqrt();
             let want = composed(&s, scale, t, pos, window).flatten_all().unwrap().to_vec1::<f32>().unwrap();
             let got = s
-                .apply_op1_no_bwd(&CausalSoftmax { scale: scale as f32, t, pos, window })
+                .apply_op1_no_bwd(&CausalSoftmax { scale: scale as f32, t, pos, window, cap: None })
                 .unwrap()
                 .flatten_all()
                 .unwrap()
@@ -172,7 +175,7 @@ mod tests {
                 let mut one = vec![0f32; n];
                 for (r, (s, d)) in src.chunks(l).zip(one.chunks_mut(l)).enumerate() {
                     // SAFETY: a width this CPU has
-                    unsafe { row_on(w, s, d, first(pos + r % t + 1), pos + r % t + 1, scale as f32) };
+                    unsafe { row_on(w, s, d, first(pos + r % t + 1), pos + r % t + 1, (scale as f32, None)) };
                 }
                 let differ = one.iter().zip(&got).filter(|(a, b)| a.to_bits() != b.to_bits()).count();
                 assert_eq!(differ, 0, "{w:?}, kv {kv} g {g} t {t} pos {pos}: {differ} of {n} weights differ");
@@ -196,19 +199,22 @@ mod tests {
     #[test]
     fn refuses_scores_it_does_not_describe() {
         let s = Tensor::zeros((1, 2, 6, 5), candle_core::DType::F32, &Device::Cpu).unwrap();
-        let e = s.apply_op1_no_bwd(&CausalSoftmax { scale: 1.0, t: 4, pos: 0, window: None }).unwrap_err().to_string();
+        let e = s
+            .apply_op1_no_bwd(&CausalSoftmax { scale: 1.0, t: 4, pos: 0, window: None, cap: None })
+            .unwrap_err()
+            .to_string();
         assert!(e.contains("[1, 2, 6, 5]") && e.contains("4 keys"), "{e}");
         let e = s
             .to_dtype(candle_core::DType::F16)
             .unwrap()
-            .apply_op1_no_bwd(&CausalSoftmax { scale: 1.0, t: 1, pos: 4, window: None })
+            .apply_op1_no_bwd(&CausalSoftmax { scale: 1.0, t: 1, pos: 4, window: None, cap: None })
             .unwrap_err()
             .to_string();
         assert!(e.contains("f32"), "{e}");
         let e = s
             .t()
             .unwrap()
-            .apply_op1_no_bwd(&CausalSoftmax { scale: 1.0, t: 1, pos: 5, window: None })
+            .apply_op1_no_bwd(&CausalSoftmax { scale: 1.0, t: 1, pos: 5, window: None, cap: None })
             .unwrap_err()
             .to_string();
         assert!(e.contains("contiguous"), "{e}");
