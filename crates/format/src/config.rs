@@ -372,16 +372,13 @@ impl ModelConfig {
             } else {
                 let pattern_key = key("attention.sliding_window_pattern");
                 let flags = match g.get(&pattern_key) {
-                    None => (0..n_layers).map(|i| i % pattern < pattern - 1).collect(),
+                    None => swa_pattern(n_layers, pattern),
                     Some(Value::Array(a)) => {
                         a.iter().map(|v| v.as_bool()).collect::<Option<Vec<bool>>>().ok_or_else(|| {
                             FormatError::BadMetadata { key: pattern_key.clone(), why: "not booleans".into() }
                         })?
                     }
-                    Some(_) => {
-                        let n = req_u("attention.sliding_window_pattern")?;
-                        (0..n_layers).map(|i| n == 0 || i % n < n - 1).collect()
-                    }
+                    Some(_) => swa_pattern(n_layers, req_u("attention.sliding_window_pattern")?),
                 };
                 Some((window, flags))
             };
@@ -442,6 +439,12 @@ impl ModelConfig {
     pub fn from_hf_json(text: &str) -> Result<Self, FormatError> {
         hf::from_json(text)
     }
+}
+
+/// Which of `n_layers` layers are windowed when `n - 1` local layers precede each global one
+/// (Gemma 3: 6, Gemma 2: 2; 0: every layer), as transformers and llama.cpp fill it in.
+pub(super) fn swa_pattern(n_layers: usize, n: usize) -> Vec<bool> {
+    (0..n_layers).map(|i| n == 0 || i % n < n - 1).collect()
 }
 
 /// The first key position a query at position `pos` sees under a sliding `window`: 0 without

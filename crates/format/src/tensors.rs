@@ -238,27 +238,30 @@ pub fn is_norm(name: &str) -> bool {
 /// Hugging Face Llama/Mistral/Qwen2/Qwen3 tensor names to llama.cpp's GGUF names; `None` for tensors
 /// brigade does not read (rotary buffers of old checkpoints, for example).
 pub fn hf_to_gguf_name(name: &str) -> Option<String> {
-    if let Some((g, _)) = HF_NAMES.iter().find(|(_, h)| *h == name) {
-        return Some(g.to_string());
-    }
-    let (i, rest) = name.strip_prefix("model.layers.")?.split_once('.')?;
-    let i: usize = i.parse().ok()?;
-    let alias = HF_ALIASES.iter().find(|(h, _)| *h == rest).map(|(_, t)| *t);
-    alias.or_else(|| LayerTensor::ALL.into_iter().find(|t| t.hf_suffix() == rest)).map(|t| t.name(i))
+    hf_name(name, false)
 }
 
 /// [`hf_to_gguf_name`] for a model of configuration `c`: Gemma's checkpoints (post-norms) call
 /// the norm after attention `post_attention_layernorm` — a Llama's name for the norm before the
 /// feed-forward block, which Gemma calls `pre_feedforward_layernorm`.
 pub fn hf_to_gguf_name_in(name: &str, c: &ModelConfig) -> Option<String> {
-    if c.layer.post_norms {
-        if let Some((i, rest)) = name.strip_prefix("model.layers.").and_then(|r| r.split_once('.')) {
-            if let (Ok(i), Some((_, t))) = (i.parse::<usize>(), GEMMA_NORMS.iter().find(|(h, _)| *h == rest)) {
-                return Some(t.name(i));
-            }
-        }
+    hf_name(name, c.layer.post_norms)
+}
+
+/// A checkpoint name's GGUF name: Gemma's norm names first where `gemma_norms`, then the
+/// aliases, then the layer table.
+fn hf_name(name: &str, gemma_norms: bool) -> Option<String> {
+    if let Some((g, _)) = HF_NAMES.iter().find(|(_, h)| *h == name) {
+        return Some(g.to_string());
     }
-    hf_to_gguf_name(name)
+    let (i, rest) = name.strip_prefix("model.layers.")?.split_once('.')?;
+    let i: usize = i.parse().ok()?;
+    let named = |table: &[(&str, LayerTensor)]| table.iter().find(|(h, _)| *h == rest).map(|(_, t)| *t);
+    let gemma = if gemma_norms { named(&GEMMA_NORMS) } else { None };
+    gemma
+        .or_else(|| named(&HF_ALIASES))
+        .or_else(|| LayerTensor::ALL.into_iter().find(|t| t.hf_suffix() == rest))
+        .map(|t| t.name(i))
 }
 
 /// Gemma's checkpoint names of the norms around its feed-forward block.

@@ -283,11 +283,15 @@ impl Block {
     /// The attention output `y: (b, t, heads × head_dim)` projected and added to `x`, then the
     /// feed-forward half of the block.
     fn output(&self, cfg: &ModelConfig, x: &Tensor, y: &Tensor, mm: MatMul) -> candle_core::Result<Tensor> {
-        let post = |t: Tensor, which: usize| match &self.post_norms {
-            Some(n) => rms_norm(&t, if which == 0 { &n.0 } else { &n.1 }, cfg.rms_eps),
+        let (post_attn, post_ffn) = match &self.post_norms {
+            Some((a, f)) => (Some(a), Some(f)),
+            None => (None, None),
+        };
+        let post = |t: Tensor, norm: Option<&Tensor>| match norm {
+            Some(n) => rms_norm(&t, n, cfg.rms_eps),
             None => Ok(t),
         };
-        let x = (x + post(mm(&self.wo, y)?, 0)?)?;
+        let x = (x + post(mm(&self.wo, y)?, post_attn)?)?;
         let h = rms_norm(&x, &self.ffn_norm, cfg.rms_eps)?;
         let gu = self.gate_up.forward(&h, mm)?;
         let act = if self.gelu {
@@ -299,7 +303,7 @@ impl Block {
         } else {
             (candle_nn::ops::silu(&gu[0])? * &gu[1])?
         };
-        x + post(mm(&self.down, &act)?, 1)?
+        x + post(mm(&self.down, &act)?, post_ffn)?
     }
 }
 
@@ -328,16 +332,15 @@ fn attend(
     kv.1.slice_set(v, 2, pos)?;
     let l = pos + t;
     let scale = cfg.attention_scale();
-    if t == 1 && b == 1 && own_cpu_attention(q.device(), q.dtype()) {
-        // a decode step reads the cache in place (see `decode_attn`)
-        let from = first_key(window, pos);
-        let op = decode_attn::DecodeAttention { from, seen: l, scale: scale as f32, cap: cfg.attn_softcap };
-        let y = q.apply_op3_no_bwd(&kv.0, &kv.1, &op)?;
-        return y.reshape((b, t, nh * hd));
-    }
     if t == 1 {
-        // one query: the keys of its window are all it sees, and no mask is needed
         let from = first_key(window, pos);
+        if b == 1 && own_cpu_attention(q.device(), q.dtype()) {
+            // a decode step reads the cache in place (see `decode_attn`)
+            let op = decode_attn::DecodeAttention { from, seen: l, scale: scale as f32, cap: cfg.attn_softcap };
+            let y = q.apply_op3_no_bwd(&kv.0, &kv.1, &op)?;
+            return y.reshape((b, t, nh * hd));
+        }
+        // one query: the keys of its window are all it sees, and no mask is needed
         let (keys, values) = (kv.0.narrow(2, from, l - from)?, kv.1.narrow(2, from, l - from)?);
         let scores = Scores { scale, window: None, cap: cfg.attn_softcap };
         let y = grouped_attention(&q, (&keys, &values), nkv, l - from - 1, scores, None, QUERY_BLOCK)?;
@@ -357,6 +360,12 @@ struct Scores {
     window: Option<usize>,
     /// Soft cap of the scaled scores (Gemma 2).
     cap: Option<f32>,
+}
+
+/// `c · tanh(x / c)`: Gemma 2's soft cap of scores and logits as candle ops (brigade's own CPU
+/// attention caps its scores with [`decode_attn::soft_cap`], the same formula).
+fn soft_cap(x: &Tensor, c: f32) -> candle_core::Result<Tensor> {
+    (x / c as f64)?.tanh()? * c as f64
 }
 
 /// Queries per block of a prompt chunk's attention on the CPU (see [`grouped_attention`]).
@@ -419,7 +428,7 @@ fn grouped_attention(
             let tb = block.max(1).min(t - i0);
             let seen = pos + i0 + tb;
             // keys before the block's first window are seen by none of its queries
-            let from = window.map_or(0, |w| (pos + i0 + 1).saturating_sub(w));
+            let from = first_key(window, pos + i0);
             let qb = if tb == t { q5.clone() } else { q5.narrow(3, i0, tb)?.contiguous()? };
             let qb = qb.reshape((b, nkv, g * tb, hd))?;
             let att = qb.matmul(&keys.narrow(2, from, seen - from)?.t()?)?;
@@ -433,7 +442,7 @@ fn grouped_attention(
     let qg = q.reshape((b, nkv, g * t, hd))?;
     let mut att = (qg.matmul(&keys.t()?)? * scale)?;
     if let Some(c) = cap {
-        att = ((att / c as f64)?.tanh()? * c as f64)?;
+        att = soft_cap(&att, c)?;
     }
     if let Some(m) = mask {
         att = att.reshape((b, nkv, g, t, l))?.broadcast_add(m)?.reshape((b, nkv, g * t, l))?;
@@ -550,7 +559,7 @@ impl Slice {
     /// The final logits soft-capped as `c · tanh(l / c)` where the model says so (Gemma 2).
     fn soft_cap_logits(&self, logits: Tensor) -> candle_core::Result<Tensor> {
         match self.cfg.final_softcap {
-            Some(c) => (logits / c as f64)?.tanh()? * c as f64,
+            Some(c) => soft_cap(&logits, c),
             None => Ok(logits),
         }
     }

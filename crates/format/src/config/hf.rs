@@ -139,7 +139,7 @@ fn sliding_window(hf: &HfConfig, arch: Arch) -> Result<(Option<usize>, Option<Ve
             None => {
                 // transformers' own filling in: five local layers in six (Gemma 3), every other (2)
                 let n = hf.sliding_window_pattern.unwrap_or(if arch == Arch::Gemma2 { 2 } else { 6 }).max(1);
-                (0..hf.num_hidden_layers).map(|i| (i + 1) % n != 0).collect()
+                super::swa_pattern(hf.num_hidden_layers, n)
             }
         };
         return match window()? {
@@ -171,9 +171,7 @@ fn gemma(hf: &HfConfig) -> Result<(), FormatError> {
     if hf.use_bidirectional_attention == Some(true) {
         return bad("use_bidirectional_attention: only causal attention is supported".into());
     }
-    if hf.query_pre_attn_scalar.is_some_and(|q| !(q.is_finite() && q > 0.0)) {
-        return bad(format!("query_pre_attn_scalar {:?} must be positive", hf.query_pre_attn_scalar));
-    }
+    // query_pre_attn_scalar is checked with the other scales by `ModelConfig::validate`
     Ok(())
 }
 
@@ -552,6 +550,7 @@ mod tests {
             (r#""final_logit_softcapping": null"#, r#""final_logit_softcapping": -30.0"#, "final_logit_softcapping"),
             (r#""attn_logit_softcapping": null"#, r#""attn_logit_softcapping": 0.0"#, "attn_logit_softcapping"),
             (r#""gelu_pytorch_tanh""#, r#""relu""#, "hidden_activation `relu`"),
+            (r#""query_pre_attn_scalar": 256"#, r#""query_pre_attn_scalar": -1"#, "query_pre_attn_scalar -1"),
             (r#""rope_type": "default"}}"#, r#""rope_type": "linear", "factor": 2.0}}"#, "sliding_attention"),
             (
                 r#""sliding_window": 512"#,

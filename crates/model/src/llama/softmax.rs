@@ -16,6 +16,7 @@
 //! position.
 
 use super::silu::{self, per_width};
+use crate::config::first_key;
 use candle_core::backend::BackendStorage;
 use candle_core::cpu::kernels::VecOps;
 use candle_core::{CpuStorage, CustomOp1, Layout, Shape};
@@ -65,10 +66,9 @@ impl CustomOp1 for CausalSoftmax {
         let mut dst = vec![0f32; src.len()];
         let width = silu::width();
         let row = |(r, (s, d)): (usize, (&[f32], &mut [f32]))| {
-            let seen = pos + r % t + 1;
-            let from = window.map_or(0, |w| seen.saturating_sub(w));
+            let query = pos + r % t;
             // SAFETY: this CPU's width
-            unsafe { row_on(width, s, d, from, seen, (scale, cap)) }
+            unsafe { row_on(width, s, d, first_key(window, query), query + 1, (scale, cap)) }
         };
         if src.len() < SERIAL_BELOW {
             src.chunks(keys).zip(dst.chunks_mut(keys)).enumerate().for_each(row);
@@ -167,7 +167,7 @@ mod tests {
                 far, 0,
                 "kv {kv} g {g} t {t} pos {pos} window {window:?}: {far} of {n} weights differ by more than 8 ulp"
             );
-            let first = |seen: usize| window.map_or(0, |w| seen.saturating_sub(w));
+            let first = |seen: usize| first_key(window, seen - 1);
             // the op (pool threads above SERIAL_BELOW) equals the scalar compilation of its rows,
             // and so does every width this CPU has
             let src = s.flatten_all().unwrap().to_vec1::<f32>().unwrap();
