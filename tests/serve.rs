@@ -6,11 +6,10 @@
 
 mod support;
 
-use std::io::{BufRead, BufReader};
 use std::path::PathBuf;
 use std::process::{Command, Stdio};
 use std::time::Duration;
-use support::{root, smollm2, Proc, BIN};
+use support::{root, serve, smollm2, Server, BIN};
 
 /// The Python with `openai` installed: `target/venv`, which `.ci/run` makes.
 fn python() -> PathBuf {
@@ -21,38 +20,6 @@ fn python() -> PathBuf {
         "no `openai` in target/venv: run .ci/run, or python3 -m venv target/venv && target/venv/bin/pip install openai==2.54.0"
     );
     py
-}
-
-/// A `brigade serve` process on a free port; killed on drop.
-struct Server {
-    proc: Proc,
-    url: String,
-    _dir: tempfile::TempDir,
-}
-
-fn serve(args: &[&str]) -> Server {
-    let dir = tempfile::tempdir().unwrap();
-    let log = dir.path().join("serve.log");
-    let mut child = Command::new(BIN)
-        .args(["serve", "--port", "0"])
-        .args(args)
-        .stdin(Stdio::null())
-        .stdout(Stdio::piped())
-        .stderr(std::fs::File::create(&log).unwrap())
-        .spawn()
-        .unwrap();
-    let stdout = child.stdout.take().unwrap();
-    let proc = Proc { name: "serve".into(), child, log };
-    let (tx, rx) = std::sync::mpsc::channel();
-    std::thread::spawn(move || {
-        for line in BufReader::new(stdout).lines().map_while(Result::ok) {
-            let _ = tx.send(line);
-        }
-    });
-    let line = rx.recv_timeout(Duration::from_secs(120)).unwrap_or_else(|_| panic!("no address: {}", proc.log_text()));
-    let url = line.split("listening on ").nth(1).and_then(|r| r.split(' ').next()).unwrap().to_string();
-    assert!(url.starts_with("http://127.0.0.1:") && !url.ends_with(":0"), "{line}");
-    Server { proc, url, _dir: dir }
 }
 
 /// Runs one case of the Python script against `server`; asserts it passed and checked something.

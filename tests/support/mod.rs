@@ -6,6 +6,7 @@
 pub mod linearizable;
 pub mod netns;
 
+use std::io::{BufRead, BufReader};
 use std::net::TcpListener;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Output, Stdio};
@@ -428,4 +429,37 @@ pub fn smollm2() -> PathBuf {
         assert!(st.success(), "tests/fetch-smollm2.sh failed");
     }
     p
+}
+
+/// A `brigade serve` process on a free port; killed on drop.
+pub struct Server {
+    pub proc: Proc,
+    pub url: String,
+    _dir: tempfile::TempDir,
+}
+
+pub fn serve(args: &[&str]) -> Server {
+    let dir = tempfile::tempdir().unwrap();
+    let log = dir.path().join("serve.log");
+    let mut child = Command::new(BIN)
+        .env_remove("BRIGADE_CONFIG")
+        .args(["serve", "--port", "0"])
+        .args(args)
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(std::fs::File::create(&log).unwrap())
+        .spawn()
+        .unwrap();
+    let stdout = child.stdout.take().unwrap();
+    let proc = Proc { name: "serve".into(), child, log };
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        for line in BufReader::new(stdout).lines().map_while(Result::ok) {
+            let _ = tx.send(line);
+        }
+    });
+    let line = rx.recv_timeout(Duration::from_secs(120)).unwrap_or_else(|_| panic!("no address: {}", proc.log_text()));
+    let url = line.split("listening on ").nth(1).and_then(|r| r.split(' ').next()).unwrap().to_string();
+    assert!(url.starts_with("http://127.0.0.1:") && !url.ends_with(":0"), "{line}");
+    Server { proc, url, _dir: dir }
 }

@@ -1,6 +1,7 @@
 //! Cluster mode from the command line: `coordinator` and `worker` (the two long-running
 //! processes), and the clients `deploy`, `undeploy`, `generate`, `status`.
 
+use crate::common::SamplingArgs;
 use anyhow::{bail, Context, Result};
 use brigade_sdk::v1::{Carrier, DeployRequest, DeploymentInfo, WireDtype};
 use brigade_sdk::{Client, ClientConfig, Event, GenerateParams};
@@ -444,20 +445,8 @@ pub struct GenerateArgs {
     /// Tokens to generate (-1: until end of text or a full context).
     #[arg(short = 'n', long = "n-predict", default_value_t = 128, allow_negative_numbers = true)]
     pub n_predict: i64,
-    #[arg(long = "temp", default_value_t = 0.8)]
-    pub temp: f32,
-    #[arg(short = 's', long = "seed")]
-    pub seed: Option<u64>,
-    #[arg(long = "top-k", default_value_t = 40)]
-    pub top_k: u32,
-    #[arg(long = "top-p", default_value_t = 0.95)]
-    pub top_p: f32,
-    #[arg(long = "min-p", default_value_t = 0.05)]
-    pub min_p: f32,
-    #[arg(long = "repeat-penalty", default_value_t = 1.0)]
-    pub repeat_penalty: f32,
-    #[arg(long = "repeat-last-n", default_value_t = 64)]
-    pub repeat_last_n: u32,
+    #[command(flatten)]
+    pub sampling: SamplingArgs,
     /// Treat the prompt as a user message and render the model's chat template.
     #[arg(long)]
     pub chat: bool,
@@ -517,16 +506,11 @@ pub fn generate(a: GenerateArgs) -> Result<()> {
     if a.n_predict < -1 {
         bail!("-n {}: a token count, or -1 for no limit", a.n_predict);
     }
-    let seed = a.seed.unwrap_or_else(rand::random);
+    let sampling = a.sampling.params()?;
+    let seed = sampling.seed;
     let params = GenerateParams {
         max_tokens: if a.n_predict < 0 { 0 } else { u32::try_from(a.n_predict).context("-n is too large")? },
-        temperature: a.temp,
-        top_k: a.top_k,
-        top_p: a.top_p,
-        min_p: a.min_p,
-        repeat_penalty: a.repeat_penalty,
-        repeat_last_n: a.repeat_last_n,
-        seed,
+        sampling,
         ignore_eos: a.ignore_eos,
     };
     if a.n_predict == 0 {

@@ -5,8 +5,10 @@
 
 use crate::cluster::{runtime, Connect};
 use anyhow::{bail, Result};
-use brigade_sdk::v1::{GenerateOptions, GenerateRequest, Sampling, Timings};
+use brigade_proto::convert::sampling_to_proto;
+use brigade_sdk::v1::{GenerateOptions, GenerateRequest, Timings};
 use brigade_sdk::Event;
+use brigade_sdk::SamplingParams;
 use serde::Serialize;
 use std::time::Instant;
 
@@ -45,7 +47,7 @@ async fn one(c: &Connect, model: &str, prompt: Vec<u32>, max_tokens: u32) -> Res
         prompt_ids: prompt,
         options: Some(GenerateOptions {
             max_tokens,
-            sampling: Some(Sampling { temperature: 0.0, top_p: 1.0, repeat_penalty: 1.0, ..Default::default() }),
+            sampling: Some(sampling_to_proto(&SamplingParams::greedy())),
             ignore_eos: true,
             resume_ids: vec![],
         }),

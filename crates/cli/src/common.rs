@@ -3,7 +3,7 @@
 
 use crate::machine::Machine;
 use anyhow::{bail, Context, Result};
-use brigade_core::{DeviceId, DeviceMap, LayerRange, Stage};
+use brigade_core::{DeviceId, DeviceMap, LayerRange, SamplingParams, Stage};
 use brigade_model::devices::{cuda_devices, CudaInfo};
 use brigade_model::{predict_slice_bytes, ModelFiles};
 use brigade_planner::Policy;
@@ -432,5 +432,58 @@ impl ModelArgs {
             eprintln!("{n}");
         }
         Ok(Placed { files, n_ctx, gpus, placement })
+    }
+}
+
+/// How the next token is drawn, with llama.cpp's flag names and defaults: the options `run` and
+/// `cluster generate` share.
+#[derive(clap::Args, Debug, Clone)]
+pub struct SamplingArgs {
+    /// Temperature; 0 is greedy.
+    #[arg(long = "temp", default_value_t = 0.8)]
+    pub temp: f32,
+    /// Random seed (default: a random one, printed in the report).
+    #[arg(short = 's', long = "seed")]
+    pub seed: Option<u64>,
+    /// Keep the k most likely tokens; 0 keeps all.
+    #[arg(long = "top-k", default_value_t = 40)]
+    pub top_k: usize,
+    /// Keep the most likely tokens whose probabilities add up to p; 1 keeps all.
+    #[arg(long = "top-p", default_value_t = 0.95)]
+    pub top_p: f32,
+    /// Drop tokens less likely than p × the most likely one; 0 keeps all.
+    #[arg(long = "min-p", default_value_t = 0.05)]
+    pub min_p: f32,
+    /// Divide the logits of recently seen tokens by this; 1 disables.
+    #[arg(long = "repeat-penalty", default_value_t = 1.0)]
+    pub repeat_penalty: f32,
+    /// How many of the last tokens the penalties look at; 0 disables them.
+    #[arg(long = "repeat-last-n", default_value_t = 64)]
+    pub repeat_last_n: usize,
+    /// Subtract this from a seen token's logit once (OpenAI's presence_penalty).
+    #[arg(long = "presence-penalty", default_value_t = 0.0, allow_negative_numbers = true)]
+    pub presence_penalty: f32,
+    /// Subtract this from a token's logit per time it was seen (OpenAI's frequency_penalty).
+    #[arg(long = "frequency-penalty", default_value_t = 0.0, allow_negative_numbers = true)]
+    pub frequency_penalty: f32,
+}
+
+impl SamplingArgs {
+    /// The settings, with a random seed where none was given; what the sampler cannot use is
+    /// refused with the flag's value.
+    pub fn params(&self) -> Result<SamplingParams> {
+        let p = SamplingParams {
+            temperature: self.temp,
+            top_k: self.top_k,
+            top_p: self.top_p,
+            min_p: self.min_p,
+            repeat_penalty: self.repeat_penalty,
+            repeat_last_n: self.repeat_last_n,
+            frequency_penalty: self.frequency_penalty,
+            presence_penalty: self.presence_penalty,
+            seed: self.seed.unwrap_or_else(rand::random),
+        };
+        p.validate()?;
+        Ok(p)
     }
 }

@@ -2,12 +2,13 @@
 
 use crate::common::{
     check_cpu_memory, gpu_free, human_bytes, load_with_retry, n_predict, GpuLayers, ModelArgs, Placed, Placement,
+    SamplingArgs,
 };
 use anyhow::{Context, Result};
 use brigade_core::{DeviceId, Stage};
 use brigade_model::device::Accelerators;
 use brigade_model::devices::CudaInfo;
-use brigade_model::{predict_slice_bytes, GenerationStats, ModelFiles, Pipeline, Sampler, SamplerConfig, Tokenizer};
+use brigade_model::{predict_slice_bytes, GenerationStats, ModelFiles, Pipeline, Sampler, SamplingParams, Tokenizer};
 use clap::Args;
 use serde::Serialize;
 use std::io::Write;
@@ -24,22 +25,8 @@ pub struct RunArgs {
     /// Tokens to generate; -1: until an end of text or a full context.
     #[arg(short = 'n', long = "n-predict", default_value_t = 128, allow_negative_numbers = true)]
     pub n_predict: i64,
-    /// Temperature; 0 is greedy.
-    #[arg(long = "temp", default_value_t = 0.8)]
-    pub temp: f32,
-    /// Random seed (default: a random one, printed in the report).
-    #[arg(short = 's', long = "seed")]
-    pub seed: Option<u64>,
-    #[arg(long = "top-k", default_value_t = 40)]
-    pub top_k: usize,
-    #[arg(long = "top-p", default_value_t = 0.95)]
-    pub top_p: f32,
-    #[arg(long = "min-p", default_value_t = 0.05)]
-    pub min_p: f32,
-    #[arg(long = "repeat-penalty", default_value_t = 1.0)]
-    pub repeat_penalty: f32,
-    #[arg(long = "repeat-last-n", default_value_t = 64)]
-    pub repeat_last_n: usize,
+    #[command(flatten)]
+    pub sampling: SamplingArgs,
     /// Treat the prompt as a user message and render the model's chat template.
     #[arg(long = "chat")]
     pub chat: bool,
@@ -98,7 +85,7 @@ struct Prepared {
     n_predict: usize,
     placement: Placement,
     prompt_ids: Vec<u32>,
-    sampler: SamplerConfig,
+    sampler: SamplingParams,
     gpus: Vec<CudaInfo>,
 }
 
@@ -136,16 +123,7 @@ fn prepare(a: &RunArgs) -> Result<Prepared> {
             prompt_ids.len(),
         );
     }
-    let sampler = SamplerConfig {
-        temperature: a.temp,
-        top_k: a.top_k,
-        top_p: a.top_p,
-        min_p: a.min_p,
-        repeat_penalty: a.repeat_penalty,
-        repeat_last_n: a.repeat_last_n,
-        seed: a.seed.unwrap_or_else(rand_seed),
-        ..SamplerConfig::default()
-    };
+    let sampler = a.sampling.params()?;
     Ok(Prepared { files, n_ctx, n_predict, placement, prompt_ids, sampler, gpus })
 }
 
@@ -318,11 +296,4 @@ fn report(out: &RunOut) {
             human_bytes(d.kv_bytes)
         );
     }
-}
-
-fn rand_seed() -> u64 {
-    use std::hash::{BuildHasher, Hasher};
-    let mut h = std::collections::hash_map::RandomState::new().build_hasher();
-    h.write_u128(std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_nanos()).unwrap_or(0));
-    h.finish()
 }

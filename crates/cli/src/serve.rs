@@ -7,10 +7,10 @@ use crate::common::{detect_gpus, load_with_retry, GpuLayers, ModelArgs, Placed};
 use anyhow::{Context, Result};
 use brigade_model::batch::{Engine, EngineConfig, Job, Output, Sink};
 use brigade_model::pipeline::StopReason;
-use brigade_model::{Pipeline, SamplerConfig};
+use brigade_model::Pipeline;
 use brigade_serve::{
     ApiError, Backend, DeploymentView, DeviceView, EngineEvent, EngineRequest, Finish, Load, ModelInfo, NodeView,
-    Overview, Sampling, ServeConfig, StageView,
+    Overview, ServeConfig, StageView,
 };
 use clap::Args;
 use std::io::Write;
@@ -67,20 +67,6 @@ impl Sink for ToChannel {
     }
 }
 
-fn sampler_config(s: &Sampling) -> SamplerConfig {
-    SamplerConfig {
-        temperature: s.temperature,
-        top_k: s.top_k,
-        top_p: s.top_p,
-        min_p: s.min_p,
-        repeat_penalty: s.repeat_penalty,
-        repeat_last_n: s.repeat_last_n,
-        seed: s.seed,
-        frequency_penalty: s.frequency_penalty,
-        presence_penalty: s.presence_penalty,
-    }
-}
-
 impl Backend for Local {
     fn models(&self) -> Vec<ModelInfo> {
         vec![self.info.clone()]
@@ -88,12 +74,8 @@ impl Backend for Local {
 
     async fn complete(&self, req: EngineRequest) -> Result<mpsc::UnboundedReceiver<EngineEvent>, ApiError> {
         let (tx, rx) = mpsc::unbounded_channel();
-        let job = Job {
-            prompt: req.prompt,
-            max_tokens: req.max_tokens,
-            sampler: sampler_config(&req.sampling),
-            ignore_eos: req.ignore_eos,
-        };
+        let job =
+            Job { prompt: req.prompt, max_tokens: req.max_tokens, sampler: req.sampling, ignore_eos: req.ignore_eos };
         self.engine.submit(job, Box::new(ToChannel(tx))).map_err(|b| ApiError::busy(b.to_string()))?;
         Ok(rx)
     }

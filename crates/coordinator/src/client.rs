@@ -9,7 +9,7 @@ use brigade_core::cluster::{
     ActDtype, CarrierKind, ClusterState, Command, Deployment, DeploymentState, NodeState, StageState,
 };
 use brigade_planner::Objective;
-use brigade_proto::convert::{device_to_proto, unix_ms};
+use brigade_proto::convert::{device_to_proto, sampling_from_proto, sampling_to_proto, unix_ms};
 use brigade_proto::v1::client_server::Client;
 use brigade_proto::v1::{
     generate_event, Carrier, ChatMessageRef, ChatRequest, ClusterStatusRequest, ClusterStatusResponse, DeployRequest,
@@ -496,9 +496,11 @@ fn drive_options(o: Option<GenerateOptions>) -> Result<DriveRequest, Status> {
     if o.resume_ids.len() > 1 << 20 {
         return Err(Status::invalid_argument("too many resume ids"));
     }
+    // checked here, at the edge, so a bad setting is the caller's error and never reaches a stage
+    let sampling = sampling_from_proto(o.sampling.as_ref()).map_err(|e| Status::invalid_argument(e.to_string()))?;
     Ok(DriveRequest {
         max_tokens: o.max_tokens,
-        sampling: o.sampling,
+        sampling: Some(sampling_to_proto(&sampling)),
         ignore_eos: o.ignore_eos,
         resume_ids: o.resume_ids,
         ..Default::default()

@@ -11,7 +11,8 @@ use brigade_core::cluster::ModelRecord;
 use brigade_core::DeviceKind;
 use brigade_format::{ModelIndex, Tokenizer};
 use brigade_planner::{HopPlan, Objective, Plan, StagePlan};
-use brigade_proto::v1::{generate_event, DriveRequest, Sampling, StopReason};
+use brigade_proto::convert::sampling_to_proto;
+use brigade_proto::v1::{generate_event, DriveRequest, StopReason};
 use brigade_serve::{
     ApiError, Backend, DeploymentView, DeviceView, EngineEvent, EngineRequest, Finish, LinkView, ModelInfo, NodeView,
     Overview, StageView,
@@ -73,22 +74,11 @@ impl Backend for ClusterBackend {
     }
 
     async fn complete(&self, req: EngineRequest) -> Result<mpsc::UnboundedReceiver<EngineEvent>, ApiError> {
-        let s = &req.sampling;
         let drive = DriveRequest {
             prompt_ids: req.prompt,
             use_prompt_ids: true,
             max_tokens: u32::try_from(req.max_tokens).unwrap_or(u32::MAX),
-            sampling: Some(Sampling {
-                temperature: s.temperature,
-                top_k: u32::try_from(s.top_k).unwrap_or(u32::MAX),
-                top_p: s.top_p,
-                min_p: s.min_p,
-                repeat_penalty: s.repeat_penalty,
-                repeat_last_n: u32::try_from(s.repeat_last_n).unwrap_or(u32::MAX),
-                seed: s.seed,
-                presence_penalty: s.presence_penalty,
-                frequency_penalty: s.frequency_penalty,
-            }),
+            sampling: Some(sampling_to_proto(&req.sampling)),
             ignore_eos: req.ignore_eos,
             ..Default::default()
         };

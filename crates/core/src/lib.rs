@@ -7,6 +7,7 @@
 //!   the single-box form of a placement.
 //! - [`Inventory`] ([`NodeSpec`], [`DeviceSpec`], [`LinkSpec`]): the devices of a cluster and the
 //!   links between its nodes, in base units.
+//! - [`SamplingParams`]: how the next token is drawn, one definition for every entry point.
 //! - [`ModelProfile`]: what placement needs to know of a model (bytes and flops per layer).
 //! - [`cluster`]: the replicated cluster state (nodes, links, models, deployments) and its pure
 //!   `apply(command)`.
@@ -19,11 +20,13 @@ mod device;
 mod inventory;
 mod layers;
 mod profile;
+mod sampling;
 
 pub use device::{DeviceId, DeviceKind};
 pub use inventory::{DeviceSpec, Inventory, Link, LinkSpec, NodeSpec};
 pub use layers::{DeviceMap, LayerRange, Stage};
 pub use profile::{bits_per_weight, LlamaShape, ModelProfile};
+pub use sampling::{SamplingError, SamplingParams};
 
 /// Errors of the vocabulary types: all of them are about parsing or validating user input.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]

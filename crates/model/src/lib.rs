@@ -41,7 +41,7 @@ pub use brigade_format::{embedded_model, FormatError, EMBEDDED_MODEL_NAME};
 pub use config::ModelConfig;
 pub use llama::{predict_slice_bytes, Logits, Slice, SliceBytes, SliceCache, StageInput};
 pub use pipeline::{GenerationStats, Pipeline, Session};
-pub use sampler::{Sampler, SamplerConfig};
+pub use sampler::{Sampler, SamplingParams};
 pub use tokenizer::Tokenizer;
 pub use weights::ModelFiles;
 

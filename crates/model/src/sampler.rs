@@ -1,58 +1,12 @@
 //! Token sampling in llama.cpp's order: penalties (repetition, frequency, presence), top-k, top-p,
 //! min-p, temperature, then a draw from a seeded generator. Temperature 0 (or below) is greedy.
 
+pub use brigade_core::SamplingParams;
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
-use serde::{Deserialize, Serialize};
-
-#[derive(Debug, Clone, Serialize, Deserialize)]
-pub struct SamplerConfig {
-    pub temperature: f32,
-    /// 0 disables.
-    pub top_k: usize,
-    /// 1.0 disables.
-    pub top_p: f32,
-    /// 0.0 disables.
-    pub min_p: f32,
-    /// 1.0 disables.
-    pub repeat_penalty: f32,
-    /// How many of the last tokens the penalties look at.
-    pub repeat_last_n: usize,
-    pub seed: u64,
-    /// Subtracted from a token's logit once per time it occurs in the last `repeat_last_n`
-    /// tokens (OpenAI's `frequency_penalty`); 0 disables.
-    #[serde(default)]
-    pub frequency_penalty: f32,
-    /// Subtracted from a token's logit once if it occurs there at all (`presence_penalty`).
-    #[serde(default)]
-    pub presence_penalty: f32,
-}
-
-impl Default for SamplerConfig {
-    /// llama.cpp's defaults.
-    fn default() -> Self {
-        Self {
-            temperature: 0.8,
-            top_k: 40,
-            top_p: 0.95,
-            min_p: 0.05,
-            repeat_penalty: 1.0,
-            repeat_last_n: 64,
-            seed: 0,
-            frequency_penalty: 0.0,
-            presence_penalty: 0.0,
-        }
-    }
-}
-
-impl SamplerConfig {
-    pub fn greedy() -> Self {
-        Self { temperature: 0.0, ..Self::default() }
-    }
-}
 
 pub struct Sampler {
-    cfg: SamplerConfig,
+    cfg: SamplingParams,
     rng: ChaCha8Rng,
     candidates: Vec<(u32, f32)>,
     /// How often each token occurs in the penalty window (reused between calls).
@@ -60,12 +14,12 @@ pub struct Sampler {
 }
 
 impl Sampler {
-    pub fn new(cfg: SamplerConfig) -> Self {
+    pub fn new(cfg: SamplingParams) -> Self {
         let rng = ChaCha8Rng::seed_from_u64(cfg.seed);
         Self { cfg, rng, candidates: Vec::new(), counts: Default::default() }
     }
 
-    pub fn config(&self) -> &SamplerConfig {
+    pub fn config(&self) -> &SamplingParams {
         &self.cfg
     }
 
@@ -76,8 +30,7 @@ impl Sampler {
         // llama.cpp's penalties sampler: a token seen `n` times in the window has its logit
         // divided by the repeat penalty (multiplied when not positive), then `n × frequency +
         // presence` subtracted
-        let penalise =
-            c.repeat_last_n > 0 && (c.repeat_penalty != 1.0 || c.frequency_penalty != 0.0 || c.presence_penalty != 0.0);
+        let penalise = c.penalises();
         let counts = &mut self.counts;
         counts.clear();
         if penalise {
@@ -165,9 +118,9 @@ mod tests {
     #[test]
     fn greedy_picks_argmax_and_penalty_moves_it() {
         let logits = [0.1, 3.0, 2.9, -1.0];
-        let mut s = Sampler::new(SamplerConfig::greedy());
+        let mut s = Sampler::new(SamplingParams::greedy());
         assert_eq!(s.sample(&logits, &[]), 1);
-        let mut s = Sampler::new(SamplerConfig { repeat_penalty: 1.5, ..SamplerConfig::greedy() });
+        let mut s = Sampler::new(SamplingParams { repeat_penalty: 1.5, ..SamplingParams::greedy() });
         assert_eq!(s.sample(&logits, &[1]), 2);
     }
 
@@ -175,31 +128,31 @@ mod tests {
     fn frequency_and_presence_penalties_as_llama_cpp() {
         // token 1 seen twice, token 2 once: 3.0 - 2×0.6 - 0.5 = 1.3 < 2.9 - 0.6 - 0.5 = 1.8 < 2.0
         let logits = [0.1, 3.0, 2.9, 2.0];
-        let cfg = SamplerConfig { frequency_penalty: 0.6, presence_penalty: 0.5, ..SamplerConfig::greedy() };
+        let cfg = SamplingParams { frequency_penalty: 0.6, presence_penalty: 0.5, ..SamplingParams::greedy() };
         assert_eq!(Sampler::new(cfg.clone()).sample(&logits, &[1, 2, 1]), 3);
         // only the window counts, and presence alone moves the choice by a fixed amount
-        let cfg = SamplerConfig { repeat_last_n: 1, ..cfg };
+        let cfg = SamplingParams { repeat_last_n: 1, ..cfg };
         assert_eq!(Sampler::new(cfg).sample(&logits, &[1, 2, 1]), 2);
-        let cfg = SamplerConfig { presence_penalty: 0.05, ..SamplerConfig::greedy() };
+        let cfg = SamplingParams { presence_penalty: 0.05, ..SamplingParams::greedy() };
         assert_eq!(Sampler::new(cfg.clone()).sample(&logits, &[1]), 1);
-        assert_eq!(Sampler::new(SamplerConfig { presence_penalty: 0.2, ..cfg }).sample(&logits, &[1]), 2);
+        assert_eq!(Sampler::new(SamplingParams { presence_penalty: 0.2, ..cfg }).sample(&logits, &[1]), 2);
         // a negative logit seen before: multiplied by the repeat penalty, then shifted
         let logits = [-1.0, -1.5];
-        let cfg = SamplerConfig { repeat_penalty: 2.0, frequency_penalty: 0.1, ..SamplerConfig::greedy() };
+        let cfg = SamplingParams { repeat_penalty: 2.0, frequency_penalty: 0.1, ..SamplingParams::greedy() };
         assert_eq!(Sampler::new(cfg).sample(&logits, &[0]), 1);
     }
 
     #[test]
     fn same_seed_same_tokens_and_cuts_hold() {
         let logits: Vec<f32> = (0..100).map(|i| (i as f32 * 0.37).sin() * 4.0).collect();
-        let cfg = SamplerConfig { temperature: 1.0, top_k: 5, top_p: 1.0, min_p: 0.0, seed: 42, ..Default::default() };
-        let draw = |cfg: &SamplerConfig| {
+        let cfg = SamplingParams { temperature: 1.0, top_k: 5, top_p: 1.0, min_p: 0.0, seed: 42, ..Default::default() };
+        let draw = |cfg: &SamplingParams| {
             let mut s = Sampler::new(cfg.clone());
             (0..200).map(|_| s.sample(&logits, &[])).collect::<Vec<_>>()
         };
         let a = draw(&cfg);
         assert_eq!(a, draw(&cfg));
-        assert_ne!(a, draw(&SamplerConfig { seed: 43, ..cfg.clone() }));
+        assert_ne!(a, draw(&SamplingParams { seed: 43, ..cfg.clone() }));
         let mut top5: Vec<u32> = (0..100).collect();
         top5.sort_by(|&x, &y| logits[y as usize].total_cmp(&logits[x as usize]));
         top5.truncate(5);
@@ -209,11 +162,16 @@ mod tests {
         assert!(distinct.len() >= 3);
         // min-p 1.0 keeps only the best
         let mut s =
-            Sampler::new(SamplerConfig { temperature: 1.0, top_k: 0, top_p: 1.0, min_p: 1.0, ..Default::default() });
+            Sampler::new(SamplingParams { temperature: 1.0, top_k: 0, top_p: 1.0, min_p: 1.0, ..Default::default() });
         assert_eq!(s.sample(&logits, &[]), top5[0]);
         // top-p tiny keeps only the best
-        let mut s =
-            Sampler::new(SamplerConfig { temperature: 1.0, top_k: 0, top_p: 0.0001, min_p: 0.0, ..Default::default() });
+        let mut s = Sampler::new(SamplingParams {
+            temperature: 1.0,
+            top_k: 0,
+            top_p: 0.0001,
+            min_p: 0.0,
+            ..Default::default()
+        });
         assert_eq!(s.sample(&logits, &[]), top5[0]);
     }
 }

@@ -8,7 +8,7 @@ mod common;
 use brigade_model::batch::{Batch, Busy, Engine, EngineConfig, Job, JobId, Output, Sink};
 use brigade_model::pipeline::StopReason;
 use brigade_model::synth::{write_gguf, Shape, SynthType};
-use brigade_model::{Logits, ModelFiles, Pipeline, Sampler, SamplerConfig};
+use brigade_model::{Logits, ModelFiles, Pipeline, Sampler, SamplingParams};
 use common::pipeline;
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -30,7 +30,7 @@ fn prompt(len: usize, salt: u32, vocab: u32) -> Vec<u32> {
 }
 
 fn argmax(l: &[f32]) -> u32 {
-    Sampler::new(SamplerConfig::greedy()).sample(l, &[])
+    Sampler::new(SamplingParams::greedy()).sample(l, &[])
 }
 
 /// Ten sessions with prompts of different lengths join a decode batch at different steps and
@@ -207,7 +207,7 @@ fn batched_jobs_equal_generate_alone() {
     let files = q4k_model(&dir);
     let p = Arc::new(pipeline(&files, "cpu:2,cpu:2", 256));
     let vocab = files.config.vocab as u32;
-    let sampled = |seed| SamplerConfig {
+    let sampled = |seed| SamplingParams {
         temperature: 0.9,
         seed,
         repeat_penalty: 1.1,
@@ -221,16 +221,16 @@ fn batched_jobs_equal_generate_alone() {
         ignore_eos,
     };
     let jobs = vec![
-        (0, job(12, 1, 20, SamplerConfig::greedy(), true)),
+        (0, job(12, 1, 20, SamplingParams::greedy(), true)),
         (0, job(3, 2, 7, sampled(5), true)),
-        (1, job(30, 3, 15, SamplerConfig::greedy(), false)),
+        (1, job(30, 3, 15, SamplingParams::greedy(), false)),
         (2, job(8, 4, 25, sampled(9), true)),
-        (2, job(1, 5, 1, SamplerConfig::greedy(), true)),
+        (2, job(1, 5, 1, SamplingParams::greedy(), true)),
         (5, job(20, 6, 12, sampled(11), false)),
-        (9, job(6, 7, 30, SamplerConfig::greedy(), true)),
-        (9, job(2, 8, 0, SamplerConfig::greedy(), true)),
+        (9, job(6, 7, 30, SamplingParams::greedy(), true)),
+        (9, job(2, 8, 0, SamplingParams::greedy(), true)),
         // fills the context: stops there, as generate does
-        (10, job(240, 9, 40, SamplerConfig::greedy(), true)),
+        (10, job(240, 9, 40, SamplingParams::greedy(), true)),
     ];
     // the end-of-generation rule generate_alone uses (with another, a job that samples an
     // end-of-text token stops alone and runs on in the batch: seen with the portable kernels)
@@ -255,7 +255,7 @@ fn long_prompts_are_read_a_chunk_per_step() {
     let greedy = |len, salt, n| Job {
         prompt: prompt(len, salt, vocab),
         max_tokens: n,
-        sampler: SamplerConfig::greedy(),
+        sampler: SamplingParams::greedy(),
         ignore_eos: true,
     };
     // one decoding job, then a 100-token prompt read 8 tokens a step: the first job keeps
@@ -328,7 +328,7 @@ fn a_follow_up_keeps_the_last_prompts_whole_chunks_and_answers_the_same() {
     let files = q4k_model(&dir);
     let p = Arc::new(pipeline(&files, "cpu:4", 256));
     let vocab = files.config.vocab as u32;
-    let greedy = |prompt: Vec<u32>| Job { prompt, max_tokens: 6, sampler: SamplerConfig::greedy(), ignore_eos: true };
+    let greedy = |prompt: Vec<u32>| Job { prompt, max_tokens: 6, sampler: SamplingParams::greedy(), ignore_eos: true };
     let first = prompt(21, 3, vocab);
     let mut second = first.clone();
     second.extend(prompt(14, 4, vocab));
@@ -363,7 +363,7 @@ fn engine_cancels_gone_receivers_and_refuses_past_the_queue() {
     let files = common::stories_f32();
     let p = Arc::new(pipeline(&files, "cpu:5", 256));
     let engine = Engine::start(p, EngineConfig { parallel: 1, queue: 1 }, |_| false).unwrap();
-    let long = Job { prompt: vec![1, 2, 3], max_tokens: 250, sampler: SamplerConfig::greedy(), ignore_eos: true };
+    let long = Job { prompt: vec![1, 2, 3], max_tokens: 250, sampler: SamplingParams::greedy(), ignore_eos: true };
     let closed = Arc::new(std::sync::atomic::AtomicBool::new(false));
     let (tx, rx) = std::sync::mpsc::channel();
     engine.submit(long.clone(), Box::new(ChanSink(tx, closed.clone()))).unwrap();

@@ -7,7 +7,7 @@
 mod common;
 
 use brigade_model::synth::{write_gguf, write_safetensors_dir, Shape, SynthType};
-use brigade_model::{Logits, ModelFiles, Pipeline, Sampler, SamplerConfig, Session};
+use brigade_model::{Logits, ModelFiles, Pipeline, Sampler, SamplingParams, Session};
 use common::{pipeline, retyped};
 use std::path::Path;
 
@@ -16,7 +16,7 @@ fn shape() -> Shape {
 }
 
 fn argmax(l: &[f32]) -> u32 {
-    Sampler::new(SamplerConfig::greedy()).sample(l, &[])
+    Sampler::new(SamplingParams::greedy()).sample(l, &[])
 }
 
 fn bits(rows: &[Vec<f32>]) -> Vec<u32> {

@@ -5,7 +5,7 @@
 #![allow(clippy::unwrap_used)]
 mod common;
 use brigade_core::{DeviceId, LayerRange};
-use brigade_model::{Logits, ModelError, Pipeline, Sampler, SamplerConfig, Slice};
+use brigade_model::{Logits, ModelError, Pipeline, Sampler, SamplingParams, Slice};
 use candle_core::{DType, Device};
 use common::*;
 
@@ -27,7 +27,7 @@ fn generate_leaves_tokens_equal_to_the_caches() {
                 &mut s,
                 &prompt,
                 n,
-                &mut Sampler::new(SamplerConfig::greedy()),
+                &mut Sampler::new(SamplingParams::greedy()),
                 |_| false,
                 true,
                 |t| {
@@ -58,7 +58,7 @@ fn generate_stopped_by_end_of_text_has_nothing_unfed() {
     let mut s = p.new_session().unwrap();
     // every token is an end of text: nothing is generated
     let stats =
-        p.generate(&mut s, &[1], 4, &mut Sampler::new(SamplerConfig::greedy()), |_| true, false, |_| true).unwrap();
+        p.generate(&mut s, &[1], 4, &mut Sampler::new(SamplingParams::greedy()), |_| true, false, |_| true).unwrap();
     assert_eq!(stats.generated, 0);
     assert_eq!(stats.unfed, None);
     assert_eq!(s.tokens(), [1]);

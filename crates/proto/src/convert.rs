@@ -2,7 +2,7 @@
 
 use crate::v1;
 use brigade_core::cluster::{DeviceFigures, KernelFigures};
-use brigade_core::{DeviceKind, Link};
+use brigade_core::{DeviceKind, Link, SamplingError, SamplingParams};
 
 /// Unix time in milliseconds (0 if the clock is before 1970).
 pub fn unix_ms() -> u64 {
@@ -81,6 +81,41 @@ pub fn device_from_proto(d: &v1::Device) -> Result<DeviceFigures, String> {
     })
 }
 
+/// Every field set: the receiver samples exactly as the sender asked.
+pub fn sampling_to_proto(p: &SamplingParams) -> v1::Sampling {
+    v1::Sampling {
+        temperature: Some(p.temperature),
+        top_k: Some(u32::try_from(p.top_k).unwrap_or(u32::MAX)),
+        top_p: Some(p.top_p),
+        min_p: Some(p.min_p),
+        repeat_penalty: Some(p.repeat_penalty),
+        repeat_last_n: Some(u32::try_from(p.repeat_last_n).unwrap_or(u32::MAX)),
+        seed: Some(p.seed),
+        presence_penalty: Some(p.presence_penalty),
+        frequency_penalty: Some(p.frequency_penalty),
+    }
+}
+
+/// Unset fields (or no message at all) take llama.cpp's defaults; the result is checked
+/// ([`SamplingParams::validate`]).
+pub fn sampling_from_proto(s: Option<&v1::Sampling>) -> Result<SamplingParams, SamplingError> {
+    let d = SamplingParams::default();
+    let Some(s) = s else { return Ok(d) };
+    let p = SamplingParams {
+        temperature: s.temperature.unwrap_or(d.temperature),
+        top_k: s.top_k.map_or(d.top_k, |k| k as usize),
+        top_p: s.top_p.unwrap_or(d.top_p),
+        min_p: s.min_p.unwrap_or(d.min_p),
+        repeat_penalty: s.repeat_penalty.unwrap_or(d.repeat_penalty),
+        repeat_last_n: s.repeat_last_n.map_or(d.repeat_last_n, |n| n as usize),
+        frequency_penalty: s.frequency_penalty.unwrap_or(d.frequency_penalty),
+        presence_penalty: s.presence_penalty.unwrap_or(d.presence_penalty),
+        seed: s.seed.unwrap_or(d.seed),
+    };
+    p.validate()?;
+    Ok(p)
+}
+
 #[cfg(test)]
 #[allow(clippy::unwrap_used)]
 mod tests {
@@ -111,5 +146,30 @@ mod tests {
         let mut p = device_to_proto(&d);
         p.kind = 0;
         assert!(device_from_proto(&p).is_err());
+    }
+
+    #[test]
+    fn sampling_round_trips_unset_fields_are_defaults_and_bad_ones_are_refused() {
+        let p = SamplingParams {
+            temperature: 0.0,
+            top_k: 0,
+            top_p: 0.0,
+            min_p: 0.0,
+            repeat_penalty: 1.3,
+            repeat_last_n: 0,
+            frequency_penalty: -0.5,
+            presence_penalty: 0.7,
+            seed: u64::MAX,
+        };
+        // zeros are values, not "unset": top_p 0 stays 0
+        assert_eq!(sampling_from_proto(Some(&sampling_to_proto(&p))).unwrap(), p);
+        assert_eq!(sampling_from_proto(None).unwrap(), SamplingParams::default());
+        let only = v1::Sampling { presence_penalty: Some(0.25), ..Default::default() };
+        assert_eq!(
+            sampling_from_proto(Some(&only)).unwrap(),
+            SamplingParams { presence_penalty: 0.25, ..Default::default() }
+        );
+        let bad = v1::Sampling { repeat_penalty: Some(0.0), ..Default::default() };
+        assert_eq!(sampling_from_proto(Some(&bad)).unwrap_err().field, "repeat_penalty");
     }
 }

@@ -22,10 +22,12 @@
 //! Deliberately lacking: any model code (the cluster computes), and raft (a coordinator address
 //! list is tried in order).
 
+pub use brigade_core::SamplingParams;
+use brigade_proto::convert::sampling_to_proto;
 use brigade_proto::v1::client_client::ClientClient;
 use brigade_proto::v1::{
     generate_event, ChatMessage, ChatRequest, ClusterStatusRequest, ClusterStatusResponse, DeployRequest,
-    DeploymentInfo, Done, GenerateOptions, GenerateRequest, ListModelsRequest, ModelInfo, PlanResponse, Sampling,
+    DeploymentInfo, Done, GenerateOptions, GenerateRequest, ListModelsRequest, ModelInfo, PlanResponse,
     UndeployRequest,
 };
 use serde::Deserialize;
@@ -154,45 +156,21 @@ impl ClientConfig {
 pub struct GenerateParams {
     /// 0 = until an end-of-generation token or a full context.
     pub max_tokens: u32,
-    pub temperature: f32,
-    pub top_k: u32,
-    pub top_p: f32,
-    pub min_p: f32,
-    pub repeat_penalty: f32,
-    pub repeat_last_n: u32,
-    pub seed: u64,
+    /// How each token is drawn: the same settings give the same text as `brigade run`,
+    /// `brigade serve` and the OpenAI API.
+    pub sampling: SamplingParams,
     pub ignore_eos: bool,
 }
 
 impl GenerateParams {
     pub fn greedy(max_tokens: u32) -> Self {
-        GenerateParams {
-            max_tokens,
-            temperature: 0.0,
-            top_k: 40,
-            top_p: 0.95,
-            min_p: 0.05,
-            repeat_penalty: 1.0,
-            repeat_last_n: 64,
-            seed: 0,
-            ignore_eos: false,
-        }
+        GenerateParams { max_tokens, sampling: SamplingParams::greedy(), ignore_eos: false }
     }
 
     fn options(&self, resume: Vec<u32>) -> GenerateOptions {
         GenerateOptions {
             max_tokens: self.max_tokens,
-            sampling: Some(Sampling {
-                temperature: self.temperature,
-                top_k: self.top_k,
-                top_p: self.top_p,
-                min_p: self.min_p,
-                repeat_penalty: self.repeat_penalty,
-                repeat_last_n: self.repeat_last_n,
-                seed: self.seed,
-                presence_penalty: 0.0,
-                frequency_penalty: 0.0,
-            }),
+            sampling: Some(sampling_to_proto(&self.sampling)),
             ignore_eos: self.ignore_eos,
             resume_ids: resume,
         }

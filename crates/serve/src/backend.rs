@@ -4,6 +4,7 @@
 
 use crate::error::ApiError;
 use crate::overview::Overview;
+use brigade_core::SamplingParams;
 use brigade_format::Tokenizer;
 use std::future::Future;
 use std::sync::Arc;
@@ -23,26 +24,6 @@ pub struct ModelInfo {
     pub owned_by: String,
 }
 
-/// Sampling as llama.cpp names it (OpenAI's fields plus llama.cpp's extras).
-#[derive(Debug, Clone, PartialEq)]
-pub struct Sampling {
-    /// 0 is greedy.
-    pub temperature: f32,
-    /// 0 disables.
-    pub top_k: usize,
-    /// 1 disables.
-    pub top_p: f32,
-    /// 0 disables.
-    pub min_p: f32,
-    /// 1 disables.
-    pub repeat_penalty: f32,
-    /// The window the penalties look at.
-    pub repeat_last_n: usize,
-    pub frequency_penalty: f32,
-    pub presence_penalty: f32,
-    pub seed: u64,
-}
-
 /// One completion for a backend to compute.
 #[derive(Debug, Clone)]
 pub struct EngineRequest {
@@ -52,7 +33,7 @@ pub struct EngineRequest {
     pub prompt: Vec<u32>,
     /// Tokens to generate at most (at least 1).
     pub max_tokens: usize,
-    pub sampling: Sampling,
+    pub sampling: SamplingParams,
     /// Keep generating past end-of-generation tokens.
     pub ignore_eos: bool,
 }

@@ -28,7 +28,8 @@ pub mod overview;
 pub mod server;
 pub mod stop;
 
-pub use backend::{Backend, EngineEvent, EngineRequest, Finish, Load, ModelInfo, Sampling};
+pub use backend::{Backend, EngineEvent, EngineRequest, Finish, Load, ModelInfo};
+pub use brigade_core::SamplingParams;
 pub use error::ApiError;
 pub use overview::{DeploymentView, DeviceView, LinkView, NodeView, Overview, StageView};
 pub use server::{router, serve, ServeConfig};

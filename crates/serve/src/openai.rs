@@ -1,8 +1,8 @@
 //! The request bodies of OpenAI's API as the official clients send them (fields brigade does not
 //! use are ignored), llama.cpp's sampling extras, and their checks.
 
-use crate::backend::Sampling;
 use crate::error::ApiError;
+use brigade_core::SamplingParams;
 use serde::Deserialize;
 
 /// `prompt` of `/v1/completions`: text, or token ids, or a list of one of those.
@@ -101,7 +101,7 @@ pub const MAX_STOPS: usize = 16;
 pub struct Settings {
     /// `max_tokens`; `None`: until the context is full.
     pub max_tokens: Option<usize>,
-    pub sampling: Sampling,
+    pub sampling: SamplingParams,
     pub stop: Vec<String>,
     pub stream: bool,
     pub include_usage: bool,
@@ -146,21 +146,22 @@ impl Params {
         if stop.len() > MAX_STOPS {
             return Err(ApiError::bad_param("stop", format!("at most {MAX_STOPS} stop strings, got {}", stop.len())));
         }
-        let sampling = Sampling {
-            temperature: in_range("temperature", self.temperature, 0.0, 2.0, 0.8)?,
-            top_k: count("top_k", self.top_k, 0, 40)?,
-            top_p: in_range("top_p", self.top_p, 0.0, 1.0, 0.95)?,
-            min_p: in_range("min_p", self.min_p, 0.0, 1.0, 0.05)?,
-            repeat_penalty: in_range("repeat_penalty", self.repeat_penalty, 0.0, 10.0, 1.0)?,
-            repeat_last_n: count("repeat_last_n", self.repeat_last_n, 0, 64)?,
-            frequency_penalty: in_range("frequency_penalty", self.frequency_penalty, -2.0, 2.0, 0.0)?,
-            presence_penalty: in_range("presence_penalty", self.presence_penalty, -2.0, 2.0, 0.0)?,
+        // unspecified fields take llama.cpp's defaults; OpenAI's ranges are checked here, what
+        // the sampler itself cannot use by `validate`
+        let d = SamplingParams::default();
+        let sampling = SamplingParams {
+            temperature: in_range("temperature", self.temperature, 0.0, 2.0, d.temperature)?,
+            top_k: count("top_k", self.top_k, 0, d.top_k)?,
+            top_p: in_range("top_p", self.top_p, 0.0, 1.0, d.top_p)?,
+            min_p: in_range("min_p", self.min_p, 0.0, 1.0, d.min_p)?,
+            repeat_penalty: in_range("repeat_penalty", self.repeat_penalty, 0.0, 10.0, d.repeat_penalty)?,
+            repeat_last_n: count("repeat_last_n", self.repeat_last_n, 0, d.repeat_last_n)?,
+            frequency_penalty: in_range("frequency_penalty", self.frequency_penalty, -2.0, 2.0, d.frequency_penalty)?,
+            presence_penalty: in_range("presence_penalty", self.presence_penalty, -2.0, 2.0, d.presence_penalty)?,
             // OpenAI's seed is any integer: its bits are the generator's seed
             seed: self.seed.map(|s| s as u64).unwrap_or(random_seed),
         };
-        if sampling.repeat_penalty <= 0.0 {
-            return Err(ApiError::bad_param("repeat_penalty", "`repeat_penalty` must be above 0 (1 disables it)"));
-        }
+        sampling.validate().map_err(|e| ApiError::bad_param(e.field, e.to_string()))?;
         let stream = self.stream.unwrap_or(false);
         let include_usage = self.stream_options.as_ref().and_then(|o| o.include_usage).unwrap_or(false);
         Ok(Settings { max_tokens, sampling, stop, stream, include_usage, ignore_eos: self.ignore_eos.unwrap_or(false) })

@@ -23,7 +23,8 @@ use crate::router::{Peer, Router};
 use crate::wire;
 use crate::WorkerError;
 use brigade_core::cluster::{ActDtype, CarrierKind};
-use brigade_model::{Logits, Sampler, SamplerConfig, Slice, SliceCache, StageInput};
+use brigade_model::{Logits, Sampler, Slice, SliceCache, StageInput};
+use brigade_proto::convert::sampling_from_proto;
 use brigade_proto::v1::{FrameHeader, FrameKind, SessionSpec, StageTrace};
 use brigade_transport::frame::Frame;
 use prost::Message;
@@ -410,25 +411,16 @@ impl StageHost {
         }
         let spec =
             SessionSpec::decode(frame.payload.as_ref()).map_err(|e| WorkerError::Frame(format!("OPEN frame: {e}")))?;
-        let cache = match self.pool.pop() {
-            Some(c) => c,
-            None => self.slice.new_cache()?,
-        };
         let sampler = if self.is_last() {
-            let s = spec.sampling.unwrap_or_default();
-            let cfg = SamplerConfig {
-                temperature: s.temperature,
-                top_k: s.top_k as usize,
-                top_p: if s.top_p <= 0.0 { 1.0 } else { s.top_p },
-                min_p: s.min_p,
-                repeat_penalty: if s.repeat_penalty <= 0.0 { 1.0 } else { s.repeat_penalty },
-                repeat_last_n: s.repeat_last_n as usize,
-                seed: s.seed,
-                ..SamplerConfig::default()
-            };
+            let cfg = sampling_from_proto(spec.sampling.as_ref())
+                .map_err(|e| WorkerError::Frame(format!("OPEN frame: sampling {e}")))?;
             Some((Sampler::new(cfg), spec.prompt_ids.clone()))
         } else {
             None
+        };
+        let cache = match self.pool.pop() {
+            Some(c) => c,
+            None => self.slice.new_cache()?,
         };
         self.sessions.insert(session, SessionState { cache, sampler });
         self.active.store(self.sessions.len() as u32, Ordering::Relaxed);

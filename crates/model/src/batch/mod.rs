@@ -31,7 +31,7 @@ mod engine;
 pub use engine::{Busy, Engine, EngineConfig, Load, Sink};
 
 use crate::pipeline::{StopReason, PREFILL_CHUNK};
-use crate::{Logits, ModelError, Pipeline, Sampler, SamplerConfig, Session};
+use crate::{Logits, ModelError, Pipeline, Sampler, SamplingParams, Session};
 use std::collections::VecDeque;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -46,7 +46,7 @@ pub struct Job {
     pub prompt: Vec<u32>,
     /// Tokens to generate at most.
     pub max_tokens: usize,
-    pub sampler: SamplerConfig,
+    pub sampler: SamplingParams,
     /// Keep generating past end-of-generation tokens.
     pub ignore_eos: bool,
 }

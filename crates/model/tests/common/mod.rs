@@ -3,7 +3,7 @@
 
 use brigade_core::DeviceMap;
 use brigade_model::synth::Shape;
-use brigade_model::{Logits, ModelFiles, Pipeline, Sampler, SamplerConfig};
+use brigade_model::{Logits, ModelFiles, Pipeline, Sampler, SamplingParams};
 use candle_core::Tensor;
 use std::path::{Path, PathBuf};
 
@@ -54,7 +54,7 @@ pub fn greedy(files: &ModelFiles, map: &str, prompt: &[u32], n: usize) -> Vec<u3
     let p = pipeline(files, map, 256);
     let mut s = p.new_session().unwrap();
     let mut out = Vec::new();
-    let mut sampler = Sampler::new(SamplerConfig::greedy());
+    let mut sampler = Sampler::new(SamplingParams::greedy());
     p.generate(
         &mut s,
         prompt,

@@ -204,6 +204,8 @@ class Client:
         min_p: float = 0.05,
         repeat_penalty: float = 1.0,
         repeat_last_n: int = 64,
+        frequency_penalty: float = 0.0,
+        presence_penalty: float = 0.0,
         ignore_eos: bool = False,
     ) -> Generation:
         """Generates from ``prompt`` (text, or token ids) with deployment ``model``.
@@ -211,11 +213,22 @@ class Client:
         Returns a :class:`Generation`: iterate it for text pieces, or call ``events()`` for
         typed events; ``ids``, ``text`` and ``done`` fill in as it streams. ``max_tokens=0``
         runs until an end-of-generation token or a full context; ``temperature=0`` is greedy;
-        ``seed=None`` picks a random seed (``Generation.seed``). Raises :class:`BrigadeError`
+        the penalties are llama.cpp's (``repeat_penalty`` over the last ``repeat_last_n`` ids,
+        OpenAI's ``frequency_penalty`` and ``presence_penalty``); ``seed=None`` picks a random seed (``Generation.seed``). Raises :class:`BrigadeError`
         (e.g. ``NOT_FOUND`` for an unknown model) before returning when the call is refused.
         """
         options, seed = _options(
-            max_tokens, temperature, seed, top_k, top_p, min_p, repeat_penalty, repeat_last_n, ignore_eos
+            max_tokens,
+            temperature,
+            seed,
+            top_k,
+            top_p,
+            min_p,
+            repeat_penalty,
+            repeat_last_n,
+            frequency_penalty,
+            presence_penalty,
+            ignore_eos,
         )
         if isinstance(prompt, str):
             req = client_pb2.GenerateRequest(model=model, prompt=prompt, options=options)
@@ -236,12 +249,24 @@ class Client:
         min_p: float = 0.05,
         repeat_penalty: float = 1.0,
         repeat_last_n: int = 64,
+        frequency_penalty: float = 0.0,
+        presence_penalty: float = 0.0,
         ignore_eos: bool = False,
     ) -> Generation:
         """A conversation (``[{"role": "user", "content": "…"}, …]``) rendered with the model's
         chat template; otherwise as :meth:`generate`."""
         options, seed = _options(
-            max_tokens, temperature, seed, top_k, top_p, min_p, repeat_penalty, repeat_last_n, ignore_eos
+            max_tokens,
+            temperature,
+            seed,
+            top_k,
+            top_p,
+            min_p,
+            repeat_penalty,
+            repeat_last_n,
+            frequency_penalty,
+            presence_penalty,
+            ignore_eos,
         )
         try:
             msgs = [client_pb2.ChatMessage(role=m["role"], content=m["content"]) for m in messages]
@@ -343,6 +368,8 @@ def _options(
     min_p: float,
     repeat_penalty: float,
     repeat_last_n: int,
+    frequency_penalty: float,
+    presence_penalty: float,
     ignore_eos: bool,
 ) -> tuple[client_pb2.GenerateOptions, int]:
     if not 0 <= max_tokens < 1 << 32:
@@ -355,6 +382,8 @@ def _options(
         min_p=min_p,
         repeat_penalty=repeat_penalty,
         repeat_last_n=repeat_last_n,
+        frequency_penalty=frequency_penalty,
+        presence_penalty=presence_penalty,
         seed=seed,
     )
     return client_pb2.GenerateOptions(max_tokens=max_tokens, sampling=sampling, ignore_eos=ignore_eos), seed

@@ -1,0 +1,142 @@
+//! How the next token is drawn: one definition for every entry point (`run`, `serve`, the
+//! coordinator's HTTP and gRPC APIs, both SDKs, the worker that samples for a cluster), so the
+//! same request gives the same text wherever it is sent.
+//!
+//! The order and meaning are llama.cpp's: penalties (repetition, frequency, presence) over the
+//! last `repeat_last_n` tokens, top-k, top-p, min-p, temperature, then a draw from a generator
+//! seeded with `seed`. Temperature 0 (or below) is greedy.
+
+use serde::{Deserialize, Serialize};
+
+/// Sampling settings of one generation. [`Default`] is llama.cpp's defaults.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct SamplingParams {
+    /// 0 (or below) is greedy.
+    pub temperature: f32,
+    /// 0 disables.
+    pub top_k: usize,
+    /// 1 disables.
+    pub top_p: f32,
+    /// 0 disables.
+    pub min_p: f32,
+    /// A seen token's logit is divided by it (multiplied when not positive); 1 disables.
+    pub repeat_penalty: f32,
+    /// How many of the last tokens (prompt included) the penalties look at; 0 disables them.
+    pub repeat_last_n: usize,
+    /// Subtracted from a token's logit once per time it occurs in the window (OpenAI's
+    /// `frequency_penalty`); 0 disables.
+    pub frequency_penalty: f32,
+    /// Subtracted from a token's logit once if it occurs in the window at all (`presence_penalty`).
+    pub presence_penalty: f32,
+    /// The generator's seed: the same seed and settings give the same tokens.
+    pub seed: u64,
+}
+
+impl Default for SamplingParams {
+    fn default() -> Self {
+        SamplingParams {
+            temperature: 0.8,
+            top_k: 40,
+            top_p: 0.95,
+            min_p: 0.05,
+            repeat_penalty: 1.0,
+            repeat_last_n: 64,
+            frequency_penalty: 0.0,
+            presence_penalty: 0.0,
+            seed: 0,
+        }
+    }
+}
+
+/// A sampling setting the sampler cannot use.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+#[error("`{field}` = {value}: {why}")]
+pub struct SamplingError {
+    /// The field's name as the APIs spell it (`top_p`, `repeat_penalty`, …).
+    pub field: &'static str,
+    pub value: f32,
+    pub why: &'static str,
+}
+
+impl SamplingParams {
+    /// llama.cpp's defaults at temperature 0.
+    pub fn greedy() -> Self {
+        SamplingParams { temperature: 0.0, ..Self::default() }
+    }
+
+    /// Whether the penalties change any logit.
+    pub fn penalises(&self) -> bool {
+        self.repeat_last_n > 0
+            && (self.repeat_penalty != 1.0 || self.frequency_penalty != 0.0 || self.presence_penalty != 0.0)
+    }
+
+    /// Refuses what the sampler cannot use: non-finite numbers, a nucleus or min-p outside
+    /// [0, 1], a repeat penalty that is not above 0. (API-specific ranges, such as OpenAI's
+    /// temperature at most 2, are the API's to check.)
+    pub fn validate(&self) -> Result<(), SamplingError> {
+        let fields = [
+            ("temperature", self.temperature),
+            ("top_p", self.top_p),
+            ("min_p", self.min_p),
+            ("repeat_penalty", self.repeat_penalty),
+            ("frequency_penalty", self.frequency_penalty),
+            ("presence_penalty", self.presence_penalty),
+        ];
+        for (field, value) in fields {
+            if !value.is_finite() {
+                return Err(SamplingError { field, value, why: "not a finite number" });
+            }
+        }
+        for (field, value) in [("top_p", self.top_p), ("min_p", self.min_p)] {
+            if !(0.0..=1.0).contains(&value) {
+                return Err(SamplingError { field, value, why: "must be between 0 and 1" });
+            }
+        }
+        if self.repeat_penalty <= 0.0 {
+            return Err(SamplingError {
+                field: "repeat_penalty",
+                value: self.repeat_penalty,
+                why: "must be above 0 (1 disables it)",
+            });
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn defaults_are_llama_cpps_and_validate() {
+        let d = SamplingParams::default();
+        assert_eq!((d.temperature, d.top_k, d.top_p, d.min_p, d.repeat_last_n), (0.8, 40, 0.95, 0.05, 64));
+        assert!(d.validate().is_ok() && !d.penalises());
+        assert!(SamplingParams { presence_penalty: 0.5, ..d.clone() }.penalises());
+        assert!(!SamplingParams { presence_penalty: 0.5, repeat_last_n: 0, ..d.clone() }.penalises());
+        assert_eq!(SamplingParams::greedy().temperature, 0.0);
+    }
+
+    #[test]
+    fn what_the_sampler_cannot_use_is_refused_by_name() {
+        let bad = [
+            (SamplingParams { top_p: 1.5, ..Default::default() }, "top_p"),
+            (SamplingParams { min_p: -0.1, ..Default::default() }, "min_p"),
+            (SamplingParams { repeat_penalty: 0.0, ..Default::default() }, "repeat_penalty"),
+            (SamplingParams { temperature: f32::NAN, ..Default::default() }, "temperature"),
+            (SamplingParams { presence_penalty: f32::INFINITY, ..Default::default() }, "presence_penalty"),
+        ];
+        for (p, field) in bad {
+            let e = p.validate().unwrap_err();
+            assert_eq!(e.field, field);
+            assert!(e.to_string().starts_with(&format!("`{field}` = ")), "{e}");
+        }
+    }
+
+    #[test]
+    fn missing_fields_in_json_take_the_defaults() {
+        let p: SamplingParams = serde_json::from_str(r#"{"temperature": 0, "presence_penalty": 0.5}"#).unwrap();
+        assert_eq!(p, SamplingParams { temperature: 0.0, presence_penalty: 0.5, ..Default::default() });
+    }
+}
