@@ -8,9 +8,7 @@
 mod support;
 
 use serde_json::{json, Value};
-use std::io::{Read, Write};
 use std::process::Command;
-use std::time::Duration;
 use support::{root, serve, Cluster, BIN};
 
 const PROMPT: &str = "Once upon a time";
@@ -38,21 +36,8 @@ fn cases() -> Vec<(&'static str, Value)> {
 
 /// A POST of a JSON body; the parsed JSON answer (status 200 asserted).
 fn post(base: &str, path: &str, body: &Value) -> Value {
-    let host = base.strip_prefix("http://").unwrap();
-    let mut s = std::net::TcpStream::connect(host).unwrap();
-    s.set_read_timeout(Some(Duration::from_secs(120))).unwrap();
-    let body = body.to_string();
-    write!(
-        s,
-        "POST {path} HTTP/1.0\r\nHost: {host}\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
-        body.len()
-    )
-    .unwrap();
-    let mut out = String::new();
-    s.read_to_string(&mut out).unwrap();
-    let (head, answer) = out.split_once("\r\n\r\n").unwrap();
-    assert!(head.starts_with("HTTP/1.0 200") || head.starts_with("HTTP/1.1 200"), "{path} {body}:\n{head}\n{answer}");
-    serde_json::from_str(answer).unwrap_or_else(|e| panic!("{e}: {answer}"))
+    let answer = support::http(base, "POST", path, Some(&body.to_string()));
+    serde_json::from_str(&answer).unwrap_or_else(|e| panic!("{e}: {answer}"))
 }
 
 fn completion(base: &str, model: &str, sampling: &Value, stop: Option<&str>) -> String {

@@ -177,16 +177,7 @@ fn the_coordinator_serves_the_api_metrics_and_dashboard_for_a_model_split_across
 
 /// A plain HTTP GET of `path` (no key needed: /metrics and / are open like /health).
 fn http_get(base: &str, path: &str) -> String {
-    use std::io::{Read, Write};
-    let host = base.strip_prefix("http://").unwrap();
-    let mut s = std::net::TcpStream::connect(host).unwrap();
-    s.set_read_timeout(Some(Duration::from_secs(30))).unwrap();
-    write!(s, "GET {path} HTTP/1.0\r\nHost: {host}\r\n\r\n").unwrap();
-    let mut out = String::new();
-    s.read_to_string(&mut out).unwrap();
-    let (head, body) = out.split_once("\r\n\r\n").unwrap();
-    assert!(head.starts_with("HTTP/1.0 200") || head.starts_with("HTTP/1.1 200"), "{head}");
-    body.to_string()
+    support::http(base, "GET", path, None)
 }
 
 /// Debian's chromium (which .ci/run installs): its binary itself, not the launcher script.

@@ -463,3 +463,23 @@ pub fn serve(args: &[&str]) -> Server {
     assert!(url.starts_with("http://127.0.0.1:") && !url.ends_with(":0"), "{line}");
     Server { proc, url, _dir: dir }
 }
+
+/// One HTTP/1.0 exchange with the server at `base` (`http://host:port`): `method path` with an
+/// optional JSON body; the answer's body, its status asserted to be 200.
+pub fn http(base: &str, method: &str, path: &str, json_body: Option<&str>) -> String {
+    use std::io::{Read, Write};
+    let host = base.strip_prefix("http://").unwrap();
+    let mut s = std::net::TcpStream::connect(host).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(30))).unwrap();
+    write!(s, "{method} {path} HTTP/1.0\r\nHost: {host}\r\n").unwrap();
+    if let Some(b) = json_body {
+        write!(s, "Content-Type: application/json\r\nContent-Length: {}\r\n\r\n{b}", b.len()).unwrap();
+    } else {
+        write!(s, "\r\n").unwrap();
+    }
+    let mut out = String::new();
+    s.read_to_string(&mut out).unwrap();
+    let (head, body) = out.split_once("\r\n\r\n").unwrap();
+    assert!(head.starts_with("HTTP/1.0 200") || head.starts_with("HTTP/1.1 200"), "{method} {path}:\n{head}\n{body}");
+    body.to_string()
+}

@@ -214,8 +214,9 @@ class Client:
         typed events; ``ids``, ``text`` and ``done`` fill in as it streams. ``max_tokens=0``
         runs until an end-of-generation token or a full context; ``temperature=0`` is greedy;
         the penalties are llama.cpp's (``repeat_penalty`` over the last ``repeat_last_n`` ids,
-        OpenAI's ``frequency_penalty`` and ``presence_penalty``); ``seed=None`` picks a random seed (``Generation.seed``). Raises :class:`BrigadeError`
-        (e.g. ``NOT_FOUND`` for an unknown model) before returning when the call is refused.
+        OpenAI's ``frequency_penalty`` and ``presence_penalty``); ``seed=None`` picks a random
+        seed (``Generation.seed``). Raises :class:`BrigadeError` (e.g. ``NOT_FOUND`` for an
+        unknown model) before returning when the call is refused.
         """
         options, seed = _options(
             max_tokens,
