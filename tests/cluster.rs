@@ -219,7 +219,7 @@ fn intruders_are_refused_and_change_nothing() {
     // a wrong join token: the worker stops with the reason, the cluster never hears of it
     let mut args = c.worker_args("intruder");
     let i = args.iter().position(|a| a == "--join-token").unwrap();
-    args[i + 1] = "brg1-not-the-token-of-this-cluster".into();
+    args[i + 1] = brigade_transport::join::new_join_token();
     c.start_worker_with("intruder", args);
     wait_until("the intruder to give up", Duration::from_secs(30), || c.worker("intruder").exited().is_some());
     let log = c.worker("intruder").log_text();
@@ -297,4 +297,62 @@ fn intruders_are_refused_and_change_nothing() {
     assert_eq!(after["deployments"], before["deployments"]);
     let (_, want) = run_ids(None, "The cat", 10);
     assert_eq!(ids(&c.generate("stories", "The cat", 10)["generated_ids"]), want);
+}
+
+/// A coordinator started on a data dir whose raft log is gone, or beside half a CA, refuses to
+/// begin a new cluster (which would forget every node and deployment) and says what to do; the
+/// k8s template's placeholder is refused as a join token. Each refusal is bounded by 30 s.
+#[test]
+fn a_lost_log_half_a_ca_or_a_placeholder_token_starts_no_new_cluster() {
+    let mut c = Cluster::new();
+    c.start_coordinator(&[]);
+    c.start_worker("w1", &[]);
+    c.wait_up(1);
+    let dir = c.path("coordinator");
+    let marker = dir.join("initialised");
+    wait_until("the initialised marker", Duration::from_secs(10), || marker.exists());
+    let refused = |c: &mut Cluster, name: &str, extra: &[&str], want: &str| {
+        let listen = format!("127.0.0.1:{}", free_port());
+        let mut args = vec!["coordinator", "--listen", &listen, "--data-dir", dir.to_str().unwrap()];
+        args.extend_from_slice(extra);
+        let mut p = c.spawn(name, &args);
+        wait_until(&format!("{name} to refuse"), Duration::from_secs(30), || p.exited().is_some());
+        assert!(!p.exited().unwrap().success());
+        let log = p.log_text();
+        assert!(log.contains(want), "{log}");
+    };
+    c.coordinator.take().unwrap().kill9();
+    // the log deleted, then an empty file in its place
+    std::fs::remove_file(dir.join("raft.redb")).unwrap();
+    refused(&mut c, "no-log", &[], "--force-new-cluster");
+    assert!(!dir.join("raft.redb").exists() || std::fs::metadata(dir.join("raft.redb")).unwrap().len() == 0);
+    std::fs::write(dir.join("raft.redb"), b"").unwrap();
+    refused(&mut c, "empty-log", &[], "--force-new-cluster");
+    // the operator means it: a new cluster on the same CA
+    std::fs::remove_file(dir.join("raft.redb")).unwrap();
+    c.start_coordinator(&["--force-new-cluster"]);
+    assert!(c.status()["deployments"].as_array().is_none_or(|d| d.is_empty()));
+    c.coordinator.take().unwrap().kill9();
+    // half a CA pair: never a new CA beside it
+    std::fs::remove_file(dir.join("ca.key")).unwrap();
+    refused(&mut c, "half-ca", &[], "half a cluster CA");
+    assert!(!dir.join("ca.key").exists());
+
+    // the placeholder shipped in deploy/k8s/secret.yaml is not a token
+    let yaml = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/../../deploy/k8s/secret.yaml")).unwrap();
+    let placeholder = yaml.lines().find_map(|l| l.trim().strip_prefix("token:")).unwrap().trim().to_string();
+    let fresh = c.path("fresh-ca");
+    for bad in [placeholder.as_str(), "brg1-0123456789abcdef", "brg1-replace-me-with-random-hex-0123456789abcdef"] {
+        let out = std::process::Command::new(BIN)
+            .args(["coordinator", "init", "--data-dir", fresh.to_str().unwrap(), "--join-token", bad])
+            .output()
+            .unwrap();
+        assert!(!out.status.success(), "{bad} was taken as a join token");
+        assert!(
+            String::from_utf8_lossy(&out.stderr).contains("--join-token"),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        assert!(!fresh.join("token").exists() && !fresh.join("ca.key").exists());
+    }
 }

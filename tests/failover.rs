@@ -512,12 +512,44 @@ fn replicas_join_and_leave_at_run_time() {
     c.start_worker("w1", &[]);
     c.wait_up(1);
     c.deploy(&["--name", "s", "--device-map", "w1:cpu:5"]);
-    // a fourth replica joins through replica 1 with the token
+    // the workers' join token (every worker holds it) admits no replica: the forged joiner
+    // stops with the reason, receives no CA key, and the group stays as it was
+    let forged = c.path("worker-token");
+    std::fs::write(&forged, &c.token).unwrap();
+    let fdir = c.path("coordinator-forged");
+    let flisten = format!("127.0.0.1:{}", free_port());
+    let fvia = format!("127.0.0.1:{}", c.replicas[0].port);
+    let mut f = c.spawn(
+        "coordinator-forged",
+        &[
+            "coordinator",
+            "join",
+            "--via",
+            &fvia,
+            "--id",
+            "9",
+            "--listen",
+            &flisten,
+            "--data-dir",
+            fdir.to_str().unwrap(),
+            "--replica-token-file",
+            forged.to_str().unwrap(),
+        ],
+    );
+    wait_until("the forged joiner to give up", Duration::from_secs(30), || f.exited().is_some());
+    assert!(!f.exited().unwrap().success());
+    let log = f.log_text();
+    assert!(log.contains("replica secret"), "{log}");
+    assert!(!fdir.join("ca.key").exists() && !fdir.join("token").exists());
+    let st = c.raft().unwrap();
+    assert_eq!(st["replicas"].as_array().unwrap().len(), 3, "{st}");
+    assert_eq!(st["voters"], serde_json::json!([1, 2, 3]), "{st}");
+    // a fourth replica joins through replica 1 with the replica secret
     let port = free_port();
     let d4 = c.path("coordinator-4");
     let listen = format!("127.0.0.1:{port}");
     let via = format!("127.0.0.1:{}", c.replicas[0].port);
-    let token = c.token.clone();
+    let secret = c.path("coordinator-1/replica-token");
     let p = c.spawn(
         "coordinator-4",
         &[
@@ -531,8 +563,8 @@ fn replicas_join_and_leave_at_run_time() {
             &listen,
             "--data-dir",
             d4.to_str().unwrap(),
-            "--join-token",
-            &token,
+            "--replica-token-file",
+            secret.to_str().unwrap(),
             "--raft-tick-ms",
             "50",
         ],
@@ -546,20 +578,24 @@ fn replicas_join_and_leave_at_run_time() {
             .unwrap();
         serde_json::from_slice::<serde_json::Value>(&out.stdout).unwrap_or_default()
     };
-    let t0 = Instant::now();
-    loop {
-        let st = only(&c, port);
-        if st["deployments"][0]["name"] == "s" && st["raft"]["replicas"].as_array().is_some_and(|r| r.len() == 4) {
-            break;
-        }
-        assert!(t0.elapsed() < Duration::from_secs(30), "replica 4 did not follow: {st}\n{}", c.logs());
-        std::thread::sleep(Duration::from_millis(200));
-    }
     // it holds the group's configuration, not one it pieced together from the log's later
     // changes (a configuration of itself alone elected itself once replica 1 went away)
     let voters = |st: &serde_json::Value| -> Vec<u64> {
         st["raft"]["voters"].as_array().map(|v| v.iter().filter_map(|x| x.as_u64()).collect()).unwrap_or_default()
     };
+    // it joins as a learner and votes once the leader has seen it catch up
+    let t0 = Instant::now();
+    loop {
+        let st = only(&c, port);
+        if st["deployments"][0]["name"] == "s"
+            && st["raft"]["replicas"].as_array().is_some_and(|r| r.len() == 4)
+            && voters(&st).len() == 4
+        {
+            break;
+        }
+        assert!(t0.elapsed() < Duration::from_secs(30), "replica 4 did not follow: {st}\n{}", c.logs());
+        std::thread::sleep(Duration::from_millis(200));
+    }
     assert_eq!(voters(&only(&c, port)), [1, 2, 3, 4], "{}", c.logs());
     // replica 1 leaves; three remain and commit
     let out = c.brigade(&["coordinator", "leave", "--id", "1"]);

@@ -85,7 +85,7 @@ impl Cluster {
     pub fn new() -> Cluster {
         Cluster {
             dir: tempfile::tempdir().unwrap(),
-            token: format!("brg1-test-{:032x}", std::process::id() as u128 * 7919 + 12345),
+            token: brigade_transport::join::new_join_token(),
             port: free_port(),
             coordinator: None,
             replicas: Vec::new(),
@@ -135,7 +135,7 @@ impl Cluster {
         for i in 2..=n {
             let d = self.path(&format!("coordinator-{i}"));
             std::fs::create_dir_all(&d).unwrap();
-            for f in ["ca.pem", "ca.key", "token"] {
+            for f in ["ca.pem", "ca.key", "token", "replica-token"] {
                 std::fs::copy(d1.join(f), d.join(f)).unwrap();
             }
         }

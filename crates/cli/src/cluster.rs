@@ -57,16 +57,20 @@ pub enum CoordinatorCmd {
     Init {
         #[arg(long)]
         data_dir: PathBuf,
-        #[arg(long, env = "BRIGADE_JOIN_TOKEN", hide_env_values = true)]
-        join_token: Option<String>,
+        #[command(flatten)]
+        token: TokenArgs,
     },
     /// Run a new replica that joins a running group through one of its replicas.
     Join {
         /// A replica of the group, host:port.
         #[arg(long)]
         via: String,
+        /// The group's replica secret: the `replica-token` file of a replica's data dir (the
+        /// workers' join token does not admit replicas).
+        #[arg(long, env = "BRIGADE_REPLICA_TOKEN_FILE")]
+        replica_token_file: PathBuf,
         #[command(flatten)]
-        replica: ReplicaArgs,
+        replica: Box<ReplicaArgs>,
     },
     /// Remove a replica from the group.
     Leave {
@@ -86,9 +90,12 @@ pub struct ReplicaArgs {
     /// Where the cluster's CA, join token and raft log live (created on first start).
     #[arg(long)]
     pub data_dir: Option<PathBuf>,
-    /// The join token workers present (default: generated on first start and printed once).
-    #[arg(long, env = "BRIGADE_JOIN_TOKEN", hide_env_values = true)]
-    pub join_token: Option<String>,
+    #[command(flatten)]
+    pub token: TokenArgs,
+    /// Start a new cluster although this data dir held a raft log that is now empty or gone
+    /// (every node, model and deployment it knew is forgotten).
+    #[arg(long)]
+    pub force_new_cluster: bool,
     /// Extra names or IPs for the coordinator's certificate (what tools like grpcurl connect to).
     #[arg(long = "san")]
     pub sans: Vec<String>,
@@ -117,6 +124,43 @@ pub struct ReplicaArgs {
     pub http: Option<SocketAddr>,
 }
 
+/// The join token, from the command line, the environment or a file (a file keeps it out of
+/// `ps` and of the environment).
+#[derive(Args, Debug)]
+pub struct TokenArgs {
+    /// The join token workers present (default: generated on first start and printed once).
+    /// Visible to other users in `ps`: prefer --join-token-file.
+    #[arg(long, env = "BRIGADE_JOIN_TOKEN", hide_env_values = true, conflicts_with = "join_token_file")]
+    pub join_token: Option<String>,
+    /// A file holding the join token (first line).
+    #[arg(long, env = "BRIGADE_JOIN_TOKEN_FILE")]
+    pub join_token_file: Option<PathBuf>,
+}
+
+impl TokenArgs {
+    pub fn resolve(self) -> Result<Option<String>> {
+        match (self.join_token, self.join_token_file) {
+            (Some(t), _) => Ok(Some(t)),
+            (None, Some(p)) => Ok(Some(read_secret_file(&p)?)),
+            (None, None) => Ok(None),
+        }
+    }
+}
+
+/// The first line of a secret file, trimmed; a clear error for a missing or empty one, never
+/// its bytes in a message, and no unbounded read.
+fn read_secret_file(p: &std::path::Path) -> Result<String> {
+    use std::io::Read;
+    let f = std::fs::File::open(p).with_context(|| format!("reading {}", p.display()))?;
+    let mut text = String::new();
+    f.take(4096).read_to_string(&mut text).with_context(|| format!("reading {}: not a text file", p.display()))?;
+    let line = text.lines().next().unwrap_or("").trim().to_string();
+    if line.is_empty() {
+        bail!("{} is empty: it should hold a token (`brg1-…`)", p.display());
+    }
+    Ok(line)
+}
+
 fn coordinator_config(a: ReplicaArgs, join: Option<String>) -> Result<brigade_coordinator::CoordinatorConfig> {
     if !(a.node_timeout.is_finite() && a.node_timeout > 0.2) {
         bail!("--node-timeout {}: at least 0.2 s", a.node_timeout);
@@ -135,7 +179,8 @@ fn coordinator_config(a: ReplicaArgs, join: Option<String>) -> Result<brigade_co
     let advertise = a.advertise.or_else(|| peers.get(&a.id).cloned());
     Ok(brigade_coordinator::CoordinatorConfig {
         data_dir,
-        join_token: a.join_token,
+        join_token: a.token.resolve()?,
+        force_new_cluster: a.force_new_cluster,
         sans: a.sans,
         node_timeout: Duration::from_secs_f64(a.node_timeout),
         heartbeat_interval: Duration::from_secs_f64((a.node_timeout / 4.0).clamp(0.1, 1.0)),
@@ -165,14 +210,27 @@ pub fn coordinator(a: CoordinatorArgs) -> Result<()> {
             let listen = a.replica.listen;
             run_replica(listen, coordinator_config(a.replica, None)?)
         }
-        Some(CoordinatorCmd::Join { via, replica }) => {
+        Some(CoordinatorCmd::Join { via, replica_token_file, replica }) => {
             let listen = replica.listen;
-            run_replica(listen, coordinator_config(replica, Some(via))?)
+            let secret = read_secret_file(&replica_token_file)?;
+            let cfg = coordinator_config(*replica, Some(via))?;
+            run_replica(listen, brigade_coordinator::CoordinatorConfig { replica_secret: Some(secret), ..cfg })
         }
-        Some(CoordinatorCmd::Init { data_dir, join_token }) => {
-            let o = brigade_coordinator::pki::Pki::load_or_create(&data_dir, join_token.as_deref(), &[], false)?;
+        Some(CoordinatorCmd::Init { data_dir, token }) => {
+            let token = token.resolve()?;
+            let o = brigade_coordinator::pki::Pki::load_or_create(&data_dir, token.as_deref(), &[], false)?;
+            let files = "copy ca.pem, ca.key, token and replica-token into the data dir of every replica of the group; workers need the token only, and replica-token (what admits new replicas and opens the CA key) stays with the replicas";
             match o.new_token {
-                Some(t) => println!("cluster CA and join token created in {}; the token (shown once):\n\n    {t}\n\ncopy ca.pem, ca.key and token into the data dir of every replica of the group", data_dir.display()),
+                Some(t) => println!(
+                    "cluster CA and join token created in {}; the token (shown once):\n\n    {t}\n\n{files}",
+                    data_dir.display()
+                ),
+                None if o.new_replica_secret => {
+                    println!(
+                        "{} already holds a cluster CA and token; replica-token created. {files}",
+                        data_dir.display()
+                    )
+                }
                 None => println!("{} already holds a cluster CA and token", data_dir.display()),
             }
             Ok(())
@@ -219,8 +277,8 @@ pub struct WorkerArgs {
     #[arg(long)]
     pub name: String,
     /// The cluster's join token (needed on the first start only).
-    #[arg(long, env = "BRIGADE_JOIN_TOKEN", hide_env_values = true)]
-    pub join_token: Option<String>,
+    #[command(flatten)]
+    pub token: TokenArgs,
     /// Where model files are (a full copy is used in place) and fetched slices are cached.
     #[arg(long)]
     pub models_dir: Option<PathBuf>,
@@ -260,7 +318,7 @@ pub fn worker(a: WorkerArgs) -> Result<()> {
         coordinator: a.coordinator,
         listen: a.listen,
         advertise: a.advertise,
-        join_token: a.join_token,
+        join_token: a.token.resolve()?,
         models_dir,
         data_dir,
         threads,

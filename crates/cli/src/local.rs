@@ -154,7 +154,7 @@ pub fn local(a: LocalArgs) -> Result<()> {
         None => std::env::temp_dir().join(format!("brigade-local-{}", std::process::id())),
     };
     std::fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
-    let token = format!("brg1-local-{:032x}", rand::random::<u128>());
+    let token = brigade_transport::join::new_join_token();
     let mut children = Children(Vec::new());
     let cdir = dir.join("coordinator");
     let _ = std::fs::remove_file(cdir.join("coordinator.addr"));

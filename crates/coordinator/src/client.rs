@@ -437,7 +437,9 @@ fn raft_status(shared: &Shared, state: &ClusterState) -> RaftStatus {
         .iter()
         .map(|(id, addr)| {
             let p = v.progress.iter().find(|p| p.0 == *id);
-            let role = if *id == v.id {
+            let role = if v.learners.contains(id) {
+                "learner".into()
+            } else if *id == v.id {
                 v.role.clone()
             } else if *id == v.leader {
                 "leader".into()

@@ -1,7 +1,10 @@
 //! The `Raft` service between coordinator replicas: raft messages in, and new replicas joining
-//! the group (`brigade coordinator --join ADDR`): the joiner proves it knows the join token (the
-//! same channel-bound HMAC as a worker's join), the group adds it, and it receives the cluster's
-//! secrets — the CA, its key and the token — which only the replicas hold.
+//! the group (`brigade coordinator join --via ADDR`): the joiner proves it knows the group's
+//! replica secret (a channel-bound HMAC like a worker's join, under its own label and key — the
+//! workers' join token admits no replica), the group adds it as a raft **learner**, and it
+//! receives the cluster's secrets — the CA, its key and the join token — which only the replicas
+//! hold. The leader promotes a learner to voter once it has caught up with the log
+//! (`raft::node`), so a joiner that never answers never counts towards the quorum.
 
 use crate::pki::write_secret;
 use crate::server::Shared;
@@ -17,11 +20,6 @@ use tonic::{Request, Response, Status};
 
 pub struct RaftService {
     pub shared: Arc<Shared>,
-}
-
-/// The join name of replica `id` (what its proof is bound to).
-fn replica_name(id: u64) -> String {
-    format!("replica-{id}")
 }
 
 #[tonic::async_trait]
@@ -54,7 +52,7 @@ impl Raft for RaftService {
         if !r.address.contains(':') || r.address.len() > 256 {
             return Err(Status::invalid_argument(format!("`{}` is not host:port", r.address)));
         }
-        let nonce = self.shared.pki.check_proof(&replica_name(r.id), &r.nonce, &r.proof)?;
+        let nonce = self.shared.pki.check_replica_proof(r.id, &r.nonce, &r.proof)?;
         let state = self.shared.current_state().await?;
         if state.replicas.get(&r.id) != Some(&r.address) {
             if state.replicas.contains_key(&r.id) {
@@ -63,19 +61,12 @@ impl Raft for RaftService {
                     r.id, state.replicas[&r.id]
                 )));
             }
-            self.shared.raft.change_replicas(r.id, Some(r.address.clone())).await?;
-            tracing::info!("replica {} at {} joined the group", r.id, r.address);
+            self.shared.raft.add_learner(r.id, r.address.clone()).await?;
+            tracing::info!("replica {} at {} joined the group as a learner", r.id, r.address);
         }
         let peers = self.shared.state().replicas.iter().map(|(id, a)| format!("{id}={a}")).collect();
-        let (ca_pem, ca_key_pem) = (self.shared.pki.ca_pem().to_string(), self.shared.pki.ca_key_pem().to_string());
-        let proof = self.shared.pki.group_proof(&nonce, &ca_pem, &ca_key_pem);
-        Ok(Response::new(ReplicaJoinResponse {
-            ca_pem,
-            ca_key_pem,
-            token: self.shared.pki.token().to_string(),
-            peers,
-            proof,
-        }))
+        let (ca_pem, ca_key_pem, token, proof) = self.shared.pki.group_answer(&nonce)?;
+        Ok(Response::new(ReplicaJoinResponse { ca_pem, ca_key_pem, token, peers, proof }))
     }
 }
 
@@ -102,13 +93,13 @@ pub fn parse_peers(s: &str) -> Result<BTreeMap<u64, String>, CoordError> {
     Ok(out)
 }
 
-/// A new replica joins the group through `via`: returns the group's members. Restarting a
-/// replica that joined before reads them from its data dir.
+/// A new replica joins the group through `via` with the group's replica secret: returns the
+/// group's members. Restarting a replica that joined before reads them from its data dir.
 pub async fn join_group(
     via: &str,
     id: u64,
     address: &str,
-    token: Option<&str>,
+    secret: Option<&str>,
     dir: &Path,
 ) -> Result<BTreeMap<u64, String>, CoordError> {
     std::fs::create_dir_all(dir).map_err(|e| CoordError::io(dir, e))?;
@@ -117,7 +108,12 @@ pub async fn join_group(
         let text = std::fs::read_to_string(&peers_file).map_err(|e| CoordError::io(&peers_file, e))?;
         return parse_peers(text.trim());
     }
-    let token = token.ok_or_else(|| CoordError::BadRequest("joining a group needs --join-token".into()))?;
+    let secret = secret.ok_or_else(|| {
+        CoordError::BadRequest(format!(
+            "joining a group needs its replica secret: --replica-token-file (the {} file of a replica's data dir)",
+            crate::pki::REPLICA_SECRET_FILE
+        ))
+    })?;
     let (channel, seen) = brigade_transport::grpc::join_channel(&format!("https://{via}"))
         .await
         .map_err(|e| CoordError::Unavailable(format!("{via}: {e}")))?;
@@ -125,7 +121,7 @@ pub async fn join_group(
         .seen_leaf()
         .ok_or_else(|| CoordError::Unavailable(format!("{via}: no certificate in the TLS handshake")))?;
     let nonce = brigade_transport::join::new_nonce();
-    let proof = brigade_transport::join::worker_proof(token, &leaf, &nonce, &replica_name(id));
+    let proof = brigade_transport::join::replica_proof(secret, &leaf, &nonce, id);
     let mut client = RaftClient::with_interceptor(channel, brigade_proto::VersionInterceptor);
     let resp = client
         .join_replica(ReplicaJoinRequest {
@@ -138,30 +134,24 @@ pub async fn join_group(
         .await
         .map_err(|s| CoordError::PermissionDenied(format!("joining through {via}: {}", s.message())))?
         .into_inner();
-    // the group proves it knows the token too, over what it sent
-    if brigade_transport::join::verify_coordinator_proof(
-        token,
-        &leaf,
-        &nonce,
-        &resp.ca_pem,
-        &resp.ca_key_pem,
-        &resp.proof,
-    )
-    .is_err()
-        || resp.token != token
-    {
+    // the group proves it knows the secret too, over what it sent
+    let sent = [resp.ca_pem.as_str(), resp.ca_key_pem.as_str(), resp.token.as_str()];
+    if brigade_transport::join::verify_group_proof(secret, &leaf, &nonce, &sent, &resp.proof).is_err() {
         return Err(CoordError::PermissionDenied(format!(
-            "{via} could not prove it knows the join token: not joining (a wrong address, or someone in between)"
+            "{via} could not prove it knows the replica secret: not joining (a wrong address, or someone in between)"
         )));
     }
     brigade_transport::ClusterCa::from_pem(&resp.ca_pem, &resp.ca_key_pem)
         .map_err(|e| CoordError::Tls(e.to_string()))?;
     write_secret(&dir.join("ca.key"), resp.ca_key_pem.as_bytes())?;
     let ca_path = dir.join("ca.pem");
-    std::fs::write(&ca_path, &resp.ca_pem).map_err(|e| CoordError::io(&ca_path, e))?;
+    brigade_transport::tls::write_durable(&ca_path, resp.ca_pem.as_bytes(), 0o644)
+        .map_err(|e| CoordError::io(&ca_path, e))?;
     write_secret(&dir.join("token"), resp.token.as_bytes())?;
+    write_secret(&dir.join(crate::pki::REPLICA_SECRET_FILE), secret.as_bytes())?;
     let peers = resp.peers.join(",");
-    std::fs::write(&peers_file, &peers).map_err(|e| CoordError::io(&peers_file, e))?;
+    brigade_transport::tls::write_durable(&peers_file, peers.as_bytes(), 0o644)
+        .map_err(|e| CoordError::io(&peers_file, e))?;
     tracing::info!("joined the coordinator group through {via}: {peers}");
     parse_peers(&peers)
 }

@@ -43,6 +43,10 @@ pub struct CoordinatorConfig {
     pub advertise: Option<String>,
     /// Join a running group through this replica instead of bootstrapping one.
     pub join: Option<String>,
+    /// The group's replica secret, for `join` (a replica's `replica-token` file).
+    pub replica_secret: Option<String>,
+    /// Start a new cluster even though this data dir has held a raft log (which is gone now).
+    pub force_new_cluster: bool,
     /// One raft tick (elections take 10–20).
     pub raft_tick: Duration,
     /// Re-place a deployment when a placement this much faster appears (0.25 = 25%).
@@ -65,6 +69,8 @@ impl Default for CoordinatorConfig {
             peers: BTreeMap::new(),
             advertise: None,
             join: None,
+            replica_secret: None,
+            force_new_cluster: false,
             raft_tick: Duration::from_millis(100),
             rebalance_gain: 0.25,
             http: None,
@@ -287,8 +293,8 @@ pub async fn run(
     let mut peers = cfg.peers.clone();
     if let Some(join) = &cfg.join {
         // a new replica: the cluster's secrets and the group's members from a running replica
-        let got =
-            crate::raft_service::join_group(join, cfg.id, &address, cfg.join_token.as_deref(), &cfg.data_dir).await?;
+        let got = crate::raft_service::join_group(join, cfg.id, &address, cfg.replica_secret.as_deref(), &cfg.data_dir)
+            .await?;
         peers = got;
     }
     let opened =
@@ -298,6 +304,12 @@ pub async fn run(
             "new cluster in {}; join token (shown once, kept in {}):\n\n    {t}\n",
             cfg.data_dir.display(),
             cfg.data_dir.join("token").display()
+        );
+    }
+    if opened.new_replica_secret {
+        eprintln!(
+            "the replica secret new replicas join with (`brigade coordinator join --replica-token-file`) is in {}; workers never need it",
+            cfg.data_dir.join(crate::pki::REPLICA_SECRET_FILE).display()
         );
     }
     let bootstrap = cfg.join.is_none();
@@ -314,6 +326,7 @@ pub async fn run(
             known: peers.clone(),
             data_dir: cfg.data_dir.clone(),
             tick: cfg.raft_tick,
+            force_new_cluster: cfg.force_new_cluster,
         },
         opened.pki.identity.clone(),
         opened.pki.ca_pem().to_string(),

@@ -308,20 +308,27 @@ pub fn check_header(header: &FrameHeader, limits: &Limits) -> Result<(), FrameEr
 /// Appends the frame's magic, header length and header to `out` (not the payload): carriers that
 /// can send the payload as its own buffer write it after this without copying it.
 pub fn encode_head(frame: &Frame, out: &mut BytesMut) -> Result<(), FrameError> {
+    let len32 = check_encodable(frame)?;
+    out.reserve(PREFIX_LEN + len32 as usize);
+    out.put_slice(&MAGIC);
+    out.put_u32_le(len32);
+    frame.header.encode(out).map_err(|e| FrameError::BadHeader(e.to_string()))
+}
+
+/// Whether `frame` can be sent as it is (the header's payload length true, the header valid and
+/// at most [`MAX_HEADER`] bytes); returns the header's encoded length. Senders check before a
+/// frame is queued on a shared link, so that a bad frame fails its own session, not the link.
+pub fn check_encodable(frame: &Frame) -> Result<u32, FrameError> {
     let actual = frame.payload.len() as u64;
     if frame.header.payload_len != actual {
         return Err(FrameError::PayloadLength { header: frame.header.payload_len, actual });
     }
     check_header(&frame.header, &Limits::default())?;
     let len = frame.header.encoded_len();
-    let len32 = u32::try_from(len)
+    u32::try_from(len)
         .ok()
         .filter(|&l| l <= MAX_HEADER)
-        .ok_or(FrameError::HeaderTooLong { len: len as u64, max: MAX_HEADER })?;
-    out.reserve(PREFIX_LEN + len);
-    out.put_slice(&MAGIC);
-    out.put_u32_le(len32);
-    frame.header.encode(out).map_err(|e| FrameError::BadHeader(e.to_string()))
+        .ok_or(FrameError::HeaderTooLong { len: len as u64, max: MAX_HEADER })
 }
 
 /// Appends the whole frame to `out`. Refuses frames a receiver with default [`Limits`] would

@@ -233,8 +233,11 @@ async fn write_frames<T>(
         _ = wire.closed() => None,
     } {
         if let Err(error) = encode(&frame, &mut buf) {
-            warn!(%peer, %error, "refusing to send an invalid frame; closing the link");
-            return;
+            // senders check first (`Link::send`); one that did not loses this frame, and the
+            // other sessions on the link keep it
+            buf.clear();
+            warn!(%peer, %error, session = frame.header.session, "dropping a frame that cannot be encoded");
+            continue;
         }
         let message = FrameBytes { frame: buf.split().freeze() };
         if wire.send(wrap(message)).await.is_err() {

@@ -44,7 +44,10 @@ impl Link {
     }
 
     /// Sends a frame, waiting while the link is full.
+    /// Sends a frame; one that cannot be encoded is refused here with the reason (the link
+    /// stays up for the other sessions on it).
     pub async fn send(&self, frame: Frame) -> Result<()> {
+        crate::frame::check_encodable(&frame)?;
         self.tx.send(frame).await.map_err(|_| self.closed())
     }
 

@@ -22,7 +22,6 @@ use crate::tls::{self, node_dns_name, peer_name_from_cert, Identity};
 /// Application close codes.
 const CLOSE_DONE: u32 = 0;
 const CLOSE_BAD_FRAME: u32 = 1;
-const CLOSE_WRITE_FAILED: u32 = 2;
 /// How long a dropped link waits for the peer to read what was sent before closing.
 const CLOSE_GRACE: Duration = Duration::from_secs(2);
 /// A 9000-byte jumbo frame less the IPv4 and UDP headers.
@@ -194,9 +193,11 @@ async fn write_frames(conn: Connection, mut send: SendStream, mut frames: mpsc::
         };
         let Some(frame) = frame else { break };
         if let Err(error) = encode_head(&frame, &mut head) {
-            warn!(%peer, %error, "refusing to send an invalid frame; closing the link");
-            conn.close(VarInt::from_u32(CLOSE_WRITE_FAILED), error.to_string().as_bytes());
-            return;
+            // senders check first (`Link::send`); one that did not loses this frame, and the
+            // other sessions on the link keep it
+            head.clear();
+            warn!(%peer, %error, session = frame.header.session, "dropping a frame that cannot be encoded");
+            continue;
         }
         let mut chunks = [head.split().freeze(), frame.payload];
         if let Err(error) = send.write_all_chunks(&mut chunks).await {

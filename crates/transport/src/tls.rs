@@ -67,17 +67,29 @@ pub fn validate_node_name(name: &str) -> Result<()> {
     brigade_core::cluster::check_node_name(name).map_err(|_| TransportError::BadNodeName { name: name.to_owned() })
 }
 
-/// Writes a file readable by its owner only (0600 from creation, never wider), atomically
-/// (temporary file, fsync, rename): private keys and the join token.
+/// Writes a file readable by its owner only (0600 from creation, never wider), durably
+/// (temporary file, fsync, rename, fsync of the directory): private keys and tokens.
 pub fn write_private(path: &std::path::Path, bytes: &[u8]) -> std::io::Result<()> {
+    write_durable(path, bytes, 0o600)
+}
+
+/// Writes a file atomically and durably with `mode`: a temporary file beside it, fsynced,
+/// renamed over `path`, and the directory fsynced, so that after a crash the file is either
+/// the old one or the whole new one, and the rename itself survives.
+pub fn write_durable(path: &std::path::Path, bytes: &[u8], mode: u32) -> std::io::Result<()> {
     use std::io::Write;
     use std::os::unix::fs::OpenOptionsExt;
     let tmp = path.with_extension("tmp");
     let _ = std::fs::remove_file(&tmp);
-    let mut f = std::fs::OpenOptions::new().write(true).create_new(true).mode(0o600).open(&tmp)?;
+    let mut f = std::fs::OpenOptions::new().write(true).create_new(true).mode(mode).open(&tmp)?;
     f.write_all(bytes)?;
     f.sync_all()?;
-    std::fs::rename(&tmp, path)
+    std::fs::rename(&tmp, path)?;
+    let dir = match path.parent() {
+        Some(d) if !d.as_os_str().is_empty() => d,
+        _ => std::path::Path::new("."),
+    };
+    std::fs::File::open(dir)?.sync_all()
 }
 
 /// The DNS name a node's certificate carries: `<name>.node.brigade`.

@@ -256,3 +256,25 @@ async fn probe_returns_plausible_numbers_on_loopback() {
     drop(ab);
     assert!(bounded("responder ends", responder).await.is_ok());
 }
+
+/// A frame whose header outgrows the limit (a trace list appended to by a hostile or broken
+/// peer) is refused to its sender, and the link goes on carrying the other sessions' frames.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_oversized_header_fails_its_frame_and_never_the_link() {
+    use brigade_proto::v1::StageTrace;
+    let cluster = Cluster::new("test");
+    let a = endpoint(&cluster.node("alpha"), cluster.ca_pem());
+    let b = endpoint(&cluster.node("beta"), cluster.ca_pem());
+    let (ab, mut ba) = linked(&a, &b).await;
+    let mut bomb = Frame::tokens(0, 0, &[1, 2, 3]).in_session("llama", 3, 7);
+    for i in 0..400 {
+        bomb = bomb.with_trace(StageTrace { stage: i, received_us: u64::MAX, sent_us: u64::MAX, compute_us: u64::MAX });
+    }
+    match bounded("send the bomb", ab.send(bomb)).await {
+        Err(TransportError::Frame(e)) => assert!(e.to_string().contains("4096"), "{e}"),
+        other => panic!("an oversized header was sent: {other:?}"),
+    }
+    let good = Frame::tokens(0, 0, &[4, 5]).in_session("llama", 3, 8);
+    bounded("send after it", ab.send(good.clone())).await.ok();
+    assert_eq!(bounded("receive after it", ba.recv()).await, Some(good));
+}

@@ -140,6 +140,7 @@ impl Router {
 
     /// Sends from a plain thread (a stage's compute thread): waits while the peer's queue is full.
     pub fn send_blocking(self: &Arc<Self>, to: &Peer, carrier: CarrierKind, frame: Frame) -> Result<(), WorkerError> {
+        check(&frame)?;
         if to.node == self.me {
             self.deliver(frame);
             return Ok(());
@@ -151,6 +152,7 @@ impl Router {
 
     /// Sends from async code.
     pub async fn send(self: &Arc<Self>, to: &Peer, carrier: CarrierKind, frame: Frame) -> Result<(), WorkerError> {
+        check(&frame)?;
         if to.node == self.me {
             self.deliver(frame);
             return Ok(());
@@ -255,4 +257,12 @@ impl Router {
         let mut link = self.connect(peer, CarrierKind::Quic).await?;
         brigade_transport::probe::measure(&mut link).await.map_err(|e| WorkerError::Link(format!("{}: {e}", peer.node)))
     }
+}
+
+/// A frame that cannot be encoded fails its sender (its session), before it reaches the queue of
+/// a link other sessions share.
+fn check(frame: &Frame) -> Result<(), WorkerError> {
+    brigade_transport::frame::check_encodable(frame)
+        .map(|_| ())
+        .map_err(|e| WorkerError::Frame(format!("session {}: cannot send this frame: {e}", frame.header.session)))
 }

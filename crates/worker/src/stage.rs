@@ -343,14 +343,18 @@ impl StageHost {
         }
     }
 
-    fn to_next(&self, mut frame: Frame) {
-        let Some(next) = &self.place.next else { return };
+    /// Sends to the next stage. A frame that cannot be encoded is this session's error (the
+    /// caller ends it and tells the driver); a closed link is the recovery's business.
+    fn to_next(&self, mut frame: Frame) -> Result<(), WorkerError> {
+        let Some(next) = &self.place.next else { return Ok(()) };
         frame.header.stage = self.place.stage + 1;
+        brigade_transport::frame::check_encodable(&frame).map_err(|e| WorkerError::Frame(e.to_string()))?;
         let (t, n) = (Instant::now(), frame.payload.len() as u64);
         if let Err(e) = self.router.send_blocking(next, self.place.carrier, frame) {
             tracing::warn!("to stage {}: {e}", self.place.stage + 1);
         }
         self.sent(t, n);
+        Ok(())
     }
 
     fn to_driver(&self, mut frame: Frame) {
@@ -390,8 +394,7 @@ impl StageHost {
             FrameKind::Close => {
                 let s = frame.header.session;
                 self.end(s);
-                self.to_next(frame);
-                Ok(())
+                self.to_next(frame)
             }
             FrameKind::Tokens | FrameKind::Hidden => self.compute(frame, kind, received),
             other => Err(WorkerError::Frame(format!("a stage does not take {other:?} frames"))),
@@ -424,8 +427,8 @@ impl StageHost {
         };
         self.sessions.insert(session, SessionState { cache, sampler });
         self.active.store(self.sessions.len() as u32, Ordering::Relaxed);
-        self.to_next(frame);
-        Ok(())
+        // (a failure here ends the session again: `process`)
+        self.to_next(frame)
     }
 
     fn compute(&mut self, frame: Frame, kind: FrameKind, received: u64) -> Result<(), WorkerError> {
@@ -499,7 +502,10 @@ impl StageHost {
         let session = h.session;
         let rows = h.rows;
         let hidden = self.slice.config().hidden;
+        // a frame at stage s carries the timings of stages 0..s at most: a longer list (a peer's
+        // bug or a hostile one) is cut here, so that what this stage sends on stays in bounds
         let mut trace = h.trace;
+        trace.truncate(self.place.stage as usize);
         let compute_us = computed.as_micros() as u64;
         let stamp = StageTrace { stage: self.place.stage, received_us: received, sent_us: 0, compute_us };
         if !self.is_last() {
@@ -513,8 +519,7 @@ impl StageHost {
             wire::set_hidden_shape(&mut nh, rows, hidden, self.place.act_dtype, payload.len());
             trace.push(StageTrace { sent_us: now_us(), ..stamp });
             nh.trace = trace;
-            self.to_next(wire::frame(nh, payload));
-            return Ok(());
+            return self.to_next(wire::frame(nh, payload));
         }
         // a prompt chunk before the last fills the cache; there is nothing to sample yet
         let Some(id) = sampled else { return Ok(()) };

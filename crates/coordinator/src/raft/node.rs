@@ -32,7 +32,14 @@ pub struct RaftOptions {
     pub data_dir: PathBuf,
     /// One raft tick; elections take 10–20 ticks, heartbeats 2.
     pub tick: Duration,
+    /// Bootstrap a new log even where [`INITIALISED_FILE`] says this data dir held one.
+    pub force_new_cluster: bool,
 }
+
+/// Written beside the CA once this data dir's raft log holds something: a later start that
+/// finds the log empty or gone refuses to begin a new cluster (which would lose every
+/// deployment, and in a group could vote twice in a term) unless told `--force-new-cluster`.
+pub const INITIALISED_FILE: &str = "initialised";
 
 /// What the raft node says about itself and (as leader) the others.
 #[derive(Debug, Clone, Default, PartialEq)]
@@ -46,6 +53,8 @@ pub struct RaftStatusView {
     /// Leader only: (replica, match index, progress state).
     pub progress: Vec<(u64, u64, String)>,
     pub voters: Vec<u64>,
+    /// Replicas that receive the log but do not vote yet (joined, not caught up).
+    pub learners: Vec<u64>,
 }
 
 enum Req {
@@ -130,11 +139,20 @@ impl RaftHandle {
 
     /// Adds (`Some(address)`) or removes a replica; returns once the change is applied here.
     pub async fn change_replicas(&self, id: u64, address: Option<String>) -> Result<(), CoordError> {
+        match address {
+            Some(a) => self.conf_change(ConfChangeType::AddNode, id, a).await,
+            None => self.conf_change(ConfChangeType::RemoveNode, id, String::new()).await,
+        }
+    }
+
+    /// Adds a replica as a learner: it receives the log but does not vote until the leader
+    /// promotes it, once it has caught up.
+    pub async fn add_learner(&self, id: u64, address: String) -> Result<(), CoordError> {
+        self.conf_change(ConfChangeType::AddLearnerNode, id, address).await
+    }
+
+    async fn conf_change(&self, t: ConfChangeType, id: u64, a: String) -> Result<(), CoordError> {
         let (tx, rx) = oneshot::channel();
-        let (t, a) = match address {
-            Some(a) => (ConfChangeType::AddNode, a),
-            None => (ConfChangeType::RemoveNode, String::new()),
-        };
         self.tx
             .send(Req::Conf(t, id, a, tx))
             .await
@@ -167,6 +185,14 @@ pub fn start(
     ca_pem: String,
 ) -> Result<RaftHandle, CoordError> {
     let applied: AppliedState = Arc::new(RwLock::new((0, ClusterState::new())));
+    let marker = opts.data_dir.join(INITIALISED_FILE);
+    if marker.exists() && !opts.force_new_cluster && !DiskStorage::holds_log(&opts.data_dir)? {
+        return Err(CoordError::FailedPrecondition(format!(
+            "{} held this replica's raft log, and the log is empty or gone now: starting would begin a new cluster and lose every node, model and deployment. Restore raft.redb from a backup, or let the replica rejoin its group (`brigade coordinator join` after `brigade coordinator leave --id {}`), or pass --force-new-cluster to start over",
+            opts.data_dir.display(),
+            opts.id
+        )));
+    }
     let opened = DiskStorage::open(&opts.data_dir, &opts.peers, applied.clone())?;
     let mut state = opened.state;
     if opened.snapshot_index == 0 {
@@ -224,6 +250,8 @@ pub fn start(
         reads: Vec::new(),
         deferred: Vec::new(),
         compact_now: false,
+        marked: marker.exists(),
+        marker,
         next: rand::random::<u32>() as u64,
         status: status_tx,
         changed: changed_tx,
@@ -249,6 +277,9 @@ struct Task {
     deferred: Vec<Req>,
     /// Compact at the end of this ready (a replica joined a log that starts at index 1).
     compact_now: bool,
+    /// [`INITIALISED_FILE`], and whether it is written.
+    marker: PathBuf,
+    marked: bool,
     next: u64,
     status: watch::Sender<RaftStatusView>,
     changed: watch::Sender<u64>,
@@ -298,8 +329,36 @@ impl Task {
                     std::process::exit(3);
                 }
             }
+            self.promote_learners();
             self.publish();
         }
+    }
+
+    /// The leader makes a learner a voter once it holds the whole committed log and answers:
+    /// a replica that joined but never came up (or cannot be reached) never counts towards the
+    /// quorum. One configuration change at a time (raft-rs drops a second while one is pending).
+    fn promote_learners(&mut self) {
+        let r = &self.node.raft;
+        if r.state != StateRole::Leader || r.has_pending_conf() || !self.pending_conf.is_empty() {
+            return;
+        }
+        let committed = r.raft_log.committed;
+        let ready =
+            r.prs().conf().to_conf_state().learners.into_iter().find(|id| {
+                r.prs().get(*id).is_some_and(|p| p.recent_active && p.matched >= committed && p.matched > 0)
+            });
+        let Some(id) = ready else { return };
+        let Some(address) = self.state.replicas.get(&id).cloned() else { return };
+        let mut cc = ConfChange::default();
+        cc.set_change_type(ConfChangeType::AddNode);
+        cc.node_id = id;
+        cc.context = address.clone().into_bytes().into();
+        self.next += 1;
+        match self.node.propose_conf_change(context(self.id, self.next), cc) {
+            Ok(()) => tracing::info!("replica {id} at {address} caught up: promoted to voter"),
+            Err(e) => tracing::debug!("promoting replica {id}: {e}"),
+        }
+        // the next turn of the loop (a tick at most) sends it
     }
 
     fn handle(&mut self, r: Req) {
@@ -425,6 +484,13 @@ impl Task {
             let at = self.node.mut_store().compact()?;
             tracing::debug!("raft log compacted at {at}");
         }
+        if !self.marked && (self.node.raft.term > 0 || applied > 0) {
+            let text =
+                format!("raft replica {} of a brigade cluster; its log is raft.redb beside this file\n", self.id);
+            brigade_transport::tls::write_durable(&self.marker, text.as_bytes(), 0o644)
+                .map_err(|e| CoordError::io(&self.marker, e))?;
+            self.marked = true;
+        }
         Ok(())
     }
 
@@ -469,7 +535,7 @@ impl Task {
                         .map_err(|err| CoordError::Internal(format!("conf change: {err}")))?;
                     self.node.mut_store().set_conf_state(cs)?;
                     let address = String::from_utf8_lossy(&cc.context).into_owned();
-                    let add = cc.get_change_type() == ConfChangeType::AddNode;
+                    let add = matches!(cc.get_change_type(), ConfChangeType::AddNode | ConfChangeType::AddLearnerNode);
                     if add {
                         self.peers.set(cc.node_id, &address);
                     } else {
@@ -522,6 +588,8 @@ impl Task {
         }
         let mut voters: Vec<u64> = r.prs().conf().voters().ids().iter().collect();
         voters.sort_unstable();
+        let mut learners: Vec<u64> = r.prs().conf().to_conf_state().learners;
+        learners.sort_unstable();
         let view = RaftStatusView {
             id: self.id,
             role: role_name(r.state).into(),
@@ -531,6 +599,7 @@ impl Task {
             applied: r.raft_log.applied,
             progress,
             voters,
+            learners,
         };
         self.status.send_if_modified(|s| {
             if *s != view {

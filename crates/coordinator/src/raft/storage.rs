@@ -55,6 +55,30 @@ pub struct Opened {
 }
 
 impl DiskStorage {
+    /// Whether `dir` holds a raft log with anything in it (without keeping it open).
+    pub fn holds_log(dir: &Path) -> Result<bool, CoordError> {
+        let path = dir.join("raft.redb");
+        match std::fs::metadata(&path) {
+            Ok(m) if m.len() > 0 => {}
+            Ok(_) => return Ok(false),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(false),
+            Err(e) => return Err(CoordError::io(&path, e)),
+        }
+        let db = redb::Database::open(&path).map_err(db_err)?;
+        let tx = db.begin_read().map_err(db_err)?;
+        let meta = match tx.open_table(META) {
+            Ok(t) => t.get("hard_state").map_err(db_err)?.is_some() || t.get("snapshot").map_err(db_err)?.is_some(),
+            Err(redb::TableError::TableDoesNotExist(_)) => false,
+            Err(e) => return Err(db_err(e)),
+        };
+        let entries = match tx.open_table(ENTRIES) {
+            Ok(t) => t.first().map_err(db_err)?.is_some(),
+            Err(redb::TableError::TableDoesNotExist(_)) => false,
+            Err(e) => return Err(db_err(e)),
+        };
+        Ok(meta || entries)
+    }
+
     /// Opens (or creates) the log in `dir`. A fresh log of a bootstrapping replica starts with a
     /// snapshot at [`BOOTSTRAP_INDEX`] holding the group's members (`bootstrap`, id → address) as
     /// its configuration and state; a replica joining a running group passes none and learns
