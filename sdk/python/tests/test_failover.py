@@ -53,12 +53,12 @@ def test_the_leader_dies_mid_stream_and_the_stream_goes_on(procs: Procs, tmp_pat
     assert len(want) == TOKENS
 
     # a group bootstrapped together: the CA and token made once, copied to each replica
-    token = "brg1-pytest-" + secrets.token_hex(16)
+    token = "brg1-" + secrets.token_hex(24)
     dirs = [tmp_path / f"coordinator-{i}" for i in (1, 2, 3)]
     brigade("coordinator", "init", "--data-dir", str(dirs[0]), "--join-token", token)
     for d in dirs[1:]:
         d.mkdir()
-        for f in ("ca.pem", "ca.key", "token"):
+        for f in ("ca.pem", "ca.key", "token", "replica-token"):
             shutil.copy(dirs[0] / f, d / f)
     ports = [free_port() for _ in dirs]
     addrs = [f"127.0.0.1:{p}" for p in ports]
