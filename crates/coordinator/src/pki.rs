@@ -155,15 +155,19 @@ impl Pki {
         &self.token
     }
 
+    fn replica_secret(&self) -> Result<&str, CoordError> {
+        self.replica_secret.as_deref().ok_or_else(|| {
+            CoordError::FailedPrecondition(format!(
+                "this replica has no {REPLICA_SECRET_FILE} in its data dir, so it admits no new replica; copy it from the replica that made the CA"
+            ))
+        })
+    }
+
     /// Checks a joining replica's proof: it must know the replica secret (the workers' join
     /// token is not enough). Returns the nonce to answer with.
     pub fn check_replica_proof(&self, id: u64, nonce: &[u8], proof: &[u8]) -> Result<join::Nonce, CoordError> {
         let nonce = join::nonce_from_slice(nonce).map_err(|e| CoordError::BadRequest(e.to_string()))?;
-        let Some(secret) = &self.replica_secret else {
-            return Err(CoordError::FailedPrecondition(format!(
-                "this replica has no {REPLICA_SECRET_FILE} in its data dir, so it admits no new replica; copy it from the replica that made the CA"
-            )));
-        };
+        let secret = self.replica_secret()?;
         join::verify_replica_proof(secret, &self.leaf_der, &nonce, id, proof).map_err(|_| {
             CoordError::PermissionDenied(format!(
                 "replica {id} did not present this group's replica secret ({REPLICA_SECRET_FILE}; the workers' join token does not admit replicas)"
@@ -175,9 +179,7 @@ impl Pki {
     /// What a replica that proved the replica secret receives: the CA, its key and the join
     /// token, with the group's proof over the three.
     pub fn group_answer(&self, nonce: &join::Nonce) -> Result<(String, String, String, Vec<u8>), CoordError> {
-        let Some(secret) = &self.replica_secret else {
-            return Err(CoordError::FailedPrecondition(format!("no {REPLICA_SECRET_FILE}")));
-        };
+        let secret = self.replica_secret()?;
         let (ca, key, token) = (self.ca.cert_pem(), self.ca.key_pem(), self.token.as_str());
         let proof = join::group_proof(secret, &self.leaf_der, nonce, &[ca, key, token]);
         Ok((ca.to_string(), key.to_string(), token.to_string(), proof))

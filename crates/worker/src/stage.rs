@@ -348,10 +348,12 @@ impl StageHost {
     fn to_next(&self, mut frame: Frame) -> Result<(), WorkerError> {
         let Some(next) = &self.place.next else { return Ok(()) };
         frame.header.stage = self.place.stage + 1;
-        brigade_transport::frame::check_encodable(&frame).map_err(|e| WorkerError::Frame(e.to_string()))?;
         let (t, n) = (Instant::now(), frame.payload.len() as u64);
-        if let Err(e) = self.router.send_blocking(next, self.place.carrier, frame) {
-            tracing::warn!("to stage {}: {e}", self.place.stage + 1);
+        match self.router.send_blocking(next, self.place.carrier, frame) {
+            // the router's check: this frame cannot be encoded
+            Err(e @ WorkerError::Frame(_)) => return Err(e),
+            Err(e) => tracing::warn!("to stage {}: {e}", self.place.stage + 1),
+            Ok(()) => {}
         }
         self.sent(t, n);
         Ok(())

@@ -186,7 +186,8 @@ pub fn start(
 ) -> Result<RaftHandle, CoordError> {
     let applied: AppliedState = Arc::new(RwLock::new((0, ClusterState::new())));
     let marker = opts.data_dir.join(INITIALISED_FILE);
-    if marker.exists() && !opts.force_new_cluster && !DiskStorage::holds_log(&opts.data_dir)? {
+    let marked = marker.exists();
+    if marked && !opts.force_new_cluster && !DiskStorage::holds_log(&opts.data_dir)? {
         return Err(CoordError::FailedPrecondition(format!(
             "{} held this replica's raft log, and the log is empty or gone now: starting would begin a new cluster and lose every node, model and deployment. Restore raft.redb from a backup, or let the replica rejoin its group (`brigade coordinator join` after `brigade coordinator leave --id {}`), or pass --force-new-cluster to start over",
             opts.data_dir.display(),
@@ -250,7 +251,7 @@ pub fn start(
         reads: Vec::new(),
         deferred: Vec::new(),
         compact_now: false,
-        marked: marker.exists(),
+        marked,
         marker,
         next: rand::random::<u32>() as u64,
         status: status_tx,
@@ -349,13 +350,8 @@ impl Task {
             });
         let Some(id) = ready else { return };
         let Some(address) = self.state.replicas.get(&id).cloned() else { return };
-        let mut cc = ConfChange::default();
-        cc.set_change_type(ConfChangeType::AddNode);
-        cc.node_id = id;
-        cc.context = address.clone().into_bytes().into();
-        self.next += 1;
-        match self.node.propose_conf_change(context(self.id, self.next), cc) {
-            Ok(()) => tracing::info!("replica {id} at {address} caught up: promoted to voter"),
+        match self.propose_conf(ConfChangeType::AddNode, id, address.clone()) {
+            Ok(_) => tracing::info!("replica {id} at {address} caught up: promoted to voter"),
             Err(e) => tracing::debug!("promoting replica {id}: {e}"),
         }
         // the next turn of the loop (a tick at most) sends it
@@ -412,24 +408,28 @@ impl Task {
                 self.node.read_index(n.to_le_bytes().to_vec());
                 self.reads.push((n, None, reply));
             }
-            Req::Conf(t, id, addr, reply) => {
-                let mut cc = ConfChange::default();
-                cc.set_change_type(t);
-                cc.node_id = id;
-                cc.context = addr.into_bytes().into();
-                self.next += 1;
-                let n = self.next;
-                match self.node.propose_conf_change(context(self.id, n), cc) {
-                    Ok(()) => {
-                        self.pending_conf.insert(n, reply);
-                    }
-                    Err(e) => {
-                        let _ = reply
-                            .send(Err(CoordError::Unavailable(format!("the configuration change was refused: {e}"))));
-                    }
+            Req::Conf(t, id, addr, reply) => match self.propose_conf(t, id, addr) {
+                Ok(n) => {
+                    self.pending_conf.insert(n, reply);
                 }
-            }
+                Err(e) => {
+                    let _ =
+                        reply.send(Err(CoordError::Unavailable(format!("the configuration change was refused: {e}"))));
+                }
+            },
         }
+    }
+
+    /// Proposes a configuration change (the address in its context); returns the proposal's
+    /// number.
+    fn propose_conf(&mut self, t: ConfChangeType, id: u64, address: String) -> Result<u64, raft::Error> {
+        let mut cc = ConfChange::default();
+        cc.set_change_type(t);
+        cc.node_id = id;
+        cc.context = address.into_bytes().into();
+        self.next += 1;
+        let n = self.next;
+        self.node.propose_conf_change(context(self.id, n), cc).map(|()| n)
     }
 
     fn on_ready(&mut self) -> Result<(), CoordError> {
