@@ -356,3 +356,241 @@ fn a_lost_log_half_a_ca_or_a_placeholder_token_starts_no_new_cluster() {
         assert!(!fresh.join("token").exists() && !fresh.join("ca.key").exists());
     }
 }
+
+fn rss_kib(pid: u32) -> u64 {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
+    let line = status.lines().find(|l| l.starts_with("VmRSS:")).unwrap();
+    line.split_whitespace().nth(1).unwrap().parse().unwrap()
+}
+
+/// Callers without a certificate cost the coordinator neither memory nor its port. Bounds:
+/// four `Raft.Step` calls that announce a 200 MiB message and send 4 MiB of it are each refused
+/// with PERMISSION_DENIED within 5 s — before the body is read — and the coordinator's RSS grows
+/// by less than 64 MiB (it grew by 1 GB when the check ran in the handler); an oversized
+/// `JoinReplica` is refused by its 4 KiB limit; TCP connections that never start TLS are closed
+/// within 10 s; and the coordinator still answers.
+#[test]
+fn callers_without_a_certificate_hold_no_memory_and_no_connection() {
+    let mut c = Cluster::new();
+    c.start_coordinator(&[]);
+    let pid = c.coordinator.as_ref().unwrap().child.id();
+    let before = rss_kib(pid);
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let ca_pem = std::fs::read_to_string(c.ca()).unwrap();
+    let addr = c.addr();
+    rt.block_on(async move {
+        use tonic::codegen::http;
+        use tonic::transport::{Certificate, ClientTlsConfig, Endpoint};
+        use tower::ServiceExt as _;
+        let tls =
+            ClientTlsConfig::new().ca_certificate(Certificate::from_pem(ca_pem)).domain_name("coordinator.brigade");
+        let ch =
+            Endpoint::from_shared(format!("https://{addr}")).unwrap().tls_config(tls).unwrap().connect().await.unwrap();
+        let mut held = Vec::new();
+        for _ in 0..4 {
+            // the gRPC prefix of a 200 MiB message, then 4 MiB of it, then nothing (the sender stays)
+            let (tx, rx) = tokio::sync::mpsc::channel::<Result<http_body::Frame<bytes::Bytes>, std::io::Error>>(8);
+            let mut first = vec![0u8];
+            first.extend_from_slice(&(200u32 << 20).to_be_bytes());
+            first.extend(std::iter::repeat_n(7u8, 4 << 20));
+            tx.send(Ok(http_body::Frame::data(bytes::Bytes::from(first)))).await.unwrap();
+            held.push(tx);
+            let body = http_body_util::StreamBody::new(tokio_stream::wrappers::ReceiverStream::new(rx));
+            let req = http::Request::builder()
+                .method("POST")
+                .uri(format!("https://{addr}/brigade.v1.Raft/Step"))
+                .header("content-type", "application/grpc")
+                .header("te", "trailers")
+                .header("brigade-protocol", brigade_proto::PROTOCOL_VERSION.to_string())
+                .body(tonic::body::Body::new(body))
+                .unwrap();
+            let resp = tokio::time::timeout(Duration::from_secs(5), ch.clone().oneshot(req))
+                .await
+                .expect("a half-sent Raft.Step was not answered within 5 s")
+                .unwrap();
+            let status = tonic::Status::from_header_map(resp.headers());
+            let code = status.as_ref().map(|s| s.code());
+            assert_eq!(code, Some(tonic::Code::PermissionDenied), "{:?}", resp.headers());
+        }
+        // JoinReplica is open to callers without a certificate, but only for small messages
+        let mut join = brigade_proto::v1::replica_join_client::ReplicaJoinClient::with_interceptor(
+            ch.clone(),
+            brigade_proto::VersionInterceptor,
+        );
+        let err = join
+            .join_replica(brigade_proto::v1::ReplicaJoinRequest {
+                protocol: brigade_proto::PROTOCOL_VERSION,
+                id: 9,
+                address: "x".repeat(64 << 10),
+                nonce: vec![0; 32],
+                proof: vec![0; 32],
+            })
+            .await
+            .unwrap_err();
+        assert_eq!(err.code(), tonic::Code::OutOfRange, "{}", err.message());
+        drop(held);
+    });
+    let grown = rss_kib(pid).saturating_sub(before);
+    assert!(grown < 64 << 10, "the coordinator grew by {grown} KiB for callers without a certificate");
+
+    // connections that never start TLS are closed by the handshake timeout
+    use std::io::Read;
+    let mut silent: Vec<std::net::TcpStream> =
+        (0..20).map(|_| std::net::TcpStream::connect(c.addr()).unwrap()).collect();
+    let t0 = std::time::Instant::now();
+    for s in &mut silent {
+        s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+        let mut buf = [0u8; 16];
+        let read = s.read(&mut buf);
+        let closed =
+            matches!(&read, Ok(0)) || read.as_ref().is_err_and(|e| e.kind() == std::io::ErrorKind::ConnectionReset);
+        assert!(closed, "a silent connection was still open after {:?}: {read:?}", t0.elapsed());
+    }
+    assert!(c.status()["nodes"].as_array().is_none_or(|n| n.is_empty()));
+}
+
+/// Stage sessions are opened only by the node assigned to send to that stage, only with the
+/// certificate it was admitted with, and a session nobody drives is ended after the worker's
+/// `--session-idle-s`. Each attack sends as many OPEN frames as the stage has sessions, so any
+/// one that got through would leave no session for real requests ("all 2 sessions … in use"):
+/// - a re-minted certificate of `w1` (the admitted one is different: as after a re-join) — the
+///   link is closed within 5 s, and it fetches no model bytes from the coordinator or from w2;
+/// - w2's real certificate sending to w1's first stage, which only the driver (w1) feeds;
+/// - w1's real certificate opening sessions on w2's stage and abandoning them: ended after the
+///   2 s idle limit, after which the real request is served.
+#[test]
+fn only_the_assigned_sender_opens_sessions_and_abandoned_ones_expire() {
+    use brigade_transport::{Frame, Identity, QuicEndpoint, Role};
+    let mut c = Cluster::new();
+    c.start_coordinator(&[]);
+    c.start_worker("w1", &[]);
+    c.start_worker("w2", &["--session-idle-s", "2"]);
+    c.wait_up(2);
+    let d = c.deploy(&["--name", "stories", "--device-map", "w1:cpu:3,w2:cpu:2", "--sessions", "2"]);
+    assert_eq!(d["state"], "ready", "{d}");
+    let generation = d["generation"].as_u64().unwrap();
+    let status = c.status();
+    let address = |name: &str| -> std::net::SocketAddr {
+        let nodes = status["nodes"].as_array().unwrap();
+        let n = nodes.iter().find(|n| n["name"] == name).unwrap();
+        n["address"].as_str().unwrap().parse().unwrap()
+    };
+    let (w1_addr, w2_addr) = (address("w1"), address("w2"));
+    let ca_pem = std::fs::read_to_string(c.path("coordinator/ca.pem")).unwrap();
+    let ca = brigade_transport::ClusterCa::from_pem(
+        &ca_pem,
+        &std::fs::read_to_string(c.path("coordinator/ca.key")).unwrap(),
+    )
+    .unwrap();
+    let held = |name: &str| Identity {
+        cert_chain_pem: std::fs::read_to_string(c.path(&format!("{name}/node.pem"))).unwrap(),
+        key_pem: std::fs::read_to_string(c.path(&format!("{name}/node.key"))).unwrap(),
+    };
+    let (w1_real, w2_real) = (held("w1"), held("w2"));
+    let w1_reminted = ca.new_identity("w1", Role::Node).unwrap();
+    let spec = brigade_proto::v1::SessionSpec { sampling: None, prompt_ids: vec![1, 2, 3], max_tokens: 4 };
+    let opens = |stage: u32| -> Vec<Frame> {
+        (0..2u64)
+            .map(|i| {
+                let mut f = Frame::open(&spec).in_session("stories", generation, 9000 + u64::from(stage) * 10 + i);
+                f.header.stage = stage;
+                f
+            })
+            .collect()
+    };
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let addr = c.addr();
+    rt.block_on(async {
+        // the re-minted certificate: its link is closed, its fetches refused
+        let ep = QuicEndpoint::bind("127.0.0.1:0".parse().unwrap(), &w1_reminted, &ca_pem).unwrap();
+        let mut link = ep.connect(w2_addr, "w2").await.unwrap();
+        for f in opens(1) {
+            let _ = link.send(f).await;
+        }
+        let closed = tokio::time::timeout(Duration::from_secs(5), link.recv()).await;
+        assert!(matches!(closed, Ok(None)), "the link of a revoked certificate stayed open: {closed:?}");
+        let request = brigade_proto::v1::FetchRangeRequest {
+            model_id: "embedded".into(),
+            file: "stories260K.gguf".into(),
+            offset: 0,
+            length: 64,
+        };
+        let ch = brigade_transport::grpc::coordinator_channel(&format!("https://{addr}"), &w1_reminted, &ca_pem)
+            .await
+            .unwrap();
+        let mut control =
+            brigade_proto::v1::control_client::ControlClient::with_interceptor(ch, brigade_proto::VersionInterceptor);
+        let err = control.fetch_range(request.clone()).await.err().map(|s| s.code());
+        assert_eq!(err, Some(tonic::Code::PermissionDenied));
+        let ch =
+            brigade_transport::grpc::channel(&format!("https://{w2_addr}"), &w1_reminted, &ca_pem, "w2.node.brigade")
+                .await
+                .unwrap();
+        let mut stage =
+            brigade_proto::v1::stage_client::StageClient::with_interceptor(ch, brigade_proto::VersionInterceptor);
+        let err = stage.fetch_range(request).await.err().map(|s| s.code());
+        assert_eq!(err, Some(tonic::Code::PermissionDenied));
+
+        // w2, admitted, but not the driver that feeds w1's first stage
+        let ep = QuicEndpoint::bind("127.0.0.1:0".parse().unwrap(), &w2_real, &ca_pem).unwrap();
+        let link = ep.connect(w1_addr, "w1").await.unwrap();
+        for f in opens(0) {
+            link.send(f).await.unwrap();
+        }
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    });
+    let (_, want) = run_ids(None, "The cat", 10);
+    assert_eq!(ids(&c.generate("stories", "The cat", 10)["generated_ids"]), want);
+    assert!(c.worker("w1").log_text().contains("only w1 sends to this stage"));
+
+    // w1's own certificate opens both of w2's sessions and walks away
+    rt.block_on(async {
+        let ep = QuicEndpoint::bind("127.0.0.1:0".parse().unwrap(), &w1_real, &ca_pem).unwrap();
+        let link = ep.connect(w2_addr, "w2").await.unwrap();
+        for f in opens(1) {
+            link.send(f).await.unwrap();
+        }
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        drop(link);
+    });
+    wait_until("w2 to end the abandoned sessions", Duration::from_secs(10), || {
+        c.worker("w2").log_text().matches("session ended").count() >= 2
+    });
+    assert_eq!(ids(&c.generate("stories", "The cat", 10)["generated_ids"]), want);
+}
+
+/// `deploy -m` names a file on the coordinator's machine: with `--models-dir` only files under
+/// it (a path outside, `..`, or a link out of it is refused); a FIFO is refused at once instead
+/// of holding a thread for ever (bound: 10 s); a file that is not a model is refused without its
+/// first bytes in the error; a model inside the directory deploys by its relative name.
+#[test]
+fn deploy_reads_only_regular_model_files_under_the_models_dir() {
+    let mut c = Cluster::new();
+    let models = c.path("models");
+    std::fs::create_dir_all(&models).unwrap();
+    let secret = c.path("secret.txt");
+    std::fs::write(&secret, "hunter2-is-the-password\n").unwrap();
+    std::fs::write(models.join("notes.gguf"), "hunter2-is-the-password\n").unwrap();
+    std::os::unix::fs::symlink(&secret, models.join("link.gguf")).unwrap();
+    assert!(std::process::Command::new("mkfifo").arg(models.join("pipe.gguf")).status().unwrap().success());
+    synth_shape(&models.join("tiny.gguf"), [2, 64, 128, 4, 4, 256], "f32");
+    c.start_coordinator(&["--models-dir", models.to_str().unwrap()]);
+    c.start_worker("w1", &[]);
+    c.wait_up(1);
+    let refused = |m: &str, want: &str| {
+        let t0 = std::time::Instant::now();
+        let out = c.brigade(&["deploy", "--name", "x", "-m", m, "--device-map", "w1:cpu:2"]);
+        let err = String::from_utf8_lossy(&out.stderr).to_string();
+        assert!(!out.status.success(), "{m} was deployed");
+        assert!(err.contains(want), "{m}: {err}");
+        assert!(!err.contains("hunter2") && !err.contains("68, 75"), "{m}: the error quotes the file: {err}");
+        assert!(t0.elapsed() < Duration::from_secs(10), "{m} took {:?}", t0.elapsed());
+    };
+    refused(secret.to_str().unwrap(), "outside the models directory");
+    refused("../secret.txt", "outside the models directory");
+    refused("link.gguf", "outside the models directory");
+    refused("pipe.gguf", "neither a regular file");
+    refused("notes.gguf", "not a GGUF file");
+    let d = c.deploy(&["--name", "tiny", "-m", "tiny.gguf", "--device-map", "w1:cpu:2"]);
+    assert_eq!(d["state"], "ready", "{d}");
+}

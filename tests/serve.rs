@@ -8,8 +8,8 @@ mod support;
 
 use std::path::PathBuf;
 use std::process::{Command, Stdio};
-use std::time::Duration;
-use support::{root, serve, smollm2, Server, BIN};
+use std::time::{Duration, Instant};
+use support::{http, root, serve, smollm2, Server, BIN};
 
 /// The Python with `openai` installed: `target/venv`, which `.ci/run` makes.
 fn python() -> PathBuf {
@@ -96,13 +96,18 @@ fn the_coordinator_serves_the_api_metrics_and_dashboard_for_a_model_split_across
     // alone and 16 at once; then /metrics (the Prometheus parser), `status` and the dashboard
     // (in a real browser) show the same figures
     let mut c = support::Cluster::new();
-    c.start_coordinator(&["--http", "127.0.0.1:0", "--api-key", "cluster-key"]);
+    c.start_coordinator(&["--http", "127.0.0.1:0", "--api-key", "cluster-key", "--admin-key", "cluster-admin"]);
     c.api_key = Some("cluster-key".into());
+    // an inference key may not deploy (nor plan): only the admin key may
+    let out = c.brigade(&["deploy", "--name", "stories", "--device-map", "w1:cpu:5"]);
+    assert!(!out.status.success() && String::from_utf8_lossy(&out.stderr).contains("admin key"), "{out:?}");
+    c.api_key = Some("cluster-admin".into());
     c.start_worker("w1", &["--metrics", "127.0.0.1:0"]);
     c.start_worker("w2", &[]);
     c.wait_up(2);
     let d = c.deploy(&["--name", "stories", "--device-map", "w1:cpu:3,w2:cpu:2"]);
     assert_eq!(d["state"], "ready", "{d}");
+    c.api_key = Some("cluster-key".into());
     let addr = std::fs::read_to_string(c.path("coordinator").join("coordinator.http.addr")).unwrap();
     let url = format!("http://{}", addr.trim());
     let mut alive = || {
@@ -221,4 +226,44 @@ fn browse(browser: &str, args: &[String], url: &str) -> String {
     assert!(out.status.success(), "chromium {args:?}: {stderr}");
     assert!(!stdout.is_empty() || !args.iter().any(|a| a == "--dump-dom"), "chromium printed no DOM: {stderr}");
     stdout
+}
+
+/// Slow and silent HTTP clients are dropped: a connection that sends nothing, and one that sends
+/// a request head a byte every second, are closed within the 10 s header timeout (+2 s); the
+/// server keeps answering meanwhile. (The 30 s body deadline is tested in `brigade-serve`'s API
+/// tests on a paused clock.)
+#[test]
+fn slowloris_clients_are_closed_within_the_header_timeout() {
+    use std::io::{Read, Write};
+    let s = serve(&["--parallel", "1"]);
+    let addr = s.url.trim_start_matches("http://").to_string();
+    let t0 = Instant::now();
+    let silent = std::net::TcpStream::connect(&addr).unwrap();
+    let mut trickle = std::net::TcpStream::connect(&addr).unwrap();
+    let head = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nX-Slow: aaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaa\r\n";
+    let trickling = std::thread::spawn(move || {
+        for b in head {
+            if trickle.write_all(&[*b]).is_err() {
+                return Some(Instant::now());
+            }
+            std::thread::sleep(Duration::from_secs(1));
+        }
+        None
+    });
+    // the server still answers while both are held
+    assert!(http(&s.url, "GET", "/health", None).contains("ok"));
+    let mut silent = silent;
+    silent.set_read_timeout(Some(Duration::from_secs(14))).unwrap();
+    let mut buf = [0u8; 512];
+    let read = silent.read(&mut buf);
+    let closed_after = t0.elapsed();
+    assert!(
+        matches!(read, Ok(n) if n == 0 || String::from_utf8_lossy(&buf[..n]).contains("408"))
+            || read.as_ref().is_err_and(|e| e.kind() == std::io::ErrorKind::ConnectionReset),
+        "a silent connection: {read:?} after {closed_after:?}"
+    );
+    assert!(closed_after < Duration::from_secs(12), "a silent connection was held {closed_after:?}");
+    let failed_at = trickling.join().unwrap();
+    let held = failed_at.map(|t| t - t0);
+    assert!(held.is_some_and(|h| h < Duration::from_secs(14)), "a trickling head was held {held:?}");
 }

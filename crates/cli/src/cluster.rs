@@ -99,9 +99,16 @@ pub struct ReplicaArgs {
     /// Extra names or IPs for the coordinator's certificate (what tools like grpcurl connect to).
     #[arg(long = "san")]
     pub sans: Vec<String>,
-    /// API keys clients must present (`authorization: Bearer KEY`); repeatable.
+    /// API keys clients must present (`authorization: Bearer KEY`); repeatable. Without
+    /// --admin-key they may also deploy; with it, they may only generate, chat and read status.
     #[arg(long = "api-key", env = "BRIGADE_API_KEYS", value_delimiter = ',', hide_env_values = true)]
     pub api_keys: Vec<String>,
+    /// Keys that may also deploy, undeploy, plan and remove replicas; repeatable.
+    #[arg(long = "admin-key", env = "BRIGADE_ADMIN_KEYS", value_delimiter = ',', hide_env_values = true)]
+    pub admin_keys: Vec<String>,
+    /// Require an API key for the HTTP dashboard (`/`) and `/metrics` too (`/health` stays open).
+    #[arg(long)]
+    pub protect_metrics: bool,
     /// Seconds of silence after which a worker is marked down (and its layers re-placed).
     #[arg(long, default_value_t = 3.0)]
     pub node_timeout: f64,
@@ -184,7 +191,8 @@ fn coordinator_config(a: ReplicaArgs, join: Option<String>) -> Result<brigade_co
         sans: a.sans,
         node_timeout: Duration::from_secs_f64(a.node_timeout),
         heartbeat_interval: Duration::from_secs_f64((a.node_timeout / 4.0).clamp(0.1, 1.0)),
-        api_keys: a.api_keys.into_iter().filter(|k| !k.is_empty()).collect(),
+        keys: brigade_serve::ApiKeys::new(&a.api_keys, &a.admin_keys),
+        protect_metrics: a.protect_metrics,
         id: a.id,
         peers,
         advertise,
@@ -298,6 +306,10 @@ pub struct WorkerArgs {
     /// cache and weight bytes, heartbeat age) on this address; port 0 picks one (printed).
     #[arg(long)]
     pub metrics: Option<std::net::SocketAddr>,
+    /// Seconds after which a stage session that received no frame is ended and its KV cache
+    /// freed (a driver that went away holds no slot for ever).
+    #[arg(long, default_value_t = 120.0)]
+    pub session_idle_s: f64,
 }
 
 fn home_dir(sub: &str) -> PathBuf {
@@ -325,6 +337,7 @@ pub fn worker(a: WorkerArgs) -> Result<()> {
         memory: a.memory.unwrap_or(0),
         measure: a.measure,
         metrics: a.metrics,
+        session_idle: Duration::from_secs_f64(a.session_idle_s.max(0.1)),
     };
     let rt = runtime()?;
     rt.block_on(brigade_worker::run(cfg, stop_signal()))?;

@@ -38,6 +38,9 @@ pub struct ServeArgs {
     /// API keys clients must present (`Authorization: Bearer KEY`); repeatable.
     #[arg(long = "api-key", env = "BRIGADE_API_KEYS", value_delimiter = ',', hide_env_values = true)]
     pub api_keys: Vec<String>,
+    /// Require an API key for the dashboard (`/`) and `/metrics` too (`/health` stays open).
+    #[arg(long)]
+    pub protect_metrics: bool,
 }
 
 /// The batch engine as the API's backend.
@@ -178,8 +181,11 @@ pub fn serve(a: ServeArgs) -> Result<()> {
     let created = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0);
     let info = ModelInfo { id: id.clone(), n_ctx, tokenizer, created, owned_by: "brigade".into() };
     let backend = Arc::new(Local { engine, info, pipeline, parallel: a.parallel });
-    let serve_cfg =
-        ServeConfig { api_keys: a.api_keys.into_iter().filter(|k| !k.is_empty()).collect(), ..Default::default() };
+    let serve_cfg = ServeConfig {
+        keys: brigade_serve::ApiKeys::new(&a.api_keys, &[]),
+        protect_metrics: a.protect_metrics,
+        ..Default::default()
+    };
     let placed: Vec<String> = stages.iter().map(|s| format!("{} on {}", s.layers, s.device)).collect();
     let rt = runtime()?;
     rt.block_on(async move {

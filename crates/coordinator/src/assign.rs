@@ -5,7 +5,7 @@
 use crate::models::slice_ranges;
 use brigade_core::cluster::{ActDtype, CarrierKind, ClusterState, NodeState};
 use brigade_proto::v1::{
-    Assignments, Carrier, FileRange, ModelFile, PeerRef, SliceManifest, StageAssignment, WireDtype,
+    AdmittedCert, Assignments, Carrier, FileRange, ModelFile, PeerRef, SliceManifest, StageAssignment, WireDtype,
 };
 
 /// Prompt tokens per chunk into the first stage: one chunk when the pipeline has one stage; small
@@ -83,6 +83,7 @@ pub fn for_node(state: &ClusterState, node: &str) -> Assignments {
             first: Some(peer(state, &d.stages[0].node)),
             ubatch: if d.ubatch > 0 { d.ubatch.min(4096) as u32 } else { ubatch(n) },
             is_driver: d.driver == node,
+            prev: i.checked_sub(1).map(|p| peer(state, &d.stages[p].node)),
         });
     }
     let peers = state
@@ -91,5 +92,10 @@ pub fn for_node(state: &ClusterState, node: &str) -> Assignments {
         .filter(|n| n.name != node && n.state == NodeState::Up)
         .map(|n| PeerRef { node: n.name.clone(), address: n.address.clone() })
         .collect();
-    Assignments { stages, peers }
+    let admitted = state
+        .admitted
+        .iter()
+        .map(|(node, a)| AdmittedCert { node: node.clone(), fingerprint: a.fingerprint.clone() })
+        .collect();
+    Assignments { stages, peers, admitted }
 }

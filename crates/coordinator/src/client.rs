@@ -561,6 +561,7 @@ impl Client for ClientService {
     }
 
     async fn deploy(&self, req: Request<DeployRequest>) -> Result<Response<DeployResponse>, Status> {
+        crate::server::require_admin(&req, "deploying")?;
         let r = req.into_inner();
         // a current read: a stale replica must not refuse a name the group has freed
         if self.shared.current_state().await?.deployments.contains_key(&r.name) {
@@ -614,6 +615,7 @@ impl Client for ClientService {
     }
 
     async fn undeploy(&self, req: Request<UndeployRequest>) -> Result<Response<UndeployResponse>, Status> {
+        crate::server::require_admin(&req, "undeploying")?;
         let name = req.into_inner().name;
         self.shared.apply(Command::RemoveDeployment { name: name.clone() }).await?;
         if let Ok(mut s) = self.shared.stats.lock() {
@@ -636,6 +638,7 @@ impl Client for ClientService {
         &self,
         req: Request<RemoveReplicaRequest>,
     ) -> Result<Response<RemoveReplicaResponse>, Status> {
+        crate::server::require_admin(&req, "removing a replica")?;
         let id = req.into_inner().id;
         let state = self.shared.current_state().await?;
         if !state.replicas.contains_key(&id) {
@@ -661,6 +664,7 @@ impl Client for ClientService {
     }
 
     async fn plan(&self, req: Request<DeployRequest>) -> Result<Response<PlanResponse>, Status> {
+        crate::server::require_admin(&req, "planning")?;
         let r = req.into_inner();
         let (_, p, _, _) = self.placement(&r).await?;
         Ok(Response::new(PlanResponse { plan_text: p.plan_text, plan_json: p.plan_json }))

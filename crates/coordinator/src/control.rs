@@ -194,10 +194,12 @@ impl Control for ControlService {
 
     async fn fetch_range(&self, req: Request<FetchRangeRequest>) -> Result<Response<Self::FetchRangeStream>, Status> {
         let certs = req.peer_certs().ok_or_else(|| Status::unauthenticated("fetching needs a node certificate"))?;
-        let who = certs
+        let named = certs
             .first()
             .and_then(|c| brigade_transport::tls::peer_name_from_cert(c.as_ref()))
             .ok_or_else(|| Status::unauthenticated("the client certificate names no node"))?;
+        // the certificate the node holds now: a replaced (revoked) one fetches nothing
+        let who = self.node(&req, &named)?;
         let r = req.into_inner();
         let model = self
             .shared

@@ -9,8 +9,9 @@
 use crate::pki::write_secret;
 use crate::server::Shared;
 use crate::CoordError;
-use brigade_proto::v1::raft_client::RaftClient;
 use brigade_proto::v1::raft_server::Raft;
+use brigade_proto::v1::replica_join_client::ReplicaJoinClient;
+use brigade_proto::v1::replica_join_server::ReplicaJoin;
 use brigade_proto::v1::{RaftAck, RaftEnvelope, ReplicaJoinRequest, ReplicaJoinResponse};
 use protobuf::Message as _;
 use std::collections::BTreeMap;
@@ -25,10 +26,7 @@ pub struct RaftService {
 #[tonic::async_trait]
 impl Raft for RaftService {
     async fn step(&self, req: Request<RaftEnvelope>) -> Result<Response<RaftAck>, Status> {
-        let who = brigade_transport::grpc::peer_node_name(&req);
-        if who.as_deref() != Some(crate::pki::COORDINATOR_CN) {
-            return Err(Status::permission_denied("raft messages are taken from coordinator replicas only"));
-        }
+        // `raft_gate` refused callers without the coordinator certificate before the body was read
         let env = req.into_inner();
         brigade_proto::check_protocol(env.protocol)?;
         let msg = raft::eraftpb::Message::parse_from_bytes(&env.message)
@@ -42,7 +40,27 @@ impl Raft for RaftService {
         self.shared.raft.step(msg);
         Ok(Response::new(RaftAck {}))
     }
+}
 
+/// The `Raft` service's interceptor: the protocol version, and the coordinator certificate —
+/// checked on the request's head, before tonic reads (and buffers) a body of up to 256 MiB.
+pub fn raft_gate(req: Request<()>) -> Result<Request<()>, Status> {
+    let req = brigade_proto::require_version(req)?;
+    if brigade_transport::grpc::peer_node_name(&req).as_deref() != Some(crate::pki::COORDINATOR_CN) {
+        return Err(Status::permission_denied("raft messages are taken from coordinator replicas only"));
+    }
+    Ok(req)
+}
+
+/// Largest `JoinReplica` request: an id, an address, a nonce and a proof.
+pub const MAX_JOIN_REQUEST: usize = 4 << 10;
+
+pub struct ReplicaJoinService {
+    pub shared: Arc<Shared>,
+}
+
+#[tonic::async_trait]
+impl ReplicaJoin for ReplicaJoinService {
     async fn join_replica(&self, req: Request<ReplicaJoinRequest>) -> Result<Response<ReplicaJoinResponse>, Status> {
         let r = req.into_inner();
         brigade_proto::check_protocol(r.protocol)?;
@@ -122,7 +140,7 @@ pub async fn join_group(
         .ok_or_else(|| CoordError::Unavailable(format!("{via}: no certificate in the TLS handshake")))?;
     let nonce = brigade_transport::join::new_nonce();
     let proof = brigade_transport::join::replica_proof(secret, &leaf, &nonce, id);
-    let mut client = RaftClient::with_interceptor(channel, brigade_proto::VersionInterceptor);
+    let mut client = ReplicaJoinClient::with_interceptor(channel, brigade_proto::VersionInterceptor);
     let resp = client
         .join_replica(ReplicaJoinRequest {
             protocol: brigade_proto::PROTOCOL_VERSION,

@@ -32,8 +32,11 @@ pub struct CoordinatorConfig {
     pub heartbeat_interval: Duration,
     /// A node silent this long is marked down (and its deployments re-placed).
     pub node_timeout: Duration,
-    /// API keys clients must present (`authorization: Bearer KEY`); empty = none needed.
-    pub api_keys: Vec<String>,
+    /// API keys clients must present (`authorization: Bearer KEY`), in their two tiers: admin
+    /// keys also deploy, undeploy, plan and remove replicas. None: no key needed.
+    pub keys: brigade_serve::ApiKeys,
+    /// The HTTP dashboard and `/metrics` need a key too.
+    pub protect_metrics: bool,
     /// This replica's raft id.
     pub id: u64,
     /// The replicas of a group bootstrapped together, this one included (empty: a group of one,
@@ -64,7 +67,8 @@ impl Default for CoordinatorConfig {
             sans: Vec::new(),
             heartbeat_interval: Duration::from_millis(1000),
             node_timeout: Duration::from_secs(3),
-            api_keys: Vec::new(),
+            keys: brigade_serve::ApiKeys::default(),
+            protect_metrics: false,
             id: 1,
             peers: BTreeMap::new(),
             advertise: None,
@@ -224,30 +228,33 @@ impl Shared {
     }
 }
 
-/// Equality that takes the same time wherever the inputs differ (API keys).
-fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
-    a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
+/// The client API's interceptor: the protocol version, and the caller's key, whose tier travels
+/// to the handlers in the request's extensions ([`require_admin`]).
+fn api_key_check(
+    keys: brigade_serve::ApiKeys,
+) -> impl Fn(tonic::Request<()>) -> Result<tonic::Request<()>, tonic::Status> + Clone {
+    move |mut req: tonic::Request<()>| {
+        brigade_proto::check_version(&req)?;
+        let given = brigade_serve::ApiKeys::bearer(req.metadata().get("authorization").and_then(|v| v.to_str().ok()));
+        let tier = keys.check(given).map_err(|e| match e {
+            brigade_serve::KeyError::Invalid => tonic::Status::unauthenticated("invalid API key"),
+            brigade_serve::KeyError::Missing => {
+                tonic::Status::unauthenticated("an API key is required: metadata `authorization: Bearer KEY`")
+            }
+        })?;
+        req.extensions_mut().insert(tier);
+        Ok(req)
+    }
 }
 
-fn api_key_check(
-    keys: Vec<String>,
-) -> impl Fn(tonic::Request<()>) -> Result<tonic::Request<()>, tonic::Status> + Clone {
-    move |req: tonic::Request<()>| {
-        brigade_proto::check_version(&req)?;
-        if keys.is_empty() {
-            return Ok(req);
-        }
-        let given = req
-            .metadata()
-            .get("authorization")
-            .and_then(|v| v.to_str().ok())
-            .and_then(|v| v.strip_prefix("Bearer "))
-            .map(str::trim);
-        match given {
-            Some(k) if keys.iter().any(|x| constant_time_eq(x.as_bytes(), k.as_bytes())) => Ok(req),
-            Some(_) => Err(tonic::Status::unauthenticated("invalid API key")),
-            None => Err(tonic::Status::unauthenticated("an API key is required: metadata `authorization: Bearer KEY`")),
-        }
+/// Refuses a call whose key is of the inference tier (admin calls: deploy, undeploy, plan,
+/// remove a replica).
+pub(crate) fn require_admin<T>(req: &tonic::Request<T>, what: &str) -> Result<(), tonic::Status> {
+    match req.extensions().get::<brigade_serve::Tier>() {
+        Some(brigade_serve::Tier::Admin) => Ok(()),
+        _ => Err(tonic::Status::permission_denied(format!(
+            "{what} needs an admin key (--admin-key); this key may only run inference"
+        ))),
     }
 }
 
@@ -261,7 +268,11 @@ async fn serve_http(shared: &Arc<Shared>, addr: SocketAddr) -> Result<(), CoordE
     std::fs::write(&file, local.to_string()).map_err(|e| CoordError::io(&file, e))?;
     eprintln!("OpenAI-compatible HTTP API on http://{local}/v1");
     let backend = Arc::new(crate::http::ClusterBackend::new(shared.clone()));
-    let cfg = brigade_serve::ServeConfig { api_keys: shared.cfg.api_keys.clone(), ..Default::default() };
+    let cfg = brigade_serve::ServeConfig {
+        keys: shared.cfg.keys.clone(),
+        protect_metrics: shared.cfg.protect_metrics,
+        ..Default::default()
+    };
     tokio::spawn(async move {
         if let Err(e) = brigade_serve::serve(listener, backend, cfg, std::future::pending()).await {
             tracing::error!("the HTTP API stopped: {e}");
@@ -378,24 +389,36 @@ pub async fn run(
     let client = InterceptedService::new(
         brigade_proto::v1::client_server::ClientServer::new(crate::client::ClientService { shared: shared.clone() })
             .max_decoding_message_size(16 << 20),
-        api_key_check(cfg.api_keys.clone()),
+        api_key_check(cfg.keys.clone()),
     );
     let raft_svc = InterceptedService::new(
         brigade_proto::v1::raft_server::RaftServer::new(crate::raft_service::RaftService { shared: shared.clone() })
             .max_decoding_message_size(256 << 20)
             .max_encoding_message_size(256 << 20),
+        crate::raft_service::raft_gate,
+    );
+    let join_svc = InterceptedService::new(
+        brigade_proto::v1::replica_join_server::ReplicaJoinServer::new(crate::raft_service::ReplicaJoinService {
+            shared: shared.clone(),
+        })
+        .max_decoding_message_size(crate::raft_service::MAX_JOIN_REQUEST)
+        .max_encoding_message_size(1 << 20),
         brigade_proto::require_version,
     );
     let tls = brigade_transport::grpc::coordinator_tls_config(&shared.pki.identity, shared.pki.ca_pem());
-    tonic::transport::Server::builder()
+    brigade_transport::grpc::bounded_server(tonic::transport::Server::builder())
         .tls_config(tls)
         .map_err(|e| CoordError::Tls(e.to_string()))?
         .add_service(health_svc)
         .add_service(reflection)
         .add_service(raft_svc)
+        .add_service(join_svc)
         .add_service(control)
         .add_service(client)
-        .serve_with_incoming_shutdown(tokio_stream::wrappers::TcpListenerStream::new(listener), shutdown)
+        .serve_with_incoming_shutdown(
+            brigade_transport::grpc::incoming(listener, brigade_transport::grpc::GRPC_CAPS),
+            shutdown,
+        )
         .await
         .map_err(|e| CoordError::Internal(format!("grpc server: {e}")))
 }

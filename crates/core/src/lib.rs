@@ -9,12 +9,14 @@
 //!   links between its nodes, in base units.
 //! - [`SamplingParams`]: how the next token is drawn, one definition for every entry point.
 //! - [`ModelProfile`]: what placement needs to know of a model (bytes and flops per layer).
+//! - [`admission`]: how many connections a listener holds at once, overall and per address.
 //! - [`cluster`]: the replicated cluster state (nodes, links, models, deployments) and its pure
 //!   `apply(command)`.
 //!
 //! This crate is pure on purpose: no async runtime, no I/O, no clock, no tensor library.
 //! The planner and the replicated cluster state build on it and stay testable exhaustively.
 
+pub mod admission;
 pub mod cluster;
 mod device;
 mod inventory;

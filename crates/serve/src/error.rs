@@ -89,6 +89,16 @@ impl ApiError {
         )
     }
 
+    /// 408: a body that did not arrive in time.
+    pub fn body_timeout(secs: u64, got: usize) -> Self {
+        Self::new(
+            StatusCode::REQUEST_TIMEOUT,
+            "invalid_request_error",
+            Some("request_timeout"),
+            format!("the request body did not arrive within {secs} s ({got} bytes came)"),
+        )
+    }
+
     /// 503: every slot is busy and the queue is full.
     pub fn busy(message: impl Into<String>) -> Self {
         Self::new(StatusCode::SERVICE_UNAVAILABLE, "server_error", Some("server_busy"), message)

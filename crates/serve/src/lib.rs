@@ -7,7 +7,9 @@
 //!   streams token ids and a finish reason; dropping the receiver cancels.
 //! - [`server`]: the axum routes (`/health`, `/v1/models`, `/v1/completions`,
 //!   `/v1/chat/completions`), API keys, the body limit, chat templates, tokenizing, stop strings,
-//!   usage, server-sent events; [`serve`] runs it on a listener until a shutdown future completes.
+//!   usage, server-sent events; [`serve`] runs it on a listener until a shutdown future completes,
+//!   with connection caps and header and body timeouts.
+//! - [`keys`]: API keys in an inference and an admin tier, compared hashed in constant time.
 //! - [`openai`]: the request bodies and their checks (llama.cpp's defaults for what is left out).
 //! - [`stop`]: stop strings over streamed text (pure).
 //! - [`error`]: [`ApiError`], every error in OpenAI's JSON shape with its status.
@@ -22,6 +24,7 @@
 pub mod backend;
 pub mod dashboard;
 pub mod error;
+pub mod keys;
 pub mod metrics;
 pub mod openai;
 pub mod overview;
@@ -31,5 +34,6 @@ pub mod stop;
 pub use backend::{Backend, EngineEvent, EngineRequest, Finish, Load, ModelInfo};
 pub use brigade_core::SamplingParams;
 pub use error::ApiError;
+pub use keys::{ApiKeys, KeyError, Tier};
 pub use overview::{DeploymentView, DeviceView, LinkView, NodeView, Overview, StageView};
 pub use server::{router, serve, ServeConfig};

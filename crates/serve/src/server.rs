@@ -5,6 +5,7 @@
 
 use crate::backend::{Backend, EngineEvent, EngineRequest, Finish, ModelInfo};
 use crate::error::ApiError;
+use crate::keys::{ApiKeys, KeyError};
 use crate::metrics::{RecentRequest, ServerMetrics};
 use crate::openai::{ChatRequest, CompletionRequest, Prompt, Settings};
 use crate::stop::StopMatcher;
@@ -16,6 +17,7 @@ use axum::response::sse::{Event, KeepAlive, Sse};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
+use brigade_core::admission::{Admission, Caps};
 use brigade_format::Tokenizer;
 use futures_util::{stream, StreamExt};
 use serde_json::{json, Value};
@@ -23,8 +25,7 @@ use std::convert::Infallible;
 use std::future::Future;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
-use std::time::{Instant, SystemTime, UNIX_EPOCH};
-use subtle::ConstantTimeEq;
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 use tokio::net::TcpListener;
 use tokio::sync::mpsc;
 
@@ -32,21 +33,31 @@ use tokio::sync::mpsc;
 pub const FALLBACK_CHAT_TEMPLATE: &str = "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + \
     message['content'] + '<|im_end|>' + '\\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}";
 
+/// Connections the HTTP API holds at once.
+pub const HTTP_CAPS: Caps = Caps { total: 1024, per_ip: 256 };
+/// A request's head (request line and headers) must arrive within this.
+pub const HEADER_TIMEOUT: Duration = Duration::from_secs(10);
+/// A request's body must arrive within this.
+pub const BODY_TIMEOUT: Duration = Duration::from_secs(30);
+const ACCEPT_BACKOFF: Duration = Duration::from_millis(100);
+
 /// Bytes of a body past the limit that are read and dropped before the 413 is sent, so that a
 /// client still sending gets the answer instead of a reset connection.
 const DRAIN_MAX: usize = 64 << 20;
 
 #[derive(Debug, Clone)]
 pub struct ServeConfig {
-    /// Keys accepted as `Authorization: Bearer KEY` on `/v1/*`; empty: no key needed.
-    pub api_keys: Vec<String>,
+    /// Keys accepted as `Authorization: Bearer KEY` on `/v1/*` (either tier); none: no key needed.
+    pub keys: ApiKeys,
+    /// Also require a key for the dashboard (`/`) and `/metrics` (`/health` stays open for probes).
+    pub protect_metrics: bool,
     /// Largest request body (413 past it).
     pub max_body_bytes: usize,
 }
 
 impl Default for ServeConfig {
     fn default() -> Self {
-        ServeConfig { api_keys: Vec::new(), max_body_bytes: 8 << 20 }
+        ServeConfig { keys: ApiKeys::default(), protect_metrics: false, max_body_bytes: 8 << 20 }
     }
 }
 
@@ -58,19 +69,65 @@ struct App<B> {
 }
 
 /// Serves the API on `listener` until `shutdown` completes; requests in flight then finish.
+///
+/// Connections are admitted under [`HTTP_CAPS`] (one over a cap is closed at once); a request's
+/// head must arrive within [`HEADER_TIMEOUT`] and its body within [`BODY_TIMEOUT`], so a
+/// slowloris client holds one connection for seconds, not for ever. hyper serves each
+/// connection (axum's `serve` has neither the caps nor the header timeout).
 pub async fn serve<B: Backend>(
     listener: TcpListener,
     backend: Arc<B>,
     cfg: ServeConfig,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> std::io::Result<()> {
-    axum::serve(listener, router(backend, cfg)).with_graceful_shutdown(shutdown).await
+    let app = router(backend, cfg);
+    let admission = Admission::new(HTTP_CAPS);
+    let graceful = hyper_util::server::graceful::GracefulShutdown::new();
+    let mut shutdown = std::pin::pin!(shutdown);
+    loop {
+        let accepted = tokio::select! {
+            accepted = listener.accept() => accepted,
+            () = &mut shutdown => break,
+        };
+        let (stream, remote) = match accepted {
+            Ok(accepted) => accepted,
+            Err(e) => {
+                // out of file descriptors, most likely: pause rather than spin
+                tracing::warn!("accepting an HTTP connection: {e}");
+                tokio::time::sleep(ACCEPT_BACKOFF).await;
+                continue;
+            }
+        };
+        let ticket = match admission.admit(remote.ip()) {
+            Ok(ticket) => ticket,
+            Err(refused) => {
+                tracing::debug!("closed an HTTP connection from {remote}: {refused}");
+                continue;
+            }
+        };
+        let _ = stream.set_nodelay(true);
+        let service = hyper_util::service::TowerToHyperService::new(app.clone());
+        let conn = hyper::server::conn::http1::Builder::new()
+            .timer(hyper_util::rt::TokioTimer::new())
+            .header_read_timeout(HEADER_TIMEOUT)
+            .serve_connection(hyper_util::rt::TokioIo::new(stream), service);
+        let conn = graceful.watch(conn);
+        tokio::spawn(async move {
+            if let Err(e) = conn.await {
+                tracing::debug!("HTTP connection from {remote}: {e}");
+            }
+            drop(ticket);
+        });
+    }
+    graceful.shutdown().await;
+    Ok(())
 }
 
 /// The routes: `/health`, and `/v1/models`, `/v1/completions`, `/v1/chat/completions` behind the
 /// API keys.
 pub fn router<B: Backend>(backend: Arc<B>, cfg: ServeConfig) -> Router {
-    let keys = Arc::new(cfg.api_keys.clone());
+    let keys = Arc::new(cfg.keys.clone());
+    let protect_metrics = cfg.protect_metrics;
     let metrics = Arc::new(ServerMetrics::default());
     let app = Arc::new(App { backend, cfg, requests: AtomicU64::new(0), metrics: metrics.clone() });
     let v1 = Router::new()
@@ -78,11 +135,14 @@ pub fn router<B: Backend>(backend: Arc<B>, cfg: ServeConfig) -> Router {
         .route("/v1/models/{id}", get(model::<B>))
         .route("/v1/completions", post(completions::<B>))
         .route("/v1/chat/completions", post(chat::<B>))
-        .route_layer(axum::middleware::from_fn_with_state(keys, auth));
+        .route_layer(axum::middleware::from_fn_with_state(keys.clone(), auth));
+    let mut views = Router::new().route("/metrics", get(metrics_text::<B>)).route("/", get(dashboard::<B>));
+    if protect_metrics {
+        views = views.route_layer(axum::middleware::from_fn_with_state(keys, auth));
+    }
     Router::new()
         .route("/health", get(health::<B>))
-        .route("/metrics", get(metrics_text::<B>))
-        .route("/", get(dashboard::<B>))
+        .merge(views)
         .merge(v1)
         .fallback(|req: Request| async move { ApiError::not_found(req.uri().path()) })
         .layer(axum::middleware::from_fn_with_state(metrics, count))
@@ -115,20 +175,15 @@ async fn dashboard<B: Backend>(State(app): State<Arc<App<B>>>) -> Response {
     ([(header::CONTENT_TYPE, "text/html; charset=utf-8")], page).into_response()
 }
 
-async fn auth(State(keys): State<Arc<Vec<String>>>, req: Request, next: Next) -> Response {
-    if keys.is_empty() {
-        return next.run(req).await;
-    }
-    let given = req
-        .headers()
-        .get(header::AUTHORIZATION)
-        .and_then(|v| v.to_str().ok())
-        .and_then(|v| v.strip_prefix("Bearer "))
-        .map(str::trim);
-    match given {
-        Some(k) if keys.iter().any(|x| bool::from(x.as_bytes().ct_eq(k.as_bytes()))) => next.run(req).await,
-        Some(_) => ApiError::unauthorized("invalid API key").into_response(),
-        None => ApiError::unauthorized("an API key is required: header `Authorization: Bearer KEY`").into_response(),
+/// Every route of this API is inference (or a view of it): either tier's key lets it through.
+async fn auth(State(keys): State<Arc<ApiKeys>>, req: Request, next: Next) -> Response {
+    let given = ApiKeys::bearer(req.headers().get(header::AUTHORIZATION).and_then(|v| v.to_str().ok()));
+    match keys.check(given) {
+        Ok(_) => next.run(req).await,
+        Err(KeyError::Invalid) => ApiError::unauthorized("invalid API key").into_response(),
+        Err(KeyError::Missing) => {
+            ApiError::unauthorized("an API key is required: header `Authorization: Bearer KEY`").into_response()
+        }
     }
 }
 
@@ -176,12 +231,19 @@ impl<B: Backend> App<B> {
 }
 
 /// The body, at most `limit` bytes; past it, the rest is read and dropped (up to [`DRAIN_MAX`])
-/// and the answer is 413.
+/// and the answer is 413. The whole body must arrive within [`BODY_TIMEOUT`] (408 otherwise), so
+/// a client trickling bytes holds its connection that long at most.
 async fn read_body(body: Body, limit: usize) -> Result<Bytes, ApiError> {
     let mut frames = body.into_data_stream();
     let mut buf = Vec::new();
     let mut over = 0usize;
-    while let Some(chunk) = frames.next().await {
+    let deadline = tokio::time::Instant::now() + BODY_TIMEOUT;
+    loop {
+        let next = tokio::time::timeout_at(deadline, frames.next()).await;
+        let Ok(next) = next else {
+            return Err(ApiError::body_timeout(BODY_TIMEOUT.as_secs(), buf.len() + over));
+        };
+        let Some(chunk) = next else { break };
         let chunk = chunk.map_err(|e| ApiError::bad_request(format!("reading the request body: {e}")))?;
         if over > 0 || buf.len() + chunk.len() > limit {
             over += chunk.len();

@@ -327,7 +327,7 @@ fn app_with(b: Scripted, cfg: ServeConfig) -> (axum::Router, Arc<Scripted>) {
 
 #[tokio::test]
 async fn api_keys_guard_v1_but_not_health() {
-    let cfg = ServeConfig { api_keys: vec!["sekrit".into()], ..Default::default() };
+    let cfg = ServeConfig { keys: brigade_serve::ApiKeys::new(&["sekrit"], &[]), ..Default::default() };
     let (app, _) = app_with(scripted(TEXT, Finish::Stop), cfg);
     let req = Some(json!({"model": "tiny", "prompt": "x", "max_tokens": 2}));
     let (st, b) = call(app.clone(), "POST", "/v1/completions", req.clone(), None).await;
@@ -340,6 +340,53 @@ async fn api_keys_guard_v1_but_not_health() {
     assert_eq!(st, StatusCode::OK);
     let (st, _) = call(app, "GET", "/health", None, None).await;
     assert_eq!(st, StatusCode::OK);
+}
+
+#[tokio::test]
+async fn the_dashboard_and_metrics_can_be_put_behind_the_keys() {
+    let keys = brigade_serve::ApiKeys::new(&["infer"], &["admin"]);
+    let cfg = ServeConfig { keys, protect_metrics: true, ..Default::default() };
+    let (app, _) = app_with(scripted(TEXT, Finish::Stop), cfg);
+    for path in ["/", "/metrics"] {
+        let (st, b) = call(app.clone(), "GET", path, None, None).await;
+        assert!(error(st, &b, StatusCode::UNAUTHORIZED).contains("required"), "{path}");
+        let (st, b) = call(app.clone(), "GET", path, None, Some("guess")).await;
+        error(st, &b, StatusCode::UNAUTHORIZED);
+        for key in ["infer", "admin"] {
+            let (st, _) = call(app.clone(), "GET", path, None, Some(key)).await;
+            assert_eq!(st, StatusCode::OK, "{path} with {key}");
+        }
+    }
+    let (st, _) = call(app.clone(), "GET", "/health", None, None).await;
+    assert_eq!(st, StatusCode::OK);
+    // without the option they stay open, as before
+    let cfg = ServeConfig { keys: brigade_serve::ApiKeys::new(&["infer"], &[]), ..Default::default() };
+    let (app, _) = app_with(scripted(TEXT, Finish::Stop), cfg);
+    let (st, _) = call(app, "GET", "/metrics", None, None).await;
+    assert_eq!(st, StatusCode::OK);
+}
+
+/// A body that stops arriving is answered 408 once the 30 s body deadline passes (on tokio's
+/// paused clock: the test takes no real time), naming the bytes that came.
+#[tokio::test(start_paused = true)]
+async fn a_body_that_stops_arriving_is_answered_408_at_the_deadline() {
+    let (app, _) = app(scripted(TEXT, Finish::Stop));
+    let first: Result<axum::body::Bytes, std::io::Error> = Ok(axum::body::Bytes::from_static(b"{\"model\": \"ti"));
+    let trickle = futures_util::StreamExt::chain(futures_util::stream::iter([first]), futures_util::stream::pending());
+    let req = Request::builder()
+        .method("POST")
+        .uri("/v1/completions")
+        .header("content-type", "application/json")
+        .body(Body::from_stream(trickle))
+        .unwrap();
+    let t0 = tokio::time::Instant::now();
+    let resp = app.oneshot(req).await.unwrap();
+    let waited = t0.elapsed();
+    let status = resp.status();
+    let b = resp.into_body().collect().await.unwrap().to_bytes().to_vec();
+    let message = error(status, &b, StatusCode::REQUEST_TIMEOUT);
+    assert!(message.contains("30 s") && message.contains("13 bytes"), "{message}");
+    assert!(waited >= brigade_serve::server::BODY_TIMEOUT && waited < brigade_serve::server::BODY_TIMEOUT * 2);
 }
 
 /// A two-stage deployment on two nodes, 10 decode steps measured.

@@ -15,16 +15,23 @@
 //! }
 //! ```
 
+use std::pin::Pin;
 use std::sync::Arc;
+use std::task::{Context, Poll};
+use std::time::Duration;
 
+use brigade_core::admission::{Admission, Caps, Ticket};
 use brigade_proto::v1::stage_client::StageClient;
 use brigade_proto::v1::stage_server::{Stage, StageServer};
 use brigade_proto::v1::FrameBytes;
 use brigade_proto::{require_version, VersionInterceptor};
 use bytes::BytesMut;
+use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
+use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
 use tonic::service::interceptor::InterceptedService;
+use tonic::transport::server::{Connected, TcpConnectInfo};
 use tonic::transport::{Certificate, Channel, ClientTlsConfig, Endpoint, Server, ServerTlsConfig};
 use tonic::{Code, Request, Status, Streaming};
 use tracing::{debug, warn};
@@ -42,6 +49,20 @@ pub const MAX_MESSAGE: usize = (crate::frame::DEFAULT_MAX_PAYLOAD as usize) + PR
 const STREAM_WINDOW: u32 = 16 << 20;
 const CONNECTION_WINDOW: u32 = 32 << 20;
 
+/// Connections one gRPC port holds at once (see [`incoming`]).
+pub const GRPC_CAPS: Caps = Caps { total: 1024, per_ip: 256 };
+/// A TLS handshake not finished by then is dropped (a silent TCP connection, a slow client).
+pub const TLS_HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(5);
+/// Streams one HTTP/2 connection may have open at once.
+pub const MAX_STREAMS_PER_CONNECTION: u32 = 256;
+/// HTTP/2 keep-alive: a ping every interval; a peer that does not answer within the timeout is
+/// dropped with its streams.
+const KEEPALIVE_INTERVAL: Duration = Duration::from_secs(10);
+const KEEPALIVE_TIMEOUT: Duration = Duration::from_secs(20);
+/// How long accepting pauses after the OS refused a connection (out of file descriptors): long
+/// enough that a full table costs no core, short enough that service resumes at once.
+const ACCEPT_BACKOFF: Duration = Duration::from_millis(100);
+
 /// The response stream of `Stage.Activations` (the worker's `ActivationsStream`).
 pub type FrameStream = ReceiverStream<Result<FrameBytes, Status>>;
 
@@ -52,11 +73,99 @@ fn grpc_error(what: &str, error: impl std::fmt::Display) -> TransportError {
     TransportError::Grpc(format!("{what}: {error}"))
 }
 
-/// tonic's server TLS: present `identity`, require client certificates of the cluster CA.
+/// tonic's server TLS: present `identity`, require client certificates of the cluster CA; a
+/// handshake takes at most [`TLS_HANDSHAKE_TIMEOUT`].
 pub fn server_tls_config(identity: &Identity, ca_pem: &str) -> ServerTlsConfig {
     ServerTlsConfig::new()
         .identity(tonic::transport::Identity::from_pem(&identity.cert_chain_pem, &identity.key_pem))
         .client_ca_root(Certificate::from_pem(ca_pem))
+        .timeout(TLS_HANDSHAKE_TIMEOUT)
+}
+
+/// The limits every brigade gRPC server runs with: streams per connection, HTTP/2 keep-alive
+/// (a peer that stops answering pings loses its connection), a bounded header list.
+pub fn bounded_server(builder: Server) -> Server {
+    builder
+        .max_concurrent_streams(MAX_STREAMS_PER_CONNECTION)
+        .http2_keepalive_interval(Some(KEEPALIVE_INTERVAL))
+        .http2_keepalive_timeout(Some(KEEPALIVE_TIMEOUT))
+        .http2_max_header_list_size(16 << 10)
+        .tcp_nodelay(true)
+}
+
+/// A TCP connection admitted under [`GRPC_CAPS`]: holds its place in the table while open.
+#[derive(Debug)]
+pub struct AdmittedTcp {
+    stream: TcpStream,
+    _ticket: Ticket,
+}
+
+impl Connected for AdmittedTcp {
+    type ConnectInfo = TcpConnectInfo;
+
+    fn connect_info(&self) -> TcpConnectInfo {
+        self.stream.connect_info()
+    }
+}
+
+impl AsyncRead for AdmittedTcp {
+    fn poll_read(self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &mut ReadBuf<'_>) -> Poll<std::io::Result<()>> {
+        Pin::new(&mut self.get_mut().stream).poll_read(cx, buf)
+    }
+}
+
+impl AsyncWrite for AdmittedTcp {
+    fn poll_write(self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &[u8]) -> Poll<std::io::Result<usize>> {
+        Pin::new(&mut self.get_mut().stream).poll_write(cx, buf)
+    }
+    fn poll_flush(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+        Pin::new(&mut self.get_mut().stream).poll_flush(cx)
+    }
+    fn poll_shutdown(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+        Pin::new(&mut self.get_mut().stream).poll_shutdown(cx)
+    }
+    fn poll_write_vectored(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        bufs: &[std::io::IoSlice<'_>],
+    ) -> Poll<std::io::Result<usize>> {
+        Pin::new(&mut self.get_mut().stream).poll_write_vectored(cx, bufs)
+    }
+    fn is_write_vectored(&self) -> bool {
+        self.stream.is_write_vectored()
+    }
+}
+
+/// The connections of `listener` for `serve_with_incoming`, admitted under `caps`: one over a
+/// cap is closed at once, and an accept the OS refuses (no file descriptors left) pauses
+/// accepting for a moment instead of spinning. Ends when the server drops the stream.
+pub fn incoming(listener: TcpListener, caps: Caps) -> ReceiverStream<std::io::Result<AdmittedTcp>> {
+    let (tx, rx) = mpsc::channel(16);
+    let admission = Admission::new(caps);
+    tokio::spawn(async move {
+        loop {
+            let accepted = tokio::select! {
+                accepted = listener.accept() => accepted,
+                () = tx.closed() => break,
+            };
+            match accepted {
+                Ok((stream, remote)) => match admission.admit(remote.ip()) {
+                    Ok(ticket) => {
+                        let _ = stream.set_nodelay(true);
+                        if tx.send(Ok(AdmittedTcp { stream, _ticket: ticket })).await.is_err() {
+                            break;
+                        }
+                    }
+                    Err(refused) => debug!("closed a connection from {remote}: {refused}"),
+                },
+                Err(e) => {
+                    warn!("accepting a connection: {e}; pausing {ACCEPT_BACKOFF:?}");
+                    tokio::time::sleep(ACCEPT_BACKOFF).await;
+                }
+            }
+        }
+    });
+    ReceiverStream::new(rx)
 }
 
 /// tonic's server TLS for the coordinator's control port: client certificates of the cluster CA
@@ -79,10 +188,9 @@ pub fn client_tls_config(identity: &Identity, ca_pem: &str, server_name: &str) -
 /// no Nagle delay. Add services and serve as usual.
 pub fn server(identity: &Identity, ca_pem: &str) -> Result<Server> {
     tls::install_default_provider();
-    Ok(Server::builder()
+    Ok(bounded_server(Server::builder())
         .tls_config(server_tls_config(identity, ca_pem))
         .map_err(|e| grpc_error("server tls", e))?
-        .tcp_nodelay(true)
         .initial_stream_window_size(STREAM_WINDOW)
         .initial_connection_window_size(CONNECTION_WINDOW))
 }
@@ -178,7 +286,7 @@ pub async fn connect_grpc(uri: &str, identity: &Identity, ca_pem: &str, peer: &s
     let (out_tx, out_rx) = mpsc::channel::<Frame>(LINK_CAPACITY);
     let (in_tx, in_rx) = mpsc::channel::<Frame>(LINK_CAPACITY);
     tokio::spawn(write_frames(out_rx, wire_tx, |m| m, peer.to_owned()));
-    let mut link = Link { peer: peer.to_owned(), tx: out_tx, rx: in_rx };
+    let mut link = Link { peer: peer.to_owned(), fingerprint: None, tx: out_tx, rx: in_rx };
     // the server reads our HELLO before it answers the call
     send_hello(&link, &own).await?;
     let call = tokio::time::timeout(HANDSHAKE_TIMEOUT, client.activations(ReceiverStream::new(wire_rx)));
@@ -207,7 +315,7 @@ pub async fn link_from_stream(
     let (in_tx, in_rx) = mpsc::channel::<Frame>(LINK_CAPACITY);
     tokio::spawn(write_frames(out_rx, wire_tx.clone(), Ok, peer.to_owned()));
     tokio::spawn(read_frames(stream, in_tx, Some(wire_tx), peer.to_owned()));
-    let mut link = Link { peer: peer.to_owned(), tx: out_tx, rx: in_rx };
+    let mut link = Link { peer: peer.to_owned(), fingerprint: None, tx: out_tx, rx: in_rx };
     accept_handshake(&mut link, own_name).await.map_err(|error| {
         let code = match error {
             TransportError::VersionMismatch { .. } => Code::FailedPrecondition,

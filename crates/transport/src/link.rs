@@ -30,6 +30,9 @@ pub const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
 #[derive(Debug)]
 pub struct Link {
     pub peer: String,
+    /// sha256 (lower-case hex) of the peer's leaf certificate, where the carrier knows it (QUIC
+    /// both ways; a gRPC server learns it from its request): what revocation is checked against.
+    pub fingerprint: Option<String>,
     pub tx: mpsc::Sender<Frame>,
     pub rx: mpsc::Receiver<Frame>,
 }
@@ -40,7 +43,10 @@ impl Link {
     pub fn pair(a: &str, b: &str) -> (Link, Link) {
         let (a_tx, b_rx) = mpsc::channel(LINK_CAPACITY);
         let (b_tx, a_rx) = mpsc::channel(LINK_CAPACITY);
-        (Link { peer: b.to_owned(), tx: a_tx, rx: a_rx }, Link { peer: a.to_owned(), tx: b_tx, rx: b_rx })
+        (
+            Link { peer: b.to_owned(), fingerprint: None, tx: a_tx, rx: a_rx },
+            Link { peer: a.to_owned(), fingerprint: None, tx: b_tx, rx: b_rx },
+        )
     }
 
     /// Sends a frame, waiting while the link is full.

@@ -6,6 +6,7 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
 
+use brigade_core::admission::{Admission, Caps};
 use brigade_proto::PROTOCOL_VERSION;
 use bytes::BytesMut;
 use quinn::crypto::rustls::{QuicClientConfig, QuicServerConfig};
@@ -54,12 +55,26 @@ fn transport_config() -> Arc<TransportConfig> {
     Arc::new(config)
 }
 
+/// Handshakes in flight at once on one endpoint; an Initial beyond them is refused (the peer
+/// retries), so strangers can hold at most this many slots and never the accept loop itself.
+pub const MAX_HANDSHAKES: usize = 256;
+/// Handshakes in flight at once from one IP address.
+pub const MAX_HANDSHAKES_PER_IP: usize = 32;
+/// Finished handshakes waiting for `accept`.
+const ACCEPTED_BACKLOG: usize = 16;
+
 /// A node's QUIC endpoint: accepts links from its peers and dials links to them, on one socket.
+///
+/// Accepting runs in a background task: an Initial from an address not yet validated gets a
+/// Retry (a spoofed source never costs a handshake), and each handshake runs in its own task
+/// under [`MAX_HANDSHAKES`] / [`MAX_HANDSHAKES_PER_IP`], bounded by the handshake timeout, so a
+/// peer that stalls mid-handshake delays nobody else.
 #[derive(Debug)]
 pub struct QuicEndpoint {
     endpoint: quinn::Endpoint,
     name: String,
     limits: Limits,
+    accepted: tokio::sync::Mutex<mpsc::Receiver<Result<Link>>>,
 }
 
 impl QuicEndpoint {
@@ -81,7 +96,10 @@ impl QuicEndpoint {
 
         let mut endpoint = quinn::Endpoint::server(server, addr)?;
         endpoint.set_default_client_config(client);
-        Ok(Self { endpoint, name, limits: Limits::default() })
+        let limits = Limits::default();
+        let (tx, rx) = mpsc::channel(ACCEPTED_BACKLOG);
+        tokio::spawn(accept_loop(endpoint.clone(), name.clone(), limits, tx));
+        Ok(Self { endpoint, name, limits, accepted: tokio::sync::Mutex::new(rx) })
     }
 
     /// The address the socket is bound to (the port the OS chose for port 0).
@@ -106,13 +124,13 @@ impl QuicEndpoint {
                 .map_err(|e| TransportError::Quic(format!("connect to `{peer}` at {addr}: {e}")))?;
             let conn =
                 connecting.await.map_err(|e| TransportError::Quic(format!("connect to `{peer}` at {addr}: {e}")))?;
-            let named = peer_name(&conn)?;
+            let (named, fingerprint) = peer_name(&conn)?;
             if named != peer {
                 return Err(TransportError::NameMismatch { cert: named, hello: peer.to_owned() });
             }
             let (send, recv) =
                 conn.open_bi().await.map_err(|e| TransportError::Quic(format!("open a stream to `{peer}`: {e}")))?;
-            let mut link = spawn_pumps(conn.clone(), send, recv, peer.to_owned(), self.limits);
+            let mut link = spawn_pumps(conn.clone(), send, recv, (named, fingerprint), self.limits);
             connect_handshake(&mut link, &self.name).await.map_err(|e| closed_reason(&conn, e))?;
             Ok(link)
         };
@@ -120,28 +138,60 @@ impl QuicEndpoint {
     }
 
     /// The next link a peer opened: `None` once the endpoint is closed, `Err` for an attempt that
-    /// failed (bad certificate, bad HELLO, timeout); keep accepting after an `Err`. Attempts are
-    /// handled one at a time, each bounded by the handshake timeout.
+    /// failed (bad certificate, bad HELLO, timeout); keep accepting after an `Err`. Attempts run
+    /// concurrently in the background (see the type's docs), each bounded by the handshake timeout.
     pub async fn accept(&self) -> Option<Result<Link>> {
-        let incoming = self.endpoint.accept().await?;
-        let accepting = async {
-            let remote = incoming.remote_address();
-            let conn = incoming.await.map_err(|e| TransportError::Quic(format!("accept from {remote}: {e}")))?;
-            let peer = peer_name(&conn)?;
-            let (send, recv) = conn
-                .accept_bi()
-                .await
-                .map_err(|e| TransportError::Quic(format!("accept a stream from `{peer}`: {e}")))?;
-            let mut link = spawn_pumps(conn.clone(), send, recv, peer, self.limits);
-            accept_handshake(&mut link, &self.name).await.map_err(|e| closed_reason(&conn, e))?;
-            Ok(link)
-        };
-        Some(within(accepting, "a quic accept").await)
+        self.accepted.lock().await.recv().await
     }
 
     /// Closes every connection and stops accepting.
     pub fn close(&self) {
         self.endpoint.close(VarInt::from_u32(CLOSE_DONE), b"endpoint closed");
+    }
+}
+
+/// Takes Initials off the endpoint and runs each handshake in its own task; ends when the
+/// endpoint closes (or nobody holds the `QuicEndpoint` any more).
+async fn accept_loop(endpoint: quinn::Endpoint, name: String, limits: Limits, tx: mpsc::Sender<Result<Link>>) {
+    let handshakes = Admission::new(Caps { total: MAX_HANDSHAKES, per_ip: MAX_HANDSHAKES_PER_IP });
+    loop {
+        let incoming = tokio::select! {
+            incoming = endpoint.accept() => incoming,
+            // The `QuicEndpoint` was dropped: let go of the socket.
+            () = tx.closed() => None,
+        };
+        let Some(incoming) = incoming else { break };
+        let remote = incoming.remote_address();
+        if !incoming.remote_address_validated() && incoming.may_retry() {
+            // Address validation: the peer must echo the Retry token from its real address.
+            let _ = incoming.retry();
+            continue;
+        }
+        let ticket = match handshakes.admit(remote.ip()) {
+            Ok(ticket) => ticket,
+            Err(refused) => {
+                debug!("refused a QUIC handshake from {remote}: {refused}");
+                incoming.refuse();
+                continue;
+            }
+        };
+        let (name, tx) = (name.clone(), tx.clone());
+        tokio::spawn(async move {
+            let accepting = async {
+                let conn = incoming.await.map_err(|e| TransportError::Quic(format!("accept from {remote}: {e}")))?;
+                let peer = peer_name(&conn)?;
+                let (send, recv) = conn
+                    .accept_bi()
+                    .await
+                    .map_err(|e| TransportError::Quic(format!("accept a stream from `{}`: {e}", peer.0)))?;
+                let mut link = spawn_pumps(conn.clone(), send, recv, peer, limits);
+                accept_handshake(&mut link, &name).await.map_err(|e| closed_reason(&conn, e))?;
+                Ok(link)
+            };
+            let result = within(accepting, "a quic accept").await;
+            drop(ticket);
+            let _ = tx.send(result).await;
+        });
     }
 }
 
@@ -163,20 +213,29 @@ fn closed_reason(conn: &Connection, error: TransportError) -> TransportError {
 }
 
 /// The node name of the peer's verified certificate.
-fn peer_name(conn: &Connection) -> Result<String> {
+/// The node the peer's certificate names, and the certificate's fingerprint.
+fn peer_name(conn: &Connection) -> Result<(String, String)> {
     let certs = conn
         .peer_identity()
         .and_then(|identity| identity.downcast::<Vec<CertificateDer<'static>>>().ok())
         .ok_or(TransportError::NoPeerName)?;
-    certs.first().and_then(|leaf| peer_name_from_cert(leaf)).ok_or(TransportError::NoPeerName)
+    let leaf = certs.first().ok_or(TransportError::NoPeerName)?;
+    let name = peer_name_from_cert(leaf).ok_or(TransportError::NoPeerName)?;
+    Ok((name, tls::fingerprint(leaf)))
 }
 
-fn spawn_pumps(conn: Connection, send: SendStream, recv: RecvStream, peer: String, limits: Limits) -> Link {
+fn spawn_pumps(
+    conn: Connection,
+    send: SendStream,
+    recv: RecvStream,
+    (peer, fingerprint): (String, String),
+    limits: Limits,
+) -> Link {
     let (out_tx, out_rx) = mpsc::channel(LINK_CAPACITY);
     let (in_tx, in_rx) = mpsc::channel(LINK_CAPACITY);
     tokio::spawn(write_frames(conn.clone(), send, out_rx, peer.clone()));
     tokio::spawn(read_frames(conn, recv, in_tx, limits, peer.clone()));
-    Link { peer, tx: out_tx, rx: in_rx }
+    Link { peer, fingerprint: Some(fingerprint), tx: out_tx, rx: in_rx }
 }
 
 /// Link → stream. Each frame's head and payload go out as two chunks (the payload uncopied).

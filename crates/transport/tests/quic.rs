@@ -117,13 +117,8 @@ async fn a_certificate_of_another_ca_is_refused_both_ways() {
     assert!(dialed.is_err());
 }
 
-/// A raw quinn client holding `identity`: the stream to `server`, below the Link layer.
-async fn raw_stream(
-    identity: &Identity,
-    ca_pem: &str,
-    server: SocketAddr,
-    server_name: &str,
-) -> (quinn::Endpoint, quinn::Connection, quinn::SendStream, quinn::RecvStream) {
+/// A quinn client endpoint holding `identity`, below the Link layer.
+fn raw_client(identity: &Identity, ca_pem: &str) -> quinn::Endpoint {
     let mut tls = match client_config(identity, ca_pem) {
         Ok(tls) => tls,
         Err(e) => panic!("client config: {e}"),
@@ -136,6 +131,17 @@ async fn raw_stream(
         panic!("client endpoint");
     };
     client.set_default_client_config(quinn::ClientConfig::new(Arc::new(quic_tls)));
+    client
+}
+
+/// A raw quinn client holding `identity`: the stream to `server`, below the Link layer.
+async fn raw_stream(
+    identity: &Identity,
+    ca_pem: &str,
+    server: SocketAddr,
+    server_name: &str,
+) -> (quinn::Endpoint, quinn::Connection, quinn::SendStream, quinn::RecvStream) {
+    let client = raw_client(identity, ca_pem);
     let conn = match client.connect(server, &format!("{server_name}.node.brigade")) {
         Ok(connecting) => bounded("raw connect", connecting).await,
         Err(e) => panic!("connect: {e}"),
@@ -277,4 +283,84 @@ async fn an_oversized_header_fails_its_frame_and_never_the_link() {
     let good = Frame::tokens(0, 0, &[4, 5]).in_session("llama", 3, 8);
     bounded("send after it", ab.send(good.clone())).await.ok();
     assert_eq!(bounded("receive after it", ba.recv()).await, Some(good));
+}
+
+/// The first datagram a real QUIC client sends: an Initial carrying a ClientHello, caught on a
+/// plain UDP socket so it can be replayed by a sender that never answers.
+async fn caught_initial(identity: &Identity, ca_pem: &str) -> Vec<u8> {
+    let Ok(catcher) = tokio::net::UdpSocket::bind(loopback()).await else {
+        panic!("bind a catcher");
+    };
+    let Ok(target) = catcher.local_addr() else {
+        panic!("catcher address");
+    };
+    let client = raw_client(identity, ca_pem);
+    let Ok(connecting) = client.connect(target, "beta.node.brigade") else {
+        panic!("connect");
+    };
+    let mut buf = vec![0u8; 2048];
+    let Ok((n, _)) = bounded("catch an initial", catcher.recv_from(&mut buf)).await else {
+        panic!("recv");
+    };
+    drop(connecting);
+    client.close(0u32.into(), b"");
+    buf.truncate(n);
+    buf
+}
+
+/// Strangers that start a handshake and go silent: sixteen raw Initials (no certificate behind
+/// them, each from its own port) and two certified peers that finish TLS but never open their
+/// stream. Before accepting ran handshakes concurrently, each of them held the one accept loop
+/// for up to the 6 s idle timeout (10 s for the certified ones), so a real stage link waited
+/// minutes. Bound: the real link opens within 3 s while all eighteen are still in flight.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn stalled_handshakes_never_hold_up_a_real_link() {
+    let cluster = Cluster::new("test");
+    let alpha_id = cluster.node("alpha");
+    let beta = Arc::new(endpoint(&cluster.node("beta"), cluster.ca_pem()));
+    let alpha = endpoint(&alpha_id, cluster.ca_pem());
+    let (links_tx, mut links_rx) = tokio::sync::mpsc::channel(4);
+    let acceptor = {
+        let beta = beta.clone();
+        tokio::spawn(async move {
+            while let Some(attempt) = beta.accept().await {
+                if let Ok(link) = attempt {
+                    if links_tx.send(link).await.is_err() {
+                        break;
+                    }
+                }
+            }
+        })
+    };
+
+    let mut silent = Vec::new();
+    for _ in 0..16 {
+        let initial = caught_initial(&alpha_id, cluster.ca_pem()).await;
+        let Ok(socket) = tokio::net::UdpSocket::bind(loopback()).await else {
+            panic!("bind a stranger");
+        };
+        assert!(socket.send_to(&initial, addr(&beta)).await.is_ok());
+        silent.push(socket);
+    }
+    let mut certified = Vec::new();
+    for _ in 0..2 {
+        let client = raw_client(&alpha_id, cluster.ca_pem());
+        let Ok(connecting) = client.connect(addr(&beta), "beta.node.brigade") else {
+            panic!("connect");
+        };
+        let conn = bounded("a certified staller connects", connecting).await;
+        assert!(conn.is_ok(), "certified staller: {:?}", conn.err());
+        certified.push((client, conn));
+    }
+
+    let started = std::time::Instant::now();
+    let dialed = bounded("the real link", alpha.connect(addr(&beta), "beta")).await;
+    let accepted = bounded("the real link is accepted", links_rx.recv()).await;
+    let took = started.elapsed();
+    assert!(dialed.is_ok(), "dial: {:?}", dialed.err());
+    assert!(accepted.is_some_and(|link| link.peer == "alpha"));
+    assert!(took < std::time::Duration::from_secs(3), "the real link took {took:?} behind stalled handshakes");
+    drop((silent, certified));
+    beta.close();
+    assert!(bounded("the acceptor ends", acceptor).await.is_ok());
 }

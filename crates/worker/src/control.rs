@@ -183,6 +183,7 @@ impl ControlLoop {
         loaded: &mpsc::UnboundedSender<Loaded>,
         measured: &Measured,
     ) {
+        self.node.router.set_admitted(a.admitted.iter().map(|c| (c.node.clone(), c.fingerprint.clone())).collect());
         let to_load = self.node.reconcile(&a.stages);
         for s in to_load {
             let node = self.node.clone();

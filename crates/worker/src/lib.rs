@@ -60,6 +60,9 @@ pub struct WorkerConfig {
     pub measure: measure::Effort,
     /// Serve `/metrics` (Prometheus' text format) on this address.
     pub metrics: Option<SocketAddr>,
+    /// A stage session that receives no frame this long is ended (its KV cache freed, its driver
+    /// told): a driver that went away holds no slot for ever.
+    pub session_idle: std::time::Duration,
 }
 
 /// Binds UDP and TCP on one port: the port QUIC got, or both again on another free port.
@@ -149,9 +152,12 @@ pub async fn run(cfg: WorkerConfig, shutdown: impl Future<Output = ()> + Send + 
                 .add_service(health_svc)
                 .add_service(reflection)
                 .add_service(svc)
-                .serve_with_incoming_shutdown(tokio_stream::wrappers::TcpListenerStream::new(tcp), async move {
-                    let _ = rx.changed().await;
-                })
+                .serve_with_incoming_shutdown(
+                    brigade_transport::grpc::incoming(tcp, brigade_transport::grpc::GRPC_CAPS),
+                    async move {
+                        let _ = rx.changed().await;
+                    },
+                )
                 .await;
             r.map_err(|e| WorkerError::Link(format!("grpc server: {e}")))
         })

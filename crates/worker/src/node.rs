@@ -170,7 +170,10 @@ impl Node {
             Ok((handle, report)) => match hosted.get_mut(&key) {
                 Some(h) if h.assignment == *a => {
                     let (w, kv) = (handle.weight_bytes, handle.kv_bytes_per_session * u64::from(a.max_sessions));
-                    self.router.add_stage(&a.deployment, a.stage, handle.input.clone());
+                    // the stage before sends this stage its frames; the driver sends the first its
+                    let from =
+                        a.prev.as_ref().or(a.driver.as_ref()).map_or(self.cfg.name.as_str(), |p| p.node.as_str());
+                    self.router.add_stage(&a.deployment, a.stage, handle.input.clone(), from);
                     h.handle = Some(handle);
                     h.load = Load::Ready;
                     h.fetched_bytes = report.fetched_bytes;
@@ -233,6 +236,7 @@ impl Node {
             act_dtype: act_dtype(a.activation_dtype),
             carrier: carrier(a.carrier),
             max_sessions: a.max_sessions.max(1) as usize,
+            session_idle: self.cfg.session_idle,
         };
         let hidden = files.config.hidden;
         let vocab = files.config.vocab;

@@ -32,14 +32,28 @@ pub struct Peer {
 
 type StageKey = (String, u32);
 
+/// A stage hosted here: where its frames go, and the one node that may send them (the node of
+/// the stage before, or the driver for the first stage).
+struct HostedStage {
+    input: std::sync::mpsc::Sender<Frame>,
+    from: String,
+}
+
+/// The certificate each admitted node holds now, by node (from the coordinator's Watch).
+type AdmittedCerts = HashMap<String, String>;
+
 pub struct Router {
     me: String,
     tls: Creds,
     quic: brigade_transport::quic::QuicEndpoint,
     /// By (node, address, carrier): a node that comes back on another address gets a new link.
     outbound: Mutex<HashMap<(String, String, CarrierKind), mpsc::Sender<Frame>>>,
-    stages: RwLock<HashMap<StageKey, std::sync::mpsc::Sender<Frame>>>,
+    stages: RwLock<HashMap<StageKey, HostedStage>>,
     drivers: Mutex<HashMap<u64, mpsc::UnboundedSender<Frame>>>,
+    /// `None` until the coordinator first said (nothing is hosted before then either).
+    admitted: RwLock<Option<AdmittedCerts>>,
+    /// Bumped when `admitted` changes: open links look again.
+    admitted_changed: tokio::sync::watch::Sender<u64>,
     rt: tokio::runtime::Handle,
 }
 
@@ -52,6 +66,8 @@ impl Router {
             outbound: Mutex::new(HashMap::new()),
             stages: RwLock::new(HashMap::new()),
             drivers: Mutex::new(HashMap::new()),
+            admitted: RwLock::new(None),
+            admitted_changed: tokio::sync::watch::Sender::new(0),
             rt: tokio::runtime::Handle::current(),
         })
     }
@@ -64,10 +80,33 @@ impl Router {
         &self.quic
     }
 
-    /// Frames for stage `stage` of `deployment` go to `input` from now on.
-    pub fn add_stage(&self, deployment: &str, stage: u32, input: std::sync::mpsc::Sender<Frame>) {
+    /// Frames for stage `stage` of `deployment` go to `input` from now on, taken from the node
+    /// `from` only.
+    pub fn add_stage(&self, deployment: &str, stage: u32, input: std::sync::mpsc::Sender<Frame>, from: &str) {
         if let Ok(mut m) = self.stages.write() {
-            m.insert((deployment.to_string(), stage), input);
+            m.insert((deployment.to_string(), stage), HostedStage { input, from: from.to_string() });
+        }
+    }
+
+    /// The certificates of the admitted nodes, as the coordinator says now; links from any other
+    /// certificate (a revoked one) are closed.
+    pub fn set_admitted(&self, certs: AdmittedCerts) {
+        let mut current = self.admitted.write().unwrap_or_else(|p| p.into_inner());
+        if current.as_ref() != Some(&certs) {
+            *current = Some(certs);
+            drop(current);
+            self.admitted_changed.send_modify(|v| *v += 1);
+        }
+    }
+
+    /// Whether `peer`, holding the certificate `fingerprint`, may speak to this node now. A link
+    /// whose carrier does not know the certificate (a dialed gRPC link: the server was checked
+    /// by name) is not refused.
+    pub fn admits(&self, peer: &str, fingerprint: Option<&str>) -> bool {
+        let admitted = self.admitted.read().unwrap_or_else(|p| p.into_inner());
+        match (admitted.as_ref(), fingerprint) {
+            (Some(certs), Some(fp)) => certs.get(peer).is_some_and(|held| held == fp),
+            _ => true,
         }
     }
 
@@ -92,12 +131,21 @@ impl Router {
         }
     }
 
-    /// Hands a frame that arrived (from a link, or from this node) to whoever takes it here.
-    pub fn deliver(&self, frame: Frame) {
+    /// Hands a frame that arrived from the node `from` (over a link, or this node) to whoever
+    /// takes it here. A stage takes frames only from the node assigned to send them.
+    pub fn deliver(&self, frame: Frame, from: &str) {
         let h = &frame.header;
         let key = (h.deployment.clone(), h.stage);
-        let stage = self.stages.read().ok().and_then(|m| m.get(&key).cloned());
-        if let Some(input) = stage {
+        let stage = self.stages.read().ok().and_then(|m| m.get(&key).map(|s| (s.input.clone(), s.from.clone())));
+        if let Some((input, sender)) = stage {
+            if sender != from {
+                tracing::warn!(
+                    deployment = %key.0,
+                    stage = key.1,
+                    "a frame from {from} dropped: only {sender} sends to this stage"
+                );
+                return;
+            }
             if input.send(frame).is_err() {
                 tracing::debug!(deployment = %key.0, stage = key.1, "frame for a stage that just stopped");
             }
@@ -142,7 +190,7 @@ impl Router {
     pub fn send_blocking(self: &Arc<Self>, to: &Peer, carrier: CarrierKind, frame: Frame) -> Result<(), WorkerError> {
         check(&frame)?;
         if to.node == self.me {
-            self.deliver(frame);
+            self.deliver(frame, &self.me);
             return Ok(());
         }
         self.queue(to, carrier)
@@ -154,7 +202,7 @@ impl Router {
     pub async fn send(self: &Arc<Self>, to: &Peer, carrier: CarrierKind, frame: Frame) -> Result<(), WorkerError> {
         check(&frame)?;
         if to.node == self.me {
-            self.deliver(frame);
+            self.deliver(frame, &self.me);
             return Ok(());
         }
         self.queue(to, carrier)
@@ -205,8 +253,8 @@ impl Router {
                     }
                 }
             };
-            let Link { tx, rx: link_rx, .. } = link;
-            let reader = tokio::spawn(self.clone().read_link(link_rx, tx.clone()));
+            let Link { tx, rx: link_rx, peer: named, fingerprint } = link;
+            let reader = tokio::spawn(self.clone().read_link(named, fingerprint, link_rx, tx.clone()));
             loop {
                 let frame = match pending.take() {
                     Some(f) => f,
@@ -233,10 +281,33 @@ impl Router {
         rx.close();
     }
 
-    /// Reads a link until it closes: measurement frames are answered on it, the rest delivered.
-    pub async fn read_link(self: Arc<Self>, mut rx: mpsc::Receiver<Frame>, tx: mpsc::Sender<Frame>) {
+    /// Reads a link from `peer` (holding the certificate `fingerprint`) until it closes, or
+    /// until that certificate is no longer the one `peer` was admitted with: measurement frames
+    /// are answered on it, the rest delivered.
+    pub async fn read_link(
+        self: Arc<Self>,
+        peer: String,
+        fingerprint: Option<String>,
+        mut rx: mpsc::Receiver<Frame>,
+        tx: mpsc::Sender<Frame>,
+    ) {
         let mut responder = brigade_transport::Responder::default();
-        while let Some(frame) = rx.recv().await {
+        let mut changed = self.admitted_changed.subscribe();
+        loop {
+            if !self.admits(&peer, fingerprint.as_deref()) {
+                tracing::warn!("closing the link from {peer}: its certificate is not the one it was admitted with");
+                return;
+            }
+            let frame = tokio::select! {
+                frame = rx.recv() => frame,
+                r = changed.changed() => {
+                    if r.is_err() {
+                        return;
+                    }
+                    continue;
+                }
+            };
+            let Some(frame) = frame else { return };
             let kind = FrameKind::try_from(frame.header.kind).unwrap_or(FrameKind::Unspecified);
             match kind {
                 FrameKind::Ping | FrameKind::Bulk => {
@@ -247,7 +318,7 @@ impl Router {
                     }
                 }
                 FrameKind::Hello | FrameKind::Pong | FrameKind::Unspecified => {}
-                _ => self.deliver(frame),
+                _ => self.deliver(frame, &peer),
             }
         }
     }

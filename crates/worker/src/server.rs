@@ -23,6 +23,20 @@ fn peer_name<T>(req: &Request<T>) -> Result<String, Status> {
     brigade_transport::grpc::peer_node_name(req).ok_or_else(|| Status::unauthenticated("no cluster certificate"))
 }
 
+/// The node a request's certificate names and the certificate's fingerprint, refused when it is
+/// not the certificate that node was admitted with (a revoked one).
+fn admitted_peer<T>(node: &Node, req: &Request<T>) -> Result<(String, String), Status> {
+    let who = peer_name(req)?;
+    let leaf = req.peer_certs().and_then(|c| c.first().map(|l| brigade_transport::tls::fingerprint(l.as_ref())));
+    let fingerprint = leaf.ok_or_else(|| Status::unauthenticated("no cluster certificate"))?;
+    if !node.router.admits(&who, Some(&fingerprint)) {
+        return Err(Status::permission_denied(format!(
+            "this certificate of `{who}` is not the one it was admitted with (revoked)"
+        )));
+    }
+    Ok((who, fingerprint))
+}
+
 #[tonic::async_trait]
 impl Stage for StageService {
     type DriveStream = BoxStream<GenerateEvent>;
@@ -57,19 +71,19 @@ impl Stage for StageService {
         &self,
         req: Request<Streaming<FrameBytes>>,
     ) -> Result<Response<Self::ActivationsStream>, Status> {
-        let who = peer_name(&req)?;
+        let (who, fingerprint) = admitted_peer(&self.node, &req)?;
         let (link, out) =
             brigade_transport::grpc::link_from_stream(&self.node.cfg.name, &who, req.into_inner()).await?;
         let router = self.node.router.clone();
         tokio::spawn(async move {
             let brigade_transport::Link { tx, rx, .. } = link;
-            router.read_link(rx, tx).await;
+            router.read_link(who, Some(fingerprint), rx, tx).await;
         });
         Ok(Response::new(out))
     }
 
     async fn fetch_range(&self, req: Request<FetchRangeRequest>) -> Result<Response<Self::FetchRangeStream>, Status> {
-        peer_name(&req)?;
+        admitted_peer(&self.node, &req)?;
         let r = req.into_inner();
         let data = read_cached(&self.node.cfg.models_dir, &r).map_err(Status::from)?;
         let chunks: Vec<Result<Chunk, Status>> = data.chunks(1 << 20).map(|c| Ok(Chunk { data: c.to_vec() })).collect();
@@ -115,9 +129,9 @@ pub async fn accept_quic(node: Arc<Node>) {
         tokio::spawn(async move {
             match incoming {
                 Ok(link) => {
-                    let brigade_transport::Link { tx, rx, peer, .. } = link;
+                    let brigade_transport::Link { tx, rx, peer, fingerprint } = link;
                     tracing::debug!("link from {peer}");
-                    router.read_link(rx, tx).await;
+                    router.read_link(peer, fingerprint, rx, tx).await;
                 }
                 Err(e) => tracing::warn!("refused a QUIC link: {e}"),
             }

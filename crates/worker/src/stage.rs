@@ -55,6 +55,8 @@ pub struct StagePlace {
     pub act_dtype: ActDtype,
     pub carrier: CarrierKind,
     pub max_sessions: usize,
+    /// A session that receives no frame this long is ended.
+    pub session_idle: std::time::Duration,
 }
 
 /// What a stage did since it started, for the worker's `/metrics` (atomics: the stage's thread
@@ -79,6 +81,8 @@ fn add_ns(a: &AtomicU64, d: std::time::Duration) {
 }
 
 struct SessionState {
+    /// When the session's last frame arrived.
+    touched: Instant,
     cache: SliceCache,
     /// Last stage only: the sampler and every id the session has seen (repeat penalty).
     sampler: Option<(Sampler, Vec<u32>)>,
@@ -176,9 +180,14 @@ impl StageHost {
         let _span =
             tracing::debug_span!("stage", deployment = %self.place.deployment, stage = self.place.stage).entered();
         let mut pending: std::collections::VecDeque<(Frame, u64)> = std::collections::VecDeque::new();
+        let mut swept = Instant::now();
         loop {
             if self.stop.load(Ordering::Acquire) {
                 break;
+            }
+            if swept.elapsed() >= STOP_POLL {
+                self.expire_idle();
+                swept = Instant::now();
             }
             if pending.is_empty() {
                 match rx.recv_timeout(STOP_POLL) {
@@ -205,9 +214,36 @@ impl StageHost {
         tracing::debug!("stage {} of {} stopped", self.place.stage, self.place.deployment);
     }
 
+    /// Ends the sessions that received no frame for `session_idle`, telling their drivers.
+    fn expire_idle(&mut self) {
+        let idle = self.place.session_idle;
+        let expired: Vec<u64> =
+            self.sessions.iter().filter(|(_, s)| s.touched.elapsed() >= idle).map(|(id, _)| *id).collect();
+        for session in expired {
+            tracing::warn!(
+                session,
+                "stage {} of {}: no frame for {idle:?}; session ended",
+                self.place.stage,
+                self.place.deployment
+            );
+            self.end(session);
+            let mut h = self.header(FrameKind::Error, session);
+            h.text = format!(
+                "stage {} ({}): session {session} received no frame for {:.0} s and was ended",
+                self.place.stage,
+                self.place.deployment,
+                idle.as_secs_f64()
+            );
+            self.to_driver(wire::frame(h, bytes::Bytes::new()));
+        }
+    }
+
     /// One frame, its failure ending its session here and told to the driver.
     fn process(&mut self, frame: Frame, received: u64) {
         let session = frame.header.session;
+        if let Some(s) = self.sessions.get_mut(&session) {
+            s.touched = Instant::now();
+        }
         if let Err(e) = self.handle(frame, received) {
             tracing::warn!(session, "stage {} of {}: {e}", self.place.stage, self.place.deployment);
             self.end(session);
@@ -290,7 +326,10 @@ impl StageHost {
         let mut states = Vec::with_capacity(batch.len());
         for (f, _) in batch {
             match self.sessions.remove(&f.header.session) {
-                Some(s) => states.push((f.header.session, s)),
+                Some(mut s) => {
+                    s.touched = Instant::now();
+                    states.push((f.header.session, s));
+                }
                 None => break,
             }
         }
@@ -427,7 +466,7 @@ impl StageHost {
             Some(c) => c,
             None => self.slice.new_cache()?,
         };
-        self.sessions.insert(session, SessionState { cache, sampler });
+        self.sessions.insert(session, SessionState { touched: Instant::now(), cache, sampler });
         self.active.store(self.sessions.len() as u32, Ordering::Relaxed);
         // (a failure here ends the session again: `process`)
         self.to_next(frame)
