@@ -573,7 +573,7 @@ fn deploy_reads_only_regular_model_files_under_the_models_dir() {
     std::fs::write(models.join("notes.gguf"), "hunter2-is-the-password\n").unwrap();
     std::os::unix::fs::symlink(&secret, models.join("link.gguf")).unwrap();
     assert!(std::process::Command::new("mkfifo").arg(models.join("pipe.gguf")).status().unwrap().success());
-    synth_shape(&models.join("tiny.gguf"), [2, 64, 128, 4, 4, 256], "f32");
+    synth_shape(&models.join("tiny.gguf"), [2, 64, 128, 4, 4, 512], "f32");
     c.start_coordinator(&["--models-dir", models.to_str().unwrap()]);
     c.start_worker("w1", &[]);
     c.wait_up(1);

@@ -109,6 +109,10 @@ pub struct ReplicaArgs {
     /// Require an API key for the HTTP dashboard (`/`) and `/metrics` too (`/health` stays open).
     #[arg(long)]
     pub protect_metrics: bool,
+    /// `deploy -m` may name only files under this directory (relative paths are taken from it).
+    /// Without it, any file the coordinator can read may be deployed by a caller with an admin key.
+    #[arg(long, env = "BRIGADE_MODELS_DIR")]
+    pub models_dir: Option<PathBuf>,
     /// Seconds of silence after which a worker is marked down (and its layers re-placed).
     #[arg(long, default_value_t = 3.0)]
     pub node_timeout: f64,
@@ -193,6 +197,7 @@ fn coordinator_config(a: ReplicaArgs, join: Option<String>) -> Result<brigade_co
         heartbeat_interval: Duration::from_secs_f64((a.node_timeout / 4.0).clamp(0.1, 1.0)),
         keys: brigade_serve::ApiKeys::new(&a.api_keys, &a.admin_keys),
         protect_metrics: a.protect_metrics,
+        models_dir: a.models_dir,
         id: a.id,
         peers,
         advertise,

@@ -22,6 +22,8 @@ struct Mapped {
 
 #[derive(Default)]
 pub struct Models {
+    /// Where `deploy -m` may read (canonical); `None`: anywhere this process may read.
+    root: Option<PathBuf>,
     /// Manifests made in this process, by (canonical path, size, mtime): a model is hashed once.
     made: Mutex<HashMap<(PathBuf, u64, i64), ModelRecord>>,
     mapped: Mutex<HashMap<String, Arc<Mapped>>>,
@@ -43,17 +45,47 @@ fn record(index: &ModelIndex, manifest: &Manifest, id: String, name: String, sou
 }
 
 impl Models {
-    /// The record of the model a deploy request names: `embedded`, or a path on this machine.
+    /// Models read only from under `root` (`--models-dir`), when given.
+    pub fn new(root: Option<&Path>) -> Result<Self, CoordError> {
+        let root = root
+            .map(|r| {
+                std::fs::canonicalize(r)
+                    .map_err(|e| CoordError::BadRequest(format!("--models-dir {}: {e}", r.display())))
+            })
+            .transpose()?;
+        Ok(Self { root, ..Self::default() })
+    }
+
+    /// The record of the model a deploy request names: `embedded`, or a path on this machine —
+    /// under the models directory when there is one (a relative path is taken from it), and a
+    /// GGUF file or a model directory, opened without blocking. Errors never quote the file.
     pub fn resolve(&self, model: &str) -> Result<ModelRecord, CoordError> {
         if model == EMBEDDED || model.is_empty() {
             let index = ModelIndex::embedded()?;
             let manifest = Manifest::build(&index);
             return Ok(record(&index, &manifest, EMBEDDED.into(), "stories260K".into(), EMBEDDED.into()));
         }
-        let path = std::fs::canonicalize(model).map_err(|e| {
+        let named = match &self.root {
+            Some(root) => root.join(model),
+            None => PathBuf::from(model),
+        };
+        let path = std::fs::canonicalize(&named).map_err(|e| {
             CoordError::BadRequest(format!("model `{model}`: {e} (the path is read on the coordinator's machine)"))
         })?;
+        if let Some(root) = &self.root {
+            if !path.starts_with(root) {
+                return Err(CoordError::PermissionDenied(format!(
+                    "model `{model}` is outside the models directory {} (--models-dir)",
+                    root.display()
+                )));
+            }
+        }
         let meta = std::fs::metadata(&path).map_err(|e| CoordError::io(&path, e))?;
+        if !meta.is_file() && !meta.is_dir() {
+            return Err(CoordError::BadRequest(format!(
+                "model `{model}` is neither a regular file nor a model directory"
+            )));
+        }
         let mtime = meta
             .modified()
             .ok()

@@ -37,6 +37,9 @@ pub struct CoordinatorConfig {
     pub keys: brigade_serve::ApiKeys,
     /// The HTTP dashboard and `/metrics` need a key too.
     pub protect_metrics: bool,
+    /// `deploy -m` may name only files under this directory (`None`: any file this process can
+    /// read — for a coordinator whose deploy callers are trusted).
+    pub models_dir: Option<PathBuf>,
     /// This replica's raft id.
     pub id: u64,
     /// The replicas of a group bootstrapped together, this one included (empty: a group of one,
@@ -69,6 +72,7 @@ impl Default for CoordinatorConfig {
             node_timeout: Duration::from_secs(3),
             keys: brigade_serve::ApiKeys::default(),
             protect_metrics: false,
+            models_dir: None,
             id: 1,
             peers: BTreeMap::new(),
             advertise: None,
@@ -346,7 +350,7 @@ pub async fn run(
         cfg: cfg.clone(),
         raft,
         pki: opened.pki,
-        models: Models::default(),
+        models: Models::new(cfg.models_dir.as_deref())?,
         live: Mutex::new(HashMap::new()),
         stats: Mutex::new(HashMap::new()),
         workers: tokio::sync::Mutex::new(HashMap::new()),

@@ -30,7 +30,9 @@ pub const MAX_EXPANSION: u64 = 8;
 
 #[derive(Debug, thiserror::Error)]
 pub enum GgufError {
-    #[error("not a GGUF file: magic is {found:02x?}, expected \"GGUF\"")]
+    // the bytes found stay out of the message: a path named by a remote caller (`deploy -m`)
+    // must not echo the start of whatever file it is
+    #[error("not a GGUF file: it does not begin with \"GGUF\"")]
     BadMagic { found: [u8; 4] },
     #[error("unsupported GGUF version {0} (brigade reads versions 2 and 3)")]
     UnsupportedVersion(u32),

@@ -36,8 +36,23 @@ impl std::ops::Deref for Bytes {
     }
 }
 
+/// Opens a model file for reading: never blocks (a FIFO or a device named as a model would hold
+/// the caller's thread for ever), and refuses anything but a regular file.
+pub fn open_regular(path: &Path) -> Result<std::fs::File, FormatError> {
+    let io = |e| FormatError::Io(path.to_path_buf(), e);
+    let mut options = std::fs::OpenOptions::new();
+    options.read(true);
+    #[cfg(unix)]
+    std::os::unix::fs::OpenOptionsExt::custom_flags(&mut options, libc::O_NONBLOCK);
+    let f = options.open(path).map_err(io)?;
+    if !f.metadata().map_err(io)?.is_file() {
+        return Err(FormatError::Invalid(format!("{}: not a regular file", path.display())));
+    }
+    Ok(f)
+}
+
 fn map_file(path: &Path) -> Result<Bytes, FormatError> {
-    let f = std::fs::File::open(path).map_err(|e| FormatError::Io(path.to_path_buf(), e))?;
+    let f = open_regular(path)?;
     // SAFETY: the map is read-only; a file truncated under us by another process is the one
     // hazard of any memory map, as in llama.cpp and candle.
     let m = unsafe { memmap2::Mmap::map(&f) }.map_err(|e| FormatError::Io(path.to_path_buf(), e))?;
@@ -47,7 +62,7 @@ fn map_file(path: &Path) -> Result<Bytes, FormatError> {
 /// A JSON file of a model directory, whole, refused past [`MAX_JSON_BYTES`].
 fn read_json(path: &Path) -> Result<Vec<u8>, FormatError> {
     let io = |e| FormatError::Io(path.to_path_buf(), e);
-    let f = std::fs::File::open(path).map_err(io)?;
+    let f = open_regular(path)?;
     let len = f.metadata().map_err(io)?.len();
     if len > MAX_JSON_BYTES {
         return Err(FormatError::Invalid(format!("{}: {len} bytes, more than {MAX_JSON_BYTES}", path.display())));
