@@ -12,8 +12,12 @@ fn root() -> PathBuf {
 }
 
 fn validate(dir: Option<&Path>) -> (Output, String) {
+    validate_with(&[], dir)
+}
+
+fn validate_with(flags: &[&str], dir: Option<&Path>) -> (Output, String) {
     let mut cmd = Command::new("bash");
-    cmd.arg(root().join("deploy/validate.sh"));
+    cmd.arg(root().join("deploy/validate.sh")).args(flags);
     if let Some(d) = dir {
         cmd.arg(d);
     }
@@ -76,4 +80,40 @@ fn each_check_catches_a_broken_file() {
         assert!(text.lines().any(|l| l.starts_with(&format!("FAIL: {file}"))), "{file} not named:\n{text}");
         assert_eq!(text.lines().filter(|l| l.starts_with("FAIL: ")).count(), 1, "only {file} fails:\n{text}");
     }
+}
+
+/// The shipped templates hold placeholder join tokens: noted, not failed; `--filled` (a copy
+/// filled in for a deployment) fails on each placeholder or weak token and passes real ones.
+#[test]
+fn placeholder_join_tokens_are_flagged() {
+    let (out, text) = validate(None);
+    assert!(out.status.success(), "{text}");
+    assert!(text.lines().any(|l| l.starts_with("note: k8s/secret.yaml holds a placeholder")), "{text}");
+    let (out, text) = validate_with(&["--filled"], None);
+    assert!(!out.status.success(), "the placeholders passed --filled:\n{text}");
+    for f in ["k8s/secret.yaml", "systemd/coordinator.env", "systemd/worker.env"] {
+        assert!(text.lines().any(|l| l.starts_with(&format!("FAIL: {f}: the join token"))), "{f}:\n{text}");
+    }
+    let tmp = tempfile::tempdir().unwrap();
+    copy_dir(&root().join("deploy"), tmp.path());
+    let real = brigade_transport::join::new_join_token();
+    let fill = |file: &str, from: &str, to: &str| {
+        let path = tmp.path().join(file);
+        let text = std::fs::read_to_string(&path).unwrap();
+        assert!(text.contains(from), "{file} no longer has `{from}`");
+        std::fs::write(&path, text.replacen(from, to, 1)).unwrap();
+    };
+    fill("k8s/secret.yaml", "REPLACE-with-brg1-and-48-random-hex-characters", &real);
+    fill("systemd/coordinator.env", "BRIGADE_JOIN_TOKEN=\n", &format!("BRIGADE_JOIN_TOKEN={real}\n"));
+    fill("systemd/worker.env", "BRIGADE_JOIN_TOKEN=\n", "BRIGADE_JOIN_TOKEN=brg1-00000000000000000000000000000000\n");
+    let (out, text) = validate_with(&["--filled"], Some(tmp.path()));
+    assert!(!out.status.success(), "{text}");
+    assert!(
+        text.contains("FAIL: systemd/worker.env: the join token is a placeholder or weak: it has fewer than 10"),
+        "{text}"
+    );
+    assert_eq!(text.lines().filter(|l| l.starts_with("FAIL: ")).count(), 1, "{text}");
+    fill("systemd/worker.env", "brg1-00000000000000000000000000000000", &real);
+    let (out, text) = validate_with(&["--filled"], Some(tmp.path()));
+    assert!(out.status.success(), "{text}");
 }
