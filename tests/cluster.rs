@@ -367,7 +367,8 @@ fn rss_kib(pid: u32) -> u64 {
 /// four `Raft.Step` calls that announce a 200 MiB message and send 4 MiB of it are each refused
 /// with PERMISSION_DENIED within 5 s — before the body is read — and the coordinator's RSS grows
 /// by less than 64 MiB (it grew by 1 GB when the check ran in the handler); an oversized
-/// `JoinReplica` is refused by its 4 KiB limit; TCP connections that never start TLS are closed
+/// `JoinReplica` is refused by its 4 KiB limit, a 2 MiB `Join` by the 1 MiB cap on callers
+/// without a certificate; TCP connections that never start TLS are closed
 /// within 10 s; and the coordinator still answers.
 #[test]
 fn callers_without_a_certificate_hold_no_memory_and_no_connection() {
@@ -428,6 +429,23 @@ fn callers_without_a_certificate_hold_no_memory_and_no_connection() {
             .await
             .unwrap_err();
         assert_eq!(err.code(), tonic::Code::OutOfRange, "{}", err.message());
+        // every other call without a certificate (a worker's Join, an SDK's requests) is capped
+        // at 1 MiB, whatever its service's own limit
+        let mut control = brigade_proto::v1::control_client::ControlClient::with_interceptor(
+            ch.clone(),
+            brigade_proto::VersionInterceptor,
+        );
+        let err = control
+            .join(brigade_proto::v1::JoinRequest {
+                protocol: brigade_proto::PROTOCOL_VERSION,
+                name: "w9".into(),
+                nonce: vec![0; 32],
+                proof: vec![0; 32],
+                csr_pem: "x".repeat(2 << 20),
+            })
+            .await
+            .unwrap_err();
+        assert!(err.message().contains("length limit"), "{:?}: {}", err.code(), err.message());
         drop(held);
     });
     let grown = rss_kib(pid).saturating_sub(before);

@@ -232,6 +232,42 @@ impl Shared {
     }
 }
 
+/// Largest request body from a caller without a cluster certificate (a worker's `Join`, an SDK's
+/// calls): such callers are anyone, so none may make this process buffer more per stream.
+pub const CERTLESS_BODY: usize = 1 << 20;
+
+/// Caps the body of each request that came without a client certificate at [`CERTLESS_BODY`]
+/// (tonic's limits are per service, not per caller). A tower layer, as tonic applies it inside
+/// the connection's TLS info, which is how it knows.
+#[derive(Clone)]
+struct CertlessLimit<S> {
+    inner: S,
+}
+
+impl<S> tower::Service<tonic::codegen::http::Request<tonic::body::Body>> for CertlessLimit<S>
+where
+    S: tower::Service<tonic::codegen::http::Request<tonic::body::Body>>,
+{
+    type Response = S::Response;
+    type Error = S::Error;
+    type Future = S::Future;
+
+    fn poll_ready(&mut self, cx: &mut std::task::Context<'_>) -> std::task::Poll<Result<(), S::Error>> {
+        self.inner.poll_ready(cx)
+    }
+
+    fn call(&mut self, req: tonic::codegen::http::Request<tonic::body::Body>) -> S::Future {
+        use tonic::transport::server::{TcpConnectInfo, TlsConnectInfo};
+        let certified = req.extensions().get::<TlsConnectInfo<TcpConnectInfo>>().and_then(|i| i.peer_certs()).is_some();
+        let req = if certified {
+            req
+        } else {
+            req.map(|body| tonic::body::Body::new(http_body_util::Limited::new(body, CERTLESS_BODY)))
+        };
+        self.inner.call(req)
+    }
+}
+
 /// The client API's interceptor: the protocol version, and the caller's key, whose tier travels
 /// to the handlers in the request's extensions ([`require_admin`]).
 fn api_key_check(
@@ -413,6 +449,7 @@ pub async fn run(
     brigade_transport::grpc::bounded_server(tonic::transport::Server::builder())
         .tls_config(tls)
         .map_err(|e| CoordError::Tls(e.to_string()))?
+        .layer(tower::layer::layer_fn(|inner| CertlessLimit { inner }))
         .add_service(health_svc)
         .add_service(reflection)
         .add_service(raft_svc)

@@ -35,7 +35,7 @@ type StageKey = (String, u32);
 /// A stage hosted here: where its frames go, and the one node that may send them (the node of
 /// the stage before, or the driver for the first stage).
 struct HostedStage {
-    input: std::sync::mpsc::Sender<Frame>,
+    input: crate::stage::StageInbox,
     from: String,
 }
 
@@ -82,7 +82,7 @@ impl Router {
 
     /// Frames for stage `stage` of `deployment` go to `input` from now on, taken from the node
     /// `from` only.
-    pub fn add_stage(&self, deployment: &str, stage: u32, input: std::sync::mpsc::Sender<Frame>, from: &str) {
+    pub fn add_stage(&self, deployment: &str, stage: u32, input: crate::stage::StageInbox, from: &str) {
         if let Ok(mut m) = self.stages.write() {
             m.insert((deployment.to_string(), stage), HostedStage { input, from: from.to_string() });
         }
@@ -146,8 +146,13 @@ impl Router {
                 );
                 return;
             }
-            if input.send(frame).is_err() {
-                tracing::debug!(deployment = %key.0, stage = key.1, "frame for a stage that just stopped");
+            match input.offer(frame) {
+                Ok(()) => {}
+                Err(crate::stage::InputRefused::Stopped) => {
+                    tracing::debug!(deployment = %key.0, stage = key.1, "frame for a stage that just stopped")
+                }
+                // its session fails (its driver times out): the stage is far behind its sender
+                Err(full) => tracing::warn!(deployment = %key.0, stage = key.1, "a frame from {from} dropped: {full}"),
             }
             return;
         }

@@ -43,6 +43,78 @@ const STOP_POLL: std::time::Duration = std::time::Duration::from_millis(100);
 /// Decode steps of different sessions computed in one pass, at most (the CPU kernels' rows).
 const MAX_BATCH: usize = brigade_model::cpu_matmul::DECODE_ROWS;
 
+/// Bytes a stage's input may hold waiting (payloads plus [`FRAME_OVERHEAD`] each) before frames
+/// are refused: a sender faster than the stage cannot grow the worker's memory without bound.
+pub const STAGE_QUEUE_BYTES: u64 = 1 << 30;
+/// What a waiting frame costs beyond its payload (the header and the queue's bookkeeping).
+const FRAME_OVERHEAD: u64 = 512;
+
+fn queued_cost(frame: &Frame) -> u64 {
+    frame.payload.len() as u64 + FRAME_OVERHEAD
+}
+
+/// A frame a stage's input did not take.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+pub enum InputRefused {
+    #[error("the stage's input holds {queued} bytes waiting, {budget} at most")]
+    Full { queued: u64, budget: u64 },
+    #[error("the stage stopped")]
+    Stopped,
+}
+
+/// The sending side of a stage's input: a channel bounded by the bytes it holds.
+#[derive(Debug, Clone)]
+pub struct StageInbox {
+    tx: mpsc::Sender<Frame>,
+    queued: Arc<AtomicU64>,
+    budget: u64,
+}
+
+/// The stage thread's side of its input.
+pub struct StageQueue {
+    rx: mpsc::Receiver<Frame>,
+    queued: Arc<AtomicU64>,
+}
+
+/// A stage input holding at most `budget` bytes waiting.
+pub fn stage_queue(budget: u64) -> (StageInbox, StageQueue) {
+    let (tx, rx) = mpsc::channel();
+    let queued = Arc::new(AtomicU64::new(0));
+    (StageInbox { tx, queued: queued.clone(), budget }, StageQueue { rx, queued })
+}
+
+impl StageInbox {
+    /// Queues `frame`, or refuses it (never waits: the callers are async link readers).
+    pub fn offer(&self, frame: Frame) -> Result<(), InputRefused> {
+        let cost = queued_cost(&frame);
+        let before = self.queued.fetch_add(cost, Ordering::AcqRel);
+        if before + cost > self.budget {
+            self.queued.fetch_sub(cost, Ordering::AcqRel);
+            return Err(InputRefused::Full { queued: before, budget: self.budget });
+        }
+        if self.tx.send(frame).is_err() {
+            self.queued.fetch_sub(cost, Ordering::AcqRel);
+            return Err(InputRefused::Stopped);
+        }
+        Ok(())
+    }
+}
+
+impl StageQueue {
+    fn took(&self, frame: Frame) -> Frame {
+        self.queued.fetch_sub(queued_cost(&frame), Ordering::AcqRel);
+        frame
+    }
+
+    pub fn recv_timeout(&self, timeout: std::time::Duration) -> Result<Frame, mpsc::RecvTimeoutError> {
+        self.rx.recv_timeout(timeout).map(|f| self.took(f))
+    }
+
+    pub fn try_recv(&self) -> Result<Frame, mpsc::TryRecvError> {
+        self.rx.try_recv().map(|f| self.took(f))
+    }
+}
+
 /// Where a stage sits and whom it talks to.
 #[derive(Debug, Clone)]
 pub struct StagePlace {
@@ -106,7 +178,7 @@ pub struct StageHost {
 /// The handle the node keeps: the stage's input and how many sessions it holds.
 pub struct StageHandle {
     pub place: StagePlace,
-    pub input: mpsc::Sender<Frame>,
+    pub input: StageInbox,
     pub active: Arc<AtomicU32>,
     pub weight_bytes: u64,
     pub kv_bytes_per_session: u64,
@@ -123,7 +195,7 @@ impl StageHandle {
         eog: Box<dyn Fn(u32) -> bool + Send>,
         router: Arc<Router>,
     ) -> Result<StageHandle, WorkerError> {
-        let (tx, rx) = mpsc::channel::<Frame>();
+        let (tx, rx) = stage_queue(STAGE_QUEUE_BYTES);
         let active = Arc::new(AtomicU32::new(0));
         let counters = Arc::new(StageCounters::default());
         let stop = Arc::new(AtomicBool::new(false));
@@ -163,7 +235,7 @@ impl Drop for StageHandle {
         // the thread ends after the frame it is on (within STOP_POLL when idle: the router may
         // still hold a sender, so the channel need not close); the slice and caches go with it
         self.stop.store(true, Ordering::Release);
-        let (dead, _) = mpsc::channel();
+        let (dead, _) = stage_queue(0);
         self.input = dead;
         if let Some(t) = self.thread.take() {
             let _ = t.join();
@@ -176,7 +248,7 @@ pub fn now_us() -> u64 {
 }
 
 impl StageHost {
-    fn run(mut self, rx: mpsc::Receiver<Frame>) {
+    fn run(mut self, rx: StageQueue) {
         let _span =
             tracing::debug_span!("stage", deployment = %self.place.deployment, stage = self.place.stage).entered();
         let mut pending: std::collections::VecDeque<(Frame, u64)> = std::collections::VecDeque::new();
@@ -576,5 +648,35 @@ impl StageHost {
         th.trace = trace;
         self.to_driver(wire::frame(th, payload));
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn frame(bytes: usize) -> Frame {
+        let mut f = brigade_transport::Frame::tokens(0, 0, &[]);
+        f.payload = bytes::Bytes::from(vec![0u8; bytes]);
+        f
+    }
+
+    #[test]
+    fn a_stage_input_holds_its_byte_budget_and_no_more() {
+        let (input, queue) = stage_queue(3 * (1000 + FRAME_OVERHEAD));
+        for _ in 0..3 {
+            assert_eq!(input.offer(frame(1000)), Ok(()));
+        }
+        let refused = input.offer(frame(1000));
+        assert_eq!(refused, Err(InputRefused::Full { queued: 3 * (1000 + FRAME_OVERHEAD), budget: 3 * 1512 }));
+        // taking a frame frees its bytes
+        assert!(queue.try_recv().is_ok());
+        assert_eq!(input.offer(frame(1000)), Ok(()));
+        assert!(input.offer(frame(0)).is_err());
+        drop(queue);
+        let (input, queue) = stage_queue(1 << 20);
+        drop(queue);
+        assert_eq!(input.offer(frame(10)), Err(InputRefused::Stopped));
+        assert_eq!(input.queued.load(Ordering::Acquire), 0);
     }
 }
