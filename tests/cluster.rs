@@ -263,8 +263,8 @@ fn intruders_are_refused_and_change_nothing() {
     assert!(err.message().contains("99") && err.message().contains('1'), "{}", err.message());
 
     // stage links: a peer holding another CA's certificate is refused by w1's QUIC endpoint; a
-    // peer of this cluster that sends frames for no session (stale generation, garbage shapes)
-    // is answered with nothing computed
+    // certificate of this CA that no node was admitted with has its link closed, and the frames
+    // it sends for no session (stale generation, garbage shapes) compute nothing
     let w1_addr: std::net::SocketAddr = before["nodes"][0]["address"].as_str().unwrap().parse().unwrap();
     let own_ca = brigade_transport::ClusterCa::from_pem(
         &std::fs::read_to_string(c.path("coordinator/ca.pem")).unwrap(),
@@ -280,14 +280,17 @@ fn intruders_are_refused_and_change_nothing() {
         assert!(refused.is_err(), "a certificate of another CA was accepted");
         let id = own_ca.new_identity("w9", Role::Node).unwrap();
         let ep = QuicEndpoint::bind("127.0.0.1:0".parse().unwrap(), &id, own_ca.cert_pem()).unwrap();
-        let link = ep.connect(w1_addr, "w1").await.unwrap();
+        // a certificate of this CA that was never admitted (minted with the CA key, as a thief
+        // of it would): the link is closed, whatever it sends
+        let mut link = ep.connect(w1_addr, "w1").await.unwrap();
         let bogus = Frame::tokens(0, 0, &[1, 2, 3]).in_session("stories", 999, 42);
-        link.send(bogus).await.unwrap();
+        let _ = link.send(bogus).await;
         let hidden = Frame::hidden_f32(0, 5, 1, 64, &[0.5; 64], brigade_proto::v1::WireDtype::F32)
             .unwrap()
             .in_session("stories", 1, 43);
-        link.send(hidden).await.unwrap();
-        tokio::time::sleep(Duration::from_millis(300)).await;
+        let _ = link.send(hidden).await;
+        let closed = tokio::time::timeout(Duration::from_secs(5), link.recv()).await;
+        assert!(matches!(closed, Ok(None)), "the link of a never-admitted certificate stayed open");
     });
 
     // nothing changed: same nodes, same deployment, still serving

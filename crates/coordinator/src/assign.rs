@@ -84,6 +84,7 @@ pub fn for_node(state: &ClusterState, node: &str) -> Assignments {
             ubatch: if d.ubatch > 0 { d.ubatch.min(4096) as u32 } else { ubatch(n) },
             is_driver: d.driver == node,
             prev: i.checked_sub(1).map(|p| peer(state, &d.stages[p].node)),
+            stage_nodes: d.stages.iter().map(|x| x.node.clone()).collect(),
         });
     }
     let peers = state

@@ -39,6 +39,8 @@ pub struct DriveTarget {
     pub vocab: usize,
     pub carrier: CarrierKind,
     pub first: Peer,
+    /// The nodes of the deployment's stages: only their frames reach this driver's sessions.
+    pub stage_nodes: Arc<Vec<String>>,
     pub tokenizer: Arc<Tokenizer>,
     pub permits: Arc<Semaphore>,
     /// Prompt tokens per chunk into the first stage.
@@ -183,7 +185,7 @@ pub async fn drive(router: Arc<Router>, t: DriveTarget, req: DriveRequest, hidde
         }
     };
     let session: u64 = rand::random();
-    let mut rx = router.register_driver(session);
+    let mut rx = router.register_driver(session, t.stage_nodes.clone());
     let result = run_session(&router, &t, &req, session, &prompt, &feed, &mut rx, started, hidden_bytes, &out).await;
     // every stage frees the session's cache, whatever happened
     let close = wire::frame(header(&t, FrameKind::Close, session), bytes::Bytes::new());

@@ -254,6 +254,7 @@ impl Node {
                 vocab,
                 carrier: place.carrier,
                 first,
+                stage_nodes: Arc::new(a.stage_nodes.clone()),
                 tokenizer,
                 permits: Arc::new(Semaphore::new(a.max_sessions.max(1) as usize)),
                 ubatch: a.ubatch.max(1) as usize,

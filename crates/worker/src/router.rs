@@ -39,6 +39,9 @@ struct HostedStage {
     from: String,
 }
 
+/// A session this node drives: where its frames go, and the nodes that may send them.
+type DrivenSession = (mpsc::UnboundedSender<Frame>, Arc<Vec<String>>);
+
 /// The certificate each admitted node holds now, by node (from the coordinator's Watch).
 type AdmittedCerts = HashMap<String, String>;
 
@@ -49,7 +52,8 @@ pub struct Router {
     /// By (node, address, carrier): a node that comes back on another address gets a new link.
     outbound: Mutex<HashMap<(String, String, CarrierKind), mpsc::Sender<Frame>>>,
     stages: RwLock<HashMap<StageKey, HostedStage>>,
-    drivers: Mutex<HashMap<u64, mpsc::UnboundedSender<Frame>>>,
+    /// The sessions this node drives: where their frames go, and the nodes that may send them.
+    drivers: Mutex<HashMap<u64, DrivenSession>>,
     /// `None` until the coordinator first said (nothing is hosted before then either).
     admitted: RwLock<Option<AdmittedCerts>>,
     /// Bumped when `admitted` changes: open links look again.
@@ -116,11 +120,12 @@ impl Router {
         }
     }
 
-    /// Frames for the driver of `session` arrive on the returned channel until [`Router::unregister`].
-    pub fn register_driver(&self, session: u64) -> mpsc::UnboundedReceiver<Frame> {
+    /// Frames for the driver of `session`, from the nodes `senders` (the deployment's stages),
+    /// arrive on the returned channel until [`Router::unregister_driver`].
+    pub fn register_driver(&self, session: u64, senders: Arc<Vec<String>>) -> mpsc::UnboundedReceiver<Frame> {
         let (tx, rx) = mpsc::unbounded_channel();
         if let Ok(mut m) = self.drivers.lock() {
-            m.insert(session, tx);
+            m.insert(session, (tx, senders));
         }
         rx
     }
@@ -159,7 +164,10 @@ impl Router {
         let session = h.session;
         let driver = self.drivers.lock().ok().and_then(|m| m.get(&session).cloned());
         match driver {
-            Some(tx) => {
+            Some((_, senders)) if !senders.iter().any(|n| n == from) => {
+                tracing::warn!(session, "a frame from {from} dropped: only the deployment's stages send to its driver")
+            }
+            Some((tx, _)) => {
                 let _ = tx.send(frame);
             }
             None => tracing::debug!(
@@ -341,4 +349,54 @@ fn check(frame: &Frame) -> Result<(), WorkerError> {
     brigade_transport::frame::check_encodable(frame)
         .map(|_| ())
         .map_err(|e| WorkerError::Frame(format!("session {}: cannot send this frame: {e}", frame.header.session)))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn router(me: &str) -> (Arc<Router>, brigade_transport::ClusterCa) {
+        let ca = brigade_transport::ClusterCa::generate("test").unwrap();
+        let identity = ca.new_identity(me, brigade_transport::Role::Node).unwrap();
+        let quic =
+            brigade_transport::QuicEndpoint::bind("127.0.0.1:0".parse().unwrap(), &identity, ca.cert_pem()).unwrap();
+        let tls = Creds { identity, ca_pem: ca.cert_pem().to_string() };
+        (Router::new(me.to_string(), tls, quic), ca)
+    }
+
+    fn frame(stage: u32, session: u64) -> Frame {
+        let mut f = Frame::tokens(0, 0, &[1]).in_session("d", 1, session);
+        f.header.stage = stage;
+        f
+    }
+
+    #[tokio::test]
+    async fn frames_reach_a_stage_or_a_driver_only_from_their_assigned_senders() {
+        let (r, _) = router("w1");
+        let (input, queue) = crate::stage::stage_queue(1 << 20);
+        r.add_stage("d", 1, input, "w0");
+        r.deliver(frame(1, 7), "w2");
+        assert!(queue.try_recv().is_err(), "a frame from a node that is not the stage before");
+        r.deliver(frame(1, 7), "w0");
+        assert!(queue.try_recv().is_ok());
+
+        let mut driven = r.register_driver(9, Arc::new(vec!["w0".into(), "w1".into()]));
+        r.deliver(frame(2, 9), "w5");
+        assert!(driven.try_recv().is_err(), "a frame from a node outside the deployment");
+        r.deliver(frame(2, 9), "w1");
+        assert!(driven.try_recv().is_ok());
+    }
+
+    #[tokio::test]
+    async fn only_the_admitted_certificate_of_a_node_is_admitted() {
+        let (r, _) = router("w1");
+        // nothing heard from the coordinator yet: no opinion
+        assert!(r.admits("w2", Some("aa")));
+        r.set_admitted(HashMap::from([("w2".to_string(), "aa".to_string())]));
+        assert!(r.admits("w2", Some("aa")));
+        assert!(!r.admits("w2", Some("bb")), "a replaced certificate");
+        assert!(!r.admits("w3", Some("cc")), "a node that never joined");
+        // a dialed gRPC link, whose server was checked by name only
+        assert!(r.admits("w3", None));
+    }
 }
