@@ -96,7 +96,10 @@ fn the_coordinator_serves_the_api_metrics_and_dashboard_for_a_model_split_across
     // alone and 16 at once; then /metrics (the Prometheus parser), `status` and the dashboard
     // (in a real browser) show the same figures
     let mut c = support::Cluster::new();
-    c.start_coordinator(&["--http", "127.0.0.1:0", "--api-key", "cluster-key", "--admin-key", "cluster-admin"]);
+    let admin_keys = c.path("admin-keys");
+    std::fs::write(&admin_keys, "# the operators' keys\n\ncluster-admin\n").unwrap();
+    let admin_keys = admin_keys.display().to_string();
+    c.start_coordinator(&["--http", "127.0.0.1:0", "--api-key", "cluster-key", "--admin-key-file", &admin_keys]);
     c.api_key = Some("cluster-key".into());
     // an inference key may not deploy (nor plan): only the admin key may
     let out = c.brigade(&["deploy", "--name", "stories", "--device-map", "w1:cpu:5"]);
@@ -235,6 +238,15 @@ fn browse(browser: &str, args: &[String], url: &str) -> String {
 #[test]
 fn slowloris_clients_are_closed_within_the_header_timeout() {
     use std::io::{Read, Write};
+    // (a key file that holds no key is refused before anything listens)
+    let empty = tempfile::NamedTempFile::new().unwrap();
+    std::fs::write(empty.path(), "# no keys yet\n").unwrap();
+    let out = Command::new(BIN)
+        .args(["serve", "--port", "0", "--api-key-file", empty.path().to_str().unwrap()])
+        .env_remove("BRIGADE_CONFIG")
+        .output()
+        .unwrap();
+    assert!(!out.status.success() && String::from_utf8_lossy(&out.stderr).contains("holds no key"), "{out:?}");
     let s = serve(&["--parallel", "1"]);
     let addr = s.url.trim_start_matches("http://").to_string();
     let t0 = Instant::now();

@@ -103,9 +103,15 @@ pub struct ReplicaArgs {
     /// --admin-key they may also deploy; with it, they may only generate, chat and read status.
     #[arg(long = "api-key", env = "BRIGADE_API_KEYS", value_delimiter = ',', hide_env_values = true)]
     pub api_keys: Vec<String>,
+    /// Files of API keys, one per line (out of `ps`' sight); repeatable.
+    #[arg(long = "api-key-file", env = "BRIGADE_API_KEY_FILE", value_delimiter = ',')]
+    pub api_key_files: Vec<PathBuf>,
     /// Keys that may also deploy, undeploy, plan and remove replicas; repeatable.
     #[arg(long = "admin-key", env = "BRIGADE_ADMIN_KEYS", value_delimiter = ',', hide_env_values = true)]
     pub admin_keys: Vec<String>,
+    /// Files of admin keys, one per line; repeatable.
+    #[arg(long = "admin-key-file", env = "BRIGADE_ADMIN_KEY_FILE", value_delimiter = ',')]
+    pub admin_key_files: Vec<PathBuf>,
     /// Require an API key for the HTTP dashboard (`/`) and `/metrics` too (`/health` stays open).
     #[arg(long)]
     pub protect_metrics: bool,
@@ -161,15 +167,36 @@ impl TokenArgs {
 /// The first line of a secret file, trimmed; a clear error for a missing or empty one, never
 /// its bytes in a message, and no unbounded read.
 fn read_secret_file(p: &std::path::Path) -> Result<String> {
-    use std::io::Read;
-    let f = std::fs::File::open(p).with_context(|| format!("reading {}", p.display()))?;
-    let mut text = String::new();
-    f.take(4096).read_to_string(&mut text).with_context(|| format!("reading {}: not a text file", p.display()))?;
+    let text = read_bounded_text(p, 4096)?;
     let line = text.lines().next().unwrap_or("").trim().to_string();
     if line.is_empty() {
         bail!("{} is empty: it should hold a token (`brg1-…`)", p.display());
     }
     Ok(line)
+}
+
+/// At most `limit` bytes of a text file (never its bytes in an error).
+fn read_bounded_text(p: &std::path::Path, limit: u64) -> Result<String> {
+    use std::io::Read;
+    let f = std::fs::File::open(p).with_context(|| format!("reading {}", p.display()))?;
+    let mut text = String::new();
+    f.take(limit).read_to_string(&mut text).with_context(|| format!("reading {}: not a text file", p.display()))?;
+    Ok(text)
+}
+
+/// The keys given on the command line (or in the environment) and those in `files`: one key per
+/// line, blank lines and `#` comments skipped; a file holding none is an error.
+pub(crate) fn api_keys(given: Vec<String>, files: &[PathBuf]) -> Result<Vec<String>> {
+    let mut keys: Vec<String> = given.into_iter().filter(|k| !k.is_empty()).collect();
+    for p in files {
+        let text = read_bounded_text(p, 64 << 10)?;
+        let before = keys.len();
+        keys.extend(text.lines().map(str::trim).filter(|l| !l.is_empty() && !l.starts_with('#')).map(str::to_string));
+        if keys.len() == before {
+            bail!("{} holds no key (one per line)", p.display());
+        }
+    }
+    Ok(keys)
 }
 
 fn coordinator_config(a: ReplicaArgs, join: Option<String>) -> Result<brigade_coordinator::CoordinatorConfig> {
@@ -195,7 +222,10 @@ fn coordinator_config(a: ReplicaArgs, join: Option<String>) -> Result<brigade_co
         sans: a.sans,
         node_timeout: Duration::from_secs_f64(a.node_timeout),
         heartbeat_interval: Duration::from_secs_f64((a.node_timeout / 4.0).clamp(0.1, 1.0)),
-        keys: brigade_serve::ApiKeys::new(&a.api_keys, &a.admin_keys),
+        keys: brigade_serve::ApiKeys::new(
+            &api_keys(a.api_keys, &a.api_key_files)?,
+            &api_keys(a.admin_keys, &a.admin_key_files)?,
+        ),
         protect_metrics: a.protect_metrics,
         models_dir: a.models_dir,
         id: a.id,

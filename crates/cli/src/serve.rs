@@ -38,6 +38,9 @@ pub struct ServeArgs {
     /// API keys clients must present (`Authorization: Bearer KEY`); repeatable.
     #[arg(long = "api-key", env = "BRIGADE_API_KEYS", value_delimiter = ',', hide_env_values = true)]
     pub api_keys: Vec<String>,
+    /// Files of API keys, one per line (out of `ps`' sight); repeatable.
+    #[arg(long = "api-key-file", env = "BRIGADE_API_KEY_FILE", value_delimiter = ',')]
+    pub api_key_files: Vec<std::path::PathBuf>,
     /// Require an API key for the dashboard (`/`) and `/metrics` too (`/health` stays open).
     #[arg(long)]
     pub protect_metrics: bool,
@@ -182,7 +185,7 @@ pub fn serve(a: ServeArgs) -> Result<()> {
     let info = ModelInfo { id: id.clone(), n_ctx, tokenizer, created, owned_by: "brigade".into() };
     let backend = Arc::new(Local { engine, info, pipeline, parallel: a.parallel });
     let serve_cfg = ServeConfig {
-        keys: brigade_serve::ApiKeys::new(&a.api_keys, &[]),
+        keys: brigade_serve::ApiKeys::new(&crate::cluster::api_keys(a.api_keys, &a.api_key_files)?, &[]),
         protect_metrics: a.protect_metrics,
         ..Default::default()
     };
