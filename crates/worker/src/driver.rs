@@ -14,11 +14,10 @@ use crate::WorkerError;
 use brigade_core::cluster::CarrierKind;
 use brigade_model::Tokenizer;
 use brigade_proto::v1::{
-    generate_event, Done, DriveRequest, FrameHeader, FrameKind, GenerateEvent, HopTiming, PromptIds, SessionSpec,
-    StopReason, Timings, Token,
+    generate_event, Done, DriveRequest, FrameKind, GenerateEvent, HopTiming, PromptIds, SessionSpec, StopReason,
+    Timings, Token,
 };
 use brigade_transport::frame::Frame;
-use prost::Message;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 use tokio::sync::{mpsc, Semaphore};
@@ -79,28 +78,14 @@ pub fn prompt_ids(t: &DriveTarget, req: &DriveRequest) -> Result<Vec<u32>, Worke
     Ok(ids)
 }
 
-fn header(t: &DriveTarget, kind: FrameKind, session: u64) -> FrameHeader {
-    FrameHeader {
-        protocol: brigade_proto::PROTOCOL_VERSION,
-        kind: kind as i32,
-        generation: t.generation,
-        session,
-        deployment: t.deployment.clone(),
-        stage: 0,
-        ..Default::default()
-    }
+/// `frame` addressed to `session` of the target's generation, at the first stage.
+fn addressed(t: &DriveTarget, frame: Frame, session: u64) -> Frame {
+    frame.in_session(&t.deployment, t.generation, session)
 }
 
 fn tokens_frame(t: &DriveTarget, session: u64, step: u64, first_position: u64, ids: &[u32], last: bool) -> Frame {
-    let payload = wire::ids_to_bytes(ids);
-    let mut h = FrameHeader {
-        step,
-        first_position,
-        flags: if last { FLAG_LAST } else { 0 },
-        ..header(t, FrameKind::Tokens, session)
-    };
-    wire::set_ids_shape(&mut h, ids.len() as u32, payload.len());
-    wire::frame(h, payload)
+    let frame = Frame::tokens(step, first_position, ids).with_flags(if last { FLAG_LAST } else { 0 });
+    addressed(t, frame, session)
 }
 
 /// Per-stage sums over the decode steps of a session.
@@ -188,7 +173,7 @@ pub async fn drive(router: Arc<Router>, t: DriveTarget, req: DriveRequest, hidde
     let mut rx = router.register_driver(session, t.stage_nodes.clone());
     let result = run_session(&router, &t, &req, session, &prompt, &feed, &mut rx, started, hidden_bytes, &out).await;
     // every stage frees the session's cache, whatever happened
-    let close = wire::frame(header(&t, FrameKind::Close, session), bytes::Bytes::new());
+    let close = addressed(&t, Frame::close(), session);
     let _ = router.send(&t.first, t.carrier, close).await;
     router.unregister_driver(session);
     drop(permit);
@@ -212,7 +197,7 @@ async fn run_session(
 ) -> Result<(), Status> {
     let link_err = |e: WorkerError| Status::unavailable(e.to_string());
     let spec = SessionSpec { sampling: req.sampling, prompt_ids: feed.to_vec(), max_tokens: req.max_tokens };
-    let open = wire::frame(header(t, FrameKind::Open, session), bytes::Bytes::from(spec.encode_to_vec()));
+    let open = addressed(t, Frame::open(&spec), session);
     router.send(&t.first, t.carrier, open).await.map_err(link_err)?;
     let chunks: Vec<&[u32]> = feed.chunks(t.ubatch.max(1)).collect();
     let mut pos = 0u64;

@@ -34,10 +34,7 @@ use std::sync::mpsc;
 use std::sync::Arc;
 use std::time::Instant;
 
-/// Frame flag: the last chunk of a prompt, or a decode step: the last stage samples after it.
-pub const FLAG_LAST: u32 = 1;
-/// Frame flag on TOKENS back to the driver: the id is an end-of-generation token.
-pub const FLAG_EOG: u32 = 2;
+pub use brigade_transport::frame::{FLAG_EOG, FLAG_LAST};
 /// How often an idle stage looks whether its handle was dropped.
 const STOP_POLL: std::time::Duration = std::time::Duration::from_millis(100);
 /// Decode steps of different sessions computed in one pass, at most (the CPU kernels' rows).
@@ -299,14 +296,10 @@ impl StageHost {
                 self.place.deployment
             );
             self.end(session);
-            let mut h = self.header(FrameKind::Error, session);
-            h.text = format!(
-                "stage {} ({}): session {session} received no frame for {:.0} s and was ended",
-                self.place.stage,
-                self.place.deployment,
-                idle.as_secs_f64()
+            self.fail_to_driver(
+                session,
+                &format!("session {session} received no frame for {:.0} s and was ended", idle.as_secs_f64()),
             );
-            self.to_driver(wire::frame(h, bytes::Bytes::new()));
         }
     }
 
@@ -319,9 +312,7 @@ impl StageHost {
         if let Err(e) = self.handle(frame, received) {
             tracing::warn!(session, "stage {} of {}: {e}", self.place.stage, self.place.deployment);
             self.end(session);
-            let mut h = self.header(FrameKind::Error, session);
-            h.text = format!("stage {} ({}): {e}", self.place.stage, self.place.deployment);
-            self.to_driver(wire::frame(h, bytes::Bytes::new()));
+            self.fail_to_driver(session, &e.to_string());
         }
     }
 
@@ -355,9 +346,7 @@ impl StageHost {
                     if let Err(e) = self.emit(frame.header, out, sampled, received, computed) {
                         tracing::warn!(session, "stage {} of {}: {e}", self.place.stage, self.place.deployment);
                         self.end(session);
-                        let mut h = self.header(FrameKind::Error, session);
-                        h.text = format!("stage {} ({}): {e}", self.place.stage, self.place.deployment);
-                        self.to_driver(wire::frame(h, bytes::Bytes::new()));
+                        self.fail_to_driver(session, &e.to_string());
                     }
                 }
             }
@@ -443,15 +432,15 @@ impl StageHost {
         self.place.stage + 1 == self.place.n_stages
     }
 
-    fn header(&self, kind: FrameKind, session: u64) -> FrameHeader {
-        FrameHeader {
-            protocol: brigade_proto::PROTOCOL_VERSION,
-            kind: kind as i32,
-            generation: self.place.generation,
-            session,
-            deployment: self.place.deployment.clone(),
-            ..Default::default()
-        }
+    /// `frame` addressed to `session` of this stage's deployment generation.
+    fn addressed(&self, frame: Frame, session: u64) -> Frame {
+        frame.in_session(&self.place.deployment, self.place.generation, session)
+    }
+
+    /// Tells the driver that `session` failed here, and why.
+    fn fail_to_driver(&self, session: u64, why: &str) {
+        let text = format!("stage {} ({}): {why}", self.place.stage, self.place.deployment);
+        self.to_driver(self.addressed(Frame::error(&text), session));
     }
 
     /// Sends to the next stage. A frame that cannot be encoded is this session's error (the
@@ -623,30 +612,23 @@ impl StageHost {
         let stamp = StageTrace { stage: self.place.stage, received_us: received, sent_us: 0, compute_us };
         if !self.is_last() {
             let payload = wire::hidden_to_bytes(&out, self.place.act_dtype)?;
-            let mut nh = FrameHeader {
-                step: h.step,
-                first_position: h.first_position,
-                flags: h.flags,
-                ..self.header(FrameKind::Hidden, session)
-            };
-            wire::set_hidden_shape(&mut nh, rows, hidden, self.place.act_dtype, payload.len());
+            let dtype = wire::wire_dtype(self.place.act_dtype);
+            let next = Frame::hidden(h.step, h.first_position, rows, hidden as u64, dtype, payload)
+                .map_err(|e| WorkerError::Frame(e.to_string()))?
+                .with_flags(h.flags);
             trace.push(StageTrace { sent_us: now_us(), ..stamp });
-            nh.trace = trace;
-            return self.to_next(wire::frame(nh, payload));
+            let mut next = self.addressed(next, session);
+            next.header.trace = trace;
+            return self.to_next(next);
         }
         // a prompt chunk before the last fills the cache; there is nothing to sample yet
         let Some(id) = sampled else { return Ok(()) };
-        let mut th = FrameHeader {
-            step: h.step,
-            first_position: h.first_position + rows as u64,
-            flags: if (self.eog)(id) { FLAG_EOG } else { 0 },
-            ..self.header(FrameKind::Tokens, session)
-        };
-        let payload = wire::ids_to_bytes(&[id]);
-        wire::set_ids_shape(&mut th, 1, payload.len());
+        let flags = if (self.eog)(id) { FLAG_EOG } else { 0 };
+        let back = Frame::tokens(h.step, h.first_position + u64::from(rows), &[id]).with_flags(flags);
         trace.push(StageTrace { sent_us: now_us(), ..stamp });
-        th.trace = trace;
-        self.to_driver(wire::frame(th, payload));
+        let mut back = self.addressed(back, session);
+        back.header.trace = trace;
+        self.to_driver(back);
         Ok(())
     }
 }

@@ -15,26 +15,6 @@ pub fn wire_dtype(d: ActDtype) -> WireDtype {
     }
 }
 
-/// Sets the shape fields of a HIDDEN header: `rows × hidden` in `dtype`.
-pub fn set_hidden_shape(h: &mut FrameHeader, rows: u32, hidden: usize, dtype: ActDtype, payload_len: usize) {
-    h.rows = rows;
-    h.dtype = wire_dtype(dtype) as i32;
-    h.shape = vec![rows as u64, hidden as u64];
-    h.payload_len = payload_len as u64;
-}
-
-/// Sets the shape fields of a TOKENS header: `n` ids.
-pub fn set_ids_shape(h: &mut FrameHeader, n: u32, payload_len: usize) {
-    h.rows = n;
-    h.dtype = WireDtype::U32 as i32;
-    h.shape = vec![n as u64];
-    h.payload_len = payload_len as u64;
-}
-
-pub fn ids_to_bytes(ids: &[u32]) -> bytes::Bytes {
-    tw::u32_to_wire(ids)
-}
-
 /// The ids of a TOKENS frame (the codec checked that the payload is `rows` u32s).
 pub fn ids_from_frame(h: &FrameHeader, payload: &[u8]) -> Result<Vec<u32>, WorkerError> {
     if h.dtype != WireDtype::U32 as i32 || payload.len() != h.rows as usize * 4 || h.rows == 0 {
@@ -79,12 +59,6 @@ pub fn hidden_to_bytes(t: &Tensor, dtype: ActDtype) -> Result<bytes::Bytes, Work
     tw::f32_to_wire(&v, wire_dtype(dtype)).map_err(|e| WorkerError::Frame(e.to_string()))
 }
 
-/// A frame from its parts; the header's payload length is the payload's.
-pub fn frame(mut header: FrameHeader, payload: bytes::Bytes) -> brigade_transport::Frame {
-    header.payload_len = payload.len() as u64;
-    brigade_transport::Frame { header, payload }
-}
-
 #[cfg(test)]
 #[allow(clippy::unwrap_used)]
 mod tests {
@@ -125,9 +99,9 @@ mod tests {
         let h = a.forward(&mut ca, StageInput::Tokens(&ids), Logits::All).unwrap();
         let logits = |dtype: ActDtype| -> Vec<f32> {
             let bytes = hidden_to_bytes(&h, dtype).unwrap();
-            let mut hd = FrameHeader::default();
-            set_hidden_shape(&mut hd, ids.len() as u32, 256, dtype, bytes.len());
-            let back = hidden_from_frame(&hd, &bytes, 256, &cpu).unwrap();
+            let frame = brigade_transport::Frame::hidden(0, 0, ids.len() as u32, 256, wire_dtype(dtype), bytes.clone())
+                .unwrap();
+            let back = hidden_from_frame(&frame.header, &bytes, 256, &cpu).unwrap();
             let mut cb = b.new_cache().unwrap();
             b.forward(&mut cb, StageInput::Hidden(&back), Logits::All)
                 .unwrap()
