@@ -51,10 +51,6 @@ impl Admission {
         Self { caps, open: Arc::default() }
     }
 
-    pub fn caps(&self) -> Caps {
-        self.caps
-    }
-
     /// A ticket for one more connection from `ip`, or why there is none.
     pub fn admit(&self, ip: IpAddr) -> Result<Ticket, Refused> {
         let mut open = self.open.lock().unwrap_or_else(PoisonError::into_inner);

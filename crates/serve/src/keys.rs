@@ -58,11 +58,6 @@ impl ApiKeys {
         self.inference.is_empty() && self.admin.is_empty()
     }
 
-    /// True when admin keys are configured apart from the inference keys.
-    pub fn has_admin_tier(&self) -> bool {
-        !self.admin.is_empty()
-    }
-
     /// The tier of a request presenting `given` (the bearer token, if any).
     pub fn check(&self, given: Option<&str>) -> Result<Tier, KeyError> {
         if self.is_open() {
