@@ -63,18 +63,24 @@ fn cluster(model: &std::path::Path) -> Cluster {
     c
 }
 
-/// Streams the generation through the SDK, endpoints in the given order; `fault(tokens so far)`
-/// runs after each token and returns true once it has struck. Returns the ids and the seconds
-/// from the fault to the next token.
-fn stream(c: &Cluster, endpoints: Vec<String>, mut fault: impl FnMut(usize) -> bool) -> (Vec<u32>, f64) {
+/// Streams the generation through the SDK, endpoints in the given order, with stop strings
+/// `stop`; `fault(tokens so far)` runs after each token and returns true once it has struck.
+/// Returns the ids, the text and the seconds from the fault to the next token.
+fn stream(
+    c: &Cluster,
+    endpoints: Vec<String>,
+    stop: &[String],
+    mut fault: impl FnMut(usize) -> bool,
+) -> (Vec<u32>, String, f64) {
     let rt = tokio::runtime::Runtime::new().unwrap();
     let ca_pem = std::fs::read_to_string(c.ca()).unwrap();
     rt.block_on(async move {
         let mut client = Client::connect(ClientConfig { endpoints, ca_pem, api_key: None }).await.unwrap();
-        let mut p = GenerateParams::greedy(TOKENS as u32);
+        let mut p = GenerateParams::greedy(TOKENS as u32).with_stop(stop.iter().cloned());
         p.ignore_eos = true;
         let mut s = client.generate("m", "Once upon a time", p).await.unwrap();
         let mut got = Vec::new();
+        let mut text = String::new();
         let mut struck: Option<Instant> = None;
         let mut gap = 0.0;
         let deadline = Instant::now() + Duration::from_secs(180);
@@ -82,9 +88,10 @@ fn stream(c: &Cluster, endpoints: Vec<String>, mut fault: impl FnMut(usize) -> b
             tokio::time::timeout_at(deadline.into(), s.next()).await.expect("the stream stalled past 180 s")
         {
             match ev.unwrap() {
-                Event::Token { id, index, .. } => {
+                Event::Token { id, index, text: piece } => {
                     assert_eq!(index as usize, got.len(), "a gap or a repeat in the stream");
                     got.push(id);
+                    text.push_str(&piece);
                     if let Some(t) = struck.take() {
                         gap = t.elapsed().as_secs_f64();
                     }
@@ -92,12 +99,28 @@ fn stream(c: &Cluster, endpoints: Vec<String>, mut fault: impl FnMut(usize) -> b
                         struck = Some(Instant::now());
                     }
                 }
-                Event::Done(_) => break,
+                Event::Done(d) => {
+                    let stopped = d.stop() == brigade_sdk::v1::StopReason::Stop;
+                    assert_eq!(stopped, !stop.is_empty(), "{d:?}");
+                    text.push_str(&d.text_tail);
+                    break;
+                }
                 Event::Prompt(_) => {}
             }
         }
-        (got, gap)
+        (got, text, gap)
     })
+}
+
+/// The text each of `ids` (after the prompt) releases as a stream prints them, and the tail
+/// still held at the end.
+fn pieces(model: &std::path::Path, ids: &[u32]) -> (Vec<String>, String) {
+    let bytes = std::fs::read(model).unwrap();
+    let tk = brigade_model::Tokenizer::from_gguf(&brigade_model::gguf::Gguf::parse(&bytes).unwrap()).unwrap();
+    let prompt = tk.encode("Once upon a time", true).unwrap();
+    let mut s = tk.stream(prompt.last().copied());
+    let out = ids.iter().map(|&id| s.push(id)).collect();
+    (out, s.finish())
 }
 
 fn kill_pid(pid: u32) {
@@ -125,7 +148,7 @@ fn the_leader_dies_during_a_stream_and_the_stream_goes_on() {
         endpoints.extend(c.addr().split(',').filter(|a| *a != leader_addr).map(str::to_string));
         let kill_at = [3, 25, 60, 10, 45][run % 5];
         let mut killed_at = None;
-        let (got, gap) = stream(&c, endpoints, |k| {
+        let (got, _, gap) = stream(&c, endpoints, &[], |k| {
             if k == kill_at {
                 kill_pid(pid);
                 killed_at = Some(Instant::now());
@@ -167,15 +190,39 @@ fn a_worker_dies_mid_generation_and_its_layers_move() {
         // the driver (w1) or a middle stage (w2)
         let victim = if run % 2 == 0 { "w2" } else { "w1" };
         let pid = c.worker(victim).child.id();
-        let kill_at = [8, 30, 50][run % 3];
-        let (got, gap) = stream(&c, c.addr().split(',').map(str::to_string).collect(), |k| {
+        let mut kill_at = [8, 30, 50][run % 3];
+        // the second run also gives a stop string that begins in the text sent before the kill
+        // and ends after it: the resumed driver must still find it, from the replayed ids
+        let (texts, tail) = pieces(&model, &want);
+        let whole = texts.concat();
+        // five tokens from `i` as a stop string, if its text is found first where it starts
+        let window = |i: usize| {
+            let stop = texts[i..i + 5].concat();
+            let before = texts[..i].concat();
+            (!texts[i].is_empty() && whole.find(&stop) == Some(before.len())).then_some((stop, before))
+        };
+        let (stop, want_ids, want_text) = if run == 1 {
+            // a random model repeats itself: the first window from token 20 on that is new
+            let i =
+                (20..TOKENS - 10).find(|&i| window(i).is_some()).expect("no stop string found first where it starts");
+            let (stop, before) = window(i).unwrap();
+            // killed once the stop's first token was sent: the driver dies before its end
+            kill_at = i + 1;
+            // the answer's last id is the one that released the stop's last byte
+            let last = (i..i + 5).rev().find(|&j| !texts[j].is_empty()).unwrap();
+            (vec![stop], want[..=last].to_vec(), before)
+        } else {
+            (vec![], want.clone(), whole.clone() + &tail)
+        };
+        let (got, text, gap) = stream(&c, c.addr().split(',').map(str::to_string).collect(), &stop, |k| {
             if k == kill_at {
                 kill_pid(pid);
                 return true;
             }
             false
         });
-        assert_eq!(got, want, "run {run}: killing {victim} changed the ids\n{}", c.logs());
+        assert_eq!(got, want_ids, "run {run}: killing {victim} changed the ids\n{}", c.logs());
+        assert_eq!(text, want_text, "run {run}: killing {victim} changed the text (stop {stop:?})");
         gaps.push(gap);
         let st = c.status();
         let d = &st["deployments"][0];

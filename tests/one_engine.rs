@@ -1,8 +1,9 @@
 //! One engine, one answer: the same request, with every sampling parameter (the penalties
 //! included, greedy and seeded), gives the same text from `brigade serve`, from `brigade run`,
 //! from a coordinator's OpenAI API over deployments on one, two and three workers, from gRPC
-//! `Generate` (the CLI, through the Rust SDK) and from the Python SDK. Before the sampling
-//! parameters had one definition the cluster dropped `presence_penalty` and `frequency_penalty`.
+//! `Generate` (the CLI, through the Rust SDK) and from the Python SDK — with and without a stop
+//! string. Before the sampling parameters had one definition the cluster dropped
+//! `presence_penalty` and `frequency_penalty`; before stop strings had one, gRPC had none.
 #![allow(clippy::unwrap_used)]
 
 mod support;
@@ -73,7 +74,7 @@ fn text_of(out: &std::process::Output, what: &str) -> String {
 
 /// The Python SDK (target/venv, which .ci/run makes): one `generate` per case and deployment;
 /// a JSON object `{"deployment/case": text}`.
-fn python_sdk(c: &Cluster, models: &[&str], cases: &[(&str, Value)]) -> Value {
+fn python_sdk(c: &Cluster, models: &[&str], cases: &[(String, Value)]) -> Value {
     let script = r#"
 import json, sys
 from brigade_client import Client
@@ -120,6 +121,7 @@ fn every_entry_point_gives_the_same_text_for_every_sampling_parameter() {
 
     let cases = cases();
     let mut reference = std::collections::BTreeMap::new();
+    let mut py_cases: Vec<(String, Value)> = Vec::new();
     for (name, sampling) in &cases {
         let want = completion(&server.url, "stories", sampling, None);
         assert!(!want.is_empty(), "{name}: serve generated nothing");
@@ -149,18 +151,33 @@ fn every_entry_point_gives_the_same_text_for_every_sampling_parameter() {
             );
             for m in &models {
                 assert_eq!(completion(&coord, m, sampling, Some(&stop)), cut, "{name}: stop {stop:?} over `{m}`");
+                // gRPC Generate with the stop string, through the Rust SDK
+                let mut args: Vec<String> = vec!["generate".into(), "--model".into(), m.to_string(), "-p".into()];
+                args.extend([PROMPT.to_string(), "--json".into(), format!("--stop={stop}")]);
+                args.extend(flags(sampling));
+                let refs: Vec<&str> = args.iter().map(String::as_str).collect();
+                let out = c.brigade(&refs);
+                assert_eq!(text_of(&out, &format!("generate {name} on {m} --stop")), cut, "{name}: gRPC stop {stop:?}");
+                let v: Value = serde_json::from_slice(&out.stdout).unwrap();
+                assert_eq!(v["stop"], "stop", "{name} on {m}: {v}");
             }
+            let mut kw = sampling.clone();
+            kw["stop"] = json!(stop);
+            py_cases.push((format!("{name}-stop"), kw));
+            reference.insert(format!("{name}-stop"), cut);
         }
+        py_cases.push((name.to_string(), sampling.clone()));
         reference.insert(name.to_string(), want);
     }
     // the cases are not one text: each parameter changed what was generated
-    let distinct: std::collections::BTreeSet<&String> = reference.values().collect();
+    let distinct: std::collections::BTreeSet<&String> = cases.iter().map(|(name, _)| &reference[*name]).collect();
     assert_eq!(distinct.len(), cases.len(), "some parameters changed nothing: {reference:#?}");
+    assert!(py_cases.len() > cases.len(), "no case was long enough for a stop string");
 
-    let py = python_sdk(&c, &models, &cases);
+    let py = python_sdk(&c, &models, &py_cases);
     for m in &models {
-        for (name, _) in &cases {
-            assert_eq!(py[format!("{m}/{name}")].as_str(), Some(reference[*name].as_str()), "python SDK {m}/{name}");
+        for (name, _) in &py_cases {
+            assert_eq!(py[format!("{m}/{name}")].as_str(), Some(reference[name].as_str()), "python SDK {m}/{name}");
         }
     }
     assert!(server.proc.exited().is_none(), "serve died: {}", server.proc.log_text());

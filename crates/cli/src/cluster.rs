@@ -558,6 +558,9 @@ pub struct GenerateArgs {
     pub chat: bool,
     #[arg(long)]
     pub ignore_eos: bool,
+    /// A stop string (repeatable): the answer ends before the earliest one found.
+    #[arg(long = "stop", value_name = "TEXT")]
+    pub stop: Vec<String>,
     /// One JSON object instead of streamed text (the fields of `brigade run --json`, plus `hops`).
     #[arg(long)]
     pub json: bool,
@@ -603,6 +606,7 @@ fn stop_name(s: i32) -> String {
         Ok(StopReason::Eos) => "eos",
         Ok(StopReason::Context) => "context",
         Ok(StopReason::Cancelled) => "caller",
+        Ok(StopReason::Stop) => "stop",
         _ => "unknown",
     }
     .into()
@@ -618,6 +622,7 @@ pub fn generate(a: GenerateArgs) -> Result<()> {
         max_tokens: if a.n_predict < 0 { 0 } else { u32::try_from(a.n_predict).context("-n is too large")? },
         sampling,
         ignore_eos: a.ignore_eos,
+        stop: a.stop.clone(),
     };
     if a.n_predict == 0 {
         bail!("-n 0 generates nothing");

@@ -49,7 +49,7 @@ async fn one(c: &Connect, model: &str, prompt: Vec<u32>, max_tokens: u32) -> Res
             max_tokens,
             sampling: Some(sampling_to_proto(&SamplingParams::greedy())),
             ignore_eos: true,
-            resume_ids: vec![],
+            ..Default::default()
         }),
     };
     let mut s = client.generate_request(req).await?;

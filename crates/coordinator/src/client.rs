@@ -500,11 +500,13 @@ fn drive_options(o: Option<GenerateOptions>) -> Result<DriveRequest, Status> {
     }
     // checked here, at the edge, so a bad setting is the caller's error and never reaches a stage
     let sampling = sampling_from_proto(o.sampling.as_ref()).map_err(|e| Status::invalid_argument(e.to_string()))?;
+    brigade_core::stop::check_stops(&o.stop).map_err(|e| Status::invalid_argument(format!("stop: {e}")))?;
     Ok(DriveRequest {
         max_tokens: o.max_tokens,
         sampling: Some(sampling_to_proto(&sampling)),
         ignore_eos: o.ignore_eos,
         resume_ids: o.resume_ids,
+        stop: o.stop,
         ..Default::default()
     })
 }
@@ -668,5 +670,22 @@ impl Client for ClientService {
         let r = req.into_inner();
         let (_, p, _, _) = self.placement(&r).await?;
         Ok(Response::new(PlanResponse { plan_text: p.plan_text, plan_json: p.plan_json }))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn stop_strings_reach_the_driver_and_too_many_are_the_callers_error() {
+        let o = GenerateOptions { stop: vec!["\nUser:".into(), "END".into()], ..Default::default() };
+        assert_eq!(drive_options(Some(o)).unwrap().stop, ["\nUser:", "END"]);
+        let many = GenerateOptions { stop: vec!["x".into(); 17], ..Default::default() };
+        let e = drive_options(Some(many)).unwrap_err();
+        assert_eq!(e.code(), tonic::Code::InvalidArgument);
+        assert_eq!(e.message(), "stop: at most 16 stop strings, got 17");
+        let long = GenerateOptions { stop: vec!["y".repeat(300)], ..Default::default() };
+        assert!(drive_options(Some(long)).unwrap_err().message().contains("stop string 0 is 300"));
     }
 }

@@ -95,7 +95,7 @@ impl Backend for ClusterBackend {
                     Some(Ok(e)) => match e.event {
                         Some(generate_event::Event::Token(t)) => EngineEvent::Token(t.id),
                         Some(generate_event::Event::Done(d)) => EngineEvent::Done(match d.stop() {
-                            StopReason::Eos => Finish::Stop,
+                            StopReason::Eos | StopReason::Stop => Finish::Stop,
                             _ => Finish::Length,
                         }),
                         Some(generate_event::Event::Prompt(_)) | None => continue,

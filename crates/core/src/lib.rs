@@ -9,6 +9,7 @@
 //!   links between its nodes, in base units.
 //! - [`SamplingParams`]: how the next token is drawn, one definition for every entry point.
 //! - [`ModelProfile`]: what placement needs to know of a model (bytes and flops per layer).
+//! - [`stop`]: stop strings over streamed text, one rule for every API.
 //! - [`admission`]: how many connections a listener holds at once, overall and per address.
 //! - [`cluster`]: the replicated cluster state (nodes, links, models, deployments) and its pure
 //!   `apply(command)`.
@@ -23,6 +24,7 @@ mod inventory;
 mod layers;
 mod profile;
 mod sampling;
+pub mod stop;
 
 pub use device::{DeviceId, DeviceKind};
 pub use inventory::{DeviceSpec, Inventory, Link, LinkSpec, NodeSpec};

@@ -11,6 +11,7 @@
 
 use crate::gguf::{Gguf, Value};
 use crate::FormatError;
+use brigade_core::stop::StopMatcher;
 use std::cmp::Ordering;
 use std::collections::{BinaryHeap, HashMap, HashSet};
 use tokenizers::models::bpe::BPE;
@@ -560,6 +561,12 @@ impl Tokenizer {
         TextStream { tk: self, pending: Vec::new(), prev }
     }
 
+    /// An answer's text as every API sends it: [`Tokenizer::stream`] cut at the earliest of
+    /// `stops` (see [`StopMatcher`]).
+    pub fn answer(&self, prev: Option<u32>, stops: Vec<String>) -> AnswerText<'_> {
+        AnswerText { text: self.stream(prev), stop: StopMatcher::new(stops) }
+    }
+
     /// Renders the model's chat template for `(role, content)` messages and a generation prompt.
     pub fn apply_chat_template(&self, messages: &[(String, String)]) -> Result<String, FormatError> {
         let template = self.chat_template.as_deref().ok_or_else(|| {
@@ -653,6 +660,44 @@ impl TextStream<'_> {
     }
 }
 
+/// Generated ids to the text an API sends: characters whole, nothing of a stop string and
+/// nothing after it. One definition for `serve`, the coordinator's HTTP API and the cluster's
+/// driver (gRPC), so a stop string cuts the same text wherever it is given.
+pub struct AnswerText<'a> {
+    text: TextStream<'a>,
+    stop: StopMatcher,
+}
+
+impl AnswerText<'_> {
+    /// The text id `id` releases (empty while held back, and after a stop string).
+    pub fn push(&mut self, id: u32) -> String {
+        let piece = self.text.push(id);
+        self.stop.push(&piece)
+    }
+
+    /// Pushes ids whose text was already sent (a session resumed after a failover): afterwards
+    /// the state is as if they had just been pushed, and what they released is dropped.
+    pub fn replay(&mut self, ids: &[u32]) {
+        for &id in ids {
+            self.push(id);
+        }
+    }
+
+    /// Whether a stop string was found.
+    pub fn stopped(&self) -> bool {
+        self.stop.stopped()
+    }
+
+    /// The end of the answer: whatever is still held back (an incomplete character, lossily;
+    /// text that began no stop string after all).
+    pub fn finish(&mut self) -> String {
+        let tail = self.text.finish();
+        let mut out = self.stop.push(&tail);
+        out.push_str(&self.stop.finish());
+        out
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -706,5 +751,40 @@ mod tests {
         for id in 0..=300 {
             assert_eq!(hf.is_eog(id), gguf.is_eog(id), "token {id}");
         }
+    }
+
+    #[test]
+    fn an_answer_is_cut_at_its_stop_and_a_replayed_answer_goes_on_alike() {
+        let g = Gguf::parse(crate::embedded_model()).unwrap();
+        let tk = Tokenizer::from_gguf(&g).unwrap();
+        let prompt = tk.encode("Once upon a time", true).unwrap();
+        let ids = tk.encode(" there was a little girl named Lily. She loved to play outside.", false).unwrap();
+        let prev = prompt.last().copied();
+        let whole = tk.decode(&ids, prev);
+        // a stop that begins inside one token and ends inside another
+        let at = whole.find("girl").unwrap() + 2;
+        let stop = whole[at..at + 6].to_string();
+        let run = |skip: usize| -> (String, bool) {
+            let mut a = tk.answer(prev, vec![stop.clone()]);
+            a.replay(&ids[..skip]);
+            let mut out: String = ids[skip..].iter().map(|&id| a.push(id)).collect();
+            out.push_str(&a.finish());
+            (out, a.stopped())
+        };
+        let (cut, stopped) = run(0);
+        assert!(stopped);
+        assert_eq!(cut, whole[..at], "the text before the stop, nothing of it");
+        // resumed after k ids: what the first answer sent after its k-th id, exactly
+        for k in 0..ids.len() {
+            let mut a = tk.answer(prev, vec![stop.clone()]);
+            let sent_before: String = ids[..k].iter().map(|&id| a.push(id)).collect();
+            let (rest, stopped) = run(k);
+            assert_eq!(format!("{sent_before}{rest}"), cut, "resumed after {k} ids");
+            assert!(stopped, "after {k}");
+        }
+        let mut free = tk.answer(prev, vec!["zebra".into()]);
+        let mut text: String = ids.iter().map(|&id| free.push(id)).collect();
+        text.push_str(&free.finish());
+        assert_eq!((text, free.stopped()), (whole, false));
     }
 }

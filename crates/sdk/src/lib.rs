@@ -160,11 +160,21 @@ pub struct GenerateParams {
     /// `brigade serve` and the OpenAI API.
     pub sampling: SamplingParams,
     pub ignore_eos: bool,
+    /// Stop strings (at most 16, each at most 256 bytes): the answer ends before the earliest
+    /// found, with `STOP_REASON_STOP`, and no token's text holds any of it (text that could
+    /// still begin one comes in a later token, or in [`Done::text_tail`]).
+    pub stop: Vec<String>,
 }
 
 impl GenerateParams {
     pub fn greedy(max_tokens: u32) -> Self {
-        GenerateParams { max_tokens, sampling: SamplingParams::greedy(), ignore_eos: false }
+        GenerateParams { max_tokens, sampling: SamplingParams::greedy(), ignore_eos: false, stop: Vec::new() }
+    }
+
+    /// These parameters with stop strings.
+    pub fn with_stop<S: Into<String>>(mut self, stop: impl IntoIterator<Item = S>) -> Self {
+        self.stop = stop.into_iter().map(Into::into).collect();
+        self
     }
 
     fn options(&self, resume: Vec<u32>) -> GenerateOptions {
@@ -173,6 +183,7 @@ impl GenerateParams {
             sampling: Some(sampling_to_proto(&self.sampling)),
             ignore_eos: self.ignore_eos,
             resume_ids: resume,
+            stop: self.stop.clone(),
         }
     }
 }

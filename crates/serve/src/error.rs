@@ -67,7 +67,11 @@ impl ApiError {
 
     /// 404: a model this server does not serve.
     pub fn model_not_found(model: &str, served: &[String]) -> Self {
-        let m = format!("the model `{model}` does not exist; this server has: {}", served.join(", "));
+        let m = match (model, served.is_empty()) {
+            ("", true) => "this server has no model yet".to_string(),
+            (_, true) => format!("the model `{model}` does not exist; this server has no model yet"),
+            _ => format!("the model `{model}` does not exist; this server has: {}", served.join(", ")),
+        };
         ApiError {
             param: Some("model".into()),
             ..Self::new(StatusCode::NOT_FOUND, "invalid_request_error", Some("model_not_found"), m)

@@ -11,7 +11,6 @@
 //!   with connection caps and header and body timeouts.
 //! - [`keys`]: API keys in an inference and an admin tier, compared hashed in constant time.
 //! - [`openai`]: the request bodies and their checks (llama.cpp's defaults for what is left out).
-//! - [`stop`]: stop strings over streamed text (pure).
 //! - [`error`]: [`ApiError`], every error in OpenAI's JSON shape with its status.
 //! - [`overview`]: what a backend runs (nodes, devices, links, deployments, stages), as plain
 //!   data: the one source of [`metrics`] (`/metrics`, Prometheus' text format through
@@ -29,7 +28,6 @@ pub mod metrics;
 pub mod openai;
 pub mod overview;
 pub mod server;
-pub mod stop;
 
 pub use backend::{Backend, EngineEvent, EngineRequest, Finish, Load, ModelInfo};
 pub use brigade_core::SamplingParams;

@@ -52,7 +52,9 @@ pub struct Params {
 
 #[derive(Debug, Deserialize)]
 pub struct CompletionRequest {
-    pub model: String,
+    /// Optional when the server serves one model (as llama-server: curl examples leave it out).
+    #[serde(default)]
+    pub model: Option<String>,
     pub prompt: Prompt,
     #[serde(flatten)]
     pub params: Params,
@@ -85,16 +87,15 @@ pub struct Message {
 
 #[derive(Debug, Deserialize)]
 pub struct ChatRequest {
-    pub model: String,
+    /// Optional when the server serves one model.
+    #[serde(default)]
+    pub model: Option<String>,
     pub messages: Vec<Message>,
     #[serde(flatten)]
     pub params: Params,
     pub logprobs: Option<bool>,
     pub top_logprobs: Option<i64>,
 }
-
-/// Stop strings a request may give (OpenAI allows 4).
-pub const MAX_STOPS: usize = 16;
 
 /// A request's checked settings.
 #[derive(Debug, Clone, PartialEq)]
@@ -143,9 +144,7 @@ impl Params {
             Some(Stop::One(s)) => vec![s.clone()],
             Some(Stop::Many(v)) => v.clone(),
         };
-        if stop.len() > MAX_STOPS {
-            return Err(ApiError::bad_param("stop", format!("at most {MAX_STOPS} stop strings, got {}", stop.len())));
-        }
+        brigade_core::stop::check_stops(&stop).map_err(|e| ApiError::bad_param("stop", e.to_string()))?;
         // unspecified fields take llama.cpp's defaults; OpenAI's ranges are checked here, what
         // the sampler itself cannot use by `validate`
         let d = SamplingParams::default();

@@ -8,7 +8,6 @@ use crate::error::ApiError;
 use crate::keys::{ApiKeys, KeyError};
 use crate::metrics::{RecentRequest, ServerMetrics};
 use crate::openai::{ChatRequest, CompletionRequest, Prompt, Settings};
-use crate::stop::StopMatcher;
 use axum::body::{Body, Bytes};
 use axum::extract::{Path, Request, State};
 use axum::http::header;
@@ -209,16 +208,23 @@ async fn models<B: Backend>(State(app): State<Arc<App<B>>>) -> Json<Value> {
 }
 
 async fn model<B: Backend>(State(app): State<Arc<App<B>>>, Path(id): Path<String>) -> Result<Json<Value>, ApiError> {
-    Ok(Json(card(&app.find(&id)?)))
+    Ok(Json(card(&app.find(Some(&id))?)))
 }
 
 impl<B: Backend> App<B> {
-    fn find(&self, id: &str) -> Result<ModelInfo, ApiError> {
-        let all = self.backend.models();
-        all.iter().find(|m| m.id == id).cloned().ok_or_else(|| {
-            let ids: Vec<String> = all.iter().map(|m| m.id.clone()).collect();
-            ApiError::model_not_found(id, &ids)
-        })
+    /// The model a request names; a request that names none gets the one model served (a
+    /// 400 naming them when there are several).
+    fn find(&self, id: Option<&str>) -> Result<ModelInfo, ApiError> {
+        let mut all = self.backend.models();
+        let ids = || all.iter().map(|m| m.id.clone()).collect::<Vec<String>>();
+        match id {
+            None if all.len() == 1 => Ok(all.remove(0)),
+            None if all.is_empty() => Err(ApiError::model_not_found("", &[])),
+            None => {
+                Err(ApiError::bad_param("model", format!("`model` is required: this server has {}", ids().join(", "))))
+            }
+            Some(id) => all.iter().find(|m| m.id == id).cloned().ok_or_else(|| ApiError::model_not_found(id, &ids())),
+        }
     }
 
     /// A response id and seed unique to this request.
@@ -280,7 +286,7 @@ async fn completions<B: Backend>(State(app): State<Arc<App<B>>>, body: Body) -> 
     let t0 = Instant::now();
     let req: CompletionRequest = parse(&read_body(body, app.cfg.max_body_bytes).await?)?;
     req.check_unsupported()?;
-    let info = app.find(&req.model)?;
+    let info = app.find(req.model.as_deref())?;
     let (id, seed) = app.next_id();
     let settings = req.params.settings(seed)?;
     let vocab = info.tokenizer.vocab_size();
@@ -307,7 +313,7 @@ async fn chat<B: Backend>(State(app): State<Arc<App<B>>>, body: Body) -> Result<
     let t0 = Instant::now();
     let req: ChatRequest = parse(&read_body(body, app.cfg.max_body_bytes).await?)?;
     req.check_unsupported()?;
-    let info = app.find(&req.model)?;
+    let info = app.find(req.model.as_deref())?;
     let (id, seed) = app.next_id();
     let settings = req.params.settings(seed)?;
     let turns = req.turns()?;
@@ -461,8 +467,7 @@ async fn pump_events(
     timing: &mut Timing,
 ) -> String {
     let gone = || "client gone".to_string();
-    let mut text = tk.stream(prev);
-    let mut stop = StopMatcher::new(stops);
+    let mut text = tk.answer(prev, stops);
     let (mut tokens, mut cached) = (0usize, 0usize);
     loop {
         let ev = tokio::select! {
@@ -473,17 +478,16 @@ async fn pump_events(
             Some(EngineEvent::Token(id)) => {
                 timing.token(record);
                 tokens += 1;
-                let piece = stop.push(&text.push(id));
-                (piece, stop.stopped().then_some(Chunk::End { finish: Finish::Stop, tokens, cached }))
+                let piece = text.push(id);
+                (piece, text.stopped().then_some(Chunk::End { finish: Finish::Stop, tokens, cached }))
             }
             Some(EngineEvent::Started { cached_tokens }) => {
                 cached = cached_tokens;
                 continue;
             }
             Some(EngineEvent::Done(finish)) => {
-                let mut piece = stop.push(&text.finish());
-                piece.push_str(&stop.finish());
-                let finish = if stop.stopped() { Finish::Stop } else { finish };
+                let piece = text.finish();
+                let finish = if text.stopped() { Finish::Stop } else { finish };
                 (piece, Some(Chunk::End { finish, tokens, cached }))
             }
             Some(EngineEvent::Error(e)) => (String::new(), Some(Chunk::Error(e))),

@@ -30,6 +30,8 @@ struct Scripted {
     overview: Option<Overview>,
     /// Prompt tokens the backend says it kept (a `Started` event first).
     cached: Option<usize>,
+    /// The models it serves, all with the same tokenizer.
+    models: Vec<&'static str>,
 }
 
 fn tokenizer() -> Arc<Tokenizer> {
@@ -50,18 +52,22 @@ fn scripted(text: &str, finish: Finish) -> Scripted {
         complete: true,
         overview: None,
         cached: None,
+        models: vec!["tiny"],
     }
 }
 
 impl Backend for Scripted {
     fn models(&self) -> Vec<ModelInfo> {
-        vec![ModelInfo {
-            id: "tiny".into(),
-            n_ctx: 64,
-            tokenizer: self.tk.clone(),
-            created: 1,
-            owned_by: "test".into(),
-        }]
+        self.models
+            .iter()
+            .map(|id| ModelInfo {
+                id: id.to_string(),
+                n_ctx: 64,
+                tokenizer: self.tk.clone(),
+                created: 1,
+                owned_by: "test".into(),
+            })
+            .collect()
     }
 
     async fn complete(&self, req: EngineRequest) -> Result<mpsc::UnboundedReceiver<EngineEvent>, ApiError> {
@@ -276,6 +282,38 @@ fn error(st: StatusCode, body: &[u8], want: StatusCode) -> String {
     let e = &j["error"];
     assert!(e["type"].is_string() && e.get("code").is_some() && e.get("param").is_some(), "{j}");
     e["message"].as_str().unwrap().to_string()
+}
+
+#[tokio::test]
+async fn model_may_be_left_out_when_one_is_served() {
+    let (one, b) = app(scripted(TEXT, Finish::Stop));
+    for (path, body) in [
+        ("/v1/completions", json!({"prompt": "Hi", "temperature": 0})),
+        ("/v1/chat/completions", json!({"messages": [{"role": "user", "content": "Hi"}], "temperature": 0})),
+    ] {
+        let (st, out) = call(one.clone(), "POST", path, Some(body), None).await;
+        assert_eq!(st, StatusCode::OK, "{path}: {}", String::from_utf8_lossy(&out));
+        assert_eq!(json_of(&out)["model"], "tiny", "{path}: the answer names the model it used");
+    }
+    assert_eq!(b.seen.lock().unwrap().iter().map(|r| r.model.as_str()).collect::<Vec<_>>(), ["tiny", "tiny"]);
+
+    let mut two = scripted(TEXT, Finish::Stop);
+    two.models = vec!["tiny", "small"];
+    let (two, b) = app(two);
+    let (st, out) = call(two.clone(), "POST", "/v1/completions", Some(json!({"prompt": "Hi"})), None).await;
+    let m = error(st, &out, StatusCode::BAD_REQUEST);
+    assert!(m.contains("`model` is required") && m.contains("tiny, small"), "{m}");
+    assert_eq!(json_of(&out)["error"]["param"], "model");
+    let body = json!({"model": "small", "prompt": "Hi", "max_tokens": 2});
+    let (st, _) = call(two, "POST", "/v1/completions", Some(body), None).await;
+    assert_eq!(st, StatusCode::OK);
+    assert_eq!(b.seen.lock().unwrap().len(), 1, "the refused request reached the backend");
+
+    let mut none = scripted(TEXT, Finish::Stop);
+    none.models = vec![];
+    let (none, _) = app(none);
+    let (st, out) = call(none, "POST", "/v1/completions", Some(json!({"prompt": "Hi"})), None).await;
+    assert_eq!(error(st, &out, StatusCode::NOT_FOUND), "this server has no model yet");
 }
 
 #[tokio::test]

@@ -212,7 +212,10 @@ async fn run_session(
     let mut fed = feed.len();
     let mut generated = req.resume_ids.len() as u32;
     let mut emitted = 0u32;
-    let mut stream = t.tokenizer.stream(feed.last().copied());
+    // the answer's text; after a failover its state is rebuilt from the ids the client already
+    // has (their text is not sent again), so a stop string that began before is still found
+    let mut text = t.tokenizer.answer(prompt.last().copied(), req.stop.clone());
+    text.replay(&req.resume_ids);
     let mut first_token_at: Option<Instant> = None;
     let mut last_token_at = Instant::now();
     let mut hops = HopSums::default();
@@ -256,12 +259,14 @@ async fn run_session(
         if !req.ignore_eos && eog {
             break StopReason::Eos;
         }
-        let text = stream.push(id);
-        let token = Token { id, text, index: generated };
+        let token = Token { id, text: text.push(id), index: generated };
         generated += 1;
         emitted += 1;
         if out.send(ev(generate_event::Event::Token(token))).await.is_err() {
             break StopReason::Cancelled;
+        }
+        if text.stopped() {
+            break StopReason::Stop;
         }
         if req.max_tokens > 0 && generated >= req.max_tokens {
             break StopReason::Length;
@@ -288,7 +293,9 @@ async fn run_session(
         ttft_s: prompt_s,
         hops: hops.timings(hidden_bytes),
     };
-    let done = Done { stop: stop as i32, timings: Some(timings), text_tail: stream.finish() };
+    let text_tail = text.finish();
+    let stop = if text.stopped() && stop != StopReason::Cancelled { StopReason::Stop } else { stop };
+    let done = Done { stop: stop as i32, timings: Some(timings), text_tail };
     let _ = out.send(ev(generate_event::Event::Done(done))).await;
     Ok(())
 }

@@ -207,6 +207,7 @@ class Client:
         frequency_penalty: float = 0.0,
         presence_penalty: float = 0.0,
         ignore_eos: bool = False,
+        stop: Union[str, Sequence[str], None] = None,
     ) -> Generation:
         """Generates from ``prompt`` (text, or token ids) with deployment ``model``.
 
@@ -215,8 +216,10 @@ class Client:
         runs until an end-of-generation token or a full context; ``temperature=0`` is greedy;
         the penalties are llama.cpp's (``repeat_penalty`` over the last ``repeat_last_n`` ids,
         OpenAI's ``frequency_penalty`` and ``presence_penalty``); ``seed=None`` picks a random
-        seed (``Generation.seed``). Raises :class:`BrigadeError` (e.g. ``NOT_FOUND`` for an
-        unknown model) before returning when the call is refused.
+        seed (``Generation.seed``); ``stop`` (a string or up to 16) ends the answer before the
+        earliest stop string found (``done.stop == "stop"``), and no text piece holds any of it.
+        Raises :class:`BrigadeError` (e.g. ``NOT_FOUND`` for an unknown model) before returning
+        when the call is refused.
         """
         options, seed = _options(
             max_tokens,
@@ -230,6 +233,7 @@ class Client:
             frequency_penalty,
             presence_penalty,
             ignore_eos,
+            stop,
         )
         if isinstance(prompt, str):
             req = client_pb2.GenerateRequest(model=model, prompt=prompt, options=options)
@@ -253,6 +257,7 @@ class Client:
         frequency_penalty: float = 0.0,
         presence_penalty: float = 0.0,
         ignore_eos: bool = False,
+        stop: Union[str, Sequence[str], None] = None,
     ) -> Generation:
         """A conversation (``[{"role": "user", "content": "…"}, …]``) rendered with the model's
         chat template; otherwise as :meth:`generate`."""
@@ -268,6 +273,7 @@ class Client:
             frequency_penalty,
             presence_penalty,
             ignore_eos,
+            stop,
         )
         try:
             msgs = [client_pb2.ChatMessage(role=m["role"], content=m["content"]) for m in messages]
@@ -372,9 +378,13 @@ def _options(
     frequency_penalty: float,
     presence_penalty: float,
     ignore_eos: bool,
+    stop: Union[str, Sequence[str], None],
 ) -> tuple[client_pb2.GenerateOptions, int]:
     if not 0 <= max_tokens < 1 << 32:
         raise BrigadeError(None, f"max_tokens {max_tokens}: 0 (no limit) or a token count below 2^32")
+    stops = [stop] if isinstance(stop, str) else list(stop or [])
+    if not all(isinstance(s, str) for s in stops):
+        raise BrigadeError(None, f"stop {stop!r}: a string or a list of strings")
     seed = secrets.randbits(63) if seed is None else seed
     sampling = common_pb2.Sampling(
         temperature=temperature,
@@ -387,7 +397,8 @@ def _options(
         presence_penalty=presence_penalty,
         seed=seed,
     )
-    return client_pb2.GenerateOptions(max_tokens=max_tokens, sampling=sampling, ignore_eos=ignore_eos), seed
+    options = client_pb2.GenerateOptions(max_tokens=max_tokens, sampling=sampling, ignore_eos=ignore_eos, stop=stops)
+    return options, seed
 
 
 class Generation:
