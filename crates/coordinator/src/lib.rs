@@ -11,7 +11,9 @@
 //!   `brigade_core::cluster::ClusterState::apply` on every replica, durable before it is
 //!   acknowledged; a single coordinator is a group of one. [`raft_service`]: raft messages
 //!   between replicas and new replicas joining.
-//! - [`recover`]: the leader's liveness checks, re-placement of a dead node's stages, rebalancing.
+//! - [`reconcile`]: the leader's decisions, pure — liveness checks, re-placement of a dead node's
+//!   stages, rebalancing — as `Reconciler::step(now, &state, &liveness) -> Vec<Action>`;
+//!   [`recover`]: the loop that drives it (reads, replicates, logs).
 //! - [`pki`]: the cluster CA, the join token, the coordinator's certificate.
 //! - [`models`]: models opened through `brigade-format`, their manifests, their bytes for fetches.
 //! - [`placement`]: the planner's inventory from measured figures; planned or hand-given maps.
@@ -34,6 +36,7 @@ pub mod pki;
 pub mod placement;
 pub mod raft;
 pub mod raft_service;
+pub mod reconcile;
 pub mod recover;
 pub mod server;
 

@@ -17,6 +17,7 @@ use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 use tokio::sync::watch;
+use tokio_util::sync::CancellationToken;
 use tonic::codegen::InterceptedService;
 use tonic::transport::Channel;
 
@@ -298,8 +299,12 @@ pub(crate) fn require_admin<T>(req: &tonic::Request<T>, what: &str) -> Result<()
     }
 }
 
-/// Starts the OpenAI-compatible HTTP API on `addr` (in the background, for the process's life).
-async fn serve_http(shared: &Arc<Shared>, addr: SocketAddr) -> Result<(), CoordError> {
+/// Starts the OpenAI-compatible HTTP API on `addr`, in the background until `stop` is cancelled.
+async fn serve_http(
+    shared: &Arc<Shared>,
+    addr: SocketAddr,
+    stop: CancellationToken,
+) -> Result<tokio::task::JoinHandle<()>, CoordError> {
     let listener = tokio::net::TcpListener::bind(addr)
         .await
         .map_err(|e| CoordError::Internal(format!("binding --http {addr}: {e}")))?;
@@ -313,15 +318,20 @@ async fn serve_http(shared: &Arc<Shared>, addr: SocketAddr) -> Result<(), CoordE
         protect_metrics: shared.cfg.protect_metrics,
         ..Default::default()
     };
-    tokio::spawn(async move {
-        if let Err(e) = brigade_serve::serve(listener, backend, cfg, std::future::pending()).await {
+    Ok(tokio::spawn(async move {
+        if let Err(e) = brigade_serve::serve(listener, backend, cfg, stop.cancelled_owned()).await {
             tracing::error!("the HTTP API stopped: {e}");
         }
-    });
-    Ok(())
+    }))
 }
 
-/// Runs the coordinator on `listener` until `shutdown` completes.
+/// How long shutdown waits for the raft task, the leader tasks and the HTTP API to end.
+const SHUTDOWN_WAIT: Duration = Duration::from_secs(10);
+
+/// Runs the coordinator on `listener` until `shutdown` completes, or until this replica cannot
+/// go on (its raft log cannot be written: that error is returned). One cancellation token stops
+/// the gRPC server, the raft task, the leader tasks and the HTTP API; when this returns, each
+/// has ended (or been given [`SHUTDOWN_WAIT`]) and the raft log is closed.
 pub async fn run(
     cfg: CoordinatorConfig,
     listener: tokio::net::TcpListener,
@@ -370,7 +380,8 @@ pub async fn run(
     if !peers.contains_key(&cfg.id) {
         return Err(CoordError::BadRequest(format!("--peers does not name this replica's id {}", cfg.id)));
     }
-    let raft = crate::raft::node::start(
+    let stop = CancellationToken::new();
+    let (raft, raft_task) = crate::raft::node::start(
         RaftOptions {
             id: cfg.id,
             peers: if bootstrap { peers.clone() } else { BTreeMap::new() },
@@ -381,6 +392,7 @@ pub async fn run(
         },
         opened.pki.identity.clone(),
         opened.pki.ca_pem().to_string(),
+        stop.clone(),
     )?;
     let shared = Arc::new(Shared {
         cfg: cfg.clone(),
@@ -405,11 +417,40 @@ pub async fn run(
             s.deployments.len()
         );
     }
-    tokio::spawn(crate::recover::leader_tasks(shared.clone()));
+    let mut tasks = vec![tokio::spawn(crate::recover::leader_tasks(shared.clone(), stop.clone()))];
     if let Some(addr) = cfg.http {
-        serve_http(&shared, addr).await?;
+        match serve_http(&shared, addr, stop.clone()).await {
+            Ok(t) => tasks.push(t),
+            Err(e) => {
+                stop.cancel();
+                return Err(e);
+            }
+        }
     }
+    let served = serve_grpc(&shared, listener, stop.clone(), shutdown).await;
+    // whatever ended the gRPC server ends the rest
+    stop.cancel();
+    let raft_result = match tokio::time::timeout(SHUTDOWN_WAIT, raft_task).await {
+        Ok(Ok(r)) => r,
+        Ok(Err(e)) => Err(CoordError::Internal(format!("the raft task failed: {e}"))),
+        Err(_) => Err(CoordError::Internal(format!("the raft task did not stop within {}s", SHUTDOWN_WAIT.as_secs()))),
+    };
+    for t in tasks {
+        if tokio::time::timeout(SHUTDOWN_WAIT, t).await.is_err() {
+            tracing::warn!("a coordinator task did not stop within {}s", SHUTDOWN_WAIT.as_secs());
+        }
+    }
+    raft_result.and(served)
+}
 
+/// The gRPC services on `listener` until `shutdown` completes or `stop` is cancelled.
+async fn serve_grpc(
+    shared: &Arc<Shared>,
+    listener: tokio::net::TcpListener,
+    stop: CancellationToken,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+) -> Result<(), CoordError> {
+    let cfg = &shared.cfg;
     let (health, health_svc) = tonic_health::server::health_reporter();
     health.set_serving::<brigade_proto::v1::client_server::ClientServer<crate::client::ClientService>>().await;
     health.set_serving::<brigade_proto::v1::control_server::ControlServer<crate::control::ControlService>>().await;
@@ -458,7 +499,12 @@ pub async fn run(
         .add_service(client)
         .serve_with_incoming_shutdown(
             brigade_transport::grpc::incoming(listener, brigade_transport::grpc::GRPC_CAPS),
-            shutdown,
+            async move {
+                tokio::select! {
+                    _ = shutdown => {}
+                    _ = stop.cancelled() => {}
+                }
+            },
         )
         .await
         .map_err(|e| CoordError::Internal(format!("grpc server: {e}")))

@@ -16,6 +16,7 @@ use std::path::PathBuf;
 use std::sync::{Arc, RwLock};
 use std::time::Duration;
 use tokio::sync::{mpsc, oneshot, watch};
+use tokio_util::sync::CancellationToken;
 
 /// How long a proposal may take to commit before its caller gets an error.
 const PROPOSE_TIMEOUT: Duration = Duration::from_secs(10);
@@ -178,12 +179,16 @@ fn role_name(r: StateRole) -> &'static str {
     }
 }
 
-/// Starts the raft node of this replica. `identity`/`ca_pem` authenticate it to its peers.
+/// Starts the raft node of this replica. `identity`/`ca_pem` authenticate it to its peers. The
+/// task runs until `stop` is cancelled; when it cannot write its log it cancels `stop` itself
+/// (the whole replica stops: it must not go on as if the entry were durable) and its handle
+/// returns the error. Either way the log is closed when the handle resolves.
 pub fn start(
     opts: RaftOptions,
     identity: brigade_transport::Identity,
     ca_pem: String,
-) -> Result<RaftHandle, CoordError> {
+    stop: CancellationToken,
+) -> Result<(RaftHandle, tokio::task::JoinHandle<Result<(), CoordError>>), CoordError> {
     let applied: AppliedState = Arc::new(RwLock::new((0, ClusterState::new())));
     let marker = opts.data_dir.join(INITIALISED_FILE);
     let marked = marker.exists();
@@ -257,8 +262,8 @@ pub fn start(
         status: status_tx,
         changed: changed_tx,
     };
-    tokio::spawn(task.run(rx, opts.tick));
-    Ok(RaftHandle { tx, applied, status: status_rx, changed: changed_rx, peers })
+    let done = tokio::spawn(task.run(rx, opts.tick, stop));
+    Ok((RaftHandle { tx, applied, status: status_rx, changed: changed_rx, peers }, done))
 }
 
 /// A read waiting for its read index: (context, the index once known, the reply).
@@ -299,36 +304,45 @@ fn parse_context(c: &[u8]) -> Option<(u64, u64)> {
 }
 
 impl Task {
-    async fn run(mut self, mut rx: mpsc::Receiver<Req>, tick: Duration) {
+    async fn run(self, rx: mpsc::Receiver<Req>, tick: Duration, stop: CancellationToken) -> Result<(), CoordError> {
+        let r = self.turn(rx, tick, &stop).await;
+        if let Err(e) = &r {
+            // the log could not be written: this replica must not go on as if it had been
+            tracing::error!("raft: {e}; this coordinator replica stops");
+            stop.cancel();
+        }
+        r
+    }
+
+    async fn turn(
+        mut self,
+        mut rx: mpsc::Receiver<Req>,
+        tick: Duration,
+        stop: &CancellationToken,
+    ) -> Result<(), CoordError> {
         let mut ticker = tokio::time::interval(tick);
         ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         loop {
             tokio::select! {
+                _ = stop.cancelled() => return Ok(()),
                 _ = ticker.tick() => {
                     self.node.tick();
                 }
                 r = rx.recv() => match r {
                     Some(r) => self.handle(r),
-                    None => return,
+                    None => return Ok(()),
                 },
             }
             // take what else is waiting before handling the ready: one fsync for a batch
             while let Ok(r) = rx.try_recv() {
                 self.handle(r);
             }
-            if let Err(e) = self.on_ready() {
-                // the log could not be written: this replica must not go on as if it had been
-                tracing::error!("raft: {e}; this coordinator replica stops");
-                std::process::exit(3);
-            }
+            self.on_ready()?;
             if self.node.raft.leader_id != 0 && !self.deferred.is_empty() {
                 for r in std::mem::take(&mut self.deferred) {
                     self.handle(r);
                 }
-                if let Err(e) = self.on_ready() {
-                    tracing::error!("raft: {e}; this coordinator replica stops");
-                    std::process::exit(3);
-                }
+                self.on_ready()?;
             }
             self.promote_learners();
             self.publish();

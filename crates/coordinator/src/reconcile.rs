@@ -1,0 +1,409 @@
+//! The leader's recovery decisions, pure: [`Reconciler::step`] turns the cluster state, what
+//! this replica knows of its nodes' liveness and a clock reading into the commands to replicate.
+//! No I/O, no clock of its own, no raft: `recover::leader_tasks` drives it (reads the state,
+//! proposes the commands, logs), and the unit tests drive it with hand-made states and times.
+//!
+//! - **liveness**: a node silent past `node_timeout` is marked down (a replica that has led for
+//!   less than two timeouts first gives every node the time to find it);
+//! - **recovery**: a deployment with a stage on a node that is down is re-placed on the nodes
+//!   that are up; if the model no longer fits, its note says why (once), and it is tried again
+//!   whenever the set of nodes that are up changes;
+//! - **rebalancing**: every `rebalance_every`, a ready deployment placed by the planner is
+//!   re-placed when a placement at least `rebalance_gain` faster exists — once its sessions have
+//!   drained, never under them.
+
+use crate::placement::{self, PlacementRequest};
+use brigade_core::cluster::{ClusterState, Command, Deployment, DeploymentState, NodeState};
+use brigade_planner::Objective;
+use std::collections::HashMap;
+use std::time::Duration;
+
+/// The reconciler's settings (the coordinator's `node_timeout` and `rebalance_gain`).
+#[derive(Debug, Clone)]
+pub struct ReconcileConfig {
+    pub node_timeout: Duration,
+    /// Re-place for a placement this much faster (0.25 = 25%).
+    pub rebalance_gain: f64,
+    pub rebalance_every: Duration,
+}
+
+/// What this replica knows of the nodes and sessions beyond the replicated state.
+#[derive(Debug, Clone, Default)]
+pub struct Liveness {
+    /// How long this replica has been the leader.
+    pub leader_for: Duration,
+    /// Time since each node's last heartbeat here (a node missing from it: never heard from).
+    pub heartbeat_age: HashMap<String, Duration>,
+    /// Sessions running on each deployment.
+    pub active_sessions: HashMap<String, u32>,
+}
+
+/// One thing the driver does, in order.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Action {
+    /// Replicate `command`; once applied, log `done` (a warning) and, for a node marked down,
+    /// drop the connection to its worker (`forget`).
+    Apply { command: Box<Command>, done: String, forget: Option<String> },
+    /// Log a decision not to act (yet).
+    Note(String),
+}
+
+/// The recovery loop's memory between steps.
+#[derive(Debug)]
+pub struct Reconciler {
+    cfg: ReconcileConfig,
+    /// The set of nodes that were up when each lost deployment was last tried.
+    tried: HashMap<String, Vec<String>>,
+    last_rebalance: Option<Duration>,
+}
+
+fn request(d: &Deployment) -> PlacementRequest {
+    PlacementRequest {
+        objective: d.objective.parse().unwrap_or(Objective::Latency),
+        ctx: d.n_ctx,
+        sessions: d.sessions,
+        headroom: 0.10,
+        driver: None,
+        device_map: String::new(),
+    }
+}
+
+impl Reconciler {
+    pub fn new(cfg: ReconcileConfig) -> Self {
+        Reconciler { cfg, tried: HashMap::new(), last_rebalance: None }
+    }
+
+    /// The actions for the state as it is at `now` (any monotonic clock: only differences count).
+    /// Later decisions of one step see the earlier ones applied (a deployment is re-placed off a
+    /// node this very step marks down).
+    pub fn step(&mut self, now: Duration, state: &ClusterState, live: &Liveness) -> Vec<Action> {
+        let mut out = Vec::new();
+        let mut projected: Option<ClusterState> = None;
+        if live.leader_for > self.cfg.node_timeout * 2 {
+            for n in state.nodes.values().filter(|n| n.state == NodeState::Up) {
+                let age = live.heartbeat_age.get(&n.name).copied().unwrap_or(live.leader_for);
+                if age > self.cfg.node_timeout {
+                    let command = Command::SetNodeState { name: n.name.clone(), state: NodeState::Down };
+                    let _ = projected.get_or_insert_with(|| state.clone()).apply(command.clone());
+                    out.push(Action::Apply {
+                        command: Box::new(command),
+                        done: format!("node `{}` silent for {:.1}s: marked down", n.name, age.as_secs_f64()),
+                        forget: Some(n.name.clone()),
+                    });
+                }
+            }
+        }
+        let state = projected.as_ref().unwrap_or(state);
+        let up: Vec<String> =
+            state.nodes.values().filter(|n| n.state == NodeState::Up).map(|n| n.name.clone()).collect();
+        self.tried.retain(|name, _| state.deployments.contains_key(name));
+        for d in state.deployments.values() {
+            let lost = d.stages.iter().any(|s| state.nodes.get(&s.node).is_none_or(|n| n.state != NodeState::Up));
+            if !lost {
+                self.tried.remove(&d.name);
+                continue;
+            }
+            if self.tried.get(&d.name) == Some(&up) {
+                continue;
+            }
+            self.tried.insert(d.name.clone(), up.clone());
+            out.extend(replace(state, d, "a node it used is down"));
+        }
+        if self.last_rebalance.is_none_or(|t| now.saturating_sub(t) >= self.cfg.rebalance_every) {
+            self.last_rebalance = Some(now);
+            for d in state.deployments.values() {
+                if d.by_hand || state.deployment_state(d) != DeploymentState::Ready {
+                    continue;
+                }
+                out.extend(self.rebalance(state, d, live));
+            }
+        }
+        out
+    }
+
+    fn rebalance(&self, state: &ClusterState, d: &Deployment, live: &Liveness) -> Option<Action> {
+        let model = state.models.get(&d.model_id)?;
+        let p = placement::place(state, model, &request(d)).ok()?;
+        let same = p.stages.len() == d.stages.len()
+            && p.stages
+                .iter()
+                .zip(&d.stages)
+                .all(|(a, b)| a.node == b.node && a.device == b.device && a.layers == b.layers);
+        if same || p.predicted_decode_s >= d.predicted_decode_s * (1.0 - self.cfg.rebalance_gain) {
+            return None;
+        }
+        let active = live.active_sessions.get(&d.name).copied().unwrap_or(0);
+        if active > 0 {
+            return Some(Action::Note(format!(
+                "deployment `{}`: a placement {:.0}% faster exists; waiting for {active} session(s) to finish",
+                d.name,
+                (1.0 - p.predicted_decode_s / d.predicted_decode_s.max(1e-12)) * 100.0
+            )));
+        }
+        replace(state, d, "a faster placement appeared")
+    }
+}
+
+/// `d` placed again on the nodes that are up, or the note of why it cannot be (when it changed).
+fn replace(state: &ClusterState, d: &Deployment, why: &str) -> Option<Action> {
+    let model = state.models.get(&d.model_id)?;
+    match placement::place(state, model, &request(d)) {
+        Ok(p) => {
+            let nodes: Vec<String> = p.stages.iter().map(|s| format!("{}:{}", s.node, s.layers)).collect();
+            Some(Action::Apply {
+                command: Box::new(Command::ReplaceStages {
+                    deployment: d.name.clone(),
+                    stages: p.stages,
+                    driver: p.driver,
+                    predicted_decode_s: p.predicted_decode_s,
+                    plan_text: p.plan_text,
+                }),
+                done: format!("deployment `{}` re-placed ({why}): {}", d.name, nodes.join(" ")),
+                forget: None,
+            })
+        }
+        Err(e) => {
+            let note = format!("cannot be re-placed on the nodes that are up: {e}");
+            (d.note != note).then(|| Action::Apply {
+                done: format!("deployment `{}` is degraded: {note}", d.name),
+                command: Box::new(Command::SetNote { deployment: d.name.clone(), note }),
+                forget: None,
+            })
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use brigade_core::cluster::{ActDtype, CarrierKind, DeviceFigures, ModelRecord, NodeRecord, StageState};
+    use brigade_core::{DeviceKind, LlamaShape, ModelProfile};
+
+    const GIB: u64 = 1 << 30;
+    const SECOND: Duration = Duration::from_secs(1);
+
+    fn cfg() -> ReconcileConfig {
+        ReconcileConfig { node_timeout: 3 * SECOND, rebalance_gain: 0.25, rebalance_every: 5 * SECOND }
+    }
+
+    /// Registers node `name` with one CPU of `memory` bytes reading `bandwidth` bytes/s.
+    fn add_node(s: &mut ClusterState, name: &str, memory: u64, bandwidth: f64) {
+        let fingerprint = "ab".repeat(32);
+        s.apply(Command::AdmitNode { name: name.into(), fingerprint, admitted_ms: 1 }).unwrap();
+        let cpu = DeviceFigures {
+            name: "cpu".into(),
+            kind: DeviceKind::Cpu,
+            model: "test cpu".into(),
+            memory_total: memory,
+            memory_free: memory,
+            mem_bandwidth: bandwidth,
+            flops: 1e11,
+            kernels: vec![],
+            threads: 4,
+            features: String::new(),
+            host_link: None,
+        };
+        let node = NodeRecord {
+            name: name.into(),
+            address: format!("{name}:7000"),
+            devices: vec![cpu],
+            version: "test".into(),
+            state: NodeState::Up,
+            registered_ms: 1,
+        };
+        s.apply(Command::RegisterNode { node }).unwrap();
+    }
+
+    /// A state with nodes `(name, memory, bandwidth)`, a 4-layer model of about 40 MB and the
+    /// deployment `d` placed by the planner, every stage ready.
+    fn cluster(nodes: &[(&str, u64, f64)]) -> ClusterState {
+        let mut s = ClusterState::new();
+        for (name, memory, bandwidth) in nodes {
+            add_node(&mut s, name, *memory, *bandwidth);
+        }
+        let shape = LlamaShape { layers: 4, hidden: 512, ffn: 1536, heads: 8, kv_heads: 8, vocab: 8000, tied: false };
+        let model = ModelRecord {
+            id: "m".into(),
+            name: "tiny".into(),
+            source: "tiny.gguf".into(),
+            files: vec![],
+            ranges: vec![],
+            n_layers: 4,
+            context_length: 512,
+            profile: ModelProfile::from_shape("tiny", &shape, 16.0, 4),
+            weight_types: vec![],
+        };
+        s.apply(Command::AddModel { model }).unwrap();
+        let deployment = Deployment {
+            name: "d".into(),
+            model_id: "m".into(),
+            generation: 0,
+            n_layers: 4,
+            n_ctx: 256,
+            sessions: 1,
+            objective: "latency".into(),
+            act_dtype: ActDtype::F32,
+            carrier: CarrierKind::Quic,
+            driver: String::new(),
+            stages: vec![],
+            predicted_decode_s: 0.0,
+            plan_text: String::new(),
+            created_ms: 1,
+            ubatch: 0,
+            replacements: 0,
+            note: String::new(),
+            by_hand: false,
+        };
+        let p = placement::place(&s, &s.models["m"], &request(&deployment)).unwrap();
+        let deployment =
+            Deployment { stages: p.stages, driver: p.driver, predicted_decode_s: p.predicted_decode_s, ..deployment };
+        s.apply(Command::CreateDeployment { deployment }).unwrap();
+        ready(&mut s);
+        s
+    }
+
+    /// Every stage of `d` reports ready.
+    fn ready(s: &mut ClusterState) {
+        let d = s.deployments["d"].clone();
+        for (i, st) in d.stages.iter().enumerate() {
+            let report = Command::StageReport {
+                deployment: "d".into(),
+                generation: d.generation,
+                stage: i,
+                node: st.node.clone(),
+                state: StageState::Ready,
+                weight_bytes: 1,
+                kv_bytes: 1,
+                fetched_bytes: 0,
+            };
+            s.apply(report).unwrap();
+        }
+    }
+
+    fn nodes_of(s: &ClusterState) -> Vec<String> {
+        s.deployments["d"].stages.iter().map(|st| st.node.clone()).collect()
+    }
+
+    /// Applies the step's commands as the driver would, returning the notes.
+    fn apply(s: &mut ClusterState, actions: Vec<Action>) -> Vec<String> {
+        let mut notes = vec![];
+        for a in actions {
+            match a {
+                Action::Apply { command, done, .. } => {
+                    s.apply(*command).unwrap();
+                    notes.push(done);
+                }
+                Action::Note(n) => notes.push(n),
+            }
+        }
+        notes
+    }
+
+    /// One step at `now`, its commands applied.
+    fn turn(r: &mut Reconciler, now: Duration, s: &mut ClusterState, l: &Liveness) -> Vec<String> {
+        let actions = r.step(now, s, l);
+        apply(s, actions)
+    }
+
+    fn live(leader_for: Duration, ages: &[(&str, Duration)]) -> Liveness {
+        Liveness {
+            leader_for,
+            heartbeat_age: ages.iter().map(|(n, a)| (n.to_string(), *a)).collect(),
+            active_sessions: HashMap::new(),
+        }
+    }
+
+    #[test]
+    fn a_silent_node_is_marked_down_and_its_stages_move_in_the_same_step() {
+        let mut s = cluster(&[("w1", 8 * GIB, 40e9), ("w2", 8 * GIB, 20e9)]);
+        assert_eq!(nodes_of(&s), ["w1"], "the faster node holds the whole model");
+        let mut r = Reconciler::new(cfg());
+        let fresh = [("w1", SECOND), ("w2", SECOND)];
+        assert!(r.step(10 * SECOND, &s, &live(10 * SECOND, &fresh)).is_empty(), "nothing to do");
+        // w1 silent past the timeout
+        let actions = r.step(11 * SECOND, &s, &live(11 * SECOND, &[("w1", 4 * SECOND), ("w2", SECOND)]));
+        assert!(matches!(&actions[0], Action::Apply { forget: Some(n), .. } if n == "w1"), "{actions:?}");
+        assert!(
+            matches!(&actions[1], Action::Apply { command, .. } if matches!(**command, Command::ReplaceStages { .. })),
+            "{actions:?}"
+        );
+        assert_eq!(actions.len(), 2, "{actions:?}");
+        let generation = s.deployments["d"].generation;
+        let notes = apply(&mut s, actions);
+        assert!(notes[0].starts_with("node `w1` silent for 4.0s"), "{notes:?}");
+        assert_eq!(nodes_of(&s), ["w2"]);
+        assert!(s.deployments["d"].generation > generation, "a new generation");
+        assert!(notes[1].contains("re-placed (a node it used is down): w2:"), "{notes:?}");
+    }
+
+    #[test]
+    fn a_new_leader_gives_nodes_two_timeouts_before_marking_any_down() {
+        let s = cluster(&[("w1", 8 * GIB, 40e9)]);
+        let mut r = Reconciler::new(cfg());
+        // never heard from since this replica leads: its age is the leadership's
+        assert!(r.step(SECOND, &s, &live(5 * SECOND, &[])).is_empty(), "within two timeouts");
+        let actions = r.step(2 * SECOND, &s, &live(7 * SECOND, &[]));
+        assert!(
+            matches!(&actions[0], Action::Apply { command, .. }
+                if **command == Command::SetNodeState { name: "w1".into(), state: NodeState::Down }),
+            "{actions:?}"
+        );
+    }
+
+    #[test]
+    fn a_model_that_no_longer_fits_is_noted_once_and_tried_again_when_nodes_change() {
+        // the model needs about 50 MB: w2 alone cannot hold it
+        let mut s = cluster(&[("w1", 8 * GIB, 40e9), ("w2", 20 << 20, 20e9)]);
+        let mut r = Reconciler::new(cfg());
+        s.apply(Command::SetNodeState { name: "w1".into(), state: NodeState::Down }).unwrap();
+        let l = live(SECOND, &[]);
+        let notes = turn(&mut r, SECOND, &mut s, &l);
+        assert_eq!(notes.len(), 1, "{notes:?}");
+        assert!(notes[0].starts_with("deployment `d` is degraded: cannot be re-placed"), "{notes:?}");
+        assert!(s.deployments["d"].note.contains("cannot be re-placed"));
+        // the same nodes: not tried again, not noted again
+        assert!(r.step(2 * SECOND, &s, &l).is_empty());
+        // a node joins: tried again, and placed
+        add_node(&mut s, "w3", 8 * GIB, 30e9);
+        let notes = turn(&mut r, 3 * SECOND, &mut s, &l);
+        assert_eq!(nodes_of(&s), ["w3"], "{notes:?}");
+        assert!(s.deployments["d"].note.is_empty(), "placing clears the note");
+    }
+
+    #[test]
+    fn a_much_faster_node_takes_the_deployment_once_its_sessions_drain() {
+        let mut s = cluster(&[("w1", 8 * GIB, 10e9)]);
+        let mut r = Reconciler::new(cfg());
+        let mut l = live(SECOND, &[("w1", SECOND)]);
+        assert!(r.step(Duration::ZERO, &s, &l).is_empty());
+        add_node(&mut s, "w2", 8 * GIB, 40e9);
+        l.heartbeat_age.insert("w2".into(), SECOND);
+        l.active_sessions.insert("d".into(), 2);
+        assert!(r.step(SECOND, &s, &l).is_empty(), "rebalancing waits for its period");
+        let notes = turn(&mut r, 5 * SECOND, &mut s, &l);
+        assert_eq!(notes.len(), 1);
+        assert!(notes[0].contains("faster exists; waiting for 2 session(s)"), "{notes:?}");
+        assert_eq!(nodes_of(&s), ["w1"], "never moved under its sessions");
+        l.active_sessions.clear();
+        let notes = turn(&mut r, 10 * SECOND, &mut s, &l);
+        assert_eq!(nodes_of(&s), ["w2"], "{notes:?}");
+        assert!(notes[0].contains("re-placed (a faster placement appeared)"), "{notes:?}");
+        // re-placed stages are loading: nothing more until they are ready, and then nothing flaps
+        assert!(r.step(15 * SECOND, &s, &l).is_empty());
+        ready(&mut s);
+        assert!(r.step(20 * SECOND, &s, &l).is_empty(), "the placement it made is not improved on");
+    }
+
+    #[test]
+    fn a_hand_placed_deployment_is_never_moved_for_speed() {
+        let mut s = cluster(&[("w1", 8 * GIB, 10e9)]);
+        s.deployments.get_mut("d").unwrap().by_hand = true;
+        add_node(&mut s, "w2", 8 * GIB, 40e9);
+        let mut r = Reconciler::new(cfg());
+        assert!(r.step(Duration::ZERO, &s, &live(SECOND, &[])).is_empty());
+        // ...but it is moved when its node dies
+        s.apply(Command::SetNodeState { name: "w1".into(), state: NodeState::Down }).unwrap();
+        let notes = turn(&mut r, SECOND, &mut s, &live(SECOND, &[]));
+        assert_eq!(nodes_of(&s), ["w2"], "{notes:?}");
+    }
+}
