@@ -144,3 +144,56 @@ fn serve_links_no_tensor_library_and_only_format() {
         );
     }
 }
+
+/// The Rust SDK's public items, as its sources declare them: every `pub` line (fields, functions,
+/// variants' types, re-exports) of `crates/sdk/src`, outside `pub(crate)`; and the protobuf
+/// type names its files import (`use brigade_proto::v1::{…}`).
+fn sdk_public_lines() -> (Vec<(String, String)>, Vec<String>) {
+    let dir = std::path::Path::new(concat!(env!("CARGO_MANIFEST_DIR"), "/../../crates/sdk/src"));
+    let mut out = Vec::new();
+    let mut imported = Vec::new();
+    for e in std::fs::read_dir(dir).unwrap() {
+        let path = e.unwrap().path();
+        let text = std::fs::read_to_string(&path).unwrap();
+        for stmt in text.split("use brigade_proto::v1::").skip(1) {
+            let names = stmt.split(';').next().unwrap_or("");
+            imported.extend(
+                names
+                    .split(|c: char| !c.is_alphanumeric() && c != '_')
+                    .filter(|w| w.starts_with(|c: char| c.is_ascii_uppercase()))
+                    .map(str::to_string),
+            );
+        }
+        // the unit tests at the end of a file are not API
+        let api = text.split("#[cfg(test)]").next().unwrap_or("");
+        let mut in_event = false;
+        for line in api.lines().map(str::trim) {
+            if line.starts_with("pub enum Event") {
+                in_event = true;
+            } else if in_event && line == "}" {
+                in_event = false;
+            }
+            if (line.starts_with("pub ") && !line.starts_with("pub(crate)")) || in_event {
+                out.push((path.display().to_string(), line.to_string()));
+            }
+        }
+    }
+    (out, imported)
+}
+
+#[test]
+fn the_rust_sdk_exposes_no_generated_protobuf_type() {
+    let (lines, imported) = sdk_public_lines();
+    assert!(lines.iter().any(|(_, l)| l.contains("pub async fn status")), "the scan found no API: {lines:?}");
+    assert!(imported.iter().any(|n| n == "GenerateRequest"), "the scan found no import: {imported:?}");
+    for (file, line) in &lines {
+        assert!(
+            !line.contains("v1::") && !line.contains("brigade_proto") && !line.contains("prost"),
+            "{file}: `{line}` puts a protobuf type in the SDK's API"
+        );
+        let words: Vec<&str> = line.split(|c: char| !c.is_alphanumeric() && c != '_').collect();
+        if let Some(name) = imported.iter().find(|n| words.contains(&n.as_str())) {
+            panic!("{file}: `{line}` puts the protobuf type {name} in the SDK's API");
+        }
+    }
+}

@@ -100,7 +100,7 @@ fn stream(
                     }
                 }
                 Event::Done(d) => {
-                    let stopped = d.stop() == brigade_sdk::v1::StopReason::Stop;
+                    let stopped = d.stop == brigade_sdk::StopReason::Stop;
                     assert_eq!(stopped, !stop.is_empty(), "{d:?}");
                     text.push_str(&d.text_tail);
                     break;

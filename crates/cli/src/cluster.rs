@@ -3,7 +3,7 @@
 
 use crate::common::SamplingArgs;
 use anyhow::{bail, Context, Result};
-use brigade_sdk::v1::{Carrier, DeployRequest, DeploymentInfo, WireDtype};
+use brigade_sdk::{ActivationDtype, Carrier, DeployParams, Deployment};
 use brigade_sdk::{Client, ClientConfig, Event, GenerateParams};
 use clap::Args;
 use serde::Serialize;
@@ -449,28 +449,27 @@ pub struct DeployArgs {
     pub json: bool,
 }
 
-pub fn deploy_request(a: &DeployArgs) -> DeployRequest {
-    DeployRequest {
-        name: a.name.clone(),
-        model: a.model.clone(),
+pub fn deploy_request(a: &DeployArgs) -> DeployParams {
+    DeployParams {
         objective: a.objective.clone(),
         ctx: a.ctx.unwrap_or(0),
         device_map: a.device_map.clone().unwrap_or_default(),
         sessions: a.sessions,
         activation_dtype: match a.activation_dtype.as_str() {
-            "f16" => WireDtype::F16,
-            "bf16" => WireDtype::Bf16,
-            _ => WireDtype::F32,
-        } as i32,
-        carrier: if a.transport == "grpc" { Carrier::Grpc } else { Carrier::Quic } as i32,
+            "f16" => ActivationDtype::F16,
+            "bf16" => ActivationDtype::Bf16,
+            _ => ActivationDtype::F32,
+        },
+        carrier: if a.transport == "grpc" { Carrier::Grpc } else { Carrier::Quic },
         driver: a.driver.clone().unwrap_or_default(),
         wait_s: a.wait,
         headroom: a.headroom,
         ubatch: a.ubatch,
+        ..DeployParams::new(&a.name, &a.model)
     }
 }
 
-fn print_deployment(d: &DeploymentInfo) {
+fn print_deployment(d: &Deployment) {
     print!("{}", d.plan_text);
     println!("deployment `{}`: {} (generation {})", d.name, d.state, d.generation);
     for s in &d.stages {
@@ -497,15 +496,15 @@ pub fn deploy(a: DeployArgs) -> Result<()> {
         let mut c = a.connect.client().await?;
         let req = deploy_request(&a);
         if a.dry_run {
-            let p = c.plan(req).await?;
+            let p = c.plan(&req).await?;
             if a.json {
-                println!("{}", p.plan_json);
+                println!("{}", p.json);
             } else {
-                print!("{}", p.plan_text);
+                print!("{}", p.text);
             }
             return Ok(());
         }
-        let d = c.deploy(req).await?;
+        let d = c.deploy(&req).await?;
         if a.json {
             println!("{}", serde_json::to_string_pretty(&deployment_json(&d))?);
         } else {
@@ -599,19 +598,6 @@ struct GenerateOut {
     hops: Vec<HopOut>,
 }
 
-fn stop_name(s: i32) -> String {
-    use brigade_sdk::v1::StopReason;
-    match StopReason::try_from(s) {
-        Ok(StopReason::Length) => "length",
-        Ok(StopReason::Eos) => "eos",
-        Ok(StopReason::Context) => "context",
-        Ok(StopReason::Cancelled) => "caller",
-        Ok(StopReason::Stop) => "stop",
-        _ => "unknown",
-    }
-    .into()
-}
-
 pub fn generate(a: GenerateArgs) -> Result<()> {
     if a.n_predict < -1 {
         bail!("-n {}: a token count, or -1 for no limit", a.n_predict);
@@ -669,7 +655,7 @@ pub fn generate(a: GenerateArgs) -> Result<()> {
                 }
                 Event::Done(d) => {
                     out.text.push_str(&d.text_tail);
-                    out.stop = stop_name(d.stop);
+                    out.stop = d.stop.name().to_string();
                     if let Some(t) = d.timings {
                         out.timings = GenTimings {
                             prompt_tokens: t.prompt_tokens,
@@ -736,7 +722,7 @@ struct StatusOut {
     deployments: Vec<serde_json::Value>,
 }
 
-fn deployment_json(d: &DeploymentInfo) -> serde_json::Value {
+fn deployment_json(d: &Deployment) -> serde_json::Value {
     serde_json::json!({
         "name": d.name,
         "source": d.source,

@@ -5,10 +5,7 @@
 
 use crate::cluster::{runtime, Connect};
 use anyhow::{bail, Result};
-use brigade_proto::convert::sampling_to_proto;
-use brigade_sdk::v1::{GenerateOptions, GenerateRequest, Timings};
-use brigade_sdk::Event;
-use brigade_sdk::SamplingParams;
+use brigade_sdk::{Event, GenerateParams, Timings};
 use serde::Serialize;
 use std::time::Instant;
 
@@ -41,18 +38,8 @@ fn prompt_ids(n: usize, salt: usize) -> Vec<u32> {
 async fn one(c: &Connect, model: &str, prompt: Vec<u32>, max_tokens: u32) -> Result<(Timings, f64)> {
     let mut client = c.client().await?;
     let t0 = Instant::now();
-    let req = GenerateRequest {
-        model: model.to_string(),
-        prompt: String::new(),
-        prompt_ids: prompt,
-        options: Some(GenerateOptions {
-            max_tokens,
-            sampling: Some(sampling_to_proto(&SamplingParams::greedy())),
-            ignore_eos: true,
-            ..Default::default()
-        }),
-    };
-    let mut s = client.generate_request(req).await?;
+    let params = GenerateParams { ignore_eos: true, ..GenerateParams::greedy(max_tokens) };
+    let mut s = client.generate_ids(model, &prompt, params).await?;
     let mut ttft = None;
     while let Some(ev) = s.next().await {
         match ev? {

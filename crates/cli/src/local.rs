@@ -4,7 +4,7 @@
 
 use crate::cluster::{runtime, stop_signal};
 use anyhow::{bail, Context, Result};
-use brigade_sdk::v1::{Carrier, DeployRequest, WireDtype};
+use brigade_sdk::{Carrier, DeployParams};
 use brigade_sdk::{Client, ClientConfig};
 use clap::{Args, Subcommand};
 use std::path::{Path, PathBuf};
@@ -231,18 +231,14 @@ pub fn local(a: LocalArgs) -> Result<()> {
             }
             tokio::time::sleep(Duration::from_millis(100)).await;
         }
-        let req = DeployRequest {
-            name: name.clone(),
-            model: model_arg.clone(),
-            objective: "latency".into(),
+        let req = DeployParams {
             device_map: even_map(n_layers, a.workers),
             sessions: 16,
-            activation_dtype: WireDtype::F32 as i32,
-            carrier: if a.transport == "grpc" { Carrier::Grpc } else { Carrier::Quic } as i32,
+            carrier: if a.transport == "grpc" { Carrier::Grpc } else { Carrier::Quic },
             wait_s: 600,
-            ..Default::default()
+            ..DeployParams::new(&name, &model_arg)
         };
-        let d = client.deploy(req).await?;
+        let d = client.deploy(&req).await?;
         if d.state != "ready" {
             bail!("deploying {name}: {} {}; logs are in {}", d.state, d.error, dir.display());
         }

@@ -18,24 +18,30 @@
 //! - [`ClientConfig`]: where the coordinator is, the cluster CA to trust, the API key; read from
 //!   arguments, the environment, or the client config file `brigade cluster local` writes.
 //! - [`Client`]: the calls; [`EventStream`]: a generation's events.
+//! - [`types`]: the results as plain Rust types ([`Done`], [`Deployment`], [`ClusterStatus`], …)
+//!   and [`DeployParams`]: no generated protobuf type is part of this crate's API.
 //!
 //! Deliberately lacking: any model code (the cluster computes), and raft (a coordinator address
 //! list is tried in order).
 
 pub use brigade_core::SamplingParams;
 use brigade_proto::convert::sampling_to_proto;
+use brigade_proto::v1;
 use brigade_proto::v1::client_client::ClientClient;
 use brigade_proto::v1::{
-    generate_event, ChatMessage, ChatRequest, ClusterStatusRequest, ClusterStatusResponse, DeployRequest,
-    DeploymentInfo, Done, GenerateOptions, GenerateRequest, ListModelsRequest, ModelInfo, PlanResponse,
-    UndeployRequest,
+    generate_event, ChatMessage, ChatRequest, ClusterStatusRequest, GenerateOptions, GenerateRequest,
+    ListModelsRequest, UndeployRequest,
 };
 use serde::Deserialize;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 use tonic::transport::{Certificate, Channel, ClientTlsConfig, Endpoint};
 
-pub use brigade_proto::v1;
+pub mod types;
+pub use types::{
+    ActivationDtype, Carrier, ClusterStatus, DeployParams, Deployment, Device, Done, HopTiming, KernelRate, Link,
+    ModelInfo, Node, Plan, RaftStatus, Replica, Stage, StopReason, Timings,
+};
 
 /// The name in the coordinator's certificate.
 pub const COORDINATOR_NAME: &str = "coordinator.brigade";
@@ -288,7 +294,7 @@ impl EventStream {
                     }
                     Some(generate_event::Event::Done(d)) => {
                         self.done = true;
-                        return Some(Ok(Event::Done(d)));
+                        return Some(Ok(Event::Done(d.into())));
                     }
                     None => SdkError::Truncated,
                 },
@@ -434,9 +440,18 @@ impl Client {
         .await
     }
 
-    /// Generates from a request built by hand (token ids, resume ids).
-    pub async fn generate_request(&mut self, mut req: GenerateRequest) -> Result<EventStream, SdkError> {
-        req.options.get_or_insert_with(Default::default);
+    /// Generates from a prompt given as token ids of the deployment's model.
+    pub async fn generate_ids(&mut self, model: &str, ids: &[u32], p: GenerateParams) -> Result<EventStream, SdkError> {
+        self.generate_request(GenerateRequest {
+            model: model.to_string(),
+            prompt: String::new(),
+            options: Some(p.options(Vec::new())),
+            prompt_ids: ids.to_vec(),
+        })
+        .await
+    }
+
+    async fn generate_request(&mut self, req: GenerateRequest) -> Result<EventStream, SdkError> {
         let r = req.clone();
         let s = self
             .retry(|mut rpc| {
@@ -476,22 +491,28 @@ impl Client {
         Ok(self.stream(s, Call::Chat(req)))
     }
 
-    pub async fn deploy(&mut self, req: DeployRequest) -> Result<DeploymentInfo, SdkError> {
+    /// Deploys; the deployment as it stands when the call returns (after `wait_s` at most).
+    pub async fn deploy(&mut self, p: &DeployParams) -> Result<Deployment, SdkError> {
+        let req = p.to_proto();
         let r = self
             .retry(|mut rpc| {
                 let req = req.clone();
                 async move { rpc.deploy(req).await }
             })
             .await?;
-        r.deployment.ok_or(SdkError::Truncated)
+        r.deployment.map(Into::into).ok_or(SdkError::Truncated)
     }
 
-    pub async fn plan(&mut self, req: DeployRequest) -> Result<PlanResponse, SdkError> {
-        self.retry(|mut rpc| {
-            let req = req.clone();
-            async move { rpc.plan(req).await }
-        })
-        .await
+    /// What [`Client::deploy`] would do, without doing it.
+    pub async fn plan(&mut self, p: &DeployParams) -> Result<Plan, SdkError> {
+        let req = p.to_proto();
+        let r = self
+            .retry(|mut rpc| {
+                let req = req.clone();
+                async move { rpc.plan(req).await }
+            })
+            .await?;
+        Ok(Plan { text: r.plan_text, json: r.plan_json })
     }
 
     pub async fn undeploy(&mut self, name: &str) -> Result<(), SdkError> {
@@ -504,12 +525,13 @@ impl Client {
         Ok(())
     }
 
-    pub async fn status(&mut self) -> Result<ClusterStatusResponse, SdkError> {
-        self.retry(|mut rpc| async move { rpc.cluster_status(ClusterStatusRequest {}).await }).await
+    pub async fn status(&mut self) -> Result<ClusterStatus, SdkError> {
+        Ok(self.retry(|mut rpc| async move { rpc.cluster_status(ClusterStatusRequest {}).await }).await?.into())
     }
 
     pub async fn list_models(&mut self) -> Result<Vec<ModelInfo>, SdkError> {
-        Ok(self.retry(|mut rpc| async move { rpc.list_models(ListModelsRequest {}).await }).await?.models)
+        let r = self.retry(|mut rpc| async move { rpc.list_models(ListModelsRequest {}).await }).await?;
+        Ok(r.models.into_iter().map(Into::into).collect())
     }
 
     /// Removes a coordinator replica from its group; the group's replicas after it.

@@ -1,0 +1,547 @@
+//! The SDK's results as plain Rust types, converted from the wire in one place (`From` the
+//! prost messages): callers never touch generated protobuf types, and a number the wire may carry
+//! that this SDK does not know (a newer server's stop reason) is kept, not lost. The fields and
+//! names follow the Python SDK's `brigade_client.types`.
+
+use brigade_proto::v1;
+
+/// Why a generation ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum StopReason {
+    /// `max_tokens` reached.
+    Length,
+    /// An end-of-generation token.
+    Eos,
+    /// The context is full.
+    Context,
+    /// The caller went away.
+    Cancelled,
+    /// One of the request's stop strings.
+    Stop,
+    /// A reason this SDK does not know (its wire number).
+    Other(i32),
+}
+
+impl StopReason {
+    /// The name `brigade generate --json` and the Python SDK use (`length`, `eos`, …).
+    pub fn name(self) -> &'static str {
+        match self {
+            StopReason::Length => "length",
+            StopReason::Eos => "eos",
+            StopReason::Context => "context",
+            StopReason::Cancelled => "caller",
+            StopReason::Stop => "stop",
+            StopReason::Other(_) => "unknown",
+        }
+    }
+}
+
+impl From<i32> for StopReason {
+    fn from(n: i32) -> Self {
+        match v1::StopReason::try_from(n) {
+            Ok(v1::StopReason::Length) => StopReason::Length,
+            Ok(v1::StopReason::Eos) => StopReason::Eos,
+            Ok(v1::StopReason::Context) => StopReason::Context,
+            Ok(v1::StopReason::Cancelled) => StopReason::Cancelled,
+            Ok(v1::StopReason::Stop) => StopReason::Stop,
+            _ => StopReason::Other(n),
+        }
+    }
+}
+
+/// One stage's share of a decoded token.
+#[derive(Debug, Clone, PartialEq)]
+pub struct HopTiming {
+    pub stage: u32,
+    pub node: String,
+    pub device: String,
+    /// Mean compute seconds per decoded token in this stage.
+    pub compute_s: f64,
+    /// Mean seconds per decoded token from this stage to the next (the last: to the driver).
+    pub transfer_s: f64,
+    pub bytes_per_token: u64,
+}
+
+/// A generation's figures.
+#[derive(Debug, Clone, PartialEq, Default)]
+pub struct Timings {
+    pub prompt_tokens: u32,
+    pub generated_tokens: u32,
+    pub prompt_s: f64,
+    pub generate_s: f64,
+    pub prompt_tokens_per_s: f64,
+    pub generate_tokens_per_s: f64,
+    /// Time to first token, seconds.
+    pub ttft_s: f64,
+    pub hops: Vec<HopTiming>,
+}
+
+impl From<v1::Timings> for Timings {
+    fn from(t: v1::Timings) -> Self {
+        Timings {
+            prompt_tokens: t.prompt_tokens,
+            generated_tokens: t.generated_tokens,
+            prompt_s: t.prompt_s,
+            generate_s: t.generate_s,
+            prompt_tokens_per_s: t.prompt_tokens_per_s,
+            generate_tokens_per_s: t.generate_tokens_per_s,
+            ttft_s: t.ttft_s,
+            hops: t
+                .hops
+                .into_iter()
+                .map(|h| HopTiming {
+                    stage: h.stage,
+                    node: h.node,
+                    device: h.device,
+                    compute_s: h.compute_s,
+                    transfer_s: h.transfer_s,
+                    bytes_per_token: h.bytes_per_token,
+                })
+                .collect(),
+        }
+    }
+}
+
+/// The end of a generation.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Done {
+    pub stop: StopReason,
+    /// `None` when the server sent none.
+    pub timings: Option<Timings>,
+    /// Text still held back at the end (an incomplete character; text that could have begun a
+    /// stop string and did not).
+    pub text_tail: String,
+}
+
+impl From<v1::Done> for Done {
+    fn from(d: v1::Done) -> Self {
+        Done { stop: d.stop.into(), timings: d.timings.map(Into::into), text_tail: d.text_tail }
+    }
+}
+
+/// A kernel's measured rates on a device for one weight type.
+#[derive(Debug, Clone, PartialEq)]
+pub struct KernelRate {
+    pub weight_type: String,
+    pub decode_bytes_per_s: f64,
+    pub prompt_flops: f64,
+}
+
+/// A device of a node, as its worker measured it.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Device {
+    /// `cpu`, `cuda0`, …
+    pub name: String,
+    /// `cpu` or `cuda`.
+    pub kind: String,
+    pub model: String,
+    pub memory_total: u64,
+    pub memory_free: u64,
+    pub mem_bandwidth: f64,
+    pub flops: f64,
+    pub threads: u32,
+    pub features: String,
+    pub kernels: Vec<KernelRate>,
+}
+
+impl From<v1::Device> for Device {
+    fn from(d: v1::Device) -> Self {
+        let kind = match v1::DeviceKind::try_from(d.kind) {
+            Ok(v1::DeviceKind::Cpu) => "cpu",
+            Ok(v1::DeviceKind::Cuda) => "cuda",
+            _ => "unknown",
+        };
+        Device {
+            name: d.name,
+            kind: kind.into(),
+            model: d.model,
+            memory_total: d.memory_total,
+            memory_free: d.memory_free,
+            mem_bandwidth: d.mem_bandwidth,
+            flops: d.flops,
+            threads: d.threads,
+            features: d.features,
+            kernels: d
+                .kernels
+                .into_iter()
+                .map(|k| KernelRate {
+                    weight_type: k.weight_type,
+                    decode_bytes_per_s: k.decode_bytes_per_s,
+                    prompt_flops: k.prompt_flops,
+                })
+                .collect(),
+        }
+    }
+}
+
+/// A measured link from one node to another.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Link {
+    pub from: String,
+    pub to: String,
+    pub latency_s: f64,
+    pub bandwidth: f64,
+    pub measured_at_ms: u64,
+}
+
+/// A worker node.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Node {
+    pub name: String,
+    pub address: String,
+    /// `up` or `down`.
+    pub state: String,
+    pub devices: Vec<Device>,
+    pub heartbeat_age_ms: u64,
+    pub version: String,
+}
+
+/// One stage of a deployment: a layer range on a device of a node.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Stage {
+    pub index: u32,
+    pub node: String,
+    pub device: String,
+    pub layer_start: u32,
+    pub layer_end: u32,
+    /// `pending`, `loading`, `ready` or `failed`.
+    pub state: String,
+    pub error: String,
+    pub weight_bytes: u64,
+    pub kv_bytes: u64,
+    pub fetched_bytes: u64,
+    /// The planner's seconds per decoded token for this stage; the measured mean.
+    pub predicted_s: f64,
+    pub measured_s: f64,
+    pub address: String,
+}
+
+/// A deployment: a model placed on the cluster under a name.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Deployment {
+    pub name: String,
+    pub source: String,
+    pub model_id: String,
+    pub generation: u64,
+    /// `pending`, `loading`, `re-placing`, `ready`, `degraded` or `failed`.
+    pub state: String,
+    pub stages: Vec<Stage>,
+    pub n_layers: u32,
+    pub n_ctx: u32,
+    pub sessions: u32,
+    /// `f32`, `f16` or `bf16`.
+    pub activation_dtype: String,
+    /// `quic` or `grpc`.
+    pub carrier: String,
+    pub objective: String,
+    pub predicted_decode_s: f64,
+    pub measured_decode_s: f64,
+    pub tokens_generated: u64,
+    pub driver: String,
+    /// The plan as the planner explained it.
+    pub plan_text: String,
+    pub error: String,
+}
+
+/// The wire's activation type as `deploy --activation-dtype` spells it.
+pub fn activation_dtype_name(n: i32) -> &'static str {
+    match v1::WireDtype::try_from(n) {
+        Ok(v1::WireDtype::F32) => "f32",
+        Ok(v1::WireDtype::F16) => "f16",
+        Ok(v1::WireDtype::Bf16) => "bf16",
+        _ => "unspecified",
+    }
+}
+
+/// The wire's carrier as `deploy --carrier` spells it.
+pub fn carrier_name(n: i32) -> &'static str {
+    match v1::Carrier::try_from(n) {
+        Ok(v1::Carrier::Quic) => "quic",
+        Ok(v1::Carrier::Grpc) => "grpc",
+        _ => "unspecified",
+    }
+}
+
+impl From<v1::DeploymentInfo> for Deployment {
+    fn from(d: v1::DeploymentInfo) -> Self {
+        Deployment {
+            activation_dtype: activation_dtype_name(d.activation_dtype).into(),
+            carrier: carrier_name(d.carrier).into(),
+            name: d.name,
+            source: d.source,
+            model_id: d.model_id,
+            generation: d.generation,
+            state: d.state,
+            stages: d
+                .stages
+                .into_iter()
+                .map(|s| Stage {
+                    index: s.index,
+                    node: s.node,
+                    device: s.device,
+                    layer_start: s.layer_start,
+                    layer_end: s.layer_end,
+                    state: s.state,
+                    error: s.error,
+                    weight_bytes: s.weight_bytes,
+                    kv_bytes: s.kv_bytes,
+                    fetched_bytes: s.fetched_bytes,
+                    predicted_s: s.predicted_s,
+                    measured_s: s.measured_s,
+                    address: s.address,
+                })
+                .collect(),
+            n_layers: d.n_layers,
+            n_ctx: d.n_ctx,
+            sessions: d.sessions,
+            objective: d.objective,
+            predicted_decode_s: d.predicted_decode_s,
+            measured_decode_s: d.measured_decode_s,
+            tokens_generated: d.tokens_generated,
+            driver: d.driver,
+            plan_text: d.plan_text,
+            error: d.error,
+        }
+    }
+}
+
+/// A coordinator replica as the answering replica sees it.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Replica {
+    pub id: u64,
+    pub address: String,
+    /// `leader`, `follower`, `learner`, …
+    pub role: String,
+    pub match_index: u64,
+    pub is_self: bool,
+}
+
+/// The raft group as the answering replica sees it.
+#[derive(Debug, Clone, PartialEq)]
+pub struct RaftStatus {
+    pub id: u64,
+    pub term: u64,
+    pub leader: u64,
+    pub leader_address: String,
+    pub commit_index: u64,
+    pub applied_index: u64,
+    pub role: String,
+    pub replicas: Vec<Replica>,
+    pub voters: Vec<u64>,
+}
+
+/// The whole cluster: `brigade status`.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ClusterStatus {
+    pub protocol: u32,
+    pub version: String,
+    pub nodes: Vec<Node>,
+    pub links: Vec<Link>,
+    pub deployments: Vec<Deployment>,
+    pub raft: Option<RaftStatus>,
+}
+
+impl From<v1::ClusterStatusResponse> for ClusterStatus {
+    fn from(s: v1::ClusterStatusResponse) -> Self {
+        ClusterStatus {
+            protocol: s.protocol,
+            version: s.version,
+            nodes: s
+                .nodes
+                .into_iter()
+                .map(|n| Node {
+                    name: n.name,
+                    address: n.address,
+                    state: n.state,
+                    devices: n.devices.into_iter().map(Into::into).collect(),
+                    heartbeat_age_ms: n.heartbeat_age_ms,
+                    version: n.version,
+                })
+                .collect(),
+            links: s
+                .links
+                .into_iter()
+                .map(|l| Link {
+                    from: l.from,
+                    to: l.to,
+                    latency_s: l.latency_s,
+                    bandwidth: l.bandwidth,
+                    measured_at_ms: l.measured_at_ms,
+                })
+                .collect(),
+            deployments: s.deployments.into_iter().map(Into::into).collect(),
+            raft: s.raft.map(|r| RaftStatus {
+                id: r.id,
+                term: r.term,
+                leader: r.leader,
+                leader_address: r.leader_address,
+                commit_index: r.commit_index,
+                applied_index: r.applied_index,
+                role: r.role,
+                replicas: r
+                    .replicas
+                    .into_iter()
+                    .map(|x| Replica {
+                        id: x.id,
+                        address: x.address,
+                        role: x.role,
+                        match_index: x.match_index,
+                        is_self: x.is_self,
+                    })
+                    .collect(),
+                voters: r.voters,
+            }),
+        }
+    }
+}
+
+/// A model the coordinator knows.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ModelInfo {
+    pub name: String,
+    pub source: String,
+    pub state: String,
+    pub n_layers: u32,
+    pub n_ctx: u32,
+    pub created_ms: u64,
+}
+
+impl From<v1::ModelInfo> for ModelInfo {
+    fn from(m: v1::ModelInfo) -> Self {
+        ModelInfo {
+            name: m.name,
+            source: m.source,
+            state: m.state,
+            n_layers: m.n_layers,
+            n_ctx: m.n_ctx,
+            created_ms: m.created_ms,
+        }
+    }
+}
+
+/// The type of the hidden states between stages.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum ActivationDtype {
+    #[default]
+    F32,
+    F16,
+    Bf16,
+}
+
+/// What carries frames between stages.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Carrier {
+    /// QUIC streams (the default).
+    #[default]
+    Quic,
+    /// gRPC streams over TCP, for networks that block UDP.
+    Grpc,
+}
+
+/// A deployment to make (or to plan): `brigade deploy`'s options.
+#[derive(Debug, Clone, PartialEq)]
+pub struct DeployParams {
+    /// The name clients give as `model`.
+    pub name: String,
+    /// A path on the coordinator's machine, or `embedded`.
+    pub model: String,
+    /// `latency`, `throughput`, `max-context` or `energy`.
+    pub objective: String,
+    /// Context length; 0: the model's, capped at 4096.
+    pub ctx: u32,
+    /// `NODE:DEVICE:N,…` to place by hand; empty: the planner places.
+    pub device_map: String,
+    /// Concurrent sessions each stage provisions.
+    pub sessions: u32,
+    pub activation_dtype: ActivationDtype,
+    pub carrier: Carrier,
+    /// The node that drives sessions; empty: the first stage's.
+    pub driver: String,
+    /// Wait until every stage is ready (or failed), at most this many seconds; 0: do not wait.
+    pub wait_s: u32,
+    /// Memory fraction kept free on every device.
+    pub headroom: f64,
+    /// Prompt tokens per chunk into the first stage; 0: brigade's choice.
+    pub ubatch: u32,
+}
+
+impl DeployParams {
+    /// `model` deployed as `name`, placed by the planner for latency, waiting up to 600 s.
+    pub fn new(name: &str, model: &str) -> Self {
+        DeployParams {
+            name: name.into(),
+            model: model.into(),
+            objective: "latency".into(),
+            ctx: 0,
+            device_map: String::new(),
+            sessions: 0,
+            activation_dtype: ActivationDtype::F32,
+            carrier: Carrier::Quic,
+            driver: String::new(),
+            wait_s: 600,
+            headroom: 0.10,
+            ubatch: 0,
+        }
+    }
+
+    pub(crate) fn to_proto(&self) -> v1::DeployRequest {
+        v1::DeployRequest {
+            name: self.name.clone(),
+            model: self.model.clone(),
+            objective: self.objective.clone(),
+            ctx: self.ctx,
+            device_map: self.device_map.clone(),
+            sessions: self.sessions,
+            activation_dtype: match self.activation_dtype {
+                ActivationDtype::F32 => v1::WireDtype::F32,
+                ActivationDtype::F16 => v1::WireDtype::F16,
+                ActivationDtype::Bf16 => v1::WireDtype::Bf16,
+            } as i32,
+            carrier: match self.carrier {
+                Carrier::Quic => v1::Carrier::Quic,
+                Carrier::Grpc => v1::Carrier::Grpc,
+            } as i32,
+            driver: self.driver.clone(),
+            wait_s: self.wait_s,
+            headroom: self.headroom,
+            ubatch: self.ubatch,
+        }
+    }
+}
+
+/// What a deployment would be: the planner's text and its JSON.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Plan {
+    pub text: String,
+    pub json: String,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn stop_reasons_and_enums_keep_what_they_do_not_know() {
+        assert_eq!(StopReason::from(v1::StopReason::Stop as i32), StopReason::Stop);
+        assert_eq!(StopReason::from(99), StopReason::Other(99));
+        assert_eq!(StopReason::from(99).name(), "unknown");
+        assert_eq!(StopReason::Cancelled.name(), "caller");
+        assert_eq!(activation_dtype_name(v1::WireDtype::Bf16 as i32), "bf16");
+        assert_eq!(carrier_name(42), "unspecified");
+        let d = Device::from(v1::Device { name: "cuda0".into(), kind: 77, ..Default::default() });
+        assert_eq!((d.name.as_str(), d.kind.as_str()), ("cuda0", "unknown"));
+        let r = DeployParams {
+            activation_dtype: ActivationDtype::Bf16,
+            carrier: Carrier::Grpc,
+            ..DeployParams::new("a", "b")
+        };
+        let p = r.to_proto();
+        assert_eq!(
+            (p.activation_dtype, p.carrier, p.wait_s),
+            (v1::WireDtype::Bf16 as i32, v1::Carrier::Grpc as i32, 600)
+        );
+        assert_eq!(activation_dtype_name(p.activation_dtype), "bf16");
+        let done = Done::from(v1::Done { stop: 5, timings: None, text_tail: "x".into() });
+        assert_eq!(done, Done { stop: StopReason::Stop, timings: None, text_tail: "x".into() });
+    }
+}
