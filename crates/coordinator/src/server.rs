@@ -134,12 +134,12 @@ pub struct Shared {
 
 impl Shared {
     /// This replica's applied state (see [`Shared::current_state`] for a read that is not stale).
-    pub fn state(&self) -> ClusterState {
+    pub fn state(&self) -> Arc<ClusterState> {
         self.raft.state()
     }
 
     /// The state after a read barrier: everything committed before the call is in it.
-    pub async fn current_state(&self) -> Result<ClusterState, CoordError> {
+    pub async fn current_state(&self) -> Result<Arc<ClusterState>, CoordError> {
         self.raft.read_barrier().await?;
         Ok(self.raft.state())
     }

@@ -76,8 +76,10 @@ pub struct RaftHandle {
 }
 
 impl RaftHandle {
-    /// The applied state (possibly behind the leader's; see [`RaftHandle::read_barrier`]).
-    pub fn state(&self) -> ClusterState {
+    /// The applied state (possibly behind the leader's; see [`RaftHandle::read_barrier`]): the
+    /// published value itself, shared, not a copy. It does not change under the caller; a later
+    /// call sees later commands.
+    pub fn state(&self) -> Arc<ClusterState> {
         match self.applied.read() {
             Ok(a) => a.1.clone(),
             Err(p) => p.into_inner().1.clone(),
@@ -189,7 +191,7 @@ pub fn start(
     ca_pem: String,
     stop: CancellationToken,
 ) -> Result<(RaftHandle, tokio::task::JoinHandle<Result<(), CoordError>>), CoordError> {
-    let applied: AppliedState = Arc::new(RwLock::new((0, ClusterState::new())));
+    let applied: AppliedState = Arc::new(RwLock::new((0, Arc::new(ClusterState::new()))));
     let marker = opts.data_dir.join(INITIALISED_FILE);
     let marked = marker.exists();
     if marked && !opts.force_new_cluster && !DiskStorage::holds_log(&opts.data_dir)? {
@@ -216,7 +218,7 @@ pub fn start(
         }
     }
     if let Ok(mut a) = applied.write() {
-        *a = (opened.snapshot_index, state.clone());
+        *a = (opened.snapshot_index, Arc::new(state.clone()));
     }
     let cfg = raft::Config {
         id: opts.id,
@@ -513,8 +515,10 @@ impl Task {
     }
 
     fn set_applied(&mut self, index: u64) {
+        // one copy per applied batch, shared by every reader until the next
+        let published = Arc::new(self.state.clone());
         if let Ok(mut a) = self.applied.write() {
-            *a = (index, self.state.clone());
+            *a = (index, published);
         }
         self.changed.send_modify(|v| *v += 1);
     }
@@ -524,6 +528,10 @@ impl Task {
             return Ok(());
         }
         let mut last = 0;
+        // answered once the state is published, so a proposer that reads after its reply sees
+        // its own command
+        let mut replies = Vec::new();
+        let mut conf_replies = Vec::new();
         for e in entries {
             last = e.index;
             if e.data.is_empty() {
@@ -537,7 +545,7 @@ impl Task {
                         Err(err) => Err(CoordError::Corrupt(format!("raft entry {}: {err}", e.index))),
                     };
                     if let Some(reply) = ours.and_then(|n| self.pending.remove(&n)) {
-                        let _ = reply.send(result);
+                        replies.push((reply, result));
                     }
                 }
                 EntryType::EntryConfChange => {
@@ -557,7 +565,7 @@ impl Task {
                     }
                     let _ = self.state.apply(Command::SetReplica { id: cc.node_id, address: add.then_some(address) });
                     if let Some(reply) = ours.and_then(|n| self.pending_conf.remove(&n)) {
-                        let _ = reply.send(Ok(()));
+                        conf_replies.push(reply);
                     }
                     if !add && cc.node_id == self.id {
                         tracing::warn!("this replica was removed from the coordinator group");
@@ -575,6 +583,12 @@ impl Task {
             }
         }
         self.set_applied(last);
+        for (reply, result) in replies {
+            let _ = reply.send(result);
+        }
+        for reply in conf_replies {
+            let _ = reply.send(Ok(()));
+        }
         Ok(())
     }
 
@@ -623,5 +637,42 @@ impl Task {
                 false
             }
         });
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn readers_share_the_published_state_until_a_command_applies() {
+        let dir = tempfile::tempdir().unwrap();
+        let opened = crate::pki::Pki::load_or_create(dir.path(), None, &["localhost".into()], false).unwrap();
+        let me: BTreeMap<u64, String> = [(1, "127.0.0.1:1".to_string())].into();
+        let opts = RaftOptions {
+            id: 1,
+            peers: me.clone(),
+            known: me,
+            data_dir: dir.path().to_path_buf(),
+            tick: Duration::from_millis(10),
+            force_new_cluster: false,
+        };
+        let stop = CancellationToken::new();
+        let (h, task) =
+            start(opts, opened.pki.identity.clone(), opened.pki.ca_pem().to_string(), stop.clone()).unwrap();
+        let t0 = std::time::Instant::now();
+        while !h.is_leader() {
+            assert!(t0.elapsed() < Duration::from_secs(10), "a group of one elected no leader");
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        let before = h.state();
+        assert!(Arc::ptr_eq(&before, &h.state()), "two reads with nothing applied between share one value");
+        h.propose(Command::SetReplica { id: 7, address: Some("10.0.0.7:7070".into()) }).await.unwrap();
+        let after = h.state();
+        assert!(!Arc::ptr_eq(&before, &after), "the proposer's reply came before its command was readable");
+        assert_eq!(after.replicas.get(&7).map(String::as_str), Some("10.0.0.7:7070"));
+        assert!(!before.replicas.contains_key(&7), "a value already read never changes under its reader");
+        stop.cancel();
+        tokio::time::timeout(Duration::from_secs(10), task).await.unwrap().unwrap().unwrap();
     }
 }

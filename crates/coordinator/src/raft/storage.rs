@@ -27,8 +27,9 @@ pub const COMPACT_EVERY: u64 = 1024;
 /// The index (and term) of the snapshot a bootstrapped group's log starts from.
 pub const BOOTSTRAP_INDEX: u64 = 1;
 
-/// The state machine as snapshots see it: the applied index and the state at it.
-pub type AppliedState = Arc<RwLock<(u64, ClusterState)>>;
+/// The state machine as snapshots and readers see it: the applied index and the state at it,
+/// published as one shared value (a reader takes the `Arc`, never a copy of the state).
+pub type AppliedState = Arc<RwLock<(u64, Arc<ClusterState>)>>;
 
 fn db_err(e: impl std::fmt::Display) -> CoordError {
     CoordError::Corrupt(format!("raft log: {e}"))
@@ -259,7 +260,7 @@ impl DiskStorage {
         let (index, data) = {
             let a =
                 self.applied.read().map_err(|_| raft::Error::Store(StorageError::SnapshotTemporarilyUnavailable))?;
-            let data = serde_json::to_vec(&a.1)
+            let data = serde_json::to_vec(&*a.1)
                 .map_err(|_| raft::Error::Store(StorageError::SnapshotTemporarilyUnavailable))?;
             (a.0, data)
         };
@@ -325,7 +326,7 @@ mod tests {
 
     /// A data dir and an empty applied state, as a replica starts with.
     fn scratch() -> (tempfile::TempDir, AppliedState) {
-        (tempfile::tempdir().unwrap(), Arc::new(RwLock::new((0, ClusterState::new()))))
+        (tempfile::tempdir().unwrap(), Arc::new(RwLock::new((0, Arc::new(ClusterState::new())))))
     }
 
     fn members(ids: &[u64]) -> BTreeMap<u64, String> {
@@ -343,7 +344,7 @@ mod tests {
         // nothing before the snapshot can be sent as entries: a newcomer gets the snapshot
         assert_eq!(s.first_index(), BOOTSTRAP_INDEX + 1);
         assert!(s.entries(BOOTSTRAP_INDEX, BOOTSTRAP_INDEX + 1, None, GetEntriesContext::empty(false)).is_err());
-        *applied.write().unwrap() = (o.snapshot_index, o.state.clone());
+        *applied.write().unwrap() = (o.snapshot_index, Arc::new(o.state.clone()));
         let snap = s.snapshot(0, 4).unwrap();
         assert_eq!(snap.get_metadata().get_conf_state().voters, vec![1, 2, 3]);
         let sent: ClusterState = serde_json::from_slice(&snap.data).unwrap();
@@ -372,7 +373,7 @@ mod tests {
         assert_eq!(s.first_index(), 1, "entries from 1 would be sent to a newcomer");
         let mut state = ClusterState::new();
         state.replicas = members(&[1, 2, 3, 4]);
-        *applied.write().unwrap() = (2, state);
+        *applied.write().unwrap() = (2, Arc::new(state));
         s.set_conf_state(ConfState { voters: vec![1, 2, 3, 4], ..Default::default() }).unwrap();
         assert_eq!(s.compact().unwrap(), 2);
         assert!(s.first_index() > 1);
@@ -407,7 +408,7 @@ mod tests {
         // a snapshot at the applied index 4 drops entries 2 and 3 and carries the state
         let mut state = ClusterState::new();
         state.next_generation = 42;
-        *applied.write().unwrap() = (4, state.clone());
+        *applied.write().unwrap() = (4, Arc::new(state.clone()));
         assert_eq!(s.compact().unwrap(), 4);
         assert_eq!(s.first_index(), 4, "entries before the snapshot index are dropped");
         drop(s);
