@@ -80,6 +80,9 @@ impl Backend for ClusterBackend {
             max_tokens: u32::try_from(req.max_tokens).unwrap_or(u32::MAX),
             sampling: Some(sampling_to_proto(&req.sampling)),
             ignore_eos: req.ignore_eos,
+            // the driver ends the session at the stop itself (reason `stop`), one token sooner
+            // than the server's drop of the stream would
+            stop: req.stop,
             ..Default::default()
         };
         let mut upstream = start_session(&self.shared, &req.model, drive).await.map_err(|e| api_error(&e))?;

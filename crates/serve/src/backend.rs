@@ -36,6 +36,10 @@ pub struct EngineRequest {
     pub sampling: SamplingParams,
     /// Keep generating past end-of-generation tokens.
     pub ignore_eos: bool,
+    /// The request's stop strings (checked). The server cuts the text at them whatever the
+    /// backend does; a backend that sees text (the cluster's driver) may end the job there too,
+    /// instead of when the server drops the receiver.
+    pub stop: Vec<String>,
 }
 
 /// Why a completion ended.

@@ -365,6 +365,7 @@ async fn run<B: Backend>(
         prompt,
         sampling: s.sampling.clone(),
         ignore_eos: s.ignore_eos,
+        stop: s.stop.clone(),
     };
     let n_prompt = req.prompt.len();
     let prev = req.prompt.last().copied();

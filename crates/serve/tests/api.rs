@@ -204,8 +204,9 @@ async fn a_stop_string_ends_the_answer_and_the_job() {
     // the tokens up to the one that completed the stop string count
     let used = j["usage"]["completion_tokens"].as_u64().unwrap() as usize;
     assert!(used < b.script.len() && used > 5, "{used}");
-    // and the backend's receiver is gone
+    // and the backend's receiver is gone; the backend was told the stops too
     assert!(b.senders.lock().unwrap()[0].is_closed());
+    assert_eq!(b.seen.lock().unwrap()[0].stop, ["END", "zzz"]);
 }
 
 /// The data lines of an SSE body.
