@@ -73,6 +73,12 @@ impl Reconciler {
         Reconciler { cfg, tried: HashMap::new(), last_rebalance: None }
     }
 
+    /// An action of the last step was not replicated (and the driver skipped the rest): forget
+    /// which deployments were tried, so the next step decides them again from the state.
+    pub fn not_applied(&mut self) {
+        self.tried.clear();
+    }
+
     /// The actions for the state as it is at `now` (any monotonic clock: only differences count).
     /// Later decisions of one step see the earlier ones applied (a deployment is re-placed off a
     /// node this very step marks down).
@@ -109,7 +115,9 @@ impl Reconciler {
             self.tried.insert(d.name.clone(), up.clone());
             out.extend(replace(state, d, "a node it used is down"));
         }
-        if self.last_rebalance.is_none_or(|t| now.saturating_sub(t) >= self.cfg.rebalance_every) {
+        // the first check one period after the first step (a fresh leader lets nodes report)
+        let last = *self.last_rebalance.get_or_insert(now);
+        if now.saturating_sub(last) >= self.cfg.rebalance_every {
             self.last_rebalance = Some(now);
             for d in state.deployments.values() {
                 if d.by_hand || state.deployment_state(d) != DeploymentState::Ready {
@@ -334,6 +342,22 @@ mod tests {
         assert_eq!(nodes_of(&s), ["w2"]);
         assert!(s.deployments["d"].generation > generation, "a new generation");
         assert!(notes[1].contains("re-placed (a node it used is down): w2:"), "{notes:?}");
+    }
+
+    #[test]
+    fn a_step_whose_commands_were_not_replicated_is_decided_again() {
+        let s = cluster(&[("w1", 8 * GIB, 40e9), ("w2", 8 * GIB, 20e9)]);
+        let mut r = Reconciler::new(cfg());
+        let silent = live(11 * SECOND, &[("w1", 4 * SECOND), ("w2", SECOND)]);
+        assert_eq!(r.step(11 * SECOND, &s, &silent).len(), 2);
+        // marking w1 down failed (no quorum): nothing changed, and the driver says so
+        r.not_applied();
+        let again = r.step(12 * SECOND, &s, &silent);
+        assert_eq!(again.len(), 2, "the re-placement is decided again: {again:?}");
+        // without the call, the memo would have kept it from being tried on the same nodes
+        let mut stuck = Reconciler::new(cfg());
+        stuck.step(11 * SECOND, &s, &silent);
+        assert_eq!(stuck.step(12 * SECOND, &s, &silent).len(), 1, "only the mark-down");
     }
 
     #[test]

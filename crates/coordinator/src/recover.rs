@@ -70,6 +70,7 @@ pub async fn leader_tasks(shared: Arc<Shared>, stop: tokio_util::sync::Cancellat
                     Err(e) => {
                         // the rest of this step assumed it: decide again from the state next tick
                         tracing::warn!("{done}: not replicated: {e}");
+                        reconciler.not_applied();
                         break;
                     }
                 },

@@ -394,40 +394,40 @@ pub async fn run(
         opened.pki.ca_pem().to_string(),
         stop.clone(),
     )?;
-    let shared = Arc::new(Shared {
-        cfg: cfg.clone(),
-        raft,
-        pki: opened.pki,
-        models: Models::new(cfg.models_dir.as_deref())?,
-        live: Mutex::new(HashMap::new()),
-        stats: Mutex::new(HashMap::new()),
-        workers: tokio::sync::Mutex::new(HashMap::new()),
-        leader_since: Mutex::new(None),
-        address: address.clone(),
-    });
-    let addr_file = cfg.data_dir.join("coordinator.addr");
-    std::fs::write(&addr_file, local.to_string()).map_err(|e| CoordError::io(&addr_file, e))?;
-    {
-        let s = shared.state();
-        eprintln!(
-            "coordinator replica {} listening on {local} ({} replicas, {} nodes, {} deployments known)",
-            cfg.id,
-            peers.len(),
-            s.nodes.len(),
-            s.deployments.len()
-        );
-    }
-    let mut tasks = vec![tokio::spawn(crate::recover::leader_tasks(shared.clone(), stop.clone()))];
-    if let Some(addr) = cfg.http {
-        match serve_http(&shared, addr, stop.clone()).await {
-            Ok(t) => tasks.push(t),
-            Err(e) => {
-                stop.cancel();
-                return Err(e);
-            }
+    let mut tasks = Vec::new();
+    // from here every way out (an error included) goes through the teardown below, which
+    // stops the raft task and waits for it: the log is closed when `run` returns
+    let served = async {
+        let shared = Arc::new(Shared {
+            cfg: cfg.clone(),
+            raft,
+            pki: opened.pki,
+            models: Models::new(cfg.models_dir.as_deref())?,
+            live: Mutex::new(HashMap::new()),
+            stats: Mutex::new(HashMap::new()),
+            workers: tokio::sync::Mutex::new(HashMap::new()),
+            leader_since: Mutex::new(None),
+            address: address.clone(),
+        });
+        let addr_file = cfg.data_dir.join("coordinator.addr");
+        std::fs::write(&addr_file, local.to_string()).map_err(|e| CoordError::io(&addr_file, e))?;
+        {
+            let s = shared.state();
+            eprintln!(
+                "coordinator replica {} listening on {local} ({} replicas, {} nodes, {} deployments known)",
+                cfg.id,
+                peers.len(),
+                s.nodes.len(),
+                s.deployments.len()
+            );
         }
+        tasks.push(tokio::spawn(crate::recover::leader_tasks(shared.clone(), stop.clone())));
+        if let Some(addr) = cfg.http {
+            tasks.push(serve_http(&shared, addr, stop.clone()).await?);
+        }
+        serve_grpc(&shared, listener, stop.clone(), shutdown).await
     }
-    let served = serve_grpc(&shared, listener, stop.clone(), shutdown).await;
+    .await;
     // whatever ended the gRPC server ends the rest
     stop.cancel();
     let raft_result = match tokio::time::timeout(SHUTDOWN_WAIT, raft_task).await {
@@ -504,6 +504,9 @@ async fn serve_grpc(
                     _ = shutdown => {}
                     _ = stop.cancelled() => {}
                 }
+                // at once, not after the drain: a worker's Watch stream ends only when the raft
+                // task does, and the graceful shutdown waits for every stream
+                stop.cancel();
             },
         )
         .await

@@ -23,7 +23,8 @@ pub enum StopReason {
 }
 
 impl StopReason {
-    /// The name `brigade generate --json` and the Python SDK use (`length`, `eos`, …).
+    /// The name `brigade generate --json` uses (`length`, `eos`, `context`, `caller`, `stop`;
+    /// the Python SDK says `cancelled` for `caller`).
     pub fn name(self) -> &'static str {
         match self {
             StopReason::Length => "length",
@@ -142,6 +143,9 @@ pub struct Device {
     pub threads: u32,
     pub features: String,
     pub kernels: Vec<KernelRate>,
+    /// The device's link to its host CPU (PCIe), bytes/s and seconds; 0 for a CPU.
+    pub host_link_bandwidth: f64,
+    pub host_link_latency_s: f64,
 }
 
 impl From<v1::Device> for Device {
@@ -161,6 +165,8 @@ impl From<v1::Device> for Device {
             flops: d.flops,
             threads: d.threads,
             features: d.features,
+            host_link_bandwidth: d.host_link_bandwidth,
+            host_link_latency_s: d.host_link_latency_s,
             kernels: d
                 .kernels
                 .into_iter()

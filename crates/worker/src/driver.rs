@@ -196,6 +196,18 @@ async fn run_session(
     out: &Events,
 ) -> Result<(), Status> {
     let link_err = |e: WorkerError| Status::unavailable(e.to_string());
+    // the answer's text; after a failover its state is rebuilt from the ids the client already
+    // has (their text is not sent again), so a stop string that began before is still found
+    let mut text = t.tokenizer.answer(prompt.last().copied(), req.stop.clone());
+    text.replay(&req.resume_ids);
+    if text.stopped() {
+        // the client has the id that completed a stop string (the last driver died before its
+        // Done): nothing more to generate
+        let timings = Timings { prompt_tokens: prompt.len() as u32, ..Default::default() };
+        let done = Done { stop: StopReason::Stop as i32, timings: Some(timings), text_tail: String::new() };
+        let _ = out.send(ev(generate_event::Event::Done(done))).await;
+        return Ok(());
+    }
     let spec = SessionSpec { sampling: req.sampling, prompt_ids: feed.to_vec(), max_tokens: req.max_tokens };
     let open = addressed(t, Frame::open(&spec), session);
     router.send(&t.first, t.carrier, open).await.map_err(link_err)?;
@@ -212,10 +224,6 @@ async fn run_session(
     let mut fed = feed.len();
     let mut generated = req.resume_ids.len() as u32;
     let mut emitted = 0u32;
-    // the answer's text; after a failover its state is rebuilt from the ids the client already
-    // has (their text is not sent again), so a stop string that began before is still found
-    let mut text = t.tokenizer.answer(prompt.last().copied(), req.stop.clone());
-    text.replay(&req.resume_ids);
     let mut first_token_at: Option<Instant> = None;
     let mut last_token_at = Instant::now();
     let mut hops = HopSums::default();

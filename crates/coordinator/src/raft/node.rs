@@ -268,6 +268,9 @@ pub fn start(
     Ok((RaftHandle { tx, applied, status: status_rx, changed: changed_rx, peers }, done))
 }
 
+/// Where a proposal's result goes.
+type Reply = oneshot::Sender<Result<Applied, CoordError>>;
+
 /// A read waiting for its read index: (context, the index once known, the reply).
 type PendingRead = (u64, Option<u64>, oneshot::Sender<Result<(), CoordError>>);
 
@@ -527,14 +530,35 @@ impl Task {
         if entries.is_empty() {
             return Ok(());
         }
-        let mut last = 0;
         // answered once the state is published, so a proposer that reads after its reply sees
-        // its own command
+        // its own command; on an error the entries applied before it are published and
+        // answered all the same
         let mut replies = Vec::new();
         let mut conf_replies = Vec::new();
+        let mut last = 0;
+        let result = self.apply_each(entries, &mut last, &mut replies, &mut conf_replies);
+        if last > 0 {
+            self.set_applied(last);
+        }
+        for (reply, result) in replies {
+            let _ = reply.send(result);
+        }
+        for reply in conf_replies {
+            let _ = reply.send(Ok(()));
+        }
+        result
+    }
+
+    fn apply_each(
+        &mut self,
+        entries: Vec<Entry>,
+        last: &mut u64,
+        replies: &mut Vec<(Reply, Result<Applied, CoordError>)>,
+        conf_replies: &mut Vec<oneshot::Sender<Result<(), CoordError>>>,
+    ) -> Result<(), CoordError> {
         for e in entries {
-            last = e.index;
             if e.data.is_empty() {
+                *last = e.index;
                 continue; // a new leader's empty entry
             }
             let ours = parse_context(&e.context).filter(|(r, _)| *r == self.id).map(|(_, n)| n);
@@ -581,13 +605,7 @@ impl Task {
                     tracing::warn!("raft entry {}: configuration changes v2 are not used by brigade", e.index);
                 }
             }
-        }
-        self.set_applied(last);
-        for (reply, result) in replies {
-            let _ = reply.send(result);
-        }
-        for reply in conf_replies {
-            let _ = reply.send(Ok(()));
+            *last = e.index;
         }
         Ok(())
     }
