@@ -79,3 +79,5 @@ def test_arguments_are_checked_before_any_call(env: pytest.MonkeyPatch) -> None:
         c.chat("m", [{"content": "no role"}])
     with pytest.raises(BrigadeError, match="carrier"):
         c.deploy("m", carrier="pigeon")
+    with pytest.raises(BrigadeError, match="a string or a list of strings"):
+        c.generate("m", "hi", stop=["ok", 5])  # type: ignore[list-item]
