@@ -3,7 +3,7 @@
 
 use crate::common::SamplingArgs;
 use anyhow::{bail, Context, Result};
-use brigade_sdk::{ActivationDtype, Carrier, DeployParams, Deployment};
+use brigade_sdk::{ActDtype, CarrierKind, DeployParams, Deployment};
 use brigade_sdk::{Client, ClientConfig, Event, GenerateParams};
 use clap::Args;
 use serde::Serialize;
@@ -456,11 +456,11 @@ pub fn deploy_request(a: &DeployArgs) -> DeployParams {
         device_map: a.device_map.clone().unwrap_or_default(),
         sessions: a.sessions,
         activation_dtype: match a.activation_dtype.as_str() {
-            "f16" => ActivationDtype::F16,
-            "bf16" => ActivationDtype::Bf16,
-            _ => ActivationDtype::F32,
+            "f16" => ActDtype::F16,
+            "bf16" => ActDtype::Bf16,
+            _ => ActDtype::F32,
         },
-        carrier: if a.transport == "grpc" { Carrier::Grpc } else { Carrier::Quic },
+        carrier: if a.transport == "grpc" { CarrierKind::Grpc } else { CarrierKind::Quic },
         driver: a.driver.clone().unwrap_or_default(),
         wait_s: a.wait,
         headroom: a.headroom,

@@ -4,7 +4,7 @@
 
 use crate::cluster::{runtime, stop_signal};
 use anyhow::{bail, Context, Result};
-use brigade_sdk::{Carrier, DeployParams};
+use brigade_sdk::{CarrierKind, DeployParams};
 use brigade_sdk::{Client, ClientConfig};
 use clap::{Args, Subcommand};
 use std::path::{Path, PathBuf};
@@ -234,7 +234,7 @@ pub fn local(a: LocalArgs) -> Result<()> {
         let req = DeployParams {
             device_map: even_map(n_layers, a.workers),
             sessions: 16,
-            carrier: if a.transport == "grpc" { Carrier::Grpc } else { Carrier::Quic },
+            carrier: if a.transport == "grpc" { CarrierKind::Grpc } else { CarrierKind::Quic },
             wait_s: 600,
             ..DeployParams::new(&name, &model_arg)
         };

@@ -3,10 +3,9 @@
 //! links it should measure.
 
 use crate::models::slice_ranges;
-use brigade_core::cluster::{ActDtype, CarrierKind, ClusterState, NodeState};
-use brigade_proto::v1::{
-    AdmittedCert, Assignments, Carrier, FileRange, ModelFile, PeerRef, SliceManifest, StageAssignment, WireDtype,
-};
+use brigade_core::cluster::{ClusterState, NodeState};
+use brigade_proto::convert::{act_dtype_to_proto, carrier_to_proto};
+use brigade_proto::v1::{AdmittedCert, Assignments, FileRange, ModelFile, PeerRef, SliceManifest, StageAssignment};
 
 /// Prompt tokens per chunk into the first stage: one chunk when the pipeline has one stage; small
 /// chunks when there are several, so that stages overlap on a long prompt.
@@ -20,21 +19,6 @@ pub fn ubatch(n_stages: usize) -> u32 {
 
 fn peer(state: &ClusterState, node: &str) -> PeerRef {
     PeerRef { node: node.to_string(), address: state.nodes.get(node).map(|n| n.address.clone()).unwrap_or_default() }
-}
-
-pub fn wire_dtype(d: ActDtype) -> WireDtype {
-    match d {
-        ActDtype::F32 => WireDtype::F32,
-        ActDtype::F16 => WireDtype::F16,
-        ActDtype::Bf16 => WireDtype::Bf16,
-    }
-}
-
-pub fn carrier(c: CarrierKind) -> Carrier {
-    match c {
-        CarrierKind::Quic => Carrier::Quic,
-        CarrierKind::Grpc => Carrier::Grpc,
-    }
 }
 
 /// The assignments of `node`.
@@ -74,8 +58,8 @@ pub fn for_node(state: &ClusterState, node: &str) -> Assignments {
             n_layers: d.n_layers as u32,
             n_ctx: d.n_ctx as u32,
             max_sessions: d.sessions as u32,
-            activation_dtype: wire_dtype(d.act_dtype) as i32,
-            carrier: carrier(d.carrier) as i32,
+            activation_dtype: act_dtype_to_proto(d.act_dtype) as i32,
+            carrier: carrier_to_proto(d.carrier) as i32,
             manifest: Some(manifest),
             next: d.stages.get(i + 1).map(|x| peer(state, &x.node)),
             driver: Some(peer(state, &d.driver)),

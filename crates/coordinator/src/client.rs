@@ -9,13 +9,16 @@ use brigade_core::cluster::{
     ActDtype, CarrierKind, ClusterState, Command, Deployment, DeploymentState, NodeState, StageState,
 };
 use brigade_planner::Objective;
-use brigade_proto::convert::{device_to_proto, sampling_from_proto, sampling_to_proto, unix_ms};
+use brigade_proto::convert::{
+    act_dtype_from_proto, act_dtype_to_proto, carrier_from_proto, carrier_to_proto, device_to_proto,
+    sampling_from_proto, sampling_to_proto, unix_ms,
+};
 use brigade_proto::v1::client_server::Client;
 use brigade_proto::v1::{
-    generate_event, Carrier, ChatMessageRef, ChatRequest, ClusterStatusRequest, ClusterStatusResponse, DeployRequest,
+    generate_event, ChatMessageRef, ChatRequest, ClusterStatusRequest, ClusterStatusResponse, DeployRequest,
     DeployResponse, DeploymentInfo, DriveRequest, GenerateEvent, GenerateOptions, GenerateRequest, LinkFigures,
     ListModelsRequest, ListModelsResponse, ModelInfo, NodeInfo, PlanResponse, RaftStatus, RemoveReplicaRequest,
-    RemoveReplicaResponse, ReplicaInfo, StageInfo, UndeployRequest, UndeployResponse, WireDtype,
+    RemoveReplicaResponse, ReplicaInfo, StageInfo, UndeployRequest, UndeployResponse,
 };
 use std::pin::Pin;
 use std::sync::Arc;
@@ -33,20 +36,11 @@ pub struct ClientService {
 const LINK_WAIT: Duration = Duration::from_secs(15);
 
 fn act_dtype(d: i32) -> Result<ActDtype, CoordError> {
-    match WireDtype::try_from(d) {
-        Ok(WireDtype::Unspecified) | Ok(WireDtype::F32) => Ok(ActDtype::F32),
-        Ok(WireDtype::F16) => Ok(ActDtype::F16),
-        Ok(WireDtype::Bf16) => Ok(ActDtype::Bf16),
-        _ => Err(CoordError::BadRequest(format!("activation dtype {d}: f32, f16 or bf16"))),
-    }
+    act_dtype_from_proto(d).map_err(|d| CoordError::BadRequest(format!("activation dtype {d}: f32, f16 or bf16")))
 }
 
 fn carrier(c: i32) -> Result<CarrierKind, CoordError> {
-    match Carrier::try_from(c) {
-        Ok(Carrier::Unspecified) | Ok(Carrier::Quic) => Ok(CarrierKind::Quic),
-        Ok(Carrier::Grpc) => Ok(CarrierKind::Grpc),
-        _ => Err(CoordError::BadRequest(format!("carrier {c}: quic or grpc"))),
-    }
+    carrier_from_proto(c).map_err(|c| CoordError::BadRequest(format!("carrier {c}: quic or grpc")))
 }
 
 /// A deployment as clients see it.
@@ -92,8 +86,8 @@ pub fn deployment_info(state: &ClusterState, d: &Deployment, stats: Option<&Depl
         n_layers: d.n_layers as u32,
         n_ctx: d.n_ctx as u32,
         sessions: d.sessions as u32,
-        activation_dtype: crate::assign::wire_dtype(d.act_dtype) as i32,
-        carrier: crate::assign::carrier(d.carrier) as i32,
+        activation_dtype: act_dtype_to_proto(d.act_dtype) as i32,
+        carrier: carrier_to_proto(d.carrier) as i32,
         objective: d.objective.clone(),
         predicted_decode_s: d.predicted_decode_s,
         measured_decode_s: stats.map(|s| s.decode_s_per_token()).unwrap_or(0.0),

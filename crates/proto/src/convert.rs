@@ -1,7 +1,7 @@
 //! Conversions between the wire types and brigade's own (`brigade-core`), in one place.
 
 use crate::v1;
-use brigade_core::cluster::{DeviceFigures, KernelFigures};
+use brigade_core::cluster::{ActDtype, CarrierKind, DeviceFigures, KernelFigures};
 use brigade_core::{DeviceKind, Link, SamplingError, SamplingParams};
 
 /// Unix time in milliseconds (0 if the clock is before 1970).
@@ -81,6 +81,43 @@ pub fn device_from_proto(d: &v1::Device) -> Result<DeviceFigures, String> {
     })
 }
 
+/// The wire's name of an activation type.
+pub fn act_dtype_to_proto(d: ActDtype) -> v1::WireDtype {
+    match d {
+        ActDtype::F32 => v1::WireDtype::F32,
+        ActDtype::F16 => v1::WireDtype::F16,
+        ActDtype::Bf16 => v1::WireDtype::Bf16,
+    }
+}
+
+/// The activation type a wire number names (unspecified: f32); `Err` with the number for one
+/// that is not an activation type (unknown, or `u32`).
+pub fn act_dtype_from_proto(n: i32) -> Result<ActDtype, i32> {
+    match v1::WireDtype::try_from(n) {
+        Ok(v1::WireDtype::Unspecified | v1::WireDtype::F32) => Ok(ActDtype::F32),
+        Ok(v1::WireDtype::F16) => Ok(ActDtype::F16),
+        Ok(v1::WireDtype::Bf16) => Ok(ActDtype::Bf16),
+        _ => Err(n),
+    }
+}
+
+/// The wire's name of a carrier.
+pub fn carrier_to_proto(c: CarrierKind) -> v1::Carrier {
+    match c {
+        CarrierKind::Quic => v1::Carrier::Quic,
+        CarrierKind::Grpc => v1::Carrier::Grpc,
+    }
+}
+
+/// The carrier a wire number names (unspecified: QUIC); `Err` with an unknown number.
+pub fn carrier_from_proto(n: i32) -> Result<CarrierKind, i32> {
+    match v1::Carrier::try_from(n) {
+        Ok(v1::Carrier::Unspecified | v1::Carrier::Quic) => Ok(CarrierKind::Quic),
+        Ok(v1::Carrier::Grpc) => Ok(CarrierKind::Grpc),
+        Err(_) => Err(n),
+    }
+}
+
 /// Every field set: the receiver samples exactly as the sender asked.
 pub fn sampling_to_proto(p: &SamplingParams) -> v1::Sampling {
     v1::Sampling {
@@ -120,6 +157,21 @@ pub fn sampling_from_proto(s: Option<&v1::Sampling>) -> Result<SamplingParams, S
 #[allow(clippy::unwrap_used)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn activation_types_and_carriers_round_trip_and_unknown_numbers_are_named() {
+        for d in [ActDtype::F32, ActDtype::F16, ActDtype::Bf16] {
+            assert_eq!(act_dtype_from_proto(act_dtype_to_proto(d) as i32), Ok(d));
+        }
+        for c in [CarrierKind::Quic, CarrierKind::Grpc] {
+            assert_eq!(carrier_from_proto(carrier_to_proto(c) as i32), Ok(c));
+        }
+        assert_eq!(act_dtype_from_proto(v1::WireDtype::Unspecified as i32), Ok(ActDtype::F32));
+        assert_eq!(act_dtype_from_proto(v1::WireDtype::U32 as i32), Err(v1::WireDtype::U32 as i32));
+        assert_eq!(act_dtype_from_proto(77), Err(77));
+        assert_eq!(carrier_from_proto(v1::Carrier::Unspecified as i32), Ok(CarrierKind::Quic));
+        assert_eq!(carrier_from_proto(9), Err(9));
+    }
 
     #[test]
     fn devices_round_trip_and_bad_figures_are_refused() {

@@ -39,7 +39,7 @@ use tonic::transport::{Certificate, Channel, ClientTlsConfig, Endpoint};
 
 pub mod types;
 pub use types::{
-    ActivationDtype, Carrier, ClusterStatus, DeployParams, Deployment, Device, Done, HopTiming, KernelRate, Link,
+    ActDtype, CarrierKind, ClusterStatus, DeployParams, Deployment, Device, Done, HopTiming, KernelRate, Link,
     ModelInfo, Node, Plan, RaftStatus, Replica, Stage, StopReason, Timings,
 };
 

@@ -3,6 +3,8 @@
 //! that this SDK does not know (a newer server's stop reason) is kept, not lost. The fields and
 //! names follow the Python SDK's `brigade_client.types`.
 
+pub use brigade_core::cluster::{ActDtype, CarrierKind};
+use brigade_proto::convert::{act_dtype_to_proto, carrier_to_proto};
 use brigade_proto::v1;
 
 /// Why a generation ended.
@@ -425,25 +427,6 @@ impl From<v1::ModelInfo> for ModelInfo {
     }
 }
 
-/// The type of the hidden states between stages.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub enum ActivationDtype {
-    #[default]
-    F32,
-    F16,
-    Bf16,
-}
-
-/// What carries frames between stages.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub enum Carrier {
-    /// QUIC streams (the default).
-    #[default]
-    Quic,
-    /// gRPC streams over TCP, for networks that block UDP.
-    Grpc,
-}
-
 /// A deployment to make (or to plan): `brigade deploy`'s options.
 #[derive(Debug, Clone, PartialEq)]
 pub struct DeployParams {
@@ -459,8 +442,10 @@ pub struct DeployParams {
     pub device_map: String,
     /// Concurrent sessions each stage provisions.
     pub sessions: u32,
-    pub activation_dtype: ActivationDtype,
-    pub carrier: Carrier,
+    /// The type of the hidden states between stages.
+    pub activation_dtype: ActDtype,
+    /// What carries frames between stages (gRPC over TCP for networks that block UDP).
+    pub carrier: CarrierKind,
     /// The node that drives sessions; empty: the first stage's.
     pub driver: String,
     /// Wait until every stage is ready (or failed), at most this many seconds; 0: do not wait.
@@ -481,8 +466,8 @@ impl DeployParams {
             ctx: 0,
             device_map: String::new(),
             sessions: 0,
-            activation_dtype: ActivationDtype::F32,
-            carrier: Carrier::Quic,
+            activation_dtype: ActDtype::F32,
+            carrier: CarrierKind::Quic,
             driver: String::new(),
             wait_s: 600,
             headroom: 0.10,
@@ -498,15 +483,8 @@ impl DeployParams {
             ctx: self.ctx,
             device_map: self.device_map.clone(),
             sessions: self.sessions,
-            activation_dtype: match self.activation_dtype {
-                ActivationDtype::F32 => v1::WireDtype::F32,
-                ActivationDtype::F16 => v1::WireDtype::F16,
-                ActivationDtype::Bf16 => v1::WireDtype::Bf16,
-            } as i32,
-            carrier: match self.carrier {
-                Carrier::Quic => v1::Carrier::Quic,
-                Carrier::Grpc => v1::Carrier::Grpc,
-            } as i32,
+            activation_dtype: act_dtype_to_proto(self.activation_dtype) as i32,
+            carrier: carrier_to_proto(self.carrier) as i32,
             driver: self.driver.clone(),
             wait_s: self.wait_s,
             headroom: self.headroom,
@@ -537,8 +515,8 @@ mod tests {
         let d = Device::from(v1::Device { name: "cuda0".into(), kind: 77, ..Default::default() });
         assert_eq!((d.name.as_str(), d.kind.as_str()), ("cuda0", "unknown"));
         let r = DeployParams {
-            activation_dtype: ActivationDtype::Bf16,
-            carrier: Carrier::Grpc,
+            activation_dtype: ActDtype::Bf16,
+            carrier: CarrierKind::Grpc,
             ..DeployParams::new("a", "b")
         };
         let p = r.to_proto();

@@ -9,7 +9,8 @@ use crate::{WorkerConfig, WorkerError};
 use brigade_core::cluster::{ActDtype, CarrierKind};
 use brigade_core::LayerRange;
 use brigade_model::{ModelFiles, Slice};
-use brigade_proto::v1::{Carrier, FileRange, PeerRef, SliceStatus, StageAssignment, WireDtype};
+use brigade_proto::convert::{act_dtype_from_proto, carrier_from_proto};
+use brigade_proto::v1::{FileRange, PeerRef, SliceStatus, StageAssignment};
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
@@ -52,19 +53,14 @@ pub fn peer(p: &Option<PeerRef>) -> Option<Peer> {
     p.as_ref().map(|p| Peer { node: p.node.clone(), address: p.address.clone() })
 }
 
+/// The assignment's activation type; a number that names none is taken as f32.
 pub fn act_dtype(d: i32) -> ActDtype {
-    match WireDtype::try_from(d).unwrap_or(WireDtype::F32) {
-        WireDtype::F16 => ActDtype::F16,
-        WireDtype::Bf16 => ActDtype::Bf16,
-        _ => ActDtype::F32,
-    }
+    act_dtype_from_proto(d).unwrap_or(ActDtype::F32)
 }
 
+/// The assignment's carrier; an unknown number is taken as QUIC.
 pub fn carrier(c: i32) -> CarrierKind {
-    match Carrier::try_from(c).unwrap_or(Carrier::Quic) {
-        Carrier::Grpc => CarrierKind::Grpc,
-        _ => CarrierKind::Quic,
-    }
+    carrier_from_proto(c).unwrap_or(CarrierKind::Quic)
 }
 
 impl Node {

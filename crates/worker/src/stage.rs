@@ -612,7 +612,7 @@ impl StageHost {
         let stamp = StageTrace { stage: self.place.stage, received_us: received, sent_us: 0, compute_us };
         if !self.is_last() {
             let payload = wire::hidden_to_bytes(&out, self.place.act_dtype)?;
-            let dtype = wire::wire_dtype(self.place.act_dtype);
+            let dtype = brigade_proto::convert::act_dtype_to_proto(self.place.act_dtype);
             let next = Frame::hidden(h.step, h.first_position, rows, hidden as u64, dtype, payload)
                 .map_err(|e| WorkerError::Frame(e.to_string()))?
                 .with_flags(h.flags);

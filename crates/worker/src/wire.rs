@@ -3,17 +3,10 @@
 
 use crate::WorkerError;
 use brigade_core::cluster::ActDtype;
+use brigade_proto::convert::act_dtype_to_proto;
 use brigade_proto::v1::{FrameHeader, WireDtype};
 use brigade_transport::wire as tw;
 use candle_core::{Device, Tensor};
-
-pub fn wire_dtype(d: ActDtype) -> WireDtype {
-    match d {
-        ActDtype::F32 => WireDtype::F32,
-        ActDtype::F16 => WireDtype::F16,
-        ActDtype::Bf16 => WireDtype::Bf16,
-    }
-}
 
 /// The ids of a TOKENS frame (the codec checked that the payload is `rows` u32s).
 pub fn ids_from_frame(h: &FrameHeader, payload: &[u8]) -> Result<Vec<u32>, WorkerError> {
@@ -56,7 +49,7 @@ pub fn hidden_from_frame(
 /// A stage's output `(1, rows, hidden)` as payload bytes in `dtype`.
 pub fn hidden_to_bytes(t: &Tensor, dtype: ActDtype) -> Result<bytes::Bytes, WorkerError> {
     let v: Vec<f32> = t.to_dtype(candle_core::DType::F32)?.flatten_all()?.to_vec1::<f32>()?;
-    tw::f32_to_wire(&v, wire_dtype(dtype)).map_err(|e| WorkerError::Frame(e.to_string()))
+    tw::f32_to_wire(&v, act_dtype_to_proto(dtype)).map_err(|e| WorkerError::Frame(e.to_string()))
 }
 
 #[cfg(test)]
@@ -99,8 +92,9 @@ mod tests {
         let h = a.forward(&mut ca, StageInput::Tokens(&ids), Logits::All).unwrap();
         let logits = |dtype: ActDtype| -> Vec<f32> {
             let bytes = hidden_to_bytes(&h, dtype).unwrap();
-            let frame = brigade_transport::Frame::hidden(0, 0, ids.len() as u32, 256, wire_dtype(dtype), bytes.clone())
-                .unwrap();
+            let frame =
+                brigade_transport::Frame::hidden(0, 0, ids.len() as u32, 256, act_dtype_to_proto(dtype), bytes.clone())
+                    .unwrap();
             let back = hidden_from_frame(&frame.header, &bytes, 256, &cpu).unwrap();
             let mut cb = b.new_cache().unwrap();
             b.forward(&mut cb, StageInput::Hidden(&back), Logits::All)
