@@ -27,15 +27,16 @@ pub struct ReconcileConfig {
     pub rebalance_every: Duration,
 }
 
-/// What this replica knows of the nodes and sessions beyond the replicated state.
-#[derive(Debug, Clone, Default)]
-pub struct Liveness {
+/// What this replica knows of the nodes and sessions beyond the replicated state, asked only
+/// for what a step looks at.
+pub trait Liveness {
     /// How long this replica has been the leader.
-    pub leader_for: Duration,
-    /// Time since each node's last heartbeat here (a node missing from it: never heard from).
-    pub heartbeat_age: HashMap<String, Duration>,
-    /// Sessions running on each deployment.
-    pub active_sessions: HashMap<String, u32>,
+    fn leader_for(&self) -> Duration;
+    /// Time since `node`'s last heartbeat here (at most [`Liveness::leader_for`]: a node not
+    /// heard from since this replica leads counts from then).
+    fn heartbeat_age(&self, node: &str) -> Duration;
+    /// Sessions running on `deployment`.
+    fn active_sessions(&self, deployment: &str) -> u32;
 }
 
 /// One thing the driver does, in order.
@@ -82,12 +83,12 @@ impl Reconciler {
     /// The actions for the state as it is at `now` (any monotonic clock: only differences count).
     /// Later decisions of one step see the earlier ones applied (a deployment is re-placed off a
     /// node this very step marks down).
-    pub fn step(&mut self, now: Duration, state: &ClusterState, live: &Liveness) -> Vec<Action> {
+    pub fn step(&mut self, now: Duration, state: &ClusterState, live: &impl Liveness) -> Vec<Action> {
         let mut out = Vec::new();
         let mut projected: Option<ClusterState> = None;
-        if live.leader_for > self.cfg.node_timeout * 2 {
+        if live.leader_for() > self.cfg.node_timeout * 2 {
             for n in state.nodes.values().filter(|n| n.state == NodeState::Up) {
-                let age = live.heartbeat_age.get(&n.name).copied().unwrap_or(live.leader_for);
+                let age = live.heartbeat_age(&n.name);
                 if age > self.cfg.node_timeout {
                     let command = Command::SetNodeState { name: n.name.clone(), state: NodeState::Down };
                     let _ = projected.get_or_insert_with(|| state.clone()).apply(command.clone());
@@ -129,7 +130,7 @@ impl Reconciler {
         out
     }
 
-    fn rebalance(&self, state: &ClusterState, d: &Deployment, live: &Liveness) -> Option<Action> {
+    fn rebalance(&self, state: &ClusterState, d: &Deployment, live: &impl Liveness) -> Option<Action> {
         let model = state.models.get(&d.model_id)?;
         let p = placement::place(state, model, &request(d)).ok()?;
         let same = p.stages.len() == d.stages.len()
@@ -140,7 +141,7 @@ impl Reconciler {
         if same || p.predicted_decode_s >= d.predicted_decode_s * (1.0 - self.cfg.rebalance_gain) {
             return None;
         }
-        let active = live.active_sessions.get(&d.name).copied().unwrap_or(0);
+        let active = live.active_sessions(&d.name);
         if active > 0 {
             return Some(Action::Note(format!(
                 "deployment `{}`: a placement {:.0}% faster exists; waiting for {active} session(s) to finish",
@@ -307,14 +308,33 @@ mod tests {
         notes
     }
 
+    /// Liveness as a test states it.
+    struct Known {
+        leader_for: Duration,
+        heartbeat_age: HashMap<String, Duration>,
+        active_sessions: HashMap<String, u32>,
+    }
+
+    impl Liveness for Known {
+        fn leader_for(&self) -> Duration {
+            self.leader_for
+        }
+        fn heartbeat_age(&self, node: &str) -> Duration {
+            self.heartbeat_age.get(node).copied().unwrap_or(self.leader_for)
+        }
+        fn active_sessions(&self, deployment: &str) -> u32 {
+            self.active_sessions.get(deployment).copied().unwrap_or(0)
+        }
+    }
+
     /// One step at `now`, its commands applied.
-    fn turn(r: &mut Reconciler, now: Duration, s: &mut ClusterState, l: &Liveness) -> Vec<String> {
+    fn turn(r: &mut Reconciler, now: Duration, s: &mut ClusterState, l: &Known) -> Vec<String> {
         let actions = r.step(now, s, l);
         apply(s, actions)
     }
 
-    fn live(leader_for: Duration, ages: &[(&str, Duration)]) -> Liveness {
-        Liveness {
+    fn live(leader_for: Duration, ages: &[(&str, Duration)]) -> Known {
+        Known {
             leader_for,
             heartbeat_age: ages.iter().map(|(n, a)| (n.to_string(), *a)).collect(),
             active_sessions: HashMap::new(),

@@ -5,13 +5,30 @@
 
 use crate::reconcile::{Action, Liveness, ReconcileConfig, Reconciler};
 use crate::server::Shared;
-use brigade_core::cluster::NodeState;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 const TICK: Duration = Duration::from_millis(250);
 /// How often a ready deployment is checked for a better placement.
 const REBALANCE_EVERY: Duration = Duration::from_secs(5);
+
+/// What the heartbeats told this replica, asked by the reconciler as it needs it.
+struct Observed<'a> {
+    shared: &'a Shared,
+    leader_for: Duration,
+}
+
+impl Liveness for Observed<'_> {
+    fn leader_for(&self) -> Duration {
+        self.leader_for
+    }
+    fn heartbeat_age(&self, node: &str) -> Duration {
+        self.shared.heartbeat_age(node)
+    }
+    fn active_sessions(&self, deployment: &str) -> u32 {
+        self.shared.active_sessions(deployment)
+    }
+}
 
 pub async fn leader_tasks(shared: Arc<Shared>, stop: tokio_util::sync::CancellationToken) {
     let mut tick = tokio::time::interval(TICK);
@@ -48,16 +65,7 @@ pub async fn leader_tasks(shared: Arc<Shared>, stop: tokio_util::sync::Cancellat
         }
         let since = shared.leader_since.lock().ok().and_then(|l| *l).unwrap_or_else(Instant::now);
         let state = shared.state();
-        let live = Liveness {
-            leader_for: since.elapsed(),
-            heartbeat_age: state
-                .nodes
-                .values()
-                .filter(|n| n.state == NodeState::Up)
-                .map(|n| (n.name.clone(), shared.heartbeat_age(&n.name)))
-                .collect(),
-            active_sessions: state.deployments.keys().map(|d| (d.clone(), shared.active_sessions(d))).collect(),
-        };
+        let live = Observed { shared: &shared, leader_for: since.elapsed() };
         for action in reconciler.step(clock.elapsed(), &state, &live) {
             match action {
                 Action::Apply { command, done, forget } => match shared.apply(*command).await {
