@@ -615,3 +615,84 @@ fn deploy_reads_only_regular_model_files_under_the_models_dir() {
     let d = c.deploy(&["--name", "tiny", "-m", "tiny.gguf", "--device-map", "w1:cpu:2"]);
     assert_eq!(d["state"], "ready", "{d}");
 }
+
+/// The metric `name` of a worker's `/metrics` for one stage of a deployment.
+fn stage_metric(metrics: &str, name: &str, deployment: &str, stage: u32) -> f64 {
+    let want = format!("deployment=\"{deployment}\"");
+    let stage = format!("stage=\"{stage}\"");
+    metrics
+        .lines()
+        .find(|l| l.starts_with(name) && l.contains(&want) && l.contains(&stage))
+        .and_then(|l| l.rsplit(' ').next())
+        .and_then(|v| v.parse().ok())
+        .unwrap_or_else(|| panic!("no {name} for {deployment} stage {stage} in:\n{metrics}"))
+}
+
+/// GPU gateways, the half CI can run (it has no GPU): a worker registers every device it offers
+/// with its figures; a deployment naming a device a node lacks is refused at deploy time, naming
+/// both; a worker asked to offer a GPU in a build without CUDA stops and says why; and a node that
+/// hosts consecutive stages hands the hidden state from one to the next in process. That hop is
+/// the one a CPU↔GPU pair of stages takes on a gateway (the next slice moves the tensor to its
+/// device, as the single box's pipeline does); here both sides are the CPU, so the test checks
+/// the path — no bytes on any link, `run`'s greedy ids — not a device copy.
+#[test]
+fn a_node_offers_its_devices_and_hosts_consecutive_stages_in_process() {
+    let mut c = Cluster::new();
+    c.start_coordinator(&[]);
+    let metrics = format!("127.0.0.1:{}", free_port());
+    c.start_worker("w1", &["--metrics", &metrics, "--devices", "all"]);
+    c.start_worker("w2", &["--devices", "cpu", "--memory", "2GiB"]);
+    c.wait_up(2);
+
+    // the registration carries the device list with the measured figures
+    let st = c.status();
+    for n in st["nodes"].as_array().unwrap() {
+        let devs = n["devices"].as_array().unwrap();
+        assert_eq!(devs.len(), 1, "a CPU-only build offers the CPU alone: {n}");
+        assert_eq!((devs[0]["name"].as_str(), devs[0]["kind"].as_str()), (Some("cpu"), Some("cpu")), "{n}");
+        assert!(devs[0]["memory_free"].as_u64().unwrap() > 0, "{n}");
+        assert!(!devs[0]["kernels"].as_array().unwrap().is_empty(), "{n}");
+    }
+    let w2 = st["nodes"].as_array().unwrap().iter().find(|n| n["name"] == "w2").unwrap();
+    assert!(w2["devices"][0]["memory_free"].as_u64().unwrap() <= 2 << 30, "--memory caps what w2 offers: {w2}");
+
+    // a GPU this build cannot use: the worker stops with the reason
+    let mut gpu = c.spawn(
+        "w3",
+        &c.worker_args("w3").iter().map(String::as_str).chain(["--devices", "cpu,cuda0"]).collect::<Vec<_>>(),
+    );
+    wait_until("w3 to refuse cuda0", Duration::from_secs(60), || gpu.exited().is_some());
+    assert!(!gpu.exited().unwrap().success());
+    let log = gpu.log_text();
+    assert!(log.contains("cuda0") && log.contains("built without CUDA"), "{log}");
+
+    // a device the node lacks is refused when deploying, with the node and the device named,
+    // and nothing is deployed
+    let out = c.brigade(&["deploy", "--name", "nope", "--device-map", "w1:cuda0:3,w2:cpu:2"]);
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("node `w1` has no device `cuda0` (it has cpu)"), "{err}");
+    assert!(c.status()["deployments"].as_array().unwrap().iter().all(|d| d["name"] != "nope"));
+
+    // two consecutive stages on w1 (the driver's node): every hop in process. bf16 between
+    // nodes would round the hidden state; in process it stays as computed, so the ids are the
+    // f32 single box's
+    c.deploy(&["--name", "here", "--device-map", "w1:cpu:2,w1:cpu:3", "--activation-dtype", "bf16"]);
+    // and mixed: w2 first (the driver), then two stages on w1 — a network hop, then one in process
+    c.deploy(&["--name", "mixed", "--device-map", "w2:cpu:1,w1:cpu:2,w1:cpu:2", "--driver", "w2"]);
+    for p in PROMPTS {
+        let (_, want) = run_ids(None, p, 24);
+        for model in ["here", "mixed"] {
+            assert_eq!(ids(&c.generate(model, p, 24)["generated_ids"]), want, "{model}: {p}\n{}", c.logs());
+        }
+    }
+    let m = http(&format!("http://{metrics}"), "GET", "/metrics", None);
+    for (dep, stage) in [("here", 0), ("mixed", 1)] {
+        assert!(stage_metric(&m, "brigade_worker_hop_handed_over_total", dep, stage) > 0.0, "{dep} {stage}:\n{m}");
+        assert_eq!(stage_metric(&m, "brigade_worker_hop_sent_bytes_total", dep, stage), 0.0, "{dep} {stage}:\n{m}");
+    }
+    // the last stage sends the sampled ids to the driver: on w1 for `here` (in process, as a
+    // frame: no bytes on a link), over the link to w2 for `mixed`
+    assert_eq!(stage_metric(&m, "brigade_worker_hop_sent_bytes_total", "here", 1), 0.0, "{m}");
+    assert!(stage_metric(&m, "brigade_worker_hop_sent_bytes_total", "mixed", 2) > 0.0, "{m}");
+}

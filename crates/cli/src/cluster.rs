@@ -334,6 +334,13 @@ pub struct WorkerArgs {
     /// Memory this node offers for slices (e.g. `8GiB`); default: what is available.
     #[arg(long, value_parser = parse_size)]
     pub memory: Option<u64>,
+    /// The devices to offer: `all` (the CPU and every CUDA device), or names such as
+    /// `cpu,cuda0` (`cuda0` alone keeps the CPU out of placement).
+    #[arg(long, default_value = "all")]
+    pub devices: String,
+    /// Memory each GPU offers for slices (e.g. `20GiB`); default: what it has free.
+    #[arg(long, value_parser = parse_size)]
+    pub gpu_memory: Option<u64>,
     /// How thoroughly to measure the node's kernels: `full` (a few seconds, cached) or `quick`.
     #[arg(long, default_value = "full")]
     pub measure: brigade_worker::measure::Effort,
@@ -370,6 +377,8 @@ pub fn worker(a: WorkerArgs) -> Result<()> {
         data_dir,
         threads,
         memory: a.memory.unwrap_or(0),
+        devices: brigade_worker::devices::parse_devices(&a.devices)?,
+        gpu_memory: a.gpu_memory.unwrap_or(0),
         measure: a.measure,
         metrics: a.metrics,
         session_idle: Duration::from_secs_f64(a.session_idle_s.max(0.1)),
@@ -771,7 +780,9 @@ pub fn status(a: StatusArgs) -> Result<()> {
                             "name": n.name, "address": n.address, "state": n.state,
                             "heartbeat_age_ms": n.heartbeat_age_ms, "version": n.version,
                             "devices": n.devices.iter().map(|d| serde_json::json!({
-                                "name": d.name, "model": d.model, "memory_total": d.memory_total,
+                                "name": d.name, "kind": d.kind, "model": d.model, "memory_total": d.memory_total,
+                                "host_link_bandwidth": d.host_link_bandwidth,
+                                "host_link_latency_s": d.host_link_latency_s,
                                 "memory_free": d.memory_free, "read_bandwidth": d.mem_bandwidth,
                                 "flops": d.flops, "threads": d.threads, "features": d.features,
                                 "kernels": d.kernels.iter().map(|k| serde_json::json!({
@@ -804,13 +815,26 @@ pub fn status(a: StatusArgs) -> Result<()> {
         for n in &s.nodes {
             println!("  {} {} at {} (heartbeat {} ms ago)", n.name, n.state, n.address, n.heartbeat_age_ms);
             for d in &n.devices {
-                let q4k = d.kernels.iter().find(|k| k.weight_type == "q4_k");
-                println!(
-                    "    {} {}: {} free of {}, read {:.1} GB/s{}, {} threads [{}]",
+                let head = format!(
+                    "    {} {}: {} free of {}",
                     d.name,
                     d.model,
                     crate::common::human_bytes(d.memory_free),
-                    crate::common::human_bytes(d.memory_total),
+                    crate::common::human_bytes(d.memory_total)
+                );
+                if d.kind == "cuda" {
+                    println!(
+                        "{head}, copies {:.0} GB/s, {:.1} TFLOP/s, host link {:.1} GB/s {:.0} µs",
+                        d.mem_bandwidth / 1e9,
+                        d.flops / 1e12,
+                        d.host_link_bandwidth / 1e9,
+                        d.host_link_latency_s * 1e6
+                    );
+                    continue;
+                }
+                let q4k = d.kernels.iter().find(|k| k.weight_type == "q4_k");
+                println!(
+                    "{head}, read {:.1} GB/s{}, {} threads [{}]",
                     d.mem_bandwidth / 1e9,
                     q4k.map(|k| format!(", q4_k decode {:.1} GB/s", k.decode_bytes_per_s / 1e9)).unwrap_or_default(),
                     d.threads,

@@ -110,6 +110,7 @@ impl Local {
             memory_total: cpu.memory_total,
             memory_free: cpu.memory_available,
             features: format!("{} threads", brigade_model::threads::current()),
+            kind: "cpu".into(),
             ..Default::default()
         }];
         devices.extend(gpus.iter().map(|g| DeviceView {
@@ -117,6 +118,7 @@ impl Local {
             model: g.name.clone(),
             memory_total: g.memory_total,
             memory_free: g.memory_free,
+            kind: "cuda".into(),
             ..Default::default()
         }));
         let steps = timing.steps;

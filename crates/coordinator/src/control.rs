@@ -5,7 +5,7 @@
 use crate::assign;
 use crate::server::Shared;
 use crate::CoordError;
-use brigade_core::cluster::{Command, LinkRecord, NodeRecord, NodeState, StageState};
+use brigade_core::cluster::{ClusterState, Command, LinkRecord, NodeRecord, NodeState, StageState};
 use brigade_core::Link;
 use brigade_proto::convert::{device_from_proto, unix_ms};
 use brigade_proto::v1::control_server::Control;
@@ -92,6 +92,7 @@ impl Control for ControlService {
             version: r.version,
             state: NodeState::Up,
             registered_ms: unix_ms(),
+            lowered: Default::default(),
         };
         self.shared.heartbeat(&name, Vec::new());
         self.shared.apply(Command::RegisterNode { node }).await?;
@@ -159,6 +160,18 @@ impl Control for ControlService {
         if let StageState::Failed(e) = &state {
             tracing::warn!("stage {} of {} on {name} failed: {e}", r.stage, r.deployment);
         }
+        if r.out_of_memory && matches!(state, StageState::Failed(_)) {
+            // the device holds less than the plan counted on: lower it before the failure is
+            // recorded, so the re-placement the failure starts plans with the lower figure
+            if let Some(cmd) = lower_after_oom(&self.shared.state(), &name, &r) {
+                tracing::warn!("{cmd:?}");
+                // the failure is recorded even if the lowering is not (the worker does not
+                // report twice): the stage must not stay pending
+                if let Err(e) = self.shared.apply(cmd).await {
+                    tracing::warn!("lowering the memory of {name} after stage {} ran out: {e}", r.stage);
+                }
+            }
+        }
         let cmd = Command::StageReport {
             deployment: r.deployment,
             generation: r.generation,
@@ -218,4 +231,20 @@ impl Control for ControlService {
         let chunks: Vec<Result<Chunk, Status>> = data.chunks(1 << 20).map(|c| Ok(Chunk { data: c.to_vec() })).collect();
         Ok(Response::new(Box::pin(tokio_stream::iter(chunks))))
     }
+}
+
+/// The memory a device is taken to have after stage `r.stage` ran out of it while loading there:
+/// at most what the worker saw free after the attempt, and at most 7/8 of what the stage was
+/// predicted to need (the load needed more than that, or other users hold memory the plan did
+/// not see). Each failure lowers the figure, so re-placing converges: fewer layers there, at
+/// last none. `None` for a stale report (another generation, or a stage not on this node).
+pub fn lower_after_oom(state: &ClusterState, node: &str, r: &ReadyReport) -> Option<Command> {
+    let d = state.deployments.get(&r.deployment).filter(|d| d.generation == r.generation)?;
+    let s = d.stages.get(r.stage as usize).filter(|s| s.node == node)?;
+    let current = state.nodes.get(node)?.devices.iter().find(|x| x.name == s.device)?.memory_free;
+    let mut lowered = current.min((s.weight_bytes + s.kv_bytes) / 8 * 7);
+    if r.device_free > 0 {
+        lowered = lowered.min(r.device_free);
+    }
+    Some(Command::LowerDeviceMemory { node: node.to_string(), device: s.device.clone(), memory_free: lowered })
 }

@@ -157,6 +157,8 @@ impl ClusterBackend {
                         mem_bandwidth: d.mem_bandwidth,
                         flops: d.flops,
                         features: d.features.clone(),
+                        kind: if d.kind == brigade_proto::v1::DeviceKind::Cuda as i32 { "cuda" } else { "cpu" }.into(),
+                        host_link_bandwidth: d.host_link_bandwidth,
                     })
                     .collect(),
             })

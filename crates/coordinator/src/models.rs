@@ -29,6 +29,19 @@ pub struct Models {
     mapped: Mutex<HashMap<String, Arc<Mapped>>>,
 }
 
+/// The planner's profile of a model for a cluster of CPUs and GPUs: weights as a CPU stage holds
+/// them (quantized tensors as stored; on a GPU a float file's layers may take less), and the KV
+/// cache in the type each kind of device allocates it in, as the worker does: f32 on a CPU; on a
+/// GPU the model's float type, or bf16 for a quantized model (`brigade_model::device`'s rule).
+pub fn cluster_profile(index: &ModelIndex) -> brigade_core::ModelProfile {
+    let cfg = index.config();
+    let gpu_elem = index.dense_type().map_or(2, |t| t.type_size() as u64);
+    let mut p = index.device_profile(4, true, 4);
+    p.kv_bytes_per_token = cfg.kv_bytes_per_token_layer(gpu_elem);
+    p.cpu_kv_bytes_per_token = Some(cfg.kv_bytes_per_token_layer(4));
+    p
+}
+
 fn record(index: &ModelIndex, manifest: &Manifest, id: String, name: String, source: String) -> ModelRecord {
     let cfg = index.config();
     ModelRecord {
@@ -39,7 +52,7 @@ fn record(index: &ModelIndex, manifest: &Manifest, id: String, name: String, sou
         ranges: manifest.ranges().to_vec(),
         n_layers: cfg.n_layers,
         context_length: cfg.context_length,
-        profile: index.device_profile(4, true, 4),
+        profile: cluster_profile(index),
         weight_types: index.weight_types().into_iter().map(|(t, b)| (t.name().to_string(), b)).collect(),
     }
 }

@@ -5,7 +5,7 @@
 
 use crate::CoordError;
 use brigade_core::cluster::{ClusterState, DeviceFigures, ModelRecord, NodeState, StageRecord, StageState};
-use brigade_core::{DeviceSpec, Inventory, LayerRange, Link, LinkSpec, NodeSpec};
+use brigade_core::{DeviceKind, DeviceSpec, Inventory, LayerRange, Link, LinkSpec, NodeSpec};
 use brigade_planner::cost::Problem;
 use brigade_planner::{Objective, Policy};
 use std::collections::BTreeMap;
@@ -75,7 +75,12 @@ pub fn inventory(state: &ClusterState, model: &ModelRecord, assume_links: bool) 
                     mem_bandwidth: decode_rate(d, &model.weight_types),
                     flops: prompt_rate(d, &model.weight_types),
                     watts: None,
-                    host_link: d.host_link,
+                    // a GPU that did not measure its link to the host (an older worker's
+                    // figures) gets PCIe 4.0's, as the single box does
+                    host_link: match d.kind {
+                        DeviceKind::Cuda => Some(d.host_link.unwrap_or(brigade_planner::cluster::DEFAULT_HOST_LINK)),
+                        DeviceKind::Cpu => None,
+                    },
                 })
                 .collect(),
         })
@@ -346,4 +351,156 @@ fn by_hand(state: &ClusterState, model: &ModelRecord, req: &PlacementRequest) ->
         text.push_str(&format!("note: {n}\n"));
     }
     Ok(Placement { stages, driver, predicted_decode_s: predicted, plan_text: text, plan_json: String::new() })
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)]
+mod tests {
+    use super::*;
+    use brigade_core::cluster::{Command, LinkRecord, NodeRecord};
+    use brigade_core::{LlamaShape, ModelProfile};
+
+    const GIB: u64 = 1 << 30;
+
+    fn device(name: &str, kind: DeviceKind, memory: u64, bandwidth: f64, flops: f64) -> DeviceFigures {
+        DeviceFigures {
+            name: name.into(),
+            kind,
+            model: format!("test {name}"),
+            memory_total: memory,
+            memory_free: memory,
+            mem_bandwidth: bandwidth,
+            flops,
+            kernels: vec![],
+            threads: if kind == DeviceKind::Cpu { 8 } else { 0 },
+            features: String::new(),
+            host_link: (kind == DeviceKind::Cuda).then_some(Link { bandwidth: 25e9, latency: 10e-6 }),
+        }
+    }
+
+    /// A GPU gateway (`gw`: cuda0 of `gpu_memory` bytes beside its CPU) and two CPU endpoints on
+    /// a measured gigabit LAN, and an 8-layer model of about 70 MB (16-bit weights) whose KV
+    /// cache is 2 bytes an element on a GPU and 4 on a CPU.
+    fn fleet(gpu_memory: u64) -> (ClusterState, ModelRecord) {
+        let mut s = ClusterState::new();
+        let nodes = [
+            (
+                "gw",
+                vec![
+                    device("cuda0", DeviceKind::Cuda, gpu_memory, 2e12, 1e14),
+                    device("cpu", DeviceKind::Cpu, 16 * GIB, 30e9, 5e11),
+                ],
+            ),
+            ("e1", vec![device("cpu", DeviceKind::Cpu, 16 * GIB, 20e9, 3e11)]),
+            ("e2", vec![device("cpu", DeviceKind::Cpu, 16 * GIB, 20e9, 3e11)]),
+        ];
+        for (name, devices) in nodes {
+            s.apply(Command::AdmitNode { name: name.into(), fingerprint: "ab".repeat(32), admitted_ms: 1 }).unwrap();
+            let node = NodeRecord {
+                name: name.into(),
+                address: format!("{name}:7071"),
+                devices,
+                version: "test".into(),
+                state: NodeState::Up,
+                registered_ms: 1,
+                lowered: Default::default(),
+            };
+            s.apply(Command::RegisterNode { node }).unwrap();
+        }
+        for a in ["gw", "e1", "e2"] {
+            let links = ["gw", "e1", "e2"]
+                .iter()
+                .filter(|b| **b != a)
+                .map(|b| LinkRecord {
+                    from: a.into(),
+                    to: b.to_string(),
+                    link: Link { bandwidth: 125e6, latency: 0.5e-3 },
+                    measured_ms: 1,
+                })
+                .collect();
+            s.apply(Command::SetLinks { from: a.into(), links }).unwrap();
+        }
+        let shape = LlamaShape { layers: 8, hidden: 512, ffn: 1536, heads: 8, kv_heads: 8, vocab: 8000, tied: false };
+        let mut profile = ModelProfile::from_shape("m", &shape, 16.0, 2);
+        profile.cpu_kv_bytes_per_token = Some(profile.kv_bytes_per_token * 2);
+        let model = ModelRecord {
+            id: "m".into(),
+            name: "m".into(),
+            source: "m.gguf".into(),
+            files: vec![],
+            ranges: vec![],
+            n_layers: 8,
+            context_length: 4096,
+            profile,
+            weight_types: vec![],
+        };
+        (s, model)
+    }
+
+    fn request(device_map: &str) -> PlacementRequest {
+        PlacementRequest {
+            objective: Objective::Latency,
+            ctx: 2048,
+            sessions: 2,
+            headroom: 0.10,
+            driver: None,
+            device_map: device_map.into(),
+        }
+    }
+
+    #[test]
+    fn the_planner_puts_layers_on_a_gateways_gpu_and_the_rest_beside_it() {
+        // a GPU that holds the whole model takes it all
+        let (s, m) = fleet(8 * GIB);
+        let p = place(&s, &m, &request("")).unwrap();
+        assert_eq!(p.stages.len(), 1, "{}", p.plan_text);
+        assert_eq!((p.stages[0].node.as_str(), p.stages[0].device.as_str()), ("gw", "cuda0"), "{}", p.plan_text);
+        // a GPU that holds about half: its layers first or last, the rest on the gateway's own
+        // CPU (a PCIe hop), not across the LAN
+        let (s, m) = fleet(45 << 20);
+        let p = place(&s, &m, &request("")).unwrap();
+        let on = |dev: &str| -> usize {
+            p.stages.iter().filter(|x| format!("{}/{}", x.node, x.device) == dev).map(|x| x.layers.len()).sum()
+        };
+        assert!(on("gw/cuda0") >= 2, "{}", p.plan_text);
+        assert_eq!(on("gw/cuda0") + on("gw/cpu"), 8, "the LAN stays out of the token loop:\n{}", p.plan_text);
+        assert_eq!(p.driver, "gw");
+        // the KV cache counted in each device's type: twice the bytes per layer on the CPU
+        let per_layer = |d: &str| {
+            let st = p.stages.iter().find(|x| x.device == d).unwrap();
+            st.kv_bytes / st.layers.len() as u64
+        };
+        assert_eq!(per_layer("cpu"), 2 * per_layer("cuda0"), "{}", p.plan_text);
+        for st in p.stages.iter().filter(|x| x.device == "cuda0") {
+            assert!(st.weight_bytes + st.kv_bytes <= (45 << 20) / 10 * 9, "within the headroom: {}", p.plan_text);
+        }
+    }
+
+    #[test]
+    fn a_hand_map_may_put_consecutive_stages_on_one_node_and_names_what_a_node_lacks() {
+        let (s, m) = fleet(8 * GIB);
+        let p = place(&s, &m, &request("gw:cuda0:5,gw:cpu:1,e1:cpu:2")).unwrap();
+        let got: Vec<String> = p.stages.iter().map(|x| format!("{}/{}:{}", x.node, x.device, x.layers)).collect();
+        assert_eq!(got.len(), 3, "{got:?}");
+        assert!(
+            got[0].starts_with("gw/cuda0") && got[1].starts_with("gw/cpu") && got[2].starts_with("e1/cpu"),
+            "{got:?}"
+        );
+        let e = place(&s, &m, &request("e1:cuda0:4,e2:cpu:4")).unwrap_err().to_string();
+        assert!(e.contains("node `e1` has no device `cuda0` (it has cpu)"), "{e}");
+        let e = place(&s, &m, &request("gw:cuda1:8")).unwrap_err().to_string();
+        assert!(e.contains("node `gw` has no device `cuda1` (it has cuda0, cpu)"), "{e}");
+    }
+
+    #[test]
+    fn a_gpu_without_a_measured_host_link_gets_pcie() {
+        let (mut s, m) = fleet(8 * GIB);
+        let mut gw = s.nodes["gw"].clone();
+        gw.devices[0].host_link = None;
+        s.apply(Command::RegisterNode { node: gw }).unwrap();
+        let (inv, _) = inventory(&s, &m, false);
+        let gw = &inv.nodes[inv.node_index("gw").unwrap()];
+        assert_eq!(gw.devices[0].host_link, Some(brigade_planner::cluster::DEFAULT_HOST_LINK));
+        assert_eq!(gw.devices[1].host_link, None, "a CPU has no host link");
+    }
 }

@@ -8,12 +8,14 @@
 //! - **recovery**: a deployment with a stage on a node that is down is re-placed on the nodes
 //!   that are up; if the model no longer fits, its note says why (once), and it is tried again
 //!   whenever the set of nodes that are up changes;
+//! - **memory**: a deployment placed by the planner whose stage ran out of device memory while
+//!   loading (the report lowered that device's figure) is placed again with the lower figure;
 //! - **rebalancing**: every `rebalance_every`, a ready deployment placed by the planner is
 //!   re-placed when a placement at least `rebalance_gain` faster exists — once its sessions have
 //!   drained, never under them.
 
 use crate::placement::{self, PlacementRequest};
-use brigade_core::cluster::{ClusterState, Command, Deployment, DeploymentState, NodeState};
+use brigade_core::cluster::{ClusterState, Command, Deployment, DeploymentState, NodeState, StageState, OUT_OF_MEMORY};
 use brigade_planner::Objective;
 use std::collections::HashMap;
 use std::time::Duration;
@@ -108,6 +110,17 @@ impl Reconciler {
             let lost = d.stages.iter().any(|s| state.nodes.get(&s.node).is_none_or(|n| n.state != NodeState::Up));
             if !lost {
                 self.tried.remove(&d.name);
+                // a stage that did not fit on its device (whose figure the report lowered; where
+                // the lowering did not land, the same plan would fail again: left failed):
+                // placed again, once per failed generation (the re-placement is the next one)
+                let oom = d.stages.iter().find(|s| {
+                    matches!(&s.state, StageState::Failed(e) if e.starts_with(OUT_OF_MEMORY))
+                        && state.nodes.get(&s.node).is_some_and(|n| n.lowered.contains_key(&s.device))
+                });
+                if let (Some(s), false) = (oom, d.by_hand) {
+                    let why = format!("{}/{} ran out of memory loading layers {}", s.node, s.device, s.layers);
+                    out.extend(replace(state, d, &why));
+                }
                 continue;
             }
             if self.tried.get(&d.name) == Some(&up) {
@@ -219,6 +232,7 @@ mod tests {
             version: "test".into(),
             state: NodeState::Up,
             registered_ms: 1,
+            lowered: Default::default(),
         };
         s.apply(Command::RegisterNode { node }).unwrap();
     }
@@ -362,6 +376,97 @@ mod tests {
         assert_eq!(nodes_of(&s), ["w2"]);
         assert!(s.deployments["d"].generation > generation, "a new generation");
         assert!(notes[1].contains("re-placed (a node it used is down): w2:"), "{notes:?}");
+    }
+
+    /// Gives node `name` a GPU `cuda0` of `memory` bytes beside its CPU (a re-registration).
+    fn add_gpu(s: &mut ClusterState, name: &str, memory: u64) {
+        let mut node = s.nodes[name].clone();
+        node.devices.push(DeviceFigures {
+            name: "cuda0".into(),
+            kind: DeviceKind::Cuda,
+            model: "test gpu".into(),
+            memory_total: memory,
+            memory_free: memory,
+            mem_bandwidth: 2e12,
+            flops: 1e14,
+            kernels: vec![],
+            threads: 0,
+            features: String::new(),
+            host_link: Some(brigade_core::Link { bandwidth: 25e9, latency: 10e-6 }),
+        });
+        s.apply(Command::RegisterNode { node }).unwrap();
+    }
+
+    fn layers_on(s: &ClusterState, device: &str) -> usize {
+        s.deployments["d"].stages.iter().filter(|x| x.device == device).map(|x| x.layers.len()).sum()
+    }
+
+    /// A GPU stage that runs out of memory while loading: the report lowers the GPU's figure and
+    /// the deployment is placed again with fewer layers there — each time, until none (never a
+    /// loop on one placement, never a silent move: each re-placement says why).
+    #[test]
+    fn a_gpu_stage_out_of_memory_is_placed_again_with_fewer_layers_there() {
+        let mut s = cluster(&[("gw", 8 * GIB, 20e9), ("w2", 8 * GIB, 20e9)]);
+        add_gpu(&mut s, "gw", 8 * GIB);
+        let mut r = Reconciler::new(cfg());
+        let d = s.deployments["d"].clone();
+        let first = replace(&s, &d, "test").unwrap();
+        apply(&mut s, vec![first]);
+        assert_eq!(layers_on(&s, "cuda0"), 4, "the GPU holds the whole model: {:?}", s.deployments["d"].stages);
+        let l = live(SECOND, &[]);
+        assert!(r.step(SECOND, &s, &l).is_empty(), "nothing to do while it loads");
+        let mut on_gpu = 4;
+        for round in 0..6 {
+            let d = s.deployments["d"].clone();
+            let Some(i) = d.stages.iter().position(|x| x.device == "cuda0") else { break };
+            // the worker's report: failed, out of memory, with what is free after the attempt
+            let report = brigade_proto::v1::ReadyReport {
+                name: "gw".into(),
+                deployment: "d".into(),
+                generation: d.generation,
+                stage: i as u32,
+                state: "failed".into(),
+                error: "out of memory on cuda0 (0 bytes free after the attempt): CUDA_ERROR_OUT_OF_MEMORY".into(),
+                out_of_memory: true,
+                ..Default::default()
+            };
+            let lower = crate::control::lower_after_oom(&s, "gw", &report).unwrap();
+            let need = d.stages[i].weight_bytes + d.stages[i].kv_bytes;
+            s.apply(lower).unwrap();
+            let free = s.nodes["gw"].devices[1].memory_free;
+            assert!(free <= need / 8 * 7, "round {round}: cuda0 offers {free}, the stage needed {need}");
+            s.apply(Command::StageReport {
+                deployment: "d".into(),
+                generation: d.generation,
+                stage: i,
+                node: "gw".into(),
+                state: StageState::Failed(report.error.clone()),
+                weight_bytes: 0,
+                kv_bytes: 0,
+                fetched_bytes: 0,
+            })
+            .unwrap();
+            let notes = turn(&mut r, SECOND * (round + 2), &mut s, &l);
+            assert_eq!(notes.len(), 1, "round {round}: {notes:?}");
+            assert!(notes[0].contains("gw/cuda0 ran out of memory loading layers"), "{notes:?}");
+            assert!(s.deployments["d"].generation > d.generation, "a new generation");
+            let now = layers_on(&s, "cuda0");
+            assert!(now < on_gpu, "round {round}: {now} layers on cuda0 after {on_gpu}");
+            on_gpu = now;
+            let mut loaded = s.clone();
+            ready(&mut loaded);
+            assert!(r.step(SECOND * (round + 2), &loaded, &l).is_empty(), "a re-placement that loads is left alone");
+        }
+        assert_eq!(on_gpu, 0, "the GPU's figure fell until nothing was placed there");
+        assert_eq!(s.deployments["d"].stages.iter().map(|x| x.layers.len()).sum::<usize>(), 4);
+        // a stale report (an older generation) lowers nothing
+        let stale = brigade_proto::v1::ReadyReport {
+            deployment: "d".into(),
+            generation: 1,
+            out_of_memory: true,
+            ..Default::default()
+        };
+        assert!(crate::control::lower_after_oom(&s, "gw", &stale).is_none());
     }
 
     #[test]

@@ -96,6 +96,12 @@ pub struct NodeRecord {
     pub state: NodeState,
     /// Unix milliseconds of the last registration.
     pub registered_ms: u64,
+    /// Devices whose memory was lowered after a stage ran out of memory loading there: by
+    /// device, the free memory the node registered it with and the figure it was lowered to.
+    /// A registration with the same figure (a reconnect resends what the worker measured at
+    /// start) keeps the lowering; new figures (a restart measures afresh) end it.
+    #[serde(default)]
+    pub lowered: BTreeMap<String, (u64, u64)>,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -139,8 +145,8 @@ pub struct ModelRecord {
     pub ranges: Vec<RangeRecord>,
     pub n_layers: usize,
     pub context_length: usize,
-    /// What the planner needs of the model (CPU byte accounting: weights in their stored form,
-    /// f32 KV cache), so re-planning never reopens the file.
+    /// What the planner needs of the model (weights as a CPU stage holds them; the KV cache in
+    /// f32 on CPUs and in a GPU's type on GPUs), so re-planning never reopens the file.
     pub profile: crate::ModelProfile,
     /// Bytes of the layers' matrices by stored type (`q4_k`, `q6_k`, …): how a device's measured
     /// kernel rates combine into its speed on this model.
@@ -265,6 +271,10 @@ impl DeploymentState {
     }
 }
 
+/// How a stage's failure says that its device ran out of memory while loading (the start of its
+/// [`StageState::Failed`] text): the leader lowers that device's memory and re-places.
+pub const OUT_OF_MEMORY: &str = "out of memory";
+
 /// A change to the cluster state.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(tag = "op", rename_all = "snake_case")]
@@ -283,6 +293,13 @@ pub enum Command {
     SetNodeState {
         name: String,
         state: NodeState,
+    },
+    /// A device of a node has less memory than it registered with: a stage ran out of memory
+    /// loading there (the node's next registration measures it afresh).
+    LowerDeviceMemory {
+        node: String,
+        device: String,
+        memory_free: u64,
     },
     RemoveNode {
         name: String,
@@ -423,12 +440,36 @@ impl ClusterState {
                         return Err(StateError::UnknownDevice { node: node.name.clone(), device: d.name.clone() });
                     }
                 }
-                self.nodes.insert(node.name.clone(), NodeRecord { state: NodeState::Up, ..node });
+                let mut node = node;
+                let before = self.nodes.get(&node.name).map(|n| &n.lowered);
+                let mut lowered = BTreeMap::new();
+                for d in &mut node.devices {
+                    if let Some(&(registered, to)) = before.and_then(|l| l.get(&d.name)) {
+                        if registered == d.memory_free {
+                            d.memory_free = d.memory_free.min(to);
+                            lowered.insert(d.name.clone(), (registered, to));
+                        }
+                    }
+                }
+                self.nodes.insert(node.name.clone(), NodeRecord { state: NodeState::Up, lowered, ..node });
                 Applied::Done
             }
             Command::SetNodeState { name, state } => {
                 let n = self.nodes.get_mut(&name).ok_or(StateError::UnknownNode(name))?;
                 n.state = state;
+                Applied::Done
+            }
+            Command::LowerDeviceMemory { node, device, memory_free } => {
+                let n = self.nodes.get_mut(&node).ok_or_else(|| StateError::UnknownNode(node.clone()))?;
+                let d = n
+                    .devices
+                    .iter_mut()
+                    .find(|d| d.name == device)
+                    .ok_or(StateError::UnknownDevice { node, device })?;
+                // only ever lower: a late report never raises what a later one lowered
+                let registered = n.lowered.get(&d.name).map_or(d.memory_free, |&(r, _)| r);
+                d.memory_free = d.memory_free.min(memory_free);
+                n.lowered.insert(d.name.clone(), (registered, d.memory_free));
                 Applied::Done
             }
             Command::RemoveNode { name } => {
@@ -689,6 +730,7 @@ mod tests {
             version: "t".into(),
             state: NodeState::Up,
             registered_ms: 0,
+            lowered: Default::default(),
         }
     }
 
@@ -754,6 +796,41 @@ mod tests {
         }
         s.apply(Command::AddModel { model: model() }).unwrap();
         s
+    }
+
+    #[test]
+    fn a_device_that_ran_out_of_memory_offers_less_and_never_more() {
+        let mut s = cluster();
+        let before = s.nodes["a"].devices[0].memory_free;
+        let lower = |memory_free| Command::LowerDeviceMemory { node: "a".into(), device: "cpu".into(), memory_free };
+        s.apply(lower(before / 2)).unwrap();
+        assert_eq!(s.nodes["a"].devices[0].memory_free, before / 2);
+        // a late report of more memory lowers nothing
+        s.apply(lower(before)).unwrap();
+        assert_eq!(s.nodes["a"].devices[0].memory_free, before / 2);
+        let e = s
+            .apply(Command::LowerDeviceMemory { node: "a".into(), device: "cuda0".into(), memory_free: 1 })
+            .unwrap_err();
+        assert_eq!(e.to_string(), "node `a` has no device `cuda0`");
+        let e = s.apply(Command::LowerDeviceMemory { node: "z".into(), device: "cpu".into(), memory_free: 1 });
+        assert!(matches!(e, Err(StateError::UnknownNode(_))));
+        // a failed command changed nothing
+        assert_eq!(s.nodes["a"].devices[0].memory_free, before / 2);
+
+        // a reconnect resends the figures measured at start: the lowering stays
+        s.apply(Command::RegisterNode { node: node("a") }).unwrap();
+        assert_eq!(s.nodes["a"].devices[0].memory_free, before / 2);
+        s.apply(lower(before / 4)).unwrap();
+        s.apply(Command::RegisterNode { node: node("a") }).unwrap();
+        assert_eq!(s.nodes["a"].devices[0].memory_free, before / 4, "lowered twice, still from the first figure");
+        // a restart measures afresh: new figures end the lowering
+        let mut restarted = node("a");
+        restarted.devices[0].memory_free = before - 1;
+        s.apply(Command::RegisterNode { node: restarted.clone() }).unwrap();
+        assert_eq!(s.nodes["a"].devices[0].memory_free, before - 1);
+        assert!(s.nodes["a"].lowered.is_empty());
+        s.apply(Command::RegisterNode { node: node("a") }).unwrap();
+        assert_eq!(s.nodes["a"].devices[0].memory_free, before);
     }
 
     #[test]

@@ -135,7 +135,7 @@ const CACHE_FILE: &str = "figures.json";
 /// switches in the environment, and a marker renamed when the kernels' speed changes.
 fn cache_key(kind: &str, device: &str, threads: usize, effort: Effort) -> String {
     format!(
-        "{kind}|{device}|{threads}|{effort:?}|{}|{}|{}|{}|{}|packed-q4k-256-ahead-amx-ymm-sub-vecdot-l2-kscales-f16table",
+        "{kind}|{device}|{threads}|{effort:?}|{}|{}|{}|{}|{}|packed-q4k-256-ahead-amx-ymm-sub-vecdot-l2-kscales-f16table-hostlink",
         env!("CARGO_PKG_VERSION"),
         std::env::var("BRIGADE_CPU_KERNELS").unwrap_or_default(),
         std::env::var("BRIGADE_CPU_PACK").unwrap_or_default(),
@@ -331,6 +331,35 @@ pub fn device_rates(device: &Device, dtype: DType, effort: Effort) -> Result<(f6
     Ok((bandwidth, 2.0 * (n * n * n) as f64 / secs))
 }
 
+/// The link between the host and `device`, as a stage hop across it sees it: bandwidth from
+/// timed copies of a large f32 block to the device and back (bytes moved / seconds), latency from
+/// round trips of one hidden state's worth (16 KiB) less the time its bytes take at that
+/// bandwidth, halved (one way). On the CPU both copies are in-process: the figures are a copy's.
+pub fn host_link_rates(device: &Device, effort: Effort) -> Result<brigade_core::Link, ModelError> {
+    let (big, budget) = match effort {
+        Effort::Full => (64usize << 20, Duration::from_millis(200)),
+        Effort::Quick => (4usize << 20, Duration::from_millis(10)),
+    };
+    let host = Tensor::zeros(big / 4, DType::F32, &Device::Cpu)?;
+    let secs = time(budget, || {
+        let there = host.to_device(device)?;
+        device.synchronize()?;
+        let back = there.to_device(&Device::Cpu)?;
+        drop(back);
+        Ok(())
+    })?;
+    let bandwidth = 2.0 * big as f64 / secs.max(1e-9);
+    let small = Tensor::zeros(4096, DType::F32, &Device::Cpu)?;
+    let round_trip = time(budget, || {
+        let there = small.to_device(device)?;
+        device.synchronize()?;
+        drop(there.to_device(&Device::Cpu)?);
+        Ok(())
+    })?;
+    let latency = ((round_trip - 2.0 * 16384.0 / bandwidth) / 2.0).max(1e-7);
+    Ok(brigade_core::Link { bandwidth, latency })
+}
+
 /// Measures CUDA device `ordinal` (or reads its figures from `cache_dir`): copy bandwidth and a
 /// bf16 matmul's rate; its free memory now.
 pub fn measure_cuda(ordinal: u32, effort: Effort, cache_dir: Option<&Path>) -> Result<DeviceFigures, ModelError> {
@@ -346,6 +375,7 @@ pub fn measure_cuda(ordinal: u32, effort: Effort, cache_dir: Option<&Path>) -> R
     }
     let device = crate::device::candle_device(brigade_core::DeviceId::Cuda(ordinal))?;
     let (mem_bandwidth, flops) = device_rates(&device, DType::BF16, effort)?;
+    let host_link = host_link_rates(&device, effort)?;
     let dev = DeviceFigures {
         name: format!("cuda{ordinal}"),
         kind: DeviceKind::Cuda,
@@ -357,7 +387,7 @@ pub fn measure_cuda(ordinal: u32, effort: Effort, cache_dir: Option<&Path>) -> R
         kernels: Vec::new(),
         threads: 0,
         features: String::new(),
-        host_link: None,
+        host_link: Some(host_link),
     };
     if let Some(d) = cache_dir {
         cache_write(d, key, &dev);
@@ -399,6 +429,15 @@ mod tests {
         // a file of another format is measured over, not an error
         std::fs::write(dir.path().join(CACHE_FILE), "{\"key\": 1}").unwrap();
         assert!(measure_cpu(1, Effort::Quick, 0, Some(dir.path())).is_ok());
+    }
+
+    #[test]
+    fn a_host_link_is_measured_as_a_copy() {
+        // on the CPU both copies stay in this process: a positive, finite figure is all there is
+        // to check here (the CUDA path is timed by scripts/gpu-check.sh on a GPU machine)
+        let l = host_link_rates(&Device::Cpu, Effort::Quick).unwrap();
+        assert!(l.bandwidth.is_finite() && l.bandwidth > 1e6, "{l:?}");
+        assert!(l.latency.is_finite() && l.latency > 0.0 && l.latency < 0.1, "{l:?}");
     }
 
     #[test]

@@ -6,7 +6,7 @@
 
 use crate::backend::Load;
 use crate::metrics::RecentRequest;
-use crate::overview::{DeploymentView, Overview};
+use crate::overview::{DeploymentView, DeviceView, Overview};
 use std::fmt::Write;
 
 /// Seconds between the page's reloads.
@@ -100,18 +100,28 @@ fn nodes(h: &mut String, ov: &Overview) {
             }
             let _ = writeln!(
                 h,
-                "<td>{} <span class=\"muted\">{}</span></td><td class=\"n\">{} / {}</td><td class=\"n\">{:.1} GB/s</td><td class=\"n\">{:.1} GFLOP/s</td><td class=\"muted\">{}</td></tr>",
+                "<td>{} <span class=\"muted\">{}</span></td><td class=\"n\">{} / {}</td><td class=\"n\">{:.1} GB/s</td><td class=\"n\">{:.1} GFLOP/s</td><td class=\"muted\">{}{}</td></tr>",
                 esc(&d.name),
                 esc(&d.model),
                 bytes(d.memory_free as f64),
                 bytes(d.memory_total as f64),
                 d.mem_bandwidth / 1e9,
                 d.flops / 1e9,
-                esc(&d.features)
+                esc(&d.features),
+                host_link(d)
             );
         }
     }
     h.push_str("</table>\n");
+}
+
+/// A GPU's measured link to host memory, after its features (nothing for a CPU).
+fn host_link(d: &DeviceView) -> String {
+    if d.host_link_bandwidth > 0.0 {
+        format!("; host link {:.1} GB/s", d.host_link_bandwidth / 1e9)
+    } else {
+        String::new()
+    }
 }
 
 fn links(h: &mut String, ov: &Overview) {

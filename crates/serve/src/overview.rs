@@ -39,6 +39,11 @@ pub struct DeviceView {
     pub flops: f64,
     /// Instruction sets or kernels, in words.
     pub features: String,
+    /// "cpu" or "cuda".
+    pub kind: String,
+    /// A GPU's measured copy bandwidth to and from host memory, bytes/s (0: a CPU, or not
+    /// measured).
+    pub host_link_bandwidth: f64,
 }
 
 #[derive(Debug, Clone, Default, Serialize)]

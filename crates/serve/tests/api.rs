@@ -454,6 +454,20 @@ fn two_stages() -> Overview {
                 heartbeat_age_s: 0.5,
                 devices: vec![DeviceView { name: "cpu".into(), memory_total: 1 << 30, ..Default::default() }],
             })
+            .map(|mut n| {
+                // n1 is a GPU gateway: its GPU beside its CPU, with the measured host link
+                if n.name == "n1" {
+                    n.devices.push(DeviceView {
+                        name: "cuda0".into(),
+                        model: "NVIDIA H200".into(),
+                        kind: "cuda".into(),
+                        memory_total: 141 << 30,
+                        host_link_bandwidth: 25.5e9,
+                        ..Default::default()
+                    });
+                }
+                n
+            })
             .collect(),
         links: Vec::new(),
         deployments: vec![DeploymentView {
@@ -517,6 +531,9 @@ async fn metrics_count_requests_and_show_the_overview() {
     // stage 1: 0.1 s over 10 steps = 10 ms/token = 100 tokens/s
     assert!(page.contains("class=\"n stage-tps\" data-tokens-per-s=\"100.000\""), "{page}");
     assert!(page.contains("<td>3–5</td>"), "inclusive layer range");
+    assert!(page.contains("cuda0 <span class=\"muted\">NVIDIA H200</span>"), "a gateway's GPU is listed: {page}");
+    assert!(page.contains("host link 25.5 GB/s"), "with its measured host link: {page}");
+    assert!(page.contains("rowspan=\"2\">n1</td>"), "the node's row spans its two devices: {page}");
     assert!(page.contains("http-equiv=\"refresh\"") && !page.contains("<script"));
     assert!(page.contains("/v1/completions") && page.contains("stop"), "the finished request is listed");
 }

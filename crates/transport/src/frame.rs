@@ -163,6 +163,20 @@ impl Frame {
         frame
     }
 
+    /// The header of hidden rows handed to a stage in the same process (the hop between two
+    /// stages of one node): a HIDDEN frame's header for `rows × cols` values with no payload —
+    /// the rows travel beside it as the sender computed them. Never sent: it is not encodable
+    /// (its payload is missing), so a link refuses it.
+    pub fn handed_over(step: u64, first_position: u64, rows: u32, cols: u64) -> Self {
+        let mut frame = Self::new(FrameKind::Hidden, Bytes::new());
+        frame.header.step = step;
+        frame.header.first_position = first_position;
+        frame.header.rows = rows;
+        frame.header.dtype = WireDtype::F32 as i32;
+        frame.header.shape = vec![u64::from(rows), cols];
+        frame
+    }
+
     /// A session ends.
     pub fn close() -> Self {
         Self::new(FrameKind::Close, Bytes::new())
@@ -485,6 +499,16 @@ mod tests {
         assert_eq!(decoder.buffered(), 0);
         assert_eq!(out[0].hidden_values(), Ok(values));
         assert_eq!(decode_exact(Bytes::from(bytes), &Limits::default()), Ok(frame));
+    }
+
+    #[test]
+    fn rows_handed_over_in_process_are_never_encoded() {
+        let f = Frame::handed_over(1, 4, 2, 64).in_session("d", 1, 9);
+        assert_eq!(f.header.shape, vec![2, 64]);
+        assert_eq!(f.header.kind, FrameKind::Hidden as i32);
+        assert!(check_encodable(&f).is_err(), "a header whose rows travel beside it must not reach a link");
+        let mut out = BytesMut::new();
+        assert!(encode(&f, &mut out).is_err());
     }
 
     #[test]

@@ -157,6 +157,8 @@ impl ControlLoop {
                         kv_bytes: kv,
                         fetched_bytes: fetched,
                         load_s,
+                        out_of_memory: l.out_of_memory.is_some(),
+                        device_free: l.out_of_memory.unwrap_or(0),
                     };
                     if let Err(e) = client.report_ready(r).await {
                         tracing::debug!("report ready: {}", e.message());

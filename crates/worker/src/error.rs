@@ -28,6 +28,9 @@ pub enum WorkerError {
     Model(#[from] brigade_model::ModelError),
     #[error(transparent)]
     Candle(#[from] candle_core::Error),
+    /// A slice did not fit on its device (starts with [`brigade_core::cluster::OUT_OF_MEMORY`]).
+    #[error("out of memory on {device} ({free} bytes free after the attempt): {why}")]
+    OutOfMemory { device: String, free: u64, why: String },
     #[error("tls: {0}")]
     Tls(String),
     #[error("internal error: {0}")]

@@ -3,7 +3,8 @@
 //!
 //! # Layout
 //! - [`identity`]: joining the cluster (token proof, certificate) and the credentials on disk.
-//! - [`measure`]: the node's devices and the measured speed of brigade's kernels on them.
+//! - [`devices`]: the devices this node offers (every one it has, or `--devices`), measured.
+//! - [`measure`]: the measured speed of brigade's kernels (the model crate's measurement).
 //! - [`control`]: register, heartbeat, follow assignments, report readiness and links; reconnect.
 //! - [`node`]: the hosted stages kept equal to the assignments; loading a slice.
 //! - [`fetch`]: a slice's bytes checked against the manifest, fetched where missing, cached.
@@ -19,6 +20,7 @@
 //! decisions (it loads what it is told), and any client API (clients talk to the coordinator).
 
 pub mod control;
+pub mod devices;
 pub mod driver;
 mod error;
 pub mod fetch;
@@ -57,6 +59,10 @@ pub struct WorkerConfig {
     pub threads: usize,
     /// Memory offered for slices, bytes (0: what the OS says is available).
     pub memory: u64,
+    /// The devices to offer (`None`: every device this node has).
+    pub devices: Option<Vec<brigade_core::DeviceId>>,
+    /// Memory offered on each GPU, bytes (0: what the GPU has free).
+    pub gpu_memory: u64,
     pub measure: measure::Effort,
     /// Serve `/metrics` (Prometheus' text format) on this address.
     pub metrics: Option<SocketAddr>,
@@ -87,6 +93,9 @@ fn bind(
 /// Runs a worker until `shutdown` completes.
 pub async fn run(cfg: WorkerConfig, shutdown: impl Future<Output = ()> + Send + 'static) -> Result<(), WorkerError> {
     brigade_core::cluster::check_node_name(&cfg.name).map_err(|e| WorkerError::BadRequest(e.to_string()))?;
+    // what to offer first: a device this node cannot offer stops the worker before it joins
+    let gpus = brigade_model::devices::cuda_devices();
+    let offered = devices::select(cfg.devices.as_deref(), &gpus, candle_core::utils::cuda_is_available())?;
     std::fs::create_dir_all(&cfg.data_dir).map_err(|e| WorkerError::io(&cfg.data_dir, e))?;
     std::fs::create_dir_all(&cfg.models_dir).map_err(|e| WorkerError::io(&cfg.models_dir, e))?;
     let creds = match identity::load(&cfg.data_dir)? {
@@ -114,10 +123,13 @@ pub async fn run(cfg: WorkerConfig, shutdown: impl Future<Output = ()> + Send + 
             joined.ok_or(last)?
         }
     };
-    let (threads, effort, memory, dir) = (cfg.threads, cfg.measure, cfg.memory, cfg.data_dir.clone());
-    let cpu = tokio::task::spawn_blocking(move || measure::measure_cpu(threads, effort, memory, Some(&dir)))
-        .await
-        .map_err(|e| WorkerError::Internal(e.to_string()))??;
+    let limits = devices::Limits { memory: cfg.memory, gpu_memory: cfg.gpu_memory };
+    let (threads, effort, dir, strict) = (cfg.threads, cfg.measure, cfg.data_dir.clone(), cfg.devices.is_some());
+    let (offered, figures) =
+        tokio::task::spawn_blocking(move || devices::measure(&offered, strict, threads, effort, limits, Some(&dir)))
+            .await
+            .map_err(|e| WorkerError::Internal(e.to_string()))??;
+    tracing::info!("offering {}", offered.names());
     let (quic, tcp) = bind(cfg.listen, &creds.tls)?;
     let local = quic.local_addr().map_err(|e| WorkerError::Link(e.to_string()))?;
     let advertise = match &cfg.advertise {
@@ -130,7 +142,7 @@ pub async fn run(cfg: WorkerConfig, shutdown: impl Future<Output = ()> + Send + 
         None => local.to_string(),
     };
     let router = router::Router::new(cfg.name.clone(), creds.tls.clone(), quic);
-    let node = node::Node::new(cfg.clone(), router);
+    let node = node::Node::new(cfg.clone(), offered, router);
     tokio::spawn(server::accept_quic(node.clone()));
     tcp.set_nonblocking(true).map_err(|e| WorkerError::io(std::path::Path::new("tcp"), e))?;
     let tcp = tokio::net::TcpListener::from_std(tcp).map_err(|e| WorkerError::Link(e.to_string()))?;
@@ -167,7 +179,7 @@ pub async fn run(cfg: WorkerConfig, shutdown: impl Future<Output = ()> + Send + 
         node: node.clone(),
         coordinator: cfg.coordinator.clone(),
         tls: creds.tls.clone(),
-        devices: vec![cpu],
+        devices: figures,
         advertise,
     });
     let ctl_task = tokio::spawn(ctl.run(stop_rx.clone()));

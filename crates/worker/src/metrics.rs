@@ -36,6 +36,7 @@ pub fn encode(node: &Node) -> Result<String, std::fmt::Error> {
     let frames = Family::<StageLabels, Counter>::default();
     let sent = Family::<StageLabels, FCounter>::default();
     let send_s = Family::<StageLabels, FCounter>::default();
+    let handed = Family::<StageLabels, Counter>::default();
     let sessions = Family::<StageLabels, FGauge>::default();
     let kv = Family::<StageLabels, FGauge>::default();
     let weights = Family::<StageLabels, FGauge>::default();
@@ -58,6 +59,7 @@ pub fn encode(node: &Node) -> Result<String, std::fmt::Error> {
             frames.get_or_create(&l).inc_by(c.frames.load(Ordering::Relaxed));
             sent.get_or_create(&l).inc_by(c.sent_bytes.load(Ordering::Relaxed) as f64);
             send_s.get_or_create(&l).inc_by(c.send_ns.load(Ordering::Relaxed) as f64 / 1e9);
+            handed.get_or_create(&l).inc_by(c.handed_over.load(Ordering::Relaxed));
             let active = handle.active.load(Ordering::Relaxed);
             sessions.get_or_create(&l).set(f64::from(active));
             kv.get_or_create(&l).set((handle.kv_bytes_per_session * u64::from(active)) as f64);
@@ -78,8 +80,17 @@ pub fn encode(node: &Node) -> Result<String, std::fmt::Error> {
         batched,
     );
     reg.register("stage_frames", "Frames a stage computed", frames);
-    reg.register("hop_sent_bytes", "Bytes a stage handed to its next hop", sent);
+    reg.register(
+        "hop_sent_bytes",
+        "Bytes a stage sent over a link to its next hop (none for a hop inside this node)",
+        sent,
+    );
     reg.register("hop_send_seconds", "Seconds a stage spent handing frames to its next hop", send_s);
+    reg.register(
+        "hop_handed_over",
+        "Hidden states a stage handed to the next stage on this node as tensors (no bytes sent)",
+        handed,
+    );
     reg.register("stage_sessions", "Sessions a stage holds now", sessions);
     reg.register("stage_kv_cache_bytes", "KV cache bytes the sessions of a stage use now", kv);
     reg.register("stage_weight_bytes", "Weight bytes a stage holds", weights);

@@ -1,14 +1,16 @@
 //! What this node hosts, kept equal to what the coordinator assigns it: slices load (fetching what
 //! is missing) when assigned, and stop when unassigned or replaced by another generation.
 
+use crate::devices::Offered;
 use crate::driver::DriveTarget;
 use crate::fetch::{ensure_slice, FetchReport};
 use crate::router::{Peer, Router};
 use crate::stage::{StageHandle, StagePlace};
 use crate::{WorkerConfig, WorkerError};
 use brigade_core::cluster::{ActDtype, CarrierKind};
-use brigade_core::LayerRange;
-use brigade_model::{ModelFiles, Slice};
+use brigade_core::{DeviceId, LayerRange};
+use brigade_model::device::{activation_dtype, candle_device, is_out_of_memory};
+use brigade_model::{ModelError, ModelFiles, Slice};
 use brigade_proto::convert::{act_dtype_from_proto, carrier_from_proto};
 use brigade_proto::v1::{FileRange, PeerRef, SliceStatus, StageAssignment};
 use std::collections::HashMap;
@@ -38,10 +40,14 @@ pub struct Loaded {
     pub generation: u64,
     pub stage: u32,
     pub result: Result<(u64, u64, u64, f64), String>,
+    /// The load ran out of device memory; the device's free bytes after it (0: unknown).
+    pub out_of_memory: Option<u64>,
 }
 
 pub struct Node {
     pub cfg: WorkerConfig,
+    /// The devices this worker offered when it registered: the only ones a stage may be put on.
+    pub offered: Offered,
     pub router: Arc<Router>,
     pub hosted: Mutex<HashMap<(String, u32), Hosted>>,
     pub drive: Mutex<HashMap<String, (DriveTarget, tokio::sync::watch::Sender<bool>)>>,
@@ -64,9 +70,10 @@ pub fn carrier(c: i32) -> CarrierKind {
 }
 
 impl Node {
-    pub fn new(cfg: WorkerConfig, router: Arc<Router>) -> Arc<Node> {
+    pub fn new(cfg: WorkerConfig, offered: Offered, router: Arc<Router>) -> Arc<Node> {
         Arc::new(Node {
             cfg,
+            offered,
             router,
             hosted: Mutex::new(HashMap::new()),
             drive: Mutex::new(HashMap::new()),
@@ -157,6 +164,10 @@ impl Node {
     ) -> Loaded {
         let t0 = Instant::now();
         let result = self.load_inner(a, fetch, t0);
+        let out_of_memory = match &result {
+            Err(WorkerError::OutOfMemory { free, .. }) => Some(*free),
+            _ => None,
+        };
         let mut hosted = match self.hosted.lock() {
             Ok(h) => h,
             Err(p) => p.into_inner(),
@@ -189,7 +200,13 @@ impl Node {
                 Err(e.to_string())
             }
         };
-        Loaded { deployment: a.deployment.clone(), generation: a.generation, stage: a.stage, result: report }
+        Loaded {
+            deployment: a.deployment.clone(),
+            generation: a.generation,
+            stage: a.stage,
+            result: report,
+            out_of_memory,
+        }
     }
 
     fn load_inner(
@@ -216,10 +233,48 @@ impl Node {
         }
         let layers = LayerRange::new(a.layer_start as usize, a.layer_end as usize)
             .map_err(|e| WorkerError::BadRequest(e.to_string()))?;
-        if a.device != "cpu" {
-            return Err(WorkerError::BadRequest(format!("device {} is not supported by this worker", a.device)));
+        // a device this worker offered (in a build without CUDA only the CPU is), computing in
+        // the type the single box computes in there
+        let device = self.offered.check(&a.device)?;
+        let on = candle_device(device)?;
+        let max_sessions = a.max_sessions.max(1) as usize;
+        let free_before = gpu_free(device);
+        let slice = Slice::load(&files, layers, &on, activation_dtype(device, &files), a.n_ctx as usize)
+            .map_err(|e| out_of_memory(device, e))?;
+        // On a GPU every session's KV cache is allocated now: running out of memory fails the
+        // load (which the coordinator re-plans), never a client's session later; and what the
+        // device lost is then all the stage will hold, to be checked against the prediction.
+        let caches = match device {
+            DeviceId::Cpu => Vec::new(),
+            DeviceId::Cuda(_) => match (0..max_sessions).map(|_| slice.new_cache()).collect::<Result<Vec<_>, _>>() {
+                Ok(c) => c,
+                Err(e) => {
+                    // what is free is read with this stage's weights gone: the coordinator
+                    // lowers the device to it, which must not count this failed stage
+                    drop(slice);
+                    return Err(out_of_memory(device, e));
+                }
+            },
+        };
+        if let (Some(before), Some(after)) = (free_before, gpu_free(device)) {
+            let lost = before.saturating_sub(after);
+            let predicted = slice.weight_bytes() + slice.kv_bytes() * max_sessions as u64;
+            // the device's allocator rounds and keeps workspaces: 10% and 256 MiB of slack
+            if lost > predicted + predicted / 10 + (256 << 20) {
+                tracing::warn!(
+                    deployment = %a.deployment,
+                    stage = a.stage,
+                    "{device} lost {lost} bytes to layers {layers}, more than the {predicted} predicted: \
+                     the plan undercounts this device"
+                );
+            } else {
+                tracing::info!(
+                    deployment = %a.deployment,
+                    stage = a.stage,
+                    "{device} lost {lost} bytes to layers {layers}; predicted {predicted}"
+                );
+            }
         }
-        let slice = Slice::load(&files, layers, &candle_core::Device::Cpu, candle_core::DType::F32, a.n_ctx as usize)?;
         let tokenizer = files.tokenizer.clone();
         let eog_tk = tokenizer.clone();
         let place = StagePlace {
@@ -231,13 +286,18 @@ impl Node {
             driver: peer(&a.driver).ok_or_else(|| WorkerError::Manifest("the assignment names no driver".into()))?,
             act_dtype: act_dtype(a.activation_dtype),
             carrier: carrier(a.carrier),
-            max_sessions: a.max_sessions.max(1) as usize,
+            max_sessions,
             session_idle: self.cfg.session_idle,
         };
         let hidden = files.config.hidden;
         let vocab = files.config.vocab;
-        let handle =
-            StageHandle::start(place.clone(), slice, Box::new(move |id| eog_tk.is_eog(id)), self.router.clone())?;
+        let handle = StageHandle::start(
+            place.clone(),
+            slice,
+            caches,
+            Box::new(move |id| eog_tk.is_eog(id)),
+            self.router.clone(),
+        )?;
         if a.is_driver {
             let first =
                 peer(&a.first).ok_or_else(|| WorkerError::Manifest("the assignment names no first stage".into()))?;
@@ -279,5 +339,23 @@ impl Node {
             report.fetched_bytes
         );
         Ok((handle, report))
+    }
+}
+
+/// Free memory of a GPU now (`None` for the CPU, or where it cannot be read).
+fn gpu_free(device: DeviceId) -> Option<u64> {
+    match device {
+        DeviceId::Cpu => None,
+        DeviceId::Cuda(i) => brigade_model::devices::cuda_free_memory(i),
+    }
+}
+
+/// A load's error, named as running out of memory on `device` where it is that (the
+/// coordinator lowers the device's memory by it and re-places).
+fn out_of_memory(device: DeviceId, e: ModelError) -> WorkerError {
+    if is_out_of_memory(&e) {
+        WorkerError::OutOfMemory { device: device.to_string(), free: gpu_free(device).unwrap_or(0), why: e.to_string() }
+    } else {
+        e.into()
     }
 }

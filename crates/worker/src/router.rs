@@ -180,6 +180,26 @@ impl Router {
         }
     }
 
+    /// Hands rows computed by a stage of this node to the next stage, hosted here too (the hop
+    /// inside one node: no socket, no bytes). Taken only by a stage whose sender is this node.
+    pub fn hand_over(&self, item: crate::stage::Inbound) {
+        let key = (item.frame.header.deployment.clone(), item.frame.header.stage);
+        let stage = self.stages.read().ok().and_then(|m| m.get(&key).map(|s| (s.input.clone(), s.from.clone())));
+        match stage {
+            Some((input, sender)) if sender == self.me => {
+                if let Err(e) = input.offer(item) {
+                    tracing::warn!(deployment = %key.0, stage = key.1, "rows handed over dropped: {e}");
+                }
+            }
+            Some((_, sender)) => tracing::warn!(
+                deployment = %key.0,
+                stage = key.1,
+                "rows handed over dropped: only {sender} sends to this stage"
+            ),
+            None => tracing::debug!(deployment = %key.0, stage = key.1, "rows for a stage not hosted here; dropped"),
+        }
+    }
+
     fn queue(self: &Arc<Self>, peer: &Peer, carrier: CarrierKind) -> mpsc::Sender<Frame> {
         let mut m = match self.outbound.lock() {
             Ok(m) => m,

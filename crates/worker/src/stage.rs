@@ -16,6 +16,12 @@
 //!   chunk or a decode step — the sampled id goes back to the driver, never the logits.
 //! - `CLOSE`: the cache returns to the pool; forwarded down the chain.
 //!
+//! When the next stage is hosted on this node too (two stages of one node: `node1:cuda0:24,
+//! node1:cpu:8`), the hidden state is handed to it as the tensor this stage computed
+//! ([`Inbound::rows`]): no bytes, no activation type of the wire; the next slice moves it to its
+//! own device exactly as the single box's pipeline does (`Slice::forward` with a hidden state
+//! from another device), so the hop is a device copy — or nothing, when both are the CPU.
+//!
 //! A frame this stage cannot process (unknown session, a position that does not follow the cache,
 //! a failed forward) ends the session here and sends the driver an `ERROR` naming why.
 
@@ -46,8 +52,24 @@ pub const STAGE_QUEUE_BYTES: u64 = 1 << 30;
 /// What a waiting frame costs beyond its payload (the header and the queue's bookkeeping).
 const FRAME_OVERHEAD: u64 = 512;
 
-fn queued_cost(frame: &Frame) -> u64 {
-    frame.payload.len() as u64 + FRAME_OVERHEAD
+/// What a stage's input carries: a frame as a link (or the driver) delivered it, or — from the
+/// stage before, hosted on this node — a HIDDEN frame's header with the rows themselves in
+/// `rows` (shape `(1, rows, hidden)`, on the sending stage's device) and no payload.
+#[derive(Debug)]
+pub struct Inbound {
+    pub frame: Frame,
+    pub rows: Option<candle_core::Tensor>,
+}
+
+impl From<Frame> for Inbound {
+    fn from(frame: Frame) -> Self {
+        Inbound { frame, rows: None }
+    }
+}
+
+fn queued_cost(item: &Inbound) -> u64 {
+    let rows = item.rows.as_ref().map_or(0, |t| (t.elem_count() * t.dtype().size_in_bytes()) as u64);
+    item.frame.payload.len() as u64 + rows + FRAME_OVERHEAD
 }
 
 /// A frame a stage's input did not take.
@@ -62,14 +84,14 @@ pub enum InputRefused {
 /// The sending side of a stage's input: a channel bounded by the bytes it holds.
 #[derive(Debug, Clone)]
 pub struct StageInbox {
-    tx: mpsc::Sender<Frame>,
+    tx: mpsc::Sender<Inbound>,
     queued: Arc<AtomicU64>,
     budget: u64,
 }
 
 /// The stage thread's side of its input.
 pub struct StageQueue {
-    rx: mpsc::Receiver<Frame>,
+    rx: mpsc::Receiver<Inbound>,
     queued: Arc<AtomicU64>,
 }
 
@@ -81,8 +103,10 @@ pub fn stage_queue(budget: u64) -> (StageInbox, StageQueue) {
 }
 
 impl StageInbox {
-    /// Queues `frame`, or refuses it (never waits: the callers are async link readers).
-    pub fn offer(&self, frame: Frame) -> Result<(), InputRefused> {
+    /// Queues `frame` (or rows handed over in process), or refuses it (never waits: the callers
+    /// are async link readers).
+    pub fn offer(&self, frame: impl Into<Inbound>) -> Result<(), InputRefused> {
+        let frame = frame.into();
         let cost = queued_cost(&frame);
         let before = self.queued.fetch_add(cost, Ordering::AcqRel);
         if before + cost > self.budget {
@@ -98,16 +122,16 @@ impl StageInbox {
 }
 
 impl StageQueue {
-    fn took(&self, frame: Frame) -> Frame {
+    fn took(&self, frame: Inbound) -> Inbound {
         self.queued.fetch_sub(queued_cost(&frame), Ordering::AcqRel);
         frame
     }
 
-    pub fn recv_timeout(&self, timeout: std::time::Duration) -> Result<Frame, mpsc::RecvTimeoutError> {
+    pub fn recv_timeout(&self, timeout: std::time::Duration) -> Result<Inbound, mpsc::RecvTimeoutError> {
         self.rx.recv_timeout(timeout).map(|f| self.took(f))
     }
 
-    pub fn try_recv(&self) -> Result<Frame, mpsc::TryRecvError> {
+    pub fn try_recv(&self) -> Result<Inbound, mpsc::TryRecvError> {
         self.rx.try_recv().map(|f| self.took(f))
     }
 }
@@ -139,10 +163,12 @@ pub struct StageCounters {
     pub batched_rows: AtomicU64,
     /// Nanoseconds in forward passes (and sampling, on the last stage).
     pub compute_ns: AtomicU64,
-    /// Bytes handed to the next hop (the next stage, or the driver), and nanoseconds spent
-    /// handing them over (serialization and the transport's send).
+    /// Bytes sent over a link to the next hop (the next stage, or the driver; none when it is
+    /// on this node), and nanoseconds spent handing frames over (serialization and the send).
     pub sent_bytes: AtomicU64,
     pub send_ns: AtomicU64,
+    /// Hidden states handed to the next stage on this node as tensors (no bytes sent).
+    pub handed_over: AtomicU64,
 }
 
 fn add_ns(a: &AtomicU64, d: std::time::Duration) {
@@ -189,6 +215,7 @@ impl StageHandle {
     pub fn start(
         place: StagePlace,
         slice: Slice,
+        caches: Vec<SliceCache>,
         eog: Box<dyn Fn(u32) -> bool + Send>,
         router: Arc<Router>,
     ) -> Result<StageHandle, WorkerError> {
@@ -203,7 +230,7 @@ impl StageHandle {
             slice,
             eog,
             sessions: HashMap::new(),
-            pool: Vec::new(),
+            pool: caches,
             router,
             active: active.clone(),
             counters: counters.clone(),
@@ -248,7 +275,7 @@ impl StageHost {
     fn run(mut self, rx: StageQueue) {
         let _span =
             tracing::debug_span!("stage", deployment = %self.place.deployment, stage = self.place.stage).entered();
-        let mut pending: std::collections::VecDeque<(Frame, u64)> = std::collections::VecDeque::new();
+        let mut pending: std::collections::VecDeque<(Inbound, u64)> = std::collections::VecDeque::new();
         let mut swept = Instant::now();
         loop {
             if self.stop.load(Ordering::Acquire) {
@@ -274,7 +301,7 @@ impl StageHost {
             }
             let n = self.batchable(&pending);
             if n >= 2 {
-                let batch: Vec<(Frame, u64)> = pending.drain(..n).collect();
+                let batch: Vec<(Inbound, u64)> = pending.drain(..n).collect();
                 self.process_batch(batch);
             } else if let Some((frame, received)) = pending.pop_front() {
                 self.process(frame, received);
@@ -304,8 +331,8 @@ impl StageHost {
     }
 
     /// One frame, its failure ending its session here and told to the driver.
-    fn process(&mut self, frame: Frame, received: u64) {
-        let session = frame.header.session;
+    fn process(&mut self, frame: Inbound, received: u64) {
+        let session = frame.frame.header.session;
         if let Some(s) = self.sessions.get_mut(&session) {
             s.touched = Instant::now();
         }
@@ -318,13 +345,13 @@ impl StageHost {
 
     /// How many frames at the front of `pending` are one decode step each of distinct open
     /// sessions, each at its cache's end: those are computed in one pass.
-    fn batchable(&self, pending: &std::collections::VecDeque<(Frame, u64)>) -> usize {
+    fn batchable(&self, pending: &std::collections::VecDeque<(Inbound, u64)>) -> usize {
         let want = if self.place.stage == 0 { FrameKind::Tokens } else { FrameKind::Hidden };
         let mut seen = std::collections::HashSet::new();
         pending
             .iter()
             .take_while(|(f, _)| {
-                let h = &f.header;
+                let h = &f.frame.header;
                 h.kind == want as i32
                     && h.generation == self.place.generation
                     && h.rows == 1
@@ -338,12 +365,17 @@ impl StageHost {
     /// Decode steps of several sessions in one forward pass (`Slice::forward_rows`: on the CPU
     /// each row's numbers are those it gets alone). If the pass fails, each frame goes alone,
     /// so that each failure is its own session's.
-    fn process_batch(&mut self, batch: Vec<(Frame, u64)>) {
+    fn process_batch(&mut self, batch: Vec<(Inbound, u64)>) {
         match self.compute_batch(&batch) {
             Ok((outputs, computed)) => {
+                let here = self.next_is_here();
                 for ((frame, received), (out, sampled)) in batch.into_iter().zip(outputs) {
-                    let session = frame.header.session;
-                    if let Err(e) = self.emit(frame.header, out, sampled, received, computed) {
+                    let session = frame.frame.header.session;
+                    // a row handed over in process is its own tensor: a view of the batch's
+                    // output would keep every row alive while it waits in the next queue
+                    let out = if here { out.copy().map_err(WorkerError::from) } else { Ok(out) };
+                    if let Err(e) = out.and_then(|out| self.emit(frame.frame.header, out, sampled, received, computed))
+                    {
                         tracing::warn!(session, "stage {} of {}: {e}", self.place.stage, self.place.deployment);
                         self.end(session);
                         self.fail_to_driver(session, &e.to_string());
@@ -364,7 +396,7 @@ impl StageHost {
     #[allow(clippy::type_complexity)]
     fn compute_batch(
         &mut self,
-        batch: &[(Frame, u64)],
+        batch: &[(Inbound, u64)],
     ) -> Result<(Vec<(candle_core::Tensor, Option<u32>)>, std::time::Duration), WorkerError> {
         let t0 = Instant::now();
         let first = self.place.stage == 0;
@@ -373,9 +405,9 @@ impl StageHost {
         let mut rows = Vec::with_capacity(batch.len());
         for (f, _) in batch {
             if first {
-                ids.extend(wire::ids_from_frame(&f.header, &f.payload)?);
+                ids.extend(wire::ids_from_frame(&f.frame.header, &f.frame.payload)?);
             } else {
-                rows.push(wire::hidden_from_frame(&f.header, &f.payload, hidden, self.slice.device())?);
+                rows.push(self.hidden_rows(f, hidden)?);
             }
         }
         let tensor = if first { None } else { Some(candle_core::Tensor::cat(&rows, 0)?) };
@@ -386,10 +418,10 @@ impl StageHost {
         // the sessions leave the map for the pass (one mutable borrow each) and always return
         let mut states = Vec::with_capacity(batch.len());
         for (f, _) in batch {
-            match self.sessions.remove(&f.header.session) {
+            match self.sessions.remove(&f.frame.header.session) {
                 Some(mut s) => {
                     s.touched = Instant::now();
-                    states.push((f.header.session, s));
+                    states.push((f.frame.header.session, s));
                 }
                 None => break,
             }
@@ -428,6 +460,31 @@ impl StageHost {
         Ok((outputs, computed))
     }
 
+    /// A HIDDEN input's rows `(1, rows, hidden)`: those handed over by the stage before on this
+    /// node (checked against the header and the model; the slice moves them to its device), or
+    /// those read from the frame's payload, onto this slice's device.
+    fn hidden_rows(&self, item: &Inbound, hidden: usize) -> Result<candle_core::Tensor, WorkerError> {
+        let h = &item.frame.header;
+        match &item.rows {
+            Some(t) => {
+                if t.dims() != [1, h.rows as usize, hidden] || h.rows == 0 {
+                    return Err(WorkerError::Frame(format!(
+                        "rows handed over of shape {:?} for a frame of {} rows; this model's hidden size is {hidden}",
+                        t.dims(),
+                        h.rows
+                    )));
+                }
+                Ok(t.clone())
+            }
+            None => wire::hidden_from_frame(h, &item.frame.payload, hidden, self.slice.device()),
+        }
+    }
+
+    /// Whether the next stage is hosted on this node (its hop is in process).
+    fn next_is_here(&self) -> bool {
+        self.place.next.as_ref().is_some_and(|n| n.node == self.router.me())
+    }
+
     fn is_last(&self) -> bool {
         self.place.stage + 1 == self.place.n_stages
     }
@@ -448,7 +505,7 @@ impl StageHost {
     fn to_next(&self, mut frame: Frame) -> Result<(), WorkerError> {
         let Some(next) = &self.place.next else { return Ok(()) };
         frame.header.stage = self.place.stage + 1;
-        let (t, n) = (Instant::now(), frame.payload.len() as u64);
+        let (t, n) = (Instant::now(), self.link_bytes(next, &frame));
         match self.router.send_blocking(next, self.place.carrier, frame) {
             // the router's check: this frame cannot be encoded
             Err(e @ WorkerError::Frame(_)) => return Err(e),
@@ -461,11 +518,21 @@ impl StageHost {
 
     fn to_driver(&self, mut frame: Frame) {
         frame.header.stage = self.place.n_stages;
-        let (t, n) = (Instant::now(), frame.payload.len() as u64);
+        let (t, n) = (Instant::now(), self.link_bytes(&self.place.driver, &frame));
         if let Err(e) = self.router.send_blocking(&self.place.driver, self.place.carrier, frame) {
             tracing::warn!("to the driver: {e}");
         }
         self.sent(t, n);
+    }
+
+    /// The bytes `frame` puts on a link to `to`: none when `to` is this node (the router
+    /// delivers it in process).
+    fn link_bytes(&self, to: &crate::router::Peer, frame: &Frame) -> u64 {
+        if to.node == self.router.me() {
+            0
+        } else {
+            frame.payload.len() as u64
+        }
     }
 
     fn sent(&self, t: Instant, bytes: u64) {
@@ -482,8 +549,8 @@ impl StageHost {
         }
     }
 
-    fn handle(&mut self, frame: Frame, received: u64) -> Result<(), WorkerError> {
-        let h = &frame.header;
+    fn handle(&mut self, item: Inbound, received: u64) -> Result<(), WorkerError> {
+        let h = &item.frame.header;
         if h.generation != self.place.generation {
             return Err(WorkerError::Frame(format!(
                 "frame of generation {}, this stage serves generation {}",
@@ -491,14 +558,17 @@ impl StageHost {
             )));
         }
         let kind = FrameKind::try_from(h.kind).unwrap_or(FrameKind::Unspecified);
+        if item.rows.is_some() && kind != FrameKind::Hidden {
+            return Err(WorkerError::Frame(format!("rows handed over with a {kind:?} frame")));
+        }
         match kind {
-            FrameKind::Open => self.open(frame),
+            FrameKind::Open => self.open(item.frame),
             FrameKind::Close => {
-                let s = frame.header.session;
+                let s = item.frame.header.session;
                 self.end(s);
-                self.to_next(frame)
+                self.to_next(item.frame)
             }
-            FrameKind::Tokens | FrameKind::Hidden => self.compute(frame, kind, received),
+            FrameKind::Tokens | FrameKind::Hidden => self.compute(item, kind, received),
             other => Err(WorkerError::Frame(format!("a stage does not take {other:?} frames"))),
         }
     }
@@ -533,13 +603,15 @@ impl StageHost {
         self.to_next(frame)
     }
 
-    fn compute(&mut self, frame: Frame, kind: FrameKind, received: u64) -> Result<(), WorkerError> {
+    fn compute(&mut self, item: Inbound, kind: FrameKind, received: u64) -> Result<(), WorkerError> {
         let t0 = Instant::now();
+        let tensor =
+            if kind == FrameKind::Hidden { Some(self.hidden_rows(&item, self.slice.config().hidden)?) } else { None };
+        let Inbound { frame, .. } = item;
         let h = frame.header;
         let session = h.session;
         let first = self.place.stage == 0;
         let last = self.is_last();
-        let hidden = self.slice.config().hidden;
         let rows = h.rows;
         // the session's state is borrowed for the forward pass (and the sample) only
         let (out, sampled) = {
@@ -555,17 +627,13 @@ impl StageHost {
                 )));
             }
             let ids;
-            let tensor;
-            let input = match (kind, first) {
-                (FrameKind::Tokens, true) => {
+            let input = match (kind, first, &tensor) {
+                (FrameKind::Tokens, true, _) => {
                     ids = wire::ids_from_frame(&h, &frame.payload)?;
                     StageInput::Tokens(&ids)
                 }
-                (FrameKind::Hidden, false) => {
-                    tensor = wire::hidden_from_frame(&h, &frame.payload, hidden, self.slice.device())?;
-                    StageInput::Hidden(&tensor)
-                }
-                (k, _) => {
+                (FrameKind::Hidden, false, Some(t)) => StageInput::Hidden(t),
+                (k, _, _) => {
                     return Err(WorkerError::Frame(format!("stage {} does not take {k:?} frames", self.place.stage)))
                 }
             };
@@ -610,6 +678,19 @@ impl StageHost {
         trace.truncate(self.place.stage as usize);
         let compute_us = computed.as_micros() as u64;
         let stamp = StageTrace { stage: self.place.stage, received_us: received, sent_us: 0, compute_us };
+        if self.next_is_here() {
+            // the single box's hop: the tensor itself, as computed (device, type), no bytes
+            let mut next = self.addressed(Frame::handed_over(h.step, h.first_position, rows, hidden as u64), session);
+            next.header.flags = h.flags;
+            next.header.stage = self.place.stage + 1;
+            trace.push(StageTrace { sent_us: now_us(), ..stamp });
+            next.header.trace = trace;
+            let t = Instant::now();
+            self.router.hand_over(Inbound { frame: next, rows: Some(out) });
+            self.counters.handed_over.fetch_add(1, Ordering::Relaxed);
+            self.sent(t, 0);
+            return Ok(());
+        }
         if !self.is_last() {
             let payload = wire::hidden_to_bytes(&out, self.place.act_dtype)?;
             let dtype = brigade_proto::convert::act_dtype_to_proto(self.place.act_dtype);
