@@ -2,7 +2,9 @@
 # The one script to run on a CUDA machine (built for the H200 with scripts/build-cuda.sh here).
 # It makes its own models with `brigade synth`, runs the GPU tests, benchmarks the -ngl curve on
 # a Llama-3-8B shape (32000-token vocabulary, the shape of the llama.cpp figures in the project's
-# perf notes) at q4_k and f16, and writes its results under OUT. Budget: under 8 minutes.
+# perf notes) at q4_k and f16, runs a small cluster with a GPU gateway (a coordinator and two
+# workers on loopback: one offering cuda0, one its CPU), and writes its results under OUT.
+# Budget: under 10 minutes (the cluster part runs only if the rest left time for it).
 #
 #   scripts/gpu-check.sh BIN_DIR OUT_DIR
 #     BIN_DIR holds `brigade` and `devices-test` (the GPU test binary) built with --features cuda
@@ -53,5 +55,67 @@ if [ $SECONDS -lt 330 ]; then
   step bench-f16 $((460 - SECONDS)) "$OUT/bench-f16.json" "$BIN/brigade" bench -m "$W/8b-f16.gguf" -ngl all,24 -p 512 -n 64 -r 1 -t "$T" -o json
 else
   log "f16 skipped: $SECONDS s used"
+fi
+# 8. the cluster on the GPU machine: a coordinator and three workers on loopback, two offering
+# cuda0 (GPU gateways sharing the one GPU), one its CPU only. A hand placement (GPU layers, then
+# CPU layers) must give the greedy ids of the single box's same split; the planner's own
+# placement is shown with its prediction; tokens/s of each beside the single box's; then the
+# GPU worker that hosts the planned deployment's first stage is killed mid-generation: the
+# deployment is re-placed, the session replayed, and its ids must equal the uninterrupted run's.
+# Results: cluster.jsonl (the JSON of each generation), cluster.txt, and
+# `cluster-*-ids: equal|DIFFER` lines in log.txt.
+if [ $SECONDS -lt 480 ]; then
+  C=$W/cluster; rm -rf "$C"; mkdir -p "$C"
+  TOKEN=brg1-$(head -c 24 /dev/urandom | od -An -tx1 | tr -d ' \n')
+  P=$((20000 + RANDOM % 20000))
+  "$BIN/brigade" coordinator --listen 127.0.0.1:$P --data-dir "$C/coord" --join-token "$TOKEN" >"$C/coord.log" 2>&1 &
+  PIDS=$!
+  sleep 3
+  declare -A WPID
+  for g in gpu gpu2; do
+    "$BIN/brigade" worker --coordinator 127.0.0.1:$P --listen 127.0.0.1:0 --name $g --devices cuda0 --join-token "$TOKEN" \
+      --gpu-memory 24GiB --data-dir "$C/$g" --models-dir "$C/$g/models" --measure quick >"$C/$g.log" 2>&1 &
+    WPID[$g]=$!
+    PIDS="$PIDS $!"
+  done
+  "$BIN/brigade" worker --coordinator 127.0.0.1:$P --listen 127.0.0.1:0 --name cpu --devices cpu --join-token "$TOKEN" \
+    --data-dir "$C/cpu" --models-dir "$C/cpu/models" --measure quick >"$C/cpu.log" 2>&1 &
+  PIDS="$PIDS $!"
+  CL=(--coordinator 127.0.0.1:$P --ca "$C/coord/ca.pem")
+  for _ in $(seq 60); do
+    [ "$("$BIN/brigade" status --json "${CL[@]}" 2>/dev/null | grep -c '"state": "up"')" -ge 3 ] && break
+    sleep 1
+  done
+  step cluster-status 30 "$OUT/cluster.txt" "$BIN/brigade" status "${CL[@]}"
+  step cluster-synth 120 "$OUT/log.txt" "$BIN/brigade" synth --preset llama-1b --vocab 32000 --type q4_k -o "$C/1b.gguf"
+  step cluster-deploy-hand 180 "$OUT/cluster.txt" "$BIN/brigade" deploy "${CL[@]}" --name hand -m "$C/1b.gguf" --device-map gpu:cuda0:12,cpu:cpu:4
+  step cluster-gen-hand 120 "$C/hand.json" "$BIN/brigade" generate "${CL[@]}" --model hand -p "Once upon a time" -n 64 --temp 0 --json
+  step cluster-run-same-split 120 "$C/box.json" "$BIN/brigade" run -m "$C/1b.gguf" --device-map cuda0:12,cpu:4 -p "Once upon a time" -n 64 --temp 0 --json
+  same() { # same NAME A B: whether two JSON files' generated_ids are equal, logged
+    python3 -c 'import json,sys; a,b=(json.load(open(f))["generated_ids"] for f in sys.argv[1:3]); print("equal" if a==b else f"DIFFER at {next((i for i,(x,y) in enumerate(zip(a,b)) if x!=y), min(len(a),len(b)))}: {a} vs {b}")' "$2" "$3" 2>&1 | sed "s/^/$1-ids: /" | tee -a "$OUT/log.txt"
+  }
+  same cluster-hand "$C/hand.json" "$C/box.json"
+  cat "$C/hand.json" "$C/box.json" >>"$OUT/cluster.jsonl"
+  step cluster-deploy-planned 180 "$OUT/cluster.txt" "$BIN/brigade" deploy "${CL[@]}" --name planned -m "$C/1b.gguf"
+  step cluster-gen-planned 120 "$OUT/cluster.jsonl" "$BIN/brigade" generate "${CL[@]}" --model planned -p "Once upon a time" -n 64 --temp 0 --json
+  step cluster-run-all-gpu 120 "$OUT/cluster.jsonl" "$BIN/brigade" run -m "$C/1b.gguf" -ngl all -p "Once upon a time" -n 64 --temp 0 --json
+  # failure: kill the GPU worker that hosts the planned deployment's first stage mid-generation
+  step cluster-gen-long 120 "$C/long.json" "$BIN/brigade" generate "${CL[@]}" --model planned -p "Once upon a time" -n 256 --temp 0 --json
+  first=$("$BIN/brigade" status --json "${CL[@]}" | python3 -c 'import json,sys; d=[d for d in json.load(sys.stdin)["deployments"] if d["name"]=="planned"][0]; print(d["stages"][0]["node"])')
+  log "planned's first stage is on $first"
+  if [ -n "${WPID[$first]:-}" ]; then
+    ( timeout 180 "$BIN/brigade" generate "${CL[@]}" --model planned -p "Once upon a time" -n 256 --temp 0 --json >"$C/killed.json" 2>>"$OUT/log.txt" ) &
+    G=$!
+    sleep 1.5; kill -9 "${WPID[$first]}"; log "killed $first mid-generation"
+    wait $G; log "cluster-gen-killed: exit $?"
+    same cluster-failover "$C/killed.json" "$C/long.json"
+    cat "$C/long.json" "$C/killed.json" >>"$OUT/cluster.jsonl"
+  fi
+  step cluster-status-after 30 "$OUT/cluster.txt" "$BIN/brigade" status "${CL[@]}"
+  kill $PIDS 2>/dev/null; wait 2>/dev/null
+  cp "$C"/*.log "$OUT/" 2>/dev/null
+  rm -f "$C/1b.gguf"
+else
+  log "cluster part skipped: $SECONDS s used"
 fi
 log "done"
