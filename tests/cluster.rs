@@ -677,7 +677,8 @@ fn a_node_offers_its_devices_and_hosts_consecutive_stages_in_process() {
     // two consecutive stages on w1 (the driver's node): every hop in process. bf16 between
     // nodes would round the hidden state; in process it stays as computed, so the ids are the
     // f32 single box's
-    c.deploy(&["--name", "here", "--device-map", "w1:cpu:2,w1:cpu:3", "--activation-dtype", "bf16"]);
+    // (`all`: the layers the other entries leave, 3 of the 5)
+    c.deploy(&["--name", "here", "--device-map", "w1:cpu:2,w1:cpu:all", "--activation-dtype", "bf16"]);
     // and mixed: w2 first (the driver), then two stages on w1 — a network hop, then one in process
     c.deploy(&["--name", "mixed", "--device-map", "w2:cpu:1,w1:cpu:2,w1:cpu:2", "--driver", "w2"]);
     for p in PROMPTS {
@@ -686,6 +687,9 @@ fn a_node_offers_its_devices_and_hosts_consecutive_stages_in_process() {
             assert_eq!(ids(&c.generate(model, p, 24)["generated_ids"]), want, "{model}: {p}\n{}", c.logs());
         }
     }
+    let here = c.status()["deployments"].as_array().unwrap().iter().find(|d| d["name"] == "here").unwrap().clone();
+    let ranges: Vec<String> = here["stages"].as_array().unwrap().iter().map(|s| s["layers"].to_string()).collect();
+    assert_eq!(ranges, ["[0,2]", "[2,5]"], "{here}");
     let m = http(&format!("http://{metrics}"), "GET", "/metrics", None);
     for (dep, stage) in [("here", 0), ("mixed", 1)] {
         assert!(stage_metric(&m, "brigade_worker_hop_handed_over_total", dep, stage) > 0.0, "{dep} {stage}:\n{m}");

@@ -429,7 +429,8 @@ pub struct DeployArgs {
     /// Concurrent sessions each stage holds a KV cache for.
     #[arg(long, default_value_t = 4)]
     pub sessions: u32,
-    /// Place by hand: NODE:DEVICE:LAYERS,… (e.g. w1:cpu:3,w2:cpu:2).
+    /// Place by hand: NODE:DEVICE:LAYERS,… (e.g. w1:cpu:3,w2:cpu:2); one entry may say `all`
+    /// for the layers the others leave (gpu1:cuda0:all,edge1:cpu:8).
     #[arg(long)]
     pub device_map: Option<String>,
     /// Element type of hidden states between stages.

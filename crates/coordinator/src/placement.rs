@@ -136,23 +136,49 @@ pub struct Placement {
     pub plan_json: String,
 }
 
-/// Parses `NODE:DEVICE:N,…` into (node, device, layer count).
-pub fn parse_device_map(map: &str) -> Result<Vec<(String, String, usize)>, CoordError> {
+/// Parses a hand placement: `NODE:DEVICE:LAYERS,…` for a model of `n_layers` layers. One entry
+/// may say `all` for the layers the others leave (`gpu1:cuda0:all` alone: the whole model there,
+/// `-ngl all` for one node; `gpu1:cuda0:all,edge1:cpu:8`: all but the last 8 on the GPU).
+pub fn parse_device_map(map: &str, n_layers: usize) -> Result<Vec<(String, String, usize)>, CoordError> {
     let mut out = Vec::new();
+    let mut rest: Option<usize> = None;
     for entry in map.split(',').map(str::trim).filter(|e| !e.is_empty()) {
         let parts: Vec<&str> = entry.split(':').collect();
         let bad = |why: &str| CoordError::BadRequest(format!("--device-map entry `{entry}`: {why}"));
         let [node, device, n] = parts.as_slice() else {
-            return Err(bad("expected NODE:DEVICE:LAYERS, for example w1:cpu:8"));
+            return Err(bad("expected NODE:DEVICE:LAYERS, for example w1:cpu:8 or w1:cuda0:all"));
         };
-        let n: usize = n.parse().map_err(|_| bad("the layer count is not a number"))?;
-        if n == 0 {
-            return Err(bad("a stage needs at least one layer"));
-        }
+        let n = if n.eq_ignore_ascii_case("all") {
+            if rest.replace(out.len()).is_some() {
+                return Err(bad("only one entry may say `all`"));
+            }
+            0
+        } else {
+            let n: usize = n.parse().map_err(|_| bad("the layer count is not a number (or `all`)"))?;
+            if n == 0 {
+                return Err(bad("a stage needs at least one layer"));
+            }
+            n
+        };
         out.push((node.to_string(), device.to_string(), n));
     }
     if out.is_empty() {
         return Err(CoordError::BadRequest("--device-map is empty".into()));
+    }
+    let placed: usize = out.iter().map(|e| e.2).sum();
+    match rest {
+        Some(i) if placed < n_layers => out[i].2 = n_layers - placed,
+        Some(_) => {
+            return Err(CoordError::BadRequest(format!(
+                "--device-map: the other entries place {placed} layers of {n_layers}, leaving none for `all`"
+            )))
+        }
+        None if placed != n_layers => {
+            return Err(CoordError::BadRequest(format!(
+                "--device-map places {placed} layers, the model has {n_layers}"
+            )))
+        }
+        None => {}
     }
     Ok(out)
 }
@@ -255,14 +281,7 @@ fn better(a: &brigade_planner::Plan, b: &brigade_planner::Plan, objective: Objec
 }
 
 fn by_hand(state: &ClusterState, model: &ModelRecord, req: &PlacementRequest) -> Result<Placement, CoordError> {
-    let entries = parse_device_map(&req.device_map)?;
-    let placed: usize = entries.iter().map(|e| e.2).sum();
-    if placed != model.n_layers {
-        return Err(CoordError::BadRequest(format!(
-            "--device-map places {placed} layers, the model has {}",
-            model.n_layers
-        )));
-    }
+    let entries = parse_device_map(&req.device_map, model.n_layers)?;
     for (node, device, _) in &entries {
         let n = state
             .nodes
@@ -361,6 +380,30 @@ mod tests {
     use brigade_core::{LlamaShape, ModelProfile};
 
     const GIB: u64 = 1 << 30;
+
+    /// `-ngl`-style hand placement per node: one entry may take `all` the layers the others leave.
+    #[test]
+    fn a_hand_placement_may_give_one_device_all_the_rest() {
+        let map = |m: &str| parse_device_map(m, 32).map_err(|e| e.to_string());
+        assert_eq!(map("gw:cuda0:all").unwrap(), vec![("gw".into(), "cuda0".into(), 32)]);
+        assert_eq!(
+            map("gw:cuda0:all, gw:cpu:4,edge:cpu:8").unwrap(),
+            vec![("gw".into(), "cuda0".into(), 20), ("gw".into(), "cpu".into(), 4), ("edge".into(), "cpu".into(), 8)]
+        );
+        assert_eq!(map("gw:cuda0:24,edge:cpu:8").unwrap().len(), 2);
+        for (m, why) in [
+            ("gw:cuda0:all,edge:cpu:all", "only one entry may say `all`"),
+            ("gw:cuda0:all,edge:cpu:32", "leaving none for `all`"),
+            ("gw:cuda0:24,edge:cpu:4", "places 28 layers, the model has 32"),
+            ("gw:cuda0:most", "not a number (or `all`)"),
+            ("gw:cuda0:0,edge:cpu:32", "at least one layer"),
+            ("gw:cuda0", "expected NODE:DEVICE:LAYERS"),
+            (" , ", "empty"),
+        ] {
+            let e = map(m).unwrap_err();
+            assert!(e.contains(why), "{m}: {e}");
+        }
+    }
 
     fn device(name: &str, kind: DeviceKind, memory: u64, bandwidth: f64, flops: f64) -> DeviceFigures {
         DeviceFigures {

@@ -53,7 +53,12 @@ pub struct Node {
     pub drive: Mutex<HashMap<String, (DriveTarget, tokio::sync::watch::Sender<bool>)>>,
     /// When the coordinator last answered a heartbeat.
     pub last_heartbeat: Mutex<Option<std::time::Instant>>,
+    /// Unassigned stages still being stopped (their memory not yet returned).
+    draining: Arc<(Mutex<usize>, std::sync::Condvar)>,
 }
+
+/// Longest a GPU load waits for unassigned stages to give their memory back.
+const DRAIN_WAIT: std::time::Duration = std::time::Duration::from_secs(30);
 
 pub fn peer(p: &Option<PeerRef>) -> Option<Peer> {
     p.as_ref().map(|p| Peer { node: p.node.clone(), address: p.address.clone() })
@@ -78,6 +83,7 @@ impl Node {
             hosted: Mutex::new(HashMap::new()),
             drive: Mutex::new(HashMap::new()),
             last_heartbeat: Mutex::new(None),
+            draining: Arc::new((Mutex::new(0), std::sync::Condvar::new())),
         })
     }
 
@@ -151,7 +157,17 @@ impl Node {
         }
         // stopping a stage joins its thread: not on the async runtime
         if !dropped.is_empty() {
-            std::thread::spawn(move || drop(dropped));
+            let draining = self.draining.clone();
+            if let Ok(mut n) = draining.0.lock() {
+                *n += 1;
+            }
+            std::thread::spawn(move || {
+                drop(dropped);
+                if let Ok(mut n) = draining.0.lock() {
+                    *n -= 1;
+                }
+                draining.1.notify_all();
+            });
         }
         to_load
     }
@@ -236,6 +252,11 @@ impl Node {
         // a device this worker offered (in a build without CUDA only the CPU is), computing in
         // the type the single box computes in there
         let device = self.offered.check(&a.device)?;
+        if matches!(device, DeviceId::Cuda(_)) {
+            // a re-placement onto the same GPU: the stages it replaces give their memory back
+            // first, or the load would run out of it (and lower the GPU's figure for nothing)
+            self.wait_drained(DRAIN_WAIT);
+        }
         let on = candle_device(device)?;
         let max_sessions = a.max_sessions.max(1) as usize;
         let free_before = gpu_free(device);
@@ -342,6 +363,19 @@ impl Node {
     }
 }
 
+impl Node {
+    /// Waits (at most `limit`) until every unassigned stage has stopped and dropped its slice.
+    fn wait_drained(&self, limit: std::time::Duration) {
+        let (lock, cv) = &*self.draining;
+        let Ok(n) = lock.lock() else { return };
+        if let Ok((n, timeout)) = cv.wait_timeout_while(n, limit, |n| *n > 0) {
+            if timeout.timed_out() {
+                tracing::warn!("{} unassigned stages still stopping after {limit:?}; loading anyway", *n);
+            }
+        }
+    }
+}
+
 /// Free memory of a GPU now (`None` for the CPU, or where it cannot be read).
 fn gpu_free(device: DeviceId) -> Option<u64> {
     match device {
@@ -357,5 +391,29 @@ fn out_of_memory(device: DeviceId, e: ModelError) -> WorkerError {
         WorkerError::OutOfMemory { device: device.to_string(), free: gpu_free(device).unwrap_or(0), why: e.to_string() }
     } else {
         e.into()
+    }
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)]
+mod tests {
+    use super::*;
+
+    /// The worker's out-of-memory error is what the coordinator recognises (its text starts
+    /// with [`brigade_core::cluster::OUT_OF_MEMORY`]); any other load error stays what it was.
+    #[test]
+    fn a_load_that_runs_out_of_device_memory_is_named_so() {
+        let cuda = ModelError::from(candle_core::Error::Msg(
+            "DriverError(CUDA_ERROR_OUT_OF_MEMORY, \"out of memory\")".into(),
+        ));
+        let e = out_of_memory(DeviceId::Cuda(0), cuda);
+        assert!(matches!(&e, WorkerError::OutOfMemory { device, .. } if device == "cuda0"), "{e:?}");
+        let text = e.to_string();
+        assert!(text.starts_with(brigade_core::cluster::OUT_OF_MEMORY), "{text}");
+        assert!(text.contains("cuda0") && text.contains("CUDA_ERROR_OUT_OF_MEMORY"), "{text}");
+        let other =
+            out_of_memory(DeviceId::Cuda(0), ModelError::from(candle_core::Error::Msg("shape mismatch".into())));
+        assert!(!matches!(other, WorkerError::OutOfMemory { .. }), "{other:?}");
+        assert!(!other.to_string().starts_with(brigade_core::cluster::OUT_OF_MEMORY));
     }
 }

@@ -742,4 +742,26 @@ mod tests {
         assert_eq!(input.offer(frame(10)), Err(InputRefused::Stopped));
         assert_eq!(input.queued.load(Ordering::Acquire), 0);
     }
+
+    /// Rows handed over in process carry no payload, but their tensor counts against the next
+    /// stage's budget as its bytes, and taking them frees exactly that.
+    #[test]
+    fn rows_handed_over_count_their_tensor_against_the_budget() {
+        let rows = |n: usize| Inbound {
+            frame: Frame::handed_over(1, 0, n as u32, 64),
+            rows: Some(
+                candle_core::Tensor::zeros((1, n, 64), candle_core::DType::F32, &candle_core::Device::Cpu).unwrap(),
+            ),
+        };
+        let one = 4 * 64 * 4 + FRAME_OVERHEAD;
+        let (input, queue) = stage_queue(2 * one);
+        assert_eq!(input.offer(rows(4)), Ok(()));
+        assert_eq!(input.queued.load(Ordering::Acquire), one);
+        assert_eq!(input.offer(rows(4)), Ok(()));
+        assert!(matches!(input.offer(rows(1)), Err(InputRefused::Full { .. })), "the budget holds");
+        let took = queue.try_recv().unwrap();
+        assert_eq!(took.rows.as_ref().map(|t| t.dims().to_vec()), Some(vec![1, 4, 64]));
+        assert!(took.frame.payload.is_empty());
+        assert_eq!(input.queued.load(Ordering::Acquire), one);
+    }
 }
