@@ -684,7 +684,14 @@ fn a_node_offers_its_devices_and_hosts_consecutive_stages_in_process() {
     for p in PROMPTS {
         let (_, want) = run_ids(None, p, 24);
         for model in ["here", "mixed"] {
-            assert_eq!(ids(&c.generate(model, p, 24)["generated_ids"]), want, "{model}: {p}\n{}", c.logs());
+            let g = c.generate(model, p, 24);
+            assert_eq!(ids(&g["generated_ids"]), want, "{model}: {p}\n{}", c.logs());
+            // what each hop puts on a link per token: nothing inside w1; `mixed` sends w2's
+            // hidden state (64 f32) to w1, and the last stage's id back to the driver on w2
+            let bytes: Vec<u64> =
+                g["hops"].as_array().unwrap().iter().map(|h| h["bytes_per_token"].as_u64().unwrap()).collect();
+            let want_bytes: &[u64] = if model == "here" { &[0, 0] } else { &[256, 0, 4] };
+            assert_eq!(bytes, want_bytes, "{model}: {g}");
         }
     }
     let here = c.status()["deployments"].as_array().unwrap().iter().find(|d| d["name"] == "here").unwrap().clone();

@@ -119,15 +119,27 @@ impl HopSums {
         }
     }
 
-    fn timings(&self, hidden_bytes: u64) -> Vec<HopTiming> {
+    /// Per stage: compute and hop seconds per step, and the bytes its hop puts on a link per
+    /// token — the hidden state to the next stage, the sampled id from the last to the driver
+    /// (`driver`'s node), none where both ends are one node (the hop is in process).
+    fn timings(&self, hidden_bytes: u64, stage_nodes: &[String], driver: &str) -> Vec<HopTiming> {
         let n = self.steps.max(1) as f64;
-        (0..self.compute_us.len())
-            .map(|i| HopTiming {
-                stage: i as u32,
-                compute_s: self.compute_us[i] as f64 / n / 1e6,
-                transfer_s: self.transfer_us[i] as f64 / n / 1e6,
-                bytes_per_token: if i + 1 < self.compute_us.len() { hidden_bytes } else { 4 },
-                ..Default::default()
+        let stages = self.compute_us.len();
+        (0..stages)
+            .map(|i| {
+                let (to, bytes) = if i + 1 < stages {
+                    (stage_nodes.get(i + 1).map(String::as_str), hidden_bytes)
+                } else {
+                    (Some(driver), 4)
+                };
+                let here = to.is_some_and(|to| stage_nodes.get(i).is_some_and(|from| from == to));
+                HopTiming {
+                    stage: i as u32,
+                    compute_s: self.compute_us[i] as f64 / n / 1e6,
+                    transfer_s: self.transfer_us[i] as f64 / n / 1e6,
+                    bytes_per_token: if here { 0 } else { bytes },
+                    ..Default::default()
+                }
             })
             .collect()
     }
@@ -299,7 +311,7 @@ async fn run_session(
         prompt_tokens_per_s: feed.len() as f64 / prompt_s.max(1e-9),
         generate_tokens_per_s: if decode_steps > 0 { decode_steps as f64 / generate_s.max(1e-9) } else { 0.0 },
         ttft_s: prompt_s,
-        hops: hops.timings(hidden_bytes),
+        hops: hops.timings(hidden_bytes, &t.stage_nodes, router.me()),
     };
     let text_tail = text.finish();
     let stop = if text.stopped() && stop != StopReason::Cancelled { StopReason::Stop } else { stop };
