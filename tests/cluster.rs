@@ -702,6 +702,10 @@ fn a_node_offers_its_devices_and_hosts_consecutive_stages_in_process() {
         assert!(stage_metric(&m, "brigade_worker_hop_handed_over_total", dep, stage) > 0.0, "{dep} {stage}:\n{m}");
         assert_eq!(stage_metric(&m, "brigade_worker_hop_sent_bytes_total", dep, stage), 0.0, "{dep} {stage}:\n{m}");
     }
+    // the sessions have ended, but their KV caches stay pooled for the next: memory held
+    for stage in [0, 1] {
+        assert!(stage_metric(&m, "brigade_worker_stage_kv_cache_bytes", "here", stage) > 0.0, "{m}");
+    }
     // the last stage sends the sampled ids to the driver: on w1 for `here` (in process, as a
     // frame: no bytes on a link), over the link to w2 for `mixed`
     assert_eq!(stage_metric(&m, "brigade_worker_hop_sent_bytes_total", "here", 1), 0.0, "{m}");

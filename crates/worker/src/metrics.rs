@@ -62,7 +62,7 @@ pub fn encode(node: &Node) -> Result<String, std::fmt::Error> {
             handed.get_or_create(&l).inc_by(c.handed_over.load(Ordering::Relaxed));
             let active = handle.active.load(Ordering::Relaxed);
             sessions.get_or_create(&l).set(f64::from(active));
-            kv.get_or_create(&l).set((handle.kv_bytes_per_session * u64::from(active)) as f64);
+            kv.get_or_create(&l).set(handle.kv_bytes_held() as f64);
             weights.get_or_create(&l).set(handle.weight_bytes as f64);
             ready.get_or_create(&l).set(if matches!(h.load, Load::Ready) { 1.0 } else { 0.0 });
         }
@@ -92,7 +92,11 @@ pub fn encode(node: &Node) -> Result<String, std::fmt::Error> {
         handed,
     );
     reg.register("stage_sessions", "Sessions a stage holds now", sessions);
-    reg.register("stage_kv_cache_bytes", "KV cache bytes the sessions of a stage use now", kv);
+    reg.register(
+        "stage_kv_cache_bytes",
+        "KV cache bytes a stage holds now (its sessions' and those pooled for the next)",
+        kv,
+    );
     reg.register("stage_weight_bytes", "Weight bytes a stage holds", weights);
     reg.register("stage_ready", "1 when a stage is loaded and serving", ready);
     reg.register(

@@ -101,11 +101,7 @@ impl Node {
                     Load::Failed(_) => "failed".into(),
                 },
                 weight_bytes: x.handle.as_ref().map(|s| s.weight_bytes).unwrap_or(0),
-                kv_bytes: x
-                    .handle
-                    .as_ref()
-                    .map(|s| s.kv_bytes_per_session * u64::from(s.active.load(std::sync::atomic::Ordering::Relaxed)))
-                    .unwrap_or(0),
+                kv_bytes: x.handle.as_ref().map(StageHandle::kv_bytes_held).unwrap_or(0),
                 active_sessions: x
                     .handle
                     .as_ref()

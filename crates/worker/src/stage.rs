@@ -156,6 +156,9 @@ pub struct StagePlace {
 /// writes, the metrics endpoint reads).
 #[derive(Default)]
 pub struct StageCounters {
+    /// KV caches this stage holds: in use or kept in its pool for the next session (a GPU
+    /// stage allocates every session's at load).
+    pub caches: AtomicU64,
     /// Frames computed, and the rows (tokens) in them.
     pub frames: AtomicU64,
     pub rows: AtomicU64,
@@ -211,6 +214,14 @@ pub struct StageHandle {
 }
 
 impl StageHandle {
+    /// Bytes of KV cache this stage holds now: every cache it allocated (in use, or pooled for
+    /// the next session — memory the process keeps either way).
+    pub fn kv_bytes_held(&self) -> u64 {
+        self.kv_bytes_per_session * self.counters.caches.load(Ordering::Relaxed)
+    }
+}
+
+impl StageHandle {
     /// Starts the stage's thread.
     pub fn start(
         place: StagePlace,
@@ -222,6 +233,7 @@ impl StageHandle {
         let (tx, rx) = stage_queue(STAGE_QUEUE_BYTES);
         let active = Arc::new(AtomicU32::new(0));
         let counters = Arc::new(StageCounters::default());
+        counters.caches.store(caches.len() as u64, Ordering::Relaxed);
         let stop = Arc::new(AtomicBool::new(false));
         let weight_bytes = slice.weight_bytes();
         let kv_bytes_per_session = slice.kv_bytes();
@@ -595,7 +607,11 @@ impl StageHost {
         };
         let cache = match self.pool.pop() {
             Some(c) => c,
-            None => self.slice.new_cache()?,
+            None => {
+                let c = self.slice.new_cache()?;
+                self.counters.caches.fetch_add(1, Ordering::Relaxed);
+                c
+            }
         };
         self.sessions.insert(session, SessionState { touched: Instant::now(), cache, sampler });
         self.active.store(self.sessions.len() as u32, Ordering::Relaxed);
