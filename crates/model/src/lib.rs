@@ -31,6 +31,7 @@ pub mod devices;
 pub mod llama;
 pub mod measure;
 pub mod pipeline;
+pub mod rows;
 pub mod sampler;
 pub mod synth;
 pub mod threads;

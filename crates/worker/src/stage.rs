@@ -450,7 +450,7 @@ impl StageHost {
                     let row = out.narrow(0, i, 1)?;
                     Ok(match states[i].1.sampler.as_mut() {
                         Some((sampler, history)) if self.is_last() => {
-                            let logits: Vec<f32> = row.squeeze(0)?.squeeze(0)?.to_vec1::<f32>()?;
+                            let logits = brigade_model::rows::logits_row(&row)?;
                             let id = sampler.sample(&logits, history);
                             history.push(id);
                             (row, Some(id))
@@ -655,7 +655,7 @@ impl StageHost {
             };
             let out = self.slice.forward(&mut st.cache, input, Logits::Last)?;
             let sampled = if last && h.flags & FLAG_LAST != 0 {
-                let logits: Vec<f32> = out.squeeze(0)?.squeeze(0)?.to_vec1::<f32>()?;
+                let logits = brigade_model::rows::logits_row(&out)?;
                 let (sampler, history) = st
                     .sampler
                     .as_mut()

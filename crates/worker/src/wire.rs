@@ -43,12 +43,12 @@ pub fn hidden_from_frame(
         )));
     }
     let v = tw::f32_from_wire(payload, dtype).map_err(|e| WorkerError::Frame(e.to_string()))?;
-    Ok(Tensor::from_vec(v, (1, rows, hidden), device)?)
+    Ok(brigade_model::rows::hidden_from_rows(v, rows, hidden, device)?)
 }
 
 /// A stage's output `(1, rows, hidden)` as payload bytes in `dtype`.
 pub fn hidden_to_bytes(t: &Tensor, dtype: ActDtype) -> Result<bytes::Bytes, WorkerError> {
-    let v: Vec<f32> = t.to_dtype(candle_core::DType::F32)?.flatten_all()?.to_vec1::<f32>()?;
+    let v = brigade_model::rows::hidden_to_rows(t)?;
     tw::f32_to_wire(&v, act_dtype_to_proto(dtype)).map_err(|e| WorkerError::Frame(e.to_string()))
 }
 
