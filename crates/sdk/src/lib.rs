@@ -23,6 +23,7 @@
 //!
 //! Deliberately lacking: any model code (the cluster computes), and raft (a coordinator address
 //! list is tried in order).
+#![warn(unreachable_pub, missing_docs)]
 
 pub use brigade_core::SamplingParams;
 use brigade_proto::convert::sampling_to_proto;
@@ -46,14 +47,25 @@ pub use types::{
 /// The name in the coordinator's certificate.
 pub const COORDINATOR_NAME: &str = "coordinator.brigade";
 
+/// Why a call of this SDK failed.
 #[derive(Debug, thiserror::Error)]
 pub enum SdkError {
+    /// The client configuration is missing or invalid (no coordinator address, an unreadable
+    /// CA file, a malformed config file, a parameter refused before any call).
     #[error("{0}")]
     Config(String),
+    /// No coordinator replica could be reached.
     #[error("cannot reach the coordinator at {addr}: {why}")]
-    Connect { addr: String, why: String },
+    Connect {
+        /// The address tried last, `host:port`.
+        addr: String,
+        /// What went wrong there.
+        why: String,
+    },
+    /// The coordinator answered with an error status (its code and message are kept).
     #[error("{}: {}", status_name(.0.code()), .0.message())]
     Status(#[from] tonic::Status),
+    /// A generation's stream ended before its `Done` event.
     #[error("the stream ended without a final event")]
     Truncated,
 }
@@ -80,6 +92,8 @@ pub struct ClientConfig {
     pub endpoints: Vec<String>,
     /// PEM of the cluster CA the coordinator's certificate must chain to.
     pub ca_pem: String,
+    /// An API key, sent as `authorization: Bearer KEY` with every call (for a coordinator
+    /// started with API keys).
     pub api_key: Option<String>,
 }
 
@@ -165,6 +179,7 @@ pub struct GenerateParams {
     /// How each token is drawn: the same settings give the same text as `brigade run`,
     /// `brigade serve` and the OpenAI API.
     pub sampling: SamplingParams,
+    /// Keep generating past end-of-generation tokens (until `max_tokens` or a full context).
     pub ignore_eos: bool,
     /// Stop strings (at most 16, each at most 256 bytes): the answer ends before the earliest
     /// found, with `STOP_REASON_STOP`, and no token's text holds any of it (text that could
@@ -173,6 +188,7 @@ pub struct GenerateParams {
 }
 
 impl GenerateParams {
+    /// Greedy decoding (always the most likely token) of at most `max_tokens` tokens.
     pub fn greedy(max_tokens: u32) -> Self {
         GenerateParams { max_tokens, sampling: SamplingParams::greedy(), ignore_eos: false, stop: Vec::new() }
     }
@@ -199,11 +215,16 @@ impl GenerateParams {
 pub enum Event {
     /// The prompt's ids as the model's tokenizer encoded it.
     Prompt(Vec<u32>),
+    /// One generated token.
     Token {
+        /// The token's id in the model's vocabulary.
         id: u32,
+        /// The text this token completes (UTF-8 safe: empty while a character is incomplete).
         text: String,
+        /// Its index among the generated tokens, from 0.
         index: u32,
     },
+    /// The generation ended: why, the text held back, and its timings.
     Done(Done),
 }
 
@@ -279,6 +300,9 @@ impl EventStream {
         }
     }
 
+    /// The next event, `None` once the stream has ended. A failure of the replica or the
+    /// pipeline under the stream (not of the request) is resumed, on another replica if need
+    /// be, from the ids already received: no token is lost or repeated.
     pub async fn next(&mut self) -> Option<Result<Event, SdkError>> {
         loop {
             if self.done {
@@ -338,6 +362,7 @@ pub struct Client {
     cfg: ClientConfig,
     /// The index in `cfg.endpoints` of the replica this client talks to.
     at: usize,
+    /// The coordinator replica this client talks to now, `host:port`.
     pub endpoint: String,
 }
 
@@ -515,6 +540,7 @@ impl Client {
         Ok(Plan { text: r.plan_text, json: r.plan_json })
     }
 
+    /// Removes the deployment `name` (its stages stop on their workers).
     pub async fn undeploy(&mut self, name: &str) -> Result<(), SdkError> {
         let name = name.to_string();
         self.retry(|mut rpc| {
@@ -525,10 +551,13 @@ impl Client {
         Ok(())
     }
 
+    /// The cluster as the coordinator sees it: nodes with their devices, links, deployments,
+    /// and the coordinator's replicas (what `brigade status` prints).
     pub async fn status(&mut self) -> Result<ClusterStatus, SdkError> {
         Ok(self.retry(|mut rpc| async move { rpc.cluster_status(ClusterStatusRequest {}).await }).await?.into())
     }
 
+    /// The models the cluster serves (its deployments).
     pub async fn list_models(&mut self) -> Result<Vec<ModelInfo>, SdkError> {
         let r = self.retry(|mut rpc| async move { rpc.list_models(ListModelsRequest {}).await }).await?;
         Ok(r.models.into_iter().map(Into::into).collect())

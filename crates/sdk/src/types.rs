@@ -55,27 +55,38 @@ impl From<i32> for StopReason {
 /// One stage's share of a decoded token.
 #[derive(Debug, Clone, PartialEq)]
 pub struct HopTiming {
+    /// Stage index, from 0.
     pub stage: u32,
+    /// The node the stage runs on.
     pub node: String,
+    /// The device of that node the stage runs on.
     pub device: String,
     /// Mean compute seconds per decoded token in this stage.
     pub compute_s: f64,
     /// Mean seconds per decoded token from this stage to the next (the last: to the driver).
     pub transfer_s: f64,
+    /// Bytes sent over this stage's hop per decoded token.
     pub bytes_per_token: u64,
 }
 
 /// A generation's figures.
 #[derive(Debug, Clone, PartialEq, Default)]
 pub struct Timings {
+    /// Tokens in the prompt.
     pub prompt_tokens: u32,
+    /// Tokens generated and streamed.
     pub generated_tokens: u32,
+    /// Seconds from the start until the first token (the prompt's processing).
     pub prompt_s: f64,
+    /// Seconds from the first token to the last.
     pub generate_s: f64,
+    /// Prompt tokens processed per second, up to the first token.
     pub prompt_tokens_per_s: f64,
+    /// Decode steps per second after the first token (0 with none).
     pub generate_tokens_per_s: f64,
     /// Time to first token, seconds.
     pub ttft_s: f64,
+    /// Per stage: where a decoded token's time went.
     pub hops: Vec<HopTiming>,
 }
 
@@ -108,6 +119,7 @@ impl From<v1::Timings> for Timings {
 /// The end of a generation.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Done {
+    /// Why the generation ended.
     pub stop: StopReason,
     /// `None` when the server sent none.
     pub timings: Option<Timings>,
@@ -125,8 +137,11 @@ impl From<v1::Done> for Done {
 /// A kernel's measured rates on a device for one weight type.
 #[derive(Debug, Clone, PartialEq)]
 pub struct KernelRate {
+    /// The ggml weight type as brigade prints it: `q4_k`, `q8_0`, `f16`, `f32`, …
     pub weight_type: String,
+    /// One-token matrix-vector product: weight bytes read per second.
     pub decode_bytes_per_s: f64,
+    /// Prompt matrix-matrix product: floating-point operations per second.
     pub prompt_flops: f64,
 }
 
@@ -137,16 +152,25 @@ pub struct Device {
     pub name: String,
     /// `cpu` or `cuda`.
     pub kind: String,
+    /// Human-readable model name, e.g. `AMD EPYC` or `NVIDIA H200`.
     pub model: String,
+    /// Total memory, bytes.
     pub memory_total: u64,
+    /// Bytes that may hold weights and KV caches now.
     pub memory_free: u64,
+    /// Measured streaming read bandwidth, bytes/s.
     pub mem_bandwidth: f64,
+    /// Measured generic compute rate, flop/s (the best prompt kernel's rate).
     pub flops: f64,
+    /// Threads brigade uses on this device (CPU; 0 for a GPU).
     pub threads: u32,
+    /// Instruction sets that picked the kernels (CPU), e.g. `avx2 fma f16c`; empty for a GPU.
     pub features: String,
+    /// Measured rates of brigade's kernels, one per weight type.
     pub kernels: Vec<KernelRate>,
-    /// The device's link to its host CPU (PCIe), bytes/s and seconds; 0 for a CPU.
+    /// Bandwidth of the device's link to its host CPU (PCIe), bytes/s; 0 for a CPU.
     pub host_link_bandwidth: f64,
+    /// Latency of the link to the host CPU, seconds; 0 for a CPU.
     pub host_link_latency_s: f64,
 }
 
@@ -185,69 +209,104 @@ impl From<v1::Device> for Device {
 /// A measured link from one node to another.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Link {
+    /// The node that measured the link (the sending end).
     pub from: String,
+    /// The node at the other end.
     pub to: String,
+    /// One-way latency (half the measured round trip), seconds.
     pub latency_s: f64,
+    /// Measured throughput of a bulk transfer, bytes/s.
     pub bandwidth: f64,
+    /// When it was measured, Unix ms.
     pub measured_at_ms: u64,
 }
 
 /// A worker node.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Node {
+    /// The node's name.
     pub name: String,
+    /// `host:port` where the node's worker takes QUIC and gRPC from peers and the coordinator.
     pub address: String,
     /// `up` or `down`.
     pub state: String,
+    /// The node's devices, as its worker measured them.
     pub devices: Vec<Device>,
+    /// Milliseconds since the node's last heartbeat (0 if never).
     pub heartbeat_age_ms: u64,
+    /// The brigade version the node's worker registered with.
     pub version: String,
 }
 
 /// One stage of a deployment: a layer range on a device of a node.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Stage {
+    /// Stage index, from 0.
     pub index: u32,
+    /// The node the stage runs on.
     pub node: String,
+    /// The device of that node the stage runs on.
     pub device: String,
+    /// The first layer of the stage.
     pub layer_start: u32,
+    /// One past the last layer of the stage (`layer_start..layer_end`).
     pub layer_end: u32,
     /// `pending`, `loading`, `ready` or `failed`.
     pub state: String,
+    /// Why the stage failed; empty unless it failed.
     pub error: String,
+    /// Bytes of weights the stage holds (the plan's figure until its worker reports).
     pub weight_bytes: u64,
+    /// Bytes of KV cache the stage holds (the plan's figure until its worker reports).
     pub kv_bytes: u64,
+    /// Bytes the stage's worker fetched to load it (0 when everything was cached).
     pub fetched_bytes: u64,
-    /// The planner's seconds per decoded token for this stage; the measured mean.
+    /// The planner's seconds per decoded token for this stage.
     pub predicted_s: f64,
+    /// Measured mean seconds per decoded token for this stage (compute and transfer); 0 before any.
     pub measured_s: f64,
+    /// The stage node's `host:port`.
     pub address: String,
 }
 
 /// A deployment: a model placed on the cluster under a name.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Deployment {
+    /// The name clients give as `model`.
     pub name: String,
+    /// The model's path on the coordinator's machine, or `embedded`.
     pub source: String,
+    /// The model's content id: `embedded` or a hash of its files' sizes and checksums.
     pub model_id: String,
+    /// Bumped on every placement: workers refuse frames of another generation.
     pub generation: u64,
-    /// `pending`, `loading`, `re-placing`, `ready`, `degraded` or `failed`.
+    /// `loading`, `re-placing`, `ready`, `degraded` or `failed`.
     pub state: String,
+    /// The stages, in pipeline order.
     pub stages: Vec<Stage>,
+    /// Layers of the model.
     pub n_layers: u32,
+    /// Context length, tokens.
     pub n_ctx: u32,
+    /// Concurrent sessions each stage provisions.
     pub sessions: u32,
     /// `f32`, `f16` or `bf16`.
     pub activation_dtype: String,
     /// `quic` or `grpc`.
     pub carrier: String,
+    /// What the planner placed for: `latency`, `throughput`, `max-context` or `energy`.
     pub objective: String,
+    /// The planner's predicted decode seconds per token.
     pub predicted_decode_s: f64,
+    /// The measured mean decode seconds per token (0 before any token).
     pub measured_decode_s: f64,
+    /// Tokens generated so far, as the answering coordinator counted them.
     pub tokens_generated: u64,
+    /// The node that drives sessions (receives the sampled ids).
     pub driver: String,
     /// The plan as the planner explained it.
     pub plan_text: String,
+    /// Why the deployment cannot serve (failed stages, nodes down); empty while it can.
     pub error: String,
 }
 
@@ -316,36 +375,56 @@ impl From<v1::DeploymentInfo> for Deployment {
 /// A coordinator replica as the answering replica sees it.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Replica {
+    /// The replica's raft id.
     pub id: u64,
+    /// The address the replica serves on.
     pub address: String,
     /// `leader`, `follower`, `learner`, …
     pub role: String,
+    /// The highest log index known to be on the replica (the leader's view); the answering
+    /// replica's own applied index for itself.
     pub match_index: u64,
+    /// Whether this is the replica that answered.
     pub is_self: bool,
 }
 
 /// The raft group as the answering replica sees it.
 #[derive(Debug, Clone, PartialEq)]
 pub struct RaftStatus {
+    /// The answering replica's raft id.
     pub id: u64,
+    /// The current raft term.
     pub term: u64,
+    /// The leader's raft id; 0 when none is known.
     pub leader: u64,
+    /// The leader's address; empty when none is known.
     pub leader_address: String,
+    /// The highest log index known to be committed.
     pub commit_index: u64,
+    /// The highest log index applied on the answering replica.
     pub applied_index: u64,
+    /// The answering replica's role: `leader`, `follower`, `candidate` or `pre-candidate`.
     pub role: String,
+    /// Every coordinator replica of the group.
     pub replicas: Vec<Replica>,
+    /// Raft ids of the voters in the answering replica's configuration.
     pub voters: Vec<u64>,
 }
 
 /// The whole cluster: `brigade status`.
 #[derive(Debug, Clone, PartialEq)]
 pub struct ClusterStatus {
+    /// The answering coordinator's protocol version.
     pub protocol: u32,
+    /// The answering coordinator's brigade version.
     pub version: String,
+    /// The worker nodes.
     pub nodes: Vec<Node>,
+    /// The measured links between nodes.
     pub links: Vec<Link>,
+    /// The deployments.
     pub deployments: Vec<Deployment>,
+    /// The coordinator replicas; `None` when the server sent none.
     pub raft: Option<RaftStatus>,
 }
 
@@ -406,11 +485,17 @@ impl From<v1::ClusterStatusResponse> for ClusterStatus {
 /// A model the coordinator knows.
 #[derive(Debug, Clone, PartialEq)]
 pub struct ModelInfo {
+    /// The deployment's name, which clients give as `model`.
     pub name: String,
+    /// The model's path on the coordinator's machine, or `embedded`.
     pub source: String,
+    /// The deployment's state, as [`Deployment::state`].
     pub state: String,
+    /// Layers of the model.
     pub n_layers: u32,
+    /// Context length, tokens.
     pub n_ctx: u32,
+    /// When the deployment was made, Unix ms.
     pub created_ms: u64,
 }
 
@@ -496,7 +581,9 @@ impl DeployParams {
 /// What a deployment would be: the planner's text and its JSON.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Plan {
+    /// The plan as the planner explained it.
     pub text: String,
+    /// The planner's JSON output, as text.
     pub json: String,
 }
 
