@@ -220,7 +220,7 @@ class Stage:
 
 @dataclass(frozen=True)
 class Deployment:
-    """A deployed model; ``state`` is pending, loading, ready, degraded or failed."""
+    """A deployed model; ``state`` is loading, re-placing, ready, degraded or failed."""
 
     name: str
     source: str
