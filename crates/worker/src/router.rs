@@ -139,28 +139,9 @@ impl Router {
     /// Hands a frame that arrived from the node `from` (over a link, or this node) to whoever
     /// takes it here. A stage takes frames only from the node assigned to send them.
     pub fn deliver(&self, frame: Frame, from: &str) {
+        let Some(item) = self.to_stage(frame.into(), from) else { return };
+        let frame = item.frame;
         let h = &frame.header;
-        let key = (h.deployment.clone(), h.stage);
-        let stage = self.stages.read().ok().and_then(|m| m.get(&key).map(|s| (s.input.clone(), s.from.clone())));
-        if let Some((input, sender)) = stage {
-            if sender != from {
-                tracing::warn!(
-                    deployment = %key.0,
-                    stage = key.1,
-                    "a frame from {from} dropped: only {sender} sends to this stage"
-                );
-                return;
-            }
-            match input.offer(frame) {
-                Ok(()) => {}
-                Err(crate::stage::InputRefused::Stopped) => {
-                    tracing::debug!(deployment = %key.0, stage = key.1, "frame for a stage that just stopped")
-                }
-                // its session fails (its driver times out): the stage is far behind its sender
-                Err(full) => tracing::warn!(deployment = %key.0, stage = key.1, "a frame from {from} dropped: {full}"),
-            }
-            return;
-        }
         let session = h.session;
         let driver = self.drivers.lock().ok().and_then(|m| m.get(&session).cloned());
         match driver {
@@ -171,8 +152,8 @@ impl Router {
                 let _ = tx.send(frame);
             }
             None => tracing::debug!(
-                deployment = %key.0,
-                stage = key.1,
+                deployment = %h.deployment,
+                stage = h.stage,
                 session,
                 kind = h.kind,
                 "frame for nothing hosted here; dropped"
@@ -181,23 +162,36 @@ impl Router {
     }
 
     /// Hands rows computed by a stage of this node to the next stage, hosted here too (the hop
-    /// inside one node: no socket, no bytes). Taken only by a stage whose sender is this node.
+    /// inside one node: no socket, no bytes): the same gate as a frame from a link, with this
+    /// node as the sender.
     pub fn hand_over(&self, item: crate::stage::Inbound) {
-        let key = (item.frame.header.deployment.clone(), item.frame.header.stage);
-        let stage = self.stages.read().ok().and_then(|m| m.get(&key).map(|s| (s.input.clone(), s.from.clone())));
-        match stage {
-            Some((input, sender)) if sender == self.me => {
-                if let Err(e) = input.offer(item) {
-                    tracing::warn!(deployment = %key.0, stage = key.1, "rows handed over dropped: {e}");
-                }
-            }
-            Some((_, sender)) => tracing::warn!(
-                deployment = %key.0,
-                stage = key.1,
-                "rows handed over dropped: only {sender} sends to this stage"
-            ),
-            None => tracing::debug!(deployment = %key.0, stage = key.1, "rows for a stage not hosted here; dropped"),
+        if let Some(item) = self.to_stage(item, &self.me) {
+            let h = &item.frame.header;
+            tracing::debug!(deployment = %h.deployment, stage = h.stage, "rows for a stage not hosted here; dropped");
         }
+    }
+
+    /// Offers `item` from `from` to the stage it is addressed to, if that stage is hosted here
+    /// (dropped, logged, unless `from` is the stage's assigned sender and its input takes it);
+    /// gives `item` back when no such stage is hosted here.
+    fn to_stage(&self, item: crate::stage::Inbound, from: &str) -> Option<crate::stage::Inbound> {
+        let h = &item.frame.header;
+        let key = (h.deployment.clone(), h.stage);
+        let stage = self.stages.read().ok().and_then(|m| m.get(&key).map(|s| (s.input.clone(), s.from.clone())));
+        let Some((input, sender)) = stage else { return Some(item) };
+        if sender != from {
+            tracing::warn!(deployment = %key.0, stage = key.1, "a frame from {from} dropped: only {sender} sends to this stage");
+            return None;
+        }
+        match input.offer(item) {
+            Ok(()) => {}
+            Err(crate::stage::InputRefused::Stopped) => {
+                tracing::debug!(deployment = %key.0, stage = key.1, "frame for a stage that just stopped")
+            }
+            // its session fails (its driver times out): the stage is far behind its sender
+            Err(full) => tracing::warn!(deployment = %key.0, stage = key.1, "a frame from {from} dropped: {full}"),
+        }
+        None
     }
 
     fn queue(self: &Arc<Self>, peer: &Peer, carrier: CarrierKind) -> mpsc::Sender<Frame> {

@@ -492,9 +492,14 @@ impl StageHost {
         }
     }
 
+    /// Whether `to` is this node (the router delivers to it in process).
+    fn is_here(&self, to: &crate::router::Peer) -> bool {
+        to.node == self.router.me()
+    }
+
     /// Whether the next stage is hosted on this node (its hop is in process).
     fn next_is_here(&self) -> bool {
-        self.place.next.as_ref().is_some_and(|n| n.node == self.router.me())
+        self.place.next.as_ref().is_some_and(|n| self.is_here(n))
     }
 
     fn is_last(&self) -> bool {
@@ -540,7 +545,7 @@ impl StageHost {
     /// The bytes `frame` puts on a link to `to`: none when `to` is this node (the router
     /// delivers it in process).
     fn link_bytes(&self, to: &crate::router::Peer, frame: &Frame) -> u64 {
-        if to.node == self.router.me() {
+        if self.is_here(to) {
             0
         } else {
             frame.payload.len() as u64
