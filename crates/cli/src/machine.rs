@@ -2,13 +2,13 @@
 //! threads this process computes with, each CUDA device's copy bandwidth and matmul rate (all
 //! from `brigade_model::measure`, cached in `~/.cache/brigade/figures.json`), the memory free now.
 //! `-ngl auto`, `plan` without `--cluster` and `bench`'s predicted t/s read it; the speed on a
-//! model combines the kernels' rates by the model's weight types exactly as the coordinator
-//! does for workers ([`brigade_coordinator::placement::decode_rate`]).
+//! model comes from the same rule the coordinator applies to workers' devices
+//! ([`brigade_coordinator::placement::device_spec`]).
 
 use anyhow::{Context, Result};
-use brigade_coordinator::placement::{decode_rate, prompt_rate};
+use brigade_coordinator::placement::device_spec;
 use brigade_core::cluster::DeviceFigures;
-use brigade_core::{DeviceId, DeviceSpec, Inventory, ModelProfile, NodeSpec, Stage};
+use brigade_core::{DeviceId, Inventory, ModelProfile, NodeSpec, Stage};
 use brigade_model::device::kv_elem_bytes;
 use brigade_model::devices::CudaInfo;
 use brigade_model::measure::{measure_cpu, measure_cuda, Effort};
@@ -42,26 +42,7 @@ impl Machine {
     /// kernels' rates on those types and the memory available now; each GPU at its measured copy
     /// bandwidth and matmul rate and its free memory.
     pub fn inventory(&self, weight_types: &[(String, u64)]) -> Inventory {
-        let mut devices = vec![DeviceSpec {
-            name: "cpu".into(),
-            kind: self.cpu.kind,
-            memory: self.cpu.memory_free.max(1),
-            mem_bandwidth: decode_rate(&self.cpu, weight_types),
-            flops: prompt_rate(&self.cpu, weight_types),
-            watts: None,
-            host_link: None,
-        }];
-        for g in &self.gpus {
-            devices.push(DeviceSpec {
-                name: g.name.clone(),
-                kind: g.kind,
-                memory: g.memory_free.max(1),
-                mem_bandwidth: g.mem_bandwidth.max(1.0),
-                flops: g.flops.max(1.0),
-                watts: None,
-                host_link: Some(g.host_link.unwrap_or(brigade_planner::cluster::DEFAULT_HOST_LINK)),
-            });
-        }
+        let devices = std::iter::once(&self.cpu).chain(&self.gpus).map(|d| device_spec(d, weight_types)).collect();
         Inventory { nodes: vec![NodeSpec { name: "local".into(), devices }], links: Vec::new() }
     }
 }

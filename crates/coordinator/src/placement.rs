@@ -53,6 +53,31 @@ pub fn prompt_rate(dev: &DeviceFigures, weight_types: &[(String, u64)]) -> f64 {
     total as f64 / secs.max(1e-12)
 }
 
+/// The planner's view of one measured device for a model of `weight_types` (name, bytes) — the
+/// one rule of the single box (`brigade run -ngl auto`) and of the cluster: a CPU at its kernels'
+/// rates on those types ([`decode_rate`], [`prompt_rate`]); a GPU (whose worker times no kernel
+/// per type) at its measured copy bandwidth and matmul rate, with its measured link to the host,
+/// or PCIe 4.0's where it measured none (an older worker's figures). Memory: what it has free.
+pub fn device_spec(d: &DeviceFigures, weight_types: &[(String, u64)]) -> DeviceSpec {
+    let (mem_bandwidth, flops, host_link) = match d.kind {
+        DeviceKind::Cpu => (decode_rate(d, weight_types), prompt_rate(d, weight_types), None),
+        DeviceKind::Cuda => (
+            d.mem_bandwidth.max(1.0),
+            d.flops.max(1.0),
+            Some(d.host_link.unwrap_or(brigade_planner::cluster::DEFAULT_HOST_LINK)),
+        ),
+    };
+    DeviceSpec {
+        name: d.name.clone(),
+        kind: d.kind,
+        memory: d.memory_free.max(1),
+        mem_bandwidth,
+        flops,
+        watts: None,
+        host_link,
+    }
+}
+
 /// The planner's view of the cluster for one model: every node that is up, its devices with
 /// their free memory (less `memory_cap` when the worker offered less) and their measured speed on
 /// this model; a link between two nodes where either measured it (slower direction, higher
@@ -65,24 +90,7 @@ pub fn inventory(state: &ClusterState, model: &ModelRecord, assume_links: bool) 
         .filter(|n| n.state == NodeState::Up)
         .map(|n| NodeSpec {
             name: n.name.clone(),
-            devices: n
-                .devices
-                .iter()
-                .map(|d| DeviceSpec {
-                    name: d.name.clone(),
-                    kind: d.kind,
-                    memory: d.memory_free.max(1),
-                    mem_bandwidth: decode_rate(d, &model.weight_types),
-                    flops: prompt_rate(d, &model.weight_types),
-                    watts: None,
-                    // a GPU that did not measure its link to the host (an older worker's
-                    // figures) gets PCIe 4.0's, as the single box does
-                    host_link: match d.kind {
-                        DeviceKind::Cuda => Some(d.host_link.unwrap_or(brigade_planner::cluster::DEFAULT_HOST_LINK)),
-                        DeviceKind::Cpu => None,
-                    },
-                })
-                .collect(),
+            devices: n.devices.iter().map(|d| device_spec(d, &model.weight_types)).collect(),
         })
         .collect();
     let mut pairs: BTreeMap<(String, String), Link> = BTreeMap::new();
@@ -533,6 +541,24 @@ mod tests {
         assert!(e.contains("node `e1` has no device `cuda0` (it has cpu)"), "{e}");
         let e = place(&s, &m, &request("gw:cuda1:8")).unwrap_err().to_string();
         assert!(e.contains("node `gw` has no device `cuda1` (it has cuda0, cpu)"), "{e}");
+    }
+
+    /// A worker's GPU is planned as the single box plans its own (`Machine::inventory` calls
+    /// the same function): at its measured copy bandwidth and matmul rate, not at the fallback
+    /// for weight types a CPU did not time.
+    #[test]
+    fn a_gpu_is_planned_at_its_measured_figures_and_a_cpu_at_its_kernels() {
+        let types = vec![("q4_k".to_string(), 1000u64)];
+        let gpu = device("cuda0", DeviceKind::Cuda, 8 * GIB, 2e12, 1e14);
+        let g = device_spec(&gpu, &types);
+        assert_eq!((g.mem_bandwidth, g.flops, g.memory), (2e12, 1e14, 8 * GIB));
+        assert_eq!(g.host_link, gpu.host_link);
+        let cpu = device("cpu", DeviceKind::Cpu, 16 * GIB, 30e9, 5e11);
+        let c = device_spec(&cpu, &types);
+        assert_eq!(
+            (c.mem_bandwidth, c.flops, c.host_link),
+            (decode_rate(&cpu, &types), prompt_rate(&cpu, &types), None)
+        );
     }
 
     #[test]
