@@ -24,6 +24,11 @@ pub struct ModelProfile {
     /// bf16/f16); `None`: [`ModelProfile::kv_bytes_per_token`] on every device.
     #[serde(default)]
     pub cpu_kv_bytes_per_token: Option<u64>,
+    /// The most positions each layer's KV cache holds, whatever the context: a sliding-window
+    /// layer's window plus one forward pass (the runtime sizes its cache so); `None`, or a
+    /// profile without the list, the whole context.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub kv_positions_max: Vec<Option<u64>>,
     pub hidden: usize,
     pub vocab: usize,
 }
@@ -38,6 +43,15 @@ impl ModelProfile {
         match (kind, self.cpu_kv_bytes_per_token) {
             (crate::DeviceKind::Cpu, Some(b)) => b,
             _ => self.kv_bytes_per_token,
+        }
+    }
+
+    /// Positions layer `layer`'s KV cache holds for a context of `ctx` tokens (see
+    /// [`ModelProfile::kv_positions_max`]).
+    pub fn kv_positions(&self, layer: usize, ctx: u64) -> u64 {
+        match self.kv_positions_max.get(layer) {
+            Some(Some(max)) => ctx.min(*max),
+            _ => ctx,
         }
     }
 
@@ -72,6 +86,7 @@ impl ModelProfile {
             tied: s.tied,
             kv_bytes_per_token: 2 * kv * kv_dtype_bytes,
             cpu_kv_bytes_per_token: None,
+            kv_positions_max: Vec::new(),
             hidden: s.hidden,
             vocab: s.vocab,
         }

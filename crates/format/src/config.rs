@@ -84,6 +84,12 @@ pub struct ModelConfig {
     /// Which layers the window applies to (Gemma 3: five local layers, then a global one).
     #[serde(default)]
     pub swa_layers: Option<Vec<bool>>,
+    /// Tokens one forward pass takes when some layer has a sliding window (`None`:
+    /// [`WINDOW_CHUNK`]); a windowed layer's cache holds its window plus one pass
+    /// ([`ModelConfig::kv_positions`]). Not read from a file: a runtime choice, as llama.cpp's
+    /// micro-batch; a small pass keeps a small cache (and lets a test see the cache wrap).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub window_pass: Option<usize>,
     /// The RoPE base of the windowed layers where it differs from `rope_theta` (Gemma 3's local
     /// layers: 10 000), unscaled.
     #[serde(default)]
@@ -234,6 +240,23 @@ impl ModelConfig {
         match &self.swa_layers {
             Some(l) if !l.get(layer).copied().unwrap_or(false) => None,
             _ => self.sliding_window,
+        }
+    }
+
+    /// The most tokens one forward pass takes: [`ModelConfig::window_pass`] when some layer has
+    /// a sliding window (see [`ModelConfig::kv_positions`]), else no bound.
+    pub fn pass(&self) -> Option<usize> {
+        (0..self.n_layers).any(|l| self.window(l).is_some()).then(|| self.window_pass.unwrap_or(WINDOW_CHUNK).max(1))
+    }
+
+    /// Positions layer `layer`'s KV cache holds for a context of `n_ctx` tokens: all of them,
+    /// or, for a sliding-window layer, its window less one (the keys the next query sees
+    /// besides itself) plus one [`ModelConfig::pass`], where that is fewer. Both the runtime's
+    /// allocation and every memory prediction (the planner's, `-ngl auto`'s) use this.
+    pub fn kv_positions(&self, layer: usize, n_ctx: usize) -> usize {
+        match (self.window(layer), self.pass()) {
+            (Some(w), Some(pass)) => n_ctx.min(w.saturating_sub(1).saturating_add(pass)),
+            _ => n_ctx,
         }
     }
 
@@ -420,6 +443,7 @@ impl ModelConfig {
             },
             sliding_window: windows.as_ref().map(|w| w.0),
             swa_layers: windows.map(|w| w.1),
+            window_pass: None,
             rope_theta_local,
             embed_scale: family.scaled_embedding.then(|| (hidden as f32).sqrt()),
             // llama.cpp's converter adds Gemma's 1 to the stored norms
@@ -446,6 +470,13 @@ impl ModelConfig {
 pub(super) fn swa_pattern(n_layers: usize, n: usize) -> Vec<bool> {
     (0..n_layers).map(|i| n == 0 || i % n < n - 1).collect()
 }
+
+/// The most tokens one forward pass of a model with sliding-window layers takes: a longer chunk
+/// is read in passes of this many, so a windowed layer's cache needs room for its window and one
+/// pass only, never for the whole context (llama.cpp sizes its SWA cache the same way: window
+/// plus one micro-batch). Every slice of such a model splits the same way, whether or not it
+/// holds a windowed layer, so a split model computes what one slice does.
+pub const WINDOW_CHUNK: usize = 512;
 
 /// The first key position a query at position `pos` sees under a sliding `window`: 0 without
 /// one.
@@ -498,6 +529,7 @@ mod tests {
             layer: LayerSpec::default(),
             sliding_window: None,
             swa_layers: None,
+            window_pass: None,
             rope_theta_local: None,
             embed_scale: None,
             norm_offset: 0.0,

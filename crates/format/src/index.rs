@@ -405,6 +405,11 @@ impl ModelIndex {
     pub fn config(&self) -> &Arc<ModelConfig> {
         &self.config
     }
+    /// Sets [`ModelConfig::window_pass`]: the tokens one forward pass of a model with
+    /// sliding-window layers takes, hence the size of those layers' caches.
+    pub fn set_window_pass(&mut self, pass: Option<usize>) {
+        Arc::make_mut(&mut self.config).window_pass = pass;
+    }
     pub fn tokenizer(&self) -> &Arc<Tokenizer> {
         &self.tokenizer
     }
@@ -540,6 +545,11 @@ impl ModelIndex {
             tied,
             kv_bytes_per_token: c.kv_bytes_per_token_layer(kv_elem_bytes),
             cpu_kv_bytes_per_token: None,
+            // a sliding-window layer holds its window and one pass (the runtime's rule)
+            kv_positions_max: match c.pass() {
+                Some(_) => (0..c.n_layers).map(|l| c.window(l).map(|_| c.kv_positions(l, usize::MAX) as u64)).collect(),
+                None => Vec::new(),
+            },
             hidden: c.hidden,
             vocab: c.vocab,
         }

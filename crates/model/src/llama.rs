@@ -131,10 +131,22 @@ struct Head {
     out: Linear,
 }
 
-/// The K and V cache of one session for the layers of one slice, preallocated for the context
-/// length: per layer `(1, n_kv_heads, n_ctx, head_dim)`.
+/// The K and V cache of one session for the layers of one slice, preallocated: per layer
+/// `(1, n_kv_heads, positions, head_dim)`, where a layer's positions are
+/// [`ModelConfig::kv_positions`]: the context, or for a sliding-window layer its window plus one
+/// forward pass.
+///
+/// A windowed layer's storage holds positions `base..len` from slot 0; when a pass would run
+/// past its end, the keys the next query still sees (the last `window - 1`) move to the front
+/// ([`SliceCache::make_room`]), once a pass ([`ModelConfig::pass`]): the attention code reads
+/// one contiguous run of keys as it does for a global layer, at slot `pos - base`.
 pub struct SliceCache {
     kv: Vec<(Tensor, Tensor)>,
+    /// Whether each layer's storage is window-sized.
+    windowed: Vec<bool>,
+    window: Option<usize>,
+    /// The position a windowed layer's slot 0 holds (0 for every other layer).
+    base: usize,
     len: usize,
     n_ctx: usize,
 }
@@ -147,12 +159,67 @@ impl SliceCache {
     pub fn is_empty(&self) -> bool {
         self.len == 0
     }
-    /// Forgets everything after the first `n` tokens (the storage stays allocated).
-    pub fn truncate(&mut self, n: usize) {
-        self.len = self.len.min(n);
+    /// The longest prefix of at most `n` tokens this cache can go back to: `n` itself, unless a
+    /// windowed layer has already let go of keys a query at position `n` would see; then 0
+    /// (the session starts over).
+    pub fn keepable(&self, n: usize) -> usize {
+        let n = n.min(self.len);
+        if self.base == 0 || first_key(self.window, n) >= self.base {
+            n
+        } else {
+            0
+        }
+    }
+    /// Forgets everything after the first [`SliceCache::keepable`]`(n)` tokens and returns how
+    /// many are kept (the storage stays allocated).
+    pub fn truncate(&mut self, n: usize) -> usize {
+        let n = self.keepable(n);
+        self.len = n;
+        if n == 0 {
+            self.base = 0;
+        }
+        n
     }
     pub fn bytes(&self) -> u64 {
         self.kv.iter().map(|(k, v)| ((k.elem_count() + v.elem_count()) * k.dtype().size_in_bytes()) as u64).sum()
+    }
+
+    /// The position slot 0 of layer `l`'s storage holds: where a pass writes and reads it.
+    fn base_of(&self, l: usize) -> usize {
+        if self.windowed.get(l).copied().unwrap_or(false) {
+            self.base
+        } else {
+            0
+        }
+    }
+
+    /// Makes room for `t` more tokens in the windowed layers: where they would run past the
+    /// storage, the keys a query at the next position still sees move to slot 0.
+    fn make_room(&mut self, t: usize) -> Result<(), ModelError> {
+        let (Some(w), Some(l)) = (self.window, self.windowed.iter().position(|&w| w)) else {
+            return Ok(());
+        };
+        let cap = self.kv[l].0.dim(2)?;
+        if self.len + t - self.base <= cap {
+            return Ok(());
+        }
+        let keep = first_key(Some(w), self.len).max(self.base);
+        if self.len + t - keep > cap {
+            return Err(ModelError::BadInput(format!(
+                "{t} tokens in one pass into a sliding-window cache of {cap} positions (window {w})"
+            )));
+        }
+        let (from, n) = (keep - self.base, self.len - keep);
+        if n > 0 {
+            for (k, v) in self.kv.iter().zip(&self.windowed).filter(|(_, w)| **w).map(|(kv, _)| kv) {
+                for c in [k, v] {
+                    // a copy first: candle writes no tensor from its own storage
+                    c.slice_set(&c.narrow(2, from, n)?.force_contiguous()?, 2, 0)?;
+                }
+            }
+        }
+        self.base = keep;
+        Ok(())
     }
 }
 
@@ -573,15 +640,19 @@ impl Slice {
         kv_bytes(&self.cfg, self.layers, self.n_ctx, self.dtype)
     }
 
-    /// Allocates an empty cache for one session.
+    /// Allocates an empty cache for one session: each layer's [`ModelConfig::kv_positions`].
     pub fn new_cache(&self) -> Result<SliceCache, ModelError> {
-        let shape = (1, self.cfg.n_kv_heads, self.n_ctx, self.cfg.head_dim);
-        let kv = (0..self.blocks.len())
-            .map(|_| {
+        let kv = self
+            .layers
+            .iter()
+            .map(|i| {
+                let shape = (1, self.cfg.n_kv_heads, self.cfg.kv_positions(i, self.n_ctx), self.cfg.head_dim);
                 Ok((resident_zeros(shape, self.dtype, &self.device)?, resident_zeros(shape, self.dtype, &self.device)?))
             })
             .collect::<Result<Vec<_>, candle_core::Error>>()?;
-        Ok(SliceCache { kv, len: 0, n_ctx: self.n_ctx })
+        // a windowed layer whose window covers the context is stored as a global one
+        let windowed = self.layers.iter().map(|i| self.cfg.kv_positions(i, self.n_ctx) < self.n_ctx).collect();
+        Ok(SliceCache { kv, windowed, window: self.cfg.sliding_window, base: 0, len: 0, n_ctx: self.n_ctx })
     }
 
     /// The stage's input as activations `(batch, seq, hidden)` in the slice's dtype: token ids
@@ -635,11 +706,52 @@ impl Slice {
     pub fn forward(&self, cache: &mut SliceCache, input: StageInput<'_>, logits: Logits) -> Result<Tensor, ModelError> {
         let _g = self.span.enter();
         let pos = cache.len;
-        let mut x = self.input(input, 1)?;
+        let x = self.input(input, 1)?;
         let t = x.dim(1)?;
         if pos + t > self.n_ctx.min(cache.n_ctx) {
             return Err(ModelError::ContextFull { need: pos + t, n_ctx: self.n_ctx });
         }
+        // a model with windowed layers reads a long chunk in passes (see `WINDOW_CHUNK`)
+        let pass = self.cfg.pass().unwrap_or(t).max(1);
+        let x = if t <= pass {
+            self.blocks_forward(cache, x)?
+        } else {
+            let mut ys = Vec::with_capacity(t.div_ceil(pass));
+            for at in (0..t).step_by(pass) {
+                let part = x.narrow(1, at, pass.min(t - at))?;
+                let last = at + pass >= t;
+                if self.head.is_some() && matches!(logits, Logits::Last) && !last {
+                    // only the last position's logits are asked for: the rest feed the cache
+                    self.blocks_forward(cache, part)?;
+                } else {
+                    ys.push(self.blocks_forward(cache, part)?);
+                }
+            }
+            if ys.len() == 1 {
+                ys.remove(0)
+            } else {
+                Tensor::cat(&ys, 1)?
+            }
+        };
+        match &self.head {
+            None => Ok(x),
+            Some(head) => {
+                let n = x.dim(1)?;
+                let x = match logits {
+                    Logits::Last if n > 1 => x.narrow(1, n - 1, 1)?.contiguous()?,
+                    _ => x,
+                };
+                let x = rms_norm(&x, &head.norm, self.cfg.rms_eps)?;
+                Ok(self.soft_cap_logits(head.out.forward(&x)?.to_dtype(DType::F32)?)?)
+            }
+        }
+    }
+
+    /// One pass of `x` `(1, t, hidden)` through every block, written into the cache at its length
+    /// (then advanced by `t`).
+    fn blocks_forward(&self, cache: &mut SliceCache, mut x: Tensor) -> Result<Tensor, ModelError> {
+        let (pos, t) = (cache.len, x.dim(1)?);
+        cache.make_room(t)?;
         let tables = |local: bool| -> candle_core::Result<(Tensor, Tensor)> {
             let (cos, sin) = match (&self.local_rope, local) {
                 (Some(l), true) => (&l.0, &l.1),
@@ -648,36 +760,29 @@ impl Slice {
             Ok((cos.narrow(0, pos, t)?, sin.narrow(0, pos, t)?))
         };
         let (global, local) = (tables(false)?, tables(true)?);
-        // built once for every layer of each window, and only for candle's composition
-        let mut masks: Vec<(Option<usize>, Tensor)> = Vec::new();
+        // built once for every layer of each window and base, and only for candle's composition
+        let mut masks: Vec<((Option<usize>, usize), Tensor)> = Vec::new();
         if t > 1 && !own_cpu_attention(&self.device, self.dtype) {
-            for w in self.blocks.iter().map(|b| b.window) {
-                if !masks.iter().any(|(m, _)| *m == w) {
-                    masks.push((w, causal_mask(t, pos, w, &self.device, self.dtype)?));
+            for (l, w) in self.blocks.iter().map(|b| b.window).enumerate() {
+                let key = (w, cache.base_of(l));
+                if !masks.iter().any(|(m, _)| *m == key) {
+                    masks.push((key, causal_mask(t, pos - key.1, w, &self.device, self.dtype)?));
                 }
             }
         }
         if t == 1 && self.fused {
             x = self.decode_fused(&[&mut *cache], &x)?;
         } else {
-            for (block, kv) in self.blocks.iter().zip(cache.kv.iter_mut()) {
+            for (l, block) in self.blocks.iter().enumerate() {
                 let (cos, sin) = if block.local_rope { &local } else { &global };
-                let mask = masks.iter().find(|(w, _)| *w == block.window).map(|(_, m)| m);
-                x = block.forward(&self.cfg, &x, kv, pos, cos, sin, mask)?;
+                let base = cache.base_of(l);
+                let mask = masks.iter().find(|(k, _)| *k == (block.window, base)).map(|(_, m)| m);
+                // positions in the cache's storage: a windowed layer's start at its base
+                x = block.forward(&self.cfg, &x, &mut cache.kv[l], pos - base, cos, sin, mask)?;
             }
         }
         cache.len = pos + t;
-        match &self.head {
-            None => Ok(x),
-            Some(head) => {
-                let x = match logits {
-                    Logits::Last if t > 1 => x.narrow(1, t - 1, 1)?.contiguous()?,
-                    _ => x,
-                };
-                let x = rms_norm(&x, &head.norm, self.cfg.rms_eps)?;
-                Ok(self.soft_cap_logits(head.out.forward(&x)?.to_dtype(DType::F32)?)?)
-            }
-        }
+        Ok(x)
     }
 }
 
@@ -711,10 +816,12 @@ impl SliceBytes {
     }
 }
 
-/// Bytes of one session's KV cache for `layers` and `n_ctx` tokens in `dtype` (saturating).
+/// Bytes of one session's KV cache for `layers` and `n_ctx` tokens in `dtype` (saturating):
+/// each layer's [`ModelConfig::kv_positions`].
 fn kv_bytes(cfg: &ModelConfig, layers: LayerRange, n_ctx: usize, dtype: DType) -> u64 {
     let per_token = cfg.kv_bytes_per_token_layer(dtype.size_in_bytes() as u64);
-    (layers.len() as u64).saturating_mul(n_ctx as u64).saturating_mul(per_token)
+    let positions = layers.iter().map(|l| cfg.kv_positions(l, n_ctx) as u64).fold(0u64, u64::saturating_add);
+    positions.saturating_mul(per_token)
 }
 
 /// Predicts what [`Slice::load`] will allocate for `layers` (weights as [`Slice::weight_bytes`]

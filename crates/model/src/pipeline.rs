@@ -83,15 +83,26 @@ impl Session {
     pub fn cache_lens(&self) -> Vec<usize> {
         self.caches.iter().map(SliceCache::len).collect()
     }
-    /// Forgets every token after the first `n`, keeping the caches' storage.
-    pub fn truncate(&mut self, n: usize) {
-        let n = n.min(self.tokens.len());
-        self.caches.iter_mut().for_each(|c| c.truncate(n));
+    /// The longest prefix of at most `n` tokens the session can go back to (see
+    /// [`SliceCache::keepable`]: a sliding-window cache may have let go of what `n` needs).
+    pub fn keepable(&self, n: usize) -> usize {
+        self.caches.iter().map(|c| c.keepable(n)).fold(n.min(self.tokens.len()), usize::min)
+    }
+    /// Forgets every token after the first [`Session::keepable`]`(n)`, keeping the caches'
+    /// storage; returns how many tokens are kept.
+    pub fn truncate(&mut self, n: usize) -> usize {
+        let n = self.keepable(n);
+        self.caches.iter_mut().for_each(|c| {
+            c.truncate(n);
+        });
         self.tokens.truncate(n);
+        n
     }
     /// Forgets every token, keeping the caches' storage for the next conversation.
     pub fn reset(&mut self) {
-        self.caches.iter_mut().for_each(|c| c.truncate(0));
+        self.caches.iter_mut().for_each(|c| {
+            c.truncate(0);
+        });
         self.tokens.clear();
     }
 }
@@ -179,9 +190,8 @@ impl Pipeline {
                 Ok(logits)
             }
             Err(e) => {
-                for c in &mut session.caches {
-                    c.truncate(before);
-                }
+                // (a pass that failed after others of the same chunk may leave less to keep)
+                session.truncate(before);
                 Err(e)
             }
         }
@@ -226,7 +236,7 @@ impl Pipeline {
                 // as `forward`: every session's caches back to its tokens
                 for s in sessions.iter_mut() {
                     let before = s.tokens.len();
-                    s.caches.iter_mut().for_each(|c| c.truncate(before));
+                    s.truncate(before);
                 }
                 Err(e)
             }

@@ -93,6 +93,7 @@ impl Shape {
             layer: Default::default(),
             sliding_window: None,
             swa_layers: None,
+            window_pass: None,
             rope_theta_local: None,
             embed_scale: None,
             norm_offset: 0.0,

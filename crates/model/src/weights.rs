@@ -89,6 +89,14 @@ impl std::ops::Deref for ModelFiles {
     }
 }
 
+impl ModelFiles {
+    /// Sets [`ModelConfig::window_pass`] in the index the runtime builds from and in `config`.
+    pub fn set_window_pass(&mut self, pass: Option<usize>) {
+        self.index.set_window_pass(pass);
+        self.config = self.index.config().clone();
+    }
+}
+
 impl From<ModelIndex> for ModelFiles {
     fn from(index: ModelIndex) -> Self {
         ModelFiles {

@@ -346,6 +346,36 @@ fn a_follow_up_keeps_the_last_prompts_whole_chunks_and_answers_the_same() {
     assert_eq!(run_alone(&mut b, 3, greedy(second)), (want, 32));
 }
 
+/// With window-sized caches (Mistral's window of 16, passes of 3: caches of 18 positions) a
+/// follow-up keeps what the caches still hold: after a 40-token prompt and 6 decoded tokens the
+/// keys of the first chunks are gone, so a follow-up that resends the conversation reads it all
+/// again, and answers as a cold batch; with caches of the whole context (passes of 512) it keeps
+/// the whole chunks, and answers the same.
+#[test]
+fn a_follow_up_keeps_only_what_window_sized_caches_hold() {
+    let mut files = ModelFiles::open(&common::family_file("mistral", "hf")).unwrap();
+    let vocab = files.config.vocab as u32;
+    let greedy = |prompt: Vec<u32>| Job { prompt, max_tokens: 6, sampler: SamplingParams::greedy(), ignore_eos: true };
+    let first = prompt(40, 3, vocab);
+    let mut second = first.clone();
+    second.extend(prompt(9, 4, vocab));
+    let mut answers = Vec::new();
+    for (pass, kept) in [(3, 0), (512, 40)] {
+        files.set_window_pass(Some(pass));
+        let p = Arc::new(pipeline(&files, "cpu:2,cpu:1", 128));
+        let mut b = Batch::new(p.clone(), 1, |_| false).unwrap().with_prefill_chunk(8);
+        assert_eq!(run_alone(&mut b, 0, greedy(first.clone())).1, 0);
+        let (got, k) = run_alone(&mut b, 1, greedy(second.clone()));
+        assert_eq!(k, kept, "passes of {pass}");
+        let mut cold = Batch::new(p, 1, |_| false).unwrap().with_prefill_chunk(8);
+        let (want, none) = run_alone(&mut cold, 0, greedy(second.clone()));
+        assert_eq!((&got, none), (&want, 0), "passes of {pass}");
+        answers.push(got);
+    }
+    // transformers' windowed attention either way: the cache's size does not change the answer
+    assert_eq!(answers[0], answers[1]);
+}
+
 /// A sink over a std channel whose receiver the test drops to disconnect.
 struct ChanSink(std::sync::mpsc::Sender<Output>, Arc<std::sync::atomic::AtomicBool>);
 

@@ -358,3 +358,57 @@ fn gemma2_gguf_f16_matches_llama_cpp() {
 fn gemma2_q4_k_m_matches_llama_cpp() {
     q4_k_m_matches_llama_cpp("gemma2", 2.0, 0.06);
 }
+
+/// A sliding-window layer's cache holds its window plus one forward pass, not the context
+/// (`ModelConfig::kv_positions`). With passes of 3 tokens the caches of Mistral (window 16, every
+/// layer), Gemma 3 (window 8, five layers of six) and Gemma 2 (window 8, every other layer) move
+/// their keys to the front every few tokens of every prompt and decode, and the ids stay
+/// transformers' over one, two and three stages, on the fused decode and on the op path; the
+/// memory is the window's, as predicted; a session goes back only as far as its caches still hold.
+#[test]
+fn window_sized_caches_give_transformers_ids() {
+    let n_ctx = 256;
+    // (family, window, windowed layers of the model, f32 bytes of K and V per token and layer)
+    for (family, window, windowed, per_token) in
+        [("mistral", 16, 3usize, 2 * 2 * 32 * 4u64), ("gemma3", 8, 5, 2 * 2 * 64 * 4), ("gemma2", 8, 2, 2 * 2 * 64 * 4)]
+    {
+        let r = reference(family);
+        let mut files = ModelFiles::open(&family_file(family, "hf")).unwrap();
+        assert_eq!(files.config.sliding_window, Some(window));
+        assert_eq!(files.config.kv_bytes_per_token_layer(4), per_token, "{family}");
+        // the planner's profile counts what a layer holds: window - 1 + 512, then window - 1 + 3
+        let n = files.config.n_layers;
+        let windows = |p: brigade_core::ModelProfile| p.kv_positions_max.iter().filter_map(|w| *w).collect::<Vec<_>>();
+        assert_eq!(windows(files.profile(4)), vec![window as u64 - 1 + 512; windowed], "{family}");
+        files.set_window_pass(Some(3));
+        assert_eq!(windows(files.profile(4)), vec![window as u64 + 2; windowed], "{family}");
+        assert_eq!(files.profile(4).kv_positions_max.len(), n);
+        for map in maps(&files) {
+            for fused in [true, false] {
+                let mut p = pipeline(&files, &map, n_ctx);
+                p.set_fused_decode(fused);
+                // window - 1 + 3 positions in a windowed layer, the context in the others
+                let positions = windowed as u64 * (window as u64 - 1 + 3) + (n - windowed) as u64 * n_ctx as u64;
+                let kv: u64 = p.report().iter().map(|s| s.kv_bytes).sum();
+                assert_eq!(kv, positions * per_token, "{family} over {map}: KV bytes");
+                // as predicted before loading, stage by stage
+                for (dev, slice) in p.stages() {
+                    let want = brigade_model::predict_slice_bytes(&files, slice.layers(), dev, n_ctx).kv;
+                    assert_eq!(slice.kv_bytes(), want, "{family} over {map}: {} predicted", slice.layers());
+                }
+                let mut s = p.new_session().unwrap();
+                for (k, case) in r["transformers"].as_array().unwrap().iter().enumerate() {
+                    let (prompt, want) = (ids(&case["prompt_ids"]), ids(&case["greedy_ids"]));
+                    // a new conversation in the same storage, after the last one moved it
+                    assert_eq!(s.truncate(0), 0);
+                    let got = common::greedy_in(&p, &mut s, &prompt, want.len());
+                    assert_eq!(got, want, "{family} over {map} (fused {fused}), prompt {k}");
+                    // the keys of the session's start are gone: it can go back to its end only
+                    let len = s.len();
+                    assert!(len > window + 3);
+                    assert_eq!((s.keepable(len), s.keepable(1), s.keepable(len - window - 3)), (len, 0, 0));
+                }
+            }
+        }
+    }
+}

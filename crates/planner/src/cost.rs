@@ -54,11 +54,11 @@ pub struct Problem<'a> {
     w_prefix: Vec<u64>,
     /// Links by (node, node) index, as [`node_links`].
     links: HashMap<(usize, usize), Link>,
-    /// KV bytes one layer holds for `ctx × sessions` tokens (on a device of the profile's default
-    /// KV type; [`Problem::kv_layer_on`] for a given device).
-    pub kv_layer: u64,
-    /// The same on each device (a CPU may keep its cache in another type).
-    kv_layer_dev: Vec<u64>,
+    /// KV positions layers `[0, l)` hold for `ctx` tokens of each of `sessions` sessions (a
+    /// sliding-window layer fewer than `ctx`: [`ModelProfile::kv_positions`]).
+    kv_prefix: Vec<u64>,
+    /// KV bytes per position and layer on each device (a CPU may keep its cache in another type).
+    kv_token_dev: Vec<u64>,
     /// Hop seconds per decoded token between two devices; `None` when they cannot be neighbours.
     pub hop: Vec<Vec<Option<f64>>>,
     pub drv_in: Vec<Option<f64>>,
@@ -180,11 +180,13 @@ impl<'a> Problem<'a> {
             head_t,
             w_prefix,
             links,
-            kv_layer: profile.kv_bytes_per_token.saturating_mul(ctx).saturating_mul(policy.sessions),
-            kv_layer_dev: devs
-                .iter()
-                .map(|d| profile.kv_bytes_per_token_on(d.kind).saturating_mul(ctx).saturating_mul(policy.sessions))
+            kv_prefix: std::iter::once(0)
+                .chain((0..n_layers).scan(0u64, |sum, l| {
+                    *sum = sum.saturating_add(profile.kv_positions(l, ctx).saturating_mul(policy.sessions));
+                    Some(*sum)
+                }))
                 .collect(),
+            kv_token_dev: devs.iter().map(|d| profile.kv_bytes_per_token_on(d.kind)).collect(),
             hop,
             drv_in,
             drv_out,
@@ -194,16 +196,23 @@ impl<'a> Problem<'a> {
         })
     }
 
-    /// KV bytes one layer holds on device `d` for `ctx × sessions` tokens.
-    pub fn kv_layer_on(&self, d: usize) -> u64 {
-        self.kv_layer_dev.get(d).copied().unwrap_or(self.kv_layer)
+    /// KV bytes layers `[a, b)` hold for `ctx × sessions` tokens at `per_token` bytes per
+    /// position and layer.
+    fn kv_bytes(&self, a: usize, b: usize, per_token: u64) -> u64 {
+        (self.kv_prefix[b] - self.kv_prefix[a]).saturating_mul(per_token)
+    }
+
+    /// KV bytes of an average layer on a device of the profile's default KV type.
+    pub fn kv_layer_avg(&self) -> f64 {
+        self.kv_bytes(0, self.n_layers, self.profile.kv_bytes_per_token) as f64 / self.n_layers as f64
     }
 
     /// Bytes a stage `[a, b)` holds on device `d`: [`Problem::stage_mem`] with the device's KV
     /// cache type.
     pub fn stage_mem_on(&self, d: usize, a: usize, b: usize) -> StageMem {
         let m = self.stage_mem(a, b);
-        StageMem { kv: self.kv_layer_on(d).saturating_mul((b - a) as u64), ..m }
+        let per_token = self.kv_token_dev.get(d).copied().unwrap_or(self.profile.kv_bytes_per_token);
+        StageMem { kv: self.kv_bytes(a, b, per_token), ..m }
     }
 
     /// Bytes a stage `[a, b)` holds: weights, KV cache (of the profile's default type),
@@ -222,7 +231,7 @@ impl<'a> Problem<'a> {
                 extra -= p.embed_bytes.min(p.head_bytes);
             }
         }
-        StageMem { weights: weights + extra, kv: self.kv_layer.saturating_mul((b - a) as u64) }
+        StageMem { weights: weights + extra, kv: self.kv_bytes(a, b, p.kv_bytes_per_token) }
     }
 
     pub fn fits(&self, d: usize, a: usize, b: usize) -> bool {
@@ -398,6 +407,7 @@ mod tests {
             tied: false,
             kv_bytes_per_token: 2,
             cpu_kv_bytes_per_token: None,
+            kv_positions_max: Vec::new(),
             hidden: 1,
             vocab: 1,
         };
@@ -411,7 +421,17 @@ mod tests {
         assert_eq!(p.stage_mem_on(0, 0, 3).total(), 1500);
         assert_eq!(p.stage_mem_on(1, 0, 3).total(), 900, "the GPU keeps the default type");
         assert!(!p.fits(0, 0, 3) && p.fits(0, 0, 2) && p.fits(1, 0, 3));
-        assert_eq!(p.kv_layer_on(0), 400);
-        assert_eq!(p.kv_layer_on(1), 200);
+        assert_eq!(p.stage_mem_on(0, 1, 2).kv, 400);
+        assert_eq!(p.stage_mem_on(1, 1, 2).kv, 200);
+        // layers 1 and 3 with a sliding window of 10 positions: they hold 10, not 100
+        profile.kv_positions_max = vec![None, Some(10), None, Some(10)];
+        let p = Problem::new(&inv, &profile, &policy, 100).unwrap();
+        assert_eq!(p.stage_mem_on(0, 0, 4).kv, (100 + 10 + 100 + 10) * 4);
+        assert_eq!(p.stage_mem_on(1, 1, 2).kv, 10 * 2);
+        assert_eq!(p.stage_mem(0, 4).kv, 220 * 2);
+        assert_eq!(p.kv_layer_avg(), 220.0 * 2.0 / 4.0);
+        // a context shorter than the window: all of it
+        let p = Problem::new(&inv, &profile, &policy, 8).unwrap();
+        assert_eq!(p.stage_mem_on(1, 0, 4).kv, 4 * 8 * 2);
     }
 }

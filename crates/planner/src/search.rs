@@ -50,7 +50,7 @@ pub fn objective_value(obj: Objective, m: &Metrics) -> f64 {
 fn score(p: &Problem, d: usize) -> f64 {
     let l = p.n_layers as f64;
     let per_layer = p.layer_t[d][p.n_layers] / l;
-    let avg_layer_bytes = (p.profile.layer_bytes.iter().sum::<u64>() as f64 / l) + p.kv_layer as f64;
+    let avg_layer_bytes = (p.profile.layer_bytes.iter().sum::<u64>() as f64 / l) + p.kv_layer_avg();
     let holds = (p.devs[d].budget as f64 / avg_layer_bytes).clamp(1.0, l);
     // a device with no direct link to the driver can still sit mid-chain: charge it the slowest
     // hop of the cluster each way instead of excluding it

@@ -73,6 +73,8 @@ prop_compose! {
             tied,
             kv_bytes_per_token: 1 + (3.0 * next()) as u64,
             cpu_kv_bytes_per_token: (next() < 0.5).then(|| 1 + (6.0 * next()) as u64),
+            // some layers with a sliding window shorter than some contexts
+            kv_positions_max: (0..layers).map(|_| (next() < 0.3).then(|| 1 + (5.0 * next()) as u64)).collect(),
             hidden: 1 + (20.0 * next()) as usize,
             vocab: 100,
         };
@@ -165,11 +167,12 @@ fn max_ctx_brute(c: &Case) -> Option<u64> {
         let p = Problem::new(&c.inv, &c.profile, &c.policy, ctx).unwrap();
         all_assignments(p.devs.len(), p.n_layers).iter().any(|a| p.evaluate(a).is_some())
     };
-    // feasibility is monotone in ctx: bisect between 1 and a context no device set can hold
+    // feasibility is monotone in ctx: bisect between 1 and one past the planner's cap (2^34 tokens:
+    // a model whose every layer has a sliding window holds any context)
     if !feasible(1) {
         return None;
     }
-    let (mut lo, mut hi) = (1u64, 1u64 << 20);
+    let (mut lo, mut hi) = (1u64, (1u64 << 34) + 1);
     while hi - lo > 1 {
         let mid = (lo + hi) / 2;
         if feasible(mid) {

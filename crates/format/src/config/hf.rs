@@ -100,6 +100,7 @@ pub(super) fn from_json(text: &str) -> Result<ModelConfig, FormatError> {
         .map(|t| t as f32),
         sliding_window,
         swa_layers,
+        window_pass: None,
         embed_scale: family.scaled_embedding.then(|| (hf.hidden_size as f32).sqrt()),
         norm_offset: family.hf_norm_offset,
         query_pre_attn_scalar: if gemma_family { hf.query_pre_attn_scalar.or(Some(256.0)) } else { None },

@@ -238,7 +238,7 @@ impl Batch {
             let (i, cached) = self.best_slot(&job.prompt);
             self.admitted += 1;
             let slot = &mut self.slots[i];
-            slot.session.truncate(cached);
+            let cached = slot.session.truncate(cached);
             slot.chunked = job.prompt.len() / self.chunk * self.chunk;
             slot.used = self.admitted;
             slot.active = Some(Active {
@@ -265,6 +265,8 @@ impl Batch {
         for (i, s) in self.slots.iter().enumerate().filter(|(_, s)| s.active.is_none()) {
             let common = s.session.tokens().iter().zip(prompt).take_while(|(a, b)| a == b).count();
             let keep = common.min(s.chunked).min(prompt.len().saturating_sub(1)) / self.chunk * self.chunk;
+            // (a sliding-window cache may no longer hold what that prefix needs)
+            let keep = s.session.keepable(keep);
             if best.is_none_or(|(_, k, used)| keep > k || (keep == k && s.used < used)) {
                 best = Some((i, keep, s.used));
             }

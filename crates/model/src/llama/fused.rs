@@ -202,14 +202,15 @@ impl Block {
     }
 
     /// One token of each session through the block: `x` is `n × hidden` (row `i` session
-    /// `i`'s), updated in place; `kv[i]` is session `i`'s cache of this layer, written at
-    /// `pos[i]`; `rope` the rotary tables `(n_ctx, head_dim / 2)`.
+    /// `i`'s), updated in place; `kv[i]` is session `i`'s cache of this layer, whose slot 0
+    /// holds position `base[i]`, written at position `pos[i]`; `rope` the rotary tables
+    /// `(n_ctx, head_dim / 2)`.
     fn decode(
         &self,
         cfg: &ModelConfig,
         x: &mut [f32],
         kv: &[&(Tensor, Tensor)],
-        pos: &[usize],
+        (pos, base): (&[usize], &[usize]),
         (cos, sin): (&[f32], &[f32]),
     ) -> candle_core::Result<()> {
         let n = pos.len();
@@ -238,8 +239,8 @@ impl Block {
             };
             rope(cfg.rope_style, qi, cs, hd, &mut q[i * qd..][..qd]);
             rope(cfg.rope_style, ki, cs, hd, &mut k);
-            k_cache.inplace_op1(&PutRow { pos: p, row: &k })?;
-            v_cache.inplace_op1(&PutRow { pos: p, row: qkv.part(2, i) })?;
+            k_cache.inplace_op1(&PutRow { pos: p - base[i], row: &k })?;
+            v_cache.inplace_op1(&PutRow { pos: p - base[i], row: qkv.part(2, i) })?;
         }
         drop(qkv);
         // attention: one unit per session and kv head, each writing its g query heads' output
@@ -253,7 +254,7 @@ impl Block {
             par_units(y.chunks_mut(g * hd).enumerate().collect(), |(u, out)| {
                 let (i, head) = (*u / nkv, *u % nkv);
                 let (kc, vc, n_ctx) = &caches[i];
-                let (from, seen) = (first_key(self.window, pos[i]), pos[i] + 1);
+                let (from, seen) = (first_key(self.window, pos[i]) - base[i], pos[i] + 1 - base[i]);
                 let keys = &kc.get()[(head * n_ctx + from) * hd..][..(seen - from) * hd];
                 let values = &vc.get()[(head * n_ctx + from) * hd..][..(seen - from) * hd];
                 let mut w = vec![0f32; g * (seen - from)];
@@ -325,7 +326,8 @@ impl Slice {
         for (l, block) in self.blocks.iter().enumerate() {
             let _b = block.span.enter();
             let kv: Vec<&(Tensor, Tensor)> = caches.iter().map(|c| &c.kv[l]).collect();
-            block.decode(&self.cfg, &mut xs, &kv, &pos, (cos.get(), sin.get()))?;
+            let base: Vec<usize> = caches.iter().map(|c| c.base_of(l)).collect();
+            block.decode(&self.cfg, &mut xs, &kv, (&pos, &base), (cos.get(), sin.get()))?;
         }
         Ok(Tensor::from_vec(xs, (n, 1, self.cfg.hidden), &self.device)?)
     }

@@ -37,6 +37,9 @@ impl Slice {
         if x.dim(1)? != 1 {
             return Err(ModelError::BadInput(format!("{} positions per row: a decode step takes one", x.dim(1)?)));
         }
+        for c in caches.iter_mut() {
+            c.make_room(1)?;
+        }
         if self.fused {
             x = self.decode_fused(caches, &x)?;
         } else {
@@ -75,7 +78,8 @@ impl Slice {
             let mut ys = Vec::with_capacity(n);
             for (i, (cache, (cos, sin))) in caches.iter_mut().zip(tables).enumerate() {
                 let row = |t: &Tensor| t.narrow(0, i, 1);
-                let pos = cache.len;
+                // the position in the layer's storage (a windowed layer's starts at its base)
+                let pos = cache.len - cache.base_of(l);
                 let qkv = (&row(&q)?, &row(&k)?, &row(&v)?);
                 ys.push(attend(&self.cfg, block.window, qkv, &mut cache.kv[l], pos, (cos, sin), None)?);
             }

@@ -3,7 +3,7 @@
 
 use brigade_core::DeviceMap;
 use brigade_model::synth::Shape;
-use brigade_model::{Logits, ModelFiles, Pipeline, Sampler, SamplingParams};
+use brigade_model::{Logits, ModelFiles, Pipeline, Sampler, SamplingParams, Session};
 use candle_core::Tensor;
 use std::path::{Path, PathBuf};
 
@@ -52,11 +52,15 @@ pub fn pipeline(files: &ModelFiles, map: &str, n_ctx: usize) -> Pipeline {
 /// `n` ids decoded greedily from `prompt` over stage map `map`.
 pub fn greedy(files: &ModelFiles, map: &str, prompt: &[u32], n: usize) -> Vec<u32> {
     let p = pipeline(files, map, 256);
-    let mut s = p.new_session().unwrap();
+    greedy_in(&p, &mut p.new_session().unwrap(), prompt, n)
+}
+
+/// `n` ids decoded greedily from `prompt` by `p`, continuing session `s`.
+pub fn greedy_in(p: &Pipeline, s: &mut Session, prompt: &[u32], n: usize) -> Vec<u32> {
     let mut out = Vec::new();
     let mut sampler = Sampler::new(SamplingParams::greedy());
     p.generate(
-        &mut s,
+        s,
         prompt,
         n,
         &mut sampler,
