@@ -209,16 +209,28 @@ impl SliceCache {
                 "{t} tokens in one pass into a sliding-window cache of {cap} positions (window {w})"
             )));
         }
-        let (from, n) = (keep - self.base, self.len - keep);
-        if n > 0 {
-            for (k, v) in self.kv.iter().zip(&self.windowed).filter(|(_, w)| **w).map(|(kv, _)| kv) {
-                for c in [k, v] {
-                    // a copy first: candle writes no tensor from its own storage
-                    c.slice_set(&c.narrow(2, from, n)?.force_contiguous()?, 2, 0)?;
-                }
-            }
+        if let Err(e) = self.move_keys(keep) {
+            // some layers may have moved and others not: the cache holds nothing true now
+            self.len = 0;
+            self.base = 0;
+            return Err(e);
         }
         self.base = keep;
+        Ok(())
+    }
+
+    /// Copies positions `keep..len` of every windowed layer to slot 0.
+    fn move_keys(&self, keep: usize) -> Result<(), ModelError> {
+        let (from, n) = (keep - self.base, self.len - keep);
+        if n == 0 {
+            return Ok(());
+        }
+        for (k, v) in self.kv.iter().zip(&self.windowed).filter(|(_, w)| **w).map(|(kv, _)| kv) {
+            for c in [k, v] {
+                // a copy first: candle writes no tensor from its own storage
+                c.slice_set(&c.narrow(2, from, n)?.force_contiguous()?, 2, 0)?;
+            }
+        }
         Ok(())
     }
 }

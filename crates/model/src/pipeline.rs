@@ -2,8 +2,10 @@
 //! device copy of the hidden state, not a socket.
 //!
 //! A [`Session`]'s tokens are exactly what its caches hold: a forward pass that fails in any stage
-//! leaves every stage's cache as it was before the call, and the last token `generate` samples
-//! without feeding is returned in [`GenerationStats::unfed`], not recorded as fed.
+//! leaves every stage's cache as it was before the call (or, where a sliding-window cache has
+//! already let go of keys that point needs — a chunk read in several passes failed after the
+//! first —, empty: [`Session::keepable`]), and the last token `generate` samples without
+//! feeding is returned in [`GenerationStats::unfed`], not recorded as fed.
 
 use crate::device::{activation_dtype, candle_device};
 use crate::llama::{Logits, Slice, SliceCache, StageInput};
@@ -181,7 +183,8 @@ impl Pipeline {
 
     /// Feeds `tokens` through every stage and returns the logits of the last position (or of all
     /// positions), `(positions, vocab)` in f32 on the CPU. On an error, every stage's cache is
-    /// truncated back to where it was, so the session stays usable and its tokens stay true.
+    /// truncated back to where it was (or to nothing, see [`Session::keepable`]), so the
+    /// session stays usable and its tokens stay true.
     pub fn forward(&self, session: &mut Session, tokens: &[u32], which: Logits) -> Result<Tensor, ModelError> {
         let before = session.tokens.len();
         match self.forward_stages(session, tokens, which) {

@@ -395,6 +395,8 @@ fn window_sized_caches_give_transformers_ids() {
                 for (dev, slice) in p.stages() {
                     let want = brigade_model::predict_slice_bytes(&files, slice.layers(), dev, n_ctx).kv;
                     assert_eq!(slice.kv_bytes(), want, "{family} over {map}: {} predicted", slice.layers());
+                    // and allocated
+                    assert_eq!(slice.new_cache().unwrap().bytes(), want, "{family} over {map}: {}", slice.layers());
                 }
                 let mut s = p.new_session().unwrap();
                 for (k, case) in r["transformers"].as_array().unwrap().iter().enumerate() {

@@ -153,47 +153,67 @@ fn fused_decode_equals_candle_ops_in_a_sliding_window() {
     assert_eq!(files.config.sliding_window, Some(16));
     check("mistral", &files, "cpu:3");
     check("mistral", &files, "cpu:2,cpu:1");
-    // caches of the window plus passes of 3 tokens, moved to the front every few steps, at
-    // other times in each of the three sessions decoded together
+    // caches of the window plus passes of 2 tokens (17 positions), moved to the front every few
+    // steps: in the one session of 18 tokens, and at other times in each of the three decoded
+    // together
     let mut files = files;
-    files.set_window_pass(Some(3));
+    files.set_window_pass(Some(2));
     check("mistral, window-sized caches", &files, "cpu:3");
     check("mistral, window-sized caches", &files, "cpu:2,cpu:1");
 }
 
 /// The composition of candle ops a GPU runs (masks added to the scores, here in bf16 on the CPU)
-/// reads a window-sized cache as the f32 path does: a 40-token prompt in passes of 3 and 10
-/// decode steps of Mistral (window 16, caches of 18 positions) part from the f32 path's logits
-/// by no more than bf16's rounding does with context-sized caches (a mask misplaced by the
-/// cache's move would part by units: the logits here are up to 9).
+/// reads window-sized caches as the f32 path does: a 40-token prompt in passes of 3 and 10
+/// decode steps part from the f32 path's logits by no more than bf16's rounding does with
+/// context-sized caches (a mask misplaced by the cache's move would part by units: the logits
+/// here are up to 9). Mistral (window 16 on every layer: caches of 18 positions) and Gemma 3
+/// (window 8 on five layers of six: the global layer's mask and the local layers' are two).
 #[test]
 fn candle_composition_reads_window_sized_caches() {
     use brigade_core::LayerRange;
     use brigade_model::Slice;
     use candle_core::DType;
-    let run = |pass: Option<usize>, dtype: DType| -> Vec<Vec<f32>> {
-        let mut files = ModelFiles::open(&common::family_file("mistral", "hf")).unwrap();
-        files.set_window_pass(pass);
-        let s = Slice::load(&files, LayerRange::new(0, 3).unwrap(), &candle_core::Device::Cpu, dtype, 128).unwrap();
-        let mut c = s.new_cache().unwrap();
-        let positions = if pass.is_some() { 18 } else { 128 };
-        assert_eq!(c.bytes(), 3 * positions * 2 * 2 * 32 * dtype.size_in_bytes() as u64);
-        // the same tokens for both types (greedy ids could part on a near tie)
-        let steps = prompt(10, 9, 512);
-        let mut out = Vec::new();
-        for ids in std::iter::once(prompt(40, 5, 512)).chain(steps.iter().map(|&t| vec![t])) {
-            let l = s.forward(&mut c, brigade_model::StageInput::Tokens(&ids), Logits::Last).unwrap();
-            out.push(l.flatten_all().unwrap().to_dtype(DType::F32).unwrap().to_vec1::<f32>().unwrap());
-        }
-        assert_eq!(c.len(), 50);
-        out
-    };
-    let windowed = common::max_abs_diff(&run(Some(3), DType::F32), &run(Some(3), DType::BF16));
-    let whole = common::max_abs_diff(&run(None, DType::F32), &run(None, DType::BF16));
-    assert!(
-        windowed < 1.5 * whole && windowed < 1.5,
-        "bf16's composition parts from f32 by {windowed} on window-sized caches, {whole} on whole ones"
-    );
+    // (family, file, layers, positions of a windowed layer's cache, per-token elements of a layer)
+    for (family, file, n, windowed, cap, per_token) in
+        [("mistral", "hf", 3, 3, 18, 2 * 2 * 32), ("gemma3", "gemma3-tiny-F16.gguf", 6, 5, 10, 2 * 2 * 64)]
+    {
+        let run = |pass: Option<usize>, dtype: DType| -> Vec<Vec<f32>> {
+            let mut files = ModelFiles::open(&common::family_file(family, file)).unwrap();
+            files.set_window_pass(pass);
+            let layers = LayerRange::new(0, n).unwrap();
+            let s = Slice::load(&files, layers, &candle_core::Device::Cpu, dtype, 128).unwrap();
+            let mut c = s.new_cache().unwrap();
+            let positions = if pass.is_some() { windowed * cap + (n - windowed) * 128 } else { n * 128 };
+            assert_eq!(c.bytes(), (positions * per_token * dtype.size_in_bytes()) as u64, "{family}");
+            // the same tokens for both types (greedy ids could part on a near tie)
+            let steps = prompt(10, 9, 512);
+            let mut out = Vec::new();
+            for ids in std::iter::once(prompt(40, 5, 512)).chain(steps.iter().map(|&t| vec![t])) {
+                let l = s.forward(&mut c, brigade_model::StageInput::Tokens(&ids), Logits::Last).unwrap();
+                out.push(l.flatten_all().unwrap().to_dtype(DType::F32).unwrap().to_vec1::<f32>().unwrap());
+            }
+            assert_eq!(c.len(), 50);
+            out
+        };
+        let windowed = common::max_abs_diff(&run(Some(3), DType::F32), &run(Some(3), DType::BF16));
+        let whole = common::max_abs_diff(&run(None, DType::F32), &run(None, DType::BF16));
+        assert!(
+            windowed < 1.5 * whole && windowed < 1.5,
+            "{family}: bf16's composition parts from f32 by {windowed} on window-sized caches, {whole} on whole ones"
+        );
+    }
+}
+
+/// Gemma 3's post-norms, GeLU and local RoPE base are not in the fused step: its slices keep
+/// the op path (and decode what transformers decodes, `families.rs`).
+#[test]
+fn gemma3_keeps_the_op_path() {
+    let files = ModelFiles::open(&common::family_file("gemma3", "gemma3-tiny-Q4_K_M.gguf")).unwrap();
+    let mut p = pipeline(&files, "cpu:6", 128);
+    assert_eq!(p.set_fused_decode(true), 0);
+    let mut p = pipeline(&files, "cpu:5,cpu:1", 128);
+    // the last layer alone is global: no post-norm or GeLU is in the fused step either way
+    assert_eq!(p.set_fused_decode(true), 0);
 }
 
 #[test]

@@ -11,9 +11,10 @@
 //!   `min(S / T, 1 / max(max stage, max hop))`;
 //! - prefill of `P` tokens: `P × f_l` compute (weights read once), `P × act` on hops, the head
 //!   once (only the last position's logits are computed);
-//! - memory: `Σ w_l + kv × layers × ctx × sessions` (+ embedding on the first stage, + head on
-//!   the last; a tied head shares the embedding's copy) `≤ (1 − headroom) × memory`, with `kv`
-//!   of the device's kind (a CPU may keep its cache in f32 where GPUs keep bf16).
+//! - memory: `Σ w_l + kv × Σ_l positions_l(ctx) × sessions` (+ embedding on the first stage,
+//!   + head on the last; a tied head shares the embedding's copy) `≤ (1 − headroom) × memory`,
+//!   with `kv` of the device's kind (a CPU may keep its cache in f32 where GPUs keep bf16) and
+//!   `positions_l` the context, or a sliding-window layer's window plus one pass.
 
 use crate::{PlanError, Policy};
 use brigade_core::{DeviceKind, Inventory, Link, ModelProfile};
@@ -56,7 +57,7 @@ pub struct Problem<'a> {
     links: HashMap<(usize, usize), Link>,
     /// KV positions layers `[0, l)` hold for `ctx` tokens of each of `sessions` sessions (a
     /// sliding-window layer fewer than `ctx`: [`ModelProfile::kv_positions`]).
-    kv_prefix: Vec<u64>,
+    kv_prefix: Vec<u128>,
     /// KV bytes per position and layer on each device (a CPU may keep its cache in another type).
     kv_token_dev: Vec<u64>,
     /// Hop seconds per decoded token between two devices; `None` when they cannot be neighbours.
@@ -180,9 +181,10 @@ impl<'a> Problem<'a> {
             head_t,
             w_prefix,
             links,
+            // (u128: a sum of u64 products that cannot saturate, so differences stay exact)
             kv_prefix: std::iter::once(0)
-                .chain((0..n_layers).scan(0u64, |sum, l| {
-                    *sum = sum.saturating_add(profile.kv_positions(l, ctx).saturating_mul(policy.sessions));
+                .chain((0..n_layers).scan(0u128, |sum, l| {
+                    *sum += profile.kv_positions(l, ctx) as u128 * policy.sessions as u128;
                     Some(*sum)
                 }))
                 .collect(),
@@ -199,7 +201,8 @@ impl<'a> Problem<'a> {
     /// KV bytes layers `[a, b)` hold for `ctx × sessions` tokens at `per_token` bytes per
     /// position and layer.
     fn kv_bytes(&self, a: usize, b: usize, per_token: u64) -> u64 {
-        (self.kv_prefix[b] - self.kv_prefix[a]).saturating_mul(per_token)
+        let bytes = (self.kv_prefix[b] - self.kv_prefix[a]).saturating_mul(per_token as u128);
+        u64::try_from(bytes).unwrap_or(u64::MAX)
     }
 
     /// KV bytes of an average layer on a device of the profile's default KV type.
