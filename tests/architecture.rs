@@ -130,6 +130,22 @@ fn model_modules_point_down() {
 }
 
 #[test]
+fn the_grammar_engine_links_no_tensor_library_and_no_runtime() {
+    // constrained decoding runs in the server and, later, on a cluster's last worker: pure
+    let g = deps("brigade-grammar");
+    assert!(g.iter().any(|x| x == "llguidance"), "cargo tree did not list llguidance: {g:?}");
+    if let Some(bad) = g.iter().find(|x| forbidden(x)) {
+        panic!("brigade-grammar depends on {bad}");
+    }
+    for d in g.iter().filter(|d| d.starts_with("brigade-")) {
+        assert!(
+            ["brigade-grammar", "brigade-format", "brigade-core"].contains(&d.as_str()),
+            "brigade-grammar depends on {d}"
+        );
+    }
+}
+
+#[test]
 fn serve_links_no_tensor_library_and_only_format() {
     // the coordinator puts the same HTTP API on a cluster: the server crate must stay candle-free
     let serve = deps("brigade-serve");
@@ -139,7 +155,7 @@ fn serve_links_no_tensor_library_and_only_format() {
     }
     for d in serve.iter().filter(|d| d.starts_with("brigade-")) {
         assert!(
-            ["brigade-serve", "brigade-format", "brigade-core"].contains(&d.as_str()),
+            ["brigade-serve", "brigade-grammar", "brigade-format", "brigade-core"].contains(&d.as_str()),
             "brigade-serve depends on {d}"
         );
     }

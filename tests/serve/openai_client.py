@@ -198,9 +198,88 @@ def case_disconnect(args):
         print(f"slot freed {freed * 1e3:.0f} ms after the disconnect")
 
 
+PERSON = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 16},
+        "age": {"type": "integer", "minimum": 0, "maximum": 150},
+        "mood": {"enum": ["happy", "sad", "calm"]},
+        "tags": {"type": "array", "items": {"type": "string", "maxLength": 6}, "maxItems": 3},
+        "alive": {"type": "boolean"},
+    },
+    "required": ["name", "age", "mood", "tags", "alive"],
+    "additionalProperties": False,
+}
+
+
+def case_structured(args):
+    """response_format and grammars on the embedded model (a 260K-parameter model that has never
+    seen JSON): every answer is what was asked, at every temperature and seed."""
+    import jsonschema
+
+    c = client(args)
+    model = model_id(c)
+    fmt = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON, "strict": True}}
+    temps = [0.0, 0.4, 0.8, 1.2]
+    for seed in range(20):
+        r = c.chat.completions.create(model=model, messages=[{"role": "user", "content": "Describe a person."}],
+                                      max_tokens=300, temperature=temps[seed % 4], seed=seed, response_format=fmt)
+        text = r.choices[0].message.content
+        check(r.choices[0].finish_reason == "stop", f"seed {seed}: finish {r.choices[0].finish_reason}: {text!r}")
+        jsonschema.validate(json.loads(text), PERSON)
+        check(True, "")
+    # streamed, and on /v1/completions (response_format as llama-server takes it there)
+    text = ""
+    for ch in c.chat.completions.create(model=model, messages=[{"role": "user", "content": "Hi"}], max_tokens=300,
+                                        temperature=1.0, seed=3, response_format=fmt, stream=True):
+        for choice in ch.choices:
+            text += choice.delta.content or ""
+    jsonschema.validate(json.loads(text), PERSON)
+    r = c.completions.create(model=model, prompt="Once upon a time", max_tokens=300, temperature=0.9, seed=5,
+                             extra_body={"response_format": fmt})
+    jsonschema.validate(json.loads(r.choices[0].text), PERSON)
+    # llama.cpp's `json_schema` field, and any JSON object
+    r = c.completions.create(model=model, prompt="Once", max_tokens=300, temperature=0.5, seed=6,
+                             extra_body={"json_schema": PERSON})
+    jsonschema.validate(json.loads(r.choices[0].text), PERSON)
+    r = c.chat.completions.create(model=model, messages=[{"role": "user", "content": "JSON please"}], max_tokens=60,
+                                  temperature=0.7, seed=1, response_format={"type": "json_object"})
+    text = r.choices[0].message.content
+    check(text.startswith("{"), f"json_object: {text!r}")
+    if r.choices[0].finish_reason == "stop":
+        check(isinstance(json.loads(text), dict), f"json_object: {text!r}")
+    # a grammar in llguidance's Lark syntax, as llama.cpp's llguidance builds take it
+    grammar = '%llguidance {}\nstart: ("yes" | "no") ", " /[0-9]{1,3}/\n'
+    for seed in range(4):
+        r = c.completions.create(model=model, prompt="Answer:", max_tokens=50, temperature=1.2, seed=seed,
+                                 extra_body={"grammar": grammar})
+        word, num = r.choices[0].text.split(", ")
+        check(word in ("yes", "no") and num.isdigit() and len(num) <= 3, f"grammar: {r.choices[0].text!r}")
+    # what cannot be compiled is a 400 naming the field; the server keeps serving
+    with httpx.Client(base_url=args.url, timeout=300) as x:
+        post = lambda path, body: x.post(path, json={"model": model, **body})
+        chat = {"messages": [{"role": "user", "content": "x"}]}
+        bad_schema = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "strnig"}}}
+        for path, body, field in [
+            ("/v1/chat/completions", {**chat, "response_format": bad_schema}, "response_format"),
+            ("/v1/chat/completions", {**chat, "response_format": {"type": "xml"}}, "response_format"),
+            ("/v1/chat/completions", {**chat, "response_format": {"type": "json_schema"}}, "response_format"),
+            ("/v1/completions", {"prompt": "x", "grammar": "root ::= \"yes\""}, "grammar"),
+            ("/v1/completions", {"prompt": "x", "grammar": "%llguidance {}\nstart: nowhere"}, "grammar"),
+            ("/v1/completions", {"prompt": "x", "json_schema": PERSON, "response_format": {"type": "json_object"}},
+             "json_schema"),
+        ]:
+            resp = post(path, body)
+            m = expect_error(resp, 400, f"{field}: {body}")
+            check(resp.json()["error"]["param"] == field, f"param of {body}: {resp.json()}")
+            check(field in m, f"{field} named: {m}")
+    r = c.completions.create(model=model, prompt="Once", max_tokens=4, temperature=0)
+    check(r.usage.completion_tokens == 4, "a good request after")
+
+
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("case", choices=["openai", "smollm2", "concurrent", "bad", "disconnect"])
+    ap.add_argument("case", choices=["openai", "smollm2", "concurrent", "bad", "disconnect", "structured"])
     ap.add_argument("--url", required=True)
     ap.add_argument("--bin", required=True)
     ap.add_argument("--model-file")

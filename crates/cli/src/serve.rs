@@ -80,10 +80,19 @@ impl Backend for Local {
 
     async fn complete(&self, req: EngineRequest) -> Result<mpsc::UnboundedReceiver<EngineEvent>, ApiError> {
         let (tx, rx) = mpsc::unbounded_channel();
-        let job =
-            Job { prompt: req.prompt, max_tokens: req.max_tokens, sampler: req.sampling, ignore_eos: req.ignore_eos };
+        let job = Job {
+            prompt: req.prompt,
+            max_tokens: req.max_tokens,
+            sampler: req.sampling,
+            ignore_eos: req.ignore_eos,
+            constraint: req.constraint,
+        };
         self.engine.submit(job, Box::new(ToChannel(tx))).map_err(|b| ApiError::busy(b.to_string()))?;
         Ok(rx)
+    }
+
+    fn constrains(&self) -> bool {
+        true
     }
 
     fn load(&self) -> Option<Load> {

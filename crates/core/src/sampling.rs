@@ -49,6 +49,36 @@ impl Default for SamplingParams {
     }
 }
 
+/// What a generation's tokens must spell (a JSON schema, a grammar): before each draw the
+/// sampler's logits of the ids that cannot come next are set to −∞, and the id drawn is told
+/// back. Implemented by `brigade-grammar` (llguidance); the engines that sample only see this.
+pub trait TokenConstraint: Send {
+    /// Sets to −∞ the logit of every id that may not come next (the end-of-generation id stays
+    /// where the constraint is complete). An error ends the generation.
+    fn mask(&mut self, logits: &mut [f32]) -> Result<(), String>;
+    /// Takes `id` as the next token.
+    fn commit(&mut self, id: u32) -> Result<(), String>;
+    /// The constraint is complete and nothing may follow: the generation ends.
+    fn is_done(&self) -> bool;
+    /// An independent copy at the same point.
+    fn boxed_clone(&self) -> Box<dyn TokenConstraint>;
+}
+
+/// A [`TokenConstraint`] carried in a request: cloning it copies its state.
+pub struct Constraint(pub Box<dyn TokenConstraint>);
+
+impl Clone for Constraint {
+    fn clone(&self) -> Self {
+        Constraint(self.0.boxed_clone())
+    }
+}
+
+impl std::fmt::Debug for Constraint {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Constraint")
+    }
+}
+
 /// A sampling setting the sampler cannot use.
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
 #[error("`{field}` = {value}: {why}")]

@@ -544,6 +544,11 @@ impl Tokenizer {
         self.pieces.get(id as usize).map(Vec::as_slice).unwrap_or(&[])
     }
 
+    /// The control and user-defined tokens split out of text before encoding: their text and id.
+    pub fn specials(&self) -> impl Iterator<Item = (&str, u32)> {
+        self.specials.iter().map(|(t, id)| (t.as_str(), *id))
+    }
+
     /// Decodes ids to text as a stream would print them (see [`TextStream`]).
     pub fn decode(&self, ids: &[u32], prev: Option<u32>) -> String {
         let mut s = self.stream(prev);

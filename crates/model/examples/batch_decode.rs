@@ -31,7 +31,13 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         let mut b = Batch::new(p.clone(), n, |_| false)?;
         for j in 0..n {
             let prompt = (0..8u32).map(|i| 3 + (i * 31 + j as u32 * 17) % (vocab - 3)).collect();
-            let job = Job { prompt, max_tokens: steps, sampler: SamplingParams::greedy(), ignore_eos: true };
+            let job = Job {
+                prompt,
+                max_tokens: steps,
+                sampler: SamplingParams::greedy(),
+                ignore_eos: true,
+                constraint: None,
+            };
             b.handle_submit(j as u64, job);
         }
         // read every prompt (and take each session's first token) before timing

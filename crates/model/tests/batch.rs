@@ -29,6 +29,11 @@ fn prompt(len: usize, salt: u32, vocab: u32) -> Vec<u32> {
     (0..len as u32).map(|i| 3 + (i * 31 + salt * 17) % (vocab - 3)).collect()
 }
 
+/// A greedy job of `max_tokens` past end-of-generation tokens, unconstrained.
+fn greedy_job(prompt: Vec<u32>, max_tokens: usize) -> Job {
+    Job { prompt, max_tokens, sampler: SamplingParams::greedy(), ignore_eos: true, constraint: None }
+}
+
 fn argmax(l: &[f32]) -> u32 {
     Sampler::new(SamplingParams::greedy()).sample(l, &[])
 }
@@ -219,6 +224,7 @@ fn batched_jobs_equal_generate_alone() {
         max_tokens,
         sampler,
         ignore_eos,
+        constraint: None,
     };
     let jobs = vec![
         (0, job(12, 1, 20, SamplingParams::greedy(), true)),
@@ -257,6 +263,7 @@ fn long_prompts_are_read_a_chunk_per_step() {
         max_tokens: n,
         sampler: SamplingParams::greedy(),
         ignore_eos: true,
+        constraint: None,
     };
     // one decoding job, then a 100-token prompt read 8 tokens a step: the first job keeps
     // getting a token every step while the long prompt is read
@@ -328,7 +335,7 @@ fn a_follow_up_keeps_the_last_prompts_whole_chunks_and_answers_the_same() {
     let files = q4k_model(&dir);
     let p = Arc::new(pipeline(&files, "cpu:4", 256));
     let vocab = files.config.vocab as u32;
-    let greedy = |prompt: Vec<u32>| Job { prompt, max_tokens: 6, sampler: SamplingParams::greedy(), ignore_eos: true };
+    let greedy = |prompt: Vec<u32>| greedy_job(prompt, 6);
     let first = prompt(21, 3, vocab);
     let mut second = first.clone();
     second.extend(prompt(14, 4, vocab));
@@ -355,7 +362,7 @@ fn a_follow_up_keeps_the_last_prompts_whole_chunks_and_answers_the_same() {
 fn a_follow_up_keeps_only_what_window_sized_caches_hold() {
     let mut files = ModelFiles::open(&common::family_file("mistral", "hf")).unwrap();
     let vocab = files.config.vocab as u32;
-    let greedy = |prompt: Vec<u32>| Job { prompt, max_tokens: 6, sampler: SamplingParams::greedy(), ignore_eos: true };
+    let greedy = |prompt: Vec<u32>| greedy_job(prompt, 6);
     let first = prompt(40, 3, vocab);
     let mut second = first.clone();
     second.extend(prompt(9, 4, vocab));
@@ -393,7 +400,13 @@ fn engine_cancels_gone_receivers_and_refuses_past_the_queue() {
     let files = common::stories_f32();
     let p = Arc::new(pipeline(&files, "cpu:5", 256));
     let engine = Engine::start(p, EngineConfig { parallel: 1, queue: 1 }, |_| false).unwrap();
-    let long = Job { prompt: vec![1, 2, 3], max_tokens: 250, sampler: SamplingParams::greedy(), ignore_eos: true };
+    let long = Job {
+        prompt: vec![1, 2, 3],
+        max_tokens: 250,
+        sampler: SamplingParams::greedy(),
+        ignore_eos: true,
+        constraint: None,
+    };
     let closed = Arc::new(std::sync::atomic::AtomicBool::new(false));
     let (tx, rx) = std::sync::mpsc::channel();
     engine.submit(long.clone(), Box::new(ChanSink(tx, closed.clone()))).unwrap();
@@ -429,4 +442,77 @@ fn engine_cancels_gone_receivers_and_refuses_past_the_queue() {
         assert!(t0.elapsed().as_secs() < 10, "load never drained: {:?}", engine.load());
         std::thread::sleep(std::time::Duration::from_millis(10));
     }
+}
+
+/// A constraint that allows one id at each step (`script`), then is done; an empty script is a
+/// constraint that fails.
+#[derive(Clone)]
+struct Forced {
+    script: Vec<u32>,
+    at: usize,
+}
+
+impl brigade_core::TokenConstraint for Forced {
+    fn mask(&mut self, logits: &mut [f32]) -> Result<(), String> {
+        let Some(&want) = self.script.get(self.at) else { return Err("nothing allowed".into()) };
+        for (i, l) in logits.iter_mut().enumerate() {
+            if i as u32 != want {
+                *l = f32::NEG_INFINITY;
+            }
+        }
+        Ok(())
+    }
+    fn commit(&mut self, id: u32) -> Result<(), String> {
+        assert_eq!(Some(&id), self.script.get(self.at), "the sampler drew an id the mask hid");
+        self.at += 1;
+        Ok(())
+    }
+    fn is_done(&self) -> bool {
+        self.at == self.script.len()
+    }
+    fn boxed_clone(&self) -> Box<dyn brigade_core::TokenConstraint> {
+        Box::new(self.clone())
+    }
+}
+
+/// A job's constraint masks every draw (greedy and at temperature 1.5), ends the job where it
+/// is done (before `max_tokens`, past `ignore_eos`), and a constraint that fails fails its job
+/// only: the engine goes on serving.
+#[test]
+fn a_constraint_decides_the_tokens_and_where_the_answer_ends() {
+    let dir = tempfile::tempdir().unwrap();
+    let files = q4k_model(&dir);
+    let p = Arc::new(pipeline(&files, "cpu:2,cpu:2", 256));
+    let mut b = Batch::new(p, 2, |_| false).unwrap();
+    let hot = SamplingParams { temperature: 1.5, top_k: 0, top_p: 1.0, min_p: 0.0, seed: 9, ..Default::default() };
+    for (id, sampler) in [(0, SamplingParams::greedy()), (1, hot)] {
+        let job = Job {
+            prompt: prompt(9, 1, 300),
+            max_tokens: 50,
+            sampler,
+            ignore_eos: true,
+            constraint: Some(brigade_core::Constraint(Box::new(Forced { script: vec![17, 250, 3], at: 0 }))),
+        };
+        let (ids, _) = run_alone(&mut b, id, job);
+        assert_eq!(ids, [17, 250, 3]);
+    }
+    let failing = Job {
+        prompt: prompt(5, 2, 300),
+        max_tokens: 5,
+        sampler: SamplingParams::greedy(),
+        ignore_eos: true,
+        constraint: Some(brigade_core::Constraint(Box::new(Forced { script: vec![], at: 0 }))),
+    };
+    b.handle_submit(2, failing);
+    let mut error = None;
+    for _ in 0..20 {
+        for (_, o) in b.step() {
+            if let Output::Error(e) = o {
+                error = Some(e);
+            }
+        }
+    }
+    assert!(error.as_deref().is_some_and(|e| e.contains("nothing allowed")), "{error:?}");
+    let free = greedy_job(prompt(5, 2, 300), 4);
+    assert_eq!(run_alone(&mut b, 3, free).0.len(), 4);
 }

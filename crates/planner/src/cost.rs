@@ -11,10 +11,10 @@
 //!   `min(S / T, 1 / max(max stage, max hop))`;
 //! - prefill of `P` tokens: `P × f_l` compute (weights read once), `P × act` on hops, the head
 //!   once (only the last position's logits are computed);
-//! - memory: `Σ w_l + kv × Σ_l positions_l(ctx) × sessions` (+ embedding on the first stage,
-//!   + head on the last; a tied head shares the embedding's copy) `≤ (1 − headroom) × memory`,
-//!   with `kv` of the device's kind (a CPU may keep its cache in f32 where GPUs keep bf16) and
-//!   `positions_l` the context, or a sliding-window layer's window plus one pass.
+//! - memory: `Σ w_l + kv × Σ_l positions_l(ctx) × sessions` (plus the embedding on the first
+//!   stage and the head on the last; a tied head shares the embedding's copy) `≤ (1 − headroom)
+//!   × memory`, with `kv` of the device's kind (a CPU may keep its cache in f32 where GPUs keep
+//!   bf16) and `positions_l` the context, or a sliding-window layer's window plus one pass.
 
 use crate::{PlanError, Policy};
 use brigade_core::{DeviceKind, Inventory, Link, ModelProfile};

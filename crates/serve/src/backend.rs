@@ -4,7 +4,7 @@
 
 use crate::error::ApiError;
 use crate::overview::Overview;
-use brigade_core::SamplingParams;
+use brigade_core::{Constraint, SamplingParams};
 use brigade_format::Tokenizer;
 use std::future::Future;
 use std::sync::Arc;
@@ -40,6 +40,10 @@ pub struct EngineRequest {
     /// backend does; a backend that sees text (the cluster's driver) may end the job there too,
     /// instead of when the server drops the receiver.
     pub stop: Vec<String>,
+    /// What the answer must spell (`response_format`, `grammar`), compiled against the model's
+    /// vocabulary: the backend masks each step's logits with it. Only sent to a backend that
+    /// [`Backend::constrains`].
+    pub constraint: Option<Constraint>,
 }
 
 /// Why a completion ended.
@@ -91,6 +95,12 @@ pub trait Backend: Send + Sync + 'static {
         &self,
         req: EngineRequest,
     ) -> impl Future<Output = Result<mpsc::UnboundedReceiver<EngineEvent>, ApiError>> + Send;
+
+    /// Whether the backend applies [`EngineRequest::constraint`] (the server refuses a request
+    /// that asks for a format otherwise, rather than ignore it).
+    fn constrains(&self) -> bool {
+        false
+    }
 
     /// Slots and queue, when the backend has them.
     fn load(&self) -> Option<Load> {

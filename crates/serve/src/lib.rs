@@ -19,6 +19,8 @@
 //!
 //! Deliberately lacks: any tensor library (checked by `tests/architecture.rs`: the coordinator
 //! links this crate), `n > 1`, logprobs, tools and images, embeddings, TLS (put a proxy in front).
+//! Structured output (`response_format`, `json_schema`, `grammar`) is compiled here by
+//! `brigade-grammar` and applied by a backend that [`Backend::constrains`].
 
 pub mod backend;
 pub mod dashboard;

@@ -3,7 +3,9 @@
 
 use crate::error::ApiError;
 use brigade_core::SamplingParams;
+use brigade_grammar::Format;
 use serde::Deserialize;
+use serde_json::Value;
 
 /// `prompt` of `/v1/completions`: text, or token ids, or a list of one of those.
 #[derive(Debug, Deserialize)]
@@ -48,6 +50,12 @@ pub struct Params {
     pub repeat_penalty: Option<f32>,
     pub repeat_last_n: Option<i64>,
     pub ignore_eos: Option<bool>,
+    /// OpenAI's structured output: `{"type": "text" | "json_object" | "json_schema", …}`.
+    pub response_format: Option<serde_json::Value>,
+    /// llama.cpp's extras: a JSON schema, or a grammar (llguidance's Lark syntax after a
+    /// `%llguidance` line, as llama.cpp's llguidance builds take it).
+    pub json_schema: Option<serde_json::Value>,
+    pub grammar: Option<String>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -107,6 +115,8 @@ pub struct Settings {
     pub stream: bool,
     pub include_usage: bool,
     pub ignore_eos: bool,
+    /// What the answer must be, and the request field that said so (for errors).
+    pub format: Option<(Format, &'static str)>,
 }
 
 fn in_range(param: &str, v: Option<f32>, lo: f32, hi: f32, default: f32) -> Result<f32, ApiError> {
@@ -163,7 +173,69 @@ impl Params {
         sampling.validate().map_err(|e| ApiError::bad_param(e.field, e.to_string()))?;
         let stream = self.stream.unwrap_or(false);
         let include_usage = self.stream_options.as_ref().and_then(|o| o.include_usage).unwrap_or(false);
-        Ok(Settings { max_tokens, sampling, stop, stream, include_usage, ignore_eos: self.ignore_eos.unwrap_or(false) })
+        let format = self.format()?;
+        Ok(Settings {
+            max_tokens,
+            sampling,
+            stop,
+            stream,
+            include_usage,
+            ignore_eos: self.ignore_eos.unwrap_or(false),
+            format,
+        })
+    }
+
+    /// What the answer must be: at most one of `response_format`, `json_schema` and `grammar`.
+    fn format(&self) -> Result<Option<(Format, &'static str)>, ApiError> {
+        let mut found = Vec::new();
+        if let Some(rf) = &self.response_format {
+            if let Some(f) = response_format(rf)? {
+                found.push((f, "response_format"));
+            }
+        }
+        if let Some(schema) = &self.json_schema {
+            found.push((Format::JsonSchema(schema.clone()), "json_schema"));
+        }
+        if let Some(g) = &self.grammar {
+            let lark = g.trim_start().strip_prefix("%llguidance").ok_or_else(|| {
+                ApiError::bad_param(
+                    "grammar",
+                    "GBNF grammars are not supported: send llguidance's Lark syntax after a `%llguidance` line, \
+                     or `response_format` with a JSON schema",
+                )
+            })?;
+            // the rest of the `%llguidance` line (options llama.cpp ignores too) is skipped
+            let body = lark.split_once('\n').map_or("", |(_, b)| b);
+            found.push((Format::Lark(body.to_string()), "grammar"));
+        }
+        match found.len() {
+            0 | 1 => Ok(found.pop()),
+            _ => Err(ApiError::bad_param(
+                found[1].1,
+                format!("`{}` and `{}` both constrain the answer: send one", found[0].1, found[1].1),
+            )),
+        }
+    }
+}
+
+/// OpenAI's `response_format` (and llama.cpp's `{"type": "json_object", "schema": …}`).
+fn response_format(rf: &Value) -> Result<Option<Format>, ApiError> {
+    let bad = |why: String| ApiError::bad_param("response_format", why);
+    let kind = rf.get("type").and_then(Value::as_str).ok_or_else(|| bad("`response_format.type` is missing".into()))?;
+    match kind {
+        "text" => Ok(None),
+        "json_object" => Ok(Some(match rf.get("schema") {
+            Some(s) => Format::JsonSchema(s.clone()),
+            None => Format::JsonObject,
+        })),
+        "json_schema" => {
+            let schema = rf
+                .get("json_schema")
+                .and_then(|j| j.get("schema"))
+                .ok_or_else(|| bad("`response_format.json_schema.schema` is missing".into()))?;
+            Ok(Some(Format::JsonSchema(schema.clone())))
+        }
+        other => Err(bad(format!("`response_format.type` `{other}` is not one of text, json_object, json_schema"))),
     }
 }
 

@@ -17,7 +17,9 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
 use brigade_core::admission::{Admission, Caps};
+use brigade_core::Constraint;
 use brigade_format::Tokenizer;
+use brigade_grammar::{Format, Vocabulary};
 use futures_util::{stream, StreamExt};
 use serde_json::{json, Value};
 use std::convert::Infallible;
@@ -65,6 +67,8 @@ struct App<B> {
     cfg: ServeConfig,
     requests: AtomicU64,
     metrics: Arc<ServerMetrics>,
+    /// Each model's vocabulary for the grammar engine, built at its first constrained request.
+    vocabularies: std::sync::Mutex<std::collections::HashMap<String, Arc<Vocabulary>>>,
 }
 
 /// Serves the API on `listener` until `shutdown` completes; requests in flight then finish.
@@ -128,7 +132,13 @@ pub fn router<B: Backend>(backend: Arc<B>, cfg: ServeConfig) -> Router {
     let keys = Arc::new(cfg.keys.clone());
     let protect_metrics = cfg.protect_metrics;
     let metrics = Arc::new(ServerMetrics::default());
-    let app = Arc::new(App { backend, cfg, requests: AtomicU64::new(0), metrics: metrics.clone() });
+    let app = Arc::new(App {
+        backend,
+        cfg,
+        requests: AtomicU64::new(0),
+        metrics: metrics.clone(),
+        vocabularies: Default::default(),
+    });
     let v1 = Router::new()
         .route("/v1/models", get(models::<B>))
         .route("/v1/models/{id}", get(model::<B>))
@@ -359,6 +369,10 @@ async fn run<B: Backend>(
         return Err(ApiError::context_exceeded(prompt.len(), info.n_ctx));
     }
     let room = info.n_ctx - prompt.len();
+    let constraint = match &s.format {
+        Some((format, field)) => Some(constraint(app, info, format, field).await?),
+        None => None,
+    };
     let req = EngineRequest {
         model: info.id.clone(),
         max_tokens: s.max_tokens.unwrap_or(room),
@@ -366,6 +380,7 @@ async fn run<B: Backend>(
         sampling: s.sampling.clone(),
         ignore_eos: s.ignore_eos,
         stop: s.stop.clone(),
+        constraint,
     };
     let n_prompt = req.prompt.len();
     let prev = req.prompt.last().copied();
@@ -400,6 +415,45 @@ async fn run<B: Backend>(
         }
     }
     Err(ApiError::internal("the completion ended without an answer"))
+}
+
+/// `format` compiled against `info`'s vocabulary (built at the model's first constrained
+/// request, off the async threads); a format that does not compile is a 400 naming `field`.
+async fn constraint<B: Backend>(
+    app: &App<B>,
+    info: &ModelInfo,
+    format: &Format,
+    field: &'static str,
+) -> Result<Constraint, ApiError> {
+    if !app.backend.constrains() {
+        return Err(ApiError::bad_param(
+            field,
+            format!("`{field}` is not supported by this server yet (a cluster samples on its last worker)"),
+        ));
+    }
+    let known = app.vocabularies.lock().map_err(|_| ApiError::internal("vocabularies lock"))?.get(&info.id).cloned();
+    let vocab = match known {
+        Some(v) => v,
+        None => {
+            let tk = info.tokenizer.clone();
+            let v = tokio::task::spawn_blocking(move || Vocabulary::new(&tk))
+                .await
+                .map_err(|e| ApiError::internal(format!("vocabulary task: {e}")))?
+                .map_err(|e| ApiError::bad_param(field, e.to_string()))?;
+            let v = Arc::new(v);
+            app.vocabularies
+                .lock()
+                .map_err(|_| ApiError::internal("vocabularies lock"))?
+                .insert(info.id.clone(), v.clone());
+            v
+        }
+    };
+    let format = format.clone();
+    let grammar = tokio::task::spawn_blocking(move || vocab.compile(&format))
+        .await
+        .map_err(|e| ApiError::internal(format!("grammar task: {e}")))?
+        .map_err(|e| ApiError::bad_param(field, format!("`{field}` cannot be used: {e}")))?;
+    Ok(Constraint(Box::new(grammar)))
 }
 
 /// Turns the backend's events into text chunks: ids decoded as a stream (a character split

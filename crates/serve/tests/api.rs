@@ -550,3 +550,27 @@ async fn metrics_without_an_overview_have_the_servers_own() {
     assert_eq!(st, StatusCode::OK);
     assert!(String::from_utf8(body).unwrap().contains("none yet"));
 }
+
+/// A backend that cannot constrain its sampling (a cluster, today) gets no request that asks
+/// for a format: the server answers 400 naming the field, and the backend sees nothing.
+#[tokio::test]
+async fn a_format_the_backend_cannot_apply_is_refused_by_name() {
+    let (app, b) = app(scripted(TEXT, Finish::Stop));
+    for (body, field) in [
+        (json!({"model": "tiny", "prompt": "Hi", "response_format": {"type": "json_object"}}), "response_format"),
+        (json!({"model": "tiny", "prompt": "Hi", "json_schema": {"type": "object"}}), "json_schema"),
+        (json!({"model": "tiny", "prompt": "Hi", "grammar": "%llguidance {}\nstart: \"a\""}), "grammar"),
+    ] {
+        let (st, out) = call(app.clone(), "POST", "/v1/completions", Some(body), None).await;
+        assert_eq!(st, StatusCode::BAD_REQUEST);
+        let j = json_of(&out);
+        assert_eq!(j["error"]["param"], field, "{j}");
+        assert!(j["error"]["message"].as_str().unwrap().contains("not supported"), "{j}");
+    }
+    // `text` asks for nothing
+    let body = json!({"model": "tiny", "prompt": "Hi", "response_format": {"type": "text"}});
+    let (st, _) = call(app, "POST", "/v1/completions", Some(body), None).await;
+    assert_eq!(st, StatusCode::OK);
+    assert_eq!(b.seen.lock().unwrap().len(), 1);
+    assert!(b.seen.lock().unwrap()[0].constraint.is_none());
+}

@@ -32,6 +32,7 @@ pub use engine::{Busy, Engine, EngineConfig, Load, Sink};
 
 use crate::pipeline::{StopReason, PREFILL_CHUNK};
 use crate::{Logits, ModelError, Pipeline, Sampler, SamplingParams, Session};
+use brigade_core::Constraint;
 use std::collections::VecDeque;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -49,6 +50,9 @@ pub struct Job {
     pub sampler: SamplingParams,
     /// Keep generating past end-of-generation tokens.
     pub ignore_eos: bool,
+    /// What the answer must spell: each step's logits are masked by it before the draw, and
+    /// the job ends when it is complete.
+    pub constraint: Option<Constraint>,
 }
 
 /// What a job produces, in order: `Started` when a slot takes it, tokens, then one `Done` or
@@ -330,15 +334,31 @@ impl Batch {
         let n_ctx = self.pipeline.n_ctx();
         let slot = &mut self.slots[i];
         let Some(a) = slot.active.as_mut() else { return };
-        let id = a.sampler.sample(logits, slot.session.tokens());
+        let (id, done) = match a.job.constraint.as_mut() {
+            None => (a.sampler.sample(logits, slot.session.tokens()), false),
+            Some(Constraint(c)) => {
+                let mut masked = logits.to_vec();
+                let drawn = c.mask(&mut masked).map(|()| a.sampler.sample(&masked, slot.session.tokens()));
+                match drawn.and_then(|id| c.commit(id).map(|()| id)) {
+                    Ok(id) => (id, c.is_done()),
+                    Err(e) => {
+                        fail(slot, &ModelError::BadInput(e), out);
+                        return;
+                    }
+                }
+            }
+        };
         let first = *a.first_token.get_or_insert_with(Instant::now);
-        let stop = if !a.job.ignore_eos && (self.is_eog)(id) {
+        // (a constraint ends the answer where it is complete, whatever `ignore_eos` says)
+        let stop = if (!a.job.ignore_eos || done) && (self.is_eog)(id) {
             Some(StopReason::Eos)
         } else {
             a.generated += 1;
             out.push((a.id, Output::Token(id)));
             // the last token is not fed (as `generate`): the session's tokens stay its caches'
-            if a.generated >= a.job.max_tokens {
+            if done {
+                Some(StopReason::Eos)
+            } else if a.generated >= a.job.max_tokens {
                 Some(StopReason::Length)
             } else if slot.session.len() + 1 > n_ctx {
                 Some(StopReason::Context)
