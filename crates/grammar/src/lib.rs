@@ -125,11 +125,6 @@ impl Grammar {
         mask.iter_set_entries(|i| ids.push(i as u32));
         Ok(ids)
     }
-
-    /// Whether the text so far is a complete answer.
-    pub fn is_accepting(&mut self) -> bool {
-        self.matcher.is_accepting().unwrap_or(false)
-    }
 }
 
 impl TokenConstraint for Grammar {

@@ -654,16 +654,16 @@ impl Slice {
 
     /// Allocates an empty cache for one session: each layer's [`ModelConfig::kv_positions`].
     pub fn new_cache(&self) -> Result<SliceCache, ModelError> {
-        let kv = self
-            .layers
+        let positions: Vec<usize> = self.layers.iter().map(|i| self.cfg.kv_positions(i, self.n_ctx)).collect();
+        let kv = positions
             .iter()
-            .map(|i| {
-                let shape = (1, self.cfg.n_kv_heads, self.cfg.kv_positions(i, self.n_ctx), self.cfg.head_dim);
+            .map(|&p| {
+                let shape = (1, self.cfg.n_kv_heads, p, self.cfg.head_dim);
                 Ok((resident_zeros(shape, self.dtype, &self.device)?, resident_zeros(shape, self.dtype, &self.device)?))
             })
             .collect::<Result<Vec<_>, candle_core::Error>>()?;
         // a windowed layer whose window covers the context is stored as a global one
-        let windowed = self.layers.iter().map(|i| self.cfg.kv_positions(i, self.n_ctx) < self.n_ctx).collect();
+        let windowed = positions.iter().map(|&p| p < self.n_ctx).collect();
         Ok(SliceCache { kv, windowed, window: self.cfg.sliding_window, base: 0, len: 0, n_ctx: self.n_ctx })
     }
 

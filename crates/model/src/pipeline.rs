@@ -94,17 +94,17 @@ impl Session {
     /// storage; returns how many tokens are kept.
     pub fn truncate(&mut self, n: usize) -> usize {
         let n = self.keepable(n);
-        self.caches.iter_mut().for_each(|c| {
+        for c in &mut self.caches {
             c.truncate(n);
-        });
+        }
         self.tokens.truncate(n);
         n
     }
     /// Forgets every token, keeping the caches' storage for the next conversation.
     pub fn reset(&mut self) {
-        self.caches.iter_mut().for_each(|c| {
+        for c in &mut self.caches {
             c.truncate(0);
-        });
+        }
         self.tokens.clear();
     }
 }
