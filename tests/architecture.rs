@@ -131,7 +131,7 @@ fn model_modules_point_down() {
 
 #[test]
 fn the_grammar_engine_links_no_tensor_library_and_no_runtime() {
-    // constrained decoding runs in the server and, later, on a cluster's last worker: pure
+    // constrained decoding runs in the server and on a cluster's last worker: pure
     let g = deps("brigade-grammar");
     assert!(g.iter().any(|x| x == "llguidance"), "cargo tree did not list llguidance: {g:?}");
     if let Some(bad) = g.iter().find(|x| forbidden(x)) {

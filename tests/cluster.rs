@@ -509,7 +509,12 @@ fn only_the_assigned_sender_opens_sessions_and_abandoned_ones_expire() {
     };
     let (w1_real, w2_real) = (held("w1"), held("w2"));
     let w1_reminted = ca.new_identity("w1", Role::Node).unwrap();
-    let spec = brigade_proto::v1::SessionSpec { sampling: None, prompt_ids: vec![1, 2, 3], max_tokens: 4 };
+    let spec = brigade_proto::v1::SessionSpec {
+        sampling: None,
+        prompt_ids: vec![1, 2, 3],
+        max_tokens: 4,
+        ..Default::default()
+    };
     let opens = |stage: u32| -> Vec<Frame> {
         (0..2u64)
             .map(|i| {

@@ -83,6 +83,26 @@ fn structured_output_is_what_was_asked_at_any_temperature() {
     client(&mut s, "structured", &[]);
 }
 
+/// Tool calls through the official client: on the embedded model's own template (which shows no
+/// tools: the generic JSON style) and on a Hermes-style template given by `--chat-template-file`
+/// (calls as `<tool_call>` blocks) — forced calls valid at any temperature, streamed and not,
+/// `auto`, a history of calls and results, bad tools refused by name.
+#[test]
+fn tools_are_called_as_asked_in_the_generic_and_hermes_styles() {
+    let mut s = serve(&["--parallel", "2"]);
+    client(&mut s, "tools", &[]);
+    let template = root().join("tests/serve/hermes.jinja");
+    let mut s = serve(&["--parallel", "2", "--chat-template-file", template.to_str().unwrap()]);
+    client(&mut s, "tools", &["--style", "hermes"]);
+}
+
+/// logprobs / top_logprobs through the official client, on both endpoints, streamed and not.
+#[test]
+fn logprobs_name_the_greedy_choice_and_spell_the_text() {
+    let mut s = serve(&["--parallel", "2"]);
+    client(&mut s, "logprobs", &[]);
+}
+
 #[test]
 fn sixteen_concurrent_streams_equal_their_single_session_text() {
     let mut s = serve(&["--parallel", "4"]);
@@ -131,6 +151,11 @@ fn the_coordinator_serves_the_api_metrics_and_dashboard_for_a_model_split_across
     client_at(&url, "openai", &["--key", "cluster-key"], &mut alive);
     client_at(&url, "concurrent", &["--key", "cluster-key"], &mut alive);
     client_at(&url, "bad", &["--key", "cluster-key"], &mut alive);
+    // what agents send, constrained and scored on the last worker: JSON schemas and grammars,
+    // tool calls, logprobs — the same checks as on one box
+    client_at(&url, "structured", &["--key", "cluster-key"], &mut alive);
+    client_at(&url, "tools", &["--key", "cluster-key"], &mut alive);
+    client_at(&url, "logprobs", &["--key", "cluster-key"], &mut alive);
 
     // /metrics through the official parser: per stage, per hop, predicted and measured
     let log = c.worker("w1").log_text();

@@ -33,6 +33,12 @@ def client(args, key=None):
     return openai.OpenAI(base_url=args.url + "/v1", api_key=key or args.key or "none", max_retries=0, timeout=300)
 
 
+def raw(args):
+    """An httpx client for requests the official client would refuse to send (with the key)."""
+    headers = {"Authorization": f"Bearer {args.key}"} if args.key else {}
+    return httpx.Client(base_url=args.url, timeout=300, headers=headers)
+
+
 def model_id(c):
     models = c.models.list().data
     check(len(models) == 1, f"one model: {models}")
@@ -256,7 +262,7 @@ def case_structured(args):
         word, num = r.choices[0].text.split(", ")
         check(word in ("yes", "no") and num.isdigit() and len(num) <= 3, f"grammar: {r.choices[0].text!r}")
     # what cannot be compiled is a 400 naming the field; the server keeps serving
-    with httpx.Client(base_url=args.url, timeout=300) as x:
+    with raw(args) as x:
         post = lambda path, body: x.post(path, json={"model": model, **body})
         chat = {"messages": [{"role": "user", "content": "x"}]}
         bad_schema = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "strnig"}}}
@@ -276,15 +282,223 @@ def case_structured(args):
     r = c.completions.create(model=model, prompt="Once", max_tokens=4, temperature=0)
     check(r.usage.completion_tokens == 4, "a good request after")
 
+WEATHER = {
+    "type": "object",
+    "properties": {"city": {"type": "string", "maxLength": 24}, "unit": {"enum": ["c", "f"]}},
+    "required": ["city", "unit"],
+    "additionalProperties": False,
+}
+ADD = {
+    "type": "object",
+    "properties": {"a": {"type": "integer", "minimum": -999, "maximum": 999},
+                   "b": {"type": "integer", "minimum": -999, "maximum": 999}},
+    "required": ["a", "b"],
+    "additionalProperties": False,
+}
+TOOLS = [
+    {"type": "function", "function": {"name": "get_weather", "description": "The weather in a city",
+                                      "parameters": WEATHER}},
+    {"type": "function", "function": {"name": "add", "description": "Adds two integers", "parameters": ADD}},
+]
+SCHEMAS = {"get_weather": WEATHER, "add": ADD}
+
+
+def streamed_calls(stream):
+    """The calls and content of a streamed chat answer, put together by index as clients do."""
+    calls, content, finish = {}, "", None
+    for ch in stream:
+        for choice in ch.choices:
+            content += choice.delta.content or ""
+            for d in choice.delta.tool_calls or []:
+                c = calls.setdefault(d.index, {"id": "", "name": "", "arguments": ""})
+                c["id"] += d.id or ""
+                c["name"] += (d.function.name or "") if d.function else ""
+                c["arguments"] += (d.function.arguments or "") if d.function else ""
+            finish = choice.finish_reason or finish
+    return [calls[i] for i in sorted(calls)], content, finish
+
+
+def valid_calls(calls, names, what):
+    """Each call names one of `names` and its arguments follow that function's schema."""
+    import jsonschema
+
+    check(len(calls) >= 1, f"{what}: no call")
+    for c in calls:
+        check(c["name"] in names, f"{what}: calls {c['name']!r}")
+        jsonschema.validate(json.loads(c["arguments"]), SCHEMAS[c["name"]])
+        check(c["id"].startswith("call_") and len(c["id"]) > 8, f"{what}: id {c['id']!r}")
+
+
+def as_dicts(message):
+    return [{"id": c.id, "name": c.function.name, "arguments": c.function.arguments} for c in message.tool_calls or []]
+
+
+def case_tools(args):
+    """Tool calls on the embedded model (never trained on tools): forced calls always valid, at any
+    temperature, streamed and not; `auto` is a call or an answer; a history of calls and results;
+    bad tools are 400s. `--style hermes`: the server runs tests/serve/hermes.jinja, whose calls are
+    <tool_call> blocks; otherwise the model's template shows no tools (the generic JSON style)."""
+    c = client(args)
+    model = model_id(c)
+    msgs = [{"role": "user", "content": "What is the weather in Paris?"}]
+    temps = [0.0, 0.5, 1.0, 1.2]
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    for seed in range(8):
+        r = c.chat.completions.create(model=model, messages=msgs, tools=TOOLS, tool_choice=named, max_tokens=200,
+                                      parallel_tool_calls=False, temperature=temps[seed % 4], seed=seed)
+        ch = r.choices[0]
+        check(ch.finish_reason == "tool_calls", f"seed {seed}: finish {ch.finish_reason}: {ch.message}")
+        check(not ch.message.content, f"seed {seed}: content {ch.message.content!r}")
+        valid_calls(as_dicts(ch.message), ["get_weather"], f"named, seed {seed}")
+    # required, one call at most
+    for seed in range(6):
+        r = c.chat.completions.create(model=model, messages=msgs, tools=TOOLS, tool_choice="required",
+                                      parallel_tool_calls=False, max_tokens=200, temperature=1.0, seed=seed)
+        ch = r.choices[0]
+        check(ch.finish_reason == "tool_calls" and len(ch.message.tool_calls) == 1, f"required {seed}: {ch}")
+        valid_calls(as_dicts(ch.message), ["get_weather", "add"], f"required, seed {seed}")
+    # streamed, several calls allowed: the same calls as the whole answer of the same seed (an
+    # answer that runs into max_tokens says `length`, with the calls it completed)
+    for seed in range(3):
+        kw = dict(model=model, messages=msgs, tools=TOOLS, tool_choice="required", max_tokens=200,
+                  temperature=0.8, seed=seed)
+        calls, content, finish = streamed_calls(c.chat.completions.create(stream=True, **kw))
+        check(finish in ("tool_calls", "length") and content == "", f"stream {seed}: {finish} {content!r}")
+        valid_calls(calls, ["get_weather", "add"], f"stream {seed}")
+        whole = as_dicts(c.chat.completions.create(**kw).choices[0].message)
+        check([(x["name"], x["arguments"]) for x in calls] == [(x["name"], x["arguments"]) for x in whole],
+              f"stream {seed}: {calls} != {whole}")
+    # the tools are in the prompt
+    plain = c.chat.completions.create(model=model, messages=msgs, max_tokens=1, temperature=0)
+    with_tools = c.chat.completions.create(model=model, messages=msgs, tools=TOOLS, max_tokens=1, temperature=0)
+    check(with_tools.usage.prompt_tokens > plain.usage.prompt_tokens + 20,
+          f"tools rendered: {with_tools.usage.prompt_tokens} vs {plain.usage.prompt_tokens} prompt tokens")
+    none = c.chat.completions.create(model=model, messages=msgs, tools=TOOLS, tool_choice="none", max_tokens=1,
+                                     temperature=0)
+    check(none.usage.prompt_tokens == plain.usage.prompt_tokens, "tool_choice none renders no tools")
+    # auto: each answer is calls or text, never both broken
+    kinds = set()
+    for seed in range(12):
+        r = c.chat.completions.create(model=model, messages=msgs, tools=TOOLS, max_tokens=120, temperature=1.0,
+                                      seed=seed)
+        ch = r.choices[0]
+        if ch.message.tool_calls:
+            check(ch.finish_reason in ("tool_calls", "length"), f"auto {seed}: {ch}")
+            valid_calls(as_dicts(ch.message), ["get_weather", "add"], f"auto {seed}")
+            kinds.add("call")
+        else:
+            check(ch.finish_reason in ("stop", "length") and isinstance(ch.message.content, str), f"auto {seed}: {ch}")
+            kinds.add("text")
+    if args.style != "hermes":
+        # the generic style chooses between its two shapes: over 12 seeds, both come
+        check(kinds == {"call", "text"}, f"auto gave only {kinds}")
+    # a conversation with an earlier call and its result
+    history = msgs + [
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "call_abc", "type": "function",
+             "function": {"name": "get_weather", "arguments": json.dumps({"city": "Paris", "unit": "c"})}}]},
+        {"role": "tool", "tool_call_id": "call_abc", "content": "18 degrees, sunny"},
+    ]
+    r = c.chat.completions.create(model=model, messages=history, tools=TOOLS, tool_choice="required",
+                                  max_tokens=200, temperature=0.3, seed=4)
+    valid_calls(as_dicts(r.choices[0].message), ["get_weather", "add"], "after a result")
+    check(r.usage.prompt_tokens > with_tools.usage.prompt_tokens, "the history is in the prompt")
+    # bad tools: 400 naming the field; the server keeps serving
+    with raw(args) as x:
+        base = {"model": model, "messages": msgs}
+        bad_params = {"type": "function", "function": {"name": "f", "parameters": {"type": "strnig"}}}
+        for body, field in [
+            ({**base, "tools": [bad_params], "tool_choice": "required"}, "tools"),
+            ({**base, "tools": [bad_params]}, "tools"),
+            ({**base, "tools": [{"type": "function", "function": {"name": "no spaces"}}]}, "tools"),
+            ({**base, "tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}},
+             "tool_choice"),
+            ({**base, "tools": TOOLS, "tool_choice": "always"}, "tool_choice"),
+            ({**base, "tools": TOOLS, "response_format": {"type": "json_object"}}, "response_format"),
+        ]:
+            resp = x.post("/v1/chat/completions", json=body)
+            m = expect_error(resp, 400, f"{field}: {body}")
+            check(resp.json()["error"]["param"] == field, f"param of {body}: {resp.json()}")
+    r = c.chat.completions.create(model=model, messages=msgs, max_tokens=4, temperature=0)
+    check(r.usage.completion_tokens >= 1, "a good request after")
+
+
+def case_logprobs(args):
+    """logprobs / top_logprobs on both endpoints, streamed and not: one entry per generated token,
+    the greedy choice is the most likely alternative, the tokens spell the text; bad values are
+    400s naming the field."""
+    import math
+
+    c = client(args)
+    model = model_id(c)
+    msgs = [{"role": "user", "content": "Tell me a story."}]
+    kw = dict(model=model, messages=msgs, max_tokens=16, temperature=0, logprobs=True, top_logprobs=3)
+    r = c.chat.completions.create(**kw)
+    entries = r.choices[0].logprobs.content
+    check(len(entries) == r.usage.completion_tokens, f"{len(entries)} entries for {r.usage.completion_tokens} tokens")
+    text = b"".join(bytes(e.bytes) for e in entries).decode("utf-8", "replace")
+    check(text == r.choices[0].message.content, f"tokens spell {text!r} != {r.choices[0].message.content!r}")
+    for e in entries:
+        check(len(e.top_logprobs) == 3, f"3 alternatives: {e}")
+        check(e.top_logprobs[0].token == e.token and e.top_logprobs[0].logprob == e.logprob,
+              f"the greedy token is the most likely: {e}")
+        lps = [t.logprob for t in e.top_logprobs]
+        check(lps == sorted(lps, reverse=True) and lps[0] <= 0 and sum(math.exp(x) for x in lps) <= 1 + 1e-5, f"{lps}")
+    # streamed: the same entries, spread over the chunks
+    streamed = []
+    for ch in c.chat.completions.create(stream=True, **kw):
+        for choice in ch.choices:
+            if choice.logprobs and choice.logprobs.content:
+                streamed += choice.logprobs.content
+    check([(e.token, e.logprob) for e in streamed] == [(e.token, e.logprob) for e in entries], "streamed = whole")
+    # sampled: the drawn token's own probability, never above the most likely one's
+    r = c.chat.completions.create(model=model, messages=msgs, max_tokens=16, temperature=1.0, seed=3, logprobs=True,
+                                  top_logprobs=1)
+    for e in r.choices[0].logprobs.content:
+        check(math.isfinite(e.logprob) and e.logprob <= e.top_logprobs[0].logprob + 1e-6, f"sampled: {e}")
+    # logprobs without alternatives; and none unless asked
+    r = c.chat.completions.create(model=model, messages=msgs, max_tokens=4, temperature=0, logprobs=True)
+    check(all(e.top_logprobs == [] for e in r.choices[0].logprobs.content), "no alternatives unless asked")
+    r = c.chat.completions.create(model=model, messages=msgs, max_tokens=4, temperature=0)
+    check(r.choices[0].logprobs is None, "no logprobs unless asked")
+    # /v1/completions' shape: parallel lists
+    r = c.completions.create(model=model, prompt="Once upon a time", max_tokens=12, temperature=0, logprobs=2)
+    lp = r.choices[0].logprobs
+    check(len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset)
+          == r.usage.completion_tokens, f"lengths: {lp}")
+    check("".join(lp.tokens) == r.choices[0].text, f"{lp.tokens} spell {r.choices[0].text!r}")
+    for tok, l, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs):
+        check(len(top) <= 2 and max(top.values()) == l and top.get(tok) == l, f"greedy {tok!r} {l} {top}")
+    check(lp.text_offset[0] == 0 and lp.text_offset == sorted(lp.text_offset), f"offsets {lp.text_offset}")
+    text = ""
+    for ch in c.completions.create(model=model, prompt="Once upon a time", max_tokens=12, temperature=0, logprobs=2,
+                                   stream=True):
+        if ch.choices and ch.choices[0].logprobs:
+            text += "".join(ch.choices[0].logprobs.tokens)
+    check(text == r.choices[0].text, f"streamed tokens {text!r}")
+    with raw(args) as x:
+        for path, body, field in [
+            ("/v1/chat/completions", {"messages": msgs, "logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+            ("/v1/chat/completions", {"messages": msgs, "top_logprobs": 2}, "top_logprobs"),
+            ("/v1/chat/completions", {"messages": msgs, "logprobs": True, "top_logprobs": -1}, "top_logprobs"),
+            ("/v1/completions", {"prompt": "x", "logprobs": 6}, "logprobs"),
+            ("/v1/completions", {"prompt": "x", "logprobs": "many"}, "logprobs"),
+        ]:
+            resp = x.post(path, json={"model": model, **body})
+            expect_error(resp, 400, f"{field}: {body}")
+            check(resp.json()["error"]["param"] == field, f"param of {body}: {resp.json()}")
+
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("case", choices=["openai", "smollm2", "concurrent", "bad", "disconnect", "structured"])
+    ap.add_argument("case", choices=["openai", "smollm2", "concurrent", "bad", "disconnect", "structured", "tools",
+                                     "logprobs"])
     ap.add_argument("--url", required=True)
     ap.add_argument("--bin", required=True)
     ap.add_argument("--model-file")
     ap.add_argument("--ctx", type=int)
     ap.add_argument("--key")
+    ap.add_argument("--style")
     args = ap.parse_args()
     globals()["case_" + args.case](args)
 

@@ -44,6 +44,10 @@ pub struct ServeArgs {
     /// Require an API key for the dashboard (`/`) and `/metrics` too (`/health` stays open).
     #[arg(long)]
     pub protect_metrics: bool,
+    /// A Jinja chat template to use instead of the model's (llama-server's flag): for a file
+    /// whose template is old, or shows no tools.
+    #[arg(long = "chat-template-file")]
+    pub chat_template_file: Option<std::path::PathBuf>,
 }
 
 /// The batch engine as the API's backend.
@@ -61,7 +65,7 @@ impl Sink for ToChannel {
     fn deliver(&mut self, out: Output) -> bool {
         let ev = match out {
             Output::Started { cached_tokens } => EngineEvent::Started { cached_tokens },
-            Output::Token(t) => EngineEvent::Token(t),
+            Output::Token(t, lp) => EngineEvent::Token(t, lp),
             Output::Done(s) if s.stop == StopReason::Eos => EngineEvent::Done(Finish::Stop),
             Output::Done(_) => EngineEvent::Done(Finish::Length),
             Output::Error(e) => EngineEvent::Error(e),
@@ -86,12 +90,17 @@ impl Backend for Local {
             sampler: req.sampling,
             ignore_eos: req.ignore_eos,
             constraint: req.constraint,
+            logprobs: req.logprobs,
         };
         self.engine.submit(job, Box::new(ToChannel(tx))).map_err(|b| ApiError::busy(b.to_string()))?;
         Ok(rx)
     }
 
     fn constrains(&self) -> bool {
+        true
+    }
+
+    fn scores(&self) -> bool {
         true
     }
 
@@ -186,7 +195,19 @@ pub fn serve(a: ServeArgs) -> Result<()> {
         Some(p) => p.file_name().map(|f| f.to_string_lossy().into_owned()).unwrap_or_else(|| p.display().to_string()),
         None => "stories260K.gguf".into(),
     });
-    let tokenizer = files.tokenizer.clone();
+    let tokenizer = match &a.chat_template_file {
+        None => files.tokenizer.clone(),
+        Some(path) => {
+            let template = std::fs::read_to_string(path)
+                .with_context(|| format!("reading the chat template {}", path.display()))?;
+            let mut tk = (*files.tokenizer).clone();
+            // a template that does not render is refused now, not at the first request
+            tk.render_chat_template(&template, &[("user".into(), "hello".into())])
+                .with_context(|| format!("the chat template {}", path.display()))?;
+            tk.chat_template = Some(template);
+            Arc::new(tk)
+        }
+    };
     drop(files);
     let tk = tokenizer.clone();
     let cfg = EngineConfig { parallel: a.parallel, queue: a.queue };

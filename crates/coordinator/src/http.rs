@@ -8,7 +8,7 @@ use crate::client::start_session;
 use crate::models::EMBEDDED;
 use crate::server::Shared;
 use brigade_core::cluster::ModelRecord;
-use brigade_core::DeviceKind;
+use brigade_core::{DeviceKind, TokenLogprob};
 use brigade_format::{ModelIndex, Tokenizer};
 use brigade_planner::{HopPlan, Objective, Plan, StagePlan};
 use brigade_proto::convert::sampling_to_proto;
@@ -73,6 +73,16 @@ impl Backend for ClusterBackend {
             .collect()
     }
 
+    /// A deployment's last stage constrains its sampling to the request's format and scores
+    /// its tokens (the format and the count travel in `DriveRequest`).
+    fn constrains(&self) -> bool {
+        true
+    }
+
+    fn scores(&self) -> bool {
+        true
+    }
+
     async fn complete(&self, req: EngineRequest) -> Result<mpsc::UnboundedReceiver<EngineEvent>, ApiError> {
         let drive = DriveRequest {
             prompt_ids: req.prompt,
@@ -83,6 +93,12 @@ impl Backend for ClusterBackend {
             // the driver ends the session at the stop itself (reason `stop`), one token sooner
             // than the server's drop of the stream would
             stop: req.stop,
+            // the format as sent: the deployment's last stage compiles it against its vocabulary
+            format: match &req.format {
+                Some(f) => serde_json::to_string(f).map_err(|e| ApiError::internal(format!("the format: {e}")))?,
+                None => String::new(),
+            },
+            logprobs: req.logprobs.map(|n| n as u32),
             ..Default::default()
         };
         let mut upstream = start_session(&self.shared, &req.model, drive).await.map_err(|e| api_error(&e))?;
@@ -96,7 +112,13 @@ impl Backend for ClusterBackend {
                 };
                 let out = match ev {
                     Some(Ok(e)) => match e.event {
-                        Some(generate_event::Event::Token(t)) => EngineEvent::Token(t.id),
+                        Some(generate_event::Event::Token(t)) => {
+                            let scores = t.logprob.map(|logprob| TokenLogprob {
+                                logprob,
+                                top: t.top_logprobs.iter().map(|x| (x.id, x.logprob)).collect(),
+                            });
+                            EngineEvent::Token(t.id, scores)
+                        }
                         Some(generate_event::Event::Done(d)) => EngineEvent::Done(match d.stop() {
                             StopReason::Eos | StopReason::Stop => Finish::Stop,
                             _ => Finish::Length,
@@ -106,7 +128,7 @@ impl Backend for ClusterBackend {
                     Some(Err(e)) => EngineEvent::Error(e.message().to_string()),
                     None => EngineEvent::Error("the session's stream ended without a final event".into()),
                 };
-                let last = !matches!(out, EngineEvent::Token(_));
+                let last = !matches!(out, EngineEvent::Token(..));
                 if tx.send(out).is_err() || last {
                     return;
                 }

@@ -49,6 +49,58 @@ impl Default for SamplingParams {
     }
 }
 
+/// The most alternatives a request may ask for per token (OpenAI's `top_logprobs` limit).
+pub const MAX_TOP_LOGPROBS: usize = 20;
+
+/// A generated token's log-probability, and the most likely alternatives', as OpenAI's
+/// `logprobs` report them: natural logs of the model's own distribution at that step (the
+/// softmax of its logits), whatever the sampling settings that then drew the token.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct TokenLogprob {
+    pub logprob: f32,
+    /// The `n` most likely ids, most likely first (ties: lower id first).
+    pub top: Vec<(u32, f32)>,
+}
+
+impl TokenLogprob {
+    /// The log-probability of `id` and the `top_n` most likely ids (at most
+    /// [`MAX_TOP_LOGPROBS`]) under `softmax(logits)`. Logits that are not finite count as
+    /// impossible (−∞); so does an id past the logits.
+    pub fn of(logits: &[f32], id: u32, top_n: usize) -> TokenLogprob {
+        let finite = || logits.iter().copied().filter(|l| l.is_finite());
+        let max = finite().fold(f32::NEG_INFINITY, f32::max);
+        if max == f32::NEG_INFINITY {
+            return TokenLogprob { logprob: f32::NEG_INFINITY, top: Vec::new() };
+        }
+        // Neumaier's compensated sum in f64: the terms are at most 1 (the largest is exactly
+        // 1), and a plain sum drops every term under 1e-16 once the 1 is in
+        let (mut sum, mut carry) = (0.0f64, 0.0f64);
+        for l in finite() {
+            let x = ((l - max) as f64).exp();
+            let t = sum + x;
+            carry += if sum.abs() >= x.abs() { (sum - t) + x } else { (x - t) + sum };
+            sum = t;
+        }
+        let log_z = max as f64 + (sum + carry).ln();
+        let lp = |l: f32| if l.is_finite() { (l as f64 - log_z) as f32 } else { f32::NEG_INFINITY };
+        let logprob = logits.get(id as usize).map_or(f32::NEG_INFINITY, |&l| lp(l));
+        let n = top_n.min(MAX_TOP_LOGPROBS);
+        // one pass keeping the n best (n is small)
+        let mut top: Vec<(u32, f32)> = Vec::with_capacity(n + 1);
+        if n > 0 {
+            for (i, &l) in logits.iter().enumerate() {
+                if !l.is_finite() || (top.len() == n && l <= top[n - 1].1) {
+                    continue;
+                }
+                let at = top.partition_point(|&(_, t)| t >= l);
+                top.insert(at, (i as u32, l));
+                top.truncate(n);
+            }
+        }
+        TokenLogprob { logprob, top: top.into_iter().map(|(i, l)| (i, lp(l))).collect() }
+    }
+}
+
 /// What a generation's tokens must spell (a JSON schema, a grammar): before each draw the
 /// sampler's logits of the ids that cannot come next are set to −∞, and the id drawn is told
 /// back. Implemented by `brigade-grammar` (llguidance); the engines that sample only see this.
@@ -137,6 +189,32 @@ impl SamplingParams {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn logprobs_are_the_softmax_of_the_logits() {
+        let logits = [1.0f32, 3.0, f32::NEG_INFINITY, 3.0, -2.0, f32::NAN];
+        let lp = TokenLogprob::of(&logits, 1, 3);
+        let z: f64 = [1.0f64, 3.0, 3.0, -2.0].iter().map(|l| l.exp()).sum();
+        assert!((lp.logprob as f64 - (3.0 - z.ln())).abs() < 1e-6, "{lp:?}");
+        // most likely first, ties by id, impossible ids never listed
+        assert_eq!(lp.top.iter().map(|t| t.0).collect::<Vec<_>>(), [1, 3, 0]);
+        assert_eq!(lp.top[0].1, lp.logprob);
+        let total: f64 = (0..logits.len() as u32)
+            .map(|i| TokenLogprob::of(&logits, i, 0).logprob as f64)
+            .filter(|l| l.is_finite())
+            .map(f64::exp)
+            .sum();
+        assert!((total - 1.0).abs() < 1e-6);
+        assert_eq!(TokenLogprob::of(&logits, 2, 0).logprob, f32::NEG_INFINITY);
+        assert_eq!(TokenLogprob::of(&logits, 99, 0).logprob, f32::NEG_INFINITY);
+        assert_eq!(TokenLogprob::of(&logits, 0, 50).top.len(), 4);
+        assert!(TokenLogprob::of(&[f32::NEG_INFINITY; 3], 0, 2).top.is_empty());
+        // a large vocabulary: the sum does not drown the small terms
+        let mut big = vec![-30.0f32; 150_000];
+        big[7] = 10.0;
+        let lp = TokenLogprob::of(&big, 7, 1);
+        assert!(lp.logprob < 0.0 && lp.logprob > -1e-6, "{lp:?}");
+    }
 
     #[test]
     fn defaults_are_llama_cpps_and_validate() {

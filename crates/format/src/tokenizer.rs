@@ -34,6 +34,7 @@ const TT_UNUSED: i32 = 5;
 const TT_BYTE: i32 = 6;
 
 /// SentencePiece-style tokenizer over a vocabulary with scores (llama.cpp's `llm_tokenizer_spm`).
+#[derive(Clone)]
 struct Spm {
     ids: HashMap<String, u32>,
     scores: Vec<f32>,
@@ -118,6 +119,7 @@ impl Spm {
     }
 }
 
+#[derive(Clone)]
 enum Inner {
     Spm(Box<Spm>),
     /// Byte-level BPE: a `tokenizers` pipeline without normalizer or post-processor.
@@ -128,6 +130,7 @@ enum Inner {
 
 /// A tokenizer with llama.cpp's conventions: special-token splitting, BOS as the file says,
 /// per-token byte pieces for streaming, end-of-generation ids and the chat template.
+#[derive(Clone)]
 pub struct Tokenizer {
     inner: Inner,
     /// The bytes each id prints as (empty for control tokens).
@@ -563,13 +566,19 @@ impl Tokenizer {
     /// A streaming decoder; `prev` is the token before the first one it will see (to apply
     /// SentencePiece's rule that a word-initial space right after BOS is not printed).
     pub fn stream(&self, prev: Option<u32>) -> TextStream<'_> {
-        TextStream { tk: self, pending: Vec::new(), prev }
+        TextStream { tk: self, pending: Vec::new(), prev, shown: Vec::new() }
     }
 
     /// An answer's text as every API sends it: [`Tokenizer::stream`] cut at the earliest of
     /// `stops` (see [`StopMatcher`]).
     pub fn answer(&self, prev: Option<u32>, stops: Vec<String>) -> AnswerText<'_> {
         AnswerText { text: self.stream(prev), stop: StopMatcher::new(stops) }
+    }
+
+    /// [`Tokenizer::answer`] that also prints the control tokens `shown` as their text (a
+    /// tool-call marker such as Mistral's `[TOOL_CALLS]`, which a parser must see).
+    pub fn answer_showing(&self, prev: Option<u32>, stops: Vec<String>, shown: Vec<u32>) -> AnswerText<'_> {
+        AnswerText { text: TextStream { tk: self, pending: Vec::new(), prev, shown }, stop: StopMatcher::new(stops) }
     }
 
     /// Renders the model's chat template for `(role, content)` messages and a generation prompt.
@@ -583,20 +592,36 @@ impl Tokenizer {
     /// Renders `template` (a Jinja chat template) for `(role, content)` messages and a
     /// generation prompt, with this model's BOS and EOS texts.
     pub fn render_chat_template(&self, template: &str, messages: &[(String, String)]) -> Result<String, FormatError> {
+        let msgs: Vec<serde_json::Value> =
+            messages.iter().map(|(role, content)| serde_json::json!({"role": role, "content": content})).collect();
+        self.render_chat(template, &msgs, None)
+    }
+
+    /// Renders `template` for `messages` as OpenAI's API has them (objects with `role`,
+    /// `content`, `tool_calls`, `tool_call_id`, ...) and, when given, the `tools` list the
+    /// template describes to the model; then a generation prompt. Jinja's `tojson` writes JSON
+    /// as Python's `json.dumps` does (`", "` and `": "`, `indent=`), as transformers renders
+    /// templates, so a prompt here is the prompt the model was trained on.
+    pub fn render_chat(
+        &self,
+        template: &str,
+        messages: &[serde_json::Value],
+        tools: Option<&serde_json::Value>,
+    ) -> Result<String, FormatError> {
         let mut env = minijinja::Environment::new();
         minijinja_contrib::add_to_environment(&mut env);
         env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
         env.add_function("raise_exception", |msg: String| -> Result<String, minijinja::Error> {
             Err(minijinja::Error::new(minijinja::ErrorKind::InvalidOperation, msg))
         });
+        env.add_filter("tojson", python_tojson);
         env.add_template("chat", template).map_err(|e| FormatError::Tokenizer(format!("chat template: {e}")))?;
         let tok_text = |id: Option<u32>| -> String {
             id.map(|i| String::from_utf8_lossy(&self.raw_token(i)).into_owned()).unwrap_or_default()
         };
-        let msgs: Vec<_> =
-            messages.iter().map(|(role, content)| minijinja::context! { role => role, content => content }).collect();
         let ctx = minijinja::context! {
-            messages => msgs,
+            messages => minijinja::Value::from_serialize(messages),
+            tools => tools.map(minijinja::Value::from_serialize),
             add_generation_prompt => true,
             bos_token => tok_text(self.bos),
             eos_token => tok_text(self.eos),
@@ -604,6 +629,11 @@ impl Tokenizer {
         env.get_template("chat")
             .and_then(|t| t.render(ctx))
             .map_err(|e| FormatError::Tokenizer(format!("chat template: {e}")))
+    }
+
+    /// The id of the control or user-defined token spelled `text`.
+    pub fn special_id(&self, text: &str) -> Option<u32> {
+        self.specials.iter().find(|(t, _)| t == text).map(|(_, id)| *id)
     }
 
     /// The literal text of a special token (for templates), which `piece` hides.
@@ -624,16 +654,73 @@ impl Tokenizer {
     }
 }
 
+/// Jinja's `tojson` as transformers defines it for chat templates: Python's
+/// `json.dumps(value, ensure_ascii=False, indent=indent)` — `", "` and `": "` between items, or
+/// one item per line under `indent`. (minijinja's own writes compact, HTML-escaped JSON, which
+/// would change the prompt.)
+fn python_tojson(
+    value: minijinja::Value,
+    kwargs: minijinja::value::Kwargs,
+) -> Result<minijinja::Value, minijinja::Error> {
+    let indent: Option<usize> = kwargs.get("indent")?;
+    kwargs.assert_all_used()?;
+    let mut out = Vec::new();
+    let written = match indent {
+        Some(n) => {
+            let pad = vec![b' '; n];
+            let mut ser =
+                serde_json::Serializer::with_formatter(&mut out, serde_json::ser::PrettyFormatter::with_indent(&pad));
+            serde::Serialize::serialize(&value, &mut ser)
+        }
+        None => serde::Serialize::serialize(&value, &mut serde_json::Serializer::with_formatter(&mut out, PythonJson)),
+    };
+    written.map_err(|e| minijinja::Error::new(minijinja::ErrorKind::InvalidOperation, format!("tojson: {e}")))?;
+    Ok(minijinja::Value::from_safe_string(String::from_utf8_lossy(&out).into_owned()))
+}
+
+/// serde_json's compact output with Python's separators.
+struct PythonJson;
+
+impl serde_json::ser::Formatter for PythonJson {
+    fn begin_array_value<W: ?Sized + std::io::Write>(&mut self, w: &mut W, first: bool) -> std::io::Result<()> {
+        if first {
+            Ok(())
+        } else {
+            w.write_all(b", ")
+        }
+    }
+
+    fn begin_object_key<W: ?Sized + std::io::Write>(&mut self, w: &mut W, first: bool) -> std::io::Result<()> {
+        if first {
+            Ok(())
+        } else {
+            w.write_all(b", ")
+        }
+    }
+
+    fn begin_object_value<W: ?Sized + std::io::Write>(&mut self, w: &mut W) -> std::io::Result<()> {
+        w.write_all(b": ")
+    }
+}
+
 /// Turns token ids into printable text as they arrive: bytes of a character split over several
 /// tokens are held back until the character is complete.
 pub struct TextStream<'a> {
     tk: &'a Tokenizer,
     pending: Vec<u8>,
     prev: Option<u32>,
+    /// Control tokens printed as their text.
+    shown: Vec<u32>,
 }
 
 impl TextStream<'_> {
     pub fn push(&mut self, id: u32) -> String {
+        if self.shown.contains(&id) {
+            self.prev = Some(id);
+            let mut out = self.finish();
+            out.push_str(&String::from_utf8_lossy(&self.tk.raw_token(id)));
+            return out;
+        }
         let mut piece = self.tk.piece(id);
         if self.tk.add_space_prefix && self.prev.is_some() && self.prev == self.tk.bos && piece.first() == Some(&b' ') {
             piece = &piece[1..];
@@ -756,6 +843,28 @@ mod tests {
         for id in 0..=300 {
             assert_eq!(hf.is_eog(id), gguf.is_eog(id), "token {id}");
         }
+    }
+
+    #[test]
+    fn templates_get_tools_and_pythons_tojson() {
+        let g = Gguf::parse(crate::embedded_model()).unwrap();
+        let tk = Tokenizer::from_gguf(&g).unwrap();
+        let tools = serde_json::json!([{"type": "function", "function": {"name": "f", "b": [1, 2], "a": "é<&>"}}]);
+        let msgs = [
+            serde_json::json!({"role": "assistant", "content": "", "tool_calls": [{"function": {"arguments": {"x": 1}}}]}),
+        ];
+        let t = "{{ tools | tojson }}|{{ messages[0].tool_calls[0].function.arguments | tojson(indent=2) }}|{{ messages[0].role }}";
+        // insertion order kept, Python's separators, nothing HTML-escaped, `indent=`
+        assert_eq!(
+            tk.render_chat(t, &msgs, Some(&tools)).unwrap(),
+            "[{\"type\": \"function\", \"function\": {\"name\": \"f\", \"b\": [1, 2], \"a\": \"é<&>\"}}]|{\n  \"x\": 1\n}|assistant"
+        );
+        // no tools: the template sees none
+        assert_eq!(
+            tk.render_chat("{{ tools is none }}{{ tools | length if tools else 0 }}", &msgs, None).unwrap(),
+            "True0"
+        );
+        assert_eq!(tk.special_id("<s>"), tk.bos);
     }
 
     #[test]

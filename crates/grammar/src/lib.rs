@@ -25,8 +25,9 @@ use llguidance::{Matcher, ParserFactory};
 use serde_json::{json, Value};
 use std::sync::Arc;
 
-/// What an answer must be.
-#[derive(Debug, Clone, PartialEq)]
+/// What an answer must be. Its JSON form (serde's) is what a cluster's driver sends its last
+/// stage: `"JsonObject"`, `{"JsonSchema": …}`, `{"Lark": "…"}`.
+#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
 pub enum Format {
     /// Any JSON object (OpenAI's `response_format: {"type": "json_object"}`).
     JsonObject,

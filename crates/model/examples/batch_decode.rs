@@ -37,17 +37,18 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
                 sampler: SamplingParams::greedy(),
                 ignore_eos: true,
                 constraint: None,
+                logprobs: None,
             };
             b.handle_submit(j as u64, job);
         }
         // read every prompt (and take each session's first token) before timing
         let mut firsts = 0;
         while firsts < n {
-            firsts += b.step().iter().filter(|(_, o)| matches!(o, Output::Token(_))).count();
+            firsts += b.step().iter().filter(|(_, o)| matches!(o, Output::Token(..))).count();
         }
         let (t, mut tokens, mut timed) = (Instant::now(), 0usize, 0usize);
         while !b.is_idle() {
-            tokens += b.step().iter().filter(|(_, o)| matches!(o, Output::Token(_))).count();
+            tokens += b.step().iter().filter(|(_, o)| matches!(o, Output::Token(..))).count();
             timed += 1;
         }
         let secs = t.elapsed().as_secs_f64();

@@ -31,7 +31,7 @@ fn prompt(len: usize, salt: u32, vocab: u32) -> Vec<u32> {
 
 /// A greedy job of `max_tokens` past end-of-generation tokens, unconstrained.
 fn greedy_job(prompt: Vec<u32>, max_tokens: usize) -> Job {
-    Job { prompt, max_tokens, sampler: SamplingParams::greedy(), ignore_eos: true, constraint: None }
+    Job { prompt, max_tokens, sampler: SamplingParams::greedy(), ignore_eos: true, constraint: None, logprobs: None }
 }
 
 fn argmax(l: &[f32]) -> u32 {
@@ -192,7 +192,7 @@ fn run_batch(b: &mut Batch, jobs: &[(usize, Job)]) -> HashMap<JobId, (Vec<u32>, 
             let e = out.entry(id).or_default();
             match o {
                 Output::Started { .. } => {}
-                Output::Token(t) => e.0.push(t),
+                Output::Token(t, _) => e.0.push(t),
                 Output::Done(st) => {
                     assert_eq!(st.generated, e.0.len());
                     e.1 = Some(st.stop);
@@ -225,6 +225,7 @@ fn batched_jobs_equal_generate_alone() {
         sampler,
         ignore_eos,
         constraint: None,
+        logprobs: None,
     };
     let jobs = vec![
         (0, job(12, 1, 20, SamplingParams::greedy(), true)),
@@ -264,6 +265,7 @@ fn long_prompts_are_read_a_chunk_per_step() {
         sampler: SamplingParams::greedy(),
         ignore_eos: true,
         constraint: None,
+        logprobs: None,
     };
     // one decoding job, then a 100-token prompt read 8 tokens a step: the first job keeps
     // getting a token every step while the long prompt is read
@@ -275,9 +277,9 @@ fn long_prompts_are_read_a_chunk_per_step() {
     let mut ids: HashMap<JobId, Vec<u32>> = HashMap::new();
     for step in 1..60 {
         let out = b.step();
-        assert!(out.iter().any(|(id, o)| *id == 0 && matches!(o, Output::Token(_))), "step {step}: job 0 stalled");
+        assert!(out.iter().any(|(id, o)| *id == 0 && matches!(o, Output::Token(..))), "step {step}: job 0 stalled");
         for (id, o) in out {
-            if let Output::Token(t) = o {
+            if let Output::Token(t, _) = o {
                 ids.entry(id).or_default().push(t);
                 if id == 1 && first_of_long.is_none() {
                     first_of_long = Some(step);
@@ -312,7 +314,7 @@ fn run_alone(b: &mut Batch, id: JobId, job: Job) -> (Vec<u32>, usize) {
             assert_eq!(got, id);
             match o {
                 Output::Started { cached_tokens } => started = Some(cached_tokens),
-                Output::Token(t) => {
+                Output::Token(t, _) => {
                     assert!(started.is_some(), "job {id}: a token before Started");
                     ids.push(t)
                 }
@@ -406,12 +408,13 @@ fn engine_cancels_gone_receivers_and_refuses_past_the_queue() {
         sampler: SamplingParams::greedy(),
         ignore_eos: true,
         constraint: None,
+        logprobs: None,
     };
     let closed = Arc::new(std::sync::atomic::AtomicBool::new(false));
     let (tx, rx) = std::sync::mpsc::channel();
     engine.submit(long.clone(), Box::new(ChanSink(tx, closed.clone()))).unwrap();
     assert_eq!(rx.recv().unwrap(), Output::Started { cached_tokens: 0 });
-    assert!(matches!(rx.recv().unwrap(), Output::Token(_)));
+    assert!(matches!(rx.recv().unwrap(), Output::Token(..)));
     // one waits, the next is refused
     let (tx2, rx2) = std::sync::mpsc::channel();
     let short = Job { max_tokens: 3, ..long.clone() };
@@ -428,7 +431,7 @@ fn engine_cancels_gone_receivers_and_refuses_past_the_queue() {
     loop {
         match rx2.recv_timeout(std::time::Duration::from_secs(30)).unwrap() {
             Output::Started { .. } => {}
-            Output::Token(_) => n += 1,
+            Output::Token(..) => n += 1,
             Output::Done(st) => {
                 assert_eq!((st.generated, st.stop), (3, StopReason::Length));
                 break;
@@ -492,6 +495,7 @@ fn a_constraint_decides_the_tokens_and_where_the_answer_ends() {
             sampler,
             ignore_eos: true,
             constraint: Some(brigade_core::Constraint(Box::new(Forced { script: vec![17, 250, 3], at: 0 }))),
+            logprobs: None,
         };
         let (ids, _) = run_alone(&mut b, id, job);
         assert_eq!(ids, [17, 250, 3]);
@@ -502,6 +506,7 @@ fn a_constraint_decides_the_tokens_and_where_the_answer_ends() {
         sampler: SamplingParams::greedy(),
         ignore_eos: true,
         constraint: Some(brigade_core::Constraint(Box::new(Forced { script: vec![], at: 0 }))),
+        logprobs: None,
     };
     b.handle_submit(2, failing);
     let mut error = None;
@@ -515,4 +520,61 @@ fn a_constraint_decides_the_tokens_and_where_the_answer_ends() {
     assert!(error.as_deref().is_some_and(|e| e.contains("nothing allowed")), "{error:?}");
     let free = greedy_job(prompt(5, 2, 300), 4);
     assert_eq!(run_alone(&mut b, 3, free).0.len(), 4);
+}
+
+/// Each token's log-probabilities, when a job asks: the greedy choice is the most likely id,
+/// alternatives come most likely first, a constraint's forced token is scored by the model's
+/// own distribution (not the mask's), and the figures do not depend on the neighbours a job is
+/// batched with.
+#[test]
+fn logprobs_name_the_greedy_choice_and_do_not_depend_on_neighbours() {
+    let dir = tempfile::tempdir().unwrap();
+    let files = q4k_model(&dir);
+    let p = Arc::new(pipeline(&files, "cpu:2,cpu:2", 256));
+    let mut b = Batch::new(p, 2, |_| false).unwrap();
+    let collect = |b: &mut Batch, jobs: Vec<(JobId, Job)>| {
+        let mut got: HashMap<JobId, Vec<(u32, brigade_core::TokenLogprob)>> = HashMap::new();
+        let n = jobs.len();
+        for (id, job) in jobs {
+            b.handle_submit(id, job);
+        }
+        let mut done = 0;
+        for _ in 0..1000 {
+            for (id, o) in b.step() {
+                match o {
+                    Output::Token(t, lp) => got.entry(id).or_default().push((t, lp.expect("asked for logprobs"))),
+                    Output::Done(_) => done += 1,
+                    Output::Error(e) => panic!("job {id}: {e}"),
+                    Output::Started { .. } => {}
+                }
+            }
+            if done == n {
+                return got;
+            }
+        }
+        panic!("never finished")
+    };
+    let job = |seed: u32, logprobs| Job { logprobs, ..greedy_job(prompt(12, seed, 300), 12) };
+    let alone = collect(&mut b, vec![(0, job(1, Some(5)))]).remove(&0).unwrap();
+    assert_eq!(alone.len(), 12);
+    for (t, lp) in &alone {
+        assert_eq!(lp.top.len(), 5);
+        assert_eq!(lp.top[0], (*t, lp.logprob), "the greedy id is the most likely");
+        assert!(lp.top.windows(2).all(|w| w[0].1 >= w[1].1));
+        let mass: f32 = lp.top.iter().map(|x| x.1.exp()).sum();
+        assert!(lp.logprob <= 0.0 && mass <= 1.0 + 1e-5, "{lp:?}");
+    }
+    // beside another job (with a different prompt length), the same figures, bit for bit
+    let mut with = collect(&mut b, vec![(1, job(1, Some(5))), (2, job(7, Some(0)))]);
+    assert_eq!(with.remove(&1).unwrap(), alone);
+    assert!(with[&2].iter().all(|(_, lp)| lp.top.is_empty() && lp.logprob.is_finite()));
+    // a forced token: its own probability under the model
+    let forced = Job {
+        constraint: Some(brigade_core::Constraint(Box::new(Forced { script: vec![17, 250, 3], at: 0 }))),
+        ..job(1, Some(1))
+    };
+    let got = collect(&mut b, vec![(3, forced)]).remove(&3).unwrap();
+    assert_eq!(got.iter().map(|g| g.0).collect::<Vec<_>>(), [17, 250, 3]);
+    assert_eq!(got[0].1.top[0].0, alone[0].0, "the model's favourite, not the mask's");
+    assert!(got.iter().all(|(t, lp)| lp.logprob <= lp.top[0].1 && (lp.top[0].0 != *t || lp.logprob == lp.top[0].1)));
 }

@@ -4,8 +4,9 @@
 
 use crate::error::ApiError;
 use crate::overview::Overview;
-use brigade_core::{Constraint, SamplingParams};
+use brigade_core::{Constraint, SamplingParams, TokenLogprob};
 use brigade_format::Tokenizer;
+use brigade_grammar::Format;
 use std::future::Future;
 use std::sync::Arc;
 use tokio::sync::mpsc;
@@ -44,6 +45,12 @@ pub struct EngineRequest {
     /// vocabulary: the backend masks each step's logits with it. Only sent to a backend that
     /// [`Backend::constrains`].
     pub constraint: Option<Constraint>,
+    /// The format `constraint` was compiled from, for a backend that compiles it where it
+    /// samples (a cluster's last stage).
+    pub format: Option<Format>,
+    /// Send each token's log-probability and this many alternatives (only to a backend that
+    /// [`Backend::scores`]).
+    pub logprobs: Option<usize>,
 }
 
 /// Why a completion ended.
@@ -69,8 +76,11 @@ impl Finish {
 /// or `Error`.
 #[derive(Debug, Clone, PartialEq)]
 pub enum EngineEvent {
-    Started { cached_tokens: usize },
-    Token(u32),
+    Started {
+        cached_tokens: usize,
+    },
+    /// A generated id, with its log-probabilities when the request asked for them.
+    Token(u32, Option<TokenLogprob>),
     Done(Finish),
     Error(String),
 }
@@ -99,6 +109,12 @@ pub trait Backend: Send + Sync + 'static {
     /// Whether the backend applies [`EngineRequest::constraint`] (the server refuses a request
     /// that asks for a format otherwise, rather than ignore it).
     fn constrains(&self) -> bool {
+        false
+    }
+
+    /// Whether the backend sends [`EngineRequest::logprobs`] (the server refuses `logprobs`
+    /// otherwise).
+    fn scores(&self) -> bool {
         false
     }
 

@@ -17,8 +17,11 @@
 //!   `prometheus-client`, with the server's own request figures) and of [`dashboard`] (`/`, one
 //!   server-rendered page that reloads itself: no script, no external resource).
 //!
+//! - [`tools`]: tool calls — the request's tools, the call format the chat template shows, a
+//!   forced call's grammar, and the parser that turns an answer's text into `tool_calls`.
+//!
 //! Deliberately lacks: any tensor library (checked by `tests/architecture.rs`: the coordinator
-//! links this crate), `n > 1`, logprobs, tools and images, embeddings, TLS (put a proxy in front).
+//! links this crate), `n > 1`, logprobs, images, embeddings, TLS (put a proxy in front).
 //! Structured output (`response_format`, `json_schema`, `grammar`) is compiled here by
 //! `brigade-grammar` and applied by a backend that [`Backend::constrains`].
 
@@ -30,9 +33,11 @@ pub mod metrics;
 pub mod openai;
 pub mod overview;
 pub mod server;
+pub mod tools;
 
 pub use backend::{Backend, EngineEvent, EngineRequest, Finish, Load, ModelInfo};
 pub use brigade_core::SamplingParams;
+pub use brigade_grammar::Format;
 pub use error::ApiError;
 pub use keys::{ApiKeys, KeyError, Tier};
 pub use overview::{DeploymentView, DeviceView, LinkView, NodeView, Overview, StageView};

@@ -91,6 +91,11 @@ pub struct Part {
 pub struct Message {
     pub role: String,
     pub content: Option<Content>,
+    /// An assistant's earlier calls: `{"id", "type": "function", "function": {"name", "arguments"}}`.
+    pub tool_calls: Option<Vec<Value>>,
+    /// A `tool` message's answer to this call.
+    pub tool_call_id: Option<String>,
+    pub name: Option<String>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -103,6 +108,10 @@ pub struct ChatRequest {
     pub params: Params,
     pub logprobs: Option<bool>,
     pub top_logprobs: Option<i64>,
+    /// Functions the model may call (see [`crate::tools`]).
+    pub tools: Option<Value>,
+    pub tool_choice: Option<Value>,
+    pub parallel_tool_calls: Option<bool>,
 }
 
 /// A request's checked settings.
@@ -117,6 +126,9 @@ pub struct Settings {
     pub ignore_eos: bool,
     /// What the answer must be, and the request field that said so (for errors).
     pub format: Option<(Format, &'static str)>,
+    /// Report each token's log-probability and this many alternatives (set by the endpoint:
+    /// chat's `logprobs` / `top_logprobs`, completions' `logprobs`).
+    pub logprobs: Option<usize>,
 }
 
 fn in_range(param: &str, v: Option<f32>, lo: f32, hi: f32, default: f32) -> Result<f32, ApiError> {
@@ -182,6 +194,7 @@ impl Params {
             include_usage,
             ignore_eos: self.ignore_eos.unwrap_or(false),
             format,
+            logprobs: None,
         })
     }
 
@@ -245,13 +258,6 @@ impl CompletionRequest {
         if self.echo == Some(true) {
             return Err(ApiError::bad_param("echo", "`echo` is not supported"));
         }
-        if self
-            .logprobs
-            .as_ref()
-            .is_some_and(|v| !v.is_null() && v != &serde_json::json!(0) && v != &serde_json::json!(false))
-        {
-            return Err(ApiError::bad_param("logprobs", "`logprobs` is not supported"));
-        }
         if self.best_of.is_some_and(|b| b != 1) {
             return Err(ApiError::bad_param("best_of", "only best_of = 1 is supported"));
         }
@@ -262,22 +268,58 @@ impl CompletionRequest {
     }
 }
 
-impl ChatRequest {
-    pub fn check_unsupported(&self) -> Result<(), ApiError> {
-        if self.logprobs == Some(true) || self.top_logprobs.is_some_and(|n| n > 0) {
-            return Err(ApiError::bad_param("logprobs", "`logprobs` is not supported"));
+impl CompletionRequest {
+    /// `logprobs`: an integer, the alternatives per token (0 to 5, as OpenAI's); `true` is 0.
+    pub fn logprobs(&self) -> Result<Option<usize>, ApiError> {
+        match &self.logprobs {
+            None | Some(Value::Null) | Some(Value::Bool(false)) => Ok(None),
+            Some(Value::Bool(true)) => Ok(Some(0)),
+            Some(v) => match v.as_u64() {
+                Some(n) if n <= 5 => Ok(Some(n as usize)),
+                _ => {
+                    Err(ApiError::bad_param("logprobs", format!("`logprobs` must be an integer from 0 to 5, got {v}")))
+                }
+            },
         }
+    }
+}
+
+impl ChatRequest {
+    /// `logprobs` and `top_logprobs` (0 to 20, and only with `logprobs: true`).
+    pub fn logprobs(&self) -> Result<Option<usize>, ApiError> {
+        let max = brigade_core::MAX_TOP_LOGPROBS as i64;
+        let top = match self.top_logprobs {
+            None => None,
+            Some(n) if (0..=max).contains(&n) => Some(n as usize),
+            Some(n) => {
+                return Err(ApiError::bad_param(
+                    "top_logprobs",
+                    format!("`top_logprobs` must be from 0 to {max}, got {n}"),
+                ))
+            }
+        };
+        match (self.logprobs.unwrap_or(false), top) {
+            (true, top) => Ok(Some(top.unwrap_or(0))),
+            (false, Some(_)) => Err(ApiError::bad_param("top_logprobs", "`top_logprobs` needs `logprobs: true`")),
+            (false, None) => Ok(None),
+        }
+    }
+
+    pub fn check_unsupported(&self) -> Result<(), ApiError> {
         if self.messages.is_empty() {
             return Err(ApiError::bad_param("messages", "`messages` is empty"));
         }
         Ok(())
     }
 
-    /// `(role, text)` pairs for the chat template: text parts joined, other parts refused.
-    pub fn turns(&self) -> Result<Vec<(String, String)>, ApiError> {
+    /// The messages for the chat template, as objects: text parts joined (other parts
+    /// refused), `developer` as `system`, earlier calls' `arguments` as JSON values (what
+    /// templates write with `tojson`), a tool's answer with its `tool_call_id`.
+    pub fn template_messages(&self) -> Result<Vec<Value>, ApiError> {
         self.messages
             .iter()
-            .map(|m| {
+            .enumerate()
+            .map(|(i, m)| {
                 let text = match &m.content {
                     None => String::new(),
                     Some(Content::Text(t)) => t.clone(),
@@ -297,10 +339,46 @@ impl ChatRequest {
                         t
                     }
                 };
-                Ok((m.role.clone(), text))
+                let role = if m.role == "developer" { "system" } else { m.role.as_str() };
+                let mut msg = serde_json::json!({"role": role, "content": text});
+                if let Some(calls) = m.tool_calls.as_ref().filter(|c| !c.is_empty()) {
+                    let calls = calls
+                        .iter()
+                        .enumerate()
+                        .map(|(j, c)| {
+                            template_call(c).map_err(|why| {
+                                ApiError::bad_param("messages", format!("messages[{i}].tool_calls[{j}]: {why}"))
+                            })
+                        })
+                        .collect::<Result<Vec<Value>, ApiError>>()?;
+                    msg["tool_calls"] = Value::Array(calls);
+                }
+                if let Some(id) = &m.tool_call_id {
+                    msg["tool_call_id"] = serde_json::json!(id);
+                }
+                if let Some(name) = &m.name {
+                    msg["name"] = serde_json::json!(name);
+                }
+                Ok(msg)
             })
             .collect()
     }
+}
+
+/// An earlier call as templates read it: `arguments` sent as JSON text become the value.
+fn template_call(c: &Value) -> Result<Value, String> {
+    let f = c.get("function").filter(|f| f.is_object()).ok_or("`function` is missing")?;
+    let name = f.get("name").and_then(Value::as_str).ok_or("`function.name` is missing")?;
+    let arguments = match f.get("arguments") {
+        None | Some(Value::Null) => serde_json::json!({}),
+        Some(Value::String(s)) => serde_json::from_str(s).unwrap_or_else(|_| Value::String(s.clone())),
+        Some(v) => v.clone(),
+    };
+    let mut out = serde_json::json!({"type": "function", "function": {"name": name, "arguments": arguments}});
+    if let Some(id) = c.get("id") {
+        out["id"] = id.clone();
+    }
+    Ok(out)
 }
 
 #[cfg(test)]
@@ -354,13 +432,29 @@ mod tests {
         )
         .unwrap();
         assert_eq!(
-            r.turns().unwrap(),
-            [("system".into(), "s".into()), ("user".into(), "ab".into()), ("assistant".into(), String::new())]
+            r.template_messages().unwrap(),
+            [
+                serde_json::json!({"role": "system", "content": "s"}),
+                serde_json::json!({"role": "user", "content": "ab"}),
+                serde_json::json!({"role": "assistant", "content": ""})
+            ]
         );
+        let r: ChatRequest = serde_json::from_str(
+            r#"{"messages": [{"role": "developer", "content": "d"},
+                {"role": "assistant", "content": null, "tool_calls": [{"id": "call_1", "type": "function",
+                  "function": {"name": "f", "arguments": "{\"x\": 1}"}}]},
+                {"role": "tool", "tool_call_id": "call_1", "content": "42"}]}"#,
+        )
+        .unwrap();
+        let m = r.template_messages().unwrap();
+        assert_eq!(m[0]["role"], "system");
+        assert_eq!(m[1]["tool_calls"][0]["function"]["arguments"], serde_json::json!({"x": 1}));
+        assert_eq!(m[1]["tool_calls"][0]["id"], "call_1");
+        assert_eq!(m[2], serde_json::json!({"role": "tool", "content": "42", "tool_call_id": "call_1"}));
         let r: ChatRequest = serde_json::from_str(
             r#"{"model": "m", "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]}"#,
         )
         .unwrap();
-        assert_eq!(r.turns().unwrap_err().status, 400);
+        assert_eq!(r.template_messages().unwrap_err().status, 400);
     }
 }

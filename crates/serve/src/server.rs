@@ -8,6 +8,7 @@ use crate::error::ApiError;
 use crate::keys::{ApiKeys, KeyError};
 use crate::metrics::{RecentRequest, ServerMetrics};
 use crate::openai::{ChatRequest, CompletionRequest, Prompt, Settings};
+use crate::tools::{Choice, Delta, Style, ToolCall, ToolParser, Tools};
 use axum::body::{Body, Bytes};
 use axum::extract::{Path, Request, State};
 use axum::http::header;
@@ -286,10 +287,7 @@ async fn tokenize(
     tk: Arc<Tokenizer>,
     f: impl FnOnce(&Tokenizer) -> Result<Vec<u32>, brigade_format::FormatError> + Send + 'static,
 ) -> Result<Vec<u32>, ApiError> {
-    tokio::task::spawn_blocking(move || f(&tk))
-        .await
-        .map_err(|e| ApiError::internal(format!("tokenizer task: {e}")))?
-        .map_err(|e| ApiError::bad_request(e.to_string()))
+    tokenize_with(tk, f).await
 }
 
 async fn completions<B: Backend>(State(app): State<Arc<App<B>>>, body: Body) -> Result<Response, ApiError> {
@@ -298,7 +296,8 @@ async fn completions<B: Backend>(State(app): State<Arc<App<B>>>, body: Body) -> 
     req.check_unsupported()?;
     let info = app.find(req.model.as_deref())?;
     let (id, seed) = app.next_id();
-    let settings = req.params.settings(seed)?;
+    let mut settings = req.params.settings(seed)?;
+    settings.logprobs = req.logprobs()?;
     let vocab = info.tokenizer.vocab_size();
     let prompt = match req.prompt {
         Prompt::Text(t) => tokenize(info.tokenizer.clone(), move |tk| tk.encode(&t, true)).await?,
@@ -316,7 +315,7 @@ async fn completions<B: Backend>(State(app): State<Arc<App<B>>>, body: Body) -> 
         return Err(ApiError::bad_param("prompt", format!("token id {bad} is outside the vocabulary of {vocab}")));
     }
     let kind = Kind::Completion { id: format!("cmpl-{id}") };
-    run(&app, &info, prompt, settings, kind, t0).await
+    run(&app, &info, prompt, settings, kind, t0, None).await
 }
 
 async fn chat<B: Backend>(State(app): State<Arc<App<B>>>, body: Body) -> Result<Response, ApiError> {
@@ -325,14 +324,72 @@ async fn chat<B: Backend>(State(app): State<Arc<App<B>>>, body: Body) -> Result<
     req.check_unsupported()?;
     let info = app.find(req.model.as_deref())?;
     let (id, seed) = app.next_id();
-    let settings = req.params.settings(seed)?;
-    let turns = req.turns()?;
-    let prompt = tokenize(info.tokenizer.clone(), move |tk| {
+    let mut settings = req.params.settings(seed)?;
+    settings.logprobs = req.logprobs()?;
+    let tools = Tools::parse(req.tools.as_ref(), req.tool_choice.as_ref(), req.parallel_tool_calls)?;
+    if let (Some(_), Some((_, field))) = (&tools, &settings.format) {
+        return Err(ApiError::bad_param(field, format!("`{field}` and `tools` both constrain the answer: send one")));
+    }
+    let messages = req.template_messages()?;
+    let in_play = tools.clone();
+    let (prompt, style) = tokenize_with(info.tokenizer.clone(), move |tk| {
         let template = tk.chat_template.as_deref().unwrap_or(FALLBACK_CHAT_TEMPLATE);
-        tk.encode_chat(&tk.render_chat_template(template, &turns)?)
+        let Some(tools) = &in_play else {
+            return Ok((tk.encode_chat(&tk.render_chat(template, &messages, None)?)?, Style::Generic));
+        };
+        let style = Style::of(tk, template);
+        let messages = crate::tools::messages_for(messages, Some(tools), style);
+        let native = (style != Style::Generic).then_some(&tools.raw);
+        Ok((tk.encode_chat(&tk.render_chat(template, &messages, native)?)?, style))
     })
     .await?;
-    run(&app, &info, prompt, settings, Kind::Chat { id: format!("chatcmpl-{id}") }, t0).await
+    let tool_setup = match tools {
+        None => None,
+        Some(tools) => {
+            let constrains = app.backend.constrains();
+            match tools.format(style, &info.tokenizer) {
+                Some(format) if constrains => settings.format = Some((format, "tools")),
+                Some(_) if tools.forced() => {
+                    return Err(ApiError::bad_param(
+                        "tool_choice",
+                        "a forced tool call (`required` or a named function) is not supported by this backend",
+                    ))
+                }
+                // the model is free: its calls are recognised in its text
+                _ if constrains => {
+                    // the parameter schemas are still checked, as a forced call would compile them
+                    let check = Tools { choice: Choice::Required, ..tools.clone() };
+                    if let Some(f) = check.format(style, &info.tokenizer) {
+                        constraint(&app, &info, &f, "tools").await?;
+                    }
+                }
+                _ => {}
+            }
+            let shown = style.shown_ids(&info.tokenizer);
+            Some(ToolSetup { parser: ToolParser::new(style, &tools), shown, style, seed })
+        }
+    };
+    run(&app, &info, prompt, settings, Kind::Chat { id: format!("chatcmpl-{id}") }, t0, tool_setup).await
+}
+
+/// Tokenizing (and rendering a template) is CPU work: off the async threads.
+async fn tokenize_with<T: Send + 'static>(
+    tk: Arc<Tokenizer>,
+    f: impl FnOnce(&Tokenizer) -> Result<T, brigade_format::FormatError> + Send + 'static,
+) -> Result<T, ApiError> {
+    tokio::task::spawn_blocking(move || f(&tk))
+        .await
+        .map_err(|e| ApiError::internal(format!("tokenizer task: {e}")))?
+        .map_err(|e| ApiError::bad_request(e.to_string()))
+}
+
+/// A chat answer's tools: the parser of the model's text, the control tokens it must see, and
+/// what call ids are made of.
+struct ToolSetup {
+    parser: ToolParser,
+    shown: Vec<u32>,
+    style: Style,
+    seed: u64,
 }
 
 /// Which endpoint's JSON to write.
@@ -344,14 +401,91 @@ enum Kind {
 
 /// What the pump sends the responder.
 enum Chunk {
-    Text(String),
-    /// `tokens` generated; `cached` prompt tokens the backend kept from an earlier request.
+    /// Text, and the log-probabilities of the tokens generated since the last chunk (when asked).
+    Text(String, Vec<Scored>),
+    /// The answer's `index`th tool call, with its id.
+    Call(usize, String, ToolCall),
+    /// `tokens` generated; `cached` prompt tokens the backend kept from an earlier request;
+    /// `calls`: the answer made tool calls (its finish reason is then `tool_calls`).
     End {
         finish: Finish,
         tokens: usize,
         cached: usize,
+        calls: bool,
     },
     Error(String),
+}
+
+/// One generated token's log-probabilities, as the API shows them.
+#[derive(Debug, Clone)]
+struct Scored {
+    token: String,
+    bytes: Vec<u8>,
+    logprob: f32,
+    /// The most likely alternatives: (token, bytes, logprob).
+    top: Vec<(String, Vec<u8>, f32)>,
+}
+
+impl Scored {
+    fn new(tk: &Tokenizer, id: u32, lp: &brigade_core::TokenLogprob) -> Self {
+        let text = |id: u32| {
+            let b = tk.piece(id).to_vec();
+            (String::from_utf8_lossy(&b).into_owned(), b)
+        };
+        let (token, bytes) = text(id);
+        let top = lp.top.iter().map(|&(i, l)| {
+            let (t, b) = text(i);
+            (t, b, l)
+        });
+        Scored { token, bytes, logprob: lp.logprob, top: top.collect() }
+    }
+
+    /// Chat's entry: `{"token", "logprob", "bytes", "top_logprobs": [...]}`.
+    fn chat_json(&self) -> Value {
+        let top: Vec<Value> =
+            self.top.iter().map(|(t, b, l)| json!({"token": t, "logprob": finite(*l), "bytes": b})).collect();
+        json!({"token": self.token, "logprob": finite(self.logprob), "bytes": self.bytes, "top_logprobs": top})
+    }
+}
+
+/// A log-probability JSON can carry: OpenAI writes −9999 for an impossible token.
+fn finite(l: f32) -> f32 {
+    if l.is_finite() {
+        l
+    } else {
+        -9999.0
+    }
+}
+
+/// Completions' `logprobs`: parallel lists, `text_offset` counting characters from the
+/// answer's start.
+fn completion_logprobs(scored: &[Scored]) -> Value {
+    let mut offset = 0usize;
+    let mut offsets = Vec::with_capacity(scored.len());
+    for s in scored {
+        offsets.push(offset);
+        offset += s.token.chars().count();
+    }
+    let top: Vec<Value> = scored
+        .iter()
+        .map(|s| {
+            let m: serde_json::Map<String, Value> =
+                s.top.iter().map(|(t, _, l)| (t.clone(), json!(finite(*l)))).collect();
+            Value::Object(m)
+        })
+        .collect();
+    json!({"tokens": scored.iter().map(|s| s.token.clone()).collect::<Vec<_>>(),
+           "token_logprobs": scored.iter().map(|s| finite(s.logprob)).collect::<Vec<_>>(),
+           "top_logprobs": top, "text_offset": offsets})
+}
+
+/// OpenAI's `finish_reason` (an answer cut off by `max_tokens` says so, calls or not).
+fn finish_reason(finish: Finish, calls: bool) -> &'static str {
+    if calls && finish != Finish::Length {
+        "tool_calls"
+    } else {
+        finish.as_str()
+    }
 }
 
 async fn run<B: Backend>(
@@ -361,6 +495,7 @@ async fn run<B: Backend>(
     s: Settings,
     kind: Kind,
     t0: Instant,
+    tools: Option<ToolSetup>,
 ) -> Result<Response, ApiError> {
     if prompt.is_empty() {
         return Err(ApiError::bad_param("prompt", "the prompt is empty and this model adds no BOS token"));
@@ -369,6 +504,9 @@ async fn run<B: Backend>(
         return Err(ApiError::context_exceeded(prompt.len(), info.n_ctx));
     }
     let room = info.n_ctx - prompt.len();
+    if s.logprobs.is_some() && !app.backend.scores() {
+        return Err(ApiError::bad_param("logprobs", "`logprobs` is not supported by this backend"));
+    }
     let constraint = match &s.format {
         Some((format, field)) => Some(constraint(app, info, format, field).await?),
         None => None,
@@ -381,6 +519,8 @@ async fn run<B: Backend>(
         ignore_eos: s.ignore_eos,
         stop: s.stop.clone(),
         constraint,
+        format: s.format.as_ref().map(|f| f.0.clone()),
+        logprobs: s.logprobs,
     };
     let n_prompt = req.prompt.len();
     let prev = req.prompt.last().copied();
@@ -396,7 +536,7 @@ async fn run<B: Backend>(
         n_prompt,
         t0,
     };
-    tokio::spawn(pump(events, info.tokenizer.clone(), prev, s.stop.clone(), tx, record));
+    tokio::spawn(pump(events, info.tokenizer.clone(), prev, s.stop.clone(), tools, tx, record));
     let answer = Answer { kind, model: info.id.clone(), created: now(), n_prompt, include_usage: s.include_usage };
     if s.stream {
         let head = answer.head();
@@ -405,11 +545,20 @@ async fn run<B: Backend>(
         return Ok(Sse::new(events).keep_alive(KeepAlive::default()).into_response());
     }
     let mut text = String::new();
+    let mut calls = Vec::new();
+    let mut scored = Vec::new();
     while let Some(c) = rx.recv().await {
         match c {
-            Chunk::Text(t) => text.push_str(&t),
-            Chunk::End { finish, tokens, cached } => {
-                return Ok(Json(answer.whole(&text, finish, (tokens, cached))).into_response())
+            Chunk::Text(t, s) => {
+                text.push_str(&t);
+                scored.extend(s);
+            }
+            Chunk::Call(index, id, call) => calls.push(call_json(index, &id, &call)),
+            Chunk::End { finish, tokens, cached, calls: _ } => {
+                let logprobs = s.logprobs.map(|_| scored);
+                return Ok(
+                    Json(answer.whole(&text, &calls, logprobs.as_deref(), finish, (tokens, cached))).into_response()
+                );
             }
             Chunk::Error(e) => return Err(ApiError::internal(e)),
         }
@@ -426,10 +575,7 @@ async fn constraint<B: Backend>(
     field: &'static str,
 ) -> Result<Constraint, ApiError> {
     if !app.backend.constrains() {
-        return Err(ApiError::bad_param(
-            field,
-            format!("`{field}` is not supported by this server yet (a cluster samples on its last worker)"),
-        ));
+        return Err(ApiError::bad_param(field, format!("`{field}` is not supported by this backend")));
     }
     let known = app.vocabularies.lock().map_err(|_| ApiError::internal("vocabularies lock"))?.get(&info.id).cloned();
     let vocab = match known {
@@ -464,11 +610,12 @@ async fn pump(
     tk: Arc<Tokenizer>,
     prev: Option<u32>,
     stops: Vec<String>,
+    tools: Option<ToolSetup>,
     out: mpsc::Sender<Chunk>,
     record: Record,
 ) {
     let mut timing = Timing { first: None, last: None, tokens: 0 };
-    let outcome = pump_events(events, tk, prev, stops, out, &record, &mut timing).await;
+    let outcome = pump_events(events, tk, prev, stops, tools, out, &record, &mut timing).await;
     let r = &record;
     r.metrics.finished(RecentRequest {
         at: now(),
@@ -512,29 +659,37 @@ impl Timing {
 }
 
 /// [`pump`]'s loop; returns the outcome: the finish reason, the error, or "client gone".
+#[allow(clippy::too_many_arguments)]
 async fn pump_events(
     mut events: mpsc::UnboundedReceiver<EngineEvent>,
     tk: Arc<Tokenizer>,
     prev: Option<u32>,
     stops: Vec<String>,
+    mut tools: Option<ToolSetup>,
     out: mpsc::Sender<Chunk>,
     record: &Record,
     timing: &mut Timing,
 ) -> String {
     let gone = || "client gone".to_string();
-    let mut text = tk.answer(prev, stops);
+    let shown = tools.as_ref().map(|t| t.shown.clone()).unwrap_or_default();
+    let mut text = tk.answer_showing(prev, stops, shown);
     let (mut tokens, mut cached) = (0usize, 0usize);
+    // log-probabilities of tokens whose text has not gone out yet
+    let mut scored: Vec<Scored> = Vec::new();
     loop {
         let ev = tokio::select! {
             _ = out.closed() => return gone(),
             ev = events.recv() => ev,
         };
         let (piece, end) = match ev {
-            Some(EngineEvent::Token(id)) => {
+            Some(EngineEvent::Token(id, lp)) => {
                 timing.token(record);
                 tokens += 1;
+                if let Some(lp) = &lp {
+                    scored.push(Scored::new(&tk, id, lp));
+                }
                 let piece = text.push(id);
-                (piece, text.stopped().then_some(Chunk::End { finish: Finish::Stop, tokens, cached }))
+                (piece, text.stopped().then_some((Finish::Stop, None)))
             }
             Some(EngineEvent::Started { cached_tokens }) => {
                 cached = cached_tokens;
@@ -543,24 +698,61 @@ async fn pump_events(
             Some(EngineEvent::Done(finish)) => {
                 let piece = text.finish();
                 let finish = if text.stopped() { Finish::Stop } else { finish };
-                (piece, Some(Chunk::End { finish, tokens, cached }))
+                (piece, Some((finish, None)))
             }
-            Some(EngineEvent::Error(e)) => (String::new(), Some(Chunk::Error(e))),
-            None => (String::new(), Some(Chunk::Error("the backend dropped the request".into()))),
+            Some(EngineEvent::Error(e)) => (String::new(), Some((Finish::Stop, Some(e)))),
+            None => (String::new(), Some((Finish::Stop, Some("the backend dropped the request".to_string())))),
         };
-        if !piece.is_empty() && out.send(Chunk::Text(piece)).await.is_err() {
-            return gone();
+        let mut chunks = Vec::new();
+        match &mut tools {
+            None if !piece.is_empty() => chunks.push(Chunk::Text(piece, Vec::new())),
+            None => {}
+            Some(t) => {
+                let mut index = t.parser.calls();
+                let mut deltas = t.parser.push(&piece);
+                if end.is_some() {
+                    deltas.extend(t.parser.finish());
+                }
+                for d in deltas {
+                    chunks.push(match d {
+                        Delta::Content(c) => Chunk::Text(c, Vec::new()),
+                        Delta::Call(call) => {
+                            index += 1;
+                            Chunk::Call(index - 1, t.style.call_id(t.seed, index - 1), call)
+                        }
+                    });
+                }
+            }
         }
-        if let Some(end) = end {
-            let outcome = match &end {
-                Chunk::End { finish, .. } => finish.as_str().to_string(),
-                Chunk::Error(e) => format!("error: {e}"),
-                Chunk::Text(_) => String::new(),
+        // the scores go with the first text that goes out (or alone, at the end)
+        if !scored.is_empty() {
+            match chunks.iter_mut().find(|c| matches!(c, Chunk::Text(..))) {
+                Some(Chunk::Text(_, s)) => s.append(&mut scored),
+                _ if end.is_some() => chunks.push(Chunk::Text(String::new(), std::mem::take(&mut scored))),
+                _ => {}
+            }
+        }
+        for c in chunks {
+            if out.send(c).await.is_err() {
+                return gone();
+            }
+        }
+        if let Some((finish, error)) = end {
+            let calls = tools.as_ref().is_some_and(|t| t.parser.calls() > 0);
+            let (end, outcome) = match error {
+                Some(e) => (Chunk::Error(e.clone()), format!("error: {e}")),
+                None => (Chunk::End { finish, tokens, cached, calls }, finish_reason(finish, calls).to_string()),
             };
             let _ = out.send(end).await;
             return outcome;
         }
     }
+}
+
+/// One tool call as OpenAI writes it (in a message, and in a stream's delta with its index).
+fn call_json(index: usize, id: &str, call: &ToolCall) -> Value {
+    json!({"index": index, "id": id, "type": "function",
+           "function": {"name": call.name, "arguments": call.arguments}})
 }
 
 fn now() -> u64 {
@@ -584,27 +776,56 @@ impl Answer {
     }
 
     /// The non-streamed answer.
-    fn whole(&self, text: &str, finish: Finish, counts: (usize, usize)) -> Value {
+    fn whole(
+        &self,
+        text: &str,
+        calls: &[Value],
+        logprobs: Option<&[Scored]>,
+        finish: Finish,
+        counts: (usize, usize),
+    ) -> Value {
         let (id, object, choice) = match &self.kind {
             Kind::Completion { id } => (
                 id,
                 "text_completion",
-                json!({"index": 0, "text": text, "logprobs": null, "finish_reason": finish.as_str()}),
-            ),
-            Kind::Chat { id } => (
-                id,
-                "chat.completion",
-                json!({"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": null,
+                json!({"index": 0, "text": text, "logprobs": logprobs.map(completion_logprobs),
                        "finish_reason": finish.as_str()}),
             ),
+            Kind::Chat { id } => {
+                let mut message = json!({"role": "assistant", "content": text});
+                if !calls.is_empty() {
+                    // as OpenAI: no `index` inside a message, and no content but the calls'
+                    let calls: Vec<Value> = calls
+                        .iter()
+                        .map(|c| {
+                            let mut c = c.clone();
+                            if let Value::Object(m) = &mut c {
+                                m.shift_remove("index");
+                            }
+                            c
+                        })
+                        .collect();
+                    message["tool_calls"] = Value::Array(calls);
+                    if text.is_empty() {
+                        message["content"] = Value::Null;
+                    }
+                }
+                (
+                    id,
+                    "chat.completion",
+                    json!({"index": 0, "message": message,
+                           "logprobs": logprobs.map(|l| json!({"content": l.iter().map(Scored::chat_json).collect::<Vec<_>>(),
+                                                              "refusal": null})),
+                           "finish_reason": finish_reason(finish, !calls.is_empty())}),
+                )
+            }
         };
         json!({"id": id, "object": object, "created": self.created, "model": self.model, "choices": [choice],
                "usage": self.usage(counts)})
     }
 
     /// A streamed chunk with one choice: `text` (or, for chat, a delta) and a finish reason.
-    fn chunk(&self, text: Option<&str>, finish: Option<Finish>, role: bool) -> Value {
-        let finish = finish.map(Finish::as_str);
+    fn chunk(&self, text: Option<&str>, finish: Option<&str>, role: bool) -> Value {
         let (id, object, choice) = match &self.kind {
             Kind::Completion { id } => (
                 id,
@@ -648,13 +869,29 @@ impl Answer {
 
     fn events(&self, c: Chunk) -> Vec<Event> {
         match c {
-            Chunk::Text(t) => vec![Self::data(&self.chunk(Some(&t), None, false))],
-            Chunk::End { finish, tokens, cached } => {
+            Chunk::Text(t, scored) => {
+                let mut j = self.chunk(Some(&t), None, false);
+                if !scored.is_empty() {
+                    j["choices"][0]["logprobs"] = match self.kind {
+                        Kind::Chat { .. } => {
+                            json!({"content": scored.iter().map(Scored::chat_json).collect::<Vec<_>>()})
+                        }
+                        Kind::Completion { .. } => completion_logprobs(&scored),
+                    };
+                }
+                vec![Self::data(&j)]
+            }
+            Chunk::Call(index, id, call) => {
+                let mut j = self.chunk(None, None, false);
+                j["choices"][0]["delta"]["tool_calls"] = json!([call_json(index, &id, &call)]);
+                vec![Self::data(&j)]
+            }
+            Chunk::End { finish, tokens, cached, calls } => {
                 let text = match self.kind {
                     Kind::Chat { .. } => None,
                     Kind::Completion { .. } => Some(""),
                 };
-                let mut v = vec![Self::data(&self.chunk(text, Some(finish), false))];
+                let mut v = vec![Self::data(&self.chunk(text, Some(finish_reason(finish, calls)), false))];
                 if self.include_usage {
                     let (id, object) = match &self.kind {
                         Kind::Completion { id } => (id, "text_completion"),

@@ -32,6 +32,8 @@ struct Scripted {
     cached: Option<usize>,
     /// The models it serves, all with the same tokenizer.
     models: Vec<&'static str>,
+    /// Their context.
+    n_ctx: usize,
 }
 
 fn tokenizer() -> Arc<Tokenizer> {
@@ -53,6 +55,7 @@ fn scripted(text: &str, finish: Finish) -> Scripted {
         overview: None,
         cached: None,
         models: vec!["tiny"],
+        n_ctx: 64,
     }
 }
 
@@ -62,7 +65,7 @@ impl Backend for Scripted {
             .iter()
             .map(|id| ModelInfo {
                 id: id.to_string(),
-                n_ctx: 64,
+                n_ctx: self.n_ctx,
                 tokenizer: self.tk.clone(),
                 created: 1,
                 owned_by: "test".into(),
@@ -81,12 +84,12 @@ impl Backend for Scripted {
         }
         if self.complete {
             for &t in &self.script[..n] {
-                let _ = tx.send(EngineEvent::Token(t));
+                let _ = tx.send(EngineEvent::Token(t, None));
             }
             let finish = if n < self.script.len() { Finish::Length } else { self.finish };
             let _ = tx.send(EngineEvent::Done(finish));
         } else {
-            let _ = tx.send(EngineEvent::Token(self.script[0]));
+            let _ = tx.send(EngineEvent::Token(self.script[0], None));
         }
         self.seen.lock().unwrap().push(req);
         self.senders.lock().unwrap().push(tx);
@@ -560,6 +563,7 @@ async fn a_format_the_backend_cannot_apply_is_refused_by_name() {
         (json!({"model": "tiny", "prompt": "Hi", "response_format": {"type": "json_object"}}), "response_format"),
         (json!({"model": "tiny", "prompt": "Hi", "json_schema": {"type": "object"}}), "json_schema"),
         (json!({"model": "tiny", "prompt": "Hi", "grammar": "%llguidance {}\nstart: \"a\""}), "grammar"),
+        (json!({"model": "tiny", "prompt": "Hi", "logprobs": 1}), "logprobs"),
     ] {
         let (st, out) = call(app.clone(), "POST", "/v1/completions", Some(body), None).await;
         assert_eq!(st, StatusCode::BAD_REQUEST);
@@ -573,4 +577,72 @@ async fn a_format_the_backend_cannot_apply_is_refused_by_name() {
     assert_eq!(st, StatusCode::OK);
     assert_eq!(b.seen.lock().unwrap().len(), 1);
     assert!(b.seen.lock().unwrap()[0].constraint.is_none());
+}
+
+/// A backend that samples freely (it cannot constrain, as a cluster today) still gets tool
+/// calls in `auto`: the model's `<tool_call>` blocks, in a Hermes-style template, are turned
+/// into `tool_calls`, whole and streamed; a forced call it could not guarantee is refused.
+#[tokio::test]
+async fn hermes_calls_in_the_text_become_tool_calls() {
+    let answer =
+        "Let me check.\n<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Paris\"}}\n</tool_call>";
+    let mut tk = (*tokenizer()).clone();
+    tk.chat_template =
+        Some(std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/../../tests/serve/hermes.jinja")).unwrap());
+    let tk = Arc::new(tk);
+    let script = tk.encode(answer, false).unwrap();
+    let (app, b) = app(Scripted { tk, script, n_ctx: 4096, ..scripted(TEXT, Finish::Stop) });
+    let tools = json!([{"type": "function", "function": {"name": "get_weather",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}]);
+    let req = json!({"messages": [{"role": "user", "content": "Weather in Paris?"}], "tools": tools});
+    let (st, body) = call(app.clone(), "POST", "/v1/chat/completions", Some(req.clone()), None).await;
+    assert_eq!(st, StatusCode::OK, "{}", String::from_utf8_lossy(&body));
+    let j = json_of(&body);
+    let choice = &j["choices"][0];
+    assert_eq!(choice["finish_reason"], "tool_calls");
+    // (the SentencePiece tokenizer's word-initial space is the text's)
+    assert_eq!(choice["message"]["content"], " Let me check.\n");
+    let calls = choice["message"]["tool_calls"].as_array().unwrap();
+    assert_eq!(calls.len(), 1);
+    assert_eq!(calls[0]["type"], "function");
+    assert_eq!(calls[0]["function"], json!({"name": "get_weather", "arguments": "{\"city\":\"Paris\"}"}));
+    assert!(calls[0]["id"].as_str().unwrap().starts_with("call_"));
+    // the template showed the tools to the model
+    let seen = b.seen.lock().unwrap()[0].prompt.clone();
+    let prompt = b.tk.decode(&seen, None);
+    assert!(prompt.contains("<tools>") && prompt.contains("\"name\": \"get_weather\""), "{prompt}");
+    assert!(b.seen.lock().unwrap()[0].constraint.is_none());
+
+    // streamed: the text before the call as content, then the call with its index
+    let mut streamed = req.clone();
+    streamed["stream"] = json!(true);
+    let (st, body) = call(app.clone(), "POST", "/v1/chat/completions", Some(streamed), None).await;
+    assert_eq!(st, StatusCode::OK);
+    let data = sse(&body);
+    let chunks: Vec<Value> = data[..data.len() - 1].iter().map(|d| serde_json::from_str(d).unwrap()).collect();
+    let text: String = chunks.iter().filter_map(|c| c["choices"][0]["delta"]["content"].as_str()).collect();
+    assert_eq!(text, " Let me check.\n");
+    let deltas: Vec<&Value> = chunks.iter().filter_map(|c| c["choices"][0]["delta"].get("tool_calls")).collect();
+    assert_eq!(deltas.len(), 1);
+    assert_eq!(deltas[0][0]["index"], 0);
+    assert_eq!(deltas[0][0]["function"]["arguments"], "{\"city\":\"Paris\"}");
+    assert_eq!(chunks.last().unwrap()["choices"][0]["finish_reason"], "tool_calls");
+
+    // a history of a call and its result renders; a forced call is refused here
+    let history = json!({"messages": [{"role": "user", "content": "Weather?"},
+        {"role": "assistant", "content": null, "tool_calls": [{"id": "call_1", "type": "function",
+          "function": {"name": "get_weather", "arguments": "{\"city\": \"Oslo\"}"}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "cold"}], "tools": tools});
+    let (st, _) = call(app.clone(), "POST", "/v1/chat/completions", Some(history), None).await;
+    assert_eq!(st, StatusCode::OK);
+    let seen = b.seen.lock().unwrap().last().unwrap().prompt.clone();
+    let prompt = b.tk.decode(&seen, None);
+    assert!(prompt.contains("{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Oslo\"}}"), "{prompt}");
+    assert!(prompt.contains("<tool_response>\ncold\n</tool_response>"), "{prompt}");
+    let mut forced = req;
+    forced["tool_choice"] = json!("required");
+    let (st, body) = call(app, "POST", "/v1/chat/completions", Some(forced), None).await;
+    assert_eq!(st, StatusCode::BAD_REQUEST);
+    assert_eq!(json_of(&body)["error"]["param"], "tool_choice");
+    assert_eq!(b.seen.lock().unwrap().len(), 3);
 }

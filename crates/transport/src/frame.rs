@@ -22,6 +22,9 @@ pub const PREFIX_LEN: usize = 8;
 pub const FLAG_LAST: u32 = 1;
 /// `flags`: on TOKENS back to the driver, the id ends the generation.
 pub const FLAG_EOG: u32 = 2;
+/// `flags`: on TOKENS back to the driver, the id completes the session's format: it is the
+/// answer's last.
+pub const FLAG_DONE: u32 = 4;
 /// The largest header a receiver accepts (frame.proto: at most 4 KiB).
 pub const MAX_HEADER: u32 = 4096;
 /// The largest payload a receiver accepts unless told otherwise.

@@ -8,14 +8,14 @@
 //! never on the token loop's path.
 
 use crate::router::{Peer, Router};
-use crate::stage::{now_us, FLAG_EOG, FLAG_LAST};
+use crate::stage::{now_us, FLAG_DONE, FLAG_EOG, FLAG_LAST};
 use crate::wire;
 use crate::WorkerError;
 use brigade_core::cluster::CarrierKind;
 use brigade_model::Tokenizer;
 use brigade_proto::v1::{
     generate_event, Done, DriveRequest, FrameKind, GenerateEvent, HopTiming, PromptIds, SessionSpec, StopReason,
-    Timings, Token,
+    Timings, Token, TokenScores, TopLogprob,
 };
 use brigade_transport::frame::Frame;
 use std::sync::Arc;
@@ -76,6 +76,24 @@ pub fn prompt_ids(t: &DriveTarget, req: &DriveRequest) -> Result<Vec<u32>, Worke
         return Err(WorkerError::BadRequest("the prompt is empty and this model adds no BOS token".into()));
     }
     Ok(ids)
+}
+
+/// A token's scores as the last stage sent them, checked: as many ids as log-probabilities, at
+/// most [`brigade_core::MAX_TOP_LOGPROBS`], every id in the vocabulary.
+fn scores(s: &TokenScores, vocab: usize) -> Result<(Option<f32>, Vec<TopLogprob>), Status> {
+    if s.top_ids.len() != s.top_logprobs.len() || s.top_ids.len() > brigade_core::MAX_TOP_LOGPROBS {
+        return Err(Status::internal(format!(
+            "the last stage sent {} ids and {} log-probabilities (at most {})",
+            s.top_ids.len(),
+            s.top_logprobs.len(),
+            brigade_core::MAX_TOP_LOGPROBS
+        )));
+    }
+    if let Some(&bad) = s.top_ids.iter().find(|&&i| i as usize >= vocab) {
+        return Err(Status::internal(format!("the last stage scored id {bad}, outside the vocabulary of {vocab}")));
+    }
+    let top = s.top_ids.iter().zip(&s.top_logprobs).map(|(&id, &logprob)| TopLogprob { id, logprob }).collect();
+    Ok((Some(s.logprob), top))
 }
 
 /// `frame` addressed to `session` of the target's generation, at the first stage.
@@ -155,6 +173,15 @@ pub async fn drive(router: Arc<Router>, t: DriveTarget, req: DriveRequest, hidde
             return;
         }
     };
+    if let Some(n) = req.logprobs.filter(|&n| n as usize > brigade_core::MAX_TOP_LOGPROBS) {
+        let _ = out
+            .send(Err(Status::invalid_argument(format!(
+                "logprobs: at most {} alternatives per token, asked for {n}",
+                brigade_core::MAX_TOP_LOGPROBS
+            ))))
+            .await;
+        return;
+    }
     let mut feed = prompt.clone();
     feed.extend_from_slice(&req.resume_ids);
     if feed.len() >= t.n_ctx {
@@ -220,7 +247,14 @@ async fn run_session(
         let _ = out.send(ev(generate_event::Event::Done(done))).await;
         return Ok(());
     }
-    let spec = SessionSpec { sampling: req.sampling, prompt_ids: feed.to_vec(), max_tokens: req.max_tokens };
+    let spec = SessionSpec {
+        sampling: req.sampling,
+        prompt_ids: feed.to_vec(),
+        max_tokens: req.max_tokens,
+        format: req.format.clone(),
+        logprobs: req.logprobs,
+        resumed: req.resume_ids.len() as u32,
+    };
     let open = addressed(t, Frame::open(&spec), session);
     router.send(&t.first, t.carrier, open).await.map_err(link_err)?;
     let chunks: Vec<&[u32]> = feed.chunks(t.ubatch.max(1)).collect();
@@ -276,10 +310,17 @@ async fn run_session(
         }
         last_token_at = now;
         let eog = frame.header.flags & FLAG_EOG != 0 || t.tokenizer.is_eog(id);
-        if !req.ignore_eos && eog {
+        // (a format ends the answer where it is complete, whatever `ignore_eos` says)
+        let done = frame.header.flags & FLAG_DONE != 0;
+        if (!req.ignore_eos || done) && eog {
             break StopReason::Eos;
         }
-        let token = Token { id, text: text.push(id), index: generated };
+        let (logprob, top_logprobs) = match (&frame.header.scores, req.logprobs) {
+            (Some(s), Some(_)) => scores(s, t.vocab)?,
+            (None, Some(_)) => return Err(Status::internal("the last stage sent no scores for a token")),
+            _ => (None, Vec::new()),
+        };
+        let token = Token { id, text: text.push(id), index: generated, logprob, top_logprobs };
         generated += 1;
         emitted += 1;
         if out.send(ev(generate_event::Event::Token(token))).await.is_err() {
@@ -287,6 +328,9 @@ async fn run_session(
         }
         if text.stopped() {
             break StopReason::Stop;
+        }
+        if done {
+            break StopReason::Eos;
         }
         if req.max_tokens > 0 && generated >= req.max_tokens {
             break StopReason::Length;

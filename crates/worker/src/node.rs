@@ -293,7 +293,6 @@ impl Node {
             }
         }
         let tokenizer = files.tokenizer.clone();
-        let eog_tk = tokenizer.clone();
         let place = StagePlace {
             deployment: a.deployment.clone(),
             generation: a.generation,
@@ -308,13 +307,7 @@ impl Node {
         };
         let hidden = files.config.hidden;
         let vocab = files.config.vocab;
-        let handle = StageHandle::start(
-            place.clone(),
-            slice,
-            caches,
-            Box::new(move |id| eog_tk.is_eog(id)),
-            self.router.clone(),
-        )?;
+        let handle = StageHandle::start(place.clone(), slice, caches, tokenizer.clone(), self.router.clone())?;
         if a.is_driver {
             let first =
                 peer(&a.first).ok_or_else(|| WorkerError::Manifest("the assignment names no first stage".into()))?;

@@ -29,9 +29,11 @@ use crate::router::{Peer, Router};
 use crate::wire;
 use crate::WorkerError;
 use brigade_core::cluster::{ActDtype, CarrierKind};
-use brigade_model::{Logits, Sampler, Slice, SliceCache, StageInput};
+use brigade_core::{TokenConstraint, TokenLogprob, MAX_TOP_LOGPROBS};
+use brigade_grammar::{Format, Grammar, Vocabulary};
+use brigade_model::{Logits, Sampler, Slice, SliceCache, StageInput, Tokenizer};
 use brigade_proto::convert::sampling_from_proto;
-use brigade_proto::v1::{FrameHeader, FrameKind, SessionSpec, StageTrace};
+use brigade_proto::v1::{FrameHeader, FrameKind, SessionSpec, StageTrace, TokenScores};
 use brigade_transport::frame::Frame;
 use prost::Message;
 use std::collections::HashMap;
@@ -40,7 +42,7 @@ use std::sync::mpsc;
 use std::sync::Arc;
 use std::time::Instant;
 
-pub use brigade_transport::frame::{FLAG_EOG, FLAG_LAST};
+pub use brigade_transport::frame::{FLAG_DONE, FLAG_EOG, FLAG_LAST};
 /// How often an idle stage looks whether its handle was dropped.
 const STOP_POLL: std::time::Duration = std::time::Duration::from_millis(100);
 /// Decode steps of different sessions computed in one pass, at most (the CPU kernels' rows).
@@ -182,15 +184,104 @@ struct SessionState {
     /// When the session's last frame arrived.
     touched: Instant,
     cache: SliceCache,
-    /// Last stage only: the sampler and every id the session has seen (repeat penalty).
-    sampler: Option<(Sampler, Vec<u32>)>,
+    /// Last stage only: how the session's next id is drawn.
+    sampler: Option<Draw>,
+}
+
+/// The last stage's part of a session: the sampler, every id the session has seen (the
+/// penalties'), the grammar its answer must follow, how many alternatives to score.
+struct Draw {
+    sampler: Sampler,
+    history: Vec<u32>,
+    grammar: Option<Grammar>,
+    logprobs: Option<usize>,
+}
+
+/// The last stage's sampling state for a session: its sampler, and its format compiled
+/// against the model's vocabulary (which has taken the ids generated before a failover).
+fn draw_for(
+    spec: &SessionSpec,
+    tokenizer: &Tokenizer,
+    vocabulary: &mut Option<Arc<Vocabulary>>,
+) -> Result<Draw, WorkerError> {
+    let cfg = sampling_from_proto(spec.sampling.as_ref())
+        .map_err(|e| WorkerError::Frame(format!("OPEN frame: sampling {e}")))?;
+    let logprobs = match spec.logprobs {
+        Some(n) if n as usize > MAX_TOP_LOGPROBS => {
+            return Err(WorkerError::BadRequest(format!(
+                "logprobs: at most {MAX_TOP_LOGPROBS} alternatives per token, asked for {n}"
+            )))
+        }
+        n => n.map(|n| n as usize),
+    };
+    let grammar = if spec.format.is_empty() {
+        None
+    } else {
+        let format: Format = serde_json::from_str(&spec.format)
+            .map_err(|e| WorkerError::BadRequest(format!("the session's format: {e}")))?;
+        let vocab = match &*vocabulary {
+            Some(v) => v.clone(),
+            None => {
+                let v = Arc::new(Vocabulary::new(tokenizer).map_err(|e| WorkerError::BadRequest(e.to_string()))?);
+                *vocabulary = Some(v.clone());
+                v
+            }
+        };
+        let mut g = vocab
+            .compile(&format)
+            .map_err(|e| WorkerError::BadRequest(format!("the session's format cannot be used: {e}")))?;
+        let resumed = spec.resumed as usize;
+        let Some(start) = spec.prompt_ids.len().checked_sub(resumed) else {
+            return Err(WorkerError::Frame(format!(
+                "OPEN frame: {resumed} resumed ids of a prompt of {}",
+                spec.prompt_ids.len()
+            )));
+        };
+        for &id in &spec.prompt_ids[start..] {
+            g.commit(id).map_err(|e| WorkerError::BadRequest(format!("resuming the session's format: {e}")))?;
+        }
+        Some(g)
+    };
+    Ok(Draw { sampler: Sampler::new(cfg), history: spec.prompt_ids.clone(), grammar, logprobs })
+}
+
+/// An id the last stage drew, with what the driver needs to know of it.
+#[derive(Debug)]
+pub(crate) struct Sampled {
+    id: u32,
+    /// The id completes the session's format.
+    done: bool,
+    scores: Option<TokenLogprob>,
+}
+
+impl Draw {
+    /// The next id from `logits` (the same steps as the one-box engine's: the grammar's mask,
+    /// the sampling chain, the grammar told the id; scores from the logits as they came).
+    fn draw(&mut self, logits: &[f32]) -> Result<Sampled, WorkerError> {
+        let (id, done) = match self.grammar.as_mut() {
+            None => (self.sampler.sample(logits, &self.history), false),
+            Some(g) => {
+                let mut masked = logits.to_vec();
+                g.mask(&mut masked).map_err(WorkerError::BadRequest)?;
+                let id = self.sampler.sample(&masked, &self.history);
+                g.commit(id).map_err(WorkerError::BadRequest)?;
+                (id, g.is_done())
+            }
+        };
+        self.history.push(id);
+        let scores = self.logprobs.map(|n| TokenLogprob::of(logits, id, n));
+        Ok(Sampled { id, done, scores })
+    }
 }
 
 /// The compute side of a stage, owned by its thread.
 pub struct StageHost {
     place: StagePlace,
     slice: Slice,
-    eog: Box<dyn Fn(u32) -> bool + Send>,
+    /// The model's tokenizer: end-of-generation ids, and the vocabulary a format is compiled
+    /// against (built at the first session that asks for one).
+    tokenizer: Arc<Tokenizer>,
+    vocabulary: Option<Arc<Vocabulary>>,
     sessions: HashMap<u64, SessionState>,
     pool: Vec<SliceCache>,
     router: Arc<Router>,
@@ -227,7 +318,7 @@ impl StageHandle {
         place: StagePlace,
         slice: Slice,
         caches: Vec<SliceCache>,
-        eog: Box<dyn Fn(u32) -> bool + Send>,
+        tokenizer: Arc<Tokenizer>,
         router: Arc<Router>,
     ) -> Result<StageHandle, WorkerError> {
         let (tx, rx) = stage_queue(STAGE_QUEUE_BYTES);
@@ -240,7 +331,8 @@ impl StageHandle {
         let host = StageHost {
             place: place.clone(),
             slice,
-            eog,
+            tokenizer,
+            vocabulary: None,
             sessions: HashMap::new(),
             pool: caches,
             router,
@@ -409,7 +501,7 @@ impl StageHost {
     fn compute_batch(
         &mut self,
         batch: &[(Inbound, u64)],
-    ) -> Result<(Vec<(candle_core::Tensor, Option<u32>)>, std::time::Duration), WorkerError> {
+    ) -> Result<(Vec<(candle_core::Tensor, Option<Sampled>)>, std::time::Duration), WorkerError> {
         let t0 = Instant::now();
         let first = self.place.stage == 0;
         let hidden = self.slice.config().hidden;
@@ -449,11 +541,10 @@ impl StageHost {
                 .map(|i| {
                     let row = out.narrow(0, i, 1)?;
                     Ok(match states[i].1.sampler.as_mut() {
-                        Some((sampler, history)) if self.is_last() => {
+                        Some(draw) if self.is_last() => {
                             let logits = brigade_model::rows::logits_row(&row)?;
-                            let id = sampler.sample(&logits, history);
-                            history.push(id);
-                            (row, Some(id))
+                            let sampled = draw.draw(&logits)?;
+                            (row, Some(sampled))
                         }
                         _ => (row, None),
                     })
@@ -603,13 +694,7 @@ impl StageHost {
         }
         let spec =
             SessionSpec::decode(frame.payload.as_ref()).map_err(|e| WorkerError::Frame(format!("OPEN frame: {e}")))?;
-        let sampler = if self.is_last() {
-            let cfg = sampling_from_proto(spec.sampling.as_ref())
-                .map_err(|e| WorkerError::Frame(format!("OPEN frame: sampling {e}")))?;
-            Some((Sampler::new(cfg), spec.prompt_ids.clone()))
-        } else {
-            None
-        };
+        let sampler = if self.is_last() { Some(draw_for(&spec, &self.tokenizer, &mut self.vocabulary)?) } else { None };
         let cache = match self.pool.pop() {
             Some(c) => c,
             None => {
@@ -661,13 +746,11 @@ impl StageHost {
             let out = self.slice.forward(&mut st.cache, input, Logits::Last)?;
             let sampled = if last && h.flags & FLAG_LAST != 0 {
                 let logits = brigade_model::rows::logits_row(&out)?;
-                let (sampler, history) = st
+                let draw = st
                     .sampler
                     .as_mut()
                     .ok_or_else(|| WorkerError::Internal("the last stage has no sampler for the session".into()))?;
-                let id = sampler.sample(&logits, history);
-                history.push(id);
-                Some(id)
+                Some(draw.draw(&logits)?)
             } else {
                 None
             };
@@ -686,7 +769,7 @@ impl StageHost {
         &self,
         h: FrameHeader,
         out: candle_core::Tensor,
-        sampled: Option<u32>,
+        sampled: Option<Sampled>,
         received: u64,
         computed: std::time::Duration,
     ) -> Result<(), WorkerError> {
@@ -724,12 +807,20 @@ impl StageHost {
             return self.to_next(next);
         }
         // a prompt chunk before the last fills the cache; there is nothing to sample yet
-        let Some(id) = sampled else { return Ok(()) };
-        let flags = if (self.eog)(id) { FLAG_EOG } else { 0 };
+        let Some(Sampled { id, done, scores }) = sampled else { return Ok(()) };
+        let mut flags = if self.tokenizer.is_eog(id) { FLAG_EOG } else { 0 };
+        if done {
+            flags |= FLAG_DONE;
+        }
         let back = Frame::tokens(h.step, h.first_position + u64::from(rows), &[id]).with_flags(flags);
         trace.push(StageTrace { sent_us: now_us(), ..stamp });
         let mut back = self.addressed(back, session);
         back.header.trace = trace;
+        back.header.scores = scores.map(|s| TokenScores {
+            logprob: s.logprob,
+            top_ids: s.top.iter().map(|t| t.0).collect(),
+            top_logprobs: s.top.iter().map(|t| t.1).collect(),
+        });
         self.to_driver(back);
         Ok(())
     }
@@ -743,6 +834,61 @@ mod tests {
         let mut f = brigade_transport::Frame::tokens(0, 0, &[]);
         f.payload = bytes::Bytes::from(vec![0u8; bytes]);
         f
+    }
+
+    /// The last stage's draw: a session's format after a failover has taken the ids generated
+    /// before it, so the answer goes on where it was; its scores are the logits' own; a resumed
+    /// id the format refuses, or a format that does not compile, is refused at OPEN.
+    #[test]
+    fn a_resumed_session_continues_its_format_and_scores_its_tokens() {
+        let files = brigade_model::ModelFiles::from_static_gguf(brigade_model::embedded_model(), "stories").unwrap();
+        let tk = files.tokenizer.clone();
+        let mut vocab = None;
+        let prompt = tk.encode("Say it:", true).unwrap();
+        let answer = tk.encode("Once upon a time", false).unwrap();
+        let format = serde_json::to_string(&Format::Lark("start: \" Once upon a time\"".into())).unwrap();
+        let greedy = brigade_proto::convert::sampling_to_proto(&brigade_core::SamplingParams::greedy());
+        let spec = |done: usize| SessionSpec {
+            sampling: Some(greedy),
+            prompt_ids: [&prompt[..], &answer[..done]].concat(),
+            format: format.clone(),
+            logprobs: Some(2),
+            resumed: done as u32,
+            ..Default::default()
+        };
+        // flat logits but for one id the format never allows: the mask decides every draw
+        let vocab_n = tk.vocab_size();
+        for done in [0, 2, answer.len() - 1] {
+            let mut d = draw_for(&spec(done), &tk, &mut vocab).unwrap();
+            let mut got = answer[..done].to_vec();
+            let mut logits = vec![0.0f32; vocab_n];
+            logits[5] = 9.0;
+            for _ in 0..64 {
+                let s = d.draw(&logits).unwrap();
+                got.push(s.id);
+                let lp = s.scores.unwrap();
+                assert_eq!(lp.top[0].0, 5, "scores come from the logits, not the mask");
+                assert!(lp.logprob < lp.top[0].1);
+                if s.done {
+                    break;
+                }
+            }
+            assert_eq!(tk.decode(&got, prompt.last().copied()), " Once upon a time", "resumed after {done}");
+        }
+        // a resumed id the format refuses; more resumed ids than the prompt has; a bad format
+        let mut bad = spec(2);
+        bad.prompt_ids.push(3 + u32::from(b'Z')); // the byte token of `Z`
+        bad.resumed = 3;
+        assert!(draw_for(&bad, &tk, &mut vocab).is_err());
+        let mut bad = spec(0);
+        bad.resumed = 1000;
+        assert!(matches!(draw_for(&bad, &tk, &mut vocab), Err(WorkerError::Frame(_))));
+        let mut bad = spec(0);
+        bad.format = serde_json::to_string(&Format::Lark("start: nowhere".into())).unwrap();
+        assert!(matches!(draw_for(&bad, &tk, &mut vocab), Err(WorkerError::BadRequest(_))));
+        let mut bad = spec(0);
+        bad.logprobs = Some(21);
+        assert!(draw_for(&bad, &tk, &mut vocab).is_err());
     }
 
     #[test]

@@ -32,7 +32,7 @@ pub use engine::{Busy, Engine, EngineConfig, Load, Sink};
 
 use crate::pipeline::{StopReason, PREFILL_CHUNK};
 use crate::{Logits, ModelError, Pipeline, Sampler, SamplingParams, Session};
-use brigade_core::Constraint;
+use brigade_core::{Constraint, TokenLogprob};
 use std::collections::VecDeque;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -53,6 +53,9 @@ pub struct Job {
     /// What the answer must spell: each step's logits are masked by it before the draw, and
     /// the job ends when it is complete.
     pub constraint: Option<Constraint>,
+    /// Report each token's log-probability and this many most likely alternatives (OpenAI's
+    /// `logprobs` / `top_logprobs`), from the step's logits before any mask or penalty.
+    pub logprobs: Option<usize>,
 }
 
 /// What a job produces, in order: `Started` when a slot takes it, tokens, then one `Done` or
@@ -64,7 +67,8 @@ pub enum Output {
     Started {
         cached_tokens: usize,
     },
-    Token(u32),
+    /// A generated id, with its log-probabilities when the job asked for them.
+    Token(u32, Option<TokenLogprob>),
     Done(JobStats),
     Error(String),
 }
@@ -354,7 +358,8 @@ impl Batch {
             Some(StopReason::Eos)
         } else {
             a.generated += 1;
-            out.push((a.id, Output::Token(id)));
+            let lp = a.job.logprobs.map(|n| TokenLogprob::of(logits, id, n));
+            out.push((a.id, Output::Token(id, lp)));
             // the last token is not fed (as `generate`): the session's tokens stay its caches'
             if done {
                 Some(StopReason::Eos)
