@@ -403,6 +403,11 @@ def case_tools(args):
                                   max_tokens=200, temperature=0.3, seed=4)
     valid_calls(as_dicts(r.choices[0].message), ["get_weather", "add"], "after a result")
     check(r.usage.prompt_tokens > with_tools.usage.prompt_tokens, "the history is in the prompt")
+    # the same history with no tools in play: the calls and results are still shown
+    r = c.chat.completions.create(model=model, messages=history, tool_choice="none", tools=TOOLS, max_tokens=4,
+                                  temperature=0)
+    check(r.choices[0].message.tool_calls is None and r.usage.prompt_tokens > plain.usage.prompt_tokens + 10,
+          f"history without tools: {r.usage}")
     # bad tools: 400 naming the field; the server keeps serving
     with raw(args) as x:
         base = {"model": model, "messages": msgs}
@@ -470,12 +475,14 @@ def case_logprobs(args):
     for tok, l, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs):
         check(len(top) <= 2 and max(top.values()) == l and top.get(tok) == l, f"greedy {tok!r} {l} {top}")
     check(lp.text_offset[0] == 0 and lp.text_offset == sorted(lp.text_offset), f"offsets {lp.text_offset}")
-    text = ""
+    text, offsets = "", []
     for ch in c.completions.create(model=model, prompt="Once upon a time", max_tokens=12, temperature=0, logprobs=2,
                                    stream=True):
         if ch.choices and ch.choices[0].logprobs:
             text += "".join(ch.choices[0].logprobs.tokens)
+            offsets += ch.choices[0].logprobs.text_offset
     check(text == r.choices[0].text, f"streamed tokens {text!r}")
+    check(offsets == lp.text_offset, f"streamed offsets {offsets} != {lp.text_offset}")
     with raw(args) as x:
         for path, body, field in [
             ("/v1/chat/completions", {"messages": msgs, "logprobs": True, "top_logprobs": 21}, "top_logprobs"),

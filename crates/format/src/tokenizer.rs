@@ -655,51 +655,119 @@ impl Tokenizer {
 }
 
 /// Jinja's `tojson` as transformers defines it for chat templates: Python's
-/// `json.dumps(value, ensure_ascii=False, indent=indent)` — `", "` and `": "` between items, or
-/// one item per line under `indent`. (minijinja's own writes compact, HTML-escaped JSON, which
-/// would change the prompt.)
+/// `json.dumps(value, ensure_ascii=False, indent=indent, separators=separators,
+/// sort_keys=sort_keys)` — `", "` and `": "` between items, or one item per line under `indent`
+/// (then `","`), `ensure_ascii=True` writing `\uXXXX` for what is not ASCII. minijinja's own
+/// writes compact, HTML-escaped JSON, which would change the prompt; serde_json has no option
+/// for Python's separators or ASCII escaping, hence this small writer.
 fn python_tojson(
     value: minijinja::Value,
     kwargs: minijinja::value::Kwargs,
 ) -> Result<minijinja::Value, minijinja::Error> {
-    let indent: Option<usize> = kwargs.get("indent")?;
-    kwargs.assert_all_used()?;
-    let mut out = Vec::new();
-    let written = match indent {
-        Some(n) => {
-            let pad = vec![b' '; n];
-            let mut ser =
-                serde_json::Serializer::with_formatter(&mut out, serde_json::ser::PrettyFormatter::with_indent(&pad));
-            serde::Serialize::serialize(&value, &mut ser)
-        }
-        None => serde::Serialize::serialize(&value, &mut serde_json::Serializer::with_formatter(&mut out, PythonJson)),
+    let bad = |why: String| minijinja::Error::new(minijinja::ErrorKind::InvalidOperation, format!("tojson: {why}"));
+    let indent: Option<minijinja::Value> = kwargs.get("indent")?;
+    // Python: an int is that many spaces, a string is itself, None is one line
+    let indent = match indent {
+        None => None,
+        Some(v) if v.is_none() => None,
+        Some(v) => match (v.as_usize(), v.as_str()) {
+            (Some(n), _) => Some(" ".repeat(n.min(64))),
+            (None, Some(s)) => Some(s.to_string()),
+            _ => return Err(bad(format!("indent must be a number or a string, not {v}"))),
+        },
     };
-    written.map_err(|e| minijinja::Error::new(minijinja::ErrorKind::InvalidOperation, format!("tojson: {e}")))?;
-    Ok(minijinja::Value::from_safe_string(String::from_utf8_lossy(&out).into_owned()))
+    let ensure_ascii: Option<bool> = kwargs.get("ensure_ascii")?;
+    let sort_keys: Option<bool> = kwargs.get("sort_keys")?;
+    let separators: Option<Vec<String>> = kwargs.get("separators")?;
+    kwargs.assert_all_used()?;
+    let (item, key) = match separators.as_deref() {
+        None if indent.is_some() => (",".to_string(), ": ".to_string()),
+        None => (", ".to_string(), ": ".to_string()),
+        Some([i, k]) => (i.clone(), k.clone()),
+        Some(other) => return Err(bad(format!("separators must be two strings, got {}", other.len()))),
+    };
+    let json = serde_json::to_value(&value).map_err(|e| bad(e.to_string()))?;
+    let w = PyJson { indent, item, key, ascii: ensure_ascii.unwrap_or(false), sort: sort_keys.unwrap_or(false) };
+    let mut out = String::new();
+    w.write(&json, 0, &mut out);
+    Ok(minijinja::Value::from_safe_string(out))
 }
 
-/// serde_json's compact output with Python's separators.
-struct PythonJson;
+/// Python's `json.dumps` settings.
+struct PyJson {
+    indent: Option<String>,
+    item: String,
+    key: String,
+    ascii: bool,
+    sort: bool,
+}
 
-impl serde_json::ser::Formatter for PythonJson {
-    fn begin_array_value<W: ?Sized + std::io::Write>(&mut self, w: &mut W, first: bool) -> std::io::Result<()> {
-        if first {
-            Ok(())
-        } else {
-            w.write_all(b", ")
+impl PyJson {
+    fn string(&self, s: &str, out: &mut String) {
+        // serde_json escapes as Python does (`\n`, `\u001f`, ...); ASCII mode escapes the rest
+        let quoted = serde_json::Value::String(s.to_string()).to_string();
+        if !self.ascii {
+            out.push_str(&quoted);
+            return;
+        }
+        for c in quoted.chars() {
+            if c.is_ascii() {
+                out.push(c);
+            } else {
+                let mut units = [0u16; 2];
+                for u in c.encode_utf16(&mut units) {
+                    out.push_str(&format!("\\u{u:04x}"));
+                }
+            }
         }
     }
 
-    fn begin_object_key<W: ?Sized + std::io::Write>(&mut self, w: &mut W, first: bool) -> std::io::Result<()> {
-        if first {
-            Ok(())
-        } else {
-            w.write_all(b", ")
+    fn newline(&self, depth: usize, out: &mut String) {
+        if let Some(ind) = &self.indent {
+            out.push('\n');
+            for _ in 0..depth {
+                out.push_str(ind);
+            }
         }
     }
 
-    fn begin_object_value<W: ?Sized + std::io::Write>(&mut self, w: &mut W) -> std::io::Result<()> {
-        w.write_all(b": ")
+    fn write(&self, v: &serde_json::Value, depth: usize, out: &mut String) {
+        use serde_json::Value as J;
+        match v {
+            J::String(s) => self.string(s, out),
+            J::Array(items) if !items.is_empty() => {
+                out.push('[');
+                for (i, x) in items.iter().enumerate() {
+                    if i > 0 {
+                        out.push_str(&self.item);
+                    }
+                    self.newline(depth + 1, out);
+                    self.write(x, depth + 1, out);
+                }
+                self.newline(depth, out);
+                out.push(']');
+            }
+            J::Object(m) if !m.is_empty() => {
+                let mut entries: Vec<(&String, &serde_json::Value)> = m.iter().collect();
+                if self.sort {
+                    entries.sort_by(|a, b| a.0.cmp(b.0));
+                }
+                out.push('{');
+                for (i, (k, x)) in entries.into_iter().enumerate() {
+                    if i > 0 {
+                        out.push_str(&self.item);
+                    }
+                    self.newline(depth + 1, out);
+                    self.string(k, out);
+                    out.push_str(&self.key);
+                    self.write(x, depth + 1, out);
+                }
+                self.newline(depth, out);
+                out.push('}');
+            }
+            // numbers, booleans, null, and empty containers as serde_json writes them
+            other => out.push_str(&other.to_string()),
+        }
     }
 }
 
@@ -859,6 +927,13 @@ mod tests {
             tk.render_chat(t, &msgs, Some(&tools)).unwrap(),
             "[{\"type\": \"function\", \"function\": {\"name\": \"f\", \"b\": [1, 2], \"a\": \"é<&>\"}}]|{\n  \"x\": 1\n}|assistant"
         );
+        // transformers' other arguments: ASCII escaping, sorted keys, separators
+        let t = "{{ tools | tojson(ensure_ascii=True, sort_keys=True) }}|{{ tools[0].function | tojson(separators=(',', ':')) }}";
+        assert_eq!(
+            tk.render_chat(t, &msgs, Some(&tools)).unwrap(),
+            "[{\"function\": {\"a\": \"\\u00e9<&>\", \"b\": [1, 2], \"name\": \"f\"}, \"type\": \"function\"}]|{\"name\":\"f\",\"b\":[1,2],\"a\":\"é<&>\"}"
+        );
+        assert!(tk.render_chat("{{ tools | tojson(colour=1) }}", &msgs, Some(&tools)).is_err());
         // no tools: the template sees none
         assert_eq!(
             tk.render_chat("{{ tools is none }}{{ tools | length if tools else 0 }}", &msgs, None).unwrap(),

@@ -25,7 +25,7 @@ use futures_util::{stream, StreamExt};
 use serde_json::{json, Value};
 use std::convert::Infallible;
 use std::future::Future;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 use tokio::net::TcpListener;
@@ -335,6 +335,14 @@ async fn chat<B: Backend>(State(app): State<Arc<App<B>>>, body: Body) -> Result<
     let (prompt, style) = tokenize_with(info.tokenizer.clone(), move |tk| {
         let template = tk.chat_template.as_deref().unwrap_or(FALLBACK_CHAT_TEMPLATE);
         let Some(tools) = &in_play else {
+            // no tools now, but earlier calls and results in the history: a template that knows
+            // no tools gets them as text (as when tools are in play)
+            let history = messages.iter().any(|m| m.get("tool_calls").is_some() || m["role"] == "tool");
+            let messages = if history && Style::of(tk, template) == Style::Generic {
+                crate::tools::messages_for(messages, None, Style::Generic)
+            } else {
+                messages
+            };
             return Ok((tk.encode_chat(&tk.render_chat(template, &messages, None)?)?, Style::Generic));
         };
         let style = Style::of(tk, template);
@@ -458,9 +466,9 @@ fn finite(l: f32) -> f32 {
 }
 
 /// Completions' `logprobs`: parallel lists, `text_offset` counting characters from the
-/// answer's start.
-fn completion_logprobs(scored: &[Scored]) -> Value {
-    let mut offset = 0usize;
+/// answer's start (`offset`: the characters of the tokens before these).
+fn completion_logprobs(scored: &[Scored], offset: usize) -> Value {
+    let mut offset = offset;
     let mut offsets = Vec::with_capacity(scored.len());
     for s in scored {
         offsets.push(offset);
@@ -537,7 +545,14 @@ async fn run<B: Backend>(
         t0,
     };
     tokio::spawn(pump(events, info.tokenizer.clone(), prev, s.stop.clone(), tools, tx, record));
-    let answer = Answer { kind, model: info.id.clone(), created: now(), n_prompt, include_usage: s.include_usage };
+    let answer = Answer {
+        kind,
+        model: info.id.clone(),
+        created: now(),
+        n_prompt,
+        include_usage: s.include_usage,
+        offset: AtomicUsize::new(0),
+    };
     if s.stream {
         let head = answer.head();
         let body = tokio_stream::wrappers::ReceiverStream::new(rx).flat_map(move |c| stream::iter(answer.events(c)));
@@ -556,6 +571,7 @@ async fn run<B: Backend>(
             Chunk::Call(index, id, call) => calls.push(call_json(index, &id, &call)),
             Chunk::End { finish, tokens, cached, calls: _ } => {
                 let logprobs = s.logprobs.map(|_| scored);
+                // (text offsets count from the answer's start)
                 return Ok(
                     Json(answer.whole(&text, &calls, logprobs.as_deref(), finish, (tokens, cached))).into_response()
                 );
@@ -766,6 +782,8 @@ struct Answer {
     created: u64,
     n_prompt: usize,
     include_usage: bool,
+    /// Characters of the tokens whose scores were streamed (completions' `text_offset`).
+    offset: AtomicUsize,
 }
 
 impl Answer {
@@ -788,7 +806,7 @@ impl Answer {
             Kind::Completion { id } => (
                 id,
                 "text_completion",
-                json!({"index": 0, "text": text, "logprobs": logprobs.map(completion_logprobs),
+                json!({"index": 0, "text": text, "logprobs": logprobs.map(|l| completion_logprobs(l, 0)),
                        "finish_reason": finish.as_str()}),
             ),
             Kind::Chat { id } => {
@@ -874,9 +892,13 @@ impl Answer {
                 if !scored.is_empty() {
                     j["choices"][0]["logprobs"] = match self.kind {
                         Kind::Chat { .. } => {
-                            json!({"content": scored.iter().map(Scored::chat_json).collect::<Vec<_>>()})
+                            json!({"content": scored.iter().map(Scored::chat_json).collect::<Vec<_>>(),
+                                   "refusal": null})
                         }
-                        Kind::Completion { .. } => completion_logprobs(&scored),
+                        Kind::Completion { .. } => {
+                            let chars = scored.iter().map(|s| s.token.chars().count()).sum();
+                            completion_logprobs(&scored, self.offset.fetch_add(chars, Ordering::Relaxed))
+                        }
                     };
                 }
                 vec![Self::data(&j)]

@@ -295,13 +295,17 @@ impl Tools {
 
     /// The system message that describes the tools to a model whose template cannot.
     pub fn generic_prompt(&self) -> String {
+        let description = |name: &str| {
+            self.raw.as_array().into_iter().flatten().filter_map(|t| t.get("function")).find_map(|f| {
+                (f.get("name").and_then(Value::as_str) == Some(name)).then(|| f.get("description").cloned()).flatten()
+            })
+        };
         let list: Vec<Value> = self
             .callable()
-            .map(|f| json!({"name": f.name, "parameters": f.parameters}))
-            .zip(self.raw.as_array().into_iter().flatten().filter_map(|t| t.get("function")))
-            .map(|(mut short, full)| {
-                if let Some(d) = full.get("description") {
-                    short["description"] = d.clone();
+            .map(|f| {
+                let mut short = json!({"name": f.name, "parameters": f.parameters});
+                if let Some(d) = description(&f.name) {
+                    short["description"] = d;
                 }
                 short
             })
@@ -407,6 +411,8 @@ enum Mode {
 pub struct ToolParser {
     style: Style,
     names: Vec<String>,
+    /// Calls an answer may make (1 without `parallel_tool_calls`): more are dropped.
+    max_calls: usize,
     mode: Mode,
     buf: String,
     /// Blanks held back before any text or after a call (dropped if only blanks follow).
@@ -422,7 +428,17 @@ const CALLS_HEAD: &str = "{\"tool_calls\": [";
 impl ToolParser {
     pub fn new(style: Style, tools: &Tools) -> Self {
         let names = tools.functions.iter().map(|f| f.name.clone()).collect();
-        ToolParser { style, names, mode: Mode::Start, buf: String::new(), blanks: String::new(), said: false, calls: 0 }
+        let max_calls = if tools.parallel { usize::MAX } else { 1 };
+        ToolParser {
+            style,
+            names,
+            max_calls,
+            mode: Mode::Start,
+            buf: String::new(),
+            blanks: String::new(),
+            said: false,
+            calls: 0,
+        }
     }
 
     /// Calls made so far.
@@ -448,8 +464,9 @@ impl ToolParser {
             Mode::Call if self.calls > 0 => {
                 let body = std::mem::take(&mut self.buf);
                 if let Some(calls) = self.parse_calls(&body) {
-                    self.calls += calls.len();
-                    out.extend(calls.into_iter().map(Delta::Call));
+                    for c in calls {
+                        self.call(c, &mut out);
+                    }
                 }
             }
             Mode::Call => {
@@ -585,10 +602,9 @@ impl ToolParser {
                         self.mode = Mode::Call; // not a call after all: the whole text decides at the end
                         return;
                     };
-                    self.calls += 1;
-                    self.blanks.clear();
-                    out.push(Delta::Call(call));
                     let used = self.buf.len() - rest.len() + len;
+                    self.blanks.clear();
+                    self.call(call, out);
                     self.buf.replace_range(head..used, "");
                 }
                 Mode::Done => {
@@ -605,8 +621,7 @@ impl ToolParser {
             Some(calls) => {
                 self.blanks.clear();
                 for c in calls {
-                    self.calls += 1;
-                    out.push(Delta::Call(c));
+                    self.call(c, out);
                 }
             }
             None => {
@@ -617,6 +632,14 @@ impl ToolParser {
                 };
                 self.content(text, out);
             }
+        }
+    }
+
+    /// A call found: sent, unless the answer has made all it may.
+    fn call(&mut self, c: ToolCall, out: &mut Vec<Delta>) {
+        if self.calls < self.max_calls {
+            self.calls += 1;
+            out.push(Delta::Call(c));
         }
     }
 
@@ -707,23 +730,37 @@ fn held_prefix(s: &str, marker: &str) -> usize {
 /// far as they are complete: (text, bytes used, whether the closing quote was reached). An
 /// escape cut off at the end of `s` waits for the rest.
 fn json_string_prefix(s: &str) -> (String, usize, bool) {
+    const BAD: char = '\u{FFFD}';
     let b = s.as_bytes();
+    // four hex digits at `at`: the value; `None`: cut off by the end of `s` (wait for more);
+    // `Some(None)`: not four hex digits
+    let hex = |at: usize| -> Option<Option<u16>> {
+        let digits = b.get(at..).unwrap_or(&[]);
+        let n = digits.iter().take(4).take_while(|d| d.is_ascii_hexdigit()).count();
+        match n {
+            4 => Some(std::str::from_utf8(&digits[..4]).ok().and_then(|h| u16::from_str_radix(h, 16).ok())),
+            n if n == digits.len() => None,
+            _ => Some(None),
+        }
+    };
     let mut out = String::new();
     let mut i = 0;
-    while i < b.len() {
-        match b[i] {
-            b'"' => return (out, i + 1, true),
-            b'\\' => {
-                let Some(&e) = b.get(i + 1) else { break };
+    // `i` only ever moves past whole characters (an escape's bytes are ASCII), so `s[i..]` is
+    // always a character boundary
+    while let Some(c) = s[i..].chars().next() {
+        match c {
+            '"' => return (out, i + 1, true),
+            '\\' => {
+                let Some(e) = s[i + 1..].chars().next() else { break };
                 let simple = match e {
-                    b'"' => Some('"'),
-                    b'\\' => Some('\\'),
-                    b'/' => Some('/'),
-                    b'b' => Some('\u{8}'),
-                    b'f' => Some('\u{c}'),
-                    b'n' => Some('\n'),
-                    b'r' => Some('\r'),
-                    b't' => Some('\t'),
+                    '"' => Some('"'),
+                    '\\' => Some('\\'),
+                    '/' => Some('/'),
+                    'b' => Some('\u{8}'),
+                    'f' => Some('\u{c}'),
+                    'n' => Some('\n'),
+                    'r' => Some('\r'),
+                    't' => Some('\t'),
                     _ => None,
                 };
                 if let Some(c) = simple {
@@ -731,32 +768,45 @@ fn json_string_prefix(s: &str) -> (String, usize, bool) {
                     i += 2;
                     continue;
                 }
-                // \uXXXX, perhaps a surrogate pair \uD83D\uDE00: serde_json decodes it whole
-                let hex = |at: usize| s.get(at..at + 4).and_then(|h| u16::from_str_radix(h, 16).ok());
-                let Some(hi) = hex(i + 2) else {
-                    if b.len() < i + 6 {
-                        break;
-                    }
-                    out.push('\u{FFFD}');
-                    i += 2;
+                if e != 'u' {
+                    out.push(BAD);
+                    i += 1 + e.len_utf8();
                     continue;
-                };
-                if (0xD800..0xDC00).contains(&hi) {
-                    if b.len() < i + 12 {
-                        break;
+                }
+                match hex(i + 2) {
+                    None => break,
+                    Some(None) => {
+                        out.push(BAD);
+                        i += 2;
                     }
-                    let lit = &s[i..i + 12];
-                    out.push_str(
-                        &serde_json::from_str::<String>(&format!("\"{lit}\"")).unwrap_or_else(|_| "\u{FFFD}".into()),
-                    );
-                    i += 12;
-                } else {
-                    out.push(char::from_u32(u32::from(hi)).unwrap_or('\u{FFFD}'));
-                    i += 6;
+                    Some(Some(hi)) if (0xD800..0xDC00).contains(&hi) => {
+                        // a high surrogate: the low one must follow as `\uXXXX`
+                        let rest = b.get(i + 6..).unwrap_or(&[]);
+                        if rest.is_empty() || rest == b"\\" {
+                            break;
+                        }
+                        if rest.starts_with(b"\\u") {
+                            match hex(i + 8) {
+                                None => break,
+                                Some(Some(lo)) if (0xDC00..0xE000).contains(&lo) => {
+                                    let c = 0x10000 + ((u32::from(hi) - 0xD800) << 10) + (u32::from(lo) - 0xDC00);
+                                    out.push(char::from_u32(c).unwrap_or(BAD));
+                                    i += 12;
+                                    continue;
+                                }
+                                Some(_) => {}
+                            }
+                        }
+                        out.push(BAD);
+                        i += 6;
+                    }
+                    Some(Some(v)) => {
+                        out.push(char::from_u32(u32::from(v)).unwrap_or(BAD));
+                        i += 6;
+                    }
                 }
             }
-            _ => {
-                let c = s[i..].chars().next().unwrap_or('\u{FFFD}');
+            c => {
                 out.push(c);
                 i += c.len_utf8();
             }
@@ -825,6 +875,12 @@ mod tests {
         );
         assert_eq!(c, "Let me look.\n");
         assert_eq!(calls, [call("get_weather", r#"{"city":"Paris"}"#), call("add", r#"{"a":1,"b":2}"#)]);
+        // without parallel_tool_calls, the first call only
+        let one = Tools { parallel: false, ..tools(json!("auto")) };
+        let mut p = ToolParser::new(Style::Hermes, &one);
+        let mut ds = p.push("<tool_call>{\"name\": \"add\", \"arguments\": {}}</tool_call><tool_call>{\"name\": \"add\", \"arguments\": {\"a\": 1}}</tool_call>");
+        ds.extend(p.finish());
+        assert_eq!(ds, [Delta::Call(call("add", "{}"))]);
         // a call cut off after a complete one is dropped
         let (c, calls) = parse_all_splits(
             Style::Hermes,
@@ -878,6 +934,17 @@ mod tests {
             "{\"tool_calls\": [{\"name\": \"add\", \"arguments\": {\"a\": \"}{\"}}, {\"name\": \"add\", \"arguments\": {}}]}",
         );
         assert_eq!((c.as_str(), calls), ("", vec![call("add", r#"{"a":"}{"}"#), call("add", "{}")]));
+        // escapes a model may write: lone surrogates, a backslash before any character
+        for (body, want) in [
+            ("\\uD83Dx\u{e9}\u{e9}", "\u{FFFD}x\u{e9}\u{e9}"),
+            ("\\uD83D\\u0041z", "\u{FFFD}Az"),
+            ("\\\u{e9}t", "\u{FFFD}t"),
+            ("\\uDE00\u{4e2d}", "\u{FFFD}\u{4e2d}"),
+            ("\\uZZZZ", "\u{FFFD}ZZZZ"),
+        ] {
+            let text = format!("{{\"response\": \"{body}\"}}");
+            assert_eq!(parse_all_splits(Style::Generic, &text), (want.to_string(), vec![]), "{body}");
+        }
         // a response cut off by max_tokens: what was written
         assert_eq!(parse_all_splits(Style::Generic, r#"{"response": "Once up"#), ("Once up".to_string(), vec![]));
         // unconstrained (a backend that cannot constrain): plain text stays text
@@ -942,6 +1009,14 @@ mod tests {
         let Some(Format::JsonSchema(s)) = t.format(Style::Llama3, &tk) else { panic!() };
         assert_eq!(s["properties"]["name"]["const"], "add");
         assert!(s["properties"]["parameters"].is_object());
+        // the generic prompt describes the callable functions, each with its own description
+        let p = t.generic_prompt();
+        assert!(
+            p.contains("\"name\": \"add\"") && !p.contains("get_weather") && !p.contains("Weather in a city"),
+            "{p}"
+        );
+        let p = auto.generic_prompt();
+        assert!(p.contains("Weather in a city") && p.contains("{\"response\""), "{p}");
         assert_eq!(Style::Mistral.call_id(5, 0).len(), 9);
         assert_ne!(Style::Hermes.call_id(5, 0), Style::Hermes.call_id(5, 1));
     }

@@ -195,15 +195,14 @@ struct Draw {
     history: Vec<u32>,
     grammar: Option<Grammar>,
     logprobs: Option<usize>,
+    /// The end-of-sequence id: what a format complete before the draw (the ids a failover
+    /// resumed with finished it) answers.
+    eos: Option<u32>,
 }
 
 /// The last stage's sampling state for a session: its sampler, and its format compiled
 /// against the model's vocabulary (which has taken the ids generated before a failover).
-fn draw_for(
-    spec: &SessionSpec,
-    tokenizer: &Tokenizer,
-    vocabulary: &mut Option<Arc<Vocabulary>>,
-) -> Result<Draw, WorkerError> {
+fn draw_for(spec: &SessionSpec, tokenizer: &Tokenizer, vocabulary: &VocabularyCell) -> Result<Draw, WorkerError> {
     let cfg = sampling_from_proto(spec.sampling.as_ref())
         .map_err(|e| WorkerError::Frame(format!("OPEN frame: sampling {e}")))?;
     let logprobs = match spec.logprobs {
@@ -219,14 +218,7 @@ fn draw_for(
     } else {
         let format: Format = serde_json::from_str(&spec.format)
             .map_err(|e| WorkerError::BadRequest(format!("the session's format: {e}")))?;
-        let vocab = match &*vocabulary {
-            Some(v) => v.clone(),
-            None => {
-                let v = Arc::new(Vocabulary::new(tokenizer).map_err(|e| WorkerError::BadRequest(e.to_string()))?);
-                *vocabulary = Some(v.clone());
-                v
-            }
-        };
+        let vocab = vocabulary_of(vocabulary, tokenizer)?;
         let mut g = vocab
             .compile(&format)
             .map_err(|e| WorkerError::BadRequest(format!("the session's format cannot be used: {e}")))?;
@@ -242,7 +234,17 @@ fn draw_for(
         }
         Some(g)
     };
-    Ok(Draw { sampler: Sampler::new(cfg), history: spec.prompt_ids.clone(), grammar, logprobs })
+    Ok(Draw { sampler: Sampler::new(cfg), history: spec.prompt_ids.clone(), grammar, logprobs, eos: tokenizer.eos })
+}
+
+/// A model's vocabulary for the grammar engine, built once (or the reason it cannot be).
+type VocabularyCell = Arc<std::sync::OnceLock<Result<Arc<Vocabulary>, String>>>;
+
+/// The vocabulary in `cell`, built now if no one has (a second caller waits for the first).
+fn vocabulary_of(cell: &VocabularyCell, tokenizer: &Tokenizer) -> Result<Arc<Vocabulary>, WorkerError> {
+    cell.get_or_init(|| Vocabulary::new(tokenizer).map(Arc::new).map_err(|e| e.to_string()))
+        .clone()
+        .map_err(WorkerError::BadRequest)
 }
 
 /// An id the last stage drew, with what the driver needs to know of it.
@@ -258,6 +260,13 @@ impl Draw {
     /// The next id from `logits` (the same steps as the one-box engine's: the grammar's mask,
     /// the sampling chain, the grammar told the id; scores from the logits as they came).
     fn draw(&mut self, logits: &[f32]) -> Result<Sampled, WorkerError> {
+        if self.grammar.as_ref().is_some_and(|g| g.is_done()) {
+            let id = self.eos.ok_or_else(|| {
+                WorkerError::BadRequest("the format is complete and the model names no end-of-sequence id".into())
+            })?;
+            let scores = self.logprobs.map(|n| TokenLogprob::of(logits, id, n));
+            return Ok(Sampled { id, done: true, scores });
+        }
         let (id, done) = match self.grammar.as_mut() {
             None => (self.sampler.sample(logits, &self.history), false),
             Some(g) => {
@@ -279,9 +288,9 @@ pub struct StageHost {
     place: StagePlace,
     slice: Slice,
     /// The model's tokenizer: end-of-generation ids, and the vocabulary a format is compiled
-    /// against (built at the first session that asks for one).
+    /// against (a last stage builds it on a thread of its own when it starts).
     tokenizer: Arc<Tokenizer>,
-    vocabulary: Option<Arc<Vocabulary>>,
+    vocabulary: VocabularyCell,
     sessions: HashMap<u64, SessionState>,
     pool: Vec<SliceCache>,
     router: Arc<Router>,
@@ -328,11 +337,23 @@ impl StageHandle {
         let stop = Arc::new(AtomicBool::new(false));
         let weight_bytes = slice.weight_bytes();
         let kv_bytes_per_session = slice.kv_bytes();
+        let vocabulary = VocabularyCell::default();
+        if place.stage + 1 == place.n_stages {
+            // the last stage compiles sessions' formats: their vocabulary is ready before the
+            // first, off the stage's thread (a large vocabulary takes a moment)
+            let (cell, tk) = (vocabulary.clone(), tokenizer.clone());
+            let built = std::thread::Builder::new().name("vocabulary".into()).spawn(move || {
+                let _ = vocabulary_of(&cell, &tk);
+            });
+            if let Err(e) = built {
+                tracing::debug!("no thread for the vocabulary ({e}): the first format builds it");
+            }
+        }
         let host = StageHost {
             place: place.clone(),
             slice,
             tokenizer,
-            vocabulary: None,
+            vocabulary: vocabulary.clone(),
             sessions: HashMap::new(),
             pool: caches,
             router,
@@ -478,8 +499,10 @@ impl StageHost {
                     // a row handed over in process is its own tensor: a view of the batch's
                     // output would keep every row alive while it waits in the next queue
                     let out = if here { out.copy().map_err(WorkerError::from) } else { Ok(out) };
-                    if let Err(e) = out.and_then(|out| self.emit(frame.frame.header, out, sampled, received, computed))
-                    {
+                    let sent = out.and_then(|out| {
+                        sampled.and_then(|s| self.emit(frame.frame.header, out, s, received, computed))
+                    });
+                    if let Err(e) = sent {
                         tracing::warn!(session, "stage {} of {}: {e}", self.place.stage, self.place.deployment);
                         self.end(session);
                         self.fail_to_driver(session, &e.to_string());
@@ -501,7 +524,8 @@ impl StageHost {
     fn compute_batch(
         &mut self,
         batch: &[(Inbound, u64)],
-    ) -> Result<(Vec<(candle_core::Tensor, Option<Sampled>)>, std::time::Duration), WorkerError> {
+    ) -> Result<(Vec<(candle_core::Tensor, Result<Option<Sampled>, WorkerError>)>, std::time::Duration), WorkerError>
+    {
         let t0 = Instant::now();
         let first = self.place.stage == 0;
         let hidden = self.slice.config().hidden;
@@ -540,13 +564,15 @@ impl StageHost {
             (0..batch.len())
                 .map(|i| {
                     let row = out.narrow(0, i, 1)?;
+                    // once the pass is in every cache, a row's draw that fails (its format) is its
+                    // own session's failure, not the batch's
                     Ok(match states[i].1.sampler.as_mut() {
                         Some(draw) if self.is_last() => {
                             let logits = brigade_model::rows::logits_row(&row)?;
-                            let sampled = draw.draw(&logits)?;
-                            (row, Some(sampled))
+                            let sampled = draw.draw(&logits).map(Some);
+                            (row, sampled)
                         }
-                        _ => (row, None),
+                        _ => (row, Ok(None)),
                     })
                 })
                 .collect::<Result<Vec<_>, WorkerError>>()
@@ -694,7 +720,7 @@ impl StageHost {
         }
         let spec =
             SessionSpec::decode(frame.payload.as_ref()).map_err(|e| WorkerError::Frame(format!("OPEN frame: {e}")))?;
-        let sampler = if self.is_last() { Some(draw_for(&spec, &self.tokenizer, &mut self.vocabulary)?) } else { None };
+        let sampler = if self.is_last() { Some(draw_for(&spec, &self.tokenizer, &self.vocabulary)?) } else { None };
         let cache = match self.pool.pop() {
             Some(c) => c,
             None => {
@@ -843,7 +869,7 @@ mod tests {
     fn a_resumed_session_continues_its_format_and_scores_its_tokens() {
         let files = brigade_model::ModelFiles::from_static_gguf(brigade_model::embedded_model(), "stories").unwrap();
         let tk = files.tokenizer.clone();
-        let mut vocab = None;
+        let vocab = VocabularyCell::default();
         let prompt = tk.encode("Say it:", true).unwrap();
         let answer = tk.encode("Once upon a time", false).unwrap();
         let format = serde_json::to_string(&Format::Lark("start: \" Once upon a time\"".into())).unwrap();
@@ -859,7 +885,7 @@ mod tests {
         // flat logits but for one id the format never allows: the mask decides every draw
         let vocab_n = tk.vocab_size();
         for done in [0, 2, answer.len() - 1] {
-            let mut d = draw_for(&spec(done), &tk, &mut vocab).unwrap();
+            let mut d = draw_for(&spec(done), &tk, &vocab).unwrap();
             let mut got = answer[..done].to_vec();
             let mut logits = vec![0.0f32; vocab_n];
             logits[5] = 9.0;
@@ -875,20 +901,24 @@ mod tests {
             }
             assert_eq!(tk.decode(&got, prompt.last().copied()), " Once upon a time", "resumed after {done}");
         }
+        // resumed with the whole answer (the last driver died before its end): the end at once
+        let mut d = draw_for(&spec(answer.len()), &tk, &vocab).unwrap();
+        let s = d.draw(&vec![0.0f32; vocab_n]).unwrap();
+        assert!(s.done && Some(s.id) == tk.eos && tk.is_eog(s.id));
         // a resumed id the format refuses; more resumed ids than the prompt has; a bad format
         let mut bad = spec(2);
         bad.prompt_ids.push(3 + u32::from(b'Z')); // the byte token of `Z`
         bad.resumed = 3;
-        assert!(draw_for(&bad, &tk, &mut vocab).is_err());
+        assert!(draw_for(&bad, &tk, &vocab).is_err());
         let mut bad = spec(0);
         bad.resumed = 1000;
-        assert!(matches!(draw_for(&bad, &tk, &mut vocab), Err(WorkerError::Frame(_))));
+        assert!(matches!(draw_for(&bad, &tk, &vocab), Err(WorkerError::Frame(_))));
         let mut bad = spec(0);
         bad.format = serde_json::to_string(&Format::Lark("start: nowhere".into())).unwrap();
-        assert!(matches!(draw_for(&bad, &tk, &mut vocab), Err(WorkerError::BadRequest(_))));
+        assert!(matches!(draw_for(&bad, &tk, &vocab), Err(WorkerError::BadRequest(_))));
         let mut bad = spec(0);
         bad.logprobs = Some(21);
-        assert!(draw_for(&bad, &tk, &mut vocab).is_err());
+        assert!(draw_for(&bad, &tk, &vocab).is_err());
     }
 
     #[test]
