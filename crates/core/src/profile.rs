@@ -29,6 +29,15 @@ pub struct ModelProfile {
     /// profile without the list, the whole context.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub kv_positions_max: Vec<Option<u64>>,
+    /// Bytes of a stage's rotary tables per context position (cosine and sine of each rotated
+    /// pair, f32; twice where windowed layers have their own base): every stage holds its own
+    /// over the whole context. 0 in a profile stored before it was counted.
+    #[serde(default)]
+    pub rope_bytes_per_position: u64,
+    /// The context the model was trained for (GGUF `context_length`, `max_position_embeddings`):
+    /// the max-context objective goes no further. `None`: unknown (a shape's profile).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub context_length: Option<u64>,
     pub hidden: usize,
     pub vocab: usize,
 }
@@ -87,6 +96,9 @@ impl ModelProfile {
             kv_bytes_per_token: 2 * kv * kv_dtype_bytes,
             cpu_kv_bytes_per_token: None,
             kv_positions_max: Vec::new(),
+            // cos and sin of hd / 2 angles per position, f32
+            rope_bytes_per_position: 2 * (hd as u64 / 2) * 4,
+            context_length: None,
             hidden: s.hidden,
             vocab: s.vocab,
         }

@@ -281,6 +281,16 @@ impl ModelConfig {
         self.n_kv_heads.checked_mul(self.head_dim)
     }
 
+    /// Bytes of a slice's rotary tables over `n_ctx` positions in elements of `elem_bytes`: the
+    /// cosine and sine of each position's angles (one per pair of rotated dimensions), once for
+    /// the model's base and once more for the windowed layers' own base when `layers` hold such
+    /// a layer (as the runtime builds them). Saturating.
+    pub fn rope_table_bytes(&self, layers: std::ops::Range<usize>, n_ctx: usize, elem_bytes: u64) -> u64 {
+        let tables = 1 + u64::from(layers.into_iter().any(|l| self.local_rope_theta(l).is_some()));
+        let pairs = self.rope_inv_freq().len() as u64;
+        [2, n_ctx as u64, pairs, elem_bytes].iter().fold(tables, |acc, &x| acc.saturating_mul(x))
+    }
+
     /// Inverse frequencies of the rotary embedding of a windowed layer with its own base
     /// ([`ModelConfig::rope_theta_local`]): unscaled.
     pub fn rope_inv_freq_at(&self, theta: f32) -> Vec<f32> {

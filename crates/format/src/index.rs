@@ -550,6 +550,8 @@ impl ModelIndex {
                 Some(_) => (0..c.n_layers).map(|l| c.window(l).map(|_| c.kv_positions(l, usize::MAX) as u64)).collect(),
                 None => Vec::new(),
             },
+            rope_bytes_per_position: c.rope_table_bytes(0..c.n_layers, 1, 4),
+            context_length: Some(c.context_length as u64),
             hidden: c.hidden,
             vocab: c.vocab,
         }

@@ -647,6 +647,13 @@ impl Slice {
     pub fn weight_bytes(&self) -> u64 {
         self.weight_bytes
     }
+    /// Bytes of the rotary tables this slice holds on its device (the context's positions).
+    pub fn table_bytes(&self) -> u64 {
+        let t = |x: &Tensor| (x.elem_count() * x.dtype().size_in_bytes()) as u64;
+        let local = self.local_rope.as_ref().map_or(0, |(c, s)| t(c) + t(s));
+        t(&self.cos) + t(&self.sin) + local
+    }
+
     /// Bytes one session's KV cache takes on this slice's device.
     pub fn kv_bytes(&self) -> u64 {
         kv_bytes(&self.cfg, self.layers, self.n_ctx, self.dtype)
@@ -820,11 +827,13 @@ fn rope_tables(inv: &[f32], n_ctx: usize, device: &Device, dtype: DType) -> Resu
 pub struct SliceBytes {
     pub weights: u64,
     pub kv: u64,
+    /// The rotary tables over the context ([`ModelConfig::rope_table_bytes`]).
+    pub tables: u64,
 }
 
 impl SliceBytes {
     pub fn total(&self) -> u64 {
-        self.weights + self.kv
+        self.weights.saturating_add(self.kv).saturating_add(self.tables)
     }
 }
 
@@ -849,7 +858,8 @@ pub fn predict_slice_bytes(files: &ModelFiles, layers: LayerRange, device: Devic
         .filter(|n| !SHARED_TENSORS.contains(&n.as_str()))
         .map(|n| files.device_bytes(n, on_cpu, dtype))
         .fold(0u64, u64::saturating_add);
-    SliceBytes { weights, kv: kv_bytes(files.config(), layers, n_ctx, dtype) }
+    let tables = files.config().rope_table_bytes(layers.start()..layers.end(), n_ctx, dtype.size_in_bytes() as u64);
+    SliceBytes { weights, kv: kv_bytes(files.config(), layers, n_ctx, dtype), tables }
 }
 
 /// Softmax-free helper for tests and reports: index of the largest logit of the last position.

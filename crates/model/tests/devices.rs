@@ -167,10 +167,12 @@ fn predicted_bytes_are_the_loaded_bytes(dev: DeviceId) {
         let f = synth(dir.path(), ty);
         let stages = DeviceMap::parse(&format!("cpu:1,{dev}:3")).unwrap().stages(4).unwrap();
         let p = Pipeline::load(&f, &stages, 64, |_, _| {}).unwrap();
-        for (r, st) in p.report().iter().zip(&stages) {
+        for ((r, st), (_, slice)) in p.report().iter().zip(&stages).zip(p.stages()) {
             let want = brigade_model::predict_slice_bytes(&f, st.layers, st.device, 64);
             assert_eq!(r.weight_bytes, want.weights, "{ty:?} {:?}", st);
             assert_eq!(r.kv_bytes, want.kv, "{ty:?} {:?}", st);
+            assert_eq!(slice.table_bytes(), want.tables, "{ty:?} {:?}", st);
+            assert!(want.tables > 0);
         }
     }
 }

@@ -393,8 +393,11 @@ fn window_sized_caches_give_transformers_ids() {
                 assert_eq!(kv, positions * per_token, "{family} over {map}: KV bytes");
                 // as predicted before loading, stage by stage
                 for (dev, slice) in p.stages() {
-                    let want = brigade_model::predict_slice_bytes(&files, slice.layers(), dev, n_ctx).kv;
+                    let predicted = brigade_model::predict_slice_bytes(&files, slice.layers(), dev, n_ctx);
+                    let want = predicted.kv;
                     assert_eq!(slice.kv_bytes(), want, "{family} over {map}: {} predicted", slice.layers());
+                    // the rotary tables too (Gemma 3's windowed layers have a second base)
+                    assert_eq!(slice.table_bytes(), predicted.tables, "{family} over {map}: {}", slice.layers());
                     // and allocated
                     assert_eq!(slice.new_cache().unwrap().bytes(), want, "{family} over {map}: {}", slice.layers());
                 }

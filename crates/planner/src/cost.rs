@@ -219,7 +219,7 @@ impl<'a> Problem<'a> {
     }
 
     /// Bytes a stage `[a, b)` holds: weights, KV cache (of the profile's default type),
-    /// embedding if first, head if last.
+    /// embedding if first, head if last, and the rotary tables over the context.
     pub fn stage_mem(&self, a: usize, b: usize) -> StageMem {
         let l = self.n_layers;
         let p = self.profile;
@@ -234,7 +234,11 @@ impl<'a> Problem<'a> {
                 extra -= p.embed_bytes.min(p.head_bytes);
             }
         }
-        StageMem { weights: weights + extra, kv: self.kv_bytes(a, b, p.kv_bytes_per_token) }
+        StageMem {
+            weights: weights + extra,
+            kv: self.kv_bytes(a, b, p.kv_bytes_per_token),
+            tables: p.rope_bytes_per_position.saturating_mul(self.ctx),
+        }
     }
 
     pub fn fits(&self, d: usize, a: usize, b: usize) -> bool {
@@ -346,11 +350,13 @@ impl<'a> Problem<'a> {
 pub struct StageMem {
     pub weights: u64,
     pub kv: u64,
+    /// The rotary tables over the context (every stage holds its own).
+    pub tables: u64,
 }
 
 impl StageMem {
     pub fn total(&self) -> u64 {
-        self.weights + self.kv
+        self.weights.saturating_add(self.kv).saturating_add(self.tables)
     }
 }
 
@@ -411,6 +417,8 @@ mod tests {
             kv_bytes_per_token: 2,
             cpu_kv_bytes_per_token: None,
             kv_positions_max: Vec::new(),
+            rope_bytes_per_position: 0,
+            context_length: None,
             hidden: 1,
             vocab: 1,
         };
@@ -436,5 +444,13 @@ mod tests {
         // a context shorter than the window: all of it
         let p = Problem::new(&inv, &profile, &policy, 8).unwrap();
         assert_eq!(p.stage_mem_on(1, 0, 4).kv, 4 * 8 * 2);
+        // every stage holds the rotary tables of the whole context, whatever its layers
+        profile.rope_bytes_per_position = 3;
+        let p = Problem::new(&inv, &profile, &policy, 100).unwrap();
+        for (a, b) in [(0, 1), (1, 3), (0, 4)] {
+            let m = p.stage_mem_on(1, a, b);
+            assert_eq!(m.tables, 300);
+            assert_eq!(m.total(), m.weights + m.kv + 300);
+        }
     }
 }

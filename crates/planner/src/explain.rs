@@ -129,7 +129,7 @@ pub fn plan(inv: &Inventory, profile: &ModelProfile, policy: &Policy) -> Result<
     let mut policy = policy.clone();
     if policy.objective == Objective::MaxContext {
         let build = |ctx: u64| Problem::new(inv, profile, &policy, ctx);
-        match search::max_context(&build, &policy)? {
+        match search::max_context(&build, &policy, profile.context_length)? {
             Some(ctx) => policy.ctx = ctx,
             None => return Err(infeasible(&Problem::new(inv, profile, &policy, 1)?, &profile.name)),
         }

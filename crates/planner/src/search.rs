@@ -234,25 +234,33 @@ pub fn solve(p: &Problem, policy: &Policy, obj: Objective) -> Option<Solution> {
     refined
 }
 
-/// The largest context (tokens) any placement can hold, by bisection over feasibility.
+/// Contexts the max-context objective tries at most when the model does not say (2^34 tokens):
+/// a model whose every layer has a sliding window holds any context.
+pub const MAX_CONTEXT_CAP: u64 = 1 << 34;
+
+/// The largest context (tokens) any placement can hold, at most `cap` (the model's trained
+/// context; [`MAX_CONTEXT_CAP`] when unknown), by bisection over feasibility.
 pub fn max_context<'a>(
     build: &dyn Fn(u64) -> Result<Problem<'a>, PlanError>,
     policy: &Policy,
+    cap: Option<u64>,
 ) -> Result<Option<u64>, PlanError> {
     let feasible = |ctx: u64| -> Result<bool, PlanError> {
         let p = build(ctx)?;
         Ok(solve(&p, policy, Objective::Latency).is_some())
     };
+    let cap = cap.unwrap_or(MAX_CONTEXT_CAP).clamp(1, MAX_CONTEXT_CAP);
     if !feasible(1)? {
         return Ok(None);
     }
-    let (mut lo, mut hi) = (1u64, 2u64);
-    while feasible(hi)? {
+    if feasible(cap)? {
+        return Ok(Some(cap));
+    }
+    // feasible(lo), not feasible(hi)
+    let (mut lo, mut hi) = (1u64, 2u64.min(cap));
+    while hi < cap && feasible(hi)? {
         lo = hi;
-        if hi >= 1 << 34 {
-            return Ok(Some(hi));
-        }
-        hi *= 2;
+        hi = (hi * 2).min(cap);
     }
     while hi - lo > 1 {
         let mid = lo + (hi - lo) / 2;

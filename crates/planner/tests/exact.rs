@@ -75,6 +75,9 @@ prop_compose! {
             cpu_kv_bytes_per_token: (next() < 0.5).then(|| 1 + (6.0 * next()) as u64),
             // some layers with a sliding window shorter than some contexts
             kv_positions_max: (0..layers).map(|_| (next() < 0.3).then(|| 1 + (5.0 * next()) as u64)).collect(),
+            rope_bytes_per_position: (3.0 * next()) as u64,
+            // a trained context the max-context objective stops at, or none
+            context_length: (next() < 0.5).then(|| 1 + (12.0 * next()) as u64),
             hidden: 1 + (20.0 * next()) as usize,
             vocab: 100,
         };
@@ -167,12 +170,14 @@ fn max_ctx_brute(c: &Case) -> Option<u64> {
         let p = Problem::new(&c.inv, &c.profile, &c.policy, ctx).unwrap();
         all_assignments(p.devs.len(), p.n_layers).iter().any(|a| p.evaluate(a).is_some())
     };
-    // feasibility is monotone in ctx: bisect between 1 and one past the planner's cap (2^34 tokens:
-    // a model whose every layer has a sliding window holds any context)
+    // feasibility is monotone in ctx: bisect between 1 and one past the planner's cap (the
+    // model's trained context, else 2^34 tokens: a model whose every layer has a sliding window
+    // holds any context)
     if !feasible(1) {
         return None;
     }
-    let (mut lo, mut hi) = (1u64, (1u64 << 34) + 1);
+    let cap = c.profile.context_length.unwrap_or(brigade_planner::search::MAX_CONTEXT_CAP);
+    let (mut lo, mut hi) = (1u64, cap + 1);
     while hi - lo > 1 {
         let mid = (lo + hi) / 2;
         if feasible(mid) {
