@@ -79,6 +79,37 @@ fn three_workers_generate_what_run_generates_with_sixteen_clients_at_once() {
         let (_, want) = run_ids(Some(&synth_path), p, 16);
         assert_eq!(ids(&c.generate("small", p, 16)["generated_ids"]), want, "small: {p}");
     }
+    // a JSON schema through `brigade generate` (the Rust SDK, gRPC `Generate`): the last of three
+    // stages draws only what the schema allows, over QUIC and over gRPC, at temperature 1.2
+    let schema = r#"{"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 999},
+        "w": {"enum": ["yes", "no"]}}, "required": ["n", "w"], "additionalProperties": false}"#;
+    for (model, seed) in [("stories-grpc", "1"), ("gemma3", "2"), ("stories", "3")] {
+        let out = c.brigade(&[
+            "generate",
+            "--model",
+            model,
+            "-p",
+            "Once",
+            "-n",
+            "64",
+            "--temp",
+            "1.2",
+            "-s",
+            seed,
+            "--json-schema",
+            schema,
+            "--json",
+        ]);
+        assert!(out.status.success(), "{model}: {}", String::from_utf8_lossy(&out.stderr));
+        let got: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+        let v: serde_json::Value =
+            serde_json::from_str(got["text"].as_str().unwrap()).unwrap_or_else(|e| panic!("{e}: {got}"));
+        assert!(v["n"].as_u64().is_some_and(|n| n <= 999) && (v["w"] == "yes" || v["w"] == "no"), "{model}: {v}");
+    }
+    // a schema that does not compile is the caller's error, named
+    let out = c.brigade(&["generate", "--model", "stories", "-p", "Once", "--json-schema", r#"{"type": "strnig"}"#]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success() && err.contains("format cannot be used"), "{err}");
 
     // 16 clients at once, different prompts and lengths: every answer complete and right
     let jobs: Vec<(String, usize)> = (0..16)

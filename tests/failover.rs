@@ -88,7 +88,7 @@ fn stream(
             tokio::time::timeout_at(deadline.into(), s.next()).await.expect("the stream stalled past 180 s")
         {
             match ev.unwrap() {
-                Event::Token { id, index, text: piece } => {
+                Event::Token { id, index, text: piece, .. } => {
                     assert_eq!(index as usize, got.len(), "a gap or a repeat in the stream");
                     got.push(id);
                     text.push_str(&piece);

@@ -570,6 +570,12 @@ pub struct GenerateArgs {
     /// A stop string (repeatable): the answer ends before the earliest one found.
     #[arg(long = "stop", value_name = "TEXT")]
     pub stop: Vec<String>,
+    /// The answer is JSON valid under this schema (llama.cpp's `--json-schema`).
+    #[arg(long = "json-schema", value_name = "SCHEMA", conflicts_with = "grammar_file")]
+    pub json_schema: Option<String>,
+    /// The answer follows this grammar, in llguidance's Lark syntax.
+    #[arg(long = "grammar-file", value_name = "FILE")]
+    pub grammar_file: Option<std::path::PathBuf>,
     /// One JSON object instead of streamed text (the fields of `brigade run --json`, plus `hops`).
     #[arg(long)]
     pub json: bool,
@@ -619,6 +625,12 @@ pub fn generate(a: GenerateArgs) -> Result<()> {
         sampling,
         ignore_eos: a.ignore_eos,
         stop: a.stop.clone(),
+        json_schema: a.json_schema.clone(),
+        grammar: match &a.grammar_file {
+            Some(p) => Some(std::fs::read_to_string(p).with_context(|| format!("reading {}", p.display()))?),
+            None => None,
+        },
+        logprobs: None,
     };
     if a.n_predict == 0 {
         bail!("-n 0 generates nothing");

@@ -20,6 +20,7 @@ use brigade_proto::v1::{
     ListModelsRequest, ListModelsResponse, ModelInfo, NodeInfo, PlanResponse, RaftStatus, RemoveReplicaRequest,
     RemoveReplicaResponse, ReplicaInfo, StageInfo, UndeployRequest, UndeployResponse,
 };
+use brigade_serve::Format;
 use std::pin::Pin;
 use std::sync::Arc;
 use std::time::Duration;
@@ -495,12 +496,44 @@ fn drive_options(o: Option<GenerateOptions>) -> Result<DriveRequest, Status> {
     // checked here, at the edge, so a bad setting is the caller's error and never reaches a stage
     let sampling = sampling_from_proto(o.sampling.as_ref()).map_err(|e| Status::invalid_argument(e.to_string()))?;
     brigade_core::stop::check_stops(&o.stop).map_err(|e| Status::invalid_argument(format!("stop: {e}")))?;
+    if let Some(n) = o.logprobs.filter(|&n| n as usize > brigade_core::MAX_TOP_LOGPROBS) {
+        return Err(Status::invalid_argument(format!(
+            "logprobs: 0 to {} alternatives per token, got {n}",
+            brigade_core::MAX_TOP_LOGPROBS
+        )));
+    }
+    // the format is read here; the driver compiles it against the model's vocabulary
+    let format = match (o.json_schema.is_empty(), o.grammar.is_empty()) {
+        (true, true) => None,
+        (false, false) => {
+            return Err(Status::invalid_argument("json_schema and grammar both constrain the answer: send one"))
+        }
+        (false, true) => {
+            let schema: serde_json::Value = serde_json::from_str(&o.json_schema)
+                .map_err(|e| Status::invalid_argument(format!("json_schema is not JSON: {e}")))?;
+            Some(Format::JsonSchema(schema))
+        }
+        (true, false) => {
+            let g = o.grammar.trim_start();
+            let body = match g.strip_prefix("%llguidance") {
+                Some(rest) => rest.split_once('\n').map_or("", |(_, b)| b),
+                None => g,
+            };
+            Some(Format::Lark(body.to_string()))
+        }
+    };
+    let format = match format {
+        Some(f) => serde_json::to_string(&f).map_err(|e| Status::internal(format!("the format: {e}")))?,
+        None => String::new(),
+    };
     Ok(DriveRequest {
         max_tokens: o.max_tokens,
         sampling: Some(sampling_to_proto(&sampling)),
         ignore_eos: o.ignore_eos,
         resume_ids: o.resume_ids,
         stop: o.stop,
+        format,
+        logprobs: o.logprobs,
         ..Default::default()
     })
 }

@@ -185,12 +185,28 @@ pub struct GenerateParams {
     /// found, with `STOP_REASON_STOP`, and no token's text holds any of it (text that could
     /// still begin one comes in a later token, or in [`Done::text_tail`]).
     pub stop: Vec<String>,
+    /// What the answer must be, enforced token by token (it ends where it is complete): a
+    /// JSON schema as JSON text (`{"type": "object"}` for any object) ...
+    pub json_schema: Option<String>,
+    /// ... or a grammar in llguidance's Lark syntax. One of the two at most.
+    pub grammar: Option<String>,
+    /// Each token's log-probability and this many most likely alternatives (0 to 20), in
+    /// [`Event::Token`].
+    pub logprobs: Option<u32>,
 }
 
 impl GenerateParams {
     /// Greedy decoding (always the most likely token) of at most `max_tokens` tokens.
     pub fn greedy(max_tokens: u32) -> Self {
-        GenerateParams { max_tokens, sampling: SamplingParams::greedy(), ignore_eos: false, stop: Vec::new() }
+        GenerateParams {
+            max_tokens,
+            sampling: SamplingParams::greedy(),
+            ignore_eos: false,
+            stop: Vec::new(),
+            json_schema: None,
+            grammar: None,
+            logprobs: None,
+        }
     }
 
     /// These parameters with stop strings.
@@ -206,6 +222,9 @@ impl GenerateParams {
             ignore_eos: self.ignore_eos,
             resume_ids: resume,
             stop: self.stop.clone(),
+            json_schema: self.json_schema.clone().unwrap_or_default(),
+            grammar: self.grammar.clone().unwrap_or_default(),
+            logprobs: self.logprobs,
         }
     }
 }
@@ -223,6 +242,11 @@ pub enum Event {
         text: String,
         /// Its index among the generated tokens, from 0.
         index: u32,
+        /// When [`GenerateParams::logprobs`] asked: the natural log of its probability under
+        /// the model's distribution at that step.
+        logprob: Option<f32>,
+        /// The most likely ids at that step with their log-probabilities, most likely first.
+        top_logprobs: Vec<(u32, f32)>,
     },
     /// The generation ended: why, the text held back, and its timings.
     Done(Done),
@@ -314,7 +338,14 @@ impl EventStream {
                     Some(generate_event::Event::Prompt(p)) => return Some(Ok(Event::Prompt(p.ids))),
                     Some(generate_event::Event::Token(t)) => {
                         self.received.push(t.id);
-                        return Some(Ok(Event::Token { id: t.id, text: t.text, index: t.index }));
+                        let top_logprobs = t.top_logprobs.iter().map(|x| (x.id, x.logprob)).collect();
+                        return Some(Ok(Event::Token {
+                            id: t.id,
+                            text: t.text,
+                            index: t.index,
+                            logprob: t.logprob,
+                            top_logprobs,
+                        }));
                     }
                     Some(generate_event::Event::Done(d)) => {
                         self.done = true;

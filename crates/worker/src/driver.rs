@@ -41,6 +41,9 @@ pub struct DriveTarget {
     /// The nodes of the deployment's stages: only their frames reach this driver's sessions.
     pub stage_nodes: Arc<Vec<String>>,
     pub tokenizer: Arc<Tokenizer>,
+    /// The tokenizer's vocabulary for the grammar engine (a request's format is compiled here
+    /// first, so a bad one is the caller's error before any stage sees it).
+    pub vocabulary: crate::stage::VocabularyCell,
     pub permits: Arc<Semaphore>,
     /// Prompt tokens per chunk into the first stage.
     pub ubatch: usize,
@@ -76,6 +79,23 @@ pub fn prompt_ids(t: &DriveTarget, req: &DriveRequest) -> Result<Vec<u32>, Worke
         return Err(WorkerError::BadRequest("the prompt is empty and this model adds no BOS token".into()));
     }
     Ok(ids)
+}
+
+/// A request's format (brigade-grammar's `Format` as JSON) read and compiled against the model's
+/// vocabulary, off the async threads: what cannot be used is the caller's error.
+async fn check_format(t: &DriveTarget, format: &str) -> Result<(), Status> {
+    let format: brigade_grammar::Format =
+        serde_json::from_str(format).map_err(|e| Status::invalid_argument(format!("the format: {e}")))?;
+    let (cell, tk) = (t.vocabulary.clone(), t.tokenizer.clone());
+    tokio::task::spawn_blocking(move || {
+        let vocab = crate::stage::vocabulary_of(&cell, &tk).map_err(|e| Status::invalid_argument(e.to_string()))?;
+        vocab
+            .compile(&format)
+            .map(drop)
+            .map_err(|e| Status::invalid_argument(format!("the format cannot be used: {e}")))
+    })
+    .await
+    .map_err(|e| Status::internal(format!("format task: {e}")))?
 }
 
 /// A token's scores as the last stage sent them, checked: as many ids as log-probabilities, at
@@ -181,6 +201,12 @@ pub async fn drive(router: Arc<Router>, t: DriveTarget, req: DriveRequest, hidde
             ))))
             .await;
         return;
+    }
+    if !req.format.is_empty() {
+        if let Err(e) = check_format(&t, &req.format).await {
+            let _ = out.send(Err(e)).await;
+            return;
+        }
     }
     let mut feed = prompt.clone();
     feed.extend_from_slice(&req.resume_ids);

@@ -322,6 +322,7 @@ impl Node {
                 first,
                 stage_nodes: Arc::new(a.stage_nodes.clone()),
                 tokenizer,
+                vocabulary: Default::default(),
                 permits: Arc::new(Semaphore::new(a.max_sessions.max(1) as usize)),
                 ubatch: a.ubatch.max(1) as usize,
                 hidden_bytes: (hidden * place.act_dtype.size()) as u64,

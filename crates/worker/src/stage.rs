@@ -238,10 +238,10 @@ fn draw_for(spec: &SessionSpec, tokenizer: &Tokenizer, vocabulary: &VocabularyCe
 }
 
 /// A model's vocabulary for the grammar engine, built once (or the reason it cannot be).
-type VocabularyCell = Arc<std::sync::OnceLock<Result<Arc<Vocabulary>, String>>>;
+pub(crate) type VocabularyCell = Arc<std::sync::OnceLock<Result<Arc<Vocabulary>, String>>>;
 
 /// The vocabulary in `cell`, built now if no one has (a second caller waits for the first).
-fn vocabulary_of(cell: &VocabularyCell, tokenizer: &Tokenizer) -> Result<Arc<Vocabulary>, WorkerError> {
+pub(crate) fn vocabulary_of(cell: &VocabularyCell, tokenizer: &Tokenizer) -> Result<Arc<Vocabulary>, WorkerError> {
     cell.get_or_init(|| Vocabulary::new(tokenizer).map(Arc::new).map_err(|e| e.to_string()))
         .clone()
         .map_err(WorkerError::BadRequest)

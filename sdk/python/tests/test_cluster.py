@@ -38,6 +38,48 @@ def test_events_are_typed_and_in_order(client: Client) -> None:
     assert sorted(h.node for h in done.timings.hops) == ["w1", "w2"]
 
 
+PERSON = {
+    "type": "object",
+    "properties": {"name": {"type": "string", "maxLength": 16}, "age": {"type": "integer", "minimum": 0,
+                   "maximum": 120}, "pets": {"type": "array", "items": {"enum": ["cat", "dog"]}, "maxItems": 3}},
+    "required": ["name", "age", "pets"],
+    "additionalProperties": False,
+}
+
+
+def test_structured_output_and_logprobs_through_the_cluster(client: Client) -> None:
+    """A JSON schema or a grammar enforced on the last stage, at any temperature; each token's
+    log-probability with its alternatives; a format that cannot be used is the caller's error."""
+    import json
+
+    import jsonschema
+
+    for seed, temp in [(1, 0.0), (2, 0.8), (3, 1.2)]:
+        g = client.generate("stories", "Once upon a time", max_tokens=200, temperature=temp, seed=seed,
+                            json_schema=PERSON)
+        text = "".join(g)
+        assert g.done is not None and g.done.stop == "eos", (g.done, text)
+        jsonschema.validate(json.loads(text), PERSON)
+    g = client.generate("stories", "Answer:", max_tokens=20, temperature=1.0, seed=4,
+                        grammar='%llguidance {}\nstart: ("yes" | "no") "!"\n')
+    assert "".join(g) in ("yes!", "no!")
+    g = client.generate("stories", "Once upon a time", max_tokens=8, temperature=0, logprobs=3)
+    tokens = [e for e in g.events() if isinstance(e, TokenEvent)]
+    assert len(tokens) == 8
+    for t in tokens:
+        assert t.logprob is not None and t.logprob <= 0 and len(t.top_logprobs) == 3
+        assert t.top_logprobs[0] == (t.id, t.logprob), "greedy: the most likely id"
+    plain = [e for e in client.generate("stories", "Once", max_tokens=2).events() if isinstance(e, TokenEvent)]
+    assert all(t.logprob is None and t.top_logprobs == [] for t in plain)
+    for bad in [dict(json_schema={"type": "strnig"}), dict(json_schema="{not json"),
+                dict(grammar="start: nowhere"), dict(json_schema=PERSON, grammar="start: \"a\"")]:
+        with pytest.raises(BrigadeError) as e:
+            list(client.generate("stories", "Once", max_tokens=4, **bad))
+        assert e.value.code == StatusCode.INVALID_ARGUMENT, (bad, e.value)
+    with pytest.raises(BrigadeError):
+        client.generate("stories", "Once", logprobs=21)
+
+
 def test_seeded_sampling_repeats(client: Client) -> None:
     a = client.generate("stories", "Once upon a time", max_tokens=16, temperature=1.0, seed=7).result()
     b = client.generate("stories", "Once upon a time", max_tokens=16, temperature=1.0, seed=7)

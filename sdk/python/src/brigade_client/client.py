@@ -3,6 +3,7 @@ and generations that resume on another replica from the ids already received."""
 
 from __future__ import annotations
 
+import json
 import secrets
 import threading
 import time
@@ -208,6 +209,9 @@ class Client:
         presence_penalty: float = 0.0,
         ignore_eos: bool = False,
         stop: Union[str, Sequence[str], None] = None,
+        json_schema: Union[dict[str, Any], str, None] = None,
+        grammar: Optional[str] = None,
+        logprobs: Optional[int] = None,
     ) -> Generation:
         """Generates from ``prompt`` (text, or token ids) with deployment ``model``.
 
@@ -218,6 +222,10 @@ class Client:
         OpenAI's ``frequency_penalty`` and ``presence_penalty``); ``seed=None`` picks a random
         seed (``Generation.seed``); ``stop`` (a string or up to 16) ends the answer before the
         earliest stop string found (``done.stop == "stop"``), and no text piece holds any of it.
+        ``json_schema`` (a dict or JSON text) or ``grammar`` (llguidance's Lark syntax) is what
+        the answer must be, enforced token by token (it ends where it is complete);
+        ``logprobs=N`` gives each :class:`TokenEvent` its log-probability and the N (0 to 20)
+        most likely alternatives.
         Raises :class:`BrigadeError` (e.g. ``NOT_FOUND`` for an unknown model) before returning
         when the call is refused.
         """
@@ -234,6 +242,9 @@ class Client:
             presence_penalty,
             ignore_eos,
             stop,
+            json_schema,
+            grammar,
+            logprobs,
         )
         if isinstance(prompt, str):
             req = client_pb2.GenerateRequest(model=model, prompt=prompt, options=options)
@@ -258,6 +269,9 @@ class Client:
         presence_penalty: float = 0.0,
         ignore_eos: bool = False,
         stop: Union[str, Sequence[str], None] = None,
+        json_schema: Union[dict[str, Any], str, None] = None,
+        grammar: Optional[str] = None,
+        logprobs: Optional[int] = None,
     ) -> Generation:
         """A conversation (``[{"role": "user", "content": "…"}, …]``) rendered with the model's
         chat template; otherwise as :meth:`generate`."""
@@ -274,6 +288,9 @@ class Client:
             presence_penalty,
             ignore_eos,
             stop,
+            json_schema,
+            grammar,
+            logprobs,
         )
         try:
             msgs = [client_pb2.ChatMessage(role=m["role"], content=m["content"]) for m in messages]
@@ -379,6 +396,9 @@ def _options(
     presence_penalty: float,
     ignore_eos: bool,
     stop: Union[str, Sequence[str], None],
+    json_schema: Union[dict[str, Any], str, None] = None,
+    grammar: Optional[str] = None,
+    logprobs: Optional[int] = None,
 ) -> tuple[client_pb2.GenerateOptions, int]:
     if not 0 <= max_tokens < 1 << 32:
         raise BrigadeError(None, f"max_tokens {max_tokens}: 0 (no limit) or a token count below 2^32")
@@ -398,6 +418,14 @@ def _options(
         seed=seed,
     )
     options = client_pb2.GenerateOptions(max_tokens=max_tokens, sampling=sampling, ignore_eos=ignore_eos, stop=stops)
+    if json_schema is not None:
+        options.json_schema = json_schema if isinstance(json_schema, str) else json.dumps(json_schema)
+    if grammar is not None:
+        options.grammar = grammar
+    if logprobs is not None:
+        if not 0 <= logprobs <= 20:
+            raise BrigadeError(None, f"logprobs {logprobs}: 0 to 20 alternatives per token")
+        options.logprobs = logprobs
     return options, seed
 
 
@@ -457,7 +485,14 @@ class Generation:
                     elif kind == "token":
                         self.ids.append(ev.token.id)
                         self.text += ev.token.text
-                        yield TokenEvent(ev.token.id, ev.token.text, ev.token.index)
+                        t = ev.token
+                        yield TokenEvent(
+                            t.id,
+                            t.text,
+                            t.index,
+                            t.logprob if t.HasField("logprob") else None,
+                            [(x.id, x.logprob) for x in t.top_logprobs],
+                        )
                     elif kind == "done":
                         self.done = DoneEvent.from_pb(ev.done)
                         self.text += self.done.text_tail

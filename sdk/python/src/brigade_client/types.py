@@ -89,11 +89,14 @@ class PromptEvent:
 
 @dataclass(frozen=True)
 class TokenEvent:
-    """One generated token; ``text`` may be empty while a character is incomplete."""
+    """One generated token; ``text`` may be empty while a character is incomplete. With
+    ``logprobs``: its log-probability under the model, and the most likely ``(id, logprob)``."""
 
     id: int
     text: str
     index: int
+    logprob: Optional[float] = None
+    top_logprobs: list[tuple[int, float]] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
