@@ -213,3 +213,41 @@ fn the_rust_sdk_exposes_no_generated_protobuf_type() {
         }
     }
 }
+
+/// `unsafe` lives in the model runtime (its kernels, SIMD and memory maps) and the binary's
+/// start-up only: every other crate forbids it, and the format crate allows its one read-only
+/// memory map (which the coordinator uses too) and nothing else.
+#[test]
+fn unsafe_stays_in_the_model_runtime_and_the_binary() {
+    let crates = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
+    let mut checked = 0;
+    for e in std::fs::read_dir(&crates).unwrap() {
+        let dir = e.unwrap().path();
+        let name = dir.file_name().unwrap().to_string_lossy().into_owned();
+        let lib = dir.join("src/lib.rs");
+        if !lib.is_file() || ["model", "cli"].contains(&name.as_str()) {
+            continue;
+        }
+        let text = std::fs::read_to_string(&lib).unwrap();
+        if name == "format" {
+            assert!(text.contains("#![deny(unsafe_code)]"), "crates/format denies unsafe_code");
+            let mut allowed = 0;
+            let mut stack = vec![dir.join("src")];
+            while let Some(d) = stack.pop() {
+                for f in std::fs::read_dir(d).unwrap() {
+                    let p = f.unwrap().path();
+                    if p.is_dir() {
+                        stack.push(p);
+                    } else if p.extension().is_some_and(|x| x == "rs") {
+                        allowed += std::fs::read_to_string(&p).unwrap().matches("#[allow(unsafe_code)]").count();
+                    }
+                }
+            }
+            assert_eq!(allowed, 1, "crates/format allows unsafe_code in its one memory map only");
+        } else {
+            assert!(text.contains("#![forbid(unsafe_code)]"), "crates/{name}/src/lib.rs does not forbid unsafe_code");
+        }
+        checked += 1;
+    }
+    assert!(checked >= 10, "only {checked} crates read under {}", crates.display());
+}

@@ -26,6 +26,8 @@
 //! Deliberately lacking: candle (a `cargo tree` test checks it), any model computation, and
 //! sessions' state (it lives on the workers).
 
+#![forbid(unsafe_code)]
+
 pub mod assign;
 pub mod client;
 pub mod control;

@@ -144,9 +144,7 @@ impl Models {
                     p.display()
                 )));
             }
-            // SAFETY: read-only map of a model file; a file truncated under us is the one hazard
-            // of any map, as in the model runtime
-            let map = unsafe { memmap2::Mmap::map(&f) }.map_err(|e| CoordError::io(&p, e))?;
+            let map = brigade_format::index::map_readonly(&f).map_err(|e| CoordError::io(&p, e))?;
             files.insert(name.clone(), map);
         }
         let x = Arc::new(Mapped { files });

@@ -16,6 +16,7 @@
 //!
 //! This crate is pure on purpose: no async runtime, no I/O, no clock, no tensor library.
 //! The planner and the replicated cluster state build on it and stay testable exhaustively.
+#![forbid(unsafe_code)]
 #![warn(unreachable_pub)]
 
 pub mod admission;

@@ -53,10 +53,17 @@ pub fn open_regular(path: &Path) -> Result<std::fs::File, FormatError> {
 
 fn map_file(path: &Path) -> Result<Bytes, FormatError> {
     let f = open_regular(path)?;
+    let m = map_readonly(&f).map_err(|e| FormatError::Io(path.to_path_buf(), e))?;
+    Ok(Bytes::Mmap(m))
+}
+
+/// A read-only memory map of `f`: this crate's one `unsafe`, which the coordinator uses too
+/// (every other crate but the model runtime forbids `unsafe`).
+#[allow(unsafe_code)]
+pub fn map_readonly(f: &std::fs::File) -> std::io::Result<memmap2::Mmap> {
     // SAFETY: the map is read-only; a file truncated under us by another process is the one
     // hazard of any memory map, as in llama.cpp and candle.
-    let m = unsafe { memmap2::Mmap::map(&f) }.map_err(|e| FormatError::Io(path.to_path_buf(), e))?;
-    Ok(Bytes::Mmap(m))
+    unsafe { memmap2::Mmap::map(f) }
 }
 
 /// A JSON file of a model directory, whole, refused past [`MAX_JSON_BYTES`].

@@ -18,6 +18,8 @@
 //! tokio, tonic), placement decisions. Every count and length read from a file is checked against
 //! the bytes that hold it before anything is allocated; every failure is a [`FormatError`].
 
+#![deny(unsafe_code)]
+
 pub mod config;
 pub mod ggml;
 pub mod gguf;

@@ -15,6 +15,7 @@
 //! JSON is compiled without free whitespace (`", "` and `": "` between items), so an answer
 //! cannot run on in blanks: with a schema whose strings and arrays are bounded, every answer
 //! ends, whatever the model and the temperature.
+#![forbid(unsafe_code)]
 #![warn(unreachable_pub)]
 
 use brigade_core::TokenConstraint;

@@ -16,6 +16,7 @@
 //! - [`svg`]: a picture of a plan.
 //!
 //! Deliberately absent: tokio, tonic, candle, raft (a test checks `cargo tree`).
+#![forbid(unsafe_code)]
 #![warn(unreachable_pub)]
 
 pub mod cluster;

@@ -15,6 +15,8 @@
 //! Deliberately lacking: transport, TLS and any I/O. This crate depends only on brigade-core,
 //! tonic, prost and tonic-prost.
 
+#![forbid(unsafe_code)]
+
 pub mod convert;
 
 use tonic::metadata::MetadataValue;

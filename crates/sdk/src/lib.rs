@@ -23,6 +23,7 @@
 //!
 //! Deliberately lacking: any model code (the cluster computes), and raft (a coordinator address
 //! list is tried in order).
+#![forbid(unsafe_code)]
 #![warn(unreachable_pub, missing_docs)]
 
 pub use brigade_core::SamplingParams;

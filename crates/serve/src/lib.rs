@@ -25,6 +25,8 @@
 //! Structured output (`response_format`, `json_schema`, `grammar`) is compiled here by
 //! `brigade-grammar` and applied by a backend that [`Backend::constrains`].
 
+#![forbid(unsafe_code)]
+
 pub mod backend;
 pub mod dashboard;
 pub mod error;

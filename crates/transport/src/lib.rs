@@ -21,6 +21,8 @@
 //! retries and reconnection (a dropped link is reported, the caller decides), raft, and any
 //! discovery of peers (addresses come from the coordinator's assignments).
 
+#![forbid(unsafe_code)]
+
 pub mod error;
 pub mod frame;
 pub mod grpc;

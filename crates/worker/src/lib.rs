@@ -19,6 +19,8 @@
 //! Deliberately lacking: raft (a worker follows one coordinator address at a time), placement
 //! decisions (it loads what it is told), and any client API (clients talk to the coordinator).
 
+#![forbid(unsafe_code)]
+
 pub mod control;
 pub mod devices;
 pub mod driver;
