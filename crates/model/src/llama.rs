@@ -100,6 +100,13 @@ impl Proj {
             Proj::Separate(ls) => ls.iter().map(Linear::storage_bytes).sum(),
         }
     }
+
+    fn rows_independent(&self) -> bool {
+        match self {
+            Proj::Stacked(l, _) => l.rows_independent(),
+            Proj::Separate(ls) => ls.iter().all(Linear::rows_independent),
+        }
+    }
 }
 
 struct Block {
@@ -320,6 +327,14 @@ impl Block {
         let norms = ((self.attn_norm.elem_count() + self.ffn_norm.elem_count() + qk + post)
             * self.attn_norm.dtype().size_in_bytes()) as u64;
         norms + self.qkv.bytes() + self.gate_up.bytes() + self.wo.storage_bytes() + self.down.storage_bytes()
+    }
+
+    /// Every weight of the block computes each row as alone at any number of rows.
+    fn rows_independent(&self) -> bool {
+        self.qkv.rows_independent()
+            && self.gate_up.rows_independent()
+            && self.wo.rows_independent()
+            && self.down.rows_independent()
     }
 
     /// One session's chunk of `t` tokens: `x` is `(1, t, hidden)`.
@@ -762,6 +777,93 @@ impl Slice {
                 };
                 let x = rms_norm(&x, &head.norm, self.cfg.rms_eps)?;
                 Ok(self.soft_cap_logits(head.out.forward(&x)?.to_dtype(DType::F32)?)?)
+            }
+        }
+    }
+
+    /// Whether [`Slice::forward_ragged`] gives each session, bit for bit, the numbers it gets
+    /// alone: f32 on the CPU (brigade's own attention, no masks), every block weight computing
+    /// its rows independently (packed), no windowed layers read in passes.
+    pub fn reads_prompts_together(&self) -> bool {
+        own_cpu_attention(&self.device, self.dtype)
+            && self.cfg.pass().is_none()
+            && self.blocks.iter().all(Block::rows_independent)
+            && self.head.as_ref().is_none_or(|h| h.norm.device().is_cpu())
+    }
+
+    /// Prompt chunks of several sessions in one pass: session `i` (cache `caches[i]`) takes the
+    /// next `lens[i]` rows of `input` (their ids on the first slice, else `(1, Σ lens, hidden)`).
+    /// The block weights take every row at once; RoPE, the cache write and attention run per
+    /// session on its own cache, with the code of the one-session path. Returns the hidden state
+    /// `(1, Σ lens, hidden)`, or on the last slice the logits `(sessions, 1, vocab)` of each
+    /// session's last row. For a slice that [`Slice::reads_prompts_together`] only, so each
+    /// session's numbers are those [`Slice::forward`] gives it alone. On error no cache's length
+    /// changes (entries past a cache's length may have been written; they are never read).
+    pub fn forward_ragged(
+        &self,
+        caches: &mut [&mut SliceCache],
+        input: StageInput<'_>,
+        lens: &[usize],
+    ) -> Result<Tensor, ModelError> {
+        let _g = self.span.enter();
+        if !self.reads_prompts_together() {
+            return Err(ModelError::BadInput("this slice reads one session's prompt at a time".into()));
+        }
+        if caches.len() != lens.len() || lens.is_empty() || lens.contains(&0) {
+            return Err(ModelError::BadInput(format!(
+                "{} chunks of lengths {lens:?} for {} sessions",
+                lens.len(),
+                caches.len()
+            )));
+        }
+        for (c, &t) in caches.iter().zip(lens) {
+            if c.len + t > self.n_ctx.min(c.n_ctx) {
+                return Err(ModelError::ContextFull { need: c.len + t, n_ctx: self.n_ctx });
+            }
+        }
+        let total: usize = lens.iter().sum();
+        let mut x = self.input(input, 1)?;
+        if x.dim(1)? != total {
+            return Err(ModelError::BadInput(format!("{} rows for chunks of {total} tokens", x.dim(1)?)));
+        }
+        let starts: Vec<usize> = lens
+            .iter()
+            .scan(0, |at, &t| {
+                let s = *at;
+                *at += t;
+                Some(s)
+            })
+            .collect();
+        for (l, block) in self.blocks.iter().enumerate() {
+            let _b = block.span.enter();
+            let (q, k, v) = block.qkv(&self.cfg, &x, Linear::forward)?;
+            let mut ys = Vec::with_capacity(lens.len());
+            for ((c, &at), &t) in caches.iter_mut().zip(&starts).zip(lens) {
+                let (pos, base) = (c.len, c.base_of(l));
+                let (cos, sin) = match (&self.local_rope, block.local_rope) {
+                    (Some(lr), true) => (&lr.0, &lr.1),
+                    _ => (&self.cos, &self.sin),
+                };
+                let (cos, sin) = (cos.narrow(0, pos, t)?, sin.narrow(0, pos, t)?);
+                let part = |m: &Tensor| m.narrow(2, at, t).and_then(|p| p.contiguous());
+                let qkv = (&part(&q)?, &part(&k)?, &part(&v)?);
+                ys.push(attend(&self.cfg, block.window, qkv, &mut c.kv[l], pos - base, (&cos, &sin), None)?);
+            }
+            let y = Tensor::cat(&ys, 1)?;
+            x = block.output(&self.cfg, &x, &y, Linear::forward)?;
+        }
+        for (c, &t) in caches.iter_mut().zip(lens) {
+            c.len += t;
+        }
+        match &self.head {
+            None => Ok(x),
+            Some(head) => {
+                // each session's last row, through the head as a row alone ([`Linear::forward_rows`])
+                let last: Vec<Tensor> =
+                    starts.iter().zip(lens).map(|(&at, &t)| x.narrow(1, at + t - 1, 1)).collect::<Result<_, _>>()?;
+                let rows = Tensor::cat(&last, 0)?;
+                let h = rms_norm(&rows, &head.norm, self.cfg.rms_eps)?;
+                Ok(self.soft_cap_logits(head.out.forward_rows(&h)?.to_dtype(DType::F32)?)?)
             }
         }
     }

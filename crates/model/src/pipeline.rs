@@ -109,6 +109,30 @@ impl Session {
     }
 }
 
+/// Runs a pass of several sessions: on success session `i` has taken `fed[i]`; on error every
+/// session's caches go back to its tokens (as [`Pipeline::forward`]), whichever stage failed.
+fn all_or_none(
+    sessions: &mut [&mut Session],
+    fed: &[&[u32]],
+    pass: impl FnOnce(&mut [&mut Session]) -> Result<Vec<Vec<f32>>, ModelError>,
+) -> Result<Vec<Vec<f32>>, ModelError> {
+    match pass(sessions) {
+        Ok(logits) => {
+            for (s, f) in sessions.iter_mut().zip(fed) {
+                s.tokens.extend_from_slice(f);
+            }
+            Ok(logits)
+        }
+        Err(e) => {
+            for s in sessions.iter_mut() {
+                let before = s.tokens.len();
+                s.truncate(before);
+            }
+            Err(e)
+        }
+    }
+}
+
 impl Pipeline {
     /// Loads each stage's slice onto its device, in the device's activation type
     /// ([`activation_dtype`]); `progress` is told after each stage.
@@ -228,22 +252,8 @@ impl Pipeline {
         if sessions.len() != tokens.len() {
             return Err(ModelError::BadInput(format!("{} tokens for {} sessions", tokens.len(), sessions.len())));
         }
-        match self.forward_rows_stages(sessions, tokens) {
-            Ok(logits) => {
-                for (s, &t) in sessions.iter_mut().zip(tokens) {
-                    s.tokens.push(t);
-                }
-                Ok(logits)
-            }
-            Err(e) => {
-                // as `forward`: every session's caches back to its tokens
-                for s in sessions.iter_mut() {
-                    let before = s.tokens.len();
-                    s.truncate(before);
-                }
-                Err(e)
-            }
-        }
+        let fed: Vec<&[u32]> = tokens.iter().map(std::slice::from_ref).collect();
+        all_or_none(sessions, &fed, |s| self.forward_rows_stages(s, tokens))
     }
 
     fn forward_rows_stages(&self, sessions: &mut [&mut Session], tokens: &[u32]) -> Result<Vec<Vec<f32>>, ModelError> {
@@ -259,6 +269,47 @@ impl Pipeline {
             self.decode.add(i, t.elapsed());
         }
         self.decode.steps.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let logits = hidden.ok_or_else(|| ModelError::BadSlice("empty pipeline".into()))?;
+        Ok(logits.squeeze(1)?.to_device(&Device::Cpu)?.to_vec2::<f32>()?)
+    }
+
+    /// Whether every stage reads several sessions' prompt chunks in one pass with each session's
+    /// numbers its own ([`Slice::reads_prompts_together`]).
+    pub fn reads_prompts_together(&self) -> bool {
+        self.stages.iter().all(|(_, s)| s.reads_prompts_together())
+    }
+
+    /// Prompt chunks of several sessions in one pass per stage: `chunks[i]` fed to
+    /// `sessions[i]`. Returns each session's logits at its chunk's last position, equal bit for
+    /// bit to what [`Pipeline::forward`] gives that session alone. Only where
+    /// [`Pipeline::reads_prompts_together`]. On error no session changes.
+    pub fn forward_ragged(
+        &self,
+        sessions: &mut [&mut Session],
+        chunks: &[&[u32]],
+    ) -> Result<Vec<Vec<f32>>, ModelError> {
+        if sessions.len() != chunks.len() {
+            return Err(ModelError::BadInput(format!("{} chunks for {} sessions", chunks.len(), sessions.len())));
+        }
+        all_or_none(sessions, chunks, |s| self.forward_ragged_stages(s, chunks))
+    }
+
+    fn forward_ragged_stages(
+        &self,
+        sessions: &mut [&mut Session],
+        chunks: &[&[u32]],
+    ) -> Result<Vec<Vec<f32>>, ModelError> {
+        let lens: Vec<usize> = chunks.iter().map(|c| c.len()).collect();
+        let ids: Vec<u32> = chunks.concat();
+        let mut hidden: Option<Tensor> = None;
+        for (i, (_, slice)) in self.stages.iter().enumerate() {
+            let mut caches: Vec<&mut SliceCache> = sessions.iter_mut().map(|s| &mut s.caches[i]).collect();
+            let input = match &hidden {
+                None => StageInput::Tokens(&ids),
+                Some(h) => StageInput::Hidden(h),
+            };
+            hidden = Some(slice.forward_ragged(&mut caches, input, &lens)?);
+        }
         let logits = hidden.ok_or_else(|| ModelError::BadSlice("empty pipeline".into()))?;
         Ok(logits.squeeze(1)?.to_device(&Device::Cpu)?.to_vec2::<f32>()?)
     }

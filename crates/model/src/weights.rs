@@ -178,6 +178,13 @@ impl Linear {
         Tensor::cat(&parts, 0)
     }
 
+    /// Whether every row of [`Linear::forward`]'s result is, bit for bit, what that row alone
+    /// gives at any number of rows: a packed weight (brigade's int8 kernels compute each row
+    /// alone). Other kernels pick their arithmetic by the number of rows.
+    pub(crate) fn rows_independent(&self) -> bool {
+        matches!(self.w, LinearWeight::Packed(_)) && self.bias.as_ref().is_none_or(|b| b.device().is_cpu())
+    }
+
     /// Whether [`Linear::cpu_rows`] takes this weight: one held for brigade's CPU kernels (packed
     /// or in the file's blocks, on the CPU), with no bias or an f32 one.
     pub(crate) fn runs_on_slices(&self) -> bool {

@@ -578,3 +578,74 @@ fn logprobs_name_the_greedy_choice_and_do_not_depend_on_neighbours() {
     assert_eq!(got[0].1.top[0].0, alone[0].0, "the model's favourite, not the mask's");
     assert!(got.iter().all(|(t, lp)| lp.logprob <= lp.top[0].1 && (lp.top[0].0 != *t || lp.logprob == lp.top[0].1)));
 }
+
+/// Prompts that arrive together are read together: where every weight computes its rows alone
+/// (packed, f32 on the CPU) the step reads the next chunks of the waiting prompts in one pass
+/// while they fit in its budget (one chunk's worth) — three jobs of 20, 30 and 100 tokens in
+/// chunks of 64 have their first tokens after 1, 1 and 3 steps instead of round robin's 1, 2
+/// and 4 — and the logits and ids of each are, bit for bit, those it gets alone, over one stage
+/// and over two.
+#[test]
+fn prompts_arriving_together_are_read_in_one_pass_and_answer_as_alone() {
+    let dir = tempfile::tempdir().unwrap();
+    let files = q4k_model(&dir);
+    let vocab = files.config.vocab as u32;
+    for map in ["cpu:4", "cpu:1,cpu:3"] {
+        let p = Arc::new(pipeline(&files, map, 256));
+        let together = p.reads_prompts_together();
+        // (Q4_K is packed wherever there are int8 kernels: AVX2, AVX-VNNI, AVX-512)
+        let packed = brigade_model::cpu_matmul::packs_on(
+            candle_core::quantized::GgmlDType::Q4K,
+            brigade_model::cpu_matmul::Isa::best(),
+        );
+        assert_eq!(together, packed, "{map}");
+        // the pipeline's pass: each session's logits as alone
+        if together {
+            let chunks = [prompt(30, 1, vocab), prompt(64, 2, vocab), prompt(1, 3, vocab)];
+            let mut sessions: Vec<_> = (0..3).map(|_| p.new_session().unwrap()).collect();
+            let mut refs: Vec<&mut brigade_model::Session> = sessions.iter_mut().collect();
+            let chunk_refs: Vec<&[u32]> = chunks.iter().map(Vec::as_slice).collect();
+            let got = p.forward_ragged(&mut refs, &chunk_refs).unwrap();
+            for (k, c) in chunks.iter().enumerate() {
+                let mut alone = p.new_session().unwrap();
+                let l = p.forward(&mut alone, c, brigade_model::Logits::Last).unwrap();
+                let want: Vec<f32> = l.get(l.dim(0).unwrap() - 1).unwrap().to_vec1().unwrap();
+                assert_eq!(got[k], want, "{map}: session {k}'s logits");
+                assert_eq!(sessions[k].tokens(), c.as_slice());
+            }
+        }
+        let lens = [20usize, 30, 100];
+        let job = |k: usize| greedy_job(prompt(lens[k], k as u32 + 1, vocab), 6);
+        let mut b = Batch::new(p.clone(), 3, |_| false).unwrap().with_prefill_chunk(64);
+        for k in 0..3 {
+            b.handle_submit(k as JobId, job(k));
+        }
+        let mut first: HashMap<JobId, usize> = HashMap::new();
+        let mut ids: HashMap<JobId, Vec<u32>> = HashMap::new();
+        for step in 1..60 {
+            for (id, o) in b.step() {
+                if let Output::Token(t, _) = o {
+                    first.entry(id).or_insert(step);
+                    ids.entry(id).or_default().push(t);
+                }
+            }
+            if b.is_idle() {
+                break;
+            }
+        }
+        let firsts: Vec<usize> = (0..3).map(|k| first[&(k as JobId)]).collect();
+        assert_eq!(firsts, if together { [1, 1, 3] } else { [1, 2, 4] }, "{map}: steps to each first token");
+        for k in 0..3 {
+            let mut alone = Batch::new(p.clone(), 1, |_| false).unwrap().with_prefill_chunk(64);
+            let (want, _) = run_alone(&mut alone, 9, job(k));
+            assert_eq!(ids[&(k as JobId)], want, "{map}: job {k}");
+        }
+    }
+    // weights whose kernels round by the number of rows keep one prompt per step
+    let f32_path = dir.path().join("f32.gguf");
+    let shape =
+        Shape { layers: 2, hidden: 64, ffn: 128, heads: 4, kv_heads: 2, vocab: 300, context: 256, rope_theta: 1e4 };
+    write_gguf(&f32_path, &shape, SynthType::F32, 3, |_, _| {}).unwrap();
+    let f32_files = ModelFiles::open(&f32_path).unwrap();
+    assert!(!pipeline(&f32_files, "cpu:2", 64).reads_prompts_together());
+}

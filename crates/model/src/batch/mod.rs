@@ -37,6 +37,23 @@ use std::collections::VecDeque;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+/// Prompt tokens one step reads at most, together, in chunks' worth: one chunk (512 tokens). On
+/// a CPU the prompt's matmuls are compute-bound from a few dozen rows on, so more rows per step
+/// only make the decoding sessions wait longer: 8 clients sending 100-token prompts at once to
+/// a 1.5B-parameter Q4_K model (`brigade bench -m q4k-1b.gguf --concurrency 1,8 --prompt-tokens
+/// 100 -n 32`, 2-vCPU Xeon with AVX-512, one run each way with `BRIGADE_PREFILL_TOGETHER=off`):
+/// TTFT p95 4.34 s against 5.21 s one prompt a step, aggregate 34.6 against 31.1 tokens/s,
+/// p50 equal; a budget of four chunks read all eight prompts in one step and made p50 1.5×
+/// worse for a p95 only 3% better.
+pub const PREFILL_BUDGET_CHUNKS: usize = 1;
+
+/// `BRIGADE_PREFILL_TOGETHER=off` reads one prompt per step even where they could be read
+/// together (to measure the difference).
+fn together_allowed() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| std::env::var("BRIGADE_PREFILL_TOGETHER").map_or(true, |v| v != "off" && v != "0"))
+}
+
 /// A job's key, chosen by the caller.
 pub type JobId = u64;
 
@@ -207,11 +224,15 @@ impl Batch {
         self.waiting.is_empty() && self.slots.iter().all(|s| s.active.is_none())
     }
 
-    /// One step (admit, one prompt chunk, one decode pass); returns what each job produced.
+    /// One step (admit, prompt chunks, one decode pass); returns what each job produced.
     pub fn step(&mut self) -> Vec<(JobId, Output)> {
         let mut out = Vec::new();
         self.admit(&mut out);
-        self.prefill_one(&mut out);
+        if self.pipeline.reads_prompts_together() && together_allowed() {
+            self.prefill_together(&mut out);
+        } else {
+            self.prefill_one(&mut out);
+        }
         self.decode(&mut out);
         out
     }
@@ -302,6 +323,62 @@ impl Batch {
             Err(e) => fail(slot, &e, out),
             Ok(_) if end < a.job.prompt.len() => a.phase = Phase::Prompt { fed: end },
             Ok(l) => self.sampled(i, &l, out),
+        }
+    }
+
+    /// The next chunk of every slot reading a prompt, from the cursor on, while the step's
+    /// budget of [`PREFILL_BUDGET_CHUNKS`] chunks' tokens holds (one chunk at least), in one
+    /// pass ([`Pipeline::forward_ragged`]): prompts that arrive together are read together, and
+    /// each chunk is the one it would be alone (same boundaries, same numbers).
+    fn prefill_together(&mut self, out: &mut Vec<(JobId, Output)>) {
+        let n = self.slots.len();
+        let mut budget = self.chunk * PREFILL_BUDGET_CHUNKS;
+        // (slot, fed, end)
+        let mut picked: Vec<(usize, usize, usize)> = Vec::new();
+        for i in (0..n).map(|k| (self.cursor + k) % n) {
+            let Some(Active { phase: Phase::Prompt { fed }, job, .. }) = &self.slots[i].active else { continue };
+            let end = (fed + self.chunk).min(job.prompt.len());
+            if !picked.is_empty() && end - fed > budget {
+                break;
+            }
+            budget = budget.saturating_sub(end - fed);
+            picked.push((i, *fed, end));
+        }
+        let Some(&(last, _, _)) = picked.last() else { return };
+        self.cursor = (last + 1) % n;
+        // (in slot order: a row's numbers do not depend on where it is in the pass)
+        picked.sort_unstable();
+        let chunks: Vec<Vec<u32>> = picked
+            .iter()
+            .map(|&(i, fed, end)| self.slots[i].active.as_ref().map_or(Vec::new(), |a| a.job.prompt[fed..end].to_vec()))
+            .collect();
+        let refs: Vec<&[u32]> = chunks.iter().map(Vec::as_slice).collect();
+        let result = {
+            let mut sessions: Vec<&mut Session> = self
+                .slots
+                .iter_mut()
+                .enumerate()
+                .filter(|(i, _)| picked.iter().any(|p| p.0 == *i))
+                .map(|(_, s)| &mut s.session)
+                .collect();
+            self.pipeline.forward_ragged(&mut sessions, &refs)
+        };
+        match result {
+            Err(e) => {
+                for &(i, _, _) in &picked {
+                    fail(&mut self.slots[i], &e, out);
+                }
+            }
+            Ok(logits) => {
+                for (&(i, _, end), l) in picked.iter().zip(logits) {
+                    let Some(a) = self.slots[i].active.as_mut() else { continue };
+                    if end < a.job.prompt.len() {
+                        a.phase = Phase::Prompt { fed: end };
+                    } else {
+                        self.sampled(i, &l, out);
+                    }
+                }
+            }
         }
     }
 
