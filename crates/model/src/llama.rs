@@ -788,7 +788,6 @@ impl Slice {
         own_cpu_attention(&self.device, self.dtype)
             && self.cfg.pass().is_none()
             && self.blocks.iter().all(Block::rows_independent)
-            && self.head.as_ref().is_none_or(|h| h.norm.device().is_cpu())
     }
 
     /// Prompt chunks of several sessions in one pass: session `i` (cache `caches[i]`) takes the
@@ -852,20 +851,21 @@ impl Slice {
             let y = Tensor::cat(&ys, 1)?;
             x = block.output(&self.cfg, &x, &y, Linear::forward)?;
         }
-        for (c, &t) in caches.iter_mut().zip(lens) {
-            c.len += t;
-        }
-        match &self.head {
-            None => Ok(x),
+        let out = match &self.head {
+            None => x,
             Some(head) => {
                 // each session's last row, through the head as a row alone ([`Linear::forward_rows`])
                 let last: Vec<Tensor> =
                     starts.iter().zip(lens).map(|(&at, &t)| x.narrow(1, at + t - 1, 1)).collect::<Result<_, _>>()?;
                 let rows = Tensor::cat(&last, 0)?;
                 let h = rms_norm(&rows, &head.norm, self.cfg.rms_eps)?;
-                Ok(self.soft_cap_logits(head.out.forward_rows(&h)?.to_dtype(DType::F32)?)?)
+                self.soft_cap_logits(head.out.forward_rows(&h)?.to_dtype(DType::F32)?)?
             }
+        };
+        for (c, &t) in caches.iter_mut().zip(lens) {
+            c.len += t;
         }
+        Ok(out)
     }
 
     /// One pass of `x` `(1, t, hidden)` through every block, written into the cache at its length

@@ -273,6 +273,11 @@ impl Pipeline {
         Ok(logits.squeeze(1)?.to_device(&Device::Cpu)?.to_vec2::<f32>()?)
     }
 
+    /// Token ids the model takes (the first slice's embedding rows).
+    pub fn vocab(&self) -> usize {
+        self.stages.first().map_or(0, |(_, s)| s.config().vocab)
+    }
+
     /// Whether every stage reads several sessions' prompt chunks in one pass with each session's
     /// numbers its own ([`Slice::reads_prompts_together`]).
     pub fn reads_prompts_together(&self) -> bool {

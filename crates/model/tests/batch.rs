@@ -613,6 +613,29 @@ fn prompts_arriving_together_are_read_in_one_pass_and_answer_as_alone() {
                 assert_eq!(got[k], want, "{map}: session {k}'s logits");
                 assert_eq!(sessions[k].tokens(), c.as_slice());
             }
+            // sessions already at different positions, one of them taking a single token: the
+            // pass gives each its logits alone, and its caches then hold what they would alone
+            // (the next decode step's logits agree too)
+            let prefixes = [prompt(64, 4, vocab), prompt(5, 5, vocab), prompt(100, 6, vocab)];
+            let next = [prompt(30, 7, vocab), prompt(1, 8, vocab), prompt(64, 9, vocab)];
+            let mut a: Vec<_> = (0..3).map(|_| p.new_session().unwrap()).collect();
+            let mut b: Vec<_> = (0..3).map(|_| p.new_session().unwrap()).collect();
+            for k in 0..3 {
+                p.forward(&mut a[k], &prefixes[k], brigade_model::Logits::Last).unwrap();
+                p.forward(&mut b[k], &prefixes[k], brigade_model::Logits::Last).unwrap();
+            }
+            let mut refs: Vec<&mut brigade_model::Session> = a.iter_mut().collect();
+            let next_refs: Vec<&[u32]> = next.iter().map(Vec::as_slice).collect();
+            let got = p.forward_ragged(&mut refs, &next_refs).unwrap();
+            let last =
+                |l: candle_core::Tensor| -> Vec<f32> { l.get(l.dim(0).unwrap() - 1).unwrap().to_vec1().unwrap() };
+            for k in 0..3 {
+                let want = last(p.forward(&mut b[k], &next[k], brigade_model::Logits::Last).unwrap());
+                assert_eq!(got[k], want, "{map}: session {k} at position {}", prefixes[k].len());
+                let step_a = last(p.forward(&mut a[k], &[3], brigade_model::Logits::Last).unwrap());
+                let step_b = last(p.forward(&mut b[k], &[3], brigade_model::Logits::Last).unwrap());
+                assert_eq!(step_a, step_b, "{map}: session {k}'s caches after the pass");
+            }
         }
         let lens = [20usize, 30, 100];
         let job = |k: usize| greedy_job(prompt(lens[k], k as u32 + 1, vocab), 6);
@@ -641,6 +664,23 @@ fn prompts_arriving_together_are_read_in_one_pass_and_answer_as_alone() {
             assert_eq!(ids[&(k as JobId)], want, "{map}: job {k}");
         }
     }
+    // an id past the vocabulary fails its own job at admission, never the pass it would share
+    let p = Arc::new(pipeline(&files, "cpu:4", 256));
+    let mut b = Batch::new(p.clone(), 2, |_| false).unwrap().with_prefill_chunk(64);
+    b.handle_submit(0, greedy_job(vec![5, vocab + 7, 9], 3));
+    b.handle_submit(1, greedy_job(prompt(20, 1, vocab), 3));
+    let mut outcome: HashMap<JobId, String> = HashMap::new();
+    for _ in 0..20 {
+        for (id, o) in b.step() {
+            match o {
+                Output::Error(e) => drop(outcome.insert(id, e)),
+                Output::Done(_) => drop(outcome.insert(id, "done".into())),
+                _ => {}
+            }
+        }
+    }
+    assert!(outcome[&0].contains("outside the vocabulary"), "{outcome:?}");
+    assert_eq!(outcome[&1], "done");
     // weights whose kernels round by the number of rows keep one prompt per step
     let f32_path = dir.path().join("f32.gguf");
     let shape =

@@ -5,10 +5,12 @@
 //! callers. Call [`Batch::handle_submit`] / [`Batch::handle_cancel`] with input, then
 //! [`Batch::step`] repeatedly; each step
 //! 1. admits waiting jobs into free slots (new requests join between steps);
-//! 2. prefills **one** chunk of one admitted prompt (round robin over the prompts being read),
-//!    so a long prompt costs the others one chunk's time per step, not its whole length; the
-//!    chunks are the ones [`Pipeline::generate`] uses ([`PREFILL_CHUNK`] tokens from the start of
-//!    the prompt), whoever else is in the batch;
+//! 2. prefills one chunk's worth of the admitted prompts (round robin over the prompts being
+//!    read): one chunk of one prompt, or — where [`Pipeline::reads_prompts_together`] — the next
+//!    chunks of several in one pass while they fit in [`PREFILL_BUDGET_CHUNKS`]; so a long prompt
+//!    costs the others one chunk's time per step, not its whole length; the chunks are the ones
+//!    [`Pipeline::generate`] uses ([`PREFILL_CHUNK`] tokens from the start of the prompt),
+//!    whoever else is in the batch;
 //! 3. decodes one token for every session past its prompt, all in one forward pass
 //!    ([`Pipeline::forward_rows`]: each weight is read once per step for the whole batch, up to
 //!    [`crate::cpu_matmul::DECODE_ROWS`] (8) rows per pass on the CPU).
@@ -246,6 +248,13 @@ impl Batch {
                 out.push((id, Output::Error("empty prompt: nothing to start from".into())));
                 continue;
             }
+            // an id past the model's vocabulary fails its job here, not a pass it shares
+            let vocab = self.pipeline.vocab();
+            if let Some(&bad) = job.prompt.iter().find(|&&t| t as usize >= vocab) {
+                let e = ModelError::BadInput(format!("token id {bad} is outside the vocabulary of {vocab}"));
+                out.push((id, Output::Error(e.to_string())));
+                continue;
+            }
             if job.prompt.len() > n_ctx {
                 let e = ModelError::ContextFull { need: job.prompt.len(), n_ctx };
                 out.push((id, Output::Error(e.to_string())));
@@ -345,6 +354,10 @@ impl Batch {
             picked.push((i, *fed, end));
         }
         let Some(&(last, _, _)) = picked.last() else { return };
+        if picked.len() == 1 {
+            // alone: the one-session pass (its fused step for a one-token chunk), the same slot
+            return self.prefill_one(out);
+        }
         self.cursor = (last + 1) % n;
         // (in slot order: a row's numbers do not depend on where it is in the pass)
         picked.sort_unstable();
