@@ -204,6 +204,63 @@ FAMILIES = {
             attention_bias=False,
         ),
     },
+    # Mixtures of experts: eight experts of 128, two per token, on every layer. Mixtral's
+    # checkpoint becomes a `llama` GGUF with stacked experts; Qwen3-MoE renormalises the two
+    # weights (norm_topk_prob, as its released configs), Qwen2-MoE does not and adds a shared
+    # expert gated by a sigmoid.
+    "mixtral": {
+        "config": "MixtralConfig",
+        "model": "MixtralForCausalLM",
+        "gguf": True,
+        "fields": dict(
+            TINY,
+            intermediate_size=128,
+            num_local_experts=8,
+            num_experts_per_tok=2,
+            rope_theta=1_000_000.0,
+            rms_norm_eps=1e-5,
+            tie_word_embeddings=False,
+            sliding_window=None,
+            router_jitter_noise=0.0,
+        ),
+    },
+    "qwen3moe": {
+        "config": "Qwen3MoeConfig",
+        "model": "Qwen3MoeForCausalLM",
+        "gguf": True,
+        "fields": dict(
+            TINY,
+            intermediate_size=256,
+            moe_intermediate_size=128,
+            num_experts=8,
+            num_experts_per_tok=2,
+            norm_topk_prob=True,
+            head_dim=64,
+            rope_theta=1_000_000.0,
+            rms_norm_eps=1e-6,
+            tie_word_embeddings=False,
+            use_sliding_window=False,
+            attention_bias=False,
+        ),
+    },
+    "qwen2moe": {
+        "config": "Qwen2MoeConfig",
+        "model": "Qwen2MoeForCausalLM",
+        "gguf": True,
+        "fields": dict(
+            TINY,
+            intermediate_size=256,
+            moe_intermediate_size=128,
+            shared_expert_intermediate_size=256,
+            num_experts=8,
+            num_experts_per_tok=2,
+            norm_topk_prob=False,
+            rope_theta=1_000_000.0,
+            rms_norm_eps=1e-6,
+            tie_word_embeddings=False,
+            use_sliding_window=False,
+        ),
+    },
 }
 
 

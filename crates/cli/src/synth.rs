@@ -2,7 +2,7 @@
 
 use crate::common::human_bytes;
 use anyhow::{bail, Result};
-use brigade_model::synth::{write_gguf, write_safetensors_dir, Shape, SynthType};
+use brigade_model::synth::{write_gguf_with, write_safetensors_dir, Shape, SynthMoe, SynthType};
 use clap::{Args, ValueEnum};
 use std::path::PathBuf;
 
@@ -35,6 +35,13 @@ pub struct SynthArgs {
     /// The context length the file declares.
     #[arg(long)]
     pub context: Option<usize>,
+    /// Experts per layer in place of the dense feed-forward block (Mixtral's layout: each expert
+    /// of `--ffn`, softmax routing, the `--experts-used` best renormalised). GGUF only.
+    #[arg(long)]
+    pub experts: Option<usize>,
+    /// Experts each token goes through (with --experts; default 2).
+    #[arg(long = "experts-used", default_value_t = 2)]
+    pub experts_used: usize,
     /// Weight type: f32, f16, bf16, q8_0, q4_0, q4_k, q6_k (safetensors: f32, f16, bf16).
     #[arg(long = "type", default_value = "f16")]
     pub ty: SynthType,
@@ -98,23 +105,25 @@ pub fn synth(a: SynthArgs) -> Result<()> {
         bar.set_length(n as u64);
         bar.set_position(i as u64);
     };
+    let moe = a.experts.map(|experts| SynthMoe { experts, used: a.experts_used });
     let t0 = std::time::Instant::now();
     let bytes = match a.format {
-        SynthFormat::Gguf => write_gguf(&a.output, &shape, a.ty, a.seed, progress)?,
+        SynthFormat::Gguf => write_gguf_with(&a.output, &shape, moe, a.ty, a.seed, progress)?,
+        SynthFormat::Safetensors if moe.is_some() => bail!("--experts: synth writes experts as GGUF only"),
         SynthFormat::Safetensors => write_safetensors_dir(&a.output, &shape, a.ty, a.seed, progress)?,
     };
     bar.finish_and_clear();
     if a.json {
         println!(
             "{}",
-            serde_json::json!({"output": a.output, "bytes": bytes, "params": shape.params(), "shape": shape, "seconds": t0.elapsed().as_secs_f64()})
+            serde_json::json!({"output": a.output, "bytes": bytes, "params": shape.params_with(moe), "shape": shape, "experts": moe, "seconds": t0.elapsed().as_secs_f64()})
         );
     } else {
         eprintln!(
             "wrote {} ({}, {:.2} B params, {} layers, hidden {}, ffn {}, {}/{} heads, vocab {}) in {:.1} s",
             a.output.display(),
             human_bytes(bytes),
-            shape.params() as f64 / 1e9,
+            shape.params_with(moe) as f64 / 1e9,
             shape.layers,
             shape.hidden,
             shape.ffn,

@@ -25,6 +25,70 @@ pub enum Arch {
     Phi3,
     Gemma2,
     Gemma3,
+    /// Mixtral's checkpoints (llama.cpp writes them as `llama` with experts).
+    Mixtral,
+    Qwen2Moe,
+    Qwen3Moe,
+}
+
+/// A mixture-of-experts feed-forward block in place of the dense one, on every layer: a router
+/// (`ffn_gate_inp`) scores `experts` SiLU-gated experts of `ffn` each per token, softmax over all
+/// of them, the `used` best are computed and their outputs summed by those weights (renormalised
+/// to sum 1 where `norm_topk`). Qwen2-MoE adds a shared expert of `shared_ffn` to every token,
+/// gated by a sigmoid of its own router row (`ffn_gate_inp_shexp`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Moe {
+    pub experts: usize,
+    pub used: usize,
+    /// Each expert's feed-forward size.
+    pub ffn: usize,
+    /// Whether the chosen experts' weights are divided by their sum (Mixtral, Qwen3-MoE).
+    pub norm_topk: bool,
+    #[serde(default)]
+    pub shared_ffn: Option<usize>,
+}
+
+/// Generous bound of a layer's experts (the largest models have 256, one 384).
+pub const MAX_EXPERTS: usize = 4096;
+
+impl Moe {
+    /// Refuses what would size allocations absurdly or compute nothing, naming the field
+    /// (GGUF's key, then `config.json`'s).
+    pub fn validate(&self) -> Result<(), FormatError> {
+        if self.experts == 0 || self.experts > MAX_EXPERTS {
+            return bad(format!(
+                "expert_count (num_experts) {}: a mixture of experts has 1 to {MAX_EXPERTS} experts",
+                self.experts
+            ));
+        }
+        if self.used == 0 || self.used > self.experts {
+            return bad(format!(
+                "expert_used_count (num_experts_per_tok) {} with {} experts: each token uses 1 to {} of them",
+                self.used, self.experts, self.experts
+            ));
+        }
+        if self.ffn == 0 || self.ffn > MAX_FFN {
+            return bad(format!(
+                "expert_feed_forward_length (moe_intermediate_size) {}: must be 1 to {MAX_FFN}",
+                self.ffn
+            ));
+        }
+        if let Some(s) = self.shared_ffn {
+            if s == 0 || s > MAX_FFN {
+                return bad(format!(
+                    "expert_shared_feed_forward_length (shared_expert_intermediate_size) {s}: must be 1 to {MAX_FFN}"
+                ));
+            }
+        }
+        Ok(())
+    }
+
+    /// The expected number of distinct experts `rows` tokens routed independently and uniformly
+    /// touch: `E · (1 − (1 − k/E)^rows)` (one token: `k`; a long prompt: nearly all of them).
+    pub fn expected_distinct(&self, rows: usize) -> f64 {
+        let (e, k) = (self.experts as f64, self.used as f64);
+        e * (1.0 - (1.0 - k / e).powi(rows.min(i32::MAX as usize) as i32))
+    }
 }
 
 /// How RoPE pairs the dimensions of a head.
@@ -115,6 +179,9 @@ pub struct ModelConfig {
     /// The float type a `config.json` declares (`dtype`, formerly `torch_dtype`); the stored
     /// tensors' own types are what brigade computes with.
     pub dtype: Option<GgmlType>,
+    /// Experts in place of every layer's dense feed-forward block.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub moe: Option<Moe>,
 }
 
 /// Generous sanity bounds: they only stop absurd values from sizing allocations.
@@ -170,6 +237,12 @@ impl ModelConfig {
         }
         if !(self.rms_eps.is_finite() && self.rms_eps > 0.0) {
             return bad(format!("rms eps {} must be positive", self.rms_eps));
+        }
+        if let Some(m) = &self.moe {
+            m.validate()?;
+            if self.layer.fused_gate_up {
+                return bad("experts with gate and up stored as one matrix are not supported".into());
+            }
         }
         if self.layer.fused_qkv && self.layer.qkv_bias {
             return bad("attention_bias: biases on a fused q/k/v matrix are not supported".into());
@@ -433,6 +506,43 @@ impl ModelConfig {
             Some(f) => RopeScaling::FreqFactors(f),
             None => gguf_rope_scaling(g, &key("rope.scaling.type"), opt_f("rope.scaling.factor"))?,
         };
+        let moe = match g.get(&key("expert_count")) {
+            None => None,
+            Some(_) => {
+                let experts = req_u("expert_count")?;
+                let norm_key = key("expert_weights_norm");
+                let norm_topk = match g.get(&norm_key) {
+                    None => family.norm_topk,
+                    Some(v) => v.as_bool().ok_or_else(|| FormatError::BadMetadata {
+                        key: norm_key,
+                        why: format!("{v:?} is not a bool"),
+                    })?,
+                };
+                if let Some(v) = g.get(&key("expert_gating_func")) {
+                    // llama.cpp: 1 softmax, 2 sigmoid
+                    if v.as_u64() != Some(1) {
+                        return bad(format!(
+                            "{}: expert gating {v:?} is not supported (softmax, 1, is)",
+                            key("expert_gating_func")
+                        ));
+                    }
+                }
+                Some(Moe {
+                    experts,
+                    used: req_u("expert_used_count")?,
+                    ffn: opt_u("expert_feed_forward_length", ffn)?,
+                    norm_topk,
+                    shared_ffn: match g.get(&key("expert_shared_feed_forward_length")) {
+                        Some(_) => Some(req_u("expert_shared_feed_forward_length")?),
+                        None => None,
+                    },
+                })
+            }
+        };
+        if moe.is_none() && (family.moe || g.tensor("blk.0.ffn_gate_inp.weight").is_some()) {
+            // a router in the file, and nothing saying how many experts it routes to
+            return Err(FormatError::MissingMetadata(key("expert_count")));
+        }
         let cfg = ModelConfig {
             arch,
             n_layers,
@@ -463,6 +573,7 @@ impl ModelConfig {
             final_softcap,
             tie_word_embeddings: None,
             dtype: None,
+            moe,
         };
         cfg.validate()?;
         Ok(cfg)
@@ -548,6 +659,7 @@ mod tests {
             final_softcap: None,
             tie_word_embeddings: None,
             dtype: None,
+            moe: None,
         }
     }
 

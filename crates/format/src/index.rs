@@ -332,13 +332,12 @@ impl ModelIndex {
                     continue;
                 }
                 let (s, e) = info.data_offsets;
-                let st = StoredTensor {
-                    shape: info.shape.clone(),
-                    ty,
-                    file: fi,
-                    start: base + s as u64,
-                    end: base + e as u64,
-                };
+                let mut shape = info.shape.clone();
+                if gname.ends_with(LayerTensor::FfnGateInpShexp.suffix()) && shape.len() == 2 && shape[0] == 1 {
+                    // a linear layer of one output in a checkpoint, a vector in GGUF
+                    shape.remove(0);
+                }
+                let st = StoredTensor { shape, ty, file: fi, start: base + s as u64, end: base + e as u64 };
                 if tensors.insert(gname.clone(), st).is_some() {
                     return Err(FormatError::Invalid(format!("tensor `{gname}` appears in two files")));
                 }
@@ -378,10 +377,80 @@ impl ModelIndex {
                 if !t.required(c) && self.tensors.contains_key(&name) {
                     return Err(FormatError::BadTensor { name, why: t.unwanted_because().into() });
                 }
+                if t.is_experts() && t.required(c) && !self.tensors.contains_key(&name) {
+                    self.check_pieces(i, t)?;
+                    continue;
+                }
                 self.check_one(&name, t.required(c), || t.shape(c))?;
             }
         }
+        // an expert's piece of a layer the model does not have, or past its experts, would
+        // never be read: a file that has one is not what its configuration says
+        for name in self.tensors.keys() {
+            if let Some((i, t, e)) = LayerTensor::parse_piece(name) {
+                let experts = c.moe.map_or(0, |m| m.experts);
+                if i >= c.n_layers || e >= experts || self.tensors.contains_key(&t.name(i)) {
+                    return Err(FormatError::BadTensor {
+                        name: name.clone(),
+                        why: format!(
+                            "an expert's matrix, but the configuration has {experts} experts and {} layers{}",
+                            c.n_layers,
+                            if self.tensors.contains_key(&t.name(i)) { ", and the stacked tensor too" } else { "" }
+                        ),
+                    });
+                }
+            }
+        }
         Ok(())
+    }
+
+    /// A stacked expert tensor stored one expert at a time: every piece present, of the piece's
+    /// shape, all of one type.
+    fn check_pieces(&self, layer: usize, t: LayerTensor) -> Result<(), FormatError> {
+        let c = &self.config;
+        let experts = c.moe.map_or(0, |m| m.experts);
+        let mut ty = None;
+        for e in 0..experts {
+            let Some(name) = t.piece_name(layer, e) else { continue };
+            let Some(st) = self.tensors.get(&name) else {
+                return Err(FormatError::MissingTensor(if e == 0 { t.name(layer) } else { name }));
+            };
+            self.check_one(&name, true, || t.piece_shape(c))?;
+            if *ty.get_or_insert(st.ty) != st.ty {
+                return Err(FormatError::BadTensor {
+                    name,
+                    why: format!("stored as {}, expert 0's as {}", st.ty.name(), ty.map_or("", |t| t.name())),
+                });
+            }
+        }
+        Ok(())
+    }
+
+    /// The stored form of expert `e`'s matrix of layer `layer`'s stacked tensor `t`: its type,
+    /// shape and bytes, a range of the stacked tensor's bytes (rows are whole blocks in every
+    /// ggml type, so each expert's matrix is contiguous) or the expert's own tensor.
+    pub fn expert_data(
+        &self,
+        layer: usize,
+        t: LayerTensor,
+        e: usize,
+    ) -> Result<(StoredType, Vec<usize>, &[u8]), FormatError> {
+        let name = t.name(layer);
+        let Some(st) = self.tensors.get(&name) else {
+            let piece = t.piece_name(layer, e).ok_or_else(|| FormatError::MissingTensor(name.clone()))?;
+            let st = self.tensors.get(&piece).ok_or_else(|| FormatError::MissingTensor(piece.clone()))?;
+            return Ok((st.ty, st.shape.clone(), self.tensor_data(&piece)?));
+        };
+        let experts = st.shape.first().copied().unwrap_or(0);
+        let bytes = self.tensor_data(&name)?;
+        if e >= experts || experts == 0 || !bytes.len().is_multiple_of(experts) {
+            return Err(FormatError::BadTensor {
+                name,
+                why: format!("expert {e} of {experts} in {} bytes", bytes.len()),
+            });
+        }
+        let each = bytes.len() / experts;
+        Ok((st.ty, st.shape[1..].to_vec(), &bytes[e * each..(e + 1) * each]))
     }
 
     fn check_one(
@@ -471,6 +540,11 @@ impl ModelIndex {
     }
 
     fn bytes_on(name: &str, t: &StoredTensor, on_cpu: bool, dense_elem_bytes: u64) -> u64 {
+        let router = |t: LayerTensor| name.ends_with(t.suffix()) && name.starts_with("blk.");
+        if router(LayerTensor::FfnGateInp) || router(LayerTensor::FfnGateInpShexp) {
+            // a MoE layer's routing runs on the host in f32, whatever the device
+            return t.n_elements().saturating_mul(4);
+        }
         if is_norm(name) || !Self::keeps_stored_form(t, on_cpu) {
             t.n_elements().saturating_mul(dense_elem_bytes)
         } else {
@@ -490,7 +564,7 @@ impl ModelIndex {
     pub fn weight_types(&self) -> Vec<(StoredType, u64)> {
         let mut m: Vec<(StoredType, u64)> = Vec::new();
         for (name, t) in &self.tensors {
-            if !name.starts_with("blk.") || t.shape.len() != 2 {
+            if !name.starts_with("blk.") || !(2..=3).contains(&t.shape.len()) {
                 continue;
             }
             match m.iter_mut().find(|(ty, _)| *ty == t.ty) {
@@ -531,11 +605,23 @@ impl ModelIndex {
         let mut layer_flops = vec![0f64; c.n_layers];
         for (i, (b, f)) in layer_bytes.iter_mut().zip(&mut layer_flops).enumerate() {
             for t in LayerTensor::required_in(c) {
-                let name = t.name(i);
-                *b = b.saturating_add(get(&name));
-                match self.tensors.get(&name) {
-                    Some(st) if st.shape.len() == 2 => *f += 2.0 * st.n_elements() as f64,
-                    _ => {}
+                for name in t.stored_names(i, c, |n| self.tensors.contains_key(n)) {
+                    *b = b.saturating_add(get(&name));
+                    match self.tensors.get(&name) {
+                        Some(st) if st.shape.len() == 2 => *f += 2.0 * st.n_elements() as f64,
+                        // stacked experts: a token computes `used` of them
+                        Some(st) if st.shape.len() == 3 => {
+                            let m = c.moe.map_or(1.0, |m| m.used as f64 / m.experts as f64);
+                            *f += 2.0 * st.n_elements() as f64 * m
+                        }
+                        _ => {}
+                    }
+                    if LayerTensor::parse_piece(&name).is_some() {
+                        // one expert's piece: the flops above count it as if every token used it
+                        if let (Some(st), Some(m)) = (self.tensors.get(&name), c.moe) {
+                            *f -= 2.0 * st.n_elements() as f64 * (1.0 - m.used as f64 / m.experts as f64);
+                        }
+                    }
                 }
             }
         }

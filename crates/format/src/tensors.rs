@@ -39,6 +39,12 @@ pub enum Dim {
     QkvWidth,
     /// The up projection's rows: `ffn`, or `2 × ffn` where gate and up are one matrix.
     UpRows,
+    /// A MoE layer's experts ([`crate::config::Moe::experts`]).
+    Experts,
+    /// Each expert's feed-forward size.
+    ExpertFfn,
+    /// The shared expert's feed-forward size (Qwen2-MoE).
+    SharedFfn,
 }
 
 impl Dim {
@@ -53,6 +59,9 @@ impl Dim {
             Dim::HeadDim => Some(c.head_dim),
             Dim::QkvWidth => c.q_width()?.checked_add(c.kv_width()?.checked_mul(2)?),
             Dim::UpRows => c.ffn.checked_mul(if c.layer.fused_gate_up { 2 } else { 1 }),
+            Dim::Experts => c.moe.map(|m| m.experts),
+            Dim::ExpertFfn => c.moe.map(|m| m.ffn),
+            Dim::SharedFfn => c.moe.and_then(|m| m.shared_ffn),
         }
     }
 }
@@ -60,7 +69,7 @@ impl Dim {
 /// The shape `dims` gives in `c` (candle order: outermost first).
 pub fn shape_of(dims: &[Dim], c: &ModelConfig) -> Result<Vec<usize>, FormatError> {
     dims.iter()
-        .map(|d| d.size(c).ok_or_else(|| FormatError::BadConfig(format!("the {d:?} dimension overflows"))))
+        .map(|d| d.size(c).ok_or_else(|| FormatError::BadConfig(format!("the {d:?} dimension overflows or is absent"))))
         .collect()
 }
 
@@ -76,8 +85,15 @@ pub enum Need {
     SeparateQkv,
     /// When q, k and v are one matrix (Phi-3).
     FusedQkv,
-    /// When the gate is its own matrix (not [`crate::config::LayerSpec::fused_gate_up`]).
+    /// When the gate is its own matrix (not [`crate::config::LayerSpec::fused_gate_up`]) of a
+    /// dense feed-forward block.
     SeparateGate,
+    /// When the feed-forward block is dense (no [`crate::config::Moe`]).
+    Dense,
+    /// When the layer has experts.
+    Moe,
+    /// When the experts have a shared one beside them (Qwen2-MoE).
+    SharedExpert,
     /// When the layer norms after attention and the feed-forward block too (Gemma).
     PostNorms,
 }
@@ -102,10 +118,22 @@ pub enum LayerTensor {
     FfnUp,
     FfnDown,
     FfnPostNorm,
+    /// The router: one row of scores per expert.
+    FfnGateInp,
+    /// Every expert's gate, up and down matrices stacked, expert-major (llama.cpp's
+    /// `ffn_*_exps`); a checkpoint stores each expert's alone ([`LayerTensor::piece_name`]).
+    FfnGateExps,
+    FfnUpExps,
+    FfnDownExps,
+    /// The shared expert's gate (one row: its sigmoid weighs the shared expert's output).
+    FfnGateInpShexp,
+    FfnGateShexp,
+    FfnUpShexp,
+    FfnDownShexp,
 }
 
 impl LayerTensor {
-    pub const ALL: [LayerTensor; 17] = [
+    pub const ALL: [LayerTensor; 25] = [
         LayerTensor::AttnNorm,
         LayerTensor::AttnQ,
         LayerTensor::AttnK,
@@ -123,6 +151,14 @@ impl LayerTensor {
         LayerTensor::FfnUp,
         LayerTensor::FfnDown,
         LayerTensor::FfnPostNorm,
+        LayerTensor::FfnGateInp,
+        LayerTensor::FfnGateExps,
+        LayerTensor::FfnUpExps,
+        LayerTensor::FfnDownExps,
+        LayerTensor::FfnGateInpShexp,
+        LayerTensor::FfnGateShexp,
+        LayerTensor::FfnUpShexp,
+        LayerTensor::FfnDownShexp,
     ];
 
     /// The table: GGUF name after `blk.N.`, Hugging Face name after `model.layers.N.`, shape
@@ -150,8 +186,26 @@ impl LayerTensor {
             LayerTensor::FfnGate => ("ffn_gate.weight", "mlp.gate_proj.weight", &[Ffn, Hidden], SeparateGate),
             // gate and up in one matrix where the family stores them so (`gate_up_proj` in a
             // checkpoint, see `HF_ALIASES`)
-            LayerTensor::FfnUp => ("ffn_up.weight", "mlp.up_proj.weight", &[UpRows, Hidden], Always),
-            LayerTensor::FfnDown => ("ffn_down.weight", "mlp.down_proj.weight", &[Hidden, Ffn], Always),
+            LayerTensor::FfnUp => ("ffn_up.weight", "mlp.up_proj.weight", &[UpRows, Hidden], Dense),
+            LayerTensor::FfnDown => ("ffn_down.weight", "mlp.down_proj.weight", &[Hidden, Ffn], Dense),
+            // (Mixtral's checkpoints call the router `block_sparse_moe.gate`: `HF_ALIASES`)
+            LayerTensor::FfnGateInp => ("ffn_gate_inp.weight", "mlp.gate.weight", &[Experts, Hidden], Moe),
+            // no name in a checkpoint, which stores each expert alone (`piece_name`)
+            LayerTensor::FfnGateExps => ("ffn_gate_exps.weight", "", &[Experts, ExpertFfn, Hidden], Moe),
+            LayerTensor::FfnUpExps => ("ffn_up_exps.weight", "", &[Experts, ExpertFfn, Hidden], Moe),
+            LayerTensor::FfnDownExps => ("ffn_down_exps.weight", "", &[Experts, Hidden, ExpertFfn], Moe),
+            LayerTensor::FfnGateInpShexp => {
+                ("ffn_gate_inp_shexp.weight", "mlp.shared_expert_gate.weight", &[Hidden], SharedExpert)
+            }
+            LayerTensor::FfnGateShexp => {
+                ("ffn_gate_shexp.weight", "mlp.shared_expert.gate_proj.weight", &[SharedFfn, Hidden], SharedExpert)
+            }
+            LayerTensor::FfnUpShexp => {
+                ("ffn_up_shexp.weight", "mlp.shared_expert.up_proj.weight", &[SharedFfn, Hidden], SharedExpert)
+            }
+            LayerTensor::FfnDownShexp => {
+                ("ffn_down_shexp.weight", "mlp.shared_expert.down_proj.weight", &[Hidden, SharedFfn], SharedExpert)
+            }
             LayerTensor::FfnPostNorm => {
                 ("post_ffw_norm.weight", "post_feedforward_layernorm.weight", &[Hidden], PostNorms)
             }
@@ -186,8 +240,11 @@ impl LayerTensor {
             Need::QkNorm => c.layer.qk_norm,
             Need::SeparateQkv => !c.layer.fused_qkv,
             Need::FusedQkv => c.layer.fused_qkv,
-            Need::SeparateGate => !c.layer.fused_gate_up,
+            Need::SeparateGate => !c.layer.fused_gate_up && c.moe.is_none(),
             Need::PostNorms => c.layer.post_norms,
+            Need::Dense => c.moe.is_none(),
+            Need::Moe => c.moe.is_some(),
+            Need::SharedExpert => c.moe.is_some_and(|m| m.shared_ffn.is_some()),
         }
     }
 
@@ -201,6 +258,9 @@ impl LayerTensor {
             Need::FusedQkv => "present, but the family stores q, k and v as separate matrices",
             Need::SeparateGate => "present, but the family stores gate and up as one matrix (ffn_up)",
             Need::PostNorms => "present, but the family has no norms after attention and the feed-forward block",
+            Need::Dense => "present, but the layer's feed-forward block is a mixture of experts",
+            Need::Moe => "present, but the configuration has no experts (expert_count)",
+            Need::SharedExpert => "present, but the configuration has no shared expert",
         }
     }
 
@@ -228,6 +288,60 @@ impl LayerTensor {
         let t = LayerTensor::ALL.into_iter().find(|t| t.suffix() == rest)?;
         Some((i.parse().ok()?, t))
     }
+
+    /// Whether the tensor stacks every expert's matrix (`ffn_*_exps`).
+    pub fn is_experts(self) -> bool {
+        matches!(self, LayerTensor::FfnGateExps | LayerTensor::FfnUpExps | LayerTensor::FfnDownExps)
+    }
+
+    /// Expert `e`'s own matrix of a stacked tensor, as a checkpoint (and llama.cpp's first MoE
+    /// files) store it: `blk.N.ffn_gate.E.weight`. `None` for a tensor that is not stacked.
+    pub fn piece_name(self, layer: usize, e: usize) -> Option<String> {
+        let base = match self {
+            LayerTensor::FfnGateExps => "ffn_gate",
+            LayerTensor::FfnUpExps => "ffn_up",
+            LayerTensor::FfnDownExps => "ffn_down",
+            _ => return None,
+        };
+        Some(format!("blk.{layer}.{base}.{e}.weight"))
+    }
+
+    /// `blk.N.ffn_gate.E.weight` as (N, the stacked tensor, E).
+    pub fn parse_piece(name: &str) -> Option<(usize, LayerTensor, usize)> {
+        let (i, rest) = name.strip_prefix("blk.")?.split_once('.')?;
+        let (base, rest) = rest.split_once('.')?;
+        let e = rest.strip_suffix(".weight")?;
+        let t = match base {
+            "ffn_gate" => LayerTensor::FfnGateExps,
+            "ffn_up" => LayerTensor::FfnUpExps,
+            "ffn_down" => LayerTensor::FfnDownExps,
+            _ => return None,
+        };
+        Some((i.parse().ok()?, t, e.parse().ok()?))
+    }
+
+    /// The shape of one expert's matrix of a stacked tensor (the stacked shape less its first
+    /// dimension).
+    pub fn piece_shape(self, c: &ModelConfig) -> Result<Vec<usize>, FormatError> {
+        Ok(self.shape(c)?.split_off(1))
+    }
+
+    /// The names under which layer `layer`'s tensor is stored in a model whose tensor table
+    /// `has`: itself, or for experts that are stored one by one, each expert's piece.
+    pub fn stored_names(self, layer: usize, c: &ModelConfig, has: impl Fn(&str) -> bool) -> Vec<String> {
+        let name = self.name(layer);
+        match c.moe {
+            Some(m) if self.is_experts() && !has(&name) => {
+                (0..m.experts).filter_map(|e| self.piece_name(layer, e)).collect()
+            }
+            _ => vec![name],
+        }
+    }
+}
+
+/// The layer a layer tensor (or an expert's piece of one) belongs to.
+pub fn layer_of(name: &str) -> Option<usize> {
+    LayerTensor::parse(name).map(|(i, _)| i).or_else(|| LayerTensor::parse_piece(name).map(|(i, _, _)| i))
 }
 
 /// Whether a tensor is an RMS norm weight (of a layer, or the final one).
@@ -257,6 +371,9 @@ fn hf_name(name: &str, gemma_norms: bool) -> Option<String> {
     let (i, rest) = name.strip_prefix("model.layers.")?.split_once('.')?;
     let i: usize = i.parse().ok()?;
     let named = |table: &[(&str, LayerTensor)]| table.iter().find(|(h, _)| *h == rest).map(|(_, t)| *t);
+    if let Some(piece) = hf_piece(rest) {
+        return piece.0.piece_name(i, piece.1);
+    }
     let gemma = if gemma_norms { named(&GEMMA_NORMS) } else { None };
     gemma
         .or_else(|| named(&HF_ALIASES))
@@ -272,15 +389,56 @@ const GEMMA_NORMS: [(&str, LayerTensor); 3] = [
 ];
 
 /// Checkpoint names of layer tensors that GGUF stores under another tensor's name: Phi-3's
-/// `gate_up_proj` is llama.cpp's `ffn_up` of `2 × ffn` rows ([`Dim::UpRows`]).
-const HF_ALIASES: [(&str, LayerTensor); 1] = [("mlp.gate_up_proj.weight", LayerTensor::FfnUp)];
+/// `gate_up_proj` is llama.cpp's `ffn_up` of `2 × ffn` rows ([`Dim::UpRows`]); Mixtral's
+/// router.
+const HF_ALIASES: [(&str, LayerTensor); 2] =
+    [("mlp.gate_up_proj.weight", LayerTensor::FfnUp), ("block_sparse_moe.gate.weight", LayerTensor::FfnGateInp)];
+
+/// An expert's matrix in a checkpoint (after `model.layers.N.`): `mlp.experts.E.gate_proj.weight`
+/// (Qwen MoE, OLMoE) or Mixtral's `block_sparse_moe.experts.E.w1.weight` (w1 gate, w3 up, w2
+/// down), as the stacked tensor it is a piece of and E.
+fn hf_piece(rest: &str) -> Option<(LayerTensor, usize)> {
+    let (e, which) = if let Some(r) = rest.strip_prefix("mlp.experts.") {
+        let (e, w) = r.split_once('.')?;
+        let t = match w {
+            "gate_proj.weight" => LayerTensor::FfnGateExps,
+            "up_proj.weight" => LayerTensor::FfnUpExps,
+            "down_proj.weight" => LayerTensor::FfnDownExps,
+            _ => return None,
+        };
+        (e, t)
+    } else {
+        let r = rest.strip_prefix("block_sparse_moe.experts.")?;
+        let (e, w) = r.split_once('.')?;
+        let t = match w {
+            "w1.weight" => LayerTensor::FfnGateExps,
+            "w3.weight" => LayerTensor::FfnUpExps,
+            "w2.weight" => LayerTensor::FfnDownExps,
+            _ => return None,
+        };
+        (e, t)
+    };
+    Some((which, e.parse().ok()?))
+}
 
 /// llama.cpp's GGUF names to Hugging Face names (for writing safetensors).
 pub fn gguf_to_hf_name(name: &str) -> Option<String> {
     if let Some((_, h)) = HF_NAMES.iter().find(|(g, _)| *g == name) {
         return Some(h.to_string());
     }
+    if let Some((i, t, e)) = LayerTensor::parse_piece(name) {
+        let w = match t {
+            LayerTensor::FfnGateExps => "gate_proj",
+            LayerTensor::FfnUpExps => "up_proj",
+            _ => "down_proj",
+        };
+        return Some(format!("model.layers.{i}.mlp.experts.{e}.{w}.weight"));
+    }
     let (i, t) = LayerTensor::parse(name)?;
+    if t.hf_suffix().is_empty() {
+        // stacked experts: a checkpoint holds them one by one
+        return None;
+    }
     Some(format!("model.layers.{i}.{}", t.hf_suffix()))
 }
 
@@ -298,8 +456,9 @@ pub fn slice_tensors(index: &ModelIndex, layers: LayerRange) -> Result<Vec<Strin
     if layers.is_first() {
         names.push(TOKEN_EMBD.into());
     }
+    let has = |n: &str| index.tensor_info(n).is_some();
     for i in layers.iter() {
-        names.extend(LayerTensor::required_in(c).map(|t| t.name(i)));
+        names.extend(LayerTensor::required_in(c).flat_map(|t| t.stored_names(i, c, has)));
     }
     if layers.is_last(c.n_layers) {
         names.push(OUTPUT_NORM.into());
@@ -329,9 +488,7 @@ pub fn slice_tensor_names<'a>(
     if layers.is_first() {
         out.push(TOKEN_EMBD.into());
     }
-    out.extend(
-        names.iter().filter(|n| LayerTensor::parse(n).is_some_and(|(i, _)| layers.contains(i))).map(|n| n.to_string()),
-    );
+    out.extend(names.iter().filter(|n| layer_of(n).is_some_and(|i| layers.contains(i))).map(|n| n.to_string()));
     if layers.is_last(n_layers) {
         out.push(OUTPUT_NORM.into());
         if has(OUTPUT) {

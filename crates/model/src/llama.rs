@@ -16,6 +16,7 @@ use std::sync::Arc;
 
 mod decode_attn;
 mod fused;
+mod moe;
 mod rows;
 mod silu;
 mod softmax;
@@ -127,9 +128,11 @@ struct Block {
     /// q, k, v
     qkv: Proj,
     wo: Linear,
-    /// gate, up
+    /// gate, up (a dense block; empty with experts)
     gate_up: Proj,
-    down: Linear,
+    down: Option<Linear>,
+    /// The experts in place of the dense feed-forward block.
+    moe: Option<Box<moe::MoeFfn>>,
     span: tracing::Span,
 }
 
@@ -311,12 +314,21 @@ impl Block {
                 Proj::load(files, &[n(T::AttnQ), n(T::AttnK), n(T::AttnV)], qkv_bias, device, dtype)?
             },
             wo: files.linear(&n(T::AttnOutput), None, device, dtype)?,
-            gate_up: if cfg.layer.fused_gate_up {
+            gate_up: if cfg.moe.is_some() {
+                Proj::Separate(Vec::new())
+            } else if cfg.layer.fused_gate_up {
                 Proj::Stacked(files.linear(&n(T::FfnUp), None, device, dtype)?, vec![cfg.ffn, cfg.ffn])
             } else {
                 Proj::load(files, &[n(T::FfnGate), n(T::FfnUp)], None, device, dtype)?
             },
-            down: files.linear(&n(T::FfnDown), None, device, dtype)?,
+            down: match cfg.moe {
+                None => Some(files.linear(&n(T::FfnDown), None, device, dtype)?),
+                Some(_) => None,
+            },
+            moe: match cfg.moe {
+                Some(m) => Some(Box::new(moe::MoeFfn::load(files, i, m, device, dtype)?)),
+                None => None,
+            },
             span: tracing::trace_span!("block", layer = i),
         })
     }
@@ -326,7 +338,12 @@ impl Block {
         let post = self.post_norms.as_ref().map_or(0, |(a, f)| a.elem_count() + f.elem_count());
         let norms = ((self.attn_norm.elem_count() + self.ffn_norm.elem_count() + qk + post)
             * self.attn_norm.dtype().size_in_bytes()) as u64;
-        norms + self.qkv.bytes() + self.gate_up.bytes() + self.wo.storage_bytes() + self.down.storage_bytes()
+        norms
+            + self.qkv.bytes()
+            + self.gate_up.bytes()
+            + self.wo.storage_bytes()
+            + self.down.as_ref().map_or(0, Linear::storage_bytes)
+            + self.moe.as_ref().map_or(0, |m| m.bytes())
     }
 
     /// Every weight of the block computes each row as alone at any number of rows.
@@ -334,7 +351,8 @@ impl Block {
         self.qkv.rows_independent()
             && self.gate_up.rows_independent()
             && self.wo.rows_independent()
-            && self.down.rows_independent()
+            && self.down.as_ref().is_none_or(Linear::rows_independent)
+            && self.moe.as_ref().is_none_or(|m| m.rows_independent())
     }
 
     /// One session's chunk of `t` tokens: `x` is `(1, t, hidden)`.
@@ -387,17 +405,28 @@ impl Block {
         };
         let x = (x + post(mm(&self.wo, y)?, post_attn)?)?;
         let h = rms_norm(&x, &self.ffn_norm, cfg.rms_eps)?;
-        let gu = self.gate_up.forward(&h, mm)?;
-        let act = if self.gelu {
-            // transformers' gelu_pytorch_tanh, llama.cpp's GELU
-            (gu[0].gelu()? * &gu[1])?
-        } else if own_cpu_attention(gu[0].device(), gu[0].dtype()) {
-            // one pass with an exp that vectorizes, the numbers of the fused decode step
-            gu[0].apply_op2_no_bwd(&gu[1], &silu::SiluMul)?
-        } else {
-            (candle_nn::ops::silu(&gu[0])? * &gu[1])?
+        let f = match (&self.moe, &self.down) {
+            (Some(m), _) => m.forward(&h, mm, self.gelu)?,
+            (None, Some(down)) => {
+                let gu = self.gate_up.forward(&h, mm)?;
+                mm(down, &gated(self.gelu, &gu[0], &gu[1])?)?
+            }
+            (None, None) => candle_core::bail!("a block with neither a feed-forward block nor experts"),
         };
-        x + post(mm(&self.down, &act)?, post_ffn)?
+        x + post(f, post_ffn)?
+    }
+}
+
+/// The gated activation of a feed-forward block: GeLU-tanh or SiLU of `gate`, times `up`.
+fn gated(gelu: bool, gate: &Tensor, up: &Tensor) -> candle_core::Result<Tensor> {
+    if gelu {
+        // transformers' gelu_pytorch_tanh, llama.cpp's GELU
+        gate.gelu()? * up
+    } else if own_cpu_attention(gate.device(), gate.dtype()) {
+        // one pass with an exp that vectorizes, the numbers of the fused decode step
+        gate.apply_op2_no_bwd(up, &silu::SiluMul)
+    } else {
+        candle_nn::ops::silu(gate)? * up
     }
 }
 
@@ -951,6 +980,19 @@ fn kv_bytes(cfg: &ModelConfig, layers: LayerRange, n_ctx: usize, dtype: DType) -
 /// counts them: the tensors [`slice_tensors`] names, less those read into the configuration;
 /// and one session's KV cache of `n_ctx` tokens). Layers past the model's predict no weights
 /// (loading them is an error).
+/// The output head's bytes on the CPU: packed for the int8 kernels where they read its type,
+/// which rounds its rows (the vocabulary) up to whole records of 32 columns
+/// (`cpu_matmul::Packed`); the file's bytes otherwise.
+fn packed_head_bytes(files: &ModelFiles) -> u64 {
+    use crate::cpu_matmul::{packs_on, Isa};
+    let Some(t) = files.tensor_info(OUTPUT) else { return 0 };
+    let rows = t.shape().first().copied().unwrap_or(0) as u64;
+    if rows == 0 || !packs_on(crate::weights::ggml_dtype(t.ggml_type()), Isa::selected()) {
+        return t.n_bytes();
+    }
+    rows.div_ceil(32) * 32 * (t.n_bytes() / rows)
+}
+
 pub fn predict_slice_bytes(files: &ModelFiles, layers: LayerRange, device: DeviceId, n_ctx: usize) -> SliceBytes {
     let dtype = crate::device::activation_dtype(device, files);
     let on_cpu = device == DeviceId::Cpu;
@@ -958,7 +1000,7 @@ pub fn predict_slice_bytes(files: &ModelFiles, layers: LayerRange, device: Devic
     let weights = names
         .iter()
         .filter(|n| !SHARED_TENSORS.contains(&n.as_str()))
-        .map(|n| files.device_bytes(n, on_cpu, dtype))
+        .map(|n| if on_cpu && n == OUTPUT { packed_head_bytes(files) } else { files.device_bytes(n, on_cpu, dtype) })
         .fold(0u64, u64::saturating_add);
     let tables = files.config().rope_table_bytes(layers.start()..layers.end(), n_ctx, dtype.size_in_bytes() as u64);
     SliceBytes { weights, kv: kv_bytes(files.config(), layers, n_ctx, dtype), tables }

@@ -74,8 +74,9 @@ impl Shape {
         Ok(())
     }
 
-    /// The configuration a model of this shape declares (untied head, no biases).
-    fn config(&self) -> ModelConfig {
+    /// The configuration a model of this shape declares (untied head, no biases), with `moe`'s
+    /// experts in place of the dense feed-forward blocks.
+    fn config_with(&self, moe: Option<SynthMoe>) -> ModelConfig {
         ModelConfig {
             arch: Arch::Llama,
             n_layers: self.layers,
@@ -102,16 +103,41 @@ impl Shape {
             final_softcap: None,
             tie_word_embeddings: Some(false),
             dtype: None,
+            moe: moe.map(|m| brigade_format::config::Moe {
+                experts: m.experts,
+                used: m.used,
+                ffn: self.ffn,
+                norm_topk: true,
+                shared_ffn: None,
+            }),
         }
     }
 
     /// Parameters (weights) of the model, embedding and head included (untied).
     pub fn params(&self) -> u64 {
+        self.params_with(None)
+    }
+
+    /// Parameters with `moe`'s experts (each of `ffn`) and routers.
+    pub fn params_with(&self, moe: Option<SynthMoe>) -> u64 {
         let (h, f, v) = (self.hidden as u64, self.ffn as u64, self.vocab as u64);
         let kv = (self.kv_heads * self.head_dim()) as u64;
-        let per_layer = 2 * h * h + 2 * h * kv + 3 * h * f + 2 * h;
+        let ffn = match moe {
+            None => 3 * h * f,
+            Some(m) => (3 * h * f + h) * m.experts as u64,
+        };
+        let per_layer = 2 * h * h + 2 * h * kv + ffn + 2 * h;
         2 * v * h + h + self.layers as u64 * per_layer
     }
+}
+
+/// Experts in place of every layer's dense feed-forward block, each of the shape's `ffn`:
+/// Mixtral's layout, which llama.cpp writes as a `llama` GGUF with `expert_count` (softmax over
+/// the experts, the `used` best renormalised).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+pub struct SynthMoe {
+    pub experts: usize,
+    pub used: usize,
 }
 
 /// The element types synth writes.
@@ -181,15 +207,16 @@ fn type_for_row(dt: GgmlType, len: usize) -> GgmlType {
 }
 
 /// The tensors of a model of `shape` (the layers' from [`LayerTensor`]'s table): (GGUF name,
-/// rows, cols, kind).
-fn tensor_list(shape: &Shape) -> Result<Vec<(String, usize, usize, Init)>, ModelError> {
-    let cfg = shape.config();
+/// rows, cols, kind). Stacked experts `[experts, out, in]` are `experts × out` rows of `in`.
+fn tensor_list(shape: &Shape, moe: Option<SynthMoe>) -> Result<Vec<(String, usize, usize, Init)>, ModelError> {
+    let cfg = shape.config_with(moe);
     let entry = |name: String, dims: Vec<usize>| {
         let init = if dims.len() == 1 { Init::Norm } else { Init::Weight };
         let (rows, cols) = match dims[..] {
             [cols] => (1, cols),
-            [rows, cols, ..] => (rows, cols),
-            [] => (0, 0),
+            [rows, cols] => (rows, cols),
+            [experts, rows, cols] => (experts * rows, cols),
+            _ => (0, 0),
         };
         (name, rows, cols, init)
     };
@@ -336,23 +363,54 @@ pub fn write_gguf(
     shape: &Shape,
     ty: SynthType,
     seed: u64,
+    progress: impl FnMut(usize, usize),
+) -> Result<u64, ModelError> {
+    write_gguf_with(path, shape, None, ty, seed, progress)
+}
+
+/// [`write_gguf`] of a model with `moe`'s experts: the experts of a layer stacked in
+/// `ffn_{gate,up,down}_exps` (expert-major, llama.cpp's layout), the router `ffn_gate_inp` in
+/// f32 (llama.cpp keeps it so), `llama.expert_count` and `llama.expert_used_count` set.
+pub fn write_gguf_with(
+    path: &Path,
+    shape: &Shape,
+    moe: Option<SynthMoe>,
+    ty: SynthType,
+    seed: u64,
     mut progress: impl FnMut(usize, usize),
 ) -> Result<u64, ModelError> {
     shape.validate()?;
-    let list = tensor_list(shape)?;
+    if let Some(m) = moe {
+        shape.config_with(moe).validate()?;
+        if m.experts > 256 {
+            return Err(ModelError::BadConfig(format!("{} experts: synth writes at most 256", m.experts)));
+        }
+    }
+    let list = tensor_list(shape, moe)?;
     let specs: Vec<TensorSpec> = list
         .iter()
         .map(|(name, rows, cols, init)| {
+            let router = name.ends_with(LayerTensor::FfnGateInp.suffix());
             let dtype = match init {
                 Init::Norm => GgmlType::F32,
+                Init::Weight if router => GgmlType::F32,
                 Init::Weight if ty == SynthType::Q4K && name == OUTPUT => type_for_row(GgmlType::Q6K, *cols),
                 Init::Weight => type_for_row(ty.ggml(), *cols),
             };
-            let dims = if *rows == 1 { vec![*cols as u64] } else { vec![*cols as u64, *rows as u64] };
+            let stacked = LayerTensor::parse(name).is_some_and(|(_, t)| t.is_experts());
+            let dims = match (moe, stacked) {
+                (Some(m), true) => vec![*cols as u64, (*rows / m.experts) as u64, m.experts as u64],
+                _ if *rows == 1 => vec![*cols as u64],
+                _ => vec![*cols as u64, *rows as u64],
+            };
             TensorSpec { name: name.clone(), dims, dtype }
         })
         .collect();
-    let md = gguf_metadata(shape, ty, &format!("brigade-synth-{}L-{}h", shape.layers, shape.hidden));
+    let mut md = gguf_metadata(shape, ty, &format!("brigade-synth-{}L-{}h", shape.layers, shape.hidden));
+    if let Some(m) = moe {
+        md.push(("llama.expert_count".into(), Value::U32(m.experts as u32)));
+        md.push(("llama.expert_used_count".into(), Value::U32(m.used as u32)));
+    }
     let f = std::fs::File::create(path).map_err(|e| ModelError::Io(path.to_path_buf(), e))?;
     let mut w = BufWriter::with_capacity(8 << 20, f);
     let total = specs.len();
@@ -439,7 +497,7 @@ pub fn write_safetensors_dir(
     let p = dir.join("tokenizer_config.json");
     std::fs::write(&p, tc.to_string()).map_err(|e| io(&p, e))?;
 
-    let list = tensor_list(shape)?;
+    let list = tensor_list(shape, None)?;
     let total = list.len();
     let mut datas: Vec<(String, Vec<usize>, Vec<u8>)> = Vec::with_capacity(total);
     for (i, (name, rows, cols, init)) in list.iter().enumerate() {

@@ -254,6 +254,12 @@ impl Linear {
         w + self.bias.as_ref().map(|b| (b.elem_count() * b.dtype().size_in_bytes()) as u64).unwrap_or(0)
     }
 
+    /// A dense weight (unit tests of the modules that hold weights).
+    #[cfg(test)]
+    pub(crate) fn dense_for_tests(w: Tensor) -> Linear {
+        Linear { w: LinearWeight::Dense(w), bias: None }
+    }
+
     pub(crate) fn from_embedding(e: &Embedding) -> Linear {
         match e {
             Embedding::Quant(q) => Linear { w: LinearWeight::Quant(q.clone()), bias: None },
@@ -462,6 +468,68 @@ impl ModelFiles {
             None => None,
         };
         Ok(Some(Linear { w, bias }))
+    }
+
+    /// A weight from stored bytes of type `ty` and shape `[out, in]`: packed for brigade's CPU
+    /// kernels where they read it, else the file's blocks; on a GPU a float weight becomes a
+    /// dense tensor in `dtype` (as [`ModelFiles::linear`] decides for a named tensor).
+    fn linear_from(
+        &self,
+        ty: StoredType,
+        bytes: &[u8],
+        shape: &[usize],
+        device: &Device,
+        dtype: DType,
+    ) -> Result<LinearWeight, ModelError> {
+        let on_cpu = device.is_cpu();
+        if on_cpu || !ty.ggml_type().is_float() {
+            if let Some(p) = packed(ty.ggml_type(), bytes, shape, device)? {
+                return Ok(p);
+            }
+            let q = ggml_dtype(ty.ggml_type());
+            let storage = with_aligned(bytes, |b| QStorage::from_data(Cow::Borrowed(b), device, q))?;
+            return Ok(LinearWeight::Quant(Arc::new(QTensor::new(storage, shape)?)));
+        }
+        let dt = float_dtype(ty.ggml_type()).unwrap_or(DType::F32);
+        let t = with_aligned(bytes, |b| Tensor::from_raw_buffer(b, dt, shape, &Device::Cpu))?;
+        Ok(LinearWeight::Dense(t.to_dtype(dtype)?.to_device(device)?))
+    }
+
+    /// Expert `e`'s matrix of layer `layer`'s stacked expert tensor `t` as a weight of its own,
+    /// from its range of the stacked tensor's bytes (or its own tensor in a checkpoint): memory
+    /// is the file's, no expert is copied per token.
+    pub fn expert(
+        &self,
+        layer: usize,
+        t: brigade_format::tensors::LayerTensor,
+        e: usize,
+        device: &Device,
+        dtype: DType,
+    ) -> Result<Linear, ModelError> {
+        let (ty, shape, bytes) = self.index.expert_data(layer, t, e)?;
+        Ok(Linear { w: self.linear_from(ty, bytes, &shape, device, dtype)?, bias: None })
+    }
+
+    /// Expert `e`'s gate and up matrices of layer `layer` stacked into one `[2 × ffn, in]`
+    /// matmul where their types match (`None` otherwise).
+    pub fn expert_gate_up(
+        &self,
+        layer: usize,
+        e: usize,
+        device: &Device,
+        dtype: DType,
+    ) -> Result<Option<Linear>, ModelError> {
+        use brigade_format::tensors::LayerTensor as T;
+        let (gt, gs, gb) = self.index.expert_data(layer, T::FfnGateExps, e)?;
+        let (ut, us, ub) = self.index.expert_data(layer, T::FfnUpExps, e)?;
+        if gt != ut || gs.len() != 2 || gs[1..] != us[1..] {
+            return Ok(None);
+        }
+        let mut bytes = Vec::with_capacity(gb.len() + ub.len());
+        bytes.extend_from_slice(gb);
+        bytes.extend_from_slice(ub);
+        let shape = [gs[0] + us[0], gs[1]];
+        Ok(Some(Linear { w: self.linear_from(gt, &bytes, &shape, device, dtype)?, bias: None }))
     }
 
     pub fn embedding(&self, name: &str, device: &Device, dtype: DType) -> Result<Embedding, ModelError> {

@@ -131,6 +131,31 @@ fn decode_rows_are_batch_invariant_phi3() {
     check_rows_invariant(&files, "cpu:1,cpu:2");
 }
 
+/// Experts (synth's Mixtral shape): each expert takes the rows that chose it together; Q4_K
+/// (packed: any number of rows alone) and Q4_0 (the file's blocks: groups of `DECODE_ROWS`).
+#[test]
+fn decode_rows_are_batch_invariant_with_experts() {
+    let dir = tempfile::tempdir().unwrap();
+    for ty in [SynthType::Q4K, SynthType::Q4_0] {
+        let path = dir.path().join(format!("moe-{ty:?}.gguf"));
+        let shape = Shape {
+            layers: 3,
+            hidden: 256,
+            ffn: 128,
+            heads: 4,
+            kv_heads: 2,
+            vocab: 300,
+            context: 512,
+            rope_theta: 1e4,
+        };
+        let moe = brigade_model::synth::SynthMoe { experts: 8, used: 2 };
+        brigade_model::synth::write_gguf_with(&path, &shape, Some(moe), ty, 9, |_, _| {}).unwrap();
+        let files = ModelFiles::open(&path).unwrap();
+        check_rows_invariant(&files, "cpu:3");
+        check_rows_invariant(&files, "cpu:2,cpu:1");
+    }
+}
+
 /// Gemma 3 on the op path: windowed and global layers, two RoPE bases.
 #[test]
 fn decode_rows_are_batch_invariant_gemma3() {

@@ -124,6 +124,22 @@ fn fused_decode_equals_candle_ops_on_hugging_face_layouts() {
     check("qwen2 biases", &files, "cpu:2,cpu:1");
 }
 
+/// Experts (synth's Mixtral shape): the fused step computes them on slices, grouped as the
+/// op path groups them.
+#[test]
+fn fused_decode_equals_candle_ops_with_experts() {
+    let dir = tempfile::tempdir().unwrap();
+    let shape = Shape { ffn: 128, ..shape() };
+    for ty in [SynthType::Q4K, SynthType::Q4_0, SynthType::F32] {
+        let path = dir.path().join(format!("moe-{ty:?}.gguf"));
+        let moe = brigade_model::synth::SynthMoe { experts: 8, used: 2 };
+        brigade_model::synth::write_gguf_with(&path, &shape, Some(moe), ty, 4, |_, _| {}).unwrap();
+        let files = ModelFiles::open(&path).unwrap();
+        check(&format!("experts {ty:?}"), &files, "cpu:3");
+        check(&format!("experts {ty:?}"), &files, "cpu:1,cpu:2");
+    }
+}
+
 /// Qwen3's per-head q/k norms, from the transformers checkpoint and from llama.cpp's Q4_K_M file.
 #[test]
 fn fused_decode_equals_candle_ops_on_qwen3() {

@@ -58,6 +58,12 @@ pub struct Family {
     /// and llama.cpp's converter adds the 1 to the GGUF's weights, so brigade adds it to a
     /// checkpoint's when it loads them.
     pub hf_norm_offset: f32,
+    /// Every file of the family has experts ([`super::Moe`]); a Llama may have them (Mixtral
+    /// in GGUF).
+    pub moe: bool,
+    /// Whether the chosen experts' weights are renormalised when a file does not say
+    /// (`expert_weights_norm`, `norm_topk_prob`): llama.cpp's choice per architecture.
+    pub norm_topk: bool,
 }
 
 const LLAMA_LAYER: LayerSpec = LayerSpec {
@@ -70,7 +76,7 @@ const LLAMA_LAYER: LayerSpec = LayerSpec {
 };
 
 /// Every family brigade runs.
-pub static FAMILIES: [Family; 7] = [
+pub static FAMILIES: [Family; 10] = [
     Family {
         arch: Arch::Llama,
         gguf: "llama",
@@ -79,6 +85,8 @@ pub static FAMILIES: [Family; 7] = [
         layer: LLAMA_LAYER,
         scaled_embedding: false,
         hf_norm_offset: 0.0,
+        moe: false,
+        norm_topk: true,
     },
     Family {
         arch: Arch::Mistral,
@@ -88,6 +96,8 @@ pub static FAMILIES: [Family; 7] = [
         layer: LLAMA_LAYER,
         scaled_embedding: false,
         hf_norm_offset: 0.0,
+        moe: false,
+        norm_topk: true,
     },
     Family {
         arch: Arch::Qwen2,
@@ -97,6 +107,8 @@ pub static FAMILIES: [Family; 7] = [
         layer: LayerSpec { qkv_bias: true, ..LLAMA_LAYER },
         scaled_embedding: false,
         hf_norm_offset: 0.0,
+        moe: false,
+        norm_topk: true,
     },
     Family {
         arch: Arch::Qwen3,
@@ -106,6 +118,8 @@ pub static FAMILIES: [Family; 7] = [
         layer: LayerSpec { qk_norm: true, ..LLAMA_LAYER },
         scaled_embedding: false,
         hf_norm_offset: 0.0,
+        moe: false,
+        norm_topk: true,
     },
     Family {
         arch: Arch::Phi3,
@@ -115,6 +129,8 @@ pub static FAMILIES: [Family; 7] = [
         layer: LayerSpec { fused_qkv: true, fused_gate_up: true, ..LLAMA_LAYER },
         scaled_embedding: false,
         hf_norm_offset: 0.0,
+        moe: false,
+        norm_topk: true,
     },
     Family {
         arch: Arch::Gemma2,
@@ -124,6 +140,8 @@ pub static FAMILIES: [Family; 7] = [
         layer: LayerSpec { post_norms: true, gelu: true, ..LLAMA_LAYER },
         scaled_embedding: true,
         hf_norm_offset: 1.0,
+        moe: false,
+        norm_topk: true,
     },
     Family {
         arch: Arch::Gemma3,
@@ -133,6 +151,43 @@ pub static FAMILIES: [Family; 7] = [
         layer: LayerSpec { qk_norm: true, post_norms: true, gelu: true, ..LLAMA_LAYER },
         scaled_embedding: true,
         hf_norm_offset: 1.0,
+        moe: false,
+        norm_topk: true,
+    },
+    // llama.cpp's converter writes Mixtral as `llama` with experts (and permutes q and k as
+    // for a Llama); `mixtral` names only the checkpoints' family
+    Family {
+        arch: Arch::Mixtral,
+        gguf: "mixtral",
+        hf: &["MixtralForCausalLM", "mixtral"],
+        gguf_rope: RopeStyle::Interleaved,
+        layer: LLAMA_LAYER,
+        scaled_embedding: false,
+        hf_norm_offset: 0.0,
+        moe: true,
+        norm_topk: true,
+    },
+    Family {
+        arch: Arch::Qwen2Moe,
+        gguf: "qwen2moe",
+        hf: &["Qwen2MoeForCausalLM", "qwen2_moe"],
+        gguf_rope: RopeStyle::Halves,
+        layer: LayerSpec { qkv_bias: true, ..LLAMA_LAYER },
+        scaled_embedding: false,
+        hf_norm_offset: 0.0,
+        moe: true,
+        norm_topk: false,
+    },
+    Family {
+        arch: Arch::Qwen3Moe,
+        gguf: "qwen3moe",
+        hf: &["Qwen3MoeForCausalLM", "qwen3_moe"],
+        gguf_rope: RopeStyle::Halves,
+        layer: LayerSpec { qk_norm: true, ..LLAMA_LAYER },
+        scaled_embedding: false,
+        hf_norm_offset: 0.0,
+        moe: true,
+        norm_topk: true,
     },
 ];
 
@@ -174,6 +229,6 @@ mod tests {
             }
         }
         assert!(by_gguf("gemma").is_none() && by_hf("GemmaForCausalLM").is_none());
-        assert_eq!(names(), "llama, mistral, qwen2, qwen3, phi3, gemma2, gemma3");
+        assert_eq!(names(), "llama, mistral, qwen2, qwen3, phi3, gemma2, gemma3, mixtral, qwen2moe, qwen3moe");
     }
 }

@@ -3,7 +3,7 @@
 //! must agree. A RoPE type or parameter brigade does not implement is an error that names it:
 //! a default in its place would silently compute other numbers than the checkpoint was trained on.
 
-use super::{bad, derived_head_dim, Arch, LayerSpec, ModelConfig, RopeScaling, RopeStyle};
+use super::{bad, derived_head_dim, Arch, LayerSpec, ModelConfig, Moe, RopeScaling, RopeStyle};
 use crate::{FormatError, GgmlType};
 use serde::Deserialize;
 use serde_json::{Map, Value};
@@ -28,6 +28,8 @@ struct HfConfig {
     rms_norm_eps: Option<f64>,
     max_position_embeddings: Option<usize>,
     attention_bias: Option<bool>,
+    /// Qwen2-MoE's switch for its q/k/v biases (on by default).
+    qkv_bias: Option<bool>,
     mlp_bias: Option<bool>,
     tie_word_embeddings: Option<bool>,
     torch_dtype: Option<String>,
@@ -43,6 +45,17 @@ struct HfConfig {
     attn_logit_softcapping: Option<f64>,
     hidden_activation: Option<String>,
     use_bidirectional_attention: Option<bool>,
+    /// Mixtral's expert count; the Qwen MoE families call it `num_experts`.
+    num_local_experts: Option<usize>,
+    num_experts: Option<usize>,
+    num_experts_per_tok: Option<usize>,
+    /// Qwen's expert size (Mixtral's experts are `intermediate_size`).
+    moe_intermediate_size: Option<usize>,
+    shared_expert_intermediate_size: Option<usize>,
+    norm_topk_prob: Option<bool>,
+    decoder_sparse_step: Option<usize>,
+    #[serde(default)]
+    mlp_only_layers: Vec<usize>,
 }
 
 /// transformers' `default_theta`.
@@ -72,6 +85,7 @@ pub(super) fn from_json(text: &str) -> Result<ModelConfig, FormatError> {
         return bad("mlp_bias: biases on the feed-forward projections are not supported".into());
     }
     let (rope_theta, rope_scaling, rope_theta_local) = rope(&hf)?;
+    let moe = moe(&hf, family)?;
     let cfg = ModelConfig {
         arch,
         n_layers: hf.num_hidden_layers,
@@ -86,7 +100,10 @@ pub(super) fn from_json(text: &str) -> Result<ModelConfig, FormatError> {
         rope_scaling,
         rms_eps: hf.rms_norm_eps.unwrap_or(1e-5),
         context_length: hf.max_position_embeddings.unwrap_or(2048),
-        layer: LayerSpec { qkv_bias: family.layer.qkv_bias || hf.attention_bias.unwrap_or(false), ..family.layer },
+        layer: LayerSpec {
+            qkv_bias: (family.layer.qkv_bias && hf.qkv_bias.unwrap_or(true)) || hf.attention_bias.unwrap_or(false),
+            ..family.layer
+        },
         rope_theta_local: match (rope_theta_local, hf.rope_local_base_freq) {
             (Some(a), Some(b)) if a != b => {
                 return bad(format!(
@@ -108,6 +125,7 @@ pub(super) fn from_json(text: &str) -> Result<ModelConfig, FormatError> {
         final_softcap: hf.final_logit_softcapping.filter(|_| gemma_family).map(|c| c as f32),
         tie_word_embeddings: hf.tie_word_embeddings,
         dtype: dtype(&hf)?,
+        moe,
     };
     cfg.validate()?;
     Ok(cfg)
@@ -155,12 +173,52 @@ fn sliding_window(hf: &HfConfig, arch: Arch) -> Result<(Option<usize>, Option<Ve
         return bad(format!("layer_types: `{t}` layers are not supported (full_attention is)"));
     }
     match arch {
-        Arch::Mistral | Arch::Phi3 => Ok((window()?, None)),
-        Arch::Qwen2 | Arch::Qwen3 if hf.use_sliding_window == Some(true) && window()?.is_some() => {
+        Arch::Mistral | Arch::Phi3 | Arch::Mixtral => Ok((window()?, None)),
+        Arch::Qwen2 | Arch::Qwen3 | Arch::Qwen2Moe | Arch::Qwen3Moe
+            if hf.use_sliding_window == Some(true) && window()?.is_some() =>
+        {
             bad("use_sliding_window: windows on the layers from max_window_layers on are not supported".into())
         }
         _ => Ok((None, None)),
     }
+}
+
+/// The experts of a MoE family's `config.json` (every layer's: dense layers between them,
+/// `decoder_sparse_step` above 1 or `mlp_only_layers`, are refused by name); fields of experts
+/// in a family without them are refused too, rather than ignored.
+fn moe(hf: &HfConfig, family: &super::Family) -> Result<Option<Moe>, FormatError> {
+    let experts = hf.num_local_experts.or(hf.num_experts);
+    if !family.moe {
+        if experts.is_some_and(|e| e > 0) {
+            return bad(format!("num_experts {}: this family has no experts", experts.unwrap_or(0)));
+        }
+        return Ok(None);
+    }
+    let Some(experts) = experts else {
+        return bad("num_experts (num_local_experts) is missing".into());
+    };
+    if hf.decoder_sparse_step.is_some_and(|s| s != 1) {
+        return bad(format!(
+            "decoder_sparse_step {}: dense layers between the expert layers are not supported",
+            hf.decoder_sparse_step.unwrap_or(0)
+        ));
+    }
+    if !hf.mlp_only_layers.is_empty() {
+        return bad(format!(
+            "mlp_only_layers {:?}: dense layers among the expert layers are not supported",
+            hf.mlp_only_layers
+        ));
+    }
+    let used = hf.num_experts_per_tok.ok_or_else(|| FormatError::BadConfig("num_experts_per_tok is missing".into()))?;
+    Ok(Some(Moe {
+        experts,
+        used,
+        ffn: hf.moe_intermediate_size.unwrap_or(hf.intermediate_size),
+        // transformers: Mixtral always renormalises, the others as `norm_topk_prob` says (false
+        // when absent)
+        norm_topk: family.arch == Arch::Mixtral || hf.norm_topk_prob.unwrap_or(false),
+        shared_ffn: hf.shared_expert_intermediate_size.filter(|_| family.arch == Arch::Qwen2Moe),
+    }))
 }
 
 /// What Gemma 2 or 3 may ask for that brigade does not do, by name.

@@ -1,0 +1,188 @@
+//! Mixtures of experts on random-weight Mixtral-shaped models written by `synth` (the llama.cpp
+//! and transformers references are in `families.rs`): split invariance, a prompt read in one
+//! pass (tokens grouped by expert) against the same tokens read one at a time, memory as
+//! predicted, and malformed expert metadata refused with the field named.
+#![allow(clippy::unwrap_used)]
+
+mod common;
+
+use brigade_core::DeviceMap;
+use brigade_model::gguf::{Gguf, TensorSpec, Value};
+use brigade_model::synth::{write_gguf_with, Shape, SynthMoe, SynthType};
+use brigade_model::{Logits, ModelFiles, Pipeline};
+use common::{all_logits, max_abs_diff, pipeline};
+use std::path::{Path, PathBuf};
+
+fn shape() -> Shape {
+    Shape { layers: 3, hidden: 256, ffn: 128, heads: 4, kv_heads: 2, vocab: 300, context: 512, rope_theta: 1e4 }
+}
+
+const MOE: SynthMoe = SynthMoe { experts: 8, used: 2 };
+
+fn synth(dir: &Path, ty: SynthType) -> PathBuf {
+    let path = dir.join(format!("moe-{ty:?}.gguf"));
+    write_gguf_with(&path, &shape(), Some(MOE), ty, 3, |_, _| {}).unwrap();
+    path
+}
+
+fn prompt(len: usize) -> Vec<u32> {
+    (0..len as u32).map(|i| 3 + (i * 37 + 11) % 290).collect()
+}
+
+#[test]
+fn experts_are_read_from_the_file_and_split_invariant() {
+    let dir = tempfile::tempdir().unwrap();
+    let files = ModelFiles::open(&synth(dir.path(), SynthType::F32)).unwrap();
+    let m = files.config.moe.unwrap();
+    assert_eq!((m.experts, m.used, m.ffn, m.norm_topk, m.shared_ffn), (8, 2, 128, true, None));
+    let ids = prompt(40);
+    let whole = all_logits(&pipeline(&files, "cpu:3", 128), &ids);
+    assert!(whole.iter().flatten().any(|x| x.abs() > 1e-3), "logits all near 0");
+    for map in ["cpu:1,cpu:2", "cpu:1,cpu:1,cpu:1"] {
+        let split = all_logits(&pipeline(&files, map, 128), &ids);
+        let d = max_abs_diff(&whole, &split);
+        assert!(d <= 1e-5, "{map}: max |Δ| {d}");
+    }
+}
+
+/// A prompt read in one pass sends each expert all the tokens that chose it at once; read one
+/// token at a time, each token goes alone. The logits agree (to the attention's rounding:
+/// a chunk's and a decode step's attention are different code).
+#[test]
+fn a_prompt_grouped_by_expert_computes_what_its_tokens_do_one_by_one() {
+    let dir = tempfile::tempdir().unwrap();
+    for ty in [SynthType::F32, SynthType::Q4K] {
+        let files = ModelFiles::open(&synth(dir.path(), ty)).unwrap();
+        let p = pipeline(&files, "cpu:3", 128);
+        let ids = prompt(24);
+        let chunk = all_logits(&p, &ids);
+        let mut s = p.new_session().unwrap();
+        let one_by_one: Vec<Vec<f32>> = ids
+            .iter()
+            .map(|&t| p.forward(&mut s, &[t], Logits::Last).unwrap().get(0).unwrap().to_vec1().unwrap())
+            .collect();
+        let d = max_abs_diff(&chunk, &one_by_one);
+        let scale = chunk.iter().flatten().fold(0f32, |a, x| a.max(x.abs()));
+        assert!(d <= 1e-4 * scale.max(1.0), "{ty:?}: max |Δ| {d} of logits up to {scale}");
+    }
+}
+
+#[test]
+fn memory_of_a_slice_of_experts_is_what_was_predicted() {
+    let dir = tempfile::tempdir().unwrap();
+    for ty in [SynthType::F16, SynthType::Q4K] {
+        let path = synth(dir.path(), ty);
+        let files = ModelFiles::open(&path).unwrap();
+        let stages = DeviceMap::parse("cpu:1,cpu:2").unwrap().stages(3).unwrap();
+        let p = Pipeline::load(&files, &stages, 64, |_, _| {}).unwrap();
+        let mut total = 0;
+        for (r, st) in p.report().iter().zip(&stages) {
+            let want = brigade_model::predict_slice_bytes(&files, st.layers, st.device, 64);
+            assert_eq!(r.weight_bytes, want.weights, "{ty:?} {st:?}");
+            total += r.weight_bytes;
+        }
+        // the experts are most of it, and held once: about the file's size
+        let file = std::fs::metadata(&path).unwrap().len();
+        assert!(total <= file && total * 10 >= file * 9, "{ty:?}: {total} bytes held for a file of {file}");
+        // the profile counts every expert's bytes, and a token's flops through `used` of them
+        let prof = files.profile(2);
+        let experts_bytes: u64 = files
+            .index()
+            .tensor_names()
+            .filter(|(n, _)| n.starts_with("blk.0.") && n.contains("_exps"))
+            .map(|(_, t)| t.n_bytes())
+            .sum();
+        assert!(prof.layer_bytes[0] > experts_bytes);
+        let dense_flops = 2.0 * (3 * 256 * 128) as f64 * 2.0;
+        let attn_flops = 2.0 * (2 * 256 * 256 + 2 * 256 * 128) as f64;
+        let router = 2.0 * (8 * 256) as f64;
+        let want = attn_flops + dense_flops + router;
+        assert!((prof.layer_flops[0] - want).abs() < 1.0, "{ty:?}: {} flops, want {want}", prof.layer_flops[0]);
+    }
+}
+
+/// The GGUF at `path` rewritten with `edit` applied to its metadata and tensor specs (the bytes
+/// of a tensor whose spec changes are zeros of the new size).
+fn rewritten(path: &Path, out: &Path, edit: impl Fn(&mut Vec<(String, Value)>, &mut Vec<TensorSpec>)) -> PathBuf {
+    let bytes = std::fs::read(path).unwrap();
+    let g = Gguf::parse(&bytes).unwrap();
+    let mut md: Vec<(String, Value)> = g.keys.iter().map(|k| (k.clone(), g.metadata[k].clone())).collect();
+    let orig: Vec<TensorSpec> =
+        g.tensors.iter().map(|t| TensorSpec { name: t.name.clone(), dims: t.dims.clone(), dtype: t.dtype }).collect();
+    let mut specs = orig.clone();
+    edit(&mut md, &mut specs);
+    let mut buf = Vec::new();
+    brigade_model::gguf::write_gguf(&mut buf, &md, &specs, |i, b| {
+        match g.tensors.iter().find(|t| t.name == specs[i].name) {
+            Some(t) if t.dims == specs[i].dims => b.extend_from_slice(g.tensor_data(&bytes, t)),
+            _ => b.resize(specs[i].n_bytes() as usize, 0),
+        }
+        Ok(())
+    })
+    .unwrap();
+    std::fs::write(out, buf).unwrap();
+    out.to_path_buf()
+}
+
+/// A change to a file's metadata and tensor specs.
+type Edit = Box<dyn Fn(&mut Vec<(String, Value)>, &mut Vec<TensorSpec>)>;
+
+fn set(md: &mut [(String, Value)], key: &str, v: u32) {
+    md.iter_mut().find(|(k, _)| k == key).unwrap().1 = Value::U32(v);
+}
+
+#[test]
+fn malformed_expert_metadata_is_refused_with_the_field_named() {
+    let dir = tempfile::tempdir().unwrap();
+    let good = synth(dir.path(), SynthType::Q8_0);
+    let cases: Vec<(&str, Edit, &str)> = vec![
+        ("no experts", Box::new(|md, _| set(md, "llama.expert_count", 0)), "expert_count"),
+        (
+            "top-k above experts",
+            Box::new(|md, _| set(md, "llama.expert_used_count", 9)),
+            "expert_used_count (num_experts_per_tok) 9",
+        ),
+        (
+            "no top-k",
+            Box::new(|md, _| set(md, "llama.expert_used_count", 0)),
+            "expert_used_count (num_experts_per_tok) 0",
+        ),
+        ("absurd expert count", Box::new(|md, _| set(md, "llama.expert_count", u32::MAX)), "expert_count"),
+        (
+            "a stacked tensor of 7 experts",
+            Box::new(|_, specs| {
+                let t = specs.iter_mut().find(|t| t.name == "blk.1.ffn_up_exps.weight").unwrap();
+                t.dims[2] = 7;
+            }),
+            "blk.1.ffn_up_exps.weight",
+        ),
+        (
+            "a stacked tensor of the wrong expert size",
+            Box::new(|_, specs| {
+                let t = specs.iter_mut().find(|t| t.name == "blk.0.ffn_down_exps.weight").unwrap();
+                t.dims[0] = 96;
+            }),
+            "blk.0.ffn_down_exps.weight",
+        ),
+        (
+            "no router",
+            Box::new(|_, specs| specs.retain(|t| t.name != "blk.2.ffn_gate_inp.weight")),
+            "blk.2.ffn_gate_inp.weight",
+        ),
+        (
+            "experts in a dense model",
+            Box::new(|md, _| md.retain(|(k, _)| k != "llama.expert_count" && k != "llama.expert_used_count")),
+            "llama.expert_count",
+        ),
+    ];
+    for (what, edit, want) in cases {
+        let path = rewritten(&good, &dir.path().join("bad.gguf"), edit);
+        let e = match ModelFiles::open(&path) {
+            Ok(_) => panic!("{what}: opened"),
+            Err(e) => e.to_string(),
+        };
+        assert!(e.contains(want), "{what}: {e}");
+    }
+    // and the good file opens
+    assert!(ModelFiles::open(&good).is_ok());
+}
