@@ -40,9 +40,51 @@ pub struct ModelProfile {
     pub context_length: Option<u64>,
     pub hidden: usize,
     pub vocab: usize,
+    /// Mixture-of-experts layers: what of each layer's bytes are its routed experts, of which a
+    /// token reads only the ones it chose. `None`: dense layers, every byte read per pass.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub moe: Option<MoeProfile>,
+}
+
+/// The routed experts of a MoE model's layers, for the cost model.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct MoeProfile {
+    /// Bytes of each layer's routed experts (within [`ModelProfile::layer_bytes`]; a shared
+    /// expert is always read and not counted here).
+    pub expert_bytes: Vec<u64>,
+    pub experts: usize,
+    /// Experts each token goes through.
+    pub used: usize,
+}
+
+impl MoeProfile {
+    /// The expected share of a layer's experts that `rows` tokens routed independently and
+    /// uniformly read: `1 − (1 − used/experts)^rows` (one token: `used / experts`; a long
+    /// prompt: nearly all).
+    pub fn read_share(&self, rows: f64) -> f64 {
+        if self.experts == 0 {
+            return 1.0;
+        }
+        let k = (self.used as f64 / self.experts as f64).clamp(0.0, 1.0);
+        1.0 - (1.0 - k).powf(rows.max(1.0))
+    }
 }
 
 impl ModelProfile {
+    /// Bytes layer `l` reads from memory for a pass of `rows` tokens: every byte of a dense
+    /// layer; a MoE layer's always-read part plus the expected share of its experts
+    /// ([`MoeProfile::read_share`]).
+    pub fn layer_read_bytes(&self, l: usize, rows: f64) -> f64 {
+        let all = self.layer_bytes.get(l).copied().unwrap_or(0) as f64;
+        match &self.moe {
+            Some(m) => {
+                let e = (m.expert_bytes.get(l).copied().unwrap_or(0) as f64).min(all);
+                all - e + e * m.read_share(rows)
+            }
+            None => all,
+        }
+    }
+
     pub fn n_layers(&self) -> usize {
         self.layer_bytes.len()
     }
@@ -101,6 +143,7 @@ impl ModelProfile {
             context_length: None,
             hidden: s.hidden,
             vocab: s.vocab,
+            moe: None,
         }
     }
 }

@@ -82,13 +82,6 @@ impl Moe {
         }
         Ok(())
     }
-
-    /// The expected number of distinct experts `rows` tokens routed independently and uniformly
-    /// touch: `E · (1 − (1 − k/E)^rows)` (one token: `k`; a long prompt: nearly all of them).
-    pub fn expected_distinct(&self, rows: usize) -> f64 {
-        let (e, k) = (self.experts as f64, self.used as f64);
-        e * (1.0 - (1.0 - k / e).powi(rows.min(i32::MAX as usize) as i32))
-    }
 }
 
 /// How RoPE pairs the dimensions of a head.

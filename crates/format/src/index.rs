@@ -195,6 +195,15 @@ pub struct ModelIndex {
     gguf: Option<Gguf>,
 }
 
+/// The shared expert's gate is one row of `hidden` weights: a linear layer of one output
+/// `[1, hidden]` in a checkpoint and in llama.cpp's files, a vector in the layer table.
+fn squeezed_gate(name: &str, mut shape: Vec<usize>) -> Vec<usize> {
+    if name.ends_with(LayerTensor::FfnGateInpShexp.suffix()) && shape.len() == 2 && shape[0] == 1 {
+        shape.remove(0);
+    }
+    shape
+}
+
 /// The file name a label gives: `stories260K.gguf (embedded)` is the file `stories260K.gguf`.
 fn file_name_of(label: &str) -> String {
     let path = label.split(" (").next().unwrap_or(label);
@@ -235,7 +244,7 @@ impl ModelIndex {
             .tensors
             .iter()
             .map(|t| {
-                let shape = t.shape();
+                let shape = squeezed_gate(&t.name, t.shape());
                 let st = StoredTensor {
                     shape,
                     ty: StoredType::Ggml(t.dtype),
@@ -332,11 +341,7 @@ impl ModelIndex {
                     continue;
                 }
                 let (s, e) = info.data_offsets;
-                let mut shape = info.shape.clone();
-                if gname.ends_with(LayerTensor::FfnGateInpShexp.suffix()) && shape.len() == 2 && shape[0] == 1 {
-                    // a linear layer of one output in a checkpoint, a vector in GGUF
-                    shape.remove(0);
-                }
+                let shape = squeezed_gate(&gname, info.shape.clone());
                 let st = StoredTensor { shape, ty, file: fi, start: base + s as u64, end: base + e as u64 };
                 if tensors.insert(gname.clone(), st).is_some() {
                     return Err(FormatError::Invalid(format!("tensor `{gname}` appears in two files")));
@@ -647,6 +652,19 @@ impl ModelIndex {
             context_length: Some(c.context_length as u64),
             hidden: c.hidden,
             vocab: c.vocab,
+            moe: c.moe.map(|m| brigade_core::MoeProfile {
+                expert_bytes: (0..c.n_layers)
+                    .map(|i| {
+                        [LayerTensor::FfnGateExps, LayerTensor::FfnUpExps, LayerTensor::FfnDownExps]
+                            .into_iter()
+                            .flat_map(|t| t.stored_names(i, c, |n| self.tensors.contains_key(n)))
+                            .map(|n| get(&n))
+                            .fold(0u64, u64::saturating_add)
+                    })
+                    .collect(),
+                experts: m.experts,
+                used: m.used,
+            }),
         }
     }
 

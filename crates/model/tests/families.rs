@@ -417,3 +417,83 @@ fn window_sized_caches_give_transformers_ids() {
         }
     }
 }
+
+/// A mixture-of-experts family against its references: the checkpoint and llama.cpp's F16
+/// file give transformers' ids on every prompt and split (exact f32 math of the same weights;
+/// the routing is decided by the same softmax), and llama.cpp's F16 ids up to where llama.cpp
+/// itself parts from transformers on a near tie (its f16 kernels round the activations to 16
+/// bits, which on a random model flips a token, or an expert choice, whose scores are close).
+fn moe_family_matches(family: &str, arch: brigade_model::config::Arch, experts: (usize, usize, usize, bool)) {
+    let r = reference(family);
+    let hf = ModelFiles::open(&family_file(family, "hf")).unwrap();
+    let f16_name = format!("{family}-tiny-F16.gguf");
+    let f16 = ModelFiles::open(&family_file(family, &f16_name)).unwrap();
+    assert_eq!(hf.config.arch, arch);
+    for files in [&hf, &f16] {
+        let m = files.config.moe.unwrap();
+        assert_eq!((m.experts, m.used, m.ffn, m.norm_topk), experts, "{family}");
+    }
+    // the checkpoint stores each expert alone, llama.cpp's file stacks them
+    assert!(hf.index().tensor_info("blk.0.ffn_up_exps.weight").is_none());
+    assert!(hf.index().tensor_info("blk.0.ffn_up.7.weight").is_some());
+    assert_eq!(f16.index().tensor_info("blk.0.ffn_up_exps.weight").unwrap().shape(), &[experts.0, experts.2, 256]);
+    check(&format!("{family} safetensors"), &hf, &r["transformers"], 3);
+    check(&format!("{family} F16 vs transformers"), &f16, &r["transformers"], 3);
+    let exact = r["transformers"].as_array().unwrap();
+    for (case, t) in r["llama_cpp"][&f16_name].as_array().unwrap().iter().zip(exact) {
+        let (prompt, want) = (ids(&case["prompt_ids"]), ids(&case["greedy_ids"]));
+        let n = want.iter().zip(&ids(&t["greedy_ids"])).position(|(a, b)| a != b).unwrap_or(want.len());
+        assert!(n >= 7, "{family}: llama.cpp parts from transformers after {n} ids");
+        for map in &maps(&f16) {
+            let got = greedy(&f16, map, &prompt, want.len());
+            assert_eq!(got[..n], want[..n], "{family} over {map}: llama.cpp's first {n} ids");
+        }
+    }
+}
+
+/// Mixtral: eight experts, two per token, renormalised; llama.cpp writes it as a `llama` GGUF.
+#[test]
+fn mixtral_matches_transformers_and_llama_cpp() {
+    moe_family_matches("mixtral", brigade_model::config::Arch::Mixtral, (8, 2, 128, true));
+    let f16 = ModelFiles::open(&family_file("mixtral", "mixtral-tiny-F16.gguf")).unwrap();
+    assert_eq!(f16.config.arch, brigade_model::config::Arch::Llama);
+}
+
+/// Qwen3-MoE: per-head q/k norms, experts of `moe_intermediate_size`, renormalised.
+#[test]
+fn qwen3_moe_matches_transformers_and_llama_cpp() {
+    moe_family_matches("qwen3moe", brigade_model::config::Arch::Qwen3Moe, (8, 2, 128, true));
+}
+
+/// Qwen2-MoE: q/k/v biases, weights not renormalised, and a shared expert gated by a sigmoid.
+#[test]
+fn qwen2_moe_matches_transformers_and_llama_cpp() {
+    moe_family_matches("qwen2moe", brigade_model::config::Arch::Qwen2Moe, (8, 2, 128, false));
+    let hf = ModelFiles::open(&family_file("qwen2moe", "hf")).unwrap();
+    assert_eq!(hf.config.moe.unwrap().shared_ffn, Some(256));
+    assert!(hf.config.layer.qkv_bias);
+}
+
+/// llama.cpp's Q4_K_M files of the MoE families: brigade's greedy ids are llama.cpp's for at
+/// least the first ids measured on 2026-12-05 (a regression floor, not the acceptance: equal ids
+/// over 32 tokens is issue 27's bar and is not met on these files yet), and the same over every
+/// split. (The log-probability bound the dense families
+/// are held to does not hold here: where the 8-bit activation noise of both engines flips an
+/// expert choice, the next token's distribution jumps.)
+#[test]
+fn moe_q4_k_m_matches_llama_cpp() {
+    for (family, n) in [("mixtral", [3usize, 11, 8]), ("qwen3moe", [9, 40, 1]), ("qwen2moe", [7, 0, 1])] {
+        let r = reference(family);
+        let name = format!("{family}-tiny-Q4_K_M.gguf");
+        let files = ModelFiles::open(&family_file(family, &name)).unwrap();
+        for (k, case) in r["llama_cpp"][&name].as_array().unwrap().iter().enumerate() {
+            let (prompt, want) = (ids(&case["prompt_ids"]), ids(&case["greedy_ids"]));
+            let one = greedy_without_eog(&files, &maps(&files)[0], &prompt, want.len());
+            let same = one.iter().zip(&want).position(|(a, b)| a != b).unwrap_or(want.len());
+            assert!(same >= n[k], "{family} prompt {k}: llama.cpp's ids for {same} steps");
+            for map in &maps(&files)[1..] {
+                assert_eq!(greedy_without_eog(&files, map, &prompt, want.len()), one, "{family} prompt {k} over {map}");
+            }
+        }
+    }
+}

@@ -140,7 +140,7 @@ impl<'a> Problem<'a> {
                 let mut p = Vec::with_capacity(n_layers + 1);
                 p.push(0.0);
                 for l in 0..n_layers {
-                    let t = stage_time(profile.layer_bytes[l] as f64, profile.layer_flops[l], d);
+                    let t = stage_time(profile.layer_read_bytes(l, 1.0), profile.layer_flops[l], d);
                     p.push(p[l] + t);
                 }
                 p
@@ -255,7 +255,7 @@ impl<'a> Problem<'a> {
         let dev = &self.devs[d];
         let prof = self.profile;
         let mut t: f64 =
-            (a..b).map(|l| (prof.layer_bytes[l] as f64 / dev.bw).max(p * prof.layer_flops[l] / dev.flops)).sum();
+            (a..b).map(|l| (prof.layer_read_bytes(l, p) / dev.bw).max(p * prof.layer_flops[l] / dev.flops)).sum();
         if b == self.n_layers {
             t += self.head_t[d];
         }
@@ -421,6 +421,7 @@ mod tests {
             context_length: None,
             hidden: 1,
             vocab: 1,
+            moe: None,
         };
         let policy = Policy { headroom: 0.0, ..Policy::default() };
         // 100 tokens: a layer is 100 + 200 bytes in bf16, 100 + 400 in f32

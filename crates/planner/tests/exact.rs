@@ -80,6 +80,12 @@ prop_compose! {
             context_length: (next() < 0.5).then(|| 1 + (12.0 * next()) as u64),
             hidden: 1 + (20.0 * next()) as usize,
             vocab: 100,
+            // some models of experts: a share of each layer's bytes read per token
+            moe: (next() < 0.3).then(|| brigade_core::MoeProfile {
+                expert_bytes: (0..layers).map(|_| (15.0 * next()) as u64).collect(),
+                experts: 8,
+                used: 1 + (3.0 * next()) as usize,
+            }),
         };
         let mut policy = Policy { ctx: 1 + (8.0 * next()) as u64, sessions, headroom: 0.1, driver: Some(format!("n{}", (next() * n_nodes as f64) as usize % n_nodes)), ..Policy::default() };
         match obj {

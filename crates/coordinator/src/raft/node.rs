@@ -59,7 +59,8 @@ pub struct RaftStatusView {
 }
 
 enum Req {
-    Propose(Command, oneshot::Sender<Result<Applied, CoordError>>),
+    /// (boxed: a command carries a model's profile, far larger than the other requests)
+    Propose(Box<Command>, oneshot::Sender<Result<Applied, CoordError>>),
     Read(oneshot::Sender<Result<(), CoordError>>),
     Conf(ConfChangeType, u64, String, oneshot::Sender<Result<(), CoordError>>),
     Step(Message),
@@ -117,7 +118,7 @@ impl RaftHandle {
     /// Proposes a command; the result once it is committed and applied on this replica.
     pub async fn propose(&self, cmd: Command) -> Result<Applied, CoordError> {
         let (tx, rx) = oneshot::channel();
-        self.tx.send(Req::Propose(cmd, tx)).await.map_err(|_| CoordError::Internal("the raft task stopped".into()))?;
+        self.tx.send(Req::Propose(Box::new(cmd), tx)).await.map_err(|_| CoordError::Internal("the raft task stopped".into()))?;
         match tokio::time::timeout(PROPOSE_TIMEOUT, rx).await {
             Ok(Ok(r)) => r,
             Ok(Err(_)) => Err(CoordError::Unavailable("the proposal was dropped (the leader changed); retry".into())),
