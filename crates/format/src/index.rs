@@ -608,24 +608,24 @@ impl ModelIndex {
         let get = |n: &str| self.tensors.get(n).map_or(0, |t| bytes(n, t));
         let mut layer_bytes = vec![0u64; c.n_layers];
         let mut layer_flops = vec![0f64; c.n_layers];
-        for (i, (b, f)) in layer_bytes.iter_mut().zip(&mut layer_flops).enumerate() {
+        let mut expert_bytes = vec![0u64; c.n_layers];
+        // a token computes `used` of a layer's experts
+        let share = c.moe.map_or(1.0, |m| m.used as f64 / m.experts as f64);
+        for i in 0..c.n_layers {
             for t in LayerTensor::required_in(c) {
                 for name in t.stored_names(i, c, |n| self.tensors.contains_key(n)) {
-                    *b = b.saturating_add(get(&name));
+                    let bytes = get(&name);
+                    layer_bytes[i] = layer_bytes[i].saturating_add(bytes);
+                    if t.is_experts() {
+                        expert_bytes[i] = expert_bytes[i].saturating_add(bytes);
+                    }
+                    // matrices, stacked experts (3-D) or each expert's own (2-D)
                     match self.tensors.get(&name) {
-                        Some(st) if st.shape.len() == 2 => *f += 2.0 * st.n_elements() as f64,
-                        // stacked experts: a token computes `used` of them
-                        Some(st) if st.shape.len() == 3 => {
-                            let m = c.moe.map_or(1.0, |m| m.used as f64 / m.experts as f64);
-                            *f += 2.0 * st.n_elements() as f64 * m
+                        Some(st) if (2..=3).contains(&st.shape.len()) => {
+                            let n = 2.0 * st.n_elements() as f64;
+                            layer_flops[i] += if t.is_experts() { n * share } else { n };
                         }
                         _ => {}
-                    }
-                    if LayerTensor::parse_piece(&name).is_some() {
-                        // one expert's piece: the flops above count it as if every token used it
-                        if let (Some(st), Some(m)) = (self.tensors.get(&name), c.moe) {
-                            *f -= 2.0 * st.n_elements() as f64 * (1.0 - m.used as f64 / m.experts as f64);
-                        }
                     }
                 }
             }
@@ -652,19 +652,7 @@ impl ModelIndex {
             context_length: Some(c.context_length as u64),
             hidden: c.hidden,
             vocab: c.vocab,
-            moe: c.moe.map(|m| brigade_core::MoeProfile {
-                expert_bytes: (0..c.n_layers)
-                    .map(|i| {
-                        [LayerTensor::FfnGateExps, LayerTensor::FfnUpExps, LayerTensor::FfnDownExps]
-                            .into_iter()
-                            .flat_map(|t| t.stored_names(i, c, |n| self.tensors.contains_key(n)))
-                            .map(|n| get(&n))
-                            .fold(0u64, u64::saturating_add)
-                    })
-                    .collect(),
-                experts: m.experts,
-                used: m.used,
-            }),
+            moe: c.moe.map(|m| brigade_core::MoeProfile { expert_bytes, experts: m.experts, used: m.used }),
         }
     }
 

@@ -291,18 +291,13 @@ impl LayerTensor {
 
     /// Whether the tensor stacks every expert's matrix (`ffn_*_exps`).
     pub fn is_experts(self) -> bool {
-        matches!(self, LayerTensor::FfnGateExps | LayerTensor::FfnUpExps | LayerTensor::FfnDownExps)
+        STACKED.contains(&self)
     }
 
     /// Expert `e`'s own matrix of a stacked tensor, as a checkpoint (and llama.cpp's first MoE
     /// files) store it: `blk.N.ffn_gate.E.weight`. `None` for a tensor that is not stacked.
     pub fn piece_name(self, layer: usize, e: usize) -> Option<String> {
-        let base = match self {
-            LayerTensor::FfnGateExps => "ffn_gate",
-            LayerTensor::FfnUpExps => "ffn_up",
-            LayerTensor::FfnDownExps => "ffn_down",
-            _ => return None,
-        };
+        let base = PIECES[STACKED.iter().position(|s| *s == self)?];
         Some(format!("blk.{layer}.{base}.{e}.weight"))
     }
 
@@ -311,12 +306,7 @@ impl LayerTensor {
         let (i, rest) = name.strip_prefix("blk.")?.split_once('.')?;
         let (base, rest) = rest.split_once('.')?;
         let e = rest.strip_suffix(".weight")?;
-        let t = match base {
-            "ffn_gate" => LayerTensor::FfnGateExps,
-            "ffn_up" => LayerTensor::FfnUpExps,
-            "ffn_down" => LayerTensor::FfnDownExps,
-            _ => return None,
-        };
+        let t = STACKED[PIECES.iter().position(|p| *p == base)?];
         Some((i.parse().ok()?, t, e.parse().ok()?))
     }
 
@@ -394,31 +384,29 @@ const GEMMA_NORMS: [(&str, LayerTensor); 3] = [
 const HF_ALIASES: [(&str, LayerTensor); 2] =
     [("mlp.gate_up_proj.weight", LayerTensor::FfnUp), ("block_sparse_moe.gate.weight", LayerTensor::FfnGateInp)];
 
-/// An expert's matrix in a checkpoint (after `model.layers.N.`): `mlp.experts.E.gate_proj.weight`
-/// (Qwen MoE, OLMoE) or Mixtral's `block_sparse_moe.experts.E.w1.weight` (w1 gate, w3 up, w2
-/// down), as the stacked tensor it is a piece of and E.
+/// An expert's matrices in a checkpoint, after `model.layers.N.` and before `E.`: the gate's,
+/// the up projection's and the down projection's names. Qwen's MoE families (and OLMoE) first,
+/// the names brigade writes; then Mixtral's (w1 gate, w3 up, w2 down).
+const HF_EXPERTS: [(&str, [&str; 3]); 2] = [
+    ("mlp.experts.", ["gate_proj.weight", "up_proj.weight", "down_proj.weight"]),
+    ("block_sparse_moe.experts.", ["w1.weight", "w3.weight", "w2.weight"]),
+];
+
+/// The GGUF names of one expert's pieces of the stacked tensors (`blk.N.ffn_gate.E.weight`), in
+/// the order of [`STACKED`].
+const PIECES: [&str; 3] = ["ffn_gate", "ffn_up", "ffn_down"];
+
+/// The stacked tensors in the order of [`HF_EXPERTS`]' names.
+const STACKED: [LayerTensor; 3] = [LayerTensor::FfnGateExps, LayerTensor::FfnUpExps, LayerTensor::FfnDownExps];
+
+/// An expert's matrix in a checkpoint (after `model.layers.N.`) as the stacked tensor it is a
+/// piece of and the expert's number.
 fn hf_piece(rest: &str) -> Option<(LayerTensor, usize)> {
-    let (e, which) = if let Some(r) = rest.strip_prefix("mlp.experts.") {
-        let (e, w) = r.split_once('.')?;
-        let t = match w {
-            "gate_proj.weight" => LayerTensor::FfnGateExps,
-            "up_proj.weight" => LayerTensor::FfnUpExps,
-            "down_proj.weight" => LayerTensor::FfnDownExps,
-            _ => return None,
-        };
-        (e, t)
-    } else {
-        let r = rest.strip_prefix("block_sparse_moe.experts.")?;
-        let (e, w) = r.split_once('.')?;
-        let t = match w {
-            "w1.weight" => LayerTensor::FfnGateExps,
-            "w3.weight" => LayerTensor::FfnUpExps,
-            "w2.weight" => LayerTensor::FfnDownExps,
-            _ => return None,
-        };
-        (e, t)
-    };
-    Some((which, e.parse().ok()?))
+    HF_EXPERTS.iter().find_map(|(prefix, names)| {
+        let (e, w) = rest.strip_prefix(prefix)?.split_once('.')?;
+        let k = names.iter().position(|n| *n == w)?;
+        Some((STACKED[k], e.parse().ok()?))
+    })
 }
 
 /// llama.cpp's GGUF names to Hugging Face names (for writing safetensors).
@@ -427,12 +415,9 @@ pub fn gguf_to_hf_name(name: &str) -> Option<String> {
         return Some(h.to_string());
     }
     if let Some((i, t, e)) = LayerTensor::parse_piece(name) {
-        let w = match t {
-            LayerTensor::FfnGateExps => "gate_proj",
-            LayerTensor::FfnUpExps => "up_proj",
-            _ => "down_proj",
-        };
-        return Some(format!("model.layers.{i}.mlp.experts.{e}.{w}.weight"));
+        let (prefix, names) = HF_EXPERTS[0];
+        let w = names[STACKED.iter().position(|s| *s == t)?];
+        return Some(format!("model.layers.{i}.{prefix}{e}.{w}"));
     }
     let (i, t) = LayerTensor::parse(name)?;
     if t.hf_suffix().is_empty() {
@@ -506,13 +491,26 @@ mod tests {
 
     #[test]
     fn names_round_trip() {
-        for n in ["token_embd.weight", "output.weight", "blk.12.attn_q.bias", "blk.3.ffn_down.weight"] {
+        for n in [
+            "token_embd.weight",
+            "output.weight",
+            "blk.12.attn_q.bias",
+            "blk.3.ffn_down.weight",
+            "blk.2.ffn_up.5.weight",
+        ] {
             assert_eq!(hf_to_gguf_name(&gguf_to_hf_name(n).unwrap()).as_deref(), Some(n));
         }
         for t in LayerTensor::ALL {
             assert_eq!(LayerTensor::parse(&t.name(7)), Some((7, t)));
         }
         assert!(hf_to_gguf_name("model.layers.x.mlp.up_proj.weight").is_none());
+        // Mixtral's expert names read as the same pieces; a stacked tensor has no checkpoint name
+        assert_eq!(
+            hf_to_gguf_name("model.layers.1.block_sparse_moe.experts.3.w2.weight").as_deref(),
+            Some("blk.1.ffn_down.3.weight")
+        );
+        assert_eq!(LayerTensor::parse_piece("blk.1.ffn_gate.7.weight"), Some((1, LayerTensor::FfnGateExps, 7)));
+        assert!(gguf_to_hf_name("blk.0.ffn_up_exps.weight").is_none());
         assert!(hf_to_gguf_name("model.layers.0.self_attn.rotary_emb.inv_freq").is_none());
         assert!(LayerTensor::parse("blk.1.attn_rot_embd").is_none());
         assert!(is_norm("blk.0.ffn_norm.weight") && is_norm(OUTPUT_NORM) && !is_norm("blk.0.ffn_up.weight"));

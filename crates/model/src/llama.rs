@@ -128,12 +128,55 @@ struct Block {
     /// q, k, v
     qkv: Proj,
     wo: Linear,
-    /// gate, up (a dense block; empty with experts)
-    gate_up: Proj,
-    down: Option<Linear>,
-    /// The experts in place of the dense feed-forward block.
-    moe: Option<Box<moe::MoeFfn>>,
+    ffn: Ffn,
     span: tracing::Span,
+}
+
+/// A gated feed-forward block: SiLU (or GeLU) of the gate times up, then down. A dense layer's,
+/// or one expert of a mixture.
+struct GatedFfn {
+    /// gate, up
+    gate_up: Proj,
+    down: Linear,
+}
+
+impl GatedFfn {
+    fn bytes(&self) -> u64 {
+        self.gate_up.bytes() + self.down.storage_bytes()
+    }
+
+    fn rows_independent(&self) -> bool {
+        self.gate_up.rows_independent() && self.down.rows_independent()
+    }
+
+    /// `x: (b, t, hidden)` through the block with candle's ops.
+    fn forward(&self, x: &Tensor, mm: MatMul, gelu: bool) -> candle_core::Result<Tensor> {
+        let gu = self.gate_up.forward(x, mm)?;
+        mm(&self.down, &gated(gelu, &gu[0], &gu[1])?)
+    }
+}
+
+/// A layer's feed-forward half.
+enum Ffn {
+    Dense(GatedFfn),
+    /// Experts in place of the dense block ([`ModelConfig::moe`]).
+    Moe(Box<moe::MoeFfn>),
+}
+
+impl Ffn {
+    fn bytes(&self) -> u64 {
+        match self {
+            Ffn::Dense(f) => f.bytes(),
+            Ffn::Moe(m) => m.bytes(),
+        }
+    }
+
+    fn rows_independent(&self) -> bool {
+        match self {
+            Ffn::Dense(f) => f.rows_independent(),
+            Ffn::Moe(m) => m.rows_independent(),
+        }
+    }
 }
 
 struct Head {
@@ -314,20 +357,16 @@ impl Block {
                 Proj::load(files, &[n(T::AttnQ), n(T::AttnK), n(T::AttnV)], qkv_bias, device, dtype)?
             },
             wo: files.linear(&n(T::AttnOutput), None, device, dtype)?,
-            gate_up: if cfg.moe.is_some() {
-                Proj::Separate(Vec::new())
-            } else if cfg.layer.fused_gate_up {
-                Proj::Stacked(files.linear(&n(T::FfnUp), None, device, dtype)?, vec![cfg.ffn, cfg.ffn])
-            } else {
-                Proj::load(files, &[n(T::FfnGate), n(T::FfnUp)], None, device, dtype)?
-            },
-            down: match cfg.moe {
-                None => Some(files.linear(&n(T::FfnDown), None, device, dtype)?),
-                Some(_) => None,
-            },
-            moe: match cfg.moe {
-                Some(m) => Some(Box::new(moe::MoeFfn::load(files, i, m, device, dtype)?)),
-                None => None,
+            ffn: match cfg.moe {
+                Some(m) => Ffn::Moe(Box::new(moe::MoeFfn::load(files, i, m, device, dtype)?)),
+                None => Ffn::Dense(GatedFfn {
+                    gate_up: if cfg.layer.fused_gate_up {
+                        Proj::Stacked(files.linear(&n(T::FfnUp), None, device, dtype)?, vec![cfg.ffn, cfg.ffn])
+                    } else {
+                        Proj::load(files, &[n(T::FfnGate), n(T::FfnUp)], None, device, dtype)?
+                    },
+                    down: files.linear(&n(T::FfnDown), None, device, dtype)?,
+                }),
             },
             span: tracing::trace_span!("block", layer = i),
         })
@@ -338,21 +377,12 @@ impl Block {
         let post = self.post_norms.as_ref().map_or(0, |(a, f)| a.elem_count() + f.elem_count());
         let norms = ((self.attn_norm.elem_count() + self.ffn_norm.elem_count() + qk + post)
             * self.attn_norm.dtype().size_in_bytes()) as u64;
-        norms
-            + self.qkv.bytes()
-            + self.gate_up.bytes()
-            + self.wo.storage_bytes()
-            + self.down.as_ref().map_or(0, Linear::storage_bytes)
-            + self.moe.as_ref().map_or(0, |m| m.bytes())
+        norms + self.qkv.bytes() + self.wo.storage_bytes() + self.ffn.bytes()
     }
 
     /// Every weight of the block computes each row as alone at any number of rows.
     fn rows_independent(&self) -> bool {
-        self.qkv.rows_independent()
-            && self.gate_up.rows_independent()
-            && self.wo.rows_independent()
-            && self.down.as_ref().is_none_or(Linear::rows_independent)
-            && self.moe.as_ref().is_none_or(|m| m.rows_independent())
+        self.qkv.rows_independent() && self.wo.rows_independent() && self.ffn.rows_independent()
     }
 
     /// One session's chunk of `t` tokens: `x` is `(1, t, hidden)`.
@@ -405,13 +435,9 @@ impl Block {
         };
         let x = (x + post(mm(&self.wo, y)?, post_attn)?)?;
         let h = rms_norm(&x, &self.ffn_norm, cfg.rms_eps)?;
-        let f = match (&self.moe, &self.down) {
-            (Some(m), _) => m.forward(&h, mm, self.gelu)?,
-            (None, Some(down)) => {
-                let gu = self.gate_up.forward(&h, mm)?;
-                mm(down, &gated(self.gelu, &gu[0], &gu[1])?)?
-            }
-            (None, None) => candle_core::bail!("a block with neither a feed-forward block nor experts"),
+        let f = match &self.ffn {
+            Ffn::Dense(f) => f.forward(&h, mm, self.gelu)?,
+            Ffn::Moe(m) => m.forward(&h, mm, self.gelu)?,
         };
         x + post(f, post_ffn)?
     }
@@ -976,10 +1002,6 @@ fn kv_bytes(cfg: &ModelConfig, layers: LayerRange, n_ctx: usize, dtype: DType) -
     positions.saturating_mul(per_token)
 }
 
-/// Predicts what [`Slice::load`] will allocate for `layers` (weights as [`Slice::weight_bytes`]
-/// counts them: the tensors [`slice_tensors`] names, less those read into the configuration;
-/// and one session's KV cache of `n_ctx` tokens). Layers past the model's predict no weights
-/// (loading them is an error).
 /// The output head's bytes on the CPU: packed for the int8 kernels where they read its type,
 /// which rounds its rows (the vocabulary) up to whole records of 32 columns
 /// (`cpu_matmul::Packed`); the file's bytes otherwise.
@@ -993,6 +1015,10 @@ fn packed_head_bytes(files: &ModelFiles) -> u64 {
     rows.div_ceil(32) * 32 * (t.n_bytes() / rows)
 }
 
+/// Predicts what [`Slice::load`] will allocate for `layers` (weights as [`Slice::weight_bytes`]
+/// counts them: the tensors [`slice_tensors`] names, less those read into the configuration;
+/// and one session's KV cache of `n_ctx` tokens). Layers past the model's predict no weights
+/// (loading them is an error).
 pub fn predict_slice_bytes(files: &ModelFiles, layers: LayerRange, device: DeviceId, n_ctx: usize) -> SliceBytes {
     let dtype = crate::device::activation_dtype(device, files);
     let on_cpu = device == DeviceId::Cpu;

@@ -405,14 +405,7 @@ impl ModelFiles {
     /// GPU's float weights become dense tensors for cuBLAS); plus its bias (dense).
     pub fn linear(&self, name: &str, bias: Option<&str>, device: &Device, dtype: DType) -> Result<Linear, ModelError> {
         let t = self.stored(name)?;
-        let w = if ModelIndex::keeps_stored_form(t, device.is_cpu()) {
-            match packed(t.ggml_type(), self.index.tensor_data(name)?, t.shape(), device)? {
-                Some(p) => p,
-                None => LinearWeight::Quant(Arc::new(self.qtensor(name, device)?)),
-            }
-        } else {
-            LinearWeight::Dense(self.dense(name, device, dtype)?)
-        };
+        let w = self.linear_from(t.ty(), self.index.tensor_data(name)?, t.shape(), device, dtype)?;
         let bias = match bias {
             Some(b) => Some(self.dense(b, device, dtype)?),
             None => None,
@@ -431,34 +424,12 @@ impl ModelFiles {
         device: &Device,
         dtype: DType,
     ) -> Result<Option<Linear>, ModelError> {
-        let parts: Vec<&StoredTensor> = names.iter().map(|n| self.stored(n)).collect::<Result<_, _>>()?;
-        let Some(first) = parts.first() else {
+        let parts = names
+            .iter()
+            .map(|n| Ok((self.stored(n)?.ty(), self.stored(n)?.shape(), self.index.tensor_data(n)?)))
+            .collect::<Result<Vec<_>, ModelError>>()?;
+        let Some(w) = self.stacked_from(&parts, device, dtype)? else {
             return Ok(None);
-        };
-        let ty = first.ty();
-        let cols = first.shape().get(1).copied();
-        if parts.iter().any(|t| t.ty() != ty || t.shape().len() != 2 || t.shape().get(1).copied() != cols) {
-            return Ok(None);
-        }
-        let rows: usize = parts.iter().map(|t| t.shape()[0]).sum();
-        let cols = cols.unwrap_or(0);
-        let w = if ModelIndex::keeps_stored_form(first, device.is_cpu()) {
-            // rows are contiguous in every ggml type: stacking is concatenating the bytes
-            let mut bytes = Vec::with_capacity(parts.iter().map(|t| t.n_bytes() as usize).sum());
-            for n in names {
-                bytes.extend_from_slice(self.index.tensor_data(n)?);
-            }
-            match packed(ty.ggml_type(), &bytes, &[rows, cols], device)? {
-                Some(p) => p,
-                None => {
-                    let dtype = ggml_dtype(ty.ggml_type());
-                    let storage = with_aligned(&bytes, |b| QStorage::from_data(Cow::Borrowed(b), device, dtype))?;
-                    LinearWeight::Quant(Arc::new(QTensor::new(storage, (rows, cols))?))
-                }
-            }
-        } else {
-            let ts = names.iter().map(|n| self.dense(n, device, dtype)).collect::<Result<Vec<_>, _>>()?;
-            LinearWeight::Dense(Tensor::cat(&ts, 0)?)
         };
         let bias = match biases {
             Some(bs) => {
@@ -470,9 +441,32 @@ impl ModelFiles {
         Ok(Some(Linear { w, bias }))
     }
 
-    /// A weight from stored bytes of type `ty` and shape `[out, in]`: packed for brigade's CPU
-    /// kernels where they read it, else the file's blocks; on a GPU a float weight becomes a
-    /// dense tensor in `dtype` (as [`ModelFiles::linear`] decides for a named tensor).
+    /// Matrices `[out_i, in]` of one stored type as one `[Σ out_i, in]` weight: rows are
+    /// contiguous in every ggml type, so stacking is concatenating the bytes. `None` when the
+    /// types or the input widths differ.
+    fn stacked_from(
+        &self,
+        parts: &[(StoredType, &[usize], &[u8])],
+        device: &Device,
+        dtype: DType,
+    ) -> Result<Option<LinearWeight>, ModelError> {
+        let Some(&(ty, first, _)) = parts.first() else {
+            return Ok(None);
+        };
+        if parts.iter().any(|(t, s, _)| *t != ty || s.len() != 2 || s[1] != first[1]) {
+            return Ok(None);
+        }
+        let rows: usize = parts.iter().map(|(_, s, _)| s[0]).sum();
+        let mut bytes = Vec::with_capacity(parts.iter().map(|(_, _, b)| b.len()).sum());
+        for (_, _, b) in parts {
+            bytes.extend_from_slice(b);
+        }
+        Ok(Some(self.linear_from(ty, &bytes, &[rows, first[1]], device, dtype)?))
+    }
+
+    /// A weight from stored bytes of type `ty` and shape `[out, in]`, in the form
+    /// [`ModelIndex::keeps_stored_form`] says: packed for brigade's CPU kernels where they read
+    /// it, else the file's blocks; a GPU's float weight a dense tensor in `dtype`.
     fn linear_from(
         &self,
         ty: StoredType,
@@ -481,8 +475,7 @@ impl ModelFiles {
         device: &Device,
         dtype: DType,
     ) -> Result<LinearWeight, ModelError> {
-        let on_cpu = device.is_cpu();
-        if on_cpu || !ty.ggml_type().is_float() {
+        if device.is_cpu() || !ty.ggml_type().is_float() {
             if let Some(p) = packed(ty.ggml_type(), bytes, shape, device)? {
                 return Ok(p);
             }
@@ -511,7 +504,7 @@ impl ModelFiles {
     }
 
     /// Expert `e`'s gate and up matrices of layer `layer` stacked into one `[2 × ffn, in]`
-    /// matmul where their types match (`None` otherwise).
+    /// matmul where their types match (`None` otherwise), as [`ModelFiles::linear_stacked`].
     pub fn expert_gate_up(
         &self,
         layer: usize,
@@ -522,14 +515,8 @@ impl ModelFiles {
         use brigade_format::tensors::LayerTensor as T;
         let (gt, gs, gb) = self.index.expert_data(layer, T::FfnGateExps, e)?;
         let (ut, us, ub) = self.index.expert_data(layer, T::FfnUpExps, e)?;
-        if gt != ut || gs.len() != 2 || gs[1..] != us[1..] {
-            return Ok(None);
-        }
-        let mut bytes = Vec::with_capacity(gb.len() + ub.len());
-        bytes.extend_from_slice(gb);
-        bytes.extend_from_slice(ub);
-        let shape = [gs[0] + us[0], gs[1]];
-        Ok(Some(Linear { w: self.linear_from(gt, &bytes, &shape, device, dtype)?, bias: None }))
+        let w = self.stacked_from(&[(gt, &gs, gb), (ut, &us, ub)], device, dtype)?;
+        Ok(w.map(|w| Linear { w, bias: None }))
     }
 
     pub fn embedding(&self, name: &str, device: &Device, dtype: DType) -> Result<Embedding, ModelError> {

@@ -118,7 +118,10 @@ impl RaftHandle {
     /// Proposes a command; the result once it is committed and applied on this replica.
     pub async fn propose(&self, cmd: Command) -> Result<Applied, CoordError> {
         let (tx, rx) = oneshot::channel();
-        self.tx.send(Req::Propose(Box::new(cmd), tx)).await.map_err(|_| CoordError::Internal("the raft task stopped".into()))?;
+        self.tx
+            .send(Req::Propose(Box::new(cmd), tx))
+            .await
+            .map_err(|_| CoordError::Internal("the raft task stopped".into()))?;
         match tokio::time::timeout(PROPOSE_TIMEOUT, rx).await {
             Ok(Ok(r)) => r,
             Ok(Err(_)) => Err(CoordError::Unavailable("the proposal was dropped (the leader changed); retry".into())),

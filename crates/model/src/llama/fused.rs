@@ -18,7 +18,7 @@
 //! it off, to measure it), and a row's numbers still do not depend on the rows beside it (batch
 //! invariance). Tested against the tensor path on every weight layout the CPU kernels have.
 
-use super::{decode_attn, Block, Proj, Slice, SliceCache};
+use super::{decode_attn, Block, Ffn, GatedFfn, Proj, Slice, SliceCache};
 use crate::config::first_key;
 use crate::config::{ModelConfig, RopeStyle};
 use crate::threads::par_units;
@@ -130,7 +130,7 @@ impl Proj {
         }
     }
 
-    pub(super) fn runs_on_slices(&self) -> bool {
+    fn runs_on_slices(&self) -> bool {
         match self {
             Proj::Stacked(l, _) => l.runs_on_slices(),
             Proj::Separate(ls) => ls.iter().all(Linear::runs_on_slices),
@@ -180,15 +180,11 @@ impl Block {
         let (q, kv) = (cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim);
         self.qkv.runs_on_slices()
             && self.wo.runs_on_slices()
-            && match (&self.moe, &self.down) {
-                (Some(m), _) => m.runs_on_slices(),
-                (None, Some(down)) => {
-                    self.gate_up.runs_on_slices()
-                        && down.runs_on_slices()
-                        && self.gate_up.sizes() == [cfg.ffn, cfg.ffn]
-                        && down.out_features() == cfg.hidden
+            && match &self.ffn {
+                Ffn::Dense(f) => {
+                    f.runs_on_slices() && f.gate_up.sizes() == [cfg.ffn, cfg.ffn] && f.down.out_features() == cfg.hidden
                 }
-                (None, None) => false,
+                Ffn::Moe(m) => m.runs_on_slices(),
             }
             && is_cpu_f32(&self.attn_norm)
             && is_cpu_f32(&self.ffn_norm)
@@ -272,38 +268,44 @@ impl Block {
         self.wo.cpu_rows(n, &y, &mut o)?;
         add(x, &o);
         rms_norm_rows(x, View::of(&self.ffn_norm)?.get(), eps, &mut h);
-        match (&self.moe, &self.down) {
-            (Some(m), _) => m.combine(n, &h, &mut o, |e, m, xs, ys| ffn_rows(&e.gate_up, &e.down, m, xs, ys))?,
-            (None, Some(down)) => ffn_rows(&self.gate_up, down, n, &h, &mut o)?,
-            (None, None) => candle_core::bail!("a block with neither a feed-forward block nor experts"),
+        match &self.ffn {
+            Ffn::Dense(f) => f.rows(n, &h, &mut o)?,
+            Ffn::Moe(m) => m.combine(n, &h, &mut o, |e, m, xs, ys| e.rows(m, xs, ys))?,
         }
         add(x, &o);
         Ok(())
     }
 }
 
-/// SiLU(gate)·up then down of `n` rows `h` into `o`, on slices.
-fn ffn_rows(gate_up: &Proj, down: &Linear, n: usize, h: &[f32], o: &mut [f32]) -> candle_core::Result<()> {
-    let gu = gate_up.rows(n, h)?;
-    let ffn = down_inputs(gate_up);
-    let mut act = vec![0f32; n * ffn];
-    let units = act
-        .chunks_mut(ffn.max(1))
-        .enumerate()
-        .flat_map(|(r, row)| row.chunks_mut(ACT_CHUNK).enumerate().map(move |(j, a)| (r, j * ACT_CHUNK, a)))
-        .collect();
-    par_units(units, |(r, c0, out)| {
-        // the prompt path's SiLU·up (`silu`), so the numbers are its
-        super::silu::silu_mul(&gu.part(0, *r)[*c0..], &gu.part(1, *r)[*c0..], out);
-    });
-    down.cpu_rows(n, &act, o)
-}
+impl GatedFfn {
+    /// Whether [`GatedFfn::rows`] can run it: both matmuls by the CPU's kernels.
+    pub(super) fn runs_on_slices(&self) -> bool {
+        self.gate_up.runs_on_slices() && self.down.runs_on_slices()
+    }
 
-/// The feed-forward width (the down projection's input).
-fn down_inputs(gate_up: &Proj) -> usize {
-    match gate_up {
-        Proj::Stacked(_, sizes) => sizes.get(1).copied().unwrap_or(0),
-        Proj::Separate(ls) => ls.get(1).map_or(0, Linear::out_features),
+    /// SiLU(gate)·up then down of `n` rows `h` into `o`, on slices.
+    pub(super) fn rows(&self, n: usize, h: &[f32], o: &mut [f32]) -> candle_core::Result<()> {
+        let gu = self.gate_up.rows(n, h)?;
+        let ffn = self.down_inputs();
+        let mut act = vec![0f32; n * ffn];
+        let units = act
+            .chunks_mut(ffn.max(1))
+            .enumerate()
+            .flat_map(|(r, row)| row.chunks_mut(ACT_CHUNK).enumerate().map(move |(j, a)| (r, j * ACT_CHUNK, a)))
+            .collect();
+        par_units(units, |(r, c0, out)| {
+            // the prompt path's SiLU·up (`silu`), so the numbers are its
+            super::silu::silu_mul(&gu.part(0, *r)[*c0..], &gu.part(1, *r)[*c0..], out);
+        });
+        self.down.cpu_rows(n, &act, o)
+    }
+
+    /// The feed-forward width (the down projection's input).
+    fn down_inputs(&self) -> usize {
+        match &self.gate_up {
+            Proj::Stacked(_, sizes) => sizes.get(1).copied().unwrap_or(0),
+            Proj::Separate(ls) => ls.get(1).map_or(0, Linear::out_features),
+        }
     }
 }
 

@@ -15,42 +15,16 @@
 //! the expert's kernel computes each row alone (packed weights at any row count; the file-layout
 //! decode kernels up to `DECODE_ROWS`, which `Linear::forward_rows` keeps to).
 
-use super::{MatMul, Proj};
+use super::{GatedFfn as Expert, MatMul, Proj};
 use crate::config::Moe;
-use crate::weights::{Linear, ModelFiles};
+use crate::weights::ModelFiles;
 use crate::ModelError;
 use brigade_format::tensors::LayerTensor as T;
 use candle_core::{DType, Device, Tensor};
 
-/// One expert: SiLU(gate)·up, then down.
-pub(super) struct Expert {
-    pub(super) gate_up: Proj,
-    pub(super) down: Linear,
-}
-
-impl Expert {
-    fn bytes(&self) -> u64 {
-        self.gate_up.bytes() + self.down.storage_bytes()
-    }
-
-    fn rows_independent(&self) -> bool {
-        self.gate_up.rows_independent() && self.down.rows_independent()
-    }
-
-    pub(super) fn runs_on_slices(&self) -> bool {
-        self.gate_up.runs_on_slices() && self.down.runs_on_slices()
-    }
-
-    /// `x: (m, 1, hidden)` through the expert with candle's ops (the dense block's arithmetic).
-    fn forward(&self, x: &Tensor, mm: MatMul, gelu: bool) -> candle_core::Result<Tensor> {
-        let gu = self.gate_up.forward(x, mm)?;
-        mm(&self.down, &super::gated(gelu, &gu[0], &gu[1])?)
-    }
-}
-
 /// The shared expert of Qwen2-MoE and its gate row.
 pub(super) struct Shared {
-    pub(super) expert: Expert,
+    expert: Expert,
     /// `hidden` weights: `sigmoid(gate · x)` scales the shared expert's output.
     gate: Vec<f32>,
 }
@@ -60,8 +34,8 @@ pub(super) struct MoeFfn {
     hidden: usize,
     /// `experts × hidden`, row-major, in f32 on the host (routing is decided there).
     router: Vec<f32>,
-    pub(super) experts: Vec<Expert>,
-    pub(super) shared: Option<Shared>,
+    experts: Vec<Expert>,
+    shared: Option<Shared>,
 }
 
 /// The experts a token goes to, best first, and their weights.
@@ -145,8 +119,10 @@ impl MoeFfn {
         let sum: f32 = exps.iter().sum();
         let probs: Vec<f32> = exps.iter().map(|e| e / sum).collect();
         let mut order: Vec<u32> = (0..probs.len() as u32).collect();
-        // a stable sort: equal weights keep the lower id first; NaN (a broken model) sorts last
-        order.sort_by(|&a, &b| probs[b as usize].partial_cmp(&probs[a as usize]).unwrap_or(std::cmp::Ordering::Less));
+        // a stable sort by a total order: equal weights keep the lower id first; NaN (a broken
+        // model) counts as −∞ and sorts last
+        let key = |e: u32| Some(probs[e as usize]).filter(|p| !p.is_nan()).unwrap_or(f32::NEG_INFINITY);
+        order.sort_by(|&a, &b| key(b).total_cmp(&key(a)));
         order.truncate(self.spec.used);
         let mut weights: Vec<f32> = order.iter().map(|&e| probs[e as usize]).collect();
         if self.spec.norm_topk {
@@ -256,6 +232,7 @@ fn dot(a: &[f32], b: &[f32]) -> f32 {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::weights::Linear;
 
     fn ffn(experts: usize, used: usize, norm_topk: bool, router: Vec<f32>) -> MoeFfn {
         MoeFfn {
