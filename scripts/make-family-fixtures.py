@@ -244,6 +244,28 @@ FAMILIES = {
             attention_bias=False,
         ),
     },
+    # OLMoE: q and k normed whole (not per head) before RoPE, top-k of the softmax without
+    # renormalising. llama.cpp sizes the k norm by the hidden size (its OLMoE has as many kv heads
+    # as heads, as the released model), so this one does too.
+    "olmoe": {
+        "config": "OlmoeConfig",
+        "model": "OlmoeForCausalLM",
+        "gguf": True,
+        "sentencepiece_vocab": "conversion.olmo:OlmoeModel",
+        "fields": dict(
+            TINY,
+            num_key_value_heads=8,
+            intermediate_size=128,
+            num_experts=8,
+            num_experts_per_tok=2,
+            norm_topk_prob=False,
+            rope_theta=10_000.0,
+            rms_norm_eps=1e-5,
+            tie_word_embeddings=False,
+            clip_qkv=None,
+            attention_bias=False,
+        ),
+    },
     "qwen2moe": {
         "config": "Qwen2MoeConfig",
         "model": "Qwen2MoeForCausalLM",

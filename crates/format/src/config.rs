@@ -29,6 +29,7 @@ pub enum Arch {
     Mixtral,
     Qwen2Moe,
     Qwen3Moe,
+    Olmoe,
 }
 
 /// A mixture-of-experts feed-forward block in place of the dense one, on every layer: a router

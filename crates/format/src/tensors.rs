@@ -35,6 +35,11 @@ pub enum Dim {
     KvWidth,
     /// `head_dim`.
     HeadDim,
+    /// The q norm's weights: `head_dim`, or `n_heads × head_dim` where q is normed whole
+    /// ([`crate::config::LayerSpec::qk_norm_whole`]).
+    QNorm,
+    /// The k norm's weights: `head_dim`, or `n_kv_heads × head_dim` where k is normed whole.
+    KNorm,
     /// `(n_heads + 2 n_kv_heads) × head_dim`: q, k and v in one matrix.
     QkvWidth,
     /// The up projection's rows: `ffn`, or `2 × ffn` where gate and up are one matrix.
@@ -57,6 +62,9 @@ impl Dim {
             Dim::QWidth => c.q_width(),
             Dim::KvWidth => c.kv_width(),
             Dim::HeadDim => Some(c.head_dim),
+            Dim::QNorm if c.layer.qk_norm_whole => c.q_width(),
+            Dim::KNorm if c.layer.qk_norm_whole => c.kv_width(),
+            Dim::QNorm | Dim::KNorm => Some(c.head_dim),
             Dim::QkvWidth => c.q_width()?.checked_add(c.kv_width()?.checked_mul(2)?),
             Dim::UpRows => c.ffn.checked_mul(if c.layer.fused_gate_up { 2 } else { 1 }),
             Dim::Experts => c.moe.map(|m| m.experts),
@@ -176,8 +184,8 @@ impl LayerTensor {
             LayerTensor::AttnQBias => ("attn_q.bias", "self_attn.q_proj.bias", &[QWidth], QkvBias),
             LayerTensor::AttnKBias => ("attn_k.bias", "self_attn.k_proj.bias", &[KvWidth], QkvBias),
             LayerTensor::AttnVBias => ("attn_v.bias", "self_attn.v_proj.bias", &[KvWidth], QkvBias),
-            LayerTensor::AttnQNorm => ("attn_q_norm.weight", "self_attn.q_norm.weight", &[HeadDim], QkNorm),
-            LayerTensor::AttnKNorm => ("attn_k_norm.weight", "self_attn.k_norm.weight", &[HeadDim], QkNorm),
+            LayerTensor::AttnQNorm => ("attn_q_norm.weight", "self_attn.q_norm.weight", &[QNorm], QkNorm),
+            LayerTensor::AttnKNorm => ("attn_k_norm.weight", "self_attn.k_norm.weight", &[KNorm], QkNorm),
             // Gemma's checkpoints name the norms around the feed-forward block otherwise, and
             // call this one what a Llama calls `FfnNorm`: `hf_to_gguf_name_in` reads them by
             // `GEMMA_NORMS`, and the name here is only what `gguf_to_hf_name` writes

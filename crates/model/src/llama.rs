@@ -405,16 +405,24 @@ impl Block {
 
     /// The attention norm and the q, k, v projections of `x: (b, t, hidden)`: q as
     /// `(b, heads, t, head_dim)`, k and v as `(b, kv_heads, t, head_dim)`, before RoPE (q and k
-    /// normed per head where the layer says so).
+    /// normed per head, or whole, where the layer says so).
     fn qkv(&self, cfg: &ModelConfig, x: &Tensor, mm: MatMul) -> candle_core::Result<(Tensor, Tensor, Tensor)> {
         let (b, t, _) = x.dims3()?;
         let (nh, nkv, hd) = (cfg.n_heads, cfg.n_kv_heads, cfg.head_dim);
         let h = rms_norm(x, &self.attn_norm, cfg.rms_eps)?;
         let qkv = self.qkv.forward(&h, mm)?;
-        let (q, k) = (qkv[0].contiguous()?.reshape((b, t, nh, hd))?, qkv[1].contiguous()?.reshape((b, t, nkv, hd))?);
+        let (q, k) = (qkv[0].contiguous()?, qkv[1].contiguous()?);
+        // q and k normed whole (OLMoE: norms of their widths) before the heads split, or each head
         let (q, k) = match &self.qk_norm {
-            Some((qn, kn)) => (rms_norm(&q, qn, cfg.rms_eps)?, rms_norm(&k, kn, cfg.rms_eps)?),
-            None => (q, k),
+            Some((qn, kn)) if cfg.layer.qk_norm_whole => (
+                rms_norm(&q, qn, cfg.rms_eps)?.reshape((b, t, nh, hd))?,
+                rms_norm(&k, kn, cfg.rms_eps)?.reshape((b, t, nkv, hd))?,
+            ),
+            Some((qn, kn)) => (
+                rms_norm(&q.reshape((b, t, nh, hd))?, qn, cfg.rms_eps)?,
+                rms_norm(&k.reshape((b, t, nkv, hd))?, kn, cfg.rms_eps)?,
+            ),
+            None => (q.reshape((b, t, nh, hd))?, k.reshape((b, t, nkv, hd))?),
         };
         let q = q.transpose(1, 2)?.contiguous()?;
         let k = k.transpose(1, 2)?.contiguous()?;

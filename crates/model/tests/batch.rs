@@ -131,6 +131,14 @@ fn decode_rows_are_batch_invariant_phi3() {
     check_rows_invariant(&files, "cpu:1,cpu:2");
 }
 
+/// OLMoE (llama.cpp's Q4_K_M file): experts and q/k normed whole, rows decoded together.
+#[test]
+fn decode_rows_are_batch_invariant_olmoe() {
+    let files = ModelFiles::open(&common::family_file("olmoe", "olmoe-tiny-Q4_K_M.gguf")).unwrap();
+    check_rows_invariant(&files, "cpu:3");
+    check_rows_invariant(&files, "cpu:1,cpu:2");
+}
+
 /// Experts (synth's Mixtral shape): each expert takes the rows that chose it together; Q4_K
 /// (packed: any number of rows alone) and Q4_0 (the file's blocks: groups of `DECODE_ROWS`).
 #[test]

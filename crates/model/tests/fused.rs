@@ -151,6 +151,17 @@ fn fused_decode_equals_candle_ops_on_qwen3() {
     }
 }
 
+/// OLMoE's q and k normed whole, from the checkpoint and from llama.cpp's Q4_K_M file.
+#[test]
+fn fused_decode_equals_candle_ops_on_olmoe() {
+    for name in ["hf", "olmoe-tiny-Q4_K_M.gguf"] {
+        let files = ModelFiles::open(&common::family_file("olmoe", name)).unwrap();
+        assert!(files.config.layer.qk_norm_whole, "{name}");
+        check(&format!("olmoe {name}"), &files, "cpu:3");
+        check(&format!("olmoe {name}"), &files, "cpu:1,cpu:2");
+    }
+}
+
 /// Phi-3's fused q/k/v and gate/up matrices, from the checkpoint and from llama.cpp's Q4_K_M.
 #[test]
 fn fused_decode_equals_candle_ops_on_phi3() {

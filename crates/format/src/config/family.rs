@@ -20,9 +20,14 @@ pub struct LayerSpec {
     #[serde(default)]
     pub qkv_bias: bool,
     /// An RMSNorm over each head of q and of k (weights of `head_dim`), after the projection and
-    /// before RoPE (Qwen3, OLMo 2, Gemma 3).
+    /// before RoPE (Qwen3, Gemma 3); over the whole of q and of k with
+    /// [`LayerSpec::qk_norm_whole`].
     #[serde(default)]
     pub qk_norm: bool,
+    /// The q and k norms over the whole projection instead of each head (weights of
+    /// `heads × head_dim` and `kv_heads × head_dim`: OLMoE), with [`LayerSpec::qk_norm`].
+    #[serde(default)]
+    pub qk_norm_whole: bool,
     /// q, k and v as one stored matrix (`attn_qkv`, `qkv_proj`: Phi-3), rows in that order.
     #[serde(default)]
     pub fused_qkv: bool,
@@ -69,6 +74,7 @@ pub struct Family {
 const LLAMA_LAYER: LayerSpec = LayerSpec {
     qkv_bias: false,
     qk_norm: false,
+    qk_norm_whole: false,
     fused_qkv: false,
     fused_gate_up: false,
     post_norms: false,
@@ -76,7 +82,7 @@ const LLAMA_LAYER: LayerSpec = LayerSpec {
 };
 
 /// Every family brigade runs.
-pub static FAMILIES: [Family; 10] = [
+pub static FAMILIES: [Family; 11] = [
     Family {
         arch: Arch::Llama,
         gguf: "llama",
@@ -189,6 +195,19 @@ pub static FAMILIES: [Family; 10] = [
         moe: true,
         norm_topk: true,
     },
+    // llama.cpp's OLMoE: q and k normed whole before the heads split, softmax then top-k without
+    // renormalising (transformers' `norm_topk_prob`, false in the released config)
+    Family {
+        arch: Arch::Olmoe,
+        gguf: "olmoe",
+        hf: &["OlmoeForCausalLM", "olmoe"],
+        gguf_rope: RopeStyle::Halves,
+        layer: LayerSpec { qk_norm: true, qk_norm_whole: true, ..LLAMA_LAYER },
+        scaled_embedding: false,
+        hf_norm_offset: 0.0,
+        moe: true,
+        norm_topk: false,
+    },
 ];
 
 /// The family of a GGUF `general.architecture`.
@@ -229,6 +248,6 @@ mod tests {
             }
         }
         assert!(by_gguf("gemma").is_none() && by_hf("GemmaForCausalLM").is_none());
-        assert_eq!(names(), "llama, mistral, qwen2, qwen3, phi3, gemma2, gemma3, mixtral, qwen2moe, qwen3moe");
+        assert_eq!(names(), "llama, mistral, qwen2, qwen3, phi3, gemma2, gemma3, mixtral, qwen2moe, qwen3moe, olmoe");
     }
 }

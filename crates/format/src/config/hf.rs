@@ -54,6 +54,8 @@ struct HfConfig {
     shared_expert_intermediate_size: Option<usize>,
     norm_topk_prob: Option<bool>,
     decoder_sparse_step: Option<usize>,
+    /// OLMo's clamp of q, k and v to ±`clip_qkv` (null in the released OLMoE).
+    clip_qkv: Option<Value>,
     #[serde(default)]
     mlp_only_layers: Vec<usize>,
 }
@@ -81,6 +83,9 @@ pub(super) fn from_json(text: &str) -> Result<ModelConfig, FormatError> {
         None => derived_head_dim(hf.hidden_size, hf.num_attention_heads)?,
     };
     partial_rotary(hf.partial_rotary_factor, "partial_rotary_factor")?;
+    if let Some(c) = hf.clip_qkv.as_ref().filter(|c| !c.is_null()) {
+        return bad(format!("clip_qkv {c}: clamping q, k and v is not supported"));
+    }
     if hf.mlp_bias == Some(true) {
         return bad("mlp_bias: biases on the feed-forward projections are not supported".into());
     }
@@ -634,6 +639,29 @@ mod tests {
         let wide = j.replace("\"vocab_size\"", "\"head_dim\": 32, \"vocab_size\"");
         let c = parse(&wide).unwrap();
         assert_eq!((c.head_dim, c.q_width()), (32, Some(192)));
+    }
+
+    /// OLMoE-1B-7B's `config.json` (transformers' OlmoeConfig): q and k normed whole, 64
+    /// experts of `intermediate_size`, 8 per token, not renormalised; `clip_qkv` is refused by
+    /// name rather than ignored.
+    #[test]
+    fn olmoe_reads_its_experts_and_whole_qk_norms() {
+        let j = r#"{"architectures": ["OlmoeForCausalLM"], "model_type": "olmoe", "hidden_size": 2048,
+            "intermediate_size": 1024, "num_hidden_layers": 16, "num_attention_heads": 16,
+            "num_key_value_heads": 16, "vocab_size": 50304, "max_position_embeddings": 4096,
+            "rope_theta": 10000.0, "rms_norm_eps": 1e-05, "num_experts": 64, "num_experts_per_tok": 8,
+            "norm_topk_prob": false, "clip_qkv": null, "attention_bias": false, "tie_word_embeddings": false}"#;
+        let c = parse(j).unwrap();
+        assert_eq!(c.arch, Arch::Olmoe);
+        assert!(c.layer.qk_norm && c.layer.qk_norm_whole && !c.layer.qkv_bias);
+        let m = c.moe.unwrap();
+        assert_eq!((m.experts, m.used, m.ffn, m.norm_topk, m.shared_ffn), (64, 8, 1024, false, None));
+        use crate::tensors::LayerTensor as T;
+        assert_eq!(T::AttnQNorm.shape(&c).unwrap(), vec![2048]);
+        assert_eq!(T::AttnKNorm.shape(&c).unwrap(), vec![2048]);
+        let clipped = j.replace("\"clip_qkv\": null", "\"clip_qkv\": 8.0");
+        let e = parse(&clipped).unwrap_err().to_string();
+        assert!(e.contains("clip_qkv 8.0"), "{e}");
     }
 
     #[test]

@@ -192,8 +192,10 @@ impl Block {
             && self.post_norms.is_none()
             && !self.gelu
             && !self.local_rope
+            // a row of q and of k normed per head, or whole (the norm's width says which)
             && self.qk_norm.as_ref().is_none_or(|(qn, kn)| {
-                is_cpu_f32(qn) && is_cpu_f32(kn) && qn.elem_count() == cfg.head_dim && kn.elem_count() == cfg.head_dim
+                let (qw, kw) = if cfg.layer.qk_norm_whole { (q, kv) } else { (cfg.head_dim, cfg.head_dim) };
+                is_cpu_f32(qn) && is_cpu_f32(kn) && qn.elem_count() == qw && kn.elem_count() == kw
             })
             && self.attn_norm.elem_count() == cfg.hidden
             && self.ffn_norm.elem_count() == cfg.hidden
@@ -227,7 +229,8 @@ impl Block {
             Some((qn, kn)) => Some((View::of(qn)?, View::of(kn)?)),
             None => None,
         };
-        // q and k of one row normed per head (rows of `head_dim`), as the op path's rms_norm
+        // q and k of one row normed per head (rows of `head_dim`) or whole (rows of their
+        // widths: the norms' lengths), as the op path's rms_norm
         let (mut qh, mut kh) = (vec![0f32; if qk_norm.is_some() { qd } else { 0 }], vec![0f32; kd]);
         for (i, (&p, (k_cache, v_cache))) in pos.iter().zip(kv.iter().map(|c| (&c.0, &c.1))).enumerate() {
             let cs = (&cos[p * half..][..half], &sin[p * half..][..half]);
