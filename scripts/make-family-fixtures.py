@@ -497,8 +497,8 @@ def bench_models(a):
             tmp = Path(tmp)
             build_hf(family, spec, train_tokenizer(tmp), tmp / "hf", a.seed)
             f16 = tmp / "f16.gguf"
-            subprocess.run([sys.executable, str(a.llama_cpp / "convert_hf_to_gguf.py"), str(tmp / "hf"), "--outtype",
-                            "f16", "--outfile", str(f16)], check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            subprocess.run(converter(a.llama_cpp, family) + [str(tmp / "hf"), "--outtype", "f16", "--outfile", str(f16)],
+                           check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
             out = a.bench / f"{family}-bench-Q4_K_M.gguf"
             subprocess.run([str(bin_dir / "llama-quantize"), str(f16), str(out), "Q4_K_M"], check=True,
                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -524,14 +524,20 @@ runpy.run_path(script, run_name="__main__")
 """
 
 
+def converter(llama_cpp: Path, family: str) -> list:
+    """llama.cpp's converter as a command, reading the SentencePiece vocabulary where the family's
+    converter class would not (`SENTENCEPIECE_CONVERTER`)."""
+    script = str(llama_cpp / "convert_hf_to_gguf.py")
+    patched = FAMILIES[family].get("sentencepiece_vocab")
+    if patched:
+        return [sys.executable, "-c", SENTENCEPIECE_CONVERTER, script, patched]
+    return [sys.executable, script]
+
+
 def gguf_references(llama_cpp: Path, family: str, hf_dir: Path, dest: Path, ref: dict):
     bin_dir = llama_cpp / "build" / "bin"
     f16 = dest / f"{family}-tiny-F16.gguf"
-    convert = [sys.executable, str(llama_cpp / "convert_hf_to_gguf.py")]
-    patched = FAMILIES[family].get("sentencepiece_vocab")
-    if patched:
-        convert = [sys.executable, "-c", SENTENCEPIECE_CONVERTER, str(llama_cpp / "convert_hf_to_gguf.py"), patched]
-    subprocess.run(convert + [str(hf_dir), "--outtype", "f16", "--outfile", str(f16)], check=True,
+    subprocess.run(converter(llama_cpp, family) + [str(hf_dir), "--outtype", "f16", "--outfile", str(f16)], check=True,
                    stdout=subprocess.DEVNULL)
     q4 = dest / f"{family}-tiny-Q4_K_M.gguf"
     subprocess.run([str(bin_dir / "llama-quantize"), str(f16), str(q4), "Q4_K_M"], check=True,
