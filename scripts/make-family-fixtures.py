@@ -252,6 +252,8 @@ FAMILIES = {
         "model": "OlmoeForCausalLM",
         "gguf": True,
         "sentencepiece_vocab": "conversion.olmo:OlmoeModel",
+        # as many kv heads as heads at the bench size too (BENCH has 4 of 16)
+        "bench_fields": dict(num_key_value_heads=16),
         "fields": dict(
             TINY,
             num_key_value_heads=8,
@@ -490,7 +492,7 @@ def bench_models(a):
     a.bench.mkdir(parents=True, exist_ok=True)
     for family in a.family or [f for f in FAMILIES if FAMILIES[f]["gguf"]]:
         spec = dict(FAMILIES[family])
-        spec["fields"] = {**spec["fields"], **BENCH}
+        spec["fields"] = {**spec["fields"], **BENCH, **spec.get("bench_fields", {})}
         if family == "gemma3":
             spec["fields"]["query_pre_attn_scalar"] = BENCH["head_dim"]
         with tempfile.TemporaryDirectory() as tmp:

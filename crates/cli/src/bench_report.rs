@@ -2,7 +2,7 @@
 //! llama-bench's markdown table with a threads column and the predicted t/s beside the measured,
 //! and CSV.
 
-use crate::common::human_bytes;
+use crate::common::{human_bytes, human_params};
 use anyhow::Result;
 use clap::ValueEnum;
 use serde::{Deserialize, Serialize};
@@ -152,10 +152,10 @@ fn markdown(o: &BenchOut) -> String {
     s.push_str("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |\n");
     for r in &o.rows {
         s.push_str(&format!(
-            "| {} | {} | {:.2} B | {} | {} | {} | {:.2} ± {:.2} | {} | {} |\n",
+            "| {} | {} | {} | {} | {} | {} | {:.2} ± {:.2} | {} | {} |\n",
             label,
             human_bytes(o.model_bytes),
-            o.params as f64 / 1e9,
+            human_params(o.params),
             r.threads,
             if r.ngl == r.n_gpu_layers.to_string() { r.ngl.clone() } else { format!("{} ({})", r.ngl, r.n_gpu_layers) },
             r.test,
@@ -274,7 +274,7 @@ mod tests {
         assert_eq!(m.notes, ["a", "b"]);
         let md = markdown(&m);
         assert!(md.contains("| threads |") && md.contains("| predicted t/s |"), "{md}");
-        assert!(md.contains("| stories.gguf | 1.00 MiB | 0.00 B | 1 | 0 | tg8 | 100.00 ± 0.00 | 150.00 |"), "{md}");
+        assert!(md.contains("| stories.gguf | 1.00 MiB | 1.00 K | 1 | 0 | tg8 | 100.00 ± 0.00 | 150.00 |"), "{md}");
         assert!(md.contains("| 2 | 0 | tg8 | 200.00 ± 0.00 | 150.00 |"), "{md}");
         assert!(md.contains("memory read bandwidth (2 threads): 20.0 GB/s"), "{md}");
         assert!(

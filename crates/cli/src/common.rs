@@ -240,6 +240,19 @@ pub fn print_stdout(text: &str) -> Result<()> {
     }
 }
 
+/// A parameter count as llama-bench prints it: billions (`7.99 B`), or millions below one
+/// billion (`134.52 M`), thousands below one million (`260.10 K`).
+pub fn human_params(n: u64) -> String {
+    let n = n as f64;
+    if n >= 1e9 {
+        format!("{:.2} B", n / 1e9)
+    } else if n >= 1e6 {
+        format!("{:.2} M", n / 1e6)
+    } else {
+        format!("{:.2} K", n / 1e3)
+    }
+}
+
 pub fn human_bytes(b: u64) -> String {
     let b = b as f64;
     if b >= 1024.0 * 1024.0 * 1024.0 {
@@ -261,6 +274,16 @@ mod tests {
 
     fn fake_gpu(free: u64) -> Vec<CudaInfo> {
         vec![CudaInfo { ordinal: 0, name: "test".into(), memory_total: free, memory_free: free }]
+    }
+
+    /// Parameter counts in llama-bench's units: a 135M model is not "0.14 B", a 260K one not 0.
+    #[test]
+    fn parameter_counts_read_in_their_own_unit() {
+        assert_eq!(human_params(7_990_000_000), "7.99 B");
+        assert_eq!(human_params(1_000_000_000), "1.00 B");
+        assert_eq!(human_params(134_515_008), "134.52 M");
+        assert_eq!(human_params(260_100), "260.10 K");
+        assert_eq!(human_params(0), "0.00 K");
     }
 
     #[test]

@@ -1,6 +1,6 @@
 //! `brigade synth`: random-weight models of any Llama shape, for benchmarks and tests.
 
-use crate::common::human_bytes;
+use crate::common::{human_bytes, human_params};
 use anyhow::{bail, Result};
 use brigade_model::synth::{write_gguf_with, write_safetensors_dir, Shape, SynthMoe, SynthType};
 use clap::{Args, ValueEnum};
@@ -120,10 +120,10 @@ pub fn synth(a: SynthArgs) -> Result<()> {
         );
     } else {
         eprintln!(
-            "wrote {} ({}, {:.2} B params, {} layers, hidden {}, ffn {}, {}/{} heads, vocab {}) in {:.1} s",
+            "wrote {} ({}, {} params, {} layers, hidden {}, ffn {}, {}/{} heads, vocab {}) in {:.1} s",
             a.output.display(),
             human_bytes(bytes),
-            shape.params_with(moe) as f64 / 1e9,
+            human_params(shape.params_with(moe)),
             shape.layers,
             shape.hidden,
             shape.ffn,
