@@ -453,12 +453,13 @@ impl Block {
 
 /// The gated activation of a feed-forward block: GeLU-tanh or SiLU of `gate`, times `up`.
 fn gated(gelu: bool, gate: &Tensor, up: &Tensor) -> candle_core::Result<Tensor> {
-    if gelu {
+    if own_cpu_attention(gate.device(), gate.dtype()) {
+        // one pass with an exp that vectorizes (candle's GeLU and SiLU call libm per value);
+        // SiLU's numbers are the fused decode step's
+        gate.apply_op2_no_bwd(up, &silu::GatedMul { gelu })
+    } else if gelu {
         // transformers' gelu_pytorch_tanh, llama.cpp's GELU
         gate.gelu()? * up
-    } else if own_cpu_attention(gate.device(), gate.dtype()) {
-        // one pass with an exp that vectorizes, the numbers of the fused decode step
-        gate.apply_op2_no_bwd(up, &silu::SiluMul)
     } else {
         candle_nn::ops::silu(gate)? * up
     }

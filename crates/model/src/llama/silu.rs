@@ -1,4 +1,5 @@
-//! `SiLU(gate) · up` on the CPU in f32, with an `exp` that vectorizes.
+//! `SiLU(gate) · up` (and Gemma's `GeLU(gate) · up`) on the CPU in f32, with an `exp` that
+//! vectorizes.
 //!
 //! candle's SiLU calls libm's `expf` once per value (scalar), then a second op multiplies by
 //! `up`: on a 512-token prompt of llama-1b that is 67 M `expf` calls, with the op loops 9% of
@@ -55,6 +56,21 @@ pub(super) fn exp(x: f32) -> f32 {
 fn body(gate: &[f32], up: &[f32], out: &mut [f32]) {
     for ((o, &g), &u) in out.iter_mut().zip(gate).zip(up) {
         *o = g / (1.0 + exp(-g)) * u;
+    }
+}
+
+/// `√(2/π)`, GeLU's tanh approximation's scale.
+const SQRT_2_OVER_PI: f32 = 0.797_884_6;
+
+/// `out[i] = GeLU(gate[i]) · up[i]`, GeLU the tanh approximation (transformers'
+/// `gelu_pytorch_tanh`, llama.cpp's GELU): `½g(1 + tanh y)` with `y = √(2/π)(g + 0.044715g³)`,
+/// computed as `g / (1 + e^(−2y))` (the same value, `½(1 + tanh y)` being the logistic of `2y`),
+/// so that it is [`exp`]'s vector code and loses no digits where `tanh y` is near −1.
+#[inline(always)]
+fn gelu_body(gate: &[f32], up: &[f32], out: &mut [f32]) {
+    for ((o, &g), &u) in out.iter_mut().zip(gate).zip(up) {
+        let y = SQRT_2_OVER_PI * (0.044_715 * g * g).mul_add(g, g);
+        *o = g / (1.0 + exp(-2.0 * y)) * u;
     }
 }
 
@@ -155,6 +171,11 @@ per_width!(
     unsafe fn body_on = body(gate: &[f32], up: &[f32], out: &mut [f32])
 );
 
+per_width!(
+    /// [`gelu_body`] compiled for `on`.
+    unsafe fn gelu_body_on = gelu_body(gate: &[f32], up: &[f32], out: &mut [f32])
+);
+
 /// `out[i] = SiLU(gate[i]) · up[i]` over the shortest of the three.
 pub(super) fn silu_mul(gate: &[f32], up: &[f32], out: &mut [f32]) {
     // SAFETY: this CPU's width
@@ -164,13 +185,20 @@ pub(super) fn silu_mul(gate: &[f32], up: &[f32], out: &mut [f32]) {
 /// Values below which the op runs on the calling thread (a decode step's row).
 const SERIAL_BELOW: usize = 1 << 16;
 
-/// `SiLU(gate) · up` of two tensors of one shape (the halves of a stacked gate/up output may be
-/// strided views: each is read as its runs of contiguous values).
-pub(super) struct SiluMul;
+/// `SiLU(gate) · up`, or with `gelu` `GeLU(gate) · up` ([`gelu_body`]), of two tensors of one
+/// shape (the halves of a stacked gate/up output may be strided views: each is read as its runs
+/// of contiguous values).
+pub(super) struct GatedMul {
+    pub(super) gelu: bool,
+}
 
-impl CustomOp2 for SiluMul {
+impl CustomOp2 for GatedMul {
     fn name(&self) -> &'static str {
-        "silu-mul"
+        if self.gelu {
+            "gelu-mul"
+        } else {
+            "silu-mul"
+        }
     }
 
     fn cpu_fwd(
@@ -212,7 +240,8 @@ impl CustomOp2 for SiluMul {
         let mut out = vec![0f32; n];
         let w = width();
         // SAFETY: this CPU's width
-        let work = |r: usize, o: &mut [f32]| unsafe { body_on(w, &g[rg[r]..][..cols], &u[ru[r]..][..cols], o) };
+        let f = if self.gelu { gelu_body_on } else { body_on };
+        let work = |r: usize, o: &mut [f32]| unsafe { f(w, &g[rg[r]..][..cols], &u[ru[r]..][..cols], o) };
         if n < SERIAL_BELOW {
             for (r, o) in out.chunks_mut(cols.max(1)).enumerate() {
                 work(r, o);
@@ -262,32 +291,75 @@ mod tests {
         assert_eq!(capped(Width::Scalar, Isa::Portable), Width::Scalar);
     }
 
-    #[test]
-    fn every_width_gives_the_same_bits_and_silu_agrees_with_candle() {
+    type BodyOn = unsafe fn(Width, &[f32], &[f32], &mut [f32]);
+
+    /// 10 000 gates spread over ±10005 / `scale` and ups over ±5; the scalar body's output, checked
+    /// bit for bit against every width this CPU has and against the op on strided halves of a
+    /// stacked tensor (as a gate/up projection's output is read).
+    fn same_bits_everywhere(scale: f32, on: BodyOn, op: GatedMul) -> (Vec<f32>, Vec<f32>, Vec<f32>) {
         let n = 10_000;
-        let gate: Vec<f32> = (0..n).map(|i| ((i * 7919 % 20011) as f32 - 10005.0) / 400.0).collect();
+        let gate: Vec<f32> = (0..n).map(|i| ((i * 7919 % 20011) as f32 - 10005.0) / scale).collect();
         let up: Vec<f32> = (0..n).map(|i| ((i * 104_729 % 997) as f32 - 498.0) / 100.0).collect();
         let mut scalar = vec![0f32; n];
-        body(&gate, &up, &mut scalar);
+        // SAFETY: the scalar width runs everywhere
+        unsafe { on(Width::Scalar, &gate, &up, &mut scalar) };
+        let same = |a: &[f32]| a.iter().zip(&scalar).all(|(a, b)| a.to_bits() == b.to_bits());
         for w in widths() {
             let mut got = vec![0f32; n];
             // SAFETY: a width this CPU has
-            unsafe { body_on(w, &gate, &up, &mut got) };
-            assert!(got.iter().zip(&scalar).all(|(a, b)| a.to_bits() == b.to_bits()), "{w:?} differs from scalar");
+            unsafe { on(w, &gate, &up, &mut got) };
+            assert!(same(&got), "{w:?} differs from scalar");
         }
+        let g = Tensor::from_vec(gate.clone(), (100, 100), &Device::Cpu).unwrap();
+        let u = Tensor::from_vec(up.clone(), (100, 100), &Device::Cpu).unwrap();
+        let stacked = Tensor::cat(&[g, u], 1).unwrap();
+        let (gh, uh) = (stacked.narrow(1, 0, 100).unwrap(), stacked.narrow(1, 100, 100).unwrap());
+        let got = gh.apply_op2_no_bwd(&uh, &op).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap();
+        assert!(same(&got), "the op on strided halves differs");
+        let e = gh.apply_op2_no_bwd(&uh.narrow(1, 0, 50).unwrap(), &op).unwrap_err().to_string();
+        assert!(e.contains("[100, 100]") && e.contains("[100, 50]"), "{e}");
+        (gate, up, scalar)
+    }
+
+    /// candle's `f` of the gates times the ups.
+    fn candle(gate: &[f32], up: &[f32], f: impl Fn(&Tensor) -> Tensor) -> Vec<f32> {
+        let g = Tensor::from_slice(gate, gate.len(), &Device::Cpu).unwrap();
+        let u = Tensor::from_slice(up, up.len(), &Device::Cpu).unwrap();
+        (f(&g) * &u).unwrap().to_vec1::<f32>().unwrap()
+    }
+
+    /// GeLU·up: the same bits at every width and from the op, within 8 ulp of the exact value
+    /// (f64; times `1 + |2y|` in the tail, the conditioning of `e^(−2y)`), and near candle's GeLU
+    /// (libm's tanh), whose `½g(1 + tanh y)` loses digits as `tanh y → −1` where
+    /// `g / (1 + e^(−2y))` keeps them.
+    #[test]
+    fn gelu_mul_gives_the_same_bits_at_every_width_and_agrees_with_candle() {
+        let (gate, up, scalar) = same_bits_everywhere(1000.0, gelu_body_on, GatedMul { gelu: true });
+        let want = candle(&gate, &up, |g| g.gelu().unwrap());
+        for (((a, b), &x), &up) in scalar.iter().zip(&want).zip(&gate).zip(&up) {
+            // the exact value, in f64 (½x(1 + tanh y) as the logistic, which f64 too needs in
+            // the tail)
+            let (x64, up64) = (x as f64, up as f64);
+            let y = (2.0 / std::f64::consts::PI).sqrt() * (x64 + 0.044715 * x64 * x64 * x64);
+            let exact = x64 / (1.0 + (-2.0 * y).exp()) * up64;
+            // in the negative tail the value's relative error is about |2y| times y's own (its
+            // f32 rounding), whoever computes it
+            let ulp = (exact.abs() * f32::EPSILON as f64).max(1e-37) * (1.0 + (2.0 * y).abs());
+            assert!((*a as f64 - exact).abs() <= 8.0 * ulp, "gelu·up at {x}: {a} vs {exact}");
+            // candle's, as near as its own rounding lets it be: below −1 its 1 + tanh y loses
+            // digits, and only the absolute difference stays small
+            let near = if x > -1.0 { 8.0 * f32::EPSILON * b.abs().max(1e-30) } else { 1e-6 * up.abs().max(1.0) };
+            assert!((a - b).abs() <= near, "gelu·up at {x}: {a} vs candle's {b}");
+        }
+    }
+
+    #[test]
+    fn every_width_gives_the_same_bits_and_silu_agrees_with_candle() {
+        let (gate, up, scalar) = same_bits_everywhere(400.0, body_on, GatedMul { gelu: false });
         // candle's SiLU (libm) times up: within a few ulp
-        let g = Tensor::from_vec(gate.clone(), n, &Device::Cpu).unwrap();
-        let u = Tensor::from_vec(up.clone(), n, &Device::Cpu).unwrap();
-        let want = (candle_nn::ops::silu(&g).unwrap() * &u).unwrap().to_vec1::<f32>().unwrap();
+        let want = candle(&gate, &up, |g| candle_nn::ops::silu(g).unwrap());
         for ((a, b), x) in scalar.iter().zip(&want).zip(&gate) {
             assert!((a - b).abs() <= 4.0 * f32::EPSILON * b.abs().max(1e-30), "silu·up at {x}: {a} vs {b}");
         }
-        // the op on strided halves of a stacked tensor equals the slice function
-        let stacked = Tensor::cat(&[g.reshape((100, 100)).unwrap(), u.reshape((100, 100)).unwrap()], 1).unwrap();
-        let (gh, uh) = (stacked.narrow(1, 0, 100).unwrap(), stacked.narrow(1, 100, 100).unwrap());
-        let op = gh.apply_op2_no_bwd(&uh, &SiluMul).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap();
-        assert!(op.iter().zip(&scalar).all(|(a, b)| a.to_bits() == b.to_bits()));
-        let e = gh.apply_op2_no_bwd(&uh.narrow(1, 0, 50).unwrap(), &SiluMul).unwrap_err().to_string();
-        assert!(e.contains("[100, 100]") && e.contains("[100, 50]"), "{e}");
     }
 }
