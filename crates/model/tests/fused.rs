@@ -162,6 +162,24 @@ fn fused_decode_equals_candle_ops_on_olmoe() {
     }
 }
 
+/// Gemma 2 and 3: GeLU, norms after attention and the feed-forward block, windowed layers
+/// (Gemma 3's with their own RoPE base), soft-capped attention (Gemma 2), from the checkpoints
+/// and from llama.cpp's Q4_K_M files.
+#[test]
+fn fused_decode_equals_candle_ops_on_gemma() {
+    for family in ["gemma2", "gemma3"] {
+        for name in ["hf".to_string(), format!("{family}-tiny-Q4_K_M.gguf")] {
+            let files = ModelFiles::open(&common::family_file(family, &name)).unwrap();
+            assert!(files.config.layer.gelu && files.config.layer.post_norms, "{family} {name}");
+            assert_eq!(files.config.rope_theta_local.is_some(), family == "gemma3", "{family} {name}");
+            let n = files.config.n_layers;
+            check(&format!("{family} {name}"), &files, &format!("cpu:{n}"));
+            // the last layer alone (global on both)
+            check(&format!("{family} {name}"), &files, &format!("cpu:{},cpu:1", n - 1));
+        }
+    }
+}
+
 /// Phi-3's fused q/k/v and gate/up matrices, from the checkpoint and from llama.cpp's Q4_K_M.
 #[test]
 fn fused_decode_equals_candle_ops_on_phi3() {
@@ -229,18 +247,6 @@ fn candle_composition_reads_window_sized_caches() {
             "{family}: bf16's composition parts from f32 by {windowed} on window-sized caches, {whole} on whole ones"
         );
     }
-}
-
-/// Gemma 3's post-norms, GeLU and local RoPE base are not in the fused step: its slices keep
-/// the op path (and decode what transformers decodes, `families.rs`).
-#[test]
-fn gemma3_keeps_the_op_path() {
-    let files = ModelFiles::open(&common::family_file("gemma3", "gemma3-tiny-Q4_K_M.gguf")).unwrap();
-    let mut p = pipeline(&files, "cpu:6", 128);
-    assert_eq!(p.set_fused_decode(true), 0);
-    let mut p = pipeline(&files, "cpu:5,cpu:1", 128);
-    // the last layer alone is global: no post-norm or GeLU is in the fused step either way
-    assert_eq!(p.set_fused_decode(true), 0);
 }
 
 #[test]

@@ -12,7 +12,8 @@
 //!
 //! **The numbers are the op path's, bit for bit**: the norm, RoPE and additions are candle's
 //! loops for f32 written out in the same order of operations (Rust does not contract a·b + c
-//! into an FMA), SiLU·up is the prompt path's own op's function (`silu::silu_mul`), the matmuls
+//! into an FMA), SiLU·up and GeLU·up are the prompt path's own op's functions (`silu::silu_mul`,
+//! `silu::gelu_mul`), Gemma's post-norms the same norm loop as every other norm, the matmuls
 //! are the same kernels with the same grouping of rows, and attention is [`decode_attn`]'s. So
 //! a session decodes to the same logits with this path on or off (`BRIGADE_CPU_FUSED=off` turns
 //! it off, to measure it), and a row's numbers still do not depend on the rows beside it (batch
@@ -188,10 +189,10 @@ impl Block {
             }
             && is_cpu_f32(&self.attn_norm)
             && is_cpu_f32(&self.ffn_norm)
-            // what `decode` does not do: the slice keeps the op path
-            && self.post_norms.is_none()
-            && !self.gelu
-            && !self.local_rope
+            // Gemma's norms after attention and the feed-forward block, of the hidden width
+            && self.post_norms.as_ref().is_none_or(|(a, f)| {
+                is_cpu_f32(a) && is_cpu_f32(f) && a.elem_count() == cfg.hidden && f.elem_count() == cfg.hidden
+            })
             // a row of q and of k normed per head, or whole (the norm's width says which)
             && self.qk_norm.as_ref().is_none_or(|(qn, kn)| {
                 let (qw, kw) = if cfg.layer.qk_norm_whole { (q, kv) } else { (cfg.head_dim, cfg.head_dim) };
@@ -269,13 +270,26 @@ impl Block {
         }
         let mut o = vec![0f32; n * hidden];
         self.wo.cpu_rows(n, &y, &mut o)?;
-        add(x, &o);
+        // the op path's `post`: each half's output normed before its residual add (Gemma)
+        let post = match &self.post_norms {
+            Some((a, f)) => Some((View::of(a)?, View::of(f)?)),
+            None => None,
+        };
+        let mut normed = vec![0f32; if post.is_some() { n * hidden } else { 0 }];
+        let mut add_out = |x: &mut [f32], o: &[f32], norm: Option<&View>| match norm {
+            Some(w) => {
+                rms_norm_rows(o, w.get(), eps, &mut normed);
+                add(x, &normed)
+            }
+            None => add(x, o),
+        };
+        add_out(x, &o, post.as_ref().map(|p| &p.0));
         rms_norm_rows(x, View::of(&self.ffn_norm)?.get(), eps, &mut h);
         match &self.ffn {
-            Ffn::Dense(f) => f.rows(n, &h, &mut o)?,
-            Ffn::Moe(m) => m.combine(n, &h, &mut o, |e, m, xs, ys| e.rows(m, xs, ys))?,
+            Ffn::Dense(f) => f.rows(n, &h, &mut o, self.gelu)?,
+            Ffn::Moe(m) => m.combine(n, &h, &mut o, |e, m, xs, ys| e.rows(m, xs, ys, self.gelu))?,
         }
-        add(x, &o);
+        add_out(x, &o, post.as_ref().map(|p| &p.1));
         Ok(())
     }
 }
@@ -286,8 +300,8 @@ impl GatedFfn {
         self.gate_up.runs_on_slices() && self.down.runs_on_slices()
     }
 
-    /// SiLU(gate)·up then down of `n` rows `h` into `o`, on slices.
-    pub(super) fn rows(&self, n: usize, h: &[f32], o: &mut [f32]) -> candle_core::Result<()> {
+    /// SiLU(gate)·up (GeLU with `gelu`) then down of `n` rows `h` into `o`, on slices.
+    pub(super) fn rows(&self, n: usize, h: &[f32], o: &mut [f32], gelu: bool) -> candle_core::Result<()> {
         let gu = self.gate_up.rows(n, h)?;
         let ffn = self.down_inputs();
         let mut act = vec![0f32; n * ffn];
@@ -297,8 +311,13 @@ impl GatedFfn {
             .flat_map(|(r, row)| row.chunks_mut(ACT_CHUNK).enumerate().map(move |(j, a)| (r, j * ACT_CHUNK, a)))
             .collect();
         par_units(units, |(r, c0, out)| {
-            // the prompt path's SiLU·up (`silu`), so the numbers are its
-            super::silu::silu_mul(&gu.part(0, *r)[*c0..], &gu.part(1, *r)[*c0..], out);
+            // the prompt path's SiLU·up or GeLU·up (`silu`), so the numbers are its
+            let (g, u) = (&gu.part(0, *r)[*c0..], &gu.part(1, *r)[*c0..]);
+            if gelu {
+                super::silu::gelu_mul(g, u, out)
+            } else {
+                super::silu::silu_mul(g, u, out)
+            }
         });
         self.down.cpu_rows(n, &act, o)
     }
@@ -319,6 +338,9 @@ impl Slice {
         super::own_cpu_attention(&self.device, self.dtype)
             && self.blocks.iter().all(|b| b.runs_on_slices(&self.cfg))
             && self.cos.dims() == [self.n_ctx, self.cfg.head_dim / 2]
+            // the local layers' own tables (Gemma 3), of the same shape
+            && self.local_rope.as_ref().is_none_or(|(c, s)| c.dims() == self.cos.dims() && s.dims() == self.cos.dims())
+            && self.blocks.iter().all(|b| !b.local_rope || self.local_rope.is_some())
             && self.cfg.head_dim.is_multiple_of(2)
             && self.cfg.n_kv_heads > 0
             && self.cfg.n_heads.is_multiple_of(self.cfg.n_kv_heads)
@@ -343,11 +365,20 @@ impl Slice {
         }
         let pos: Vec<usize> = caches.iter().map(|c| c.len).collect();
         let (cos, sin) = (View::of(&self.cos)?, View::of(&self.sin)?);
+        let local = match &self.local_rope {
+            Some((c, s)) => Some((View::of(c)?, View::of(s)?)),
+            None => None,
+        };
         for (l, block) in self.blocks.iter().enumerate() {
             let _b = block.span.enter();
             let kv: Vec<&(Tensor, Tensor)> = caches.iter().map(|c| &c.kv[l]).collect();
             let base: Vec<usize> = caches.iter().map(|c| c.base_of(l)).collect();
-            block.decode(&self.cfg, &mut xs, &kv, (&pos, &base), (cos.get(), sin.get()))?;
+            // a local layer's own base where the model has one (`decodes_on_slices` checked it)
+            let (c, s) = match (&local, block.local_rope) {
+                (Some((c, s)), true) => (c.get(), s.get()),
+                _ => (cos.get(), sin.get()),
+            };
+            block.decode(&self.cfg, &mut xs, &kv, (&pos, &base), (c, s))?;
         }
         Ok(Tensor::from_vec(xs, (n, 1, self.cfg.hidden), &self.device)?)
     }

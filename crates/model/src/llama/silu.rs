@@ -182,6 +182,12 @@ pub(super) fn silu_mul(gate: &[f32], up: &[f32], out: &mut [f32]) {
     unsafe { body_on(width(), gate, up, out) }
 }
 
+/// `out[i] = GeLU(gate[i]) · up[i]` ([`gelu_body`]) over the shortest of the three.
+pub(super) fn gelu_mul(gate: &[f32], up: &[f32], out: &mut [f32]) {
+    // SAFETY: this CPU's width
+    unsafe { gelu_body_on(width(), gate, up, out) }
+}
+
 /// Values below which the op runs on the calling thread (a decode step's row).
 const SERIAL_BELOW: usize = 1 << 16;
 
