@@ -2,7 +2,7 @@
 
 use crate::common::{human_bytes, human_params};
 use anyhow::{bail, Result};
-use brigade_model::synth::{write_gguf_with, write_safetensors_dir, Shape, SynthMoe, SynthType};
+use brigade_model::synth::{write_gguf_with, write_safetensors_dir, Shape, SynthMoe, SynthMoeFamily, SynthType};
 use clap::{Args, ValueEnum};
 use std::path::PathBuf;
 
@@ -35,13 +35,18 @@ pub struct SynthArgs {
     /// The context length the file declares.
     #[arg(long)]
     pub context: Option<usize>,
-    /// Experts per layer in place of the dense feed-forward block (Mixtral's layout: each expert
-    /// of `--ffn`, softmax routing, the `--experts-used` best renormalised). GGUF only.
+    /// Experts per layer in place of the dense feed-forward block (each expert of `--ffn`,
+    /// softmax routing to the `--experts-used` best, in the layout of `--moe-family`). GGUF only.
     #[arg(long)]
     pub experts: Option<usize>,
     /// Experts each token goes through (with --experts; default 2).
     #[arg(long = "experts-used", default_value_t = 2)]
     pub experts_used: usize,
+    /// The experts' family (with --experts): mixtral (a `llama` GGUF, the chosen weights
+    /// renormalised), qwen3moe (per-head q/k norms, renormalised) or olmoe (q and k normed whole,
+    /// not renormalised).
+    #[arg(long = "moe-family", default_value = "mixtral")]
+    pub moe_family: SynthMoeFamily,
     /// Weight type: f32, f16, bf16, q8_0, q4_0, q4_k, q6_k (safetensors: f32, f16, bf16).
     #[arg(long = "type", default_value = "f16")]
     pub ty: SynthType,
@@ -105,7 +110,7 @@ pub fn synth(a: SynthArgs) -> Result<()> {
         bar.set_length(n as u64);
         bar.set_position(i as u64);
     };
-    let moe = a.experts.map(|experts| SynthMoe { experts, used: a.experts_used });
+    let moe = a.experts.map(|experts| SynthMoe { experts, used: a.experts_used, family: a.moe_family });
     let t0 = std::time::Instant::now();
     let bytes = match a.format {
         SynthFormat::Gguf => write_gguf_with(&a.output, &shape, moe, a.ty, a.seed, progress)?,

@@ -77,8 +77,9 @@ impl Shape {
     /// The configuration a model of this shape declares (untied head, no biases), with `moe`'s
     /// experts in place of the dense feed-forward blocks.
     fn config_with(&self, moe: Option<SynthMoe>) -> ModelConfig {
+        let family = moe.map_or(Arch::Llama, |m| m.family.arch()).family();
         ModelConfig {
-            arch: Arch::Llama,
+            arch: family.arch,
             n_layers: self.layers,
             hidden: self.hidden,
             ffn: self.ffn,
@@ -87,11 +88,11 @@ impl Shape {
             head_dim: self.head_dim(),
             vocab: self.vocab,
             rope_theta: self.rope_theta,
-            rope_style: RopeStyle::Interleaved,
+            rope_style: family.gguf_rope,
             rope_scaling: RopeScaling::None,
             rms_eps: 1e-5,
             context_length: self.context,
-            layer: Default::default(),
+            layer: family.layer,
             sliding_window: None,
             swa_layers: None,
             window_pass: None,
@@ -107,7 +108,7 @@ impl Shape {
                 experts: m.experts,
                 used: m.used,
                 ffn: self.ffn,
-                norm_topk: true,
+                norm_topk: family.norm_topk,
                 shared_ffn: None,
             }),
         }
@@ -126,18 +127,59 @@ impl Shape {
             None => 3 * h * f,
             Some(m) => (3 * h * f + h) * m.experts as u64,
         };
-        let per_layer = 2 * h * h + 2 * h * kv + ffn + 2 * h;
+        let qk_norms = match moe.map(|m| m.family) {
+            Some(SynthMoeFamily::Qwen3Moe) => 2 * self.head_dim() as u64,
+            Some(SynthMoeFamily::Olmoe) => h + kv,
+            _ => 0,
+        };
+        let per_layer = 2 * h * h + 2 * h * kv + ffn + 2 * h + qk_norms;
         2 * v * h + h + self.layers as u64 * per_layer
     }
 }
 
-/// Experts in place of every layer's dense feed-forward block, each of the shape's `ffn`:
-/// Mixtral's layout, which llama.cpp writes as a `llama` GGUF with `expert_count` (softmax over
-/// the experts, the `used` best renormalised).
+/// Experts in place of every layer's dense feed-forward block, each of the shape's `ffn`, in
+/// the layout of `family`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
 pub struct SynthMoe {
     pub experts: usize,
     pub used: usize,
+    pub family: SynthMoeFamily,
+}
+
+/// The mixture-of-experts families synth writes, as llama.cpp's converter writes them.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum SynthMoeFamily {
+    /// Mixtral: a `llama` GGUF with `expert_count`, q and k rows permuted for llama.cpp's rope,
+    /// the `used` best weights renormalised.
+    Mixtral,
+    /// Qwen3-MoE (`qwen3moe`): per-head q/k norms, NEOX rope, renormalised.
+    Qwen3Moe,
+    /// OLMoE (`olmoe`): q and k normed whole, NEOX rope, not renormalised.
+    Olmoe,
+}
+
+impl SynthMoeFamily {
+    /// The family's row in brigade's table (Mixtral's files are `llama` ones).
+    fn arch(self) -> Arch {
+        match self {
+            SynthMoeFamily::Mixtral => Arch::Llama,
+            SynthMoeFamily::Qwen3Moe => Arch::Qwen3Moe,
+            SynthMoeFamily::Olmoe => Arch::Olmoe,
+        }
+    }
+}
+
+impl std::str::FromStr for SynthMoeFamily {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        Ok(match s.to_ascii_lowercase().as_str() {
+            "mixtral" => SynthMoeFamily::Mixtral,
+            "qwen3moe" | "qwen3-moe" => SynthMoeFamily::Qwen3Moe,
+            "olmoe" => SynthMoeFamily::Olmoe,
+            other => return Err(format!("unknown MoE family `{other}` (mixtral, qwen3moe, olmoe)")),
+        })
+    }
 }
 
 /// The element types synth writes.
@@ -323,13 +365,14 @@ fn encode(xs: &[f32], cols: usize, dt: GgmlType, out: &mut Vec<u8>) {
     }
 }
 
-fn gguf_metadata(shape: &Shape, ty: SynthType, name: &str) -> Vec<(String, Value)> {
+fn gguf_metadata(shape: &Shape, ty: SynthType, name: &str, arch: &str) -> Vec<(String, Value)> {
     let (tokens, types, merges) = synthetic_bpe_vocab(shape.vocab);
     let n = tokens.len() as u32;
-    let s = |k: &str, v: &str| (k.to_string(), Value::String(v.to_string()));
-    let u = |k: &str, v: usize| (k.to_string(), Value::U32(v as u32));
+    let s = |k: &str, v: &str| (k.replace("llama.", &format!("{arch}.")), Value::String(v.to_string()));
+    let u = |k: &str, v: usize| (k.replace("llama.", &format!("{arch}.")), Value::U32(v as u32));
+    let f = |k: &str, v: f32| (k.replace("llama.", &format!("{arch}.")), Value::F32(v));
     vec![
-        s("general.architecture", "llama"),
+        s("general.architecture", arch),
         s("general.name", name),
         u("general.file_type", ty.file_type() as usize),
         u("general.quantization_version", 2),
@@ -340,8 +383,8 @@ fn gguf_metadata(shape: &Shape, ty: SynthType, name: &str) -> Vec<(String, Value
         u("llama.rope.dimension_count", shape.head_dim()),
         u("llama.attention.head_count", shape.heads),
         u("llama.attention.head_count_kv", shape.kv_heads),
-        ("llama.attention.layer_norm_rms_epsilon".into(), Value::F32(1e-5)),
-        ("llama.rope.freq_base".into(), Value::F32(shape.rope_theta)),
+        f("llama.attention.layer_norm_rms_epsilon", 1e-5),
+        f("llama.rope.freq_base", shape.rope_theta),
         u("llama.vocab_size", shape.vocab),
         s("tokenizer.ggml.model", "gpt2"),
         s("tokenizer.ggml.pre", "gpt-2"),
@@ -406,10 +449,17 @@ pub fn write_gguf_with(
             TensorSpec { name: name.clone(), dims, dtype }
         })
         .collect();
-    let mut md = gguf_metadata(shape, ty, &format!("brigade-synth-{}L-{}h", shape.layers, shape.hidden));
+    let cfg = shape.config_with(moe);
+    let arch = cfg.arch.family().gguf;
+    let mut md = gguf_metadata(shape, ty, &format!("brigade-synth-{}L-{}h", shape.layers, shape.hidden), arch);
     if let Some(m) = moe {
-        md.push(("llama.expert_count".into(), Value::U32(m.experts as u32)));
-        md.push(("llama.expert_used_count".into(), Value::U32(m.used as u32)));
+        md.push((format!("{arch}.expert_count"), Value::U32(m.experts as u32)));
+        md.push((format!("{arch}.expert_used_count"), Value::U32(m.used as u32)));
+        if m.family != SynthMoeFamily::Mixtral {
+            // llama.cpp's Qwen MoE loaders take the experts' size from here (without it,
+            // `feed_forward_length / expert_used_count`)
+            md.push((format!("{arch}.expert_feed_forward_length"), Value::U32(shape.ffn as u32)));
+        }
     }
     let f = std::fs::File::create(path).map_err(|e| ModelError::Io(path.to_path_buf(), e))?;
     let mut w = BufWriter::with_capacity(8 << 20, f);
@@ -421,9 +471,11 @@ pub fn write_gguf_with(
             // llama.cpp's converter stores norms as f32, exactly as the 16-bit checkpoint had them
             round_through(&mut xs, ty);
         }
-        if name.ends_with("attn_q.weight") {
+        // llama.cpp's converter permutes q and k of the families it runs with "normal" rope
+        let permuted = cfg.rope_style == RopeStyle::Interleaved;
+        if permuted && name.ends_with("attn_q.weight") {
             xs = permute_rows_for_gguf(&xs, *rows, *cols, shape.heads);
-        } else if name.ends_with("attn_k.weight") {
+        } else if permuted && name.ends_with("attn_k.weight") {
             xs = permute_rows_for_gguf(&xs, *rows, *cols, shape.kv_heads);
         }
         buf.reserve(specs[i].n_bytes() as usize);

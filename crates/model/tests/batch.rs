@@ -156,7 +156,11 @@ fn decode_rows_are_batch_invariant_with_experts() {
             context: 512,
             rope_theta: 1e4,
         };
-        let moe = brigade_model::synth::SynthMoe { experts: 8, used: 2 };
+        let moe = brigade_model::synth::SynthMoe {
+            experts: 8,
+            used: 2,
+            family: brigade_model::synth::SynthMoeFamily::Mixtral,
+        };
         brigade_model::synth::write_gguf_with(&path, &shape, Some(moe), ty, 9, |_, _| {}).unwrap();
         let files = ModelFiles::open(&path).unwrap();
         check_rows_invariant(&files, "cpu:3");

@@ -124,19 +124,33 @@ fn fused_decode_equals_candle_ops_on_hugging_face_layouts() {
     check("qwen2 biases", &files, "cpu:2,cpu:1");
 }
 
-/// Experts (synth's Mixtral shape): the fused step computes them on slices, grouped as the
-/// op path groups them.
+/// Experts (synth's Mixtral, Qwen3-MoE and OLMoE layouts): the fused step computes them on
+/// slices, grouped as the op path groups them.
 #[test]
 fn fused_decode_equals_candle_ops_with_experts() {
+    use brigade_model::config::Arch;
+    use brigade_model::synth::{SynthMoe, SynthMoeFamily};
     let dir = tempfile::tempdir().unwrap();
     let shape = Shape { ffn: 128, ..shape() };
-    for ty in [SynthType::Q4K, SynthType::Q4_0, SynthType::F32] {
-        let path = dir.path().join(format!("moe-{ty:?}.gguf"));
-        let moe = brigade_model::synth::SynthMoe { experts: 8, used: 2 };
-        brigade_model::synth::write_gguf_with(&path, &shape, Some(moe), ty, 4, |_, _| {}).unwrap();
-        let files = ModelFiles::open(&path).unwrap();
-        check(&format!("experts {ty:?}"), &files, "cpu:3");
-        check(&format!("experts {ty:?}"), &files, "cpu:1,cpu:2");
+    let families = [
+        (SynthMoeFamily::Mixtral, Arch::Llama),
+        (SynthMoeFamily::Qwen3Moe, Arch::Qwen3Moe),
+        (SynthMoeFamily::Olmoe, Arch::Olmoe),
+    ];
+    for (family, arch) in families {
+        for ty in [SynthType::Q4K, SynthType::Q4_0, SynthType::F32] {
+            let path = dir.path().join(format!("moe-{family:?}-{ty:?}.gguf"));
+            let moe = SynthMoe { experts: 8, used: 2, family };
+            brigade_model::synth::write_gguf_with(&path, &shape, Some(moe), ty, 4, |_, _| {}).unwrap();
+            let files = ModelFiles::open(&path).unwrap();
+            let c = &files.config;
+            assert_eq!(c.arch, arch);
+            assert_eq!(c.layer.qk_norm, family != SynthMoeFamily::Mixtral, "{family:?}");
+            assert_eq!(c.layer.qk_norm_whole, family == SynthMoeFamily::Olmoe, "{family:?}");
+            assert_eq!(c.moe.unwrap().norm_topk, family != SynthMoeFamily::Olmoe, "{family:?}");
+            check(&format!("experts {family:?} {ty:?}"), &files, "cpu:3");
+            check(&format!("experts {family:?} {ty:?}"), &files, "cpu:1,cpu:2");
+        }
     }
 }
 

@@ -8,7 +8,7 @@ mod common;
 
 use brigade_core::DeviceMap;
 use brigade_model::gguf::{Gguf, TensorSpec, Value};
-use brigade_model::synth::{write_gguf_with, Shape, SynthMoe, SynthType};
+use brigade_model::synth::{write_gguf_with, Shape, SynthMoe, SynthMoeFamily, SynthType};
 use brigade_model::{Logits, ModelFiles, Pipeline};
 use common::{all_logits, max_abs_diff, pipeline};
 use std::path::{Path, PathBuf};
@@ -17,7 +17,7 @@ fn shape() -> Shape {
     Shape { layers: 3, hidden: 256, ffn: 128, heads: 4, kv_heads: 2, vocab: 300, context: 512, rope_theta: 1e4 }
 }
 
-const MOE: SynthMoe = SynthMoe { experts: 8, used: 2 };
+const MOE: SynthMoe = SynthMoe { experts: 8, used: 2, family: SynthMoeFamily::Mixtral };
 
 fn synth(dir: &Path, ty: SynthType) -> PathBuf {
     let path = dir.join(format!("moe-{ty:?}.gguf"));
