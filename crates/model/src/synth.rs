@@ -119,21 +119,10 @@ impl Shape {
         self.params_with(None)
     }
 
-    /// Parameters with `moe`'s experts (each of `ffn`) and routers.
+    /// Parameters with `moe`'s experts (each of `ffn`) and routers: the elements of every
+    /// tensor synth writes for them (0 for a shape it refuses).
     pub fn params_with(&self, moe: Option<SynthMoe>) -> u64 {
-        let (h, f, v) = (self.hidden as u64, self.ffn as u64, self.vocab as u64);
-        let kv = (self.kv_heads * self.head_dim()) as u64;
-        let ffn = match moe {
-            None => 3 * h * f,
-            Some(m) => (3 * h * f + h) * m.experts as u64,
-        };
-        let qk_norms = match moe.map(|m| m.family) {
-            Some(SynthMoeFamily::Qwen3Moe) => 2 * self.head_dim() as u64,
-            Some(SynthMoeFamily::Olmoe) => h + kv,
-            _ => 0,
-        };
-        let per_layer = 2 * h * h + 2 * h * kv + ffn + 2 * h + qk_norms;
-        2 * v * h + h + self.layers as u64 * per_layer
+        tensor_list(self, moe).map_or(0, |t| t.iter().map(|(_, rows, cols, _)| (rows * cols) as u64).sum())
     }
 }
 
@@ -368,24 +357,25 @@ fn encode(xs: &[f32], cols: usize, dt: GgmlType, out: &mut Vec<u8>) {
 fn gguf_metadata(shape: &Shape, ty: SynthType, name: &str, arch: &str) -> Vec<(String, Value)> {
     let (tokens, types, merges) = synthetic_bpe_vocab(shape.vocab);
     let n = tokens.len() as u32;
-    let s = |k: &str, v: &str| (k.replace("llama.", &format!("{arch}.")), Value::String(v.to_string()));
-    let u = |k: &str, v: usize| (k.replace("llama.", &format!("{arch}.")), Value::U32(v as u32));
-    let f = |k: &str, v: f32| (k.replace("llama.", &format!("{arch}.")), Value::F32(v));
+    let s = |k: &str, v: &str| (k.to_string(), Value::String(v.to_string()));
+    // the architecture's own keys, `{arch}.{key}`
+    let u = |k: &str, v: usize| (format!("{arch}.{k}"), Value::U32(v as u32));
+    let f = |k: &str, v: f32| (format!("{arch}.{k}"), Value::F32(v));
     vec![
         s("general.architecture", arch),
         s("general.name", name),
-        u("general.file_type", ty.file_type() as usize),
-        u("general.quantization_version", 2),
-        u("llama.context_length", shape.context),
-        u("llama.embedding_length", shape.hidden),
-        u("llama.block_count", shape.layers),
-        u("llama.feed_forward_length", shape.ffn),
-        u("llama.rope.dimension_count", shape.head_dim()),
-        u("llama.attention.head_count", shape.heads),
-        u("llama.attention.head_count_kv", shape.kv_heads),
-        f("llama.attention.layer_norm_rms_epsilon", 1e-5),
-        f("llama.rope.freq_base", shape.rope_theta),
-        u("llama.vocab_size", shape.vocab),
+        ("general.file_type".into(), Value::U32(ty.file_type())),
+        ("general.quantization_version".into(), Value::U32(2)),
+        u("context_length", shape.context),
+        u("embedding_length", shape.hidden),
+        u("block_count", shape.layers),
+        u("feed_forward_length", shape.ffn),
+        u("rope.dimension_count", shape.head_dim()),
+        u("attention.head_count", shape.heads),
+        u("attention.head_count_kv", shape.kv_heads),
+        f("attention.layer_norm_rms_epsilon", 1e-5),
+        f("rope.freq_base", shape.rope_theta),
+        u("vocab_size", shape.vocab),
         s("tokenizer.ggml.model", "gpt2"),
         s("tokenizer.ggml.pre", "gpt-2"),
         ("tokenizer.ggml.tokens".into(), Value::Array(tokens.into_iter().map(Value::String).collect())),
