@@ -2,12 +2,13 @@
 
 use crate::common::{
     check_cpu_memory, gpu_free, human_bytes, load_with_retry, n_predict, GpuLayers, ModelArgs, Placed, Placement,
-    SamplingArgs,
+    SamplingArgs, SpecArgs,
 };
 use anyhow::{Context, Result};
 use brigade_core::{DeviceId, Stage};
 use brigade_model::device::Accelerators;
 use brigade_model::devices::CudaInfo;
+use brigade_model::speculative::Drafter;
 use brigade_model::{predict_slice_bytes, GenerationStats, ModelFiles, Pipeline, Sampler, SamplingParams, Tokenizer};
 use clap::Args;
 use serde::Serialize;
@@ -27,6 +28,8 @@ pub struct RunArgs {
     pub n_predict: i64,
     #[command(flatten)]
     pub sampling: SamplingArgs,
+    #[command(flatten)]
+    pub spec: SpecArgs,
     /// Treat the prompt as a user message and render the model's chat template.
     #[arg(long = "chat")]
     pub chat: bool,
@@ -62,6 +65,11 @@ struct Timings {
     generated_tokens: usize,
     generation_ms: f64,
     generation_tokens_per_s: f64,
+    /// Decode passes (one token each without speculative decoding).
+    decode_passes: usize,
+    /// Speculative decoding: drafted tokens fed, and of them taken.
+    drafted_tokens: usize,
+    accepted_tokens: usize,
 }
 
 #[derive(Serialize)]
@@ -180,13 +188,16 @@ fn generate(a: RunArgs, prep: Prepared, t_load: Instant) -> Result<RunOut> {
         let _ = write!(stdout, "{}", a.prompt);
         let _ = stdout.flush();
     }
-    let stats = pipeline.generate(
+    let spec = a.spec.speculation(&pipeline, &tk, n_ctx)?;
+    let mut drafter = spec.map(Drafter::new).transpose()?;
+    let stats = pipeline.generate_with(
         &mut session,
         &prompt_ids,
         n_predict,
         &mut Sampler::new(sampler),
         |id| tk.is_eog(id),
         a.ignore_eos,
+        drafter.as_mut(),
         |id| {
             generated.push(id);
             if !a.json {
@@ -227,6 +238,9 @@ fn timings(load_ms: f64, stats: &GenerationStats) -> Timings {
         generated_tokens: stats.generated,
         generation_ms: stats.gen_time.as_secs_f64() * 1e3,
         generation_tokens_per_s: stats.gen_tps(),
+        decode_passes: stats.decode_steps,
+        drafted_tokens: stats.drafted,
+        accepted_tokens: stats.accepted,
     }
 }
 
@@ -270,6 +284,12 @@ fn report(out: &RunOut) {
         "generation  : {:10.2} ms / {:5} tokens ({:8.2} tokens/s)",
         t.generation_ms, t.generated_tokens, t.generation_tokens_per_s
     );
+    if t.drafted_tokens > 0 {
+        eprintln!(
+            "drafts      : {} of {} drafted tokens taken, {} decode passes",
+            t.accepted_tokens, t.drafted_tokens, t.decode_passes
+        );
+    }
     for g in &out.gpus {
         eprintln!(
             "gpu cuda{}   : {}, {} total, {} free at start",

@@ -3,9 +3,9 @@
 //! OpenAI-compatible API of `brigade-serve` in front of it.
 
 use crate::cluster::{runtime, stop_signal};
-use crate::common::{detect_gpus, load_with_retry, GpuLayers, ModelArgs, Placed};
+use crate::common::{detect_gpus, load_with_retry, GpuLayers, ModelArgs, Placed, SpecArgs};
 use anyhow::{Context, Result};
-use brigade_model::batch::{Engine, EngineConfig, Job, Output, Sink};
+use brigade_model::batch::{Batch, Engine, EngineConfig, Job, Output, Sink};
 use brigade_model::pipeline::StopReason;
 use brigade_model::Pipeline;
 use brigade_serve::{
@@ -21,6 +21,8 @@ use tokio::sync::mpsc;
 pub struct ServeArgs {
     #[command(flatten)]
     pub common: ModelArgs,
+    #[command(flatten)]
+    pub spec: SpecArgs,
     /// The model's name in the API (default: its file name).
     #[arg(long = "alias")]
     pub alias: Option<String>,
@@ -212,7 +214,11 @@ pub fn serve(a: ServeArgs) -> Result<()> {
     let tk = tokenizer.clone();
     let cfg = EngineConfig { parallel: a.parallel, queue: a.queue };
     let pipeline = Arc::new(pipeline);
-    let engine = Engine::start(pipeline.clone(), cfg, move |t| tk.is_eog(t))?;
+    let mut batch = Batch::new(pipeline.clone(), cfg.parallel, move |t| tk.is_eog(t))?;
+    if let Some(spec) = a.spec.speculation(&pipeline, &tokenizer, n_ctx)? {
+        batch = batch.with_speculation(spec)?;
+    }
+    let engine = Engine::start_batch(batch, cfg)?;
     let created = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0);
     let info = ModelInfo { id: id.clone(), n_ctx, tokenizer, created, owned_by: "brigade".into() };
     let backend = Arc::new(Local { engine, info, pipeline, parallel: a.parallel });

@@ -15,6 +15,8 @@
 //! - [`batch`]: continuous batching of concurrent sessions on one pipeline (one decode pass for
 //!   all, batch-invariant), and the [`batch::Engine`] thread that serves it.
 //! - [`cpu_matmul`]: the CPU matmul by a ggml weight in place (int8 kernels per instruction set).
+//! - [`speculative`]: drafts (prompt lookup, a draft model) verified in one pass, the text
+//!   unchanged.
 //! - [`sampler`], [`synth`] (random-weight models of any Llama shape).
 //! - [`threads`]: llama.cpp's `-t`, set once per process (candle sizes its pools once).
 //! - [`bandwidth`], [`devices`], [`measure`]: the memory read bandwidth probe, what the host has,
@@ -33,6 +35,7 @@ pub mod measure;
 pub mod pipeline;
 pub mod rows;
 pub mod sampler;
+pub mod speculative;
 pub mod synth;
 pub mod threads;
 pub mod weights;

@@ -956,7 +956,7 @@ impl Slice {
             }
         }
         if t == 1 && self.fused {
-            x = self.decode_fused(&[&mut *cache], &x)?;
+            x = self.decode_fused(&[&mut *cache], &[(0, pos)], &x)?;
         } else {
             for (l, block) in self.blocks.iter().enumerate() {
                 let (cos, sin) = if block.local_rope { &local } else { &global };

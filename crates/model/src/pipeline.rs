@@ -10,6 +10,7 @@
 use crate::device::{activation_dtype, candle_device};
 use crate::llama::{Logits, Slice, SliceCache, StageInput};
 use crate::sampler::Sampler;
+use crate::speculative::Drafter;
 use crate::weights::ModelFiles;
 use crate::ModelError;
 use brigade_core::{DeviceId, Stage};
@@ -252,20 +253,35 @@ impl Pipeline {
         if sessions.len() != tokens.len() {
             return Err(ModelError::BadInput(format!("{} tokens for {} sessions", tokens.len(), sessions.len())));
         }
-        let fed: Vec<&[u32]> = tokens.iter().map(std::slice::from_ref).collect();
-        all_or_none(sessions, &fed, |s| self.forward_rows_stages(s, tokens))
+        let runs: Vec<&[u32]> = tokens.iter().map(std::slice::from_ref).collect();
+        self.forward_runs(sessions, &runs)
     }
 
-    fn forward_rows_stages(&self, sessions: &mut [&mut Session], tokens: &[u32]) -> Result<Vec<Vec<f32>>, ModelError> {
+    /// A decode step where session `i` takes the tokens `runs[i]` (one or more), each as a decode
+    /// row of its own ([`Slice::forward_runs`]): returns every row's logits, sessions in order
+    /// and a session's rows in position order, each equal bit for bit to what feeding that
+    /// session its run one token at a time with [`Pipeline::forward`] gives (on the CPU). The
+    /// verifying pass of speculative decoding: a draft of `k` tokens costs one pass, not `k`.
+    /// On error no session changes.
+    pub fn forward_runs(&self, sessions: &mut [&mut Session], runs: &[&[u32]]) -> Result<Vec<Vec<f32>>, ModelError> {
+        if sessions.len() != runs.len() {
+            return Err(ModelError::BadInput(format!("{} runs of tokens for {} sessions", runs.len(), sessions.len())));
+        }
+        all_or_none(sessions, runs, |s| self.forward_runs_stages(s, runs))
+    }
+
+    fn forward_runs_stages(&self, sessions: &mut [&mut Session], runs: &[&[u32]]) -> Result<Vec<Vec<f32>>, ModelError> {
+        let lens: Vec<usize> = runs.iter().map(|r| r.len()).collect();
+        let ids = runs.concat();
         let mut hidden: Option<Tensor> = None;
         for (i, (_, slice)) in self.stages.iter().enumerate() {
             let mut caches: Vec<&mut SliceCache> = sessions.iter_mut().map(|s| &mut s.caches[i]).collect();
             let input = match &hidden {
-                None => StageInput::Tokens(tokens),
+                None => StageInput::Tokens(&ids),
                 Some(h) => StageInput::Hidden(h),
             };
             let t = Instant::now();
-            hidden = Some(slice.forward_rows(&mut caches, input)?);
+            hidden = Some(slice.forward_runs(&mut caches, input, &lens)?);
             self.decode.add(i, t.elapsed());
         }
         self.decode.steps.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
@@ -346,49 +362,108 @@ impl Pipeline {
         sampler: &mut Sampler,
         is_eog: impl Fn(u32) -> bool,
         ignore_eos: bool,
+        on_token: impl FnMut(u32) -> bool,
+    ) -> Result<GenerationStats, ModelError> {
+        self.generate_with(session, prompt, n_predict, sampler, is_eog, ignore_eos, None, on_token)
+    }
+
+    /// [`Pipeline::generate`], drafting with `drafter` where one is given (speculative
+    /// decoding, [`crate::speculative`]): the same tokens, in fewer passes where drafts are
+    /// taken.
+    #[allow(clippy::too_many_arguments)]
+    pub fn generate_with(
+        &self,
+        session: &mut Session,
+        prompt: &[u32],
+        n_predict: usize,
+        sampler: &mut Sampler,
+        is_eog: impl Fn(u32) -> bool,
+        ignore_eos: bool,
+        mut drafter: Option<&mut Drafter>,
         mut on_token: impl FnMut(u32) -> bool,
     ) -> Result<GenerationStats, ModelError> {
         let t0 = Instant::now();
-        let mut logits = self.prefill(session, prompt, PREFILL_CHUNK)?;
+        // the rows to draw from: row j follows the session's tokens but the last `len - 1 - j`
+        let mut rows = vec![self.prefill(session, prompt, PREFILL_CHUNK)?];
         let prompt_time = t0.elapsed();
         let t1 = Instant::now();
-        let mut generated = 0usize;
-        let mut decode_steps = 0usize;
-        let mut stop = StopReason::Length;
-        let mut unfed = None;
-        for i in 0..n_predict {
-            let id = sampler.sample(&logits, &session.tokens);
-            if !ignore_eos && is_eog(id) {
-                stop = StopReason::Eos;
-                break;
+        let mut stats = GenerationStats {
+            prompt_tokens: prompt.len(),
+            prompt_time,
+            generated: 0,
+            decode_steps: 0,
+            decoded: 0,
+            drafted: 0,
+            accepted: 0,
+            gen_time: Duration::ZERO,
+            stop: StopReason::Length,
+            unfed: None,
+        };
+        let mut stop = (n_predict == 0).then_some(StopReason::Length);
+        while stop.is_none() {
+            let start = session.len() + 1 - rows.len();
+            let run = session.tokens()[start - 1..].to_vec();
+            let mut next = 0;
+            let used = crate::speculative::walk(&run, &rows, |j, logits| {
+                if stats.decode_steps > 0 {
+                    stats.decoded += 1;
+                }
+                let id = sampler.sample(logits, &session.tokens()[..start + j]);
+                if !ignore_eos && is_eog(id) {
+                    stop = Some(StopReason::Eos);
+                    return None;
+                }
+                stats.generated += 1;
+                stats.unfed = Some(id);
+                next = id;
+                if !on_token(id) {
+                    stop = Some(StopReason::Caller);
+                } else if stats.generated == n_predict {
+                    stop = Some(StopReason::Length);
+                }
+                stop.is_none().then_some(id)
+            });
+            stats.accepted += used - 1;
+            if let Some(d) = drafter.as_deref_mut() {
+                d.verified(run.len() - 1, used - 1);
             }
-            generated += 1;
-            unfed = Some(id);
-            if !on_token(id) {
-                stop = StopReason::Caller;
-                break;
+            let keep = start - 1 + used;
+            if session.truncate(keep) != keep {
+                return Err(ModelError::BadSlice(format!("a session cannot go back to {keep} tokens after a draft")));
             }
-            if i + 1 == n_predict {
+            if stop.is_some() {
                 break;
             }
             if session.len() + 1 > self.n_ctx {
-                stop = StopReason::Context;
+                stop = Some(StopReason::Context);
                 break;
             }
-            unfed = None;
-            let l = self.forward(session, &[id], Logits::Last)?;
-            decode_steps += 1;
-            logits = l.get(0)?.to_vec1::<f32>()?;
+            let mut run = vec![next];
+            if let Some(d) = drafter.as_deref_mut() {
+                let room = (self.n_ctx - session.len() - 1)
+                    .min(n_predict.saturating_sub(stats.generated + 1))
+                    .min(self.max_run() - 1);
+                let mut context = session.tokens().to_vec();
+                context.push(next);
+                let draft = d.draft(&context, room)?;
+                // (a draft model may know ids past this model's vocabulary)
+                let ok = draft.iter().take_while(|&&t| (t as usize) < self.vocab()).count();
+                run.extend_from_slice(&draft[..ok]);
+                stats.drafted += ok;
+            }
+            stats.unfed = None;
+            rows = self.forward_runs(&mut [&mut *session], &[&run])?;
+            stats.decode_steps += 1;
         }
-        Ok(GenerationStats {
-            prompt_tokens: prompt.len(),
-            prompt_time,
-            generated,
-            decode_steps,
-            gen_time: t1.elapsed(),
-            stop,
-            unfed,
-        })
+        stats.stop = stop.unwrap_or(StopReason::Length);
+        stats.gen_time = t1.elapsed();
+        Ok(stats)
+    }
+
+    /// Tokens one session may take in one pass of [`Pipeline::forward_runs`]: a model with
+    /// sliding-window layers reads at most one [`crate::config::ModelConfig::pass`] at a time.
+    pub fn max_run(&self) -> usize {
+        self.stages.iter().filter_map(|(_, s)| s.config().pass()).min().unwrap_or(usize::MAX).max(1)
     }
 }
 
@@ -406,8 +481,15 @@ pub struct GenerationStats {
     pub prompt_tokens: usize,
     pub prompt_time: Duration,
     pub generated: usize,
-    /// One-token forward passes timed in `gen_time` (the first token comes from the prefill).
+    /// Decode passes timed in `gen_time` (the first token comes from the prefill): one token
+    /// each, or with speculative decoding a token and its draft.
     pub decode_steps: usize,
+    /// Tokens drawn from the decode passes' rows (the first token comes from the prefill).
+    pub decoded: usize,
+    /// Drafted tokens fed, and of them those the model's own draws confirmed (speculative
+    /// decoding; 0 without).
+    pub drafted: usize,
+    pub accepted: usize,
     pub gen_time: Duration,
     pub stop: StopReason,
     /// The last token given to `on_token`, which was not fed: the session's caches end before it
@@ -420,12 +502,12 @@ impl GenerationStats {
     pub fn prompt_tps(&self) -> f64 {
         self.prompt_tokens as f64 / self.prompt_time.as_secs_f64().max(1e-9)
     }
-    /// Tokens per second of the decode phase (one-token forward passes).
+    /// Tokens per second of the decode phase: tokens drawn from its passes' rows.
     pub fn gen_tps(&self) -> f64 {
         if self.decode_steps == 0 {
             return 0.0;
         }
-        self.decode_steps as f64 / self.gen_time.as_secs_f64().max(1e-9)
+        self.decoded as f64 / self.gen_time.as_secs_f64().max(1e-9)
     }
 }
 

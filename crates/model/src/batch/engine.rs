@@ -70,7 +70,13 @@ impl Engine {
         cfg: EngineConfig,
         is_eog: impl Fn(u32) -> bool + Send + 'static,
     ) -> Result<Engine, ModelError> {
-        let batch = Batch::new(pipeline, cfg.parallel, is_eog)?;
+        Engine::start_batch(Batch::new(pipeline, cfg.parallel, is_eog)?, cfg)
+    }
+
+    /// Starts the thread on a batch built by the caller (with speculative decoding, say); its
+    /// slots are the engine's, whatever `cfg.parallel` says.
+    pub fn start_batch(batch: Batch, cfg: EngineConfig) -> Result<Engine, ModelError> {
+        let cfg = EngineConfig { parallel: batch.parallel(), ..cfg };
         let shared = Arc::new(Shared {
             outstanding: AtomicUsize::new(0),
             active: AtomicUsize::new(0),

@@ -12,8 +12,10 @@
 //!    [`Pipeline::generate`] uses ([`PREFILL_CHUNK`] tokens from the start of the prompt),
 //!    whoever else is in the batch;
 //! 3. decodes one token for every session past its prompt, all in one forward pass
-//!    ([`Pipeline::forward_rows`]: each weight is read once per step for the whole batch, up to
-//!    [`crate::cpu_matmul::DECODE_ROWS`] (8) rows per pass on the CPU).
+//!    ([`Pipeline::forward_runs`]: each weight is read once per step for the whole batch, up to
+//!    [`crate::cpu_matmul::DECODE_ROWS`] (8) rows per pass on the CPU) — with speculative
+//!    decoding ([`Batch::with_speculation`]) a session's token and its draft, the rows the
+//!    batch leaves free.
 //!
 //! **Batch invariance**: a row's numbers never depend on which other rows share the step (see
 //! [`crate::llama::Slice::forward_rows`]), and sampling and stop rules are `generate`'s, so a
@@ -33,6 +35,7 @@ mod engine;
 pub use engine::{Busy, Engine, EngineConfig, Load, Sink};
 
 use crate::pipeline::{StopReason, PREFILL_CHUNK};
+use crate::speculative::{Drafter, Speculation};
 use crate::{Logits, ModelError, Pipeline, Sampler, SamplingParams, Session};
 use brigade_core::{Constraint, TokenLogprob};
 use std::collections::VecDeque;
@@ -144,6 +147,8 @@ struct Slot {
     /// When the slot last took a job ([`Batch::admitted`]): a job that keeps nothing goes to
     /// the slot used longest ago, whose cache is least likely to be wanted.
     used: u64,
+    /// Drafts for the slot's decoding ([`Batch::with_speculation`]).
+    drafter: Option<Drafter>,
 }
 
 /// The batch: slots with preallocated sessions, the jobs waiting for one, and the step.
@@ -171,7 +176,7 @@ impl Batch {
             return Err(ModelError::BadInput("a batch of 0 slots".into()));
         }
         let slots = (0..parallel)
-            .map(|_| Ok(Slot { session: pipeline.new_session()?, active: None, chunked: 0, used: 0 }))
+            .map(|_| Ok(Slot { session: pipeline.new_session()?, active: None, chunked: 0, used: 0, drafter: None }))
             .collect::<Result<_, ModelError>>()?;
         Ok(Batch {
             pipeline,
@@ -189,6 +194,24 @@ impl Batch {
     pub fn with_prefill_chunk(mut self, n: usize) -> Self {
         self.chunk = n.max(1);
         self
+    }
+
+    /// Speculative decoding ([`crate::speculative`]): each slot drafts (a draft model gets a
+    /// session per slot, allocated now) and a decode pass verifies the drafts with the tokens,
+    /// in the rows one pass reads each weight for ([`crate::cpu_matmul::DECODE_ROWS`], shared
+    /// evenly by the decoding sessions: a full batch drafts nothing). Every job's text is the
+    /// one it gets without.
+    pub fn with_speculation(mut self, spec: Arc<Speculation>) -> Result<Self, ModelError> {
+        spec.check(&self.pipeline)?;
+        for s in &mut self.slots {
+            s.drafter = Some(Drafter::new(spec.clone())?);
+        }
+        Ok(self)
+    }
+
+    /// Tokens drafted and of them accepted, over every slot's life.
+    pub fn drafts(&self) -> (u64, u64) {
+        self.slots.iter().filter_map(|s| s.drafter.as_ref()).fold((0, 0), |(d, a), x| (d + x.drafted, a + x.accepted))
     }
 
     /// Queues a job; it is admitted at the start of a step when a slot is free.
@@ -331,7 +354,10 @@ impl Batch {
         match logits {
             Err(e) => fail(slot, &e, out),
             Ok(_) if end < a.job.prompt.len() => a.phase = Phase::Prompt { fed: end },
-            Ok(l) => self.sampled(i, &l, out),
+            Ok(l) => {
+                let fed = slot.session.len();
+                self.sampled(i, &l, fed, out);
+            }
         }
     }
 
@@ -388,7 +414,8 @@ impl Batch {
                     if end < a.job.prompt.len() {
                         a.phase = Phase::Prompt { fed: end };
                     } else {
-                        self.sampled(i, &l, out);
+                        let fed = self.slots[i].session.len();
+                        self.sampled(i, &l, fed, out);
                     }
                 }
             }
@@ -396,48 +423,89 @@ impl Batch {
     }
 
     fn decode(&mut self, out: &mut Vec<(JobId, Output)>) {
-        let mut rows = Vec::new();
-        let mut tokens = Vec::new();
-        let mut sessions = Vec::new();
-        for (i, slot) in self.slots.iter_mut().enumerate() {
-            if let Some(Active { phase: Phase::Decode(t), .. }) = slot.active {
-                rows.push(i);
-                tokens.push(t);
-                sessions.push(&mut slot.session);
-            }
-        }
-        if rows.is_empty() {
+        let decoding: Vec<usize> = (0..self.slots.len())
+            .filter(|&i| matches!(self.slots[i].active, Some(Active { phase: Phase::Decode(_), .. })))
+            .collect();
+        if decoding.is_empty() {
             return;
         }
-        match self.pipeline.forward_rows(&mut sessions, &tokens) {
-            Ok(logits) => {
-                for (i, l) in rows.into_iter().zip(logits) {
-                    self.sampled(i, &l, out);
-                }
+        // drafts fill the rows one pass reads each weight for (DECODE_ROWS), shared out evenly
+        let spare = crate::cpu_matmul::DECODE_ROWS.saturating_sub(decoding.len()) / decoding.len();
+        let (n_ctx, max_run, vocab) = (self.pipeline.n_ctx(), self.pipeline.max_run(), self.pipeline.vocab());
+        let mut runs: Vec<Vec<u32>> = Vec::with_capacity(decoding.len());
+        for &i in &decoding {
+            let slot = &mut self.slots[i];
+            let Some(a) = slot.active.as_ref() else { continue };
+            let Phase::Decode(t) = a.phase else { continue };
+            let mut run = vec![t];
+            if let Some(d) = slot.drafter.as_mut() {
+                let room = spare
+                    .min(n_ctx.saturating_sub(slot.session.len() + 1))
+                    .min(a.job.max_tokens.saturating_sub(a.generated + 1))
+                    .min(max_run - 1);
+                let mut context = slot.session.tokens().to_vec();
+                context.push(t);
+                // (a draft that cannot be made is no draft: the job goes on without)
+                let draft = d.draft(&context, room).unwrap_or_default();
+                run.extend(draft.into_iter().take_while(|&t| (t as usize) < vocab));
             }
+            runs.push(run);
+        }
+        let result = {
+            let mut sessions: Vec<&mut Session> = self
+                .slots
+                .iter_mut()
+                .enumerate()
+                .filter(|(i, _)| decoding.contains(i))
+                .map(|(_, s)| &mut s.session)
+                .collect();
+            let refs: Vec<&[u32]> = runs.iter().map(Vec::as_slice).collect();
+            self.pipeline.forward_runs(&mut sessions, &refs)
+        };
+        let logits = match result {
+            Ok(l) => l,
             Err(e) => {
-                for i in rows {
+                for i in decoding {
                     fail(&mut self.slots[i], &e, out);
                 }
+                return;
+            }
+        };
+        let mut rows = logits.into_iter();
+        for (i, run) in decoding.into_iter().zip(runs) {
+            let rows: Vec<Vec<f32>> = rows.by_ref().take(run.len()).collect();
+            let start = self.slots[i].session.len() + 1 - run.len();
+            let used = crate::speculative::walk(&run, &rows, |j, l| self.sampled(i, l, start + j, out));
+            let slot = &mut self.slots[i];
+            if let Some(d) = slot.drafter.as_mut() {
+                d.verified(run.len() - 1, used - 1);
+            }
+            let keep = start - 1 + used;
+            if slot.session.truncate(keep) != keep {
+                let e = ModelError::BadSlice(format!("a session cannot go back to {keep} tokens after a draft"));
+                fail(slot, &e, out);
             }
         }
     }
 
-    /// Samples slot `i`'s next token from `logits` and applies `generate`'s stop rules.
-    fn sampled(&mut self, i: usize, logits: &[f32], out: &mut Vec<(JobId, Output)>) {
+    /// Samples slot `i`'s next token from `logits`, which follow the first `fed` of its
+    /// session's tokens, and applies `generate`'s stop rules; returns the token when the job
+    /// goes on (it is fed at the next decode step).
+    fn sampled(&mut self, i: usize, logits: &[f32], fed: usize, out: &mut Vec<(JobId, Output)>) -> Option<u32> {
         let n_ctx = self.pipeline.n_ctx();
         let slot = &mut self.slots[i];
-        let Some(a) = slot.active.as_mut() else { return };
+        let a = slot.active.as_mut()?;
+        let history = &slot.session.tokens()[..fed];
         let (id, done) = match a.job.constraint.as_mut() {
-            None => (a.sampler.sample(logits, slot.session.tokens()), false),
+            None => (a.sampler.sample(logits, history), false),
             Some(Constraint(c)) => {
                 let mut masked = logits.to_vec();
-                let drawn = c.mask(&mut masked).map(|()| a.sampler.sample(&masked, slot.session.tokens()));
+                let drawn = c.mask(&mut masked).map(|()| a.sampler.sample(&masked, history));
                 match drawn.and_then(|id| c.commit(id).map(|()| id)) {
                     Ok(id) => (id, c.is_done()),
                     Err(e) => {
                         fail(slot, &ModelError::BadInput(e), out);
-                        return;
+                        return None;
                     }
                 }
             }
@@ -455,7 +523,7 @@ impl Batch {
                 Some(StopReason::Eos)
             } else if a.generated >= a.job.max_tokens {
                 Some(StopReason::Length)
-            } else if slot.session.len() + 1 > n_ctx {
+            } else if fed + 1 > n_ctx {
                 Some(StopReason::Context)
             } else {
                 a.phase = Phase::Decode(id);
@@ -474,7 +542,9 @@ impl Batch {
             };
             out.push((a.id, Output::Done(stats)));
             slot.active = None;
+            return None;
         }
+        Some(id)
     }
 }
 

@@ -206,10 +206,11 @@ impl Block {
             && kv > 0
     }
 
-    /// One token of each session through the block: `x` is `n × hidden` (row `i` session
-    /// `i`'s), updated in place; `kv[i]` is session `i`'s cache of this layer, whose slot 0
-    /// holds position `base[i]`, written at position `pos[i]`; `rope` the rotary tables
-    /// `(n_ctx, head_dim / 2)`.
+    /// One token per row through the block: `x` is `n × hidden`, updated in place; `kv[i]` is
+    /// row `i`'s session's cache of this layer, whose slot 0 holds position `base[i]`, written
+    /// at position `pos[i]` (rows of one session share a cache: every row's keys are written
+    /// before any row reads, and a row reads only up to its own position); `rope` the rotary
+    /// tables `(n_ctx, head_dim / 2)`.
     fn decode(
         &self,
         cfg: &ModelConfig,
@@ -346,11 +347,17 @@ impl Slice {
             && self.cfg.n_heads.is_multiple_of(self.cfg.n_kv_heads)
     }
 
-    /// One token for each of `caches.len()` sessions through every block, `x` `(n, 1, hidden)`;
-    /// writes each cache at its length (the caller advances the lengths). Returns the blocks'
-    /// output `(n, 1, hidden)`.
-    pub(super) fn decode_fused(&self, caches: &[&mut SliceCache], x: &Tensor) -> Result<Tensor, ModelError> {
-        let n = caches.len();
+    /// Rows of tokens through every block, `x` `(n, 1, hidden)`: `rows[r]` is row `r`'s session
+    /// (its cache in `caches`) and position, a session's rows in position order; writes each
+    /// cache at those positions (the caller advances the lengths). Returns the blocks' output
+    /// `(n, 1, hidden)`.
+    pub(super) fn decode_fused(
+        &self,
+        caches: &[&mut SliceCache],
+        rows: &[(usize, usize)],
+        x: &Tensor,
+    ) -> Result<Tensor, ModelError> {
+        let n = rows.len();
         if let Some(c) = caches.iter().find(|c| c.kv.len() != self.blocks.len()) {
             return Err(ModelError::BadInput(format!(
                 "a cache of {} layers for slice {} of {} layers",
@@ -359,11 +366,14 @@ impl Slice {
                 self.blocks.len()
             )));
         }
+        if rows.iter().any(|&(i, _)| i >= caches.len()) {
+            return Err(ModelError::BadInput(format!("a row of a session past the {} given", caches.len())));
+        }
         let mut xs = x.flatten_all()?.to_vec1::<f32>()?;
         if xs.len() != n * self.cfg.hidden {
             return Err(ModelError::BadInput(format!("{} values for {n} rows of {}", xs.len(), self.cfg.hidden)));
         }
-        let pos: Vec<usize> = caches.iter().map(|c| c.len).collect();
+        let pos: Vec<usize> = rows.iter().map(|&(_, p)| p).collect();
         let (cos, sin) = (View::of(&self.cos)?, View::of(&self.sin)?);
         let local = match &self.local_rope {
             Some((c, s)) => Some((View::of(c)?, View::of(s)?)),
@@ -371,8 +381,8 @@ impl Slice {
         };
         for (l, block) in self.blocks.iter().enumerate() {
             let _b = block.span.enter();
-            let kv: Vec<&(Tensor, Tensor)> = caches.iter().map(|c| &c.kv[l]).collect();
-            let base: Vec<usize> = caches.iter().map(|c| c.base_of(l)).collect();
+            let kv: Vec<&(Tensor, Tensor)> = rows.iter().map(|&(i, _)| &caches[i].kv[l]).collect();
+            let base: Vec<usize> = rows.iter().map(|&(i, _)| caches[i].base_of(l)).collect();
             // a local layer's own base where the model has one (`decodes_on_slices` checked it)
             let (c, s) = match (&local, block.local_rope) {
                 (Some((c, s)), true) => (c.get(), s.get()),

@@ -23,30 +23,55 @@ impl Slice {
     /// Every cache is checked for room before anything is computed: on error no cache's length
     /// changes (entries past a cache's length may have been written; they are never read).
     pub fn forward_rows(&self, caches: &mut [&mut SliceCache], input: StageInput<'_>) -> Result<Tensor, ModelError> {
+        let runs = vec![1; caches.len()];
+        self.forward_runs(caches, input, &runs)
+    }
+
+    /// [`Slice::forward_rows`] where session `i` takes `runs[i]` consecutive tokens, each a
+    /// decode row of its own (rows in session order, a session's in position order): row `j` of
+    /// a session's run is at position `len + j` and sees the run's rows before it, so its
+    /// numbers are, bit for bit, those of feeding the run one token at a time — the verifying
+    /// pass of speculative decoding, which reads each weight once for a whole draft.
+    pub fn forward_runs(
+        &self,
+        caches: &mut [&mut SliceCache],
+        input: StageInput<'_>,
+        runs: &[usize],
+    ) -> Result<Tensor, ModelError> {
         let _g = self.span.enter();
-        let n = caches.len();
-        if n == 0 {
-            return Err(ModelError::BadInput("a batch of no rows".into()));
+        if caches.is_empty() || runs.len() != caches.len() || runs.contains(&0) {
+            return Err(ModelError::BadInput(format!(
+                "runs of {runs:?} rows for {} sessions: each session takes at least one",
+                caches.len()
+            )));
         }
-        for c in caches.iter() {
-            if c.len + 1 > self.n_ctx.min(c.n_ctx) {
-                return Err(ModelError::ContextFull { need: c.len + 1, n_ctx: self.n_ctx });
+        let n: usize = runs.iter().sum();
+        for (c, &r) in caches.iter().zip(runs) {
+            if c.len + r > self.n_ctx.min(c.n_ctx) {
+                return Err(ModelError::ContextFull { need: c.len + r, n_ctx: self.n_ctx });
             }
         }
         let mut x = self.input(input, n)?;
         if x.dim(1)? != 1 {
             return Err(ModelError::BadInput(format!("{} positions per row: a decode step takes one", x.dim(1)?)));
         }
-        for c in caches.iter_mut() {
-            c.make_room(1)?;
+        for (c, &r) in caches.iter_mut().zip(runs) {
+            c.make_room(r)?;
         }
+        // each row's session and position
+        let rows: Vec<(usize, usize)> = caches
+            .iter()
+            .zip(runs)
+            .enumerate()
+            .flat_map(|(i, (c, &r))| (c.len..c.len + r).map(move |p| (i, p)))
+            .collect();
         if self.fused {
-            x = self.decode_fused(caches, &x)?;
+            x = self.decode_fused(caches, &rows, &x)?;
         } else {
-            self.rows_through_blocks(caches, &mut x)?;
+            self.rows_through_blocks(caches, &rows, &mut x)?;
         }
-        for c in caches.iter_mut() {
-            c.len += 1;
+        for (c, &r) in caches.iter_mut().zip(runs) {
+            c.len += r;
         }
         match &self.head {
             None => Ok(x),
@@ -57,11 +82,16 @@ impl Slice {
         }
     }
 
-    /// The blocks of [`Slice::forward_rows`] as candle ops (where the fused step does not run).
-    fn rows_through_blocks(&self, caches: &mut [&mut SliceCache], x: &mut Tensor) -> Result<(), ModelError> {
-        let n = caches.len();
+    /// The blocks of [`Slice::forward_runs`] as candle ops (where the fused step does not run):
+    /// `rows[r]` is row `r`'s session and position, a session's rows in position order.
+    fn rows_through_blocks(
+        &self,
+        caches: &mut [&mut SliceCache],
+        rows: &[(usize, usize)],
+        x: &mut Tensor,
+    ) -> Result<(), ModelError> {
         let rope = |cos: &Tensor, sin: &Tensor| -> candle_core::Result<Vec<(Tensor, Tensor)>> {
-            caches.iter().map(|c| Ok((cos.narrow(0, c.len, 1)?, sin.narrow(0, c.len, 1)?))).collect()
+            rows.iter().map(|&(_, p)| Ok((cos.narrow(0, p, 1)?, sin.narrow(0, p, 1)?))).collect()
         };
         let global = rope(&self.cos, &self.sin)?;
         let local = match &self.local_rope {
@@ -75,11 +105,13 @@ impl Slice {
                 Some(t) if block.local_rope => t,
                 _ => &global,
             };
-            let mut ys = Vec::with_capacity(n);
-            for (i, (cache, (cos, sin))) in caches.iter_mut().zip(tables).enumerate() {
-                let row = |t: &Tensor| t.narrow(0, i, 1);
+            let mut ys = Vec::with_capacity(rows.len());
+            // (in row order: a row's keys are in the cache before the session's next row reads them)
+            for (r, (&(i, p), (cos, sin))) in rows.iter().zip(tables).enumerate() {
+                let row = |t: &Tensor| t.narrow(0, r, 1);
+                let cache = &mut caches[i];
                 // the position in the layer's storage (a windowed layer's starts at its base)
-                let pos = cache.len - cache.base_of(l);
+                let pos = p - cache.base_of(l);
                 let qkv = (&row(&q)?, &row(&k)?, &row(&v)?);
                 ys.push(attend(&self.cfg, block.window, qkv, &mut cache.kv[l], pos, (cos, sin), None)?);
             }
