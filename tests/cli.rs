@@ -172,6 +172,44 @@ fn smollm2_greedy_and_chat() {
     assert!(!j["text"].as_str().unwrap().is_empty());
 }
 
+/// `--spec-type ngram-simple` and `--model-draft` give `run` plain decoding's tokens (greedy and
+/// seeded), report their drafts, and refuse what cannot draft.
+#[test]
+fn speculative_decoding_keeps_the_text_and_refuses_what_cannot_draft() {
+    let stories = root().join("crates/format/assets/stories260K.gguf");
+    let stories = stories.to_str().unwrap();
+    for sampling in [&["--temp", "0"][..], &["--temp", "0.8", "--seed", "5"]] {
+        let base = [&["run", "-p", "Once upon a time", "-n", "120", "--json"][..], sampling].concat();
+        let plain = ok_json(&base);
+        for spec in [&["--spec-type", "ngram-simple"][..], &["--model-draft", stories, "--spec-draft-n-max", "4"]] {
+            let j = ok_json(&[&base[..], spec].concat());
+            assert_eq!(j["generated_ids"], plain["generated_ids"], "{spec:?} {sampling:?}");
+            let t = &j["timings"];
+            assert!(t["drafted_tokens"].as_u64().unwrap() > 0, "{spec:?}: {t}");
+            if spec[0] == "--model-draft" && sampling[1] == "0" {
+                // the model as its own draft: every draft taken, fewer passes than tokens
+                assert_eq!(t["drafted_tokens"], t["accepted_tokens"]);
+                assert!(t["decode_passes"].as_u64().unwrap() * 2 < plain["timings"]["decode_passes"].as_u64().unwrap());
+            }
+        }
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let other = dir.path().join("other.gguf");
+    synth_small(&other, "q8_0", "3");
+    let other = other.to_str().unwrap();
+    expect_error(&["run", "-n", "4", "--model-draft", other], "spells token 0");
+    let wide = dir.path().join("wide.gguf");
+    let w = wide.to_str().unwrap();
+    let shape =
+        ["--layers", "1", "--hidden", "64", "--ffn", "128", "--heads", "2", "--kv-heads", "1", "--vocab", "600"];
+    let out = brigade(&[&["synth", "-o", w, "--type", "q8_0"][..], &shape].concat());
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    expect_error(&["run", "-n", "4", "--model-draft", w], "has 600 tokens, the model 512");
+    expect_error(&["run", "-n", "4", "--spec-type", "ngram-simple", "--spec-draft-n-max", "0"], "--spec-draft-n-max 0");
+    expect_error(&["run", "-n", "4", "--spec-type", "ngram-simple", "--model-draft", stories], "one source of drafts");
+    expect_error(&["run", "-n", "4", "--model-draft", "/nonexistent/draft.gguf"], "cannot load draft model");
+}
+
 #[test]
 fn chat_without_template_is_a_clear_error() {
     let out = brigade(&["run", "--chat", "-p", "hi", "-n", "4"]);

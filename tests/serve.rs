@@ -109,6 +109,19 @@ fn sixteen_concurrent_streams_equal_their_single_session_text() {
     client(&mut s, "concurrent", &[]);
 }
 
+/// Speculative decoding by prompt lookup on SmolLM2: chats that copy code from their prompt come
+/// back as `brigade run` writes them without drafts, alone and two at once, and the drafts were
+/// taken (`/metrics`); structured output holds with drafts on.
+#[test]
+fn drafting_servers_answer_with_the_text_of_plain_decoding() {
+    let m = smollm2();
+    let m = m.to_str().unwrap();
+    let mut s = serve(&["-m", m, "-c", "2048", "--parallel", "2", "--spec-type", "ngram-simple"]);
+    client(&mut s, "speculative", &["--model-file", m, "--ctx", "2048"]);
+    let mut s = serve(&["--parallel", "2", "--spec-type", "ngram-simple"]);
+    client(&mut s, "structured", &[]);
+}
+
 #[test]
 fn smollm2_chat_equals_run_and_a_disconnect_frees_the_slot() {
     let m = smollm2();

@@ -496,10 +496,59 @@ def case_logprobs(args):
             check(resp.json()["error"]["param"] == field, f"param of {body}: {resp.json()}")
 
 
+MERGE = """def merge_sorted(left, right):
+    result = []
+    i = 0
+    j = 0
+    while i < len(left) and j < len(right):
+        if left[i] <= right[j]:
+            result.append(left[i])
+            i += 1
+        else:
+            result.append(right[j])
+            j += 1
+    result.extend(left[i:])
+    result.extend(right[j:])
+    return result
+"""
+
+
+def case_speculative(args):
+    """A server drafting by prompt lookup answers with plain decoding's text (`brigade run`
+    without drafts): a chat that copies code from its prompt, streamed and not, two at once."""
+    c = client(args)
+    model = model_id(c)
+    asks = ["Copy this Python function exactly, then add a docstring to it:\n\n" + MERGE,
+            "Rename merge_sorted to merge in this code and show the whole function:\n\n" + MERGE]
+    refs = [run_json(args, "--chat", "-p", q, "-n", "120") for q in asks]
+
+    def one(k, stream):
+        msgs = [{"role": "user", "content": asks[k]}]
+        if not stream:
+            r = c.chat.completions.create(model=model, messages=msgs, max_tokens=120, temperature=0)
+            return r.choices[0].message.content
+        text = ""
+        for ch in c.chat.completions.create(model=model, messages=msgs, max_tokens=120, temperature=0, stream=True):
+            for choice in ch.choices:
+                text += choice.delta.content or ""
+        return text
+
+    for k in range(2):
+        check(one(k, False) == refs[k]["text"], f"ask {k}: {one(k, False)!r} != {refs[k]['text']!r}")
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        got = list(pool.map(lambda k: one(k, True), range(2)))
+    for k in range(2):
+        check(got[k] == refs[k]["text"], f"ask {k}, streamed beside the other: {got[k]!r}")
+    # the copy was drafted: the server's drafts were taken
+    metrics = httpx.get(args.url + "/metrics", timeout=30).text
+    taken = [line for line in metrics.splitlines() if line.startswith("brigade_deployment_draft_tokens_accepted_total")]
+    check(taken and float(taken[0].split()[-1]) > 50, f"drafts taken: {taken}")
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("case", choices=["openai", "smollm2", "concurrent", "bad", "disconnect", "structured", "tools",
-                                     "logprobs"])
+                                     "logprobs", "speculative"])
     ap.add_argument("--url", required=True)
     ap.add_argument("--bin", required=True)
     ap.add_argument("--model-file")

@@ -158,6 +158,7 @@ impl Local {
             })
             .collect();
         let total: f64 = timing.stage_s.iter().sum();
+        let (drafted, accepted) = self.engine.drafts();
         Overview {
             source: format!("brigade serve {}", env!("CARGO_PKG_VERSION")),
             nodes: vec![NodeView {
@@ -173,6 +174,8 @@ impl Local {
                 state: "ready".into(),
                 measured_decode_s: if steps == 0 { 0.0 } else { total / steps as f64 },
                 decode_steps: steps,
+                drafted_tokens: drafted,
+                accepted_tokens: accepted,
                 stages,
                 ..Default::default()
             }],

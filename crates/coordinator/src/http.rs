@@ -219,6 +219,8 @@ impl ClusterBackend {
                     stages,
                     svg: String::new(),
                     error: d.error.clone(),
+                    // (the cluster does not draft yet)
+                    ..Default::default()
                 };
                 view.svg = plan_svg(&view, d, &nodes);
                 view

@@ -187,6 +187,8 @@ fn register_overview(reg: &mut Registry, ov: &Overview) {
     let predicted = Family::<DeploymentLabels, FGauge>::default();
     let measured = Family::<DeploymentLabels, FGauge>::default();
     let dep_tokens = Family::<DeploymentLabels, FCounter>::default();
+    let drafted = Family::<DeploymentLabels, FCounter>::default();
+    let accepted = Family::<DeploymentLabels, FCounter>::default();
     let ready = Family::<DeploymentLabels, FGauge>::default();
     let heartbeat = Family::<NodeLabels, FGauge>::default();
     let up = Family::<NodeLabels, FGauge>::default();
@@ -219,6 +221,8 @@ fn register_overview(reg: &mut Registry, ov: &Overview) {
         predicted.get_or_create(&dl).set(d.predicted_decode_s);
         measured.get_or_create(&dl).set(d.measured_decode_s);
         dep_tokens.get_or_create(&dl).inc_by(d.tokens_generated as f64);
+        drafted.get_or_create(&dl).inc_by(d.drafted_tokens as f64);
+        accepted.get_or_create(&dl).inc_by(d.accepted_tokens as f64);
         ready.get_or_create(&dl).set(if d.state == "ready" { 1.0 } else { 0.0 });
         for (i, s) in d.stages.iter().enumerate() {
             let l = StageLabels {
@@ -272,5 +276,11 @@ fn register_overview(reg: &mut Registry, ov: &Overview) {
         measured,
     );
     reg.register("deployment_tokens_generated", "Tokens a deployment generated", dep_tokens);
+    reg.register("deployment_draft_tokens", "Drafted tokens fed (speculative decoding)", drafted);
+    reg.register(
+        "deployment_draft_tokens_accepted",
+        "Drafted tokens the model's own draws took (speculative decoding)",
+        accepted,
+    );
     reg.register("deployment_ready", "1 when a deployment serves", ready);
 }

@@ -65,6 +65,9 @@ pub struct DeploymentView {
     /// The measured mean over the sessions so far (0 before any).
     pub measured_decode_s: f64,
     pub tokens_generated: u64,
+    /// Speculative decoding: drafted tokens fed, and of them those the model's draws took.
+    pub drafted_tokens: u64,
+    pub accepted_tokens: u64,
     /// Decode steps the measured figures sum over.
     pub decode_steps: u64,
     pub stages: Vec<StageView>,

@@ -480,6 +480,8 @@ fn two_stages() -> Overview {
             measured_decode_s: 0.02,
             tokens_generated: 10,
             decode_steps: 10,
+            drafted_tokens: 12,
+            accepted_tokens: 7,
             stages: vec![stage(0, "n1"), stage(1, "n2<b>")],
             svg: "<svg xmlns=\"http://www.w3.org/2000/svg\"><text>plan</text></svg>".into(),
             error: String::new(),
@@ -520,6 +522,8 @@ async fn metrics_count_requests_and_show_the_overview() {
     let hop0 = "{deployment=\"tiny\",stage=\"0\",from=\"n1\",to=\"n2<b>\"}";
     assert_eq!(sample(&m, &format!("brigade_hop_transfer_bytes_total{hop0}")), 40960.0);
     assert_eq!(sample(&m, "brigade_deployment_predicted_decode_seconds_per_token{deployment=\"tiny\"}"), 0.008);
+    assert_eq!(sample(&m, "brigade_deployment_draft_tokens_total{deployment=\"tiny\"}"), 12.0);
+    assert_eq!(sample(&m, "brigade_deployment_draft_tokens_accepted_total{deployment=\"tiny\"}"), 7.0);
     assert_eq!(sample(&m, "brigade_deployment_measured_decode_seconds_per_token{deployment=\"tiny\"}"), 0.02);
     assert_eq!(sample(&m, "brigade_device_weight_bytes{node=\"n2<b>\",device=\"cpu\"}"), 1001.0);
     assert_eq!(sample(&m, "brigade_node_heartbeat_age_seconds{node=\"n1\"}"), 0.5);

@@ -49,6 +49,9 @@ struct Shared {
     /// Jobs in a slot, as of the last step.
     active: AtomicUsize,
     next_id: AtomicU64,
+    /// [`Batch::drafts`], as of the last step.
+    drafted: AtomicU64,
+    accepted: AtomicU64,
 }
 
 enum Command {
@@ -81,6 +84,8 @@ impl Engine {
             outstanding: AtomicUsize::new(0),
             active: AtomicUsize::new(0),
             next_id: AtomicU64::new(1),
+            drafted: AtomicU64::new(0),
+            accepted: AtomicU64::new(0),
         });
         let (tx, rx) = mpsc::channel();
         let sh = shared.clone();
@@ -114,6 +119,11 @@ impl Engine {
         let outstanding = self.shared.outstanding.load(Ordering::Acquire);
         let active = self.shared.active.load(Ordering::Acquire).min(outstanding);
         Load { parallel: self.cfg.parallel, active, waiting: outstanding - active }
+    }
+
+    /// Drafted tokens fed and of them taken, over the engine's life (speculative decoding).
+    pub fn drafts(&self) -> (u64, u64) {
+        (self.shared.drafted.load(Ordering::Relaxed), self.shared.accepted.load(Ordering::Relaxed))
     }
 
     pub fn config(&self) -> EngineConfig {
@@ -166,6 +176,9 @@ fn run(mut batch: Batch, rx: mpsc::Receiver<Command>, shared: &Shared) {
         }
         let outs = batch.step();
         shared.active.store(batch.active(), Ordering::Release);
+        let (drafted, accepted) = batch.drafts();
+        shared.drafted.store(drafted, Ordering::Relaxed);
+        shared.accepted.store(accepted, Ordering::Relaxed);
         for (id, out) in outs {
             let last = out.is_last();
             let delivered = sinks.get_mut(&id).is_some_and(|s| s.deliver(out));
