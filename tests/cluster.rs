@@ -139,6 +139,46 @@ fn three_workers_generate_what_run_generates_with_sixteen_clients_at_once() {
     assert!(st["nodes"][0]["devices"][0]["kernels"].as_array().unwrap().len() >= 3, "measured kernel rates");
 }
 
+/// Speculative decoding through three workers (each drives its sessions with `--spec-type
+/// ngram-simple`): a drawn id and its draft go round the ring once, the last stage draws along
+/// the rows and the stages drop what it did not take. The stories model and Gemma 3 (sliding
+/// windows, cut three ways) answer what `run` answers without drafts, drafts were taken, and a
+/// JSON schema still holds at temperature 1.2.
+#[test]
+fn three_drafting_workers_answer_what_run_answers() {
+    let mut c = Cluster::new();
+    c.start_coordinator(&[]);
+    for w in ["w1", "w2", "w3"] {
+        c.start_worker(w, &["--spec-type", "ngram-simple", "--spec-draft-n-max", "6"]);
+    }
+    c.wait_up(3);
+    c.deploy(&["--name", "stories", "--device-map", "w1:cpu:2,w2:cpu:2,w3:cpu:1"]);
+    let gemma3 = root().join("tests/fixtures/families/gemma3/gemma3-tiny-Q4_K_M.gguf");
+    c.deploy(&["--name", "gemma3", "-m", gemma3.to_str().unwrap(), "--device-map", "w3:cpu:2,w1:cpu:3,w2:cpu:1"]);
+    let (mut drafted, mut accepted) = (0, 0);
+    for p in PROMPTS {
+        for (model, file, n) in [("stories", None, 100), ("gemma3", Some(gemma3.as_path()), 48)] {
+            let (_, want) = run_ids(file, p, n);
+            let got = c.generate(model, p, n);
+            assert_eq!(ids(&got["generated_ids"]), want, "{model}: {p}\n{}", c.logs());
+            let t = &got["timings"];
+            drafted += t["drafted_tokens"].as_u64().unwrap();
+            accepted += t["accepted_tokens"].as_u64().unwrap();
+            let passes = t["decode_passes"].as_u64().unwrap();
+            assert_eq!(passes + t["accepted_tokens"].as_u64().unwrap(), want.len() as u64 - 1, "{model}: {t}");
+        }
+    }
+    assert!(accepted > 0 && drafted >= accepted, "{accepted} of {drafted} drafted tokens taken");
+    let schema = r#"{"type": "object", "properties": {"w": {"enum": ["yes", "no"]}}, "required": ["w"],
+        "additionalProperties": false}"#;
+    let args = ["generate", "--model", "stories", "-p", "Once", "-n", "48", "--temp", "1.2", "-s", "4"];
+    let out = c.brigade(&[&args[..], &["--json-schema", schema, "--json"]].concat());
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let got: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let v: serde_json::Value = serde_json::from_str(got["text"].as_str().unwrap()).unwrap();
+    assert!(v["w"] == "yes" || v["w"] == "no", "{v}");
+}
+
 #[test]
 fn a_worker_fetches_only_its_slice_and_repairs_a_corrupt_cache() {
     let mut c = Cluster::new();

@@ -352,6 +352,9 @@ pub struct WorkerArgs {
     /// freed (a driver that went away holds no slot for ever).
     #[arg(long, default_value_t = 120.0)]
     pub session_idle_s: f64,
+    /// Speculative decoding of the sessions this node drives (prompt lookup).
+    #[command(flatten)]
+    pub spec: crate::common::LookupArgs,
 }
 
 fn home_dir(sub: &str) -> PathBuf {
@@ -382,6 +385,7 @@ pub fn worker(a: WorkerArgs) -> Result<()> {
         measure: a.measure,
         metrics: a.metrics,
         session_idle: Duration::from_secs_f64(a.session_idle_s.max(0.1)),
+        drafting: a.spec.lookup()?,
     };
     let rt = runtime()?;
     rt.block_on(brigade_worker::run(cfg, stop_signal()))?;
@@ -581,7 +585,7 @@ pub struct GenerateArgs {
     pub json: bool,
 }
 
-#[derive(Serialize)]
+#[derive(Serialize, Default)]
 struct GenTimings {
     prompt_tokens: u32,
     prompt_ms: f64,
@@ -590,6 +594,9 @@ struct GenTimings {
     generation_ms: f64,
     generation_tokens_per_s: f64,
     ttft_ms: f64,
+    decode_passes: u32,
+    drafted_tokens: u32,
+    accepted_tokens: u32,
 }
 
 #[derive(Serialize)]
@@ -649,15 +656,7 @@ pub fn generate(a: GenerateArgs) -> Result<()> {
             generated_ids: vec![],
             stop: String::new(),
             seed,
-            timings: GenTimings {
-                prompt_tokens: 0,
-                prompt_ms: 0.0,
-                prompt_tokens_per_s: 0.0,
-                generated_tokens: 0,
-                generation_ms: 0.0,
-                generation_tokens_per_s: 0.0,
-                ttft_ms: 0.0,
-            },
+            timings: GenTimings::default(),
             hops: vec![],
         };
         let mut stdout = std::io::stdout().lock();
@@ -687,6 +686,9 @@ pub fn generate(a: GenerateArgs) -> Result<()> {
                             generation_ms: t.generate_s * 1e3,
                             generation_tokens_per_s: t.generate_tokens_per_s,
                             ttft_ms: t.ttft_s * 1e3,
+                            decode_passes: t.decode_passes,
+                            drafted_tokens: t.drafted_tokens,
+                            accepted_tokens: t.accepted_tokens,
                         };
                         out.hops = t
                             .hops

@@ -511,16 +511,13 @@ impl SamplingArgs {
     }
 }
 
-/// Speculative decoding, with llama.cpp's flags: `--spec-type ngram-simple` (prompt lookup) or
-/// a draft model (`-md`); `run` and `serve` share them.
+/// Speculative decoding by prompt lookup, with llama.cpp's flags: `run`, `serve` and `worker`
+/// (for the sessions it drives) take them.
 #[derive(clap::Args, Debug, Clone, Default)]
-pub struct SpecArgs {
+pub struct LookupArgs {
     /// Draft by prompt lookup: `ngram-simple` (the text's own repeats), or `none`.
     #[arg(long = "spec-type", value_parser = ["none", "ngram-simple"])]
     pub spec_type: Option<String>,
-    /// A draft model of the same vocabulary (GGUF or a Hugging Face directory), run on the CPU.
-    #[arg(long = "model-draft", visible_alias = "spec-draft-model")]
-    pub model_draft: Option<std::path::PathBuf>,
     /// Tokens a draft holds at most (drafts grow to this while they are taken).
     #[arg(long = "spec-draft-n-max", default_value_t = 8)]
     pub n_max: usize,
@@ -528,6 +525,40 @@ pub struct SpecArgs {
     /// occurred before (down to 1).
     #[arg(long = "spec-ngram-simple-size-n", default_value_t = 3)]
     pub ngram: usize,
+}
+
+impl LookupArgs {
+    fn check(&self) -> Result<()> {
+        if self.n_max == 0 || self.n_max > 64 {
+            bail!("--spec-draft-n-max {}: 1 to 64 tokens", self.n_max);
+        }
+        if self.ngram == 0 || self.ngram > 64 {
+            bail!("--spec-ngram-simple-size-n {}: 1 to 64 tokens", self.ngram);
+        }
+        Ok(())
+    }
+
+    /// Prompt lookup where `--spec-type ngram-simple` asks for it.
+    pub fn lookup(&self) -> Result<Option<std::sync::Arc<brigade_model::speculative::Speculation>>> {
+        use brigade_model::speculative::{DraftSource, Speculation};
+        self.check()?;
+        Ok((self.spec_type.as_deref() == Some("ngram-simple")).then(|| {
+            std::sync::Arc::new(Speculation {
+                source: DraftSource::Lookup { ngram: (1, self.ngram) },
+                n_max: self.n_max,
+            })
+        }))
+    }
+}
+
+/// Speculative decoding on this box: prompt lookup or a draft model (`--model-draft`).
+#[derive(clap::Args, Debug, Clone, Default)]
+pub struct SpecArgs {
+    #[command(flatten)]
+    pub lookup: LookupArgs,
+    /// A draft model of the same vocabulary (GGUF or a Hugging Face directory), run on the CPU.
+    #[arg(long = "model-draft", visible_alias = "spec-draft-model")]
+    pub model_draft: Option<std::path::PathBuf>,
 }
 
 impl SpecArgs {
@@ -541,46 +572,34 @@ impl SpecArgs {
         n_ctx: usize,
     ) -> Result<Option<std::sync::Arc<brigade_model::speculative::Speculation>>> {
         use brigade_model::speculative::{DraftSource, Speculation};
-        if self.n_max == 0 || self.n_max > 64 {
-            bail!("--spec-draft-n-max {}: 1 to 64 tokens", self.n_max);
+        let lookup = self.lookup.lookup()?;
+        let Some(path) = &self.model_draft else { return Ok(lookup) };
+        if lookup.is_some() {
+            bail!("--model-draft and --spec-type ngram-simple: one source of drafts at a time");
         }
-        if self.ngram == 0 || self.ngram > 64 {
-            bail!("--spec-ngram-simple-size-n {}: 1 to 64 tokens", self.ngram);
+        let files = ModelFiles::open(path).with_context(|| format!("cannot load draft model {}", path.display()))?;
+        let (a, b) = (&*files.tokenizer, target_tokens);
+        if a.vocab_size() != b.vocab_size() {
+            bail!(
+                "the draft model {} has {} tokens, the model {}: drafts must share the vocabulary",
+                path.display(),
+                a.vocab_size(),
+                b.vocab_size()
+            );
         }
-        let source = match (&self.model_draft, self.spec_type.as_deref()) {
-            (Some(_), Some("ngram-simple")) => {
-                bail!("--model-draft and --spec-type ngram-simple: one source of drafts at a time")
-            }
-            (Some(path), _) => {
-                let files =
-                    ModelFiles::open(path).with_context(|| format!("cannot load draft model {}", path.display()))?;
-                let (a, b) = (&*files.tokenizer, target_tokens);
-                if a.vocab_size() != b.vocab_size() {
-                    bail!(
-                        "the draft model {} has {} tokens, the model {}: drafts must share the vocabulary",
-                        path.display(),
-                        a.vocab_size(),
-                        b.vocab_size()
-                    );
-                }
-                if let Some(id) = (0..a.vocab_size() as u32).find(|&i| a.piece(i) != b.piece(i)) {
-                    bail!(
-                        "the draft model {} spells token {id} {:?}, the model {:?}: drafts must share the vocabulary",
-                        path.display(),
-                        String::from_utf8_lossy(a.piece(id)),
-                        String::from_utf8_lossy(b.piece(id))
-                    );
-                }
-                let n = files.config.n_layers;
-                let stages = [Stage { device: DeviceId::Cpu, layers: LayerRange::new(0, n)? }];
-                let draft = brigade_model::Pipeline::load(&files, &stages, n_ctx, |_, _| {})
-                    .with_context(|| format!("loading the draft model {}", path.display()))?;
-                DraftSource::Model(std::sync::Arc::new(draft))
-            }
-            (None, Some("ngram-simple")) => DraftSource::Lookup { ngram: (1, self.ngram) },
-            (None, _) => return Ok(None),
-        };
-        let spec = Speculation { source, n_max: self.n_max };
+        if let Some(id) = (0..a.vocab_size() as u32).find(|&i| a.piece(i) != b.piece(i)) {
+            bail!(
+                "the draft model {} spells token {id} {:?}, the model {:?}: drafts must share the vocabulary",
+                path.display(),
+                String::from_utf8_lossy(a.piece(id)),
+                String::from_utf8_lossy(b.piece(id))
+            );
+        }
+        let n = files.config.n_layers;
+        let stages = [Stage { device: DeviceId::Cpu, layers: LayerRange::new(0, n)? }];
+        let draft = brigade_model::Pipeline::load(&files, &stages, n_ctx, |_, _| {})
+            .with_context(|| format!("loading the draft model {}", path.display()))?;
+        let spec = Speculation { source: DraftSource::Model(std::sync::Arc::new(draft)), n_max: self.lookup.n_max };
         spec.check(target)?;
         Ok(Some(std::sync::Arc::new(spec)))
     }

@@ -33,7 +33,17 @@ pub enum DraftSource {
     Model(Arc<Pipeline>),
 }
 
+impl std::fmt::Debug for DraftSource {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            DraftSource::Lookup { ngram } => write!(f, "Lookup {{ ngram: {ngram:?} }}"),
+            DraftSource::Model(p) => write!(f, "Model {{ vocab: {} }}", p.vocab()),
+        }
+    }
+}
+
 /// How a session drafts.
+#[derive(Debug)]
 pub struct Speculation {
     pub source: DraftSource,
     /// Tokens a draft holds at most (llama.cpp's `--spec-draft-n-max`).

@@ -88,6 +88,12 @@ pub struct Timings {
     pub ttft_s: f64,
     /// Per stage: where a decoded token's time went.
     pub hops: Vec<HopTiming>,
+    /// Trips round the stages after the first token.
+    pub decode_passes: u32,
+    /// Speculative decoding: drafted tokens sent through the stages.
+    pub drafted_tokens: u32,
+    /// Speculative decoding: drafted tokens the last stage's draws took.
+    pub accepted_tokens: u32,
 }
 
 impl From<v1::Timings> for Timings {
@@ -100,6 +106,9 @@ impl From<v1::Timings> for Timings {
             prompt_tokens_per_s: t.prompt_tokens_per_s,
             generate_tokens_per_s: t.generate_tokens_per_s,
             ttft_s: t.ttft_s,
+            decode_passes: t.decode_passes,
+            drafted_tokens: t.drafted_tokens,
+            accepted_tokens: t.accepted_tokens,
             hops: t
                 .hops
                 .into_iter()

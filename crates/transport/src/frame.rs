@@ -25,6 +25,10 @@ pub const FLAG_EOG: u32 = 2;
 /// `flags`: on TOKENS back to the driver, the id completes the session's format: it is the
 /// answer's last.
 pub const FLAG_DONE: u32 = 4;
+/// `flags`: on TOKENS or HIDDEN to a stage, the rows are a decode run (the last drawn id, then
+/// a draft) of one session, each row a decode row of its own; the last stage draws along them
+/// and sends back the ids up to the first that is not the draft's (speculative decoding).
+pub const FLAG_DRAFT: u32 = 8;
 /// The largest header a receiver accepts (frame.proto: at most 4 KiB).
 pub const MAX_HEADER: u32 = 4096;
 /// The largest payload a receiver accepts unless told otherwise.

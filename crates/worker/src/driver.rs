@@ -8,10 +8,11 @@
 //! never on the token loop's path.
 
 use crate::router::{Peer, Router};
-use crate::stage::{now_us, FLAG_DONE, FLAG_EOG, FLAG_LAST};
+use crate::stage::{now_us, FLAG_DONE, FLAG_DRAFT, FLAG_EOG, FLAG_LAST};
 use crate::wire;
 use crate::WorkerError;
 use brigade_core::cluster::CarrierKind;
+use brigade_model::speculative::{Drafter, Speculation};
 use brigade_model::Tokenizer;
 use brigade_proto::v1::{
     generate_event, Done, DriveRequest, FrameKind, GenerateEvent, HopTiming, PromptIds, SessionSpec, StopReason,
@@ -52,6 +53,13 @@ pub struct DriveTarget {
     /// Turns true when this generation of the deployment stops being served here (re-placed
     /// or removed): its sessions end at once, and the coordinator resumes them elsewhere.
     pub cancel: tokio::sync::watch::Receiver<bool>,
+    /// Speculative decoding by prompt lookup (the worker's `--spec-type ngram-simple`): each
+    /// decode step sends the drawn id and a draft through the stages once (`FLAG_DRAFT`), and
+    /// the last stage answers with every id its draws took — one trip round the ring per
+    /// accepted run instead of per token, the text unchanged.
+    pub drafting: Option<Arc<Speculation>>,
+    /// Tokens one decode run may hold: the model's sliding-window pass, [`crate::stage::MAX_RUN`].
+    pub max_run: usize,
 }
 
 type Events = mpsc::Sender<Result<GenerateEvent, Status>>;
@@ -293,7 +301,16 @@ async fn run_session(
     if out.send(ev(generate_event::Event::Prompt(PromptIds { ids: prompt.to_vec() }))).await.is_err() {
         return Ok(());
     }
-    let mut fed = feed.len();
+    // the tokens the stages hold, then the id drawn last (what a draft continues)
+    let mut context = feed.to_vec();
+    // the ids of the last run sent (the prompt's last token counts as a run of one)
+    let mut run = vec![feed[feed.len() - 1]];
+    // (logprobs score one id per answer: a session that asks for them does not draft)
+    let mut drafter = match (&t.drafting, req.logprobs) {
+        (Some(s), None) => Some(Drafter::new(s.clone()).map_err(|e| Status::internal(e.to_string()))?),
+        _ => None,
+    };
+    let mut decoded = 0u64;
     let mut generated = req.resume_ids.len() as u32;
     let mut emitted = 0u32;
     let mut first_token_at: Option<Instant> = None;
@@ -324,50 +341,80 @@ async fn run_session(
             continue;
         }
         let ids = wire::ids_from_frame(&frame.header, &frame.payload).map_err(|e| Status::internal(e.to_string()))?;
-        let [id] = ids.as_slice() else {
-            return Err(Status::internal(format!("the last stage sent {} ids for one step", ids.len())));
-        };
-        let id = *id;
+        // one id per row of the run at most: the draws that took the draft, then one more
+        if ids.is_empty() || ids.len() > run.len() || ids[..ids.len() - 1] != run[1..ids.len()] {
+            return Err(Status::internal(format!(
+                "the last stage sent {} ids for a run of {}, or ids the draft did not hold",
+                ids.len(),
+                run.len()
+            )));
+        }
         let now = Instant::now();
         if first_token_at.is_none() {
             first_token_at = Some(now);
         } else {
             hops.add(&frame.header.trace, sent_us, received);
+            decoded += ids.len() as u64;
         }
         last_token_at = now;
-        let eog = frame.header.flags & FLAG_EOG != 0 || t.tokenizer.is_eog(id);
-        // (a format ends the answer where it is complete, whatever `ignore_eos` says)
-        let done = frame.header.flags & FLAG_DONE != 0;
-        if (!req.ignore_eos || done) && eog {
-            break StopReason::Eos;
+        if let Some(d) = drafter.as_mut() {
+            d.verified(run.len() - 1, ids.len() - 1);
         }
-        let (logprob, top_logprobs) = match (&frame.header.scores, req.logprobs) {
-            (Some(s), Some(_)) => scores(s, t.vocab)?,
-            (None, Some(_)) => return Err(Status::internal("the last stage sent no scores for a token")),
-            _ => (None, Vec::new()),
-        };
-        let token = Token { id, text: text.push(id), index: generated, logprob, top_logprobs };
-        generated += 1;
-        emitted += 1;
-        if out.send(ev(generate_event::Event::Token(token))).await.is_err() {
-            break StopReason::Cancelled;
+        let mut stop = None;
+        for (k, &id) in ids.iter().enumerate() {
+            let last = k + 1 == ids.len();
+            let eog = (last && frame.header.flags & FLAG_EOG != 0) || t.tokenizer.is_eog(id);
+            // (a format ends the answer where it is complete, whatever `ignore_eos` says)
+            let done = last && frame.header.flags & FLAG_DONE != 0;
+            if (!req.ignore_eos || done) && eog {
+                stop = Some(StopReason::Eos);
+                break;
+            }
+            let (logprob, top_logprobs) = match (&frame.header.scores, req.logprobs) {
+                (Some(s), Some(_)) => scores(s, t.vocab)?,
+                (None, Some(_)) => return Err(Status::internal("the last stage sent no scores for a token")),
+                _ => (None, Vec::new()),
+            };
+            let token = Token { id, text: text.push(id), index: generated, logprob, top_logprobs };
+            generated += 1;
+            emitted += 1;
+            context.push(id);
+            stop = if out.send(ev(generate_event::Event::Token(token))).await.is_err() {
+                Some(StopReason::Cancelled)
+            } else if text.stopped() {
+                Some(StopReason::Stop)
+            } else if done {
+                Some(StopReason::Eos)
+            } else if req.max_tokens > 0 && generated >= req.max_tokens {
+                Some(StopReason::Length)
+            } else if context.len() > t.n_ctx {
+                Some(StopReason::Context)
+            } else {
+                None
+            };
+            if stop.is_some() {
+                break;
+            }
         }
-        if text.stopped() {
-            break StopReason::Stop;
+        if let Some(stop) = stop {
+            break stop;
         }
-        if done {
-            break StopReason::Eos;
-        }
-        if req.max_tokens > 0 && generated >= req.max_tokens {
-            break StopReason::Length;
-        }
-        if fed + 1 > t.n_ctx {
-            break StopReason::Context;
+        // the next run: the id drawn last, then a draft where one is worth its rows
+        let fed = context.len() - 1;
+        let id = context[fed];
+        run = vec![id];
+        if let Some(d) = drafter.as_mut() {
+            let left = if req.max_tokens > 0 { (req.max_tokens - generated) as usize } else { usize::MAX };
+            let room = (t.n_ctx - context.len()).min(left.saturating_sub(1)).min(t.max_run - 1);
+            run.extend(d.draft(&context, room).map_err(|e| Status::internal(e.to_string()))?);
         }
         sent_us = now_us();
-        let f = tokens_frame(t, session, u64::from(generated), fed as u64, &[id], true);
+        let mut f = tokens_frame(t, session, u64::from(generated), fed as u64, &run, true);
+        if run.len() > 1 {
+            f.header.flags |= FLAG_DRAFT;
+            f.header.draft = run.clone();
+        }
         router.send(&t.first, t.carrier, f).await.map_err(link_err)?;
-        fed += 1;
     };
     let first = first_token_at.unwrap_or(last_token_at);
     let prompt_s = first.duration_since(started).as_secs_f64();
@@ -379,9 +426,12 @@ async fn run_session(
         prompt_s,
         generate_s,
         prompt_tokens_per_s: feed.len() as f64 / prompt_s.max(1e-9),
-        generate_tokens_per_s: if decode_steps > 0 { decode_steps as f64 / generate_s.max(1e-9) } else { 0.0 },
+        generate_tokens_per_s: if decode_steps > 0 { decoded as f64 / generate_s.max(1e-9) } else { 0.0 },
         ttft_s: prompt_s,
         hops: hops.timings(hidden_bytes, &t.stage_nodes, router.me()),
+        decode_passes: decode_steps as u32,
+        drafted_tokens: drafter.as_ref().map_or(0, |d| d.drafted as u32),
+        accepted_tokens: drafter.as_ref().map_or(0, |d| d.accepted as u32),
     };
     let text_tail = text.finish();
     let stop = if text.stopped() && stop != StopReason::Cancelled { StopReason::Stop } else { stop };

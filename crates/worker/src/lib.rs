@@ -71,6 +71,9 @@ pub struct WorkerConfig {
     /// A stage session that receives no frame this long is ended (its KV cache freed, its driver
     /// told): a driver that went away holds no slot for ever.
     pub session_idle: std::time::Duration,
+    /// Speculative decoding of the sessions this node drives (prompt lookup only: a draft
+    /// model would have to be loaded on the driver), `None`: no drafts.
+    pub drafting: Option<Arc<brigade_model::speculative::Speculation>>,
 }
 
 /// Binds UDP and TCP on one port: the port QUIC got, or both again on another free port.

@@ -327,6 +327,8 @@ impl Node {
                 ubatch: a.ubatch.max(1) as usize,
                 hidden_bytes: (hidden * place.act_dtype.size()) as u64,
                 cancel: cancel_rx,
+                drafting: self.cfg.drafting.clone(),
+                max_run: files.config.pass().unwrap_or(usize::MAX).min(crate::stage::MAX_RUN),
             };
             if let Ok(mut d) = self.drive.lock() {
                 // still assigned? (it may have been re-placed while this slice loaded)

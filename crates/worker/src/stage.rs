@@ -42,7 +42,7 @@ use std::sync::mpsc;
 use std::sync::Arc;
 use std::time::Instant;
 
-pub use brigade_transport::frame::{FLAG_DONE, FLAG_EOG, FLAG_LAST};
+pub use brigade_transport::frame::{FLAG_DONE, FLAG_DRAFT, FLAG_EOG, FLAG_LAST};
 /// How often an idle stage looks whether its handle was dropped.
 const STOP_POLL: std::time::Duration = std::time::Duration::from_millis(100);
 /// Decode steps of different sessions computed in one pass, at most (the CPU kernels' rows).
@@ -186,6 +186,18 @@ struct SessionState {
     cache: SliceCache,
     /// Last stage only: how the session's next id is drawn.
     sampler: Option<Draw>,
+    /// Where the session's last decode run (a drawn id and its draft) started: the cache may go
+    /// back to any position after it, where the draft was not taken.
+    run_from: Option<u64>,
+}
+
+impl SessionState {
+    /// The last stage's sampling state.
+    fn draw(&mut self) -> Result<&mut Draw, WorkerError> {
+        self.sampler
+            .as_mut()
+            .ok_or_else(|| WorkerError::Internal("the last stage has no sampler for the session".into()))
+    }
 }
 
 /// The last stage's part of a session: the sampler, every id the session has seen (the
@@ -281,6 +293,36 @@ impl Draw {
         let scores = self.logprobs.map(|n| TokenLogprob::of(logits, id, n));
         Ok(Sampled { id, done, scores })
     }
+}
+
+/// Most rows of a decode run (the last drawn id and a draft of at most 64).
+pub const MAX_RUN: usize = 65;
+
+/// The last stage's walk along a decode run (`run` its ids, `logits` `(rows, 1, vocab)`): a
+/// draw from each row's logits in order, on to the next row only where the draw is the run's
+/// next id and neither ends the generation nor completes the format (the driver stops there).
+/// The draws are plain decoding's: each row's logits are those one token at a time gives.
+fn draw_run(
+    draw: &mut Draw,
+    run: &[u32],
+    logits: &candle_core::Tensor,
+    is_eog: impl Fn(u32) -> bool,
+) -> Result<Vec<Sampled>, WorkerError> {
+    let rows = logits.squeeze(1)?.to_dtype(candle_core::DType::F32)?.to_vec2::<f32>()?;
+    let mut out: Vec<Sampled> = Vec::with_capacity(rows.len());
+    let mut failed = None;
+    brigade_model::speculative::walk(run, &rows, |_, l| match draw.draw(l) {
+        Ok(s) => {
+            let (id, stop) = (s.id, s.done || is_eog(s.id));
+            out.push(s);
+            (!stop).then_some(id)
+        }
+        Err(e) => {
+            failed = Some(e);
+            None
+        }
+    });
+    failed.map_or(Ok(out), Err)
 }
 
 /// The compute side of a stage, owned by its thread.
@@ -500,7 +542,9 @@ impl StageHost {
                     // output would keep every row alive while it waits in the next queue
                     let out = if here { out.copy().map_err(WorkerError::from) } else { Ok(out) };
                     let sent = out.and_then(|out| {
-                        sampled.and_then(|s| self.emit(frame.frame.header, out, s, received, computed))
+                        sampled.and_then(|s| {
+                            self.emit(frame.frame.header, out, s.into_iter().collect(), received, computed)
+                        })
                     });
                     if let Err(e) = sent {
                         tracing::warn!(session, "stage {} of {}: {e}", self.place.stage, self.place.deployment);
@@ -729,7 +773,7 @@ impl StageHost {
                 c
             }
         };
-        self.sessions.insert(session, SessionState { touched: Instant::now(), cache, sampler });
+        self.sessions.insert(session, SessionState { touched: Instant::now(), cache, sampler, run_from: None });
         self.active.store(self.sessions.len() as u32, Ordering::Relaxed);
         // (a failure here ends the session again: `process`)
         self.to_next(frame)
@@ -745,23 +789,39 @@ impl StageHost {
         let first = self.place.stage == 0;
         let last = self.is_last();
         let rows = h.rows;
+        let tokenizer = &self.tokenizer;
         // the session's state is borrowed for the forward pass (and the sample) only
         let (out, sampled) = {
             let st = self
                 .sessions
                 .get_mut(&session)
                 .ok_or_else(|| WorkerError::Frame(format!("session {session} is not open on this stage")))?;
-            if h.first_position != st.cache.len() as u64 {
+            let len = st.cache.len() as u64;
+            // a draft not taken: the cache goes back to where the driver goes on
+            let back = st.run_from.is_some_and(|r| r < h.first_position && h.first_position < len);
+            if back && st.cache.truncate(h.first_position as usize) as u64 != h.first_position {
+                return Err(WorkerError::Frame(format!("the cache cannot go back to position {}", h.first_position)));
+            }
+            if !back && h.first_position != len {
                 return Err(WorkerError::Frame(format!(
-                    "rows start at position {}, the session's cache holds {}",
-                    h.first_position,
-                    st.cache.len()
+                    "rows start at position {}, the session's cache holds {len}",
+                    h.first_position
+                )));
+            }
+            let run = h.flags & FLAG_DRAFT != 0;
+            if run && (h.draft.len() != rows as usize || h.draft.is_empty() || h.draft.len() > MAX_RUN) {
+                return Err(WorkerError::Frame(format!(
+                    "a decode run of {rows} rows with {} ids (1 to {MAX_RUN})",
+                    h.draft.len()
                 )));
             }
             let ids;
             let input = match (kind, first, &tensor) {
                 (FrameKind::Tokens, true, _) => {
                     ids = wire::ids_from_frame(&h, &frame.payload)?;
+                    if run && ids != h.draft {
+                        return Err(WorkerError::Frame("a decode run whose ids are not its rows'".into()));
+                    }
                     StageInput::Tokens(&ids)
                 }
                 (FrameKind::Hidden, false, Some(t)) => StageInput::Hidden(t),
@@ -769,18 +829,30 @@ impl StageHost {
                     return Err(WorkerError::Frame(format!("stage {} does not take {k:?} frames", self.place.stage)))
                 }
             };
-            let out = self.slice.forward(&mut st.cache, input, Logits::Last)?;
-            let sampled = if last && h.flags & FLAG_LAST != 0 {
-                let logits = brigade_model::rows::logits_row(&out)?;
-                let draw = st
-                    .sampler
-                    .as_mut()
-                    .ok_or_else(|| WorkerError::Internal("the last stage has no sampler for the session".into()))?;
-                Some(draw.draw(&logits)?)
+            if run {
+                // each row a decode row of its own ((rows, 1, hidden) through the slice)
+                let n = rows as usize;
+                let input = match input {
+                    StageInput::Hidden(t) => StageInput::Hidden(&t.reshape((n, 1, t.dim(2)?))?.clone()),
+                    tokens => tokens,
+                };
+                let out = self.slice.forward_runs(&mut [&mut st.cache], input, &[n])?;
+                st.run_from = Some(h.first_position);
+                let sampled =
+                    if last { draw_run(st.draw()?, &h.draft, &out, |id| tokenizer.is_eog(id))? } else { Vec::new() };
+                let hidden = out.dim(2)?;
+                (out.reshape((1, n, hidden))?, sampled)
             } else {
-                None
-            };
-            (out, sampled)
+                let out = self.slice.forward(&mut st.cache, input, Logits::Last)?;
+                st.run_from = None;
+                let sampled = if last && h.flags & FLAG_LAST != 0 {
+                    let logits = brigade_model::rows::logits_row(&out)?;
+                    vec![st.draw()?.draw(&logits)?]
+                } else {
+                    Vec::new()
+                };
+                (out, sampled)
+            }
         };
         let computed = t0.elapsed();
         add_ns(&self.counters.compute_ns, computed);
@@ -795,11 +867,12 @@ impl StageHost {
         &self,
         h: FrameHeader,
         out: candle_core::Tensor,
-        sampled: Option<Sampled>,
+        sampled: Vec<Sampled>,
         received: u64,
         computed: std::time::Duration,
     ) -> Result<(), WorkerError> {
         let session = h.session;
+        let draft = h.draft;
         let rows = h.rows;
         let hidden = self.slice.config().hidden;
         // a frame at stage s carries the timings of stages 0..s at most: a longer list (a peer's
@@ -812,6 +885,7 @@ impl StageHost {
             // the single box's hop: the tensor itself, as computed (device, type), no bytes
             let mut next = self.addressed(Frame::handed_over(h.step, h.first_position, rows, hidden as u64), session);
             next.header.flags = h.flags;
+            next.header.draft = draft;
             next.header.stage = self.place.stage + 1;
             trace.push(StageTrace { sent_us: now_us(), ..stamp });
             next.header.trace = trace;
@@ -830,15 +904,18 @@ impl StageHost {
             trace.push(StageTrace { sent_us: now_us(), ..stamp });
             let mut next = self.addressed(next, session);
             next.header.trace = trace;
+            next.header.draft = draft;
             return self.to_next(next);
         }
-        // a prompt chunk before the last fills the cache; there is nothing to sample yet
-        let Some(Sampled { id, done, scores }) = sampled else { return Ok(()) };
+        // a prompt chunk before the last fills the cache; there is nothing to sample yet (a
+        // decode run's ids are the draws along it: the flags and scores are its last's)
+        let ids: Vec<u32> = sampled.iter().map(|s| s.id).collect();
+        let Some(Sampled { id, done, scores }) = sampled.into_iter().next_back() else { return Ok(()) };
         let mut flags = if self.tokenizer.is_eog(id) { FLAG_EOG } else { 0 };
         if done {
             flags |= FLAG_DONE;
         }
-        let back = Frame::tokens(h.step, h.first_position + u64::from(rows), &[id]).with_flags(flags);
+        let back = Frame::tokens(h.step, h.first_position + ids.len() as u64, &ids).with_flags(flags);
         trace.push(StageTrace { sent_us: now_us(), ..stamp });
         let mut back = self.addressed(back, session);
         back.header.trace = trace;
