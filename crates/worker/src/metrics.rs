@@ -33,6 +33,7 @@ pub fn encode(node: &Node) -> Result<String, std::fmt::Error> {
     let compute = Family::<StageLabels, FCounter>::default();
     let rows = Family::<StageLabels, Counter>::default();
     let batched = Family::<StageLabels, Counter>::default();
+    let prompts = Family::<StageLabels, Counter>::default();
     let frames = Family::<StageLabels, Counter>::default();
     let sent = Family::<StageLabels, FCounter>::default();
     let send_s = Family::<StageLabels, FCounter>::default();
@@ -56,6 +57,7 @@ pub fn encode(node: &Node) -> Result<String, std::fmt::Error> {
             compute.get_or_create(&l).inc_by(c.compute_ns.load(Ordering::Relaxed) as f64 / 1e9);
             rows.get_or_create(&l).inc_by(c.rows.load(Ordering::Relaxed));
             batched.get_or_create(&l).inc_by(c.batched_rows.load(Ordering::Relaxed));
+            prompts.get_or_create(&l).inc_by(c.prompt_rows_together.load(Ordering::Relaxed));
             frames.get_or_create(&l).inc_by(c.frames.load(Ordering::Relaxed));
             sent.get_or_create(&l).inc_by(c.sent_bytes.load(Ordering::Relaxed) as f64);
             send_s.get_or_create(&l).inc_by(c.send_ns.load(Ordering::Relaxed) as f64 / 1e9);
@@ -78,6 +80,11 @@ pub fn encode(node: &Node) -> Result<String, std::fmt::Error> {
         "stage_batched_rows",
         "Rows computed in passes of several sessions' decode steps (the weights read once for all)",
         batched,
+    );
+    reg.register(
+        "stage_prompt_rows_together",
+        "Prompt rows read in passes of several sessions' prompt chunks (the weights read once for all)",
+        prompts,
     );
     reg.register("stage_frames", "Frames a stage computed", frames);
     reg.register(

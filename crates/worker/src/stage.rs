@@ -31,6 +31,7 @@ use crate::WorkerError;
 use brigade_core::cluster::{ActDtype, CarrierKind};
 use brigade_core::{TokenConstraint, TokenLogprob, MAX_TOP_LOGPROBS};
 use brigade_grammar::{Format, Grammar, Vocabulary};
+use brigade_model::pipeline::PREFILL_CHUNK;
 use brigade_model::{Logits, Sampler, Slice, SliceCache, StageInput, Tokenizer};
 use brigade_proto::convert::sampling_from_proto;
 use brigade_proto::v1::{FrameHeader, FrameKind, SessionSpec, StageTrace, TokenScores};
@@ -166,6 +167,8 @@ pub struct StageCounters {
     pub rows: AtomicU64,
     /// Rows computed in passes of several sessions' decode steps.
     pub batched_rows: AtomicU64,
+    /// Prompt rows read in passes of several sessions' prompt chunks.
+    pub prompt_rows_together: AtomicU64,
     /// Nanoseconds in forward passes (and sampling, on the last stage).
     pub compute_ns: AtomicU64,
     /// Bytes sent over a link to the next hop (the next stage, or the driver; none when it is
@@ -372,7 +375,18 @@ impl StageHandle {
         tokenizer: Arc<Tokenizer>,
         router: Arc<Router>,
     ) -> Result<StageHandle, WorkerError> {
-        let (tx, rx) = stage_queue(STAGE_QUEUE_BYTES);
+        StageHandle::start_on(place, slice, caches, tokenizer, router, stage_queue(STAGE_QUEUE_BYTES))
+    }
+
+    /// [`StageHandle::start`] on a queue made by the caller (which may hold frames already).
+    fn start_on(
+        place: StagePlace,
+        slice: Slice,
+        caches: Vec<SliceCache>,
+        tokenizer: Arc<Tokenizer>,
+        router: Arc<Router>,
+        (tx, rx): (StageInbox, StageQueue),
+    ) -> Result<StageHandle, WorkerError> {
         let active = Arc::new(AtomicU32::new(0));
         let counters = Arc::new(StageCounters::default());
         counters.caches.store(caches.len() as u64, Ordering::Relaxed);
@@ -467,9 +481,13 @@ impl StageHost {
                 }
             }
             let n = self.batchable(&pending);
+            let prompts = if n >= 2 { 0 } else { self.prompts_together(&pending) };
             if n >= 2 {
                 let batch: Vec<(Inbound, u64)> = pending.drain(..n).collect();
                 self.process_batch(batch);
+            } else if prompts >= 2 {
+                let batch: Vec<(Inbound, u64)> = pending.drain(..prompts).collect();
+                self.process_prompts(batch);
             } else if let Some((frame, received)) = pending.pop_front() {
                 self.process(frame, received);
             }
@@ -527,6 +545,143 @@ impl StageHost {
                     && self.sessions.get(&h.session).is_some_and(|s| s.cache.len() as u64 == h.first_position)
             })
             .count()
+    }
+
+    /// How many frames at the front of `pending` are prompt chunks of distinct open sessions,
+    /// each at its cache's end, of [`PREFILL_CHUNK`] rows together at most: where the slice
+    /// reads several sessions' prompts with each one's numbers its own
+    /// ([`Slice::reads_prompts_together`]), those are read in one pass — prompts that arrive
+    /// together, from several drivers, cost one pass per stage instead of one each.
+    fn prompts_together(&self, pending: &std::collections::VecDeque<(Inbound, u64)>) -> usize {
+        if !self.slice.reads_prompts_together() {
+            return 0;
+        }
+        let want = if self.place.stage == 0 { FrameKind::Tokens } else { FrameKind::Hidden };
+        let mut seen = std::collections::HashSet::new();
+        let mut rows = 0usize;
+        pending
+            .iter()
+            .take_while(|(f, _)| {
+                let h = &f.frame.header;
+                let take = h.kind == want as i32
+                    && h.generation == self.place.generation
+                    && h.rows >= 1
+                    && h.flags & FLAG_DRAFT == 0
+                    // (a decode step: one row, after the prompt's last chunk)
+                    && !(h.rows == 1 && h.flags & FLAG_LAST != 0)
+                    && rows + h.rows as usize <= PREFILL_CHUNK
+                    && seen.insert(h.session)
+                    && self.sessions.get(&h.session).is_some_and(|s| s.cache.len() as u64 == h.first_position);
+                rows += if take { h.rows as usize } else { 0 };
+                take
+            })
+            .count()
+    }
+
+    /// Prompt chunks of several sessions in one pass (`Slice::forward_ragged`: each session's
+    /// numbers are those it gets alone); each frame goes on as it would alone. If the pass
+    /// fails (no cache changed), each frame goes alone, so that each failure is its own.
+    fn process_prompts(&mut self, batch: Vec<(Inbound, u64)>) {
+        match self.compute_prompts(&batch) {
+            Ok((outputs, computed)) => {
+                for ((frame, received), (out, sampled)) in batch.into_iter().zip(outputs) {
+                    let session = frame.frame.header.session;
+                    let sent = sampled.and_then(|s| self.emit(frame.frame.header, out, s, received, computed));
+                    if let Err(e) = sent {
+                        tracing::warn!(session, "stage {} of {}: {e}", self.place.stage, self.place.deployment);
+                        self.end(session);
+                        self.fail_to_driver(session, &e.to_string());
+                    }
+                }
+            }
+            Err(e) => {
+                tracing::debug!("{} prompt chunks read together failed ({e}); each goes alone", batch.len());
+                for (frame, received) in batch {
+                    self.process(frame, received);
+                }
+            }
+        }
+    }
+
+    /// The prompt pass: per frame its output (the chunk's hidden state, its own tensor; on the
+    /// last stage the logits of its last row) and, after a prompt's last chunk on the last
+    /// stage, its draw.
+    #[allow(clippy::type_complexity)]
+    fn compute_prompts(
+        &mut self,
+        batch: &[(Inbound, u64)],
+    ) -> Result<(Vec<(candle_core::Tensor, Result<Vec<Sampled>, WorkerError>)>, std::time::Duration), WorkerError> {
+        let t0 = Instant::now();
+        let first = self.place.stage == 0;
+        let hidden = self.slice.config().hidden;
+        let lens: Vec<usize> = batch.iter().map(|(f, _)| f.frame.header.rows as usize).collect();
+        let mut ids = Vec::new();
+        let mut rows = Vec::with_capacity(batch.len());
+        for (f, _) in batch {
+            if first {
+                ids.extend(wire::ids_from_frame(&f.frame.header, &f.frame.payload)?);
+            } else {
+                rows.push(self.hidden_rows(f, hidden)?);
+            }
+        }
+        let tensor = if first { None } else { Some(candle_core::Tensor::cat(&rows, 1)?) };
+        let input = match &tensor {
+            Some(t) => StageInput::Hidden(t),
+            None => StageInput::Tokens(&ids),
+        };
+        let mut states = Vec::with_capacity(batch.len());
+        for (f, _) in batch {
+            match self.sessions.remove(&f.frame.header.session) {
+                Some(mut s) => {
+                    s.touched = Instant::now();
+                    states.push((f.frame.header.session, s));
+                }
+                None => break,
+            }
+        }
+        let result = if states.len() == batch.len() {
+            let mut caches: Vec<&mut SliceCache> = states.iter_mut().map(|(_, s)| &mut s.cache).collect();
+            self.slice.forward_ragged(&mut caches, input, &lens).map_err(WorkerError::from)
+        } else {
+            Err(WorkerError::Frame("a session of the prompt pass is not open".into()))
+        };
+        let last = self.is_last();
+        let outputs = result.and_then(|out| {
+            let mut at = 0;
+            batch
+                .iter()
+                .zip(states.iter_mut())
+                .enumerate()
+                .map(|(i, ((f, _), (_, st)))| {
+                    st.run_from = None;
+                    if !last {
+                        // the chunk's rows, as its own tensor (a view would keep the pass alive)
+                        let part = out.narrow(1, at, lens[i])?.copy()?;
+                        at += lens[i];
+                        return Ok((part, Ok(Vec::new())));
+                    }
+                    let row = out.narrow(0, i, 1)?;
+                    let sampled = if f.frame.header.flags & FLAG_LAST != 0 {
+                        let logits = brigade_model::rows::logits_row(&row)?;
+                        st.draw().and_then(|d| d.draw(&logits)).map(|s| vec![s])
+                    } else {
+                        Ok(Vec::new())
+                    };
+                    Ok((row, sampled))
+                })
+                .collect::<Result<Vec<_>, WorkerError>>()
+        });
+        for (id, st) in states {
+            self.sessions.insert(id, st);
+        }
+        let outputs = outputs?;
+        let computed = t0.elapsed();
+        let total: usize = lens.iter().sum();
+        add_ns(&self.counters.compute_ns, computed);
+        self.counters.frames.fetch_add(batch.len() as u64, Ordering::Relaxed);
+        self.counters.rows.fetch_add(total as u64, Ordering::Relaxed);
+        self.counters.prompt_rows_together.fetch_add(total as u64, Ordering::Relaxed);
+        Ok((outputs, computed))
     }
 
     /// Decode steps of several sessions in one forward pass (`Slice::forward_rows`: on the CPU
@@ -1037,5 +1192,114 @@ mod tests {
         assert_eq!(took.rows.as_ref().map(|t| t.dims().to_vec()), Some(vec![1, 4, 64]));
         assert!(took.frame.payload.is_empty());
         assert_eq!(input.queued.load(Ordering::Acquire), one);
+    }
+
+    /// Prompts of three sessions waiting together at a stage are read in one pass
+    /// (`forward_ragged`), and each session's first draw and its log-probability are, bit for
+    /// bit, what its prompt read alone gives: on one stage (the last: the draws of the pass's
+    /// rows), and on the first of two on one node (each chunk's rows handed on alone).
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn prompts_waiting_together_are_read_in_one_pass_with_their_own_numbers() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("q4k.gguf");
+        let shape = brigade_model::synth::Shape {
+            layers: 2,
+            hidden: 256,
+            ffn: 512,
+            heads: 4,
+            kv_heads: 2,
+            vocab: 300,
+            context: 256,
+            rope_theta: 1e4,
+        };
+        brigade_model::synth::write_gguf(&path, &shape, brigade_model::synth::SynthType::Q4K, 3, |_, _| {}).unwrap();
+        let files = brigade_model::ModelFiles::open(&path).unwrap();
+        let load = |a: usize, b: usize| {
+            let layers = brigade_core::LayerRange::new(a, b).unwrap();
+            Slice::load(&files, layers, &candle_core::Device::Cpu, candle_core::DType::F32, 256).unwrap()
+        };
+        let prompts: Vec<Vec<u32>> =
+            [5usize, 17, 9].iter().map(|&n| (0..n as u32).map(|i| 3 + (i * 37 + n as u32) % 290).collect()).collect();
+        // alone: each prompt read by a fresh cache, its logits' greedy id and log-probability
+        let alone: Vec<(u32, f32)> = prompts
+            .iter()
+            .map(|p| {
+                let s = load(0, 2);
+                let mut c = s.new_cache().unwrap();
+                let l = s.forward(&mut c, StageInput::Tokens(p), Logits::Last).unwrap();
+                let l = brigade_model::rows::logits_row(&l).unwrap();
+                let id = Sampler::new(brigade_core::SamplingParams::greedy()).sample(&l, p);
+                (id, TokenLogprob::of(&l, id, 1).logprob)
+            })
+            .collect();
+        for cuts in [vec![(0, 2)], vec![(0, 1), (1, 2)]] {
+            let ca = brigade_transport::ClusterCa::generate("test").unwrap();
+            let identity = ca.new_identity("w1", brigade_transport::Role::Node).unwrap();
+            let quic = brigade_transport::QuicEndpoint::bind("127.0.0.1:0".parse().unwrap(), &identity, ca.cert_pem())
+                .unwrap();
+            let tls = crate::identity::Creds { identity, ca_pem: ca.cert_pem().to_string() };
+            let router = Router::new("w1".into(), tls, quic);
+            let me = crate::router::Peer { node: "w1".into(), address: String::new() };
+            let n = cuts.len() as u32;
+            let place = |stage: u32| StagePlace {
+                deployment: "d".into(),
+                generation: 1,
+                stage,
+                n_stages: n,
+                next: (stage + 1 < n).then(|| me.clone()),
+                driver: me.clone(),
+                act_dtype: ActDtype::F32,
+                carrier: CarrierKind::Quic,
+                max_sessions: 4,
+                session_idle: std::time::Duration::from_secs(60),
+            };
+            let greedy = brigade_proto::convert::sampling_to_proto(&brigade_core::SamplingParams::greedy());
+            let (inbox, queue) = stage_queue(1 << 24);
+            let mut answers = Vec::new();
+            // every frame waits in the first stage's queue before its thread starts
+            for (k, p) in prompts.iter().enumerate() {
+                let session = 100 + k as u64;
+                let spec = SessionSpec {
+                    sampling: Some(greedy),
+                    prompt_ids: p.clone(),
+                    logprobs: Some(1),
+                    ..Default::default()
+                };
+                inbox.offer(Frame::open(&spec).in_session("d", 1, session)).unwrap();
+                answers.push(router.register_driver(session, Arc::new(vec!["w1".into()])));
+            }
+            for (k, p) in prompts.iter().enumerate() {
+                let f = Frame::tokens(0, 0, p).with_flags(FLAG_LAST).in_session("d", 1, 100 + k as u64);
+                inbox.offer(f).unwrap();
+            }
+            let tk = files.tokenizer.clone();
+            // the later stages first (their inputs known to the router), then the first
+            let mut later = Vec::new();
+            for (i, &(a, b)) in cuts.iter().enumerate().skip(1) {
+                let h =
+                    StageHandle::start(place(i as u32), load(a, b), Vec::new(), tk.clone(), router.clone()).unwrap();
+                router.add_stage("d", i as u32, h.input.clone(), "w1");
+                later.push(h);
+            }
+            let slice = load(cuts[0].0, cuts[0].1);
+            let together = slice.reads_prompts_together();
+            let first = StageHandle::start_on(place(0), slice, Vec::new(), tk, router.clone(), (inbox, queue)).unwrap();
+            for (k, rx) in answers.iter_mut().enumerate() {
+                let f = tokio::time::timeout(std::time::Duration::from_secs(60), rx.recv()).await.unwrap().unwrap();
+                assert_eq!(f.header.kind, FrameKind::Tokens as i32, "{cuts:?}, session {k}: {}", f.header.text);
+                let ids = wire::ids_from_frame(&f.header, &f.payload).unwrap();
+                let lp = f.header.scores.as_ref().unwrap().logprob;
+                assert_eq!(ids, vec![alone[k].0], "{cuts:?}, session {k}");
+                assert!(
+                    lp == alone[k].1,
+                    "{cuts:?}, session {k}: log-probability {lp} read together, {} alone",
+                    alone[k].1
+                );
+            }
+            // the first stage read the three prompts in one pass (where its slice can)
+            let rows = first.counters.prompt_rows_together.load(Ordering::Relaxed);
+            assert_eq!(rows, if together { 31 } else { 0 }, "{cuts:?}: prompt rows read together");
+            drop((first, later));
+        }
     }
 }
