@@ -553,7 +553,7 @@ impl StageHost {
     /// ([`Slice::reads_prompts_together`]), those are read in one pass — prompts that arrive
     /// together, from several drivers, cost one pass per stage instead of one each.
     fn prompts_together(&self, pending: &std::collections::VecDeque<(Inbound, u64)>) -> usize {
-        if !self.slice.reads_prompts_together() {
+        if !self.slice.reads_prompts_together() || !brigade_model::batch::together_allowed() {
             return 0;
         }
         let want = if self.place.stage == 0 { FrameKind::Tokens } else { FrameKind::Hidden };
@@ -1282,7 +1282,7 @@ mod tests {
                 later.push(h);
             }
             let slice = load(cuts[0].0, cuts[0].1);
-            let together = slice.reads_prompts_together();
+            let together = slice.reads_prompts_together() && brigade_model::batch::together_allowed();
             let first = StageHandle::start_on(place(0), slice, Vec::new(), tk, router.clone(), (inbox, queue)).unwrap();
             for (k, rx) in answers.iter_mut().enumerate() {
                 let f = tokio::time::timeout(std::time::Duration::from_secs(60), rx.recv()).await.unwrap().unwrap();

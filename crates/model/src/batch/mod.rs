@@ -53,8 +53,8 @@ use std::time::{Duration, Instant};
 pub const PREFILL_BUDGET_CHUNKS: usize = 1;
 
 /// `BRIGADE_PREFILL_TOGETHER=off` reads one prompt per step even where they could be read
-/// together (to measure the difference).
-fn together_allowed() -> bool {
+/// together (to measure the difference), here and at a cluster's stages.
+pub fn together_allowed() -> bool {
     static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
     *ON.get_or_init(|| std::env::var("BRIGADE_PREFILL_TOGETHER").map_or(true, |v| v != "off" && v != "0"))
 }
