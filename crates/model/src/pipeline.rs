@@ -440,9 +440,8 @@ impl Pipeline {
             }
             let mut run = vec![next];
             if let Some(d) = drafter.as_deref_mut() {
-                let room = (self.n_ctx - session.len() - 1)
-                    .min(n_predict.saturating_sub(stats.generated + 1))
-                    .min(self.max_run() - 1);
+                let left = n_predict.saturating_sub(stats.generated + 1);
+                let room = crate::speculative::room(self.n_ctx, session.len() + 1, left, self.max_run());
                 let mut context = session.tokens().to_vec();
                 context.push(next);
                 let draft = d.draft(&context, room)?;

@@ -157,6 +157,13 @@ impl Drafter {
     }
 }
 
+/// The longest draft a run may carry: its rows stay inside the context of `n_ctx` (a context of
+/// `context` tokens, the one about to be fed included), the generation's `left` draws after that
+/// token's, and one pass of `max_run` tokens.
+pub fn room(n_ctx: usize, context: usize, left: usize, max_run: usize) -> usize {
+    n_ctx.saturating_sub(context).min(left).min(max_run.saturating_sub(1))
+}
+
 /// The tokens that followed the most recent earlier occurrence of `context`'s last `n` tokens,
 /// `max` at most, for the longest `n` in `ngram.0..=ngram.1` that occurred before.
 pub fn lookup(context: &[u32], (lo, hi): (usize, usize), max: usize) -> Vec<u32> {

@@ -404,8 +404,8 @@ async fn run_session(
         let id = context[fed];
         run = vec![id];
         if let Some(d) = drafter.as_mut() {
-            let left = if req.max_tokens > 0 { (req.max_tokens - generated) as usize } else { usize::MAX };
-            let room = (t.n_ctx - context.len()).min(left.saturating_sub(1)).min(t.max_run - 1);
+            let left = if req.max_tokens > 0 { (req.max_tokens - generated) as usize - 1 } else { usize::MAX };
+            let room = brigade_model::speculative::room(t.n_ctx, context.len(), left, t.max_run);
             run.extend(d.draft(&context, room).map_err(|e| Status::internal(e.to_string()))?);
         }
         sent_us = now_us();

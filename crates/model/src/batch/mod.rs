@@ -439,10 +439,8 @@ impl Batch {
             let Phase::Decode(t) = a.phase else { continue };
             let mut run = vec![t];
             if let Some(d) = slot.drafter.as_mut() {
-                let room = spare
-                    .min(n_ctx.saturating_sub(slot.session.len() + 1))
-                    .min(a.job.max_tokens.saturating_sub(a.generated + 1))
-                    .min(max_run - 1);
+                let left = a.job.max_tokens.saturating_sub(a.generated + 1);
+                let room = spare.min(crate::speculative::room(n_ctx, slot.session.len() + 1, left, max_run));
                 let mut context = slot.session.tokens().to_vec();
                 context.push(t);
                 // (a draft that cannot be made is no draft: the job goes on without)
