@@ -82,7 +82,8 @@ pub struct Timings {
     pub generate_s: f64,
     /// Prompt tokens processed per second, up to the first token.
     pub prompt_tokens_per_s: f64,
-    /// Decode steps per second after the first token (0 with none).
+    /// Tokens per second after the first token (0 with none): one per decode pass, or with
+    /// speculative decoding every token a pass's draws took.
     pub generate_tokens_per_s: f64,
     /// Time to first token, seconds.
     pub ttft_s: f64,

@@ -298,6 +298,17 @@ impl Draw {
     }
 }
 
+/// What a pass of several sessions gives each frame: its output, and its draws (last stage).
+type FrameOut = (candle_core::Tensor, Result<Vec<Sampled>, WorkerError>);
+
+/// A pass's input: the frames' ids (first stage) or their joined rows.
+fn input_of<'a>(ids: &'a [u32], rows: Option<&'a candle_core::Tensor>) -> StageInput<'a> {
+    match rows {
+        Some(t) => StageInput::Hidden(t),
+        None => StageInput::Tokens(ids),
+    }
+}
+
 /// Most rows of a decode run (the last drawn id and a draft of at most 64).
 pub const MAX_RUN: usize = 65;
 
@@ -484,10 +495,10 @@ impl StageHost {
             let prompts = if n >= 2 { 0 } else { self.prompts_together(&pending) };
             if n >= 2 {
                 let batch: Vec<(Inbound, u64)> = pending.drain(..n).collect();
-                self.process_batch(batch);
+                self.process_together(batch, false);
             } else if prompts >= 2 {
                 let batch: Vec<(Inbound, u64)> = pending.drain(..prompts).collect();
-                self.process_prompts(batch);
+                self.process_together(batch, true);
             } else if let Some((frame, received)) = pending.pop_front() {
                 self.process(frame, received);
             }
@@ -578,128 +589,22 @@ impl StageHost {
             .count()
     }
 
-    /// Prompt chunks of several sessions in one pass (`Slice::forward_ragged`: each session's
-    /// numbers are those it gets alone); each frame goes on as it would alone. If the pass
-    /// fails (no cache changed), each frame goes alone, so that each failure is its own.
-    fn process_prompts(&mut self, batch: Vec<(Inbound, u64)>) {
-        match self.compute_prompts(&batch) {
-            Ok((outputs, computed)) => {
-                for ((frame, received), (out, sampled)) in batch.into_iter().zip(outputs) {
-                    let session = frame.frame.header.session;
-                    let sent = sampled.and_then(|s| self.emit(frame.frame.header, out, s, received, computed));
-                    if let Err(e) = sent {
-                        tracing::warn!(session, "stage {} of {}: {e}", self.place.stage, self.place.deployment);
-                        self.end(session);
-                        self.fail_to_driver(session, &e.to_string());
-                    }
-                }
-            }
-            Err(e) => {
-                tracing::debug!("{} prompt chunks read together failed ({e}); each goes alone", batch.len());
-                for (frame, received) in batch {
-                    self.process(frame, received);
-                }
-            }
-        }
-    }
-
-    /// The prompt pass: per frame its output (the chunk's hidden state, its own tensor; on the
-    /// last stage the logits of its last row) and, after a prompt's last chunk on the last
-    /// stage, its draw.
-    #[allow(clippy::type_complexity)]
-    fn compute_prompts(
-        &mut self,
-        batch: &[(Inbound, u64)],
-    ) -> Result<(Vec<(candle_core::Tensor, Result<Vec<Sampled>, WorkerError>)>, std::time::Duration), WorkerError> {
-        let t0 = Instant::now();
-        let first = self.place.stage == 0;
-        let hidden = self.slice.config().hidden;
-        let lens: Vec<usize> = batch.iter().map(|(f, _)| f.frame.header.rows as usize).collect();
-        let mut ids = Vec::new();
-        let mut rows = Vec::with_capacity(batch.len());
-        for (f, _) in batch {
-            if first {
-                ids.extend(wire::ids_from_frame(&f.frame.header, &f.frame.payload)?);
-            } else {
-                rows.push(self.hidden_rows(f, hidden)?);
-            }
-        }
-        let tensor = if first { None } else { Some(candle_core::Tensor::cat(&rows, 1)?) };
-        let input = match &tensor {
-            Some(t) => StageInput::Hidden(t),
-            None => StageInput::Tokens(&ids),
-        };
-        let mut states = Vec::with_capacity(batch.len());
-        for (f, _) in batch {
-            match self.sessions.remove(&f.frame.header.session) {
-                Some(mut s) => {
-                    s.touched = Instant::now();
-                    states.push((f.frame.header.session, s));
-                }
-                None => break,
-            }
-        }
-        let result = if states.len() == batch.len() {
-            let mut caches: Vec<&mut SliceCache> = states.iter_mut().map(|(_, s)| &mut s.cache).collect();
-            self.slice.forward_ragged(&mut caches, input, &lens).map_err(WorkerError::from)
-        } else {
-            Err(WorkerError::Frame("a session of the prompt pass is not open".into()))
-        };
-        let last = self.is_last();
-        let outputs = result.and_then(|out| {
-            let mut at = 0;
-            batch
-                .iter()
-                .zip(states.iter_mut())
-                .enumerate()
-                .map(|(i, ((f, _), (_, st)))| {
-                    st.run_from = None;
-                    if !last {
-                        // the chunk's rows, as its own tensor (a view would keep the pass alive)
-                        let part = out.narrow(1, at, lens[i])?.copy()?;
-                        at += lens[i];
-                        return Ok((part, Ok(Vec::new())));
-                    }
-                    let row = out.narrow(0, i, 1)?;
-                    let sampled = if f.frame.header.flags & FLAG_LAST != 0 {
-                        let logits = brigade_model::rows::logits_row(&row)?;
-                        st.draw().and_then(|d| d.draw(&logits)).map(|s| vec![s])
-                    } else {
-                        Ok(Vec::new())
-                    };
-                    Ok((row, sampled))
-                })
-                .collect::<Result<Vec<_>, WorkerError>>()
-        });
-        for (id, st) in states {
-            self.sessions.insert(id, st);
-        }
-        let outputs = outputs?;
-        let computed = t0.elapsed();
-        let total: usize = lens.iter().sum();
-        add_ns(&self.counters.compute_ns, computed);
-        self.counters.frames.fetch_add(batch.len() as u64, Ordering::Relaxed);
-        self.counters.rows.fetch_add(total as u64, Ordering::Relaxed);
-        self.counters.prompt_rows_together.fetch_add(total as u64, Ordering::Relaxed);
-        Ok((outputs, computed))
-    }
-
-    /// Decode steps of several sessions in one forward pass (`Slice::forward_rows`: on the CPU
-    /// each row's numbers are those it gets alone). If the pass fails, each frame goes alone,
-    /// so that each failure is its own session's.
-    fn process_batch(&mut self, batch: Vec<(Inbound, u64)>) {
-        match self.compute_batch(&batch) {
+    /// Frames of several sessions in one pass — decode steps (`Slice::forward_rows`) or, with
+    /// `prompts`, prompt chunks (`Slice::forward_ragged`); on the CPU each session's numbers
+    /// are those it gets alone — then each frame goes on as it would alone. If the pass fails
+    /// (no cache changed), each frame goes alone, so that each failure is its own session's.
+    fn process_together(&mut self, batch: Vec<(Inbound, u64)>, prompts: bool) {
+        let computed = if prompts { self.compute_prompts(&batch) } else { self.compute_batch(&batch) };
+        match computed {
             Ok((outputs, computed)) => {
                 let here = self.next_is_here();
                 for ((frame, received), (out, sampled)) in batch.into_iter().zip(outputs) {
                     let session = frame.frame.header.session;
-                    // a row handed over in process is its own tensor: a view of the batch's
-                    // output would keep every row alive while it waits in the next queue
+                    // rows handed over in process are their own tensor: a view of the pass's
+                    // output would keep every row alive while they wait in the next queue
                     let out = if here { out.copy().map_err(WorkerError::from) } else { Ok(out) };
                     let sent = out.and_then(|out| {
-                        sampled.and_then(|s| {
-                            self.emit(frame.frame.header, out, s.into_iter().collect(), received, computed)
-                        })
+                        sampled.and_then(|s| self.emit(frame.frame.header, out, s, received, computed))
                     });
                     if let Err(e) = sent {
                         tracing::warn!(session, "stage {} of {}: {e}", self.place.stage, self.place.deployment);
@@ -710,7 +615,7 @@ impl StageHost {
             }
             Err(e) => {
                 // nothing was appended to any cache: each frame goes alone, its failure its own
-                tracing::debug!("a batch of {} decode steps failed ({e}); each goes alone", batch.len());
+                tracing::debug!("a pass of {} sessions failed ({e}); each goes alone", batch.len());
                 for (frame, received) in batch {
                     self.process(frame, received);
                 }
@@ -718,31 +623,98 @@ impl StageHost {
         }
     }
 
-    /// The batch's forward pass and samples: per frame its output row and sampled id.
-    #[allow(clippy::type_complexity)]
-    fn compute_batch(
+    /// The decode pass: per frame its output row and sampled id.
+    fn compute_batch(&mut self, batch: &[(Inbound, u64)]) -> Result<(Vec<FrameOut>, std::time::Duration), WorkerError> {
+        let t0 = Instant::now();
+        let (ids, rows) = self.joined_input(batch, 0)?;
+        let last = self.is_last();
+        let outputs = self.with_sessions(
+            batch,
+            |slice, caches| slice.forward_rows(caches, input_of(&ids, rows.as_ref())),
+            |i, out, st| {
+                let row = out.narrow(0, i, 1)?;
+                // once the pass is in every cache, a row's draw that fails (its format) is its
+                // own session's failure, not the batch's
+                let sampled = match st.sampler.as_mut() {
+                    Some(draw) if last => brigade_model::rows::logits_row(&row)
+                        .map_err(WorkerError::from)
+                        .and_then(|l| draw.draw(&l))
+                        .map(|s| vec![s]),
+                    _ => Ok(Vec::new()),
+                };
+                Ok((row, sampled))
+            },
+        )?;
+        let computed = t0.elapsed();
+        self.count_pass(batch.len(), batch.len(), computed);
+        self.counters.batched_rows.fetch_add(batch.len() as u64, Ordering::Relaxed);
+        Ok((outputs, computed))
+    }
+
+    /// The prompt pass: per frame its output (the chunk's rows; on the last stage the logits
+    /// of its last row) and, after a prompt's last chunk on the last stage, its draw.
+    fn compute_prompts(
         &mut self,
         batch: &[(Inbound, u64)],
-    ) -> Result<(Vec<(candle_core::Tensor, Result<Option<Sampled>, WorkerError>)>, std::time::Duration), WorkerError>
-    {
+    ) -> Result<(Vec<FrameOut>, std::time::Duration), WorkerError> {
         let t0 = Instant::now();
-        let first = self.place.stage == 0;
-        let hidden = self.slice.config().hidden;
-        let mut ids = Vec::with_capacity(batch.len());
-        let mut rows = Vec::with_capacity(batch.len());
-        for (f, _) in batch {
-            if first {
+        let lens: Vec<usize> = batch.iter().map(|(f, _)| f.frame.header.rows as usize).collect();
+        let starts: Vec<usize> = lens.iter().scan(0, |at, &n| Some(std::mem::replace(at, *at + n))).collect();
+        let (ids, rows) = self.joined_input(batch, 1)?;
+        let last = self.is_last();
+        let outputs = self.with_sessions(
+            batch,
+            |slice, caches| slice.forward_ragged(caches, input_of(&ids, rows.as_ref()), &lens),
+            |i, out, st| {
+                st.run_from = None;
+                if !last {
+                    return Ok((out.narrow(1, starts[i], lens[i])?, Ok(Vec::new())));
+                }
+                let row = out.narrow(0, i, 1)?;
+                let sampled = if batch[i].0.frame.header.flags & FLAG_LAST != 0 {
+                    let logits = brigade_model::rows::logits_row(&row)?;
+                    st.draw().and_then(|d| d.draw(&logits)).map(|s| vec![s])
+                } else {
+                    Ok(Vec::new())
+                };
+                Ok((row, sampled))
+            },
+        )?;
+        let computed = t0.elapsed();
+        let total: usize = lens.iter().sum();
+        self.count_pass(batch.len(), total, computed);
+        self.counters.prompt_rows_together.fetch_add(total as u64, Ordering::Relaxed);
+        Ok((outputs, computed))
+    }
+
+    /// The frames' input for one pass: their ids on the first stage, else their rows joined
+    /// along `dim` (0: decode rows, `(n, 1, hidden)`; 1: prompt chunks, `(1, Σ rows, hidden)`).
+    fn joined_input(
+        &self,
+        batch: &[(Inbound, u64)],
+        dim: usize,
+    ) -> Result<(Vec<u32>, Option<candle_core::Tensor>), WorkerError> {
+        if self.place.stage == 0 {
+            let mut ids = Vec::new();
+            for (f, _) in batch {
                 ids.extend(wire::ids_from_frame(&f.frame.header, &f.frame.payload)?);
-            } else {
-                rows.push(self.hidden_rows(f, hidden)?);
             }
+            return Ok((ids, None));
         }
-        let tensor = if first { None } else { Some(candle_core::Tensor::cat(&rows, 0)?) };
-        let input = match &tensor {
-            Some(t) => StageInput::Hidden(t),
-            None => StageInput::Tokens(&ids),
-        };
-        // the sessions leave the map for the pass (one mutable borrow each) and always return
+        let hidden = self.slice.config().hidden;
+        let rows = batch.iter().map(|(f, _)| self.hidden_rows(f, hidden)).collect::<Result<Vec<_>, _>>()?;
+        Ok((Vec::new(), Some(candle_core::Tensor::cat(&rows, dim)?)))
+    }
+
+    /// Runs `pass` over the caches of the frames' sessions (out of the map for the pass, one
+    /// mutable borrow each, and always put back), then `each` for every frame with the pass's
+    /// output and the frame's session.
+    fn with_sessions<T>(
+        &mut self,
+        batch: &[(Inbound, u64)],
+        pass: impl FnOnce(&Slice, &mut [&mut SliceCache]) -> Result<candle_core::Tensor, brigade_model::ModelError>,
+        mut each: impl FnMut(usize, &candle_core::Tensor, &mut SessionState) -> Result<T, WorkerError>,
+    ) -> Result<Vec<T>, WorkerError> {
         let mut states = Vec::with_capacity(batch.len());
         for (f, _) in batch {
             match self.sessions.remove(&f.frame.header.session) {
@@ -755,37 +727,23 @@ impl StageHost {
         }
         let result = if states.len() == batch.len() {
             let mut caches: Vec<&mut SliceCache> = states.iter_mut().map(|(_, s)| &mut s.cache).collect();
-            self.slice.forward_rows(&mut caches, input).map_err(WorkerError::from)
+            pass(&self.slice, &mut caches).map_err(WorkerError::from)
         } else {
-            Err(WorkerError::Frame("a session of the batch is not open".into()))
+            Err(WorkerError::Frame("a session of the pass is not open".into()))
         };
-        let outputs = result.and_then(|out| {
-            (0..batch.len())
-                .map(|i| {
-                    let row = out.narrow(0, i, 1)?;
-                    // once the pass is in every cache, a row's draw that fails (its format) is its
-                    // own session's failure, not the batch's
-                    Ok(match states[i].1.sampler.as_mut() {
-                        Some(draw) if self.is_last() => {
-                            let logits = brigade_model::rows::logits_row(&row)?;
-                            let sampled = draw.draw(&logits).map(Some);
-                            (row, sampled)
-                        }
-                        _ => (row, Ok(None)),
-                    })
-                })
-                .collect::<Result<Vec<_>, WorkerError>>()
-        });
+        let outputs =
+            result.and_then(|out| states.iter_mut().enumerate().map(|(i, (_, st))| each(i, &out, st)).collect());
         for (id, st) in states {
             self.sessions.insert(id, st);
         }
-        let outputs = outputs?;
-        let computed = t0.elapsed();
+        outputs
+    }
+
+    /// A pass's frames, rows and time in the stage's counters.
+    fn count_pass(&self, frames: usize, rows: usize, computed: std::time::Duration) {
         add_ns(&self.counters.compute_ns, computed);
-        self.counters.frames.fetch_add(batch.len() as u64, Ordering::Relaxed);
-        self.counters.rows.fetch_add(batch.len() as u64, Ordering::Relaxed);
-        self.counters.batched_rows.fetch_add(batch.len() as u64, Ordering::Relaxed);
-        Ok((outputs, computed))
+        self.counters.frames.fetch_add(frames as u64, Ordering::Relaxed);
+        self.counters.rows.fetch_add(rows as u64, Ordering::Relaxed);
     }
 
     /// A HIDDEN input's rows `(1, rows, hidden)`: those handed over by the stage before on this

@@ -423,20 +423,20 @@ impl Batch {
     }
 
     fn decode(&mut self, out: &mut Vec<(JobId, Output)>) {
-        let decoding: Vec<usize> = (0..self.slots.len())
-            .filter(|&i| matches!(self.slots[i].active, Some(Active { phase: Phase::Decode(_), .. })))
-            .collect();
-        if decoding.is_empty() {
+        let n = self.slots.iter().filter(|s| matches!(s.active, Some(Active { phase: Phase::Decode(_), .. }))).count();
+        if n == 0 {
             return;
         }
         // drafts fill the rows one pass reads each weight for (DECODE_ROWS), shared out evenly
-        let spare = crate::cpu_matmul::DECODE_ROWS.saturating_sub(decoding.len()) / decoding.len();
+        let spare = crate::cpu_matmul::DECODE_ROWS.saturating_sub(n) / n;
         let (n_ctx, max_run, vocab) = (self.pipeline.n_ctx(), self.pipeline.max_run(), self.pipeline.vocab());
-        let mut runs: Vec<Vec<u32>> = Vec::with_capacity(decoding.len());
-        for &i in &decoding {
-            let slot = &mut self.slots[i];
+        // (slot, its run: the token drawn last, then its draft)
+        let mut decoding: Vec<usize> = Vec::with_capacity(n);
+        let mut runs: Vec<Vec<u32>> = Vec::with_capacity(n);
+        for (i, slot) in self.slots.iter_mut().enumerate() {
             let Some(a) = slot.active.as_ref() else { continue };
             let Phase::Decode(t) = a.phase else { continue };
+            decoding.push(i);
             let mut run = vec![t];
             if let Some(d) = slot.drafter.as_mut() {
                 let left = a.job.max_tokens.saturating_sub(a.generated + 1);
