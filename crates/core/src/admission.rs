@@ -20,8 +20,10 @@ pub struct Caps {
 /// Why a connection was not admitted.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
 pub enum Refused {
+    /// [`Caps::total`] is reached: the connections open now.
     #[error("{0} connections are open, the most this listener holds")]
     Total(usize),
+    /// [`Caps::per_ip`] is reached for the peer's address: the connections open from it now.
     #[error("{0} connections are open from this address, the most one address may hold")]
     PerIp(usize),
 }
@@ -47,6 +49,7 @@ pub struct Ticket {
 }
 
 impl Admission {
+    /// An empty table with these caps.
     pub fn new(caps: Caps) -> Self {
         Self { caps, open: Arc::default() }
     }

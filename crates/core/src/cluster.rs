@@ -49,6 +49,7 @@ pub fn check_name(what: &str, name: &str) -> Result<(), StateError> {
 /// How fast one of brigade's kernels runs on a device for one weight type.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct KernelFigures {
+    /// The weight type as brigade names it (`q4_k`, `q8_0`, `f16`, `f32`, …).
     pub weight_type: String,
     /// Weight bytes per second of a one-token matrix-vector product.
     pub decode_bytes_per_s: f64,
@@ -59,16 +60,29 @@ pub struct KernelFigures {
 /// A device of a node as its worker measured it.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct DeviceFigures {
+    /// Unique within its node: `cpu`, `cuda0`, ….
     pub name: String,
+    /// CPU or CUDA.
     pub kind: crate::DeviceKind,
+    /// The hardware's human-readable name (`AMD EPYC …`, `NVIDIA H200`).
     pub model: String,
+    /// Bytes of memory the device has in all.
     pub memory_total: u64,
+    /// Bytes that may hold weights and KV caches now: what the worker offers, lowered by
+    /// [`Command::LowerDeviceMemory`] after an out-of-memory load.
     pub memory_free: u64,
+    /// Measured streaming read bandwidth, bytes/s.
     pub mem_bandwidth: f64,
+    /// Measured compute rate, flop/s (the best prompt kernel's on a CPU).
     pub flops: f64,
+    /// brigade's kernel rates by weight type (measured on CPUs; empty on CUDA devices).
     pub kernels: Vec<KernelFigures>,
+    /// Threads brigade runs on this device (CPU; 0 on CUDA devices).
     pub threads: u32,
+    /// Space-separated instruction sets that picked the CPU kernels (`avx2 fma f16c …`);
+    /// empty on CUDA devices.
     pub features: String,
+    /// The path to the node's CPU (PCIe); CUDA devices only.
     pub host_link: Option<Link>,
 }
 
@@ -79,20 +93,28 @@ impl DeviceFigures {
     }
 }
 
+/// Whether a node takes stages: set by registration and by the coordinator's commands.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum NodeState {
+    /// Registered and taken to be running: placements may use it.
     Up,
+    /// Declared down: no new stages go there and its deployments are degraded.
     Down,
 }
 
+/// A registered node: where its worker listens and what it measured.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct NodeRecord {
+    /// The node's name, a DNS label ([`check_node_name`]).
     pub name: String,
     /// `host:port` where the worker takes QUIC and gRPC from peers and the coordinator.
     pub address: String,
+    /// Its devices as the worker measured them.
     pub devices: Vec<DeviceFigures>,
+    /// brigade's version string the worker reported (informational).
     pub version: String,
+    /// Up on every registration; down only by [`Command::SetNodeState`].
     pub state: NodeState,
     /// Unix milliseconds of the last registration.
     pub registered_ms: u64,
@@ -104,28 +126,38 @@ pub struct NodeRecord {
     pub lowered: BTreeMap<String, (u64, u64)>,
 }
 
+/// A node's admission to the cluster: the certificate that alone speaks for it.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Admission {
     /// sha256 (hex) of the DER of the certificate issued to the node.
     pub fingerprint: String,
+    /// Unix milliseconds of the admission.
     pub admitted_ms: u64,
 }
 
 /// A link measured from one node to another (directed: each end measures its own sending side).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct LinkRecord {
+    /// The node that measured it, the sending side.
     pub from: String,
+    /// The receiving node.
     pub to: String,
+    /// Throughput of a bulk transfer (bytes/s) and one-way latency (seconds, half a round trip).
     pub link: Link,
+    /// Unix milliseconds of the measurement.
     pub measured_ms: u64,
 }
 
 /// One byte range of a model file, with its checksum.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct RangeRecord {
+    /// The file's path relative to the model, as in [`ModelRecord::files`].
     pub file: String,
+    /// Byte offset of the range from the start of the file.
     pub offset: u64,
+    /// Bytes in the range.
     pub length: u64,
+    /// sha256 (hex) of the range's bytes.
     pub sha256: String,
     /// The tensor the range holds; empty for headers and whole small files.
     pub tensor: String,
@@ -137,13 +169,17 @@ pub struct RangeRecord {
 pub struct ModelRecord {
     /// Content id: `embedded` or a hash of the files' sizes and range checksums.
     pub id: String,
+    /// The model's display name.
     pub name: String,
     /// Path on the coordinator's machine (`embedded` for the model in the binary).
     pub source: String,
     /// File paths relative to the model, with sizes.
     pub files: Vec<(String, u64)>,
+    /// Every header and tensor of the files, checksummed: what workers fetch and verify.
     pub ranges: Vec<RangeRecord>,
+    /// Transformer layers of the model.
     pub n_layers: usize,
+    /// The context the model was trained for, in tokens (from its config).
     pub context_length: usize,
     /// What the planner needs of the model (weights as a CPU stage holds them; the KV cache in
     /// f32 on CPUs and in a GPU's type on GPUs), so re-planning never reopens the file.
@@ -153,16 +189,22 @@ pub struct ModelRecord {
     pub weight_types: Vec<(String, u64)>,
 }
 
+/// Where one stage of a deployment is, as its worker reports it.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase", tag = "state", content = "error")]
 pub enum StageState {
+    /// Placed; its worker has not reported on it yet.
     Pending,
+    /// Its worker is fetching and loading the slice.
     Loading,
+    /// Loaded and serving.
     Ready,
+    /// The load failed, with the error (starting with [`OUT_OF_MEMORY`] when the device ran out).
     Failed(String),
 }
 
 impl StageState {
+    /// The state's lower-case name, as the APIs show it (`pending`, `loading`, `ready`, `failed`).
     pub fn name(&self) -> &'static str {
         match self {
             StageState::Pending => "pending",
@@ -173,14 +215,23 @@ impl StageState {
     }
 }
 
+/// One stage of a deployment: a device of a node and the layers it holds.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct StageRecord {
+    /// The node that runs the stage.
     pub node: String,
+    /// The device on that node ([`DeviceFigures::name`]).
     pub device: String,
+    /// The layers `[start, end)` the stage holds.
     pub layers: LayerRange,
+    /// What its worker last reported (pending on every placement).
     pub state: StageState,
+    /// Bytes of weights: the planner's figure at placement, then what the worker reports loading.
     pub weight_bytes: u64,
+    /// Bytes of KV cache: the planner's figure at placement, then what the worker reports.
     pub kv_bytes: u64,
+    /// Bytes the worker fetched from sources to load the slice (0 when all was cached; reset to 0
+    /// on every placement).
     pub fetched_bytes: u64,
     /// The planner's decode seconds per token for this stage (its hop to the next included).
     pub predicted_s: f64,
@@ -190,12 +241,16 @@ pub struct StageRecord {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum ActDtype {
+    /// 32-bit IEEE floats.
     F32,
+    /// 16-bit IEEE floats.
     F16,
+    /// bfloat16.
     Bf16,
 }
 
 impl ActDtype {
+    /// Bytes per element.
     pub fn size(&self) -> usize {
         match self {
             ActDtype::F32 => 4,
@@ -204,30 +259,47 @@ impl ActDtype {
     }
 }
 
+/// Which carrier moves activations between consecutive stages.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum CarrierKind {
+    /// QUIC streams, the default.
     Quic,
+    /// gRPC bidirectional streams over TCP, for networks that block UDP.
     Grpc,
 }
 
+/// A model placed on the nodes under a name, the name clients ask for as `model`.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct Deployment {
+    /// The deployment's name ([`check_name`]), unique in the cluster.
     pub name: String,
+    /// The [`ModelRecord::id`] of the model it serves.
     pub model_id: String,
     /// Bumped on every placement: workers refuse frames of another generation.
     pub generation: u64,
+    /// Transformer layers of the model; the stages cover `[0, n_layers)`.
     pub n_layers: usize,
+    /// Context length in tokens each session's KV cache holds.
     pub n_ctx: usize,
+    /// Concurrent sessions every stage provisions KV caches for.
     pub sessions: usize,
+    /// The planner objective it was placed for (`latency`, `throughput`, `max-context`,
+    /// `energy`).
     pub objective: String,
+    /// Element type of the hidden states sent between stages.
     pub act_dtype: ActDtype,
+    /// How hidden states travel between stages.
     pub carrier: CarrierKind,
     /// The node that drives sessions (receives the sampled ids).
     pub driver: String,
+    /// The stages in pipeline order, covering the layers once each.
     pub stages: Vec<StageRecord>,
+    /// The planner's decode seconds per token of the whole pipeline.
     pub predicted_decode_s: f64,
+    /// The placement as the planner explained it (or as placed by hand), for display.
     pub plan_text: String,
+    /// Unix milliseconds of the deploy request.
     pub created_ms: u64,
     /// Prompt tokens per chunk into the first stage (0: brigade's choice by the stage count).
     #[serde(default)]
@@ -252,6 +324,7 @@ pub enum DeploymentState {
     Loading,
     /// Placed again (after a node died or for a better placement): stages are loading.
     Replacing,
+    /// Every stage is loaded and serving.
     Ready,
     /// A stage failed to load.
     Failed,
@@ -260,6 +333,8 @@ pub enum DeploymentState {
 }
 
 impl DeploymentState {
+    /// The state's name as the APIs show it (`loading`, `re-placing`, `ready`, `failed`,
+    /// `degraded`).
     pub fn name(&self) -> &'static str {
         match self {
             DeploymentState::Loading => "loading",
@@ -282,73 +357,108 @@ pub enum Command {
     /// A node proved it knows the join token and got a certificate (sha256 fingerprint of its
     /// DER): from now on only that certificate speaks for the node; an earlier one is revoked.
     AdmitNode {
+        /// The node's name ([`check_node_name`]).
         name: String,
+        /// sha256 of the certificate's DER, 64 hex digits.
         fingerprint: String,
+        /// Unix milliseconds of the admission.
         admitted_ms: u64,
     },
     /// A node (re-)registers with its address and measured devices; it is up.
     RegisterNode {
+        /// The record; its `state` and `lowered` are set by [`ClusterState::apply`].
         node: NodeRecord,
     },
+    /// The coordinator declares a node up or down (liveness is observed outside the state).
     SetNodeState {
+        /// The node's name.
         name: String,
+        /// Its new state.
         state: NodeState,
     },
     /// A device of a node has less memory than it registered with: a stage ran out of memory
     /// loading there (the node's next registration measures it afresh).
     LowerDeviceMemory {
+        /// The node's name.
         node: String,
+        /// The device's name on that node.
         device: String,
+        /// Bytes the device has free at most from now on (a higher figure changes nothing).
         memory_free: u64,
     },
+    /// Forgets a node and the links to and from it; refused while it holds a deployment's stage.
     RemoveNode {
+        /// The node's name.
         name: String,
     },
     /// The links a node measured from itself (replacing what it reported before).
     SetLinks {
+        /// The measuring node: every link's `from`.
         from: String,
+        /// One per other node it reached (positive bandwidth, non-negative latency).
         links: Vec<LinkRecord>,
     },
     /// A model the coordinator can serve (replaces a record of the same id).
     AddModel {
+        /// The model's record, keyed by its id.
         model: ModelRecord,
     },
     /// A new deployment; its generation is assigned by [`ClusterState::apply`].
     CreateDeployment {
+        /// The deployment; its `generation` is ignored and its stages start pending.
         deployment: Deployment,
     },
+    /// Removes a deployment (undeploy); its workers drop their stages.
     RemoveDeployment {
+        /// The deployment's name.
         name: String,
     },
     /// A new placement of an existing deployment (a node died, or a better one appeared): new
     /// stages and driver, the next generation; the note is cleared.
     ReplaceStages {
+        /// The deployment's name.
         deployment: String,
+        /// The new stages in pipeline order (they start pending).
         stages: Vec<StageRecord>,
+        /// The node that drives sessions from now on; it must hold a stage.
         driver: String,
+        /// The planner's decode seconds per token of the new placement.
         predicted_decode_s: f64,
+        /// The new placement as the planner explained it.
         plan_text: String,
     },
     /// Why a deployment cannot serve now (empty clears it).
     SetNote {
+        /// The deployment's name.
         deployment: String,
+        /// The reason, kept to its first 4000 characters.
         note: String,
     },
     /// A coordinator replica joined (`Some(address)`) or left (`None`) the raft group. Applied
     /// from the group's configuration changes, so every replica applies it at the same index.
     SetReplica {
+        /// The replica's raft id.
         id: u64,
+        /// Where it serves; `None` when it left.
         address: Option<String>,
     },
     /// A worker reports the state of one of its stages.
     StageReport {
+        /// The deployment's name.
         deployment: String,
+        /// The generation the report is for; a report of another generation is refused as stale.
         generation: u64,
+        /// The stage's index in pipeline order, from 0.
         stage: usize,
+        /// The reporting node, which must hold the stage.
         node: String,
+        /// The stage's new state.
         state: StageState,
+        /// Bytes of weights the worker loaded.
         weight_bytes: u64,
+        /// Bytes of KV cache the worker allocated.
         kv_bytes: u64,
+        /// Bytes the worker fetched from sources for the slice (0 when all was cached).
         fetched_bytes: u64,
     },
 }
@@ -356,43 +466,113 @@ pub enum Command {
 /// What an applied command did, for the caller's reply.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub enum Applied {
+    /// The command applied; nothing more to say.
     Done,
     /// The deployment was created with this generation.
     Deployed {
+        /// The generation its (new) placement got; workers refuse frames of any other.
         generation: u64,
     },
 }
 
+/// Why a command did not apply (the state is unchanged).
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum StateError {
+    /// A node or deployment name outside its alphabet or length, or a malformed certificate
+    /// fingerprint.
     #[error("invalid {what} name `{name}`: use 1-64 characters of letters, digits, `.`, `_`, `-`, starting with a letter or digit (node names: 1-63 lower-case letters, digits and `-`)")]
-    BadName { what: String, name: String },
+    BadName {
+        /// What the name is for: `node`, `deployment`, `certificate fingerprint`.
+        what: String,
+        /// The name as given (a node or deployment name cut to 80 characters).
+        name: String,
+    },
+    /// No node of this name is registered.
     #[error("unknown node `{0}`")]
     UnknownNode(String),
+    /// A node registered without being admitted with the join token first.
     #[error("node `{0}` has not joined the cluster (it needs the join token first)")]
     NotAdmitted(String),
+    /// The node has no device of this name (or registered one with an empty or too long name).
     #[error("node `{node}` has no device `{device}`")]
-    UnknownDevice { node: String, device: String },
+    UnknownDevice {
+        /// The node's name.
+        node: String,
+        /// The device's name as given.
+        device: String,
+    },
+    /// A placement uses a node that is not up.
     #[error("node `{0}` is down")]
     NodeDown(String),
+    /// No deployment of this name.
     #[error("unknown deployment `{0}`")]
     UnknownDeployment(String),
+    /// A deployment of this name exists already.
     #[error("a deployment named `{0}` exists already (undeploy it first)")]
     DeploymentExists(String),
+    /// No model of this id (or a model record without an id or layers).
     #[error("unknown model `{0}`")]
     UnknownModel(String),
+    /// A node to remove still holds stages.
     #[error("node `{node}` still holds stages of deployment(s) {deployments}")]
-    NodeInUse { node: String, deployments: String },
+    NodeInUse {
+        /// The node's name.
+        node: String,
+        /// The deployments holding stages there, comma-separated.
+        deployments: String,
+    },
+    /// A deployment's stages do not cover its model's layers in order on existing devices, its
+    /// context or sessions are 0, or its driver holds no stage.
     #[error("deployment `{name}`: {why}")]
-    BadPlacement { name: String, why: String },
+    BadPlacement {
+        /// The deployment's name.
+        name: String,
+        /// What is wrong with the placement.
+        why: String,
+    },
+    /// A stage report for a placement that has since been replaced.
     #[error("deployment `{deployment}` is at generation {current}, the report is for {reported}")]
-    StaleGeneration { deployment: String, current: u64, reported: u64 },
+    StaleGeneration {
+        /// The deployment's name.
+        deployment: String,
+        /// The deployment's generation now.
+        current: u64,
+        /// The generation the report was for.
+        reported: u64,
+    },
+    /// A stage report for a stage index the deployment does not have.
     #[error("deployment `{deployment}` has {n} stages, no stage {stage}")]
-    UnknownStage { deployment: String, stage: usize, n: usize },
+    UnknownStage {
+        /// The deployment's name.
+        deployment: String,
+        /// The stage index reported.
+        stage: usize,
+        /// Stages the deployment has.
+        n: usize,
+    },
+    /// A stage report from a node that does not hold the stage.
     #[error("stage {stage} of `{deployment}` is on node `{owner}`, not `{node}`")]
-    NotStageOwner { deployment: String, stage: usize, owner: String, node: String },
+    NotStageOwner {
+        /// The deployment's name.
+        deployment: String,
+        /// The stage index reported.
+        stage: usize,
+        /// The node that holds the stage.
+        owner: String,
+        /// The node that reported.
+        node: String,
+    },
+    /// A measured link a node may not report: from another node, to itself, or with a bandwidth
+    /// that is not positive or a latency that is negative.
     #[error("invalid link from `{from}` to `{to}`: {why}")]
-    BadLink { from: String, to: String, why: String },
+    BadLink {
+        /// The link's sending node.
+        from: String,
+        /// The link's receiving node.
+        to: String,
+        /// What is wrong with it.
+        why: String,
+    },
 }
 
 /// The whole replicated state.
@@ -400,10 +580,13 @@ pub enum StateError {
 pub struct ClusterState {
     /// Nodes admitted with the join token, and the certificate each holds.
     pub admitted: BTreeMap<String, Admission>,
+    /// Registered nodes by name.
     pub nodes: BTreeMap<String, NodeRecord>,
     /// Keyed by `from`, then `to`.
     pub links: BTreeMap<String, BTreeMap<String, LinkRecord>>,
+    /// Models the coordinator can serve, by [`ModelRecord::id`].
     pub models: BTreeMap<String, ModelRecord>,
+    /// Deployments by name.
     pub deployments: BTreeMap<String, Deployment>,
     /// The generation the next placement gets.
     pub next_generation: u64,
@@ -415,6 +598,7 @@ pub struct ClusterState {
 }
 
 impl ClusterState {
+    /// An empty state; its first placement gets generation 1.
     pub fn new() -> Self {
         ClusterState { next_generation: 1, ..Default::default() }
     }

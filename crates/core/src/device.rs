@@ -7,7 +7,9 @@ use std::str::FromStr;
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum DeviceKind {
+    /// The host's CPU.
     Cpu,
+    /// An NVIDIA GPU driven through CUDA.
     Cuda,
 }
 
@@ -16,11 +18,14 @@ pub enum DeviceKind {
 /// Spelled `cpu` and `cuda0`, `cuda1`, … (`cuda:0` and `cuda` = `cuda0` are accepted too).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub enum DeviceId {
+    /// The host's CPU (`cpu`).
     Cpu,
+    /// The CUDA device of this ordinal (`cuda0`, `cuda1`, …).
     Cuda(u32),
 }
 
 impl DeviceId {
+    /// Whether this is the CPU or a CUDA device.
     pub fn kind(&self) -> DeviceKind {
         match self {
             DeviceId::Cpu => DeviceKind::Cpu,

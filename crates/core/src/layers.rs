@@ -11,18 +11,22 @@ pub struct LayerRange {
 }
 
 impl LayerRange {
+    /// The layers `[start, end)`; [`CoreError::EmptyRange`] unless `start < end`.
     pub fn new(start: usize, end: usize) -> Result<Self, CoreError> {
         if start >= end {
             return Err(CoreError::EmptyRange { start, end });
         }
         Ok(Self { start, end })
     }
+    /// The first layer of the range.
     pub fn start(&self) -> usize {
         self.start
     }
+    /// One past the last layer of the range.
     pub fn end(&self) -> usize {
         self.end
     }
+    /// Layers in the range (at least 1).
     pub fn len(&self) -> usize {
         self.end - self.start
     }
@@ -30,9 +34,11 @@ impl LayerRange {
     pub fn is_empty(&self) -> bool {
         false
     }
+    /// Whether layer `layer` is in `[start, end)`.
     pub fn contains(&self, layer: usize) -> bool {
         (self.start..self.end).contains(&layer)
     }
+    /// The layer indices of the range, in order.
     pub fn iter(&self) -> std::ops::Range<usize> {
         self.start..self.end
     }
@@ -68,7 +74,9 @@ impl fmt::Display for LayerRange {
 /// One stage of a pipeline on one box: a device and the layers it holds.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Stage {
+    /// The device that runs the stage.
     pub device: DeviceId,
+    /// The layers it holds.
     pub layers: LayerRange,
 }
 
@@ -138,6 +146,7 @@ impl DeviceMap {
         Self::from_entries(entries)
     }
 
+    /// The (device, layer count) entries in pipeline order; every count is nonzero.
     pub fn entries(&self) -> &[(DeviceId, usize)] {
         &self.entries
     }

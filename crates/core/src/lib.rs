@@ -18,6 +18,7 @@
 //! The planner and the replicated cluster state build on it and stay testable exhaustively.
 #![forbid(unsafe_code)]
 #![warn(unreachable_pub)]
+#![warn(missing_docs)]
 
 pub mod admission;
 pub mod cluster;
@@ -37,14 +38,34 @@ pub use sampling::{Constraint, SamplingError, SamplingParams, TokenConstraint, T
 /// Errors of the vocabulary types: all of them are about parsing or validating user input.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum CoreError {
+    /// A device name other than `cpu` or `cudaN`, as given.
     #[error("unknown device `{0}`: expected `cpu` or `cudaN` (for example `cuda0`)")]
     UnknownDevice(String),
+    /// A layer range with `start >= end`.
     #[error("invalid layer range [{start}, {end}): start must be below end")]
-    EmptyRange { start: usize, end: usize },
+    EmptyRange {
+        /// The first layer asked for.
+        start: usize,
+        /// The end asked for (exclusive).
+        end: usize,
+    },
+    /// A `--device-map` entry that is not `DEVICE:LAYERS` with a known device and a nonzero count.
     #[error("invalid device map entry `{entry}`: {why}")]
-    BadDeviceMapEntry { entry: String, why: String },
+    BadDeviceMapEntry {
+        /// The entry as written (`cpu:0`, `tpu:3`, …).
+        entry: String,
+        /// What is wrong with it, for the user.
+        why: String,
+    },
+    /// A device map whose counts do not add up to the model's layers.
     #[error("device map places {placed} layers but the model has {n_layers}")]
-    LayerCountMismatch { placed: usize, n_layers: usize },
+    LayerCountMismatch {
+        /// Layers the map's counts sum to.
+        placed: usize,
+        /// Layers of the model.
+        n_layers: usize,
+    },
+    /// A device map with no entries.
     #[error("device map is empty")]
     EmptyDeviceMap,
 }

@@ -5,6 +5,7 @@ use serde::{Deserialize, Serialize};
 /// (exact bytes from its tensor table) or built from a [`LlamaShape`] and a bits-per-weight.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct ModelProfile {
+    /// The model's name, as plans and errors show it.
     pub name: String,
     /// Weight bytes of each transformer layer.
     pub layer_bytes: Vec<u64>,
@@ -12,6 +13,7 @@ pub struct ModelProfile {
     pub layer_flops: Vec<f64>,
     /// The output head (+ final norm): bytes and flops per token (2 × hidden × vocab).
     pub head_bytes: u64,
+    /// Floating-point operations per token of the output head (2 × hidden × vocab).
     pub head_flops: f64,
     /// The token embedding: memory only (a token reads one row).
     pub embed_bytes: u64,
@@ -38,7 +40,10 @@ pub struct ModelProfile {
     /// the max-context objective goes no further. `None`: unknown (a shape's profile).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub context_length: Option<u64>,
+    /// Elements of one token's hidden state, what passes between stages
+    /// ([`ModelProfile::act_bytes`]).
     pub hidden: usize,
+    /// Tokens in the vocabulary (the head's output width).
     pub vocab: usize,
     /// Mixture-of-experts layers: what of each layer's bytes are its routed experts, of which a
     /// token reads only the ones it chose. `None`: dense layers, every byte read per pass.
@@ -52,6 +57,7 @@ pub struct MoeProfile {
     /// Bytes of each layer's routed experts (within [`ModelProfile::layer_bytes`]; a shared
     /// expert is always read and not counted here).
     pub expert_bytes: Vec<u64>,
+    /// Routed experts per layer.
     pub experts: usize,
     /// Experts each token goes through.
     pub used: usize,
@@ -85,6 +91,7 @@ impl ModelProfile {
         }
     }
 
+    /// Transformer layers: the length of [`ModelProfile::layer_bytes`].
     pub fn n_layers(&self) -> usize {
         self.layer_bytes.len()
     }
@@ -151,11 +158,17 @@ impl ModelProfile {
 /// A Llama-family shape.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct LlamaShape {
+    /// Transformer layers.
     pub layers: usize,
+    /// Width of the hidden state (the model dimension).
     pub hidden: usize,
+    /// Inner width of the feed-forward block (gate, up and down projections).
     pub ffn: usize,
+    /// Attention (query) heads; the head dimension is `hidden / heads`.
     pub heads: usize,
+    /// Key/value heads (fewer than `heads` with grouped-query attention).
     pub kv_heads: usize,
+    /// Tokens in the vocabulary.
     pub vocab: usize,
     /// The output head shares the embedding's weights (Llama 3.2 1B).
     pub tied: bool,
@@ -173,6 +186,7 @@ impl LlamaShape {
         Some(LlamaShape { layers, hidden, ffn, heads, kv_heads, vocab: 128_256, tied })
     }
 
+    /// The names [`LlamaShape::preset`] knows.
     pub const PRESETS: [&'static str; 3] = ["llama-1b", "llama-8b", "llama-70b"];
 }
 

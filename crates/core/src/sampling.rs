@@ -57,6 +57,7 @@ pub const MAX_TOP_LOGPROBS: usize = 20;
 /// softmax of its logits), whatever the sampling settings that then drew the token.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct TokenLogprob {
+    /// Natural log of the drawn id's probability (−∞ when the model gave it none).
     pub logprob: f32,
     /// The `n` most likely ids, most likely first (ties: lower id first).
     pub top: Vec<(u32, f32)>,
@@ -137,7 +138,9 @@ impl std::fmt::Debug for Constraint {
 pub struct SamplingError {
     /// The field's name as the APIs spell it (`top_p`, `repeat_penalty`, …).
     pub field: &'static str,
+    /// The value the request gave.
     pub value: f32,
+    /// What the value must be instead.
     pub why: &'static str,
 }
 

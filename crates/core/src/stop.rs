@@ -11,10 +11,17 @@ pub const MAX_STOP_BYTES: usize = 256;
 /// Stop strings a request may not give.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum StopError {
+    /// More than [`MAX_STOPS`] stop strings: how many were given.
     #[error("at most {MAX_STOPS} stop strings, got {0}")]
     TooMany(usize),
+    /// A stop string longer than [`MAX_STOP_BYTES`].
     #[error("a stop string is at most {MAX_STOP_BYTES} bytes, stop string {index} is {len}")]
-    TooLong { index: usize, len: usize },
+    TooLong {
+        /// Its position in the request's list, from 0.
+        index: usize,
+        /// Its length in bytes.
+        len: usize,
+    },
 }
 
 /// Checks a request's stop strings against [`MAX_STOPS`] and [`MAX_STOP_BYTES`].

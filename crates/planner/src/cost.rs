@@ -23,19 +23,30 @@ use std::collections::HashMap;
 /// A device of the problem, flattened out of its node.
 #[derive(Debug, Clone)]
 pub struct Dev {
+    /// The index of its node in the inventory's `nodes`.
     pub node: usize,
+    /// Its node's name.
     pub node_name: String,
+    /// Its name within the node (`cpu`, `cuda0`, …).
     pub name: String,
+    /// CPU or CUDA: picks the KV cache's type and whether the host link applies.
     pub kind: DeviceKind,
+    /// Bytes of memory the inventory gives it.
     pub memory: u64,
+    /// Bytes a plan may use on it: `(1 − headroom) × memory`, less the policy's reservations.
     pub budget: u64,
+    /// Memory read bandwidth, bytes/s.
     pub bw: f64,
+    /// Compute rate, flop/s.
     pub flops: f64,
+    /// Power drawn while computing, watts, if known.
     pub watts: Option<f64>,
+    /// The path to its node's CPU (PCIe); CUDA devices only.
     pub host_link: Option<Link>,
 }
 
 impl Dev {
+    /// `node/device`, as plans and errors name a device.
     pub fn label(&self) -> String {
         format!("{}/{}", self.node_name, self.name)
     }
@@ -43,10 +54,15 @@ impl Dev {
 
 /// A model on an inventory under a policy, with everything precomputed that the search reads.
 pub struct Problem<'a> {
+    /// The model to place.
     pub profile: &'a ModelProfile,
+    /// The cluster to place it on.
     pub inv: &'a Inventory,
+    /// Every device of every node in inventory order; stages name devices by index here.
     pub devs: Vec<Dev>,
+    /// Transformer layers of the model.
     pub n_layers: usize,
+    /// The index in the inventory's `nodes` of the driver's node (the first node by default).
     pub driver: usize,
     /// Decode seconds of layers `[0, l)` on each device.
     pub layer_t: Vec<Vec<f64>>,
@@ -62,9 +78,15 @@ pub struct Problem<'a> {
     kv_token_dev: Vec<u64>,
     /// Hop seconds per decoded token between two devices; `None` when they cannot be neighbours.
     pub hop: Vec<Vec<Option<f64>>>,
+    /// Seconds per decoded token for the token id from the driver to each device: the link's
+    /// latency (0 on the driver's node); `None` when the nodes have no link.
     pub drv_in: Vec<Option<f64>>,
+    /// Seconds per decoded token for the sampled id from each device back to the driver, as
+    /// [`Problem::drv_in`].
     pub drv_out: Vec<Option<f64>>,
+    /// Context tokens per session the KV cache and rotary tables are sized for.
     pub ctx: u64,
+    /// Concurrent sessions every stage holds a KV cache for.
     pub sessions: u64,
 }
 
@@ -98,6 +120,9 @@ fn path_time(links: &[Link], bytes: f64) -> f64 {
 }
 
 impl<'a> Problem<'a> {
+    /// Precomputes the problem for a context of `ctx` tokens (not the policy's `ctx`, so the
+    /// max-context search can try others). Errors on a profile without consistent layers, a
+    /// cluster without devices, or a driver that names no node.
     pub fn new(inv: &'a Inventory, profile: &'a ModelProfile, policy: &Policy, ctx: u64) -> Result<Self, PlanError> {
         let n_layers = profile.n_layers();
         if n_layers == 0 || profile.layer_flops.len() != n_layers {
@@ -241,6 +266,7 @@ impl<'a> Problem<'a> {
         }
     }
 
+    /// Whether stage `[a, b)` fits within device `d`'s budget (with the device's KV type).
     pub fn fits(&self, d: usize, a: usize, b: usize) -> bool {
         self.stage_mem_on(d, a, b).total() <= self.devs[d].budget
     }
@@ -346,15 +372,20 @@ impl<'a> Problem<'a> {
     }
 }
 
+/// Bytes a stage holds, by kind.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct StageMem {
+    /// The layers' weights, plus the embedding on the first stage and the head on the last (a
+    /// tied pair counted once).
     pub weights: u64,
+    /// The KV cache for `ctx` positions (fewer in sliding-window layers) of every session.
     pub kv: u64,
     /// The rotary tables over the context (every stage holds its own).
     pub tables: u64,
 }
 
 impl StageMem {
+    /// All of it, weights, KV cache and tables (saturating).
     pub fn total(&self) -> u64 {
         self.weights.saturating_add(self.kv).saturating_add(self.tables)
     }
@@ -363,12 +394,19 @@ impl StageMem {
 /// The predicted numbers of an assignment.
 #[derive(Debug, Clone)]
 pub struct Metrics {
+    /// Seconds per decoded token of one session: stages, hops and both driver legs.
     pub decode_s: f64,
+    /// Decode seconds per token of each stage, in pipeline order.
     pub stage_s: Vec<f64>,
+    /// Seconds per token of each hop between consecutive stages.
     pub hop_s: Vec<f64>,
+    /// Seconds per token from the driver to the first stage.
     pub driver_in_s: f64,
+    /// Seconds per token from the last stage back to the driver.
     pub driver_out_s: f64,
+    /// Seconds per token of the slowest stage or hop.
     pub bottleneck_s: f64,
+    /// Tokens per second over all sessions: `min(sessions / decode_s, 1 / bottleneck_s)`.
     pub throughput: f64,
     /// Joules per token, when every used device has watts.
     pub energy_j: Option<f64>,

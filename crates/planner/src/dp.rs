@@ -219,7 +219,9 @@ fn walk_back(
 /// What [`pareto`] adds up besides decode seconds: `coef[d]` per second of a stage on device
 /// `d`, and `hop_coef` per second of hops and driver legs.
 pub struct Second<'a> {
+    /// Per device of the problem (by index), the quantity per second of a stage on it.
     pub coef: &'a [f64],
+    /// The quantity per second of hops and driver legs.
     pub hop_coef: f64,
 }
 

@@ -8,61 +8,103 @@ use crate::{Inventory, ModelProfile, Objective, PlanError, Policy, Reservation};
 use brigade_core::DeviceKind;
 use serde::Serialize;
 
+/// One stage of a plan: a device, its layers, and its predicted memory and time.
 #[derive(Debug, Clone, Serialize)]
 pub struct StagePlan {
+    /// The node's name.
     pub node: String,
+    /// The device's name on that node.
     pub device: String,
+    /// CPU or CUDA.
     pub kind: DeviceKind,
+    /// The layers it holds, `(start, end)` half-open.
     pub layers: (usize, usize),
+    /// Bytes of weights, with the embedding on the first stage and the head on the last.
     pub weight_bytes: u64,
+    /// Bytes of KV cache for `ctx` × `sessions`, in the device's KV type.
     pub kv_bytes: u64,
+    /// All bytes the stage holds: weights, KV cache and rotary tables.
     pub memory_bytes: u64,
+    /// Bytes the device may hold: its memory after headroom and reservations.
     pub budget_bytes: u64,
+    /// Milliseconds per decoded token of the stage's layers (and the head on the last).
     pub compute_ms: f64,
+    /// Milliseconds of the stage's share of a 512-token prompt.
     pub prefill_ms_512: f64,
+    /// Why the stage is as it is: `; `-separated clauses (time per layer, share of its budget,
+    /// embedding or head, distance from the driver).
     pub reason: String,
 }
 
+/// One hop of a plan: hidden states between consecutive stages, or a driver's leg.
 #[derive(Debug, Clone, Serialize)]
 pub struct HopPlan {
+    /// The sending end: a device's `node/device` label, or `driver NODE`.
     pub from: String,
+    /// The receiving end, labelled as `from`.
     pub to: String,
+    /// Milliseconds per decoded token.
     pub ms: f64,
+    /// Milliseconds to carry a 512-token prompt's share (NaN where there is no path).
     pub prefill_ms_512: f64,
 }
 
+/// A placement the planner considered and did not choose, with why.
 #[derive(Debug, Clone, Serialize)]
 pub struct Rejected {
+    /// What it was: `all on node/device`, or `only NODE's devices`.
     pub alternative: String,
+    /// Why it lost, with its number (tokens/s, J/token, watts, or the bytes it is short).
     pub reason: String,
+    /// Its rate in tokens/s (all sessions' for the throughput objective, one session's
+    /// otherwise); `None` when it does not fit.
     pub tokens_per_s: Option<f64>,
+    /// Bytes it is short of, when it does not fit.
     pub shortfall_bytes: Option<u64>,
 }
 
+/// A placement with its predicted numbers, the reasons for it and the alternatives rejected:
+/// what [`plan`] returns and [`Plan::to_text`] renders.
 #[derive(Debug, Clone, Serialize)]
 pub struct Plan {
+    /// The model's name ([`ModelProfile::name`]).
     pub model: String,
+    /// The objective it was planned for.
     pub objective: Objective,
+    /// Context tokens per session it holds (for max-context: the largest that fits).
     pub ctx: u64,
+    /// Concurrent sessions every stage holds a KV cache for.
     pub sessions: u64,
+    /// Share of each device's memory left free.
     pub headroom: f64,
+    /// The driver's node name.
     pub driver: String,
     /// The optimum of the cost model (false: chosen by the heuristic for large clusters).
     pub exact: bool,
+    /// The stages in pipeline order; together they hold every layer once.
     pub stages: Vec<StagePlan>,
     /// Between consecutive stages, then the driver's legs (`driver → first`, `last → driver`).
     pub hops: Vec<HopPlan>,
+    /// Milliseconds per decoded token of one session: stages, hops and driver legs.
     pub decode_ms_per_token: f64,
     /// One session's decode rate.
     pub tokens_per_s: f64,
     /// All sessions together.
     pub throughput_tokens_per_s: f64,
+    /// Milliseconds to prefill a 512-token prompt through the pipeline.
     pub prefill_ms_512: f64,
+    /// Prompt tokens per second of that prefill.
     pub prefill_tokens_per_s: f64,
+    /// Joules per decoded token, when every device used has watts.
     pub energy_j_per_token: Option<f64>,
+    /// Average power while decoding, in watts, when every device used has watts.
     pub avg_watts: Option<f64>,
+    /// The slowest stage or hop and its share of a token's time (for throughput: the rate it
+    /// caps the pipeline at).
     pub bottleneck: String,
+    /// Single-device placements, and the driver's node alone, with why each lost.
     pub rejected: Vec<Rejected>,
+    /// Memory other models hold, as the policy gave it.
     pub reserved: Vec<Reservation>,
 }
 

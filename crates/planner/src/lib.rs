@@ -18,6 +18,7 @@
 //! Deliberately absent: tokio, tonic, candle, raft (a test checks `cargo tree`).
 #![forbid(unsafe_code)]
 #![warn(unreachable_pub)]
+#![warn(missing_docs)]
 
 pub mod cluster;
 pub mod cost;
@@ -33,6 +34,7 @@ pub use explain::{plan, plan_with_second, HopPlan, Plan, Rejected, StagePlan};
 
 use serde::{Deserialize, Serialize};
 
+/// What the planner optimises (`--objective`: `latency`, `throughput`, `max-context`, `energy`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "kebab-case")]
 pub enum Objective {
@@ -73,14 +75,20 @@ impl std::fmt::Display for Objective {
 /// Memory another model already holds on a device (`--also-model`).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct Reservation {
+    /// The node's name.
     pub node: String,
+    /// The device's name on that node.
     pub device: String,
+    /// Bytes held, taken off the device's budget.
     pub bytes: u64,
+    /// The name of the model that holds them.
     pub by: String,
 }
 
+/// What to plan for: the objective, the context and sessions to hold, and the limits.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct Policy {
+    /// What to optimise.
     pub objective: Objective,
     /// Context length in tokens (KV cache per session).
     pub ctx: u64,
@@ -94,6 +102,7 @@ pub struct Policy {
     pub slack: f64,
     /// A cap on the average power drawn while decoding (watts), for any objective but energy.
     pub max_watts: Option<f64>,
+    /// Memory other models already hold, taken off the devices' budgets.
     pub reserved: Vec<Reservation>,
 }
 
@@ -113,6 +122,8 @@ impl Default for Policy {
 }
 
 impl Policy {
+    /// Refuses what the planner cannot use, naming the flag: `--headroom` outside [0, 1),
+    /// `--ctx` or `--sessions` of 0, `--slack` below 1, a `--max-watts` that is not positive.
     pub fn validate(&self) -> Result<(), PlanError> {
         let bad = |what: &str, value: String, why: &str| {
             Err(PlanError::BadValue { what: what.into(), value, why: why.into() })
@@ -138,20 +149,50 @@ impl Policy {
     }
 }
 
+/// Why there is no plan.
 #[derive(Debug, thiserror::Error)]
 pub enum PlanError {
+    /// A value in human units ([`units`]) that does not parse.
     #[error("{what}: `{value}` is not {expected}")]
-    BadUnit { what: String, value: String, expected: String },
+    BadUnit {
+        /// The field it was given for (a device's `memory`, a link's `latency`, …).
+        what: String,
+        /// The text as given.
+        value: String,
+        /// The kind of value expected, with examples.
+        expected: String,
+    },
+    /// A value that parses but cannot be used (out of range, not positive, implausible).
     #[error("{what}: `{value}` {why}")]
-    BadValue { what: String, value: String, why: String },
+    BadValue {
+        /// The field or flag it was given for (`--headroom`, …).
+        what: String,
+        /// The value as given.
+        value: String,
+        /// What is wrong with it.
+        why: String,
+    },
+    /// A cluster file that is not valid TOML of the expected shape, or names a node, device or
+    /// link twice, or a link to an unknown node; or a cluster without devices.
     #[error("invalid cluster: {0}")]
     BadCluster(String),
+    /// A model profile without layers, or whose per-layer lists disagree in length.
     #[error("invalid model profile: {0}")]
     BadModel(String),
+    /// The policy's driver names no node of the cluster.
     #[error("driver node `{0}` is not in the cluster")]
     UnknownDriver(String),
+    /// No placement fits the model with its KV cache in the devices' budgets.
     #[error("the model does not fit: {detail} (short by {shortfall_bytes} bytes)")]
-    Infeasible { shortfall_bytes: u64, detail: String },
+    Infeasible {
+        /// Bytes missing; 0 when there is memory enough in all but no chain of linked devices
+        /// reachable from the driver holds the model.
+        shortfall_bytes: u64,
+        /// What needs how much against what there is, for the user.
+        detail: String,
+    },
+    /// The energy objective or a watts cap, with devices that lack `watts`: their labels
+    /// (`node/device`), comma-separated.
     #[error("the energy objective needs `watts` on every device; missing on {0}")]
     MissingWatts(String),
 }

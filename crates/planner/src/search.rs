@@ -29,8 +29,11 @@ pub const BEAM_SOURCES: usize = 2;
 
 /// A solved placement.
 pub struct Solution {
+    /// The chain: (device, first layer, end layer) in pipeline order.
     pub stages: Stages,
+    /// The cost model's numbers for it.
     pub metrics: Metrics,
+    /// Context tokens per session it was planned for.
     pub ctx: u64,
     /// False when the heuristic chose the devices or a Pareto front was thinned.
     pub exact: bool,
