@@ -251,3 +251,17 @@ fn unsafe_stays_in_the_model_runtime_and_the_binary() {
     }
     assert!(checked >= 10, "only {checked} crates read under {}", crates.display());
 }
+
+/// The crates other crates and users build on (the domain types, the planner, the Rust SDK)
+/// document every public item and export nothing unreachable: their lib.rs warns of both.
+#[test]
+fn the_shared_crates_document_their_public_items() {
+    let crates = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
+    for name in ["core", "planner", "sdk"] {
+        let text = std::fs::read_to_string(crates.join(name).join("src/lib.rs")).unwrap();
+        let lints: String = text.lines().filter(|l| l.starts_with("#![")).collect();
+        for lint in ["missing_docs", "unreachable_pub"] {
+            assert!(lints.contains(lint), "crates/{name}/src/lib.rs does not warn of {lint}: {lints}");
+        }
+    }
+}
