@@ -1152,13 +1152,8 @@ mod tests {
         assert_eq!(input.queued.load(Ordering::Acquire), one);
     }
 
-    /// Prompts of three sessions waiting together at a stage are read in one pass
-    /// (`forward_ragged`), and each session's first draw and its log-probability are, bit for
-    /// bit, what its prompt read alone gives: on one stage (the last: the draws of the pass's
-    /// rows), and on the first of two on one node (each chunk's rows handed on alone).
-    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-    async fn prompts_waiting_together_are_read_in_one_pass_with_their_own_numbers() {
-        let dir = tempfile::tempdir().unwrap();
+    /// A random Q4_K model of two layers (its weights packed on CPUs with int8 kernels).
+    fn q4k_model(dir: &tempfile::TempDir) -> brigade_model::ModelFiles {
         let path = dir.path().join("q4k.gguf");
         let shape = brigade_model::synth::Shape {
             layers: 2,
@@ -1171,18 +1166,81 @@ mod tests {
             rope_theta: 1e4,
         };
         brigade_model::synth::write_gguf(&path, &shape, brigade_model::synth::SynthType::Q4K, 3, |_, _| {}).unwrap();
-        let files = brigade_model::ModelFiles::open(&path).unwrap();
-        let load = |a: usize, b: usize| {
-            let layers = brigade_core::LayerRange::new(a, b).unwrap();
-            Slice::load(&files, layers, &candle_core::Device::Cpu, candle_core::DType::F32, 256).unwrap()
+        brigade_model::ModelFiles::open(&path).unwrap()
+    }
+
+    fn load(files: &brigade_model::ModelFiles, (a, b): (usize, usize)) -> Slice {
+        let layers = brigade_core::LayerRange::new(a, b).unwrap();
+        Slice::load(files, layers, &candle_core::Device::Cpu, candle_core::DType::F32, 256).unwrap()
+    }
+
+    /// A router for node `w1`, which hosts every stage of deployment `d` and drives it.
+    fn router() -> Arc<Router> {
+        let ca = brigade_transport::ClusterCa::generate("test").unwrap();
+        let identity = ca.new_identity("w1", brigade_transport::Role::Node).unwrap();
+        let quic =
+            brigade_transport::QuicEndpoint::bind("127.0.0.1:0".parse().unwrap(), &identity, ca.cert_pem()).unwrap();
+        Router::new("w1".into(), crate::identity::Creds { identity, ca_pem: ca.cert_pem().to_string() }, quic)
+    }
+
+    /// Stage `stage` of `n` of deployment `d` (generation 1) on `w1`.
+    fn place(stage: u32, n: u32) -> StagePlace {
+        let me = crate::router::Peer { node: "w1".into(), address: String::new() };
+        StagePlace {
+            deployment: "d".into(),
+            generation: 1,
+            stage,
+            n_stages: n,
+            next: (stage + 1 < n).then(|| me.clone()),
+            driver: me,
+            act_dtype: ActDtype::F32,
+            carrier: CarrierKind::Quic,
+            max_sessions: 8,
+            session_idle: std::time::Duration::from_secs(60),
+        }
+    }
+
+    /// OPEN for `session`: greedy, scoring the draw's log-probability.
+    fn open_frame(session: u64, prompt: &[u32]) -> Frame {
+        let greedy = brigade_proto::convert::sampling_to_proto(&brigade_core::SamplingParams::greedy());
+        let spec = SessionSpec {
+            sampling: Some(greedy),
+            prompt_ids: prompt.to_vec(),
+            logprobs: Some(1),
+            ..Default::default()
         };
+        Frame::open(&spec).in_session("d", 1, session)
+    }
+
+    /// `ids` at `position` for `session`: a prompt's last chunk, or with `run` a decode run.
+    fn tokens_at(session: u64, position: u64, ids: &[u32], run: bool) -> Frame {
+        let mut f = Frame::tokens(1, position, ids).with_flags(FLAG_LAST).in_session("d", 1, session);
+        if run {
+            f.header.flags |= FLAG_DRAFT;
+            f.header.draft = ids.to_vec();
+        }
+        f
+    }
+
+    async fn answer(rx: &mut tokio::sync::mpsc::UnboundedReceiver<Frame>) -> Frame {
+        tokio::time::timeout(std::time::Duration::from_secs(60), rx.recv()).await.unwrap().unwrap()
+    }
+
+    /// Prompts of three sessions waiting together at a stage are read in one pass
+    /// (`forward_ragged`), and each session's first draw and its log-probability are, bit for
+    /// bit, what its prompt read alone gives: on one stage (the last: the draws of the pass's
+    /// rows), and on the first of two on one node (each chunk's rows handed on alone).
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn prompts_waiting_together_are_read_in_one_pass_with_their_own_numbers() {
+        let dir = tempfile::tempdir().unwrap();
+        let files = q4k_model(&dir);
         let prompts: Vec<Vec<u32>> =
             [5usize, 17, 9].iter().map(|&n| (0..n as u32).map(|i| 3 + (i * 37 + n as u32) % 290).collect()).collect();
         // alone: each prompt read by a fresh cache, its logits' greedy id and log-probability
         let alone: Vec<(u32, f32)> = prompts
             .iter()
             .map(|p| {
-                let s = load(0, 2);
+                let s = load(&files, (0, 2));
                 let mut c = s.new_cache().unwrap();
                 let l = s.forward(&mut c, StageInput::Tokens(p), Logits::Last).unwrap();
                 let l = brigade_model::rows::logits_row(&l).unwrap();
@@ -1191,59 +1249,34 @@ mod tests {
             })
             .collect();
         for cuts in [vec![(0, 2)], vec![(0, 1), (1, 2)]] {
-            let ca = brigade_transport::ClusterCa::generate("test").unwrap();
-            let identity = ca.new_identity("w1", brigade_transport::Role::Node).unwrap();
-            let quic = brigade_transport::QuicEndpoint::bind("127.0.0.1:0".parse().unwrap(), &identity, ca.cert_pem())
-                .unwrap();
-            let tls = crate::identity::Creds { identity, ca_pem: ca.cert_pem().to_string() };
-            let router = Router::new("w1".into(), tls, quic);
-            let me = crate::router::Peer { node: "w1".into(), address: String::new() };
+            let router = router();
             let n = cuts.len() as u32;
-            let place = |stage: u32| StagePlace {
-                deployment: "d".into(),
-                generation: 1,
-                stage,
-                n_stages: n,
-                next: (stage + 1 < n).then(|| me.clone()),
-                driver: me.clone(),
-                act_dtype: ActDtype::F32,
-                carrier: CarrierKind::Quic,
-                max_sessions: 4,
-                session_idle: std::time::Duration::from_secs(60),
-            };
-            let greedy = brigade_proto::convert::sampling_to_proto(&brigade_core::SamplingParams::greedy());
             let (inbox, queue) = stage_queue(1 << 24);
             let mut answers = Vec::new();
             // every frame waits in the first stage's queue before its thread starts
             for (k, p) in prompts.iter().enumerate() {
-                let session = 100 + k as u64;
-                let spec = SessionSpec {
-                    sampling: Some(greedy),
-                    prompt_ids: p.clone(),
-                    logprobs: Some(1),
-                    ..Default::default()
-                };
-                inbox.offer(Frame::open(&spec).in_session("d", 1, session)).unwrap();
-                answers.push(router.register_driver(session, Arc::new(vec!["w1".into()])));
+                inbox.offer(open_frame(100 + k as u64, p)).unwrap();
+                answers.push(router.register_driver(100 + k as u64, Arc::new(vec!["w1".into()])));
             }
             for (k, p) in prompts.iter().enumerate() {
-                let f = Frame::tokens(0, 0, p).with_flags(FLAG_LAST).in_session("d", 1, 100 + k as u64);
-                inbox.offer(f).unwrap();
+                inbox.offer(tokens_at(100 + k as u64, 0, p, false)).unwrap();
             }
             let tk = files.tokenizer.clone();
             // the later stages first (their inputs known to the router), then the first
             let mut later = Vec::new();
-            for (i, &(a, b)) in cuts.iter().enumerate().skip(1) {
+            for (i, &cut) in cuts.iter().enumerate().skip(1) {
                 let h =
-                    StageHandle::start(place(i as u32), load(a, b), Vec::new(), tk.clone(), router.clone()).unwrap();
+                    StageHandle::start(place(i as u32, n), load(&files, cut), Vec::new(), tk.clone(), router.clone())
+                        .unwrap();
                 router.add_stage("d", i as u32, h.input.clone(), "w1");
                 later.push(h);
             }
-            let slice = load(cuts[0].0, cuts[0].1);
+            let slice = load(&files, cuts[0]);
             let together = slice.reads_prompts_together() && brigade_model::batch::together_allowed();
-            let first = StageHandle::start_on(place(0), slice, Vec::new(), tk, router.clone(), (inbox, queue)).unwrap();
+            let first =
+                StageHandle::start_on(place(0, n), slice, Vec::new(), tk, router.clone(), (inbox, queue)).unwrap();
             for (k, rx) in answers.iter_mut().enumerate() {
-                let f = tokio::time::timeout(std::time::Duration::from_secs(60), rx.recv()).await.unwrap().unwrap();
+                let f = answer(rx).await;
                 assert_eq!(f.header.kind, FrameKind::Tokens as i32, "{cuts:?}, session {k}: {}", f.header.text);
                 let ids = wire::ids_from_frame(&f.header, &f.payload).unwrap();
                 let lp = f.header.scores.as_ref().unwrap().logprob;
@@ -1259,5 +1292,62 @@ mod tests {
             assert_eq!(rows, if together { 31 } else { 0 }, "{cuts:?}: prompt rows read together");
             drop((first, later));
         }
+    }
+
+    /// Decode runs that do not add up end their own session with an error naming what is wrong,
+    /// and no other: ids in the header that are not the rows', a header of another length, a
+    /// run past `MAX_RUN`, a frame going back before the last run or with no run to go back
+    /// to. A session beside them decodes a run, goes back into it and on.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn malformed_decode_runs_end_their_session_only() {
+        let dir = tempfile::tempdir().unwrap();
+        let files = q4k_model(&dir);
+        let router = router();
+        let handle =
+            StageHandle::start(place(0, 1), load(&files, (0, 2)), Vec::new(), files.tokenizer.clone(), router.clone())
+                .unwrap();
+        let prompt: Vec<u32> = (3..13).collect();
+        let mut rx = Vec::new();
+        for s in 0..6u64 {
+            rx.push(router.register_driver(s, Arc::new(vec!["w1".into()])));
+            handle.input.offer(open_frame(s, &prompt)).unwrap();
+            handle.input.offer(tokens_at(s, 0, &prompt, false)).unwrap();
+            let f = answer(&mut rx[s as usize]).await;
+            assert_eq!(f.header.kind, FrameKind::Tokens as i32, "{}", f.header.text);
+        }
+        let at = prompt.len() as u64;
+        let bad = |s: u64, f: Frame| {
+            handle.input.offer(f).unwrap();
+            s
+        };
+        let mut wrong_ids = tokens_at(0, at, &[5, 6, 7], true);
+        wrong_ids.header.draft = vec![5, 6, 8];
+        let mut short = tokens_at(1, at, &[5, 6, 7], true);
+        short.header.draft = vec![5, 6];
+        let long: Vec<u32> = (0..MAX_RUN as u32 + 1).map(|i| 3 + i % 200).collect();
+        let cases = [
+            (bad(0, wrong_ids), "not its rows'"),
+            (bad(1, short), "3 rows with 2 ids"),
+            (bad(2, tokens_at(2, at, &long, true)), "1 to 65"),
+            (bad(3, tokens_at(3, at - 2, &[5], false)), "cache holds"),
+        ];
+        for (s, why) in cases {
+            let f = answer(&mut rx[s as usize]).await;
+            assert_eq!(f.header.kind, FrameKind::Error as i32, "session {s}");
+            assert!(f.header.text.contains(why), "session {s}: {}", f.header.text);
+        }
+        // session 4 runs 4 rows, goes back to its second (the draft's first token taken) and on;
+        // a frame of session 5 before its run's first position is refused
+        for s in [4u64, 5] {
+            handle.input.offer(tokens_at(s, at, &[20, 21, 22, 23], true)).unwrap();
+            let f = answer(&mut rx[s as usize]).await;
+            assert_eq!(f.header.kind, FrameKind::Tokens as i32, "session {s}: {}", f.header.text);
+        }
+        handle.input.offer(tokens_at(4, at + 2, &[30], false)).unwrap();
+        let f = answer(&mut rx[4]).await;
+        assert_eq!(f.header.kind, FrameKind::Tokens as i32, "session 4 after going back: {}", f.header.text);
+        handle.input.offer(tokens_at(5, at, &[30], false)).unwrap();
+        let f = answer(&mut rx[5]).await;
+        assert!(f.header.kind == FrameKind::Error as i32 && f.header.text.contains("cache holds"), "{}", f.header.text);
     }
 }
