@@ -32,8 +32,10 @@ pub mod v1 {
 /// The encoded `FileDescriptorSet` of `brigade.v1`, for `tonic-reflection`.
 pub const FILE_DESCRIPTOR_SET: &[u8] = tonic::include_file_descriptor_set!("brigade_v1_descriptor");
 
-/// The protocol version this build speaks. Peers of another version are refused.
-pub const PROTOCOL_VERSION: u32 = 1;
+/// The protocol version this build speaks. Peers of another version are refused. 2: decode
+/// runs (`FLAG_DRAFT`, `FrameHeader.draft`), which a stage of version 1 would read as a prompt
+/// chunk.
+pub const PROTOCOL_VERSION: u32 = 2;
 
 /// The gRPC metadata key that carries the caller's protocol version (decimal).
 pub const PROTOCOL_METADATA_KEY: &str = "brigade-protocol";
@@ -114,16 +116,16 @@ mod tests {
     #[test]
     fn another_version_is_refused_naming_both() {
         let mut request = Request::new(());
-        request.metadata_mut().insert(PROTOCOL_METADATA_KEY, MetadataValue::from(2u32));
+        request.metadata_mut().insert(PROTOCOL_METADATA_KEY, MetadataValue::from(1u32));
         let status = check_version(&request).err();
         assert_eq!(status.as_ref().map(Status::code), Some(Code::FailedPrecondition));
         assert_eq!(
             status.as_ref().map(Status::message),
-            Some("protocol version mismatch: client speaks 2, this server speaks 1")
+            Some("protocol version mismatch: client speaks 1, this server speaks 2")
         );
         assert_eq!(
             check_protocol(7).err().map(|s| s.message().to_owned()),
-            Some("protocol version mismatch: client speaks 7, this server speaks 1".to_owned())
+            Some("protocol version mismatch: client speaks 7, this server speaks 2".to_owned())
         );
     }
 
@@ -132,13 +134,13 @@ mod tests {
         let status = require_version(Request::new(())).err();
         assert_eq!(
             status.as_ref().map(Status::message),
-            Some("protocol version mismatch: client did not state a protocol version, this server speaks 1")
+            Some("protocol version mismatch: client did not state a protocol version, this server speaks 2")
         );
         assert_eq!(check_protocol(0).err().map(|s| s.code()), Some(Code::FailedPrecondition));
         let mut request = Request::new(());
         request.metadata_mut().insert(PROTOCOL_METADATA_KEY, MetadataValue::from_static("one"));
         let status = check_version(&request).err();
-        assert!(status.is_some_and(|s| s.message().contains("\"one\"") && s.message().contains("speaks 1")));
+        assert!(status.is_some_and(|s| s.message().contains("\"one\"") && s.message().contains("speaks 2")));
     }
 
     #[test]

@@ -147,7 +147,7 @@ mod tests {
         assert!(a.send(newer).await.is_ok());
         let refused = accept_handshake(&mut b, "b").await;
         let text = refused.map_err(|e| e.to_string()).err().unwrap_or_default();
-        assert_eq!(text, "protocol version mismatch: `a` speaks 2, this node speaks 1");
+        assert_eq!(text, "protocol version mismatch: `a` speaks 3, this node speaks 2");
         // `a` hears no hello, only the error naming both versions
         let error = a.recv_within(Duration::from_secs(5), "error").await;
         assert!(error.is_ok_and(|f| f.kind() == Some(FrameKind::Error) && f.header.text == text));

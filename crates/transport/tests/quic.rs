@@ -183,18 +183,18 @@ async fn a_hello_of_another_protocol_version_is_refused_naming_both() {
     let dialing = async {
         let (_client, _conn, mut send, mut recv) = raw_stream(&alpha, cluster.ca_pem(), addr(&beta), "beta").await;
         let mut hello = Frame::hello("alpha");
-        hello.header.protocol = 2;
+        hello.header.protocol = 1;
         write_frame(&mut send, &hello).await;
         let mut decoder = Decoder::new(Limits::default());
         read_frame(&mut recv, &mut decoder).await
     };
     let (accepted, answer) = bounded("version mismatch", async { tokio::join!(accepting, dialing) }).await;
     let accepted = accepted.map(|r| r.map(|_| ()).map_err(|e| e.to_string()));
-    assert_eq!(accepted, Some(Err("protocol version mismatch: `alpha` speaks 2, this node speaks 1".to_owned())));
+    assert_eq!(accepted, Some(Err("protocol version mismatch: `alpha` speaks 1, this node speaks 2".to_owned())));
     let answer = answer.map(|f| (f.kind(), f.header.text));
     assert_eq!(
         answer,
-        Some((Some(FrameKind::Error), "protocol version mismatch: `alpha` speaks 2, this node speaks 1".to_owned()))
+        Some((Some(FrameKind::Error), "protocol version mismatch: `alpha` speaks 1, this node speaks 2".to_owned()))
     );
 }
 

@@ -97,7 +97,7 @@ def test_from_env_reads_the_client_config(cluster: LocalCluster, monkeypatch: py
 
 def test_status_shows_nodes_devices_and_stages(client: Client) -> None:
     s = client.status()
-    assert s.protocol == 1
+    assert s.protocol == 2
     assert sorted(n.name for n in s.nodes) == ["w1", "w2"]
     assert all(n.state == "up" and n.devices and n.devices[0].kind == "cpu" for n in s.nodes)
     assert all(n.devices[0].mem_bandwidth > 0 for n in s.nodes), "measured figures"

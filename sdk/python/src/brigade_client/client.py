@@ -30,7 +30,7 @@ __all__ = ["Client", "Generation", "COORDINATOR_NAME", "PROTOCOL_VERSION"]
 #: The name in every coordinator's certificate (issued by the cluster CA).
 COORDINATOR_NAME = "coordinator.brigade"
 #: The protocol version stated on every call (metadata ``brigade-protocol``).
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
 
 # Codes for which a stream is worth resuming on another replica: the replica or the pipeline
 # failed, not the request (the Rust SDK's list).
