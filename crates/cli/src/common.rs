@@ -567,7 +567,6 @@ impl SpecArgs {
     /// the first id whose text differs.
     pub fn speculation(
         &self,
-        target: &brigade_model::Pipeline,
         target_tokens: &brigade_model::Tokenizer,
         n_ctx: usize,
     ) -> Result<Option<std::sync::Arc<brigade_model::speculative::Speculation>>> {
@@ -599,8 +598,8 @@ impl SpecArgs {
         let stages = [Stage { device: DeviceId::Cpu, layers: LayerRange::new(0, n)? }];
         let draft = brigade_model::Pipeline::load(&files, &stages, n_ctx, |_, _| {})
             .with_context(|| format!("loading the draft model {}", path.display()))?;
+        // (the drafters check it against the model: `Drafter::new`)
         let spec = Speculation { source: DraftSource::Model(std::sync::Arc::new(draft)), n_max: self.lookup.n_max };
-        spec.check(target)?;
         Ok(Some(std::sync::Arc::new(spec)))
     }
 }

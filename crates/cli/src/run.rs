@@ -188,8 +188,8 @@ fn generate(a: RunArgs, prep: Prepared, t_load: Instant) -> Result<RunOut> {
         let _ = write!(stdout, "{}", a.prompt);
         let _ = stdout.flush();
     }
-    let spec = a.spec.speculation(&pipeline, &tk, n_ctx)?;
-    let mut drafter = spec.map(Drafter::new).transpose()?;
+    let spec = a.spec.speculation(&tk, n_ctx)?;
+    let mut drafter = spec.map(|s| Drafter::new(s, pipeline.vocab())).transpose()?;
     let stats = pipeline.generate_with(
         &mut session,
         &prompt_ids,

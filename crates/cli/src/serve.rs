@@ -218,7 +218,7 @@ pub fn serve(a: ServeArgs) -> Result<()> {
     let cfg = EngineConfig { parallel: a.parallel, queue: a.queue };
     let pipeline = Arc::new(pipeline);
     let mut batch = Batch::new(pipeline.clone(), cfg.parallel, move |t| tk.is_eog(t))?;
-    if let Some(spec) = a.spec.speculation(&pipeline, &tokenizer, n_ctx)? {
+    if let Some(spec) = a.spec.speculation(&tokenizer, n_ctx)? {
         batch = batch.with_speculation(spec)?;
     }
     let engine = Engine::start_batch(batch, cfg)?;

@@ -51,9 +51,10 @@ pub struct Speculation {
 }
 
 impl Speculation {
-    /// Checks the settings against the target's vocabulary: a draft model whose vocabulary is
-    /// not the target's would draft ids that mean other text.
-    pub fn check(&self, target: &Pipeline) -> Result<(), ModelError> {
+    /// Checks the settings against the target's vocabulary of `vocab` ids: a draft model whose
+    /// vocabulary is not the target's would draft ids that mean other text, or none at all.
+    /// Every [`Drafter`] is made through this, so its drafts are ids the target takes.
+    pub fn check(&self, vocab: usize) -> Result<(), ModelError> {
         if let DraftSource::Lookup { ngram: (lo, hi) } = self.source {
             if lo == 0 || lo > hi {
                 return Err(ModelError::BadInput(format!(
@@ -62,11 +63,10 @@ impl Speculation {
             }
         }
         if let DraftSource::Model(d) = &self.source {
-            if d.vocab() != target.vocab() {
+            if d.vocab() != vocab {
                 return Err(ModelError::BadInput(format!(
-                    "the draft model's vocabulary has {} tokens, the model's {}: they must be the same",
-                    d.vocab(),
-                    target.vocab()
+                    "the draft model's vocabulary has {} tokens, the model's {vocab}: they must be the same",
+                    d.vocab()
                 )));
             }
         }
@@ -103,7 +103,9 @@ pub struct Drafter {
 const PROBE_EVERY: u32 = 8;
 
 impl Drafter {
-    pub fn new(spec: Arc<Speculation>) -> Result<Self, ModelError> {
+    /// A drafter for a target of `vocab` ids ([`Speculation::check`]ed against it).
+    pub fn new(spec: Arc<Speculation>, vocab: usize) -> Result<Self, ModelError> {
+        spec.check(vocab)?;
         let session = match &spec.source {
             DraftSource::Model(p) => Some(p.new_session()?),
             DraftSource::Lookup { .. } => None,

@@ -194,7 +194,7 @@ fn prompt_lookup_gives_the_text_of_plain_decoding() {
             let (want, want_stop, plain) = generate(&p, &prompt, 150, &params, None);
             assert_eq!((plain.drafted, plain.decode_steps), (0, 149));
             for n_max in [1, 3, 7, 16] {
-                let mut d = Drafter::new(lookup(n_max)).unwrap();
+                let mut d = Drafter::new(lookup(n_max), p.vocab()).unwrap();
                 let (got, stop, stats) = generate(&p, &prompt, 150, &params, Some(&mut d));
                 assert_eq!((&got, stop), (&want, want_stop), "{name}, {params:?}, drafts of {n_max}");
                 assert_eq!(stats.decoded, 149);
@@ -220,9 +220,9 @@ fn a_draft_model_gives_the_text_of_plain_decoding() {
     for (draft, all_taken) in [(target.clone(), true), (Arc::new(pipeline(&model(8, &small), "cpu:2", 256)), false)] {
         for params in [SamplingParams::greedy(), sampled(5)] {
             let spec = Arc::new(Speculation { source: DraftSource::Model(draft.clone()), n_max: 4 });
-            spec.check(&target).unwrap();
+            spec.check(target.vocab()).unwrap();
             let (want, _, _) = generate(&target, &prompt, 60, &params, None);
-            let mut d = Drafter::new(spec).unwrap();
+            let mut d = Drafter::new(spec, target.vocab()).unwrap();
             let (got, _, stats) = generate(&target, &prompt, 60, &params, Some(&mut d));
             assert_eq!(got, want, "{params:?}");
             assert_eq!(stats.decode_steps + stats.accepted, 59);
@@ -234,7 +234,8 @@ fn a_draft_model_gives_the_text_of_plain_decoding() {
         }
     }
     let other = Arc::new(pipeline(&model(9, &Shape { vocab: 320, ..small }), "cpu:2", 256));
-    let err = Speculation { source: DraftSource::Model(other), n_max: 4 }.check(&target).unwrap_err().to_string();
+    let other = Arc::new(Speculation { source: DraftSource::Model(other), n_max: 4 });
+    let err = Drafter::new(other, target.vocab()).err().unwrap().to_string();
     assert!(err.contains("320") && err.contains("300"), "{err}");
 }
 
@@ -248,7 +249,7 @@ fn drafts_fit_a_sliding_window_pass() {
     assert_eq!(p.max_run(), 3);
     let prompt = ids(12, 1, files.config.vocab as u32);
     let (want, _, _) = generate(&p, &prompt, 80, &SamplingParams::greedy(), None);
-    let mut d = Drafter::new(lookup(8)).unwrap();
+    let mut d = Drafter::new(lookup(8), p.vocab()).unwrap();
     let (got, _, _) = generate(&p, &prompt, 80, &SamplingParams::greedy(), Some(&mut d));
     assert_eq!(got, want);
 }

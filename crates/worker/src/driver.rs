@@ -307,7 +307,7 @@ async fn run_session(
     let mut run = vec![feed[feed.len() - 1]];
     // (logprobs score one id per answer: a session that asks for them does not draft)
     let mut drafter = match (&t.drafting, req.logprobs) {
-        (Some(s), None) => Some(Drafter::new(s.clone()).map_err(|e| Status::internal(e.to_string()))?),
+        (Some(s), None) => Some(Drafter::new(s.clone(), t.vocab).map_err(|e| Status::internal(e.to_string()))?),
         _ => None,
     };
     let mut decoded = 0u64;

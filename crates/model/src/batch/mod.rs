@@ -202,9 +202,9 @@ impl Batch {
     /// evenly by the decoding sessions: a full batch drafts nothing). Every job's text is the
     /// one it gets without.
     pub fn with_speculation(mut self, spec: Arc<Speculation>) -> Result<Self, ModelError> {
-        spec.check(&self.pipeline)?;
+        let vocab = self.pipeline.vocab();
         for s in &mut self.slots {
-            s.drafter = Some(Drafter::new(spec.clone())?);
+            s.drafter = Some(Drafter::new(spec.clone(), vocab)?);
         }
         Ok(self)
     }
@@ -429,7 +429,7 @@ impl Batch {
         }
         // drafts fill the rows one pass reads each weight for (DECODE_ROWS), shared out evenly
         let spare = crate::cpu_matmul::DECODE_ROWS.saturating_sub(n) / n;
-        let (n_ctx, max_run, vocab) = (self.pipeline.n_ctx(), self.pipeline.max_run(), self.pipeline.vocab());
+        let (n_ctx, max_run) = (self.pipeline.n_ctx(), self.pipeline.max_run());
         // (slot, its run: the token drawn last, then its draft)
         let mut decoding: Vec<usize> = Vec::with_capacity(n);
         let mut runs: Vec<Vec<u32>> = Vec::with_capacity(n);
@@ -445,7 +445,7 @@ impl Batch {
                 context.push(t);
                 // (a draft that cannot be made is no draft: the job goes on without)
                 let draft = d.draft(&context, room).unwrap_or_default();
-                run.extend(draft.into_iter().take_while(|&t| (t as usize) < vocab));
+                run.extend(draft);
             }
             runs.push(run);
         }
