@@ -28,23 +28,9 @@ import sys
 import tempfile
 import time
 
-PROMPT = """Copy this Python function exactly, then add a docstring to it:
-
-def merge_sorted(left, right):
-    result = []
-    i = 0
-    j = 0
-    while i < len(left) and j < len(right):
-        if left[i] <= right[j]:
-            result.append(left[i])
-            i += 1
-        else:
-            result.append(right[j])
-            j += 1
-    result.extend(left[i:])
-    result.extend(right[j:])
-    return result
-"""
+# the function tests/serve/openai_client.py asks to copy too
+MERGE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests", "fixtures", "prompts", "merge_sorted.py")
+PROMPT = "Copy this Python function exactly, then add a docstring to it:\n\n" + open(MERGE).read()
 
 NODES = ["c", "w1", "w2", "w3"]
 

@@ -9,6 +9,7 @@ requires that line, so a script that checked nothing cannot pass.
 import argparse
 import concurrent.futures
 import json
+import pathlib
 import subprocess
 import time
 
@@ -496,21 +497,8 @@ def case_logprobs(args):
             check(resp.json()["error"]["param"] == field, f"param of {body}: {resp.json()}")
 
 
-MERGE = """def merge_sorted(left, right):
-    result = []
-    i = 0
-    j = 0
-    while i < len(left) and j < len(right):
-        if left[i] <= right[j]:
-            result.append(left[i])
-            i += 1
-        else:
-            result.append(right[j])
-            j += 1
-    result.extend(left[i:])
-    result.extend(right[j:])
-    return result
-"""
+# a function to copy: what prompt lookup drafts (scripts/bench-spec-cluster.py asks the same)
+MERGE = (pathlib.Path(__file__).parent.parent / "fixtures" / "prompts" / "merge_sorted.py").read_text()
 
 
 def case_speculative(args):
