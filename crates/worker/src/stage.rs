@@ -946,7 +946,7 @@ impl StageHost {
                 // each row a decode row of its own ((rows, 1, hidden) through the slice)
                 let n = rows as usize;
                 let input = match input {
-                    StageInput::Hidden(t) => StageInput::Hidden(&t.reshape((n, 1, t.dim(2)?))?.clone()),
+                    StageInput::Hidden(t) => StageInput::Hidden(&t.reshape((n, 1, t.dim(2)?))?),
                     tokens => tokens,
                 };
                 let out = self.slice.forward_runs(&mut [&mut st.cache], input, &[n])?;
