@@ -298,8 +298,8 @@ pub fn kernels(dt: GgmlDType) -> (&'static str, &'static str) {
     (Kernel::choose(dt, 1).describe(dt), Kernel::choose(dt, DECODE_ROWS + 1).describe(dt))
 }
 
-/// Whether weights of type `dt` are packed at load for `isa` (see [`Packed`]): Q4_K, Q6_K and
-/// Q8_0 on AVX-512; Q4_K only on 256-bit registers (AVX2, AVX-VNNI). There the packed kernels
+/// Whether weights of type `dt` are packed at load for `isa` (see [`Packed`]): Q4_K, Q6_K,
+/// Q8_0, Q4_0 and Q4_1 on AVX-512; Q4_K only on 256-bit registers (AVX2, AVX-VNNI). There the packed kernels
 /// read a record as four chunks of 8 columns, which memory serves slower than the vec-dots'
 /// one stream for Q6_K and Q8_0 (one row × 2048 × 32000 from memory, AVX2, one thread on a
 /// 2-vCPU AMD EPYC: Q6_K 17 GMAC/s packed against 27, Q8_0 9 against 22), while Q4_K's packed

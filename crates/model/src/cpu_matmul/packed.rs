@@ -20,6 +20,8 @@
 //!   bytes in a row (`q6_unit`, `q6_high`, `q6_scale`: read in order — three regions read
 //!   in step were 0.6× the vec-dots' speed from memory); `d` at 6656.
 //! - Q8_0 (34): 8 units of 4 weights at `(32u + c)·4`; `d` at 1024.
+//! - Q4_0 (18) and Q4_1 (20): Q4_K's units, four per block of 32 weights; `d` as f16 per column
+//!   at 512, Q4_1's `m` at 576.
 //!
 //! A unit load is then 16 (zmm) or 8 (ymm) columns × 8 weights; each row's activation bytes
 //! are broadcast and one `vpdpbusd` advances every column of the vector by four weights. The
@@ -32,7 +34,7 @@
 //! Other types keep the file's layout (`tiles`, `lanes`).
 
 use super::acts::{Q8KRows, Q8Rows};
-use super::blocks::{self, Q4K, Q6K, Q8_0};
+use super::blocks::{self, Q4K, Q4_0, Q4_1, Q6K, Q8_0};
 use super::simd::Simd;
 use super::tiles::Out;
 use super::KernelError;
@@ -53,6 +55,8 @@ pub(super) enum Kind {
     Q4K,
     Q6K,
     Q8_0,
+    Q4_0,
+    Q4_1,
 }
 
 impl Kind {
@@ -61,6 +65,8 @@ impl Kind {
             GgmlDType::Q4K => Some(Kind::Q4K),
             GgmlDType::Q6K => Some(Kind::Q6K),
             GgmlDType::Q8_0 => Some(Kind::Q8_0),
+            GgmlDType::Q4_0 => Some(Kind::Q4_0),
+            GgmlDType::Q4_1 => Some(Kind::Q4_1),
             _ => None,
         }
     }
@@ -68,8 +74,8 @@ impl Kind {
     /// Weights of `k` per block.
     fn block(self) -> usize {
         match self {
-            Kind::Q8_0 => 32,
-            _ => 256,
+            Kind::Q4K | Kind::Q6K => 256,
+            Kind::Q8_0 | Kind::Q4_0 | Kind::Q4_1 => 32,
         }
     }
 
@@ -79,6 +85,8 @@ impl Kind {
             Kind::Q4K => 144,
             Kind::Q6K => 210,
             Kind::Q8_0 => 34,
+            Kind::Q4_0 => 18,
+            Kind::Q4_1 => 20,
         }
     }
 
@@ -138,6 +146,17 @@ impl Packed {
                         Kind::Q4K => pack_q4k(&read::<Q4K>(blk), c, rec),
                         Kind::Q6K => pack_q6k(&read::<Q6K>(blk), c, rec),
                         Kind::Q8_0 => pack_q8_0(&read::<Q8_0>(blk), c, rec),
+                        Kind::Q4_0 => {
+                            let b = read::<Q4_0>(blk);
+                            pack_q4(&b.qs, c, rec);
+                            rec[512 + 2 * c..][..2].copy_from_slice(&b.d.to_le_bytes());
+                        }
+                        Kind::Q4_1 => {
+                            let b = read::<Q4_1>(blk);
+                            pack_q4(&b.qs, c, rec);
+                            rec[512 + 2 * c..][..2].copy_from_slice(&b.d.to_le_bytes());
+                            rec[576 + 2 * c..][..2].copy_from_slice(&b.m.to_le_bytes());
+                        }
                     }
                 }
             }
@@ -274,12 +293,21 @@ fn pack_q8_0(b: &Q8_0, c: usize, rec: &mut [u8]) {
     rec[1024 + 2 * c..][..2].copy_from_slice(&b.d.to_le_bytes());
 }
 
+/// A Q4_0 or Q4_1 block's nibbles (ggml's order: weight `j` in the low nibble of byte `j`,
+/// `j + 16` in its high one) as column `c`'s four units.
+fn pack_q4(qs: &[u8; 16], c: usize, rec: &mut [u8]) {
+    let q: [u8; 32] = std::array::from_fn(|i| if i < 16 { qs[i] & 15 } else { qs[i - 16] >> 4 });
+    for u in 0..4 {
+        put_unit(&q, u, rec, (32 * u + c) * 4);
+    }
+}
+
 /// The quantized activations of a packed matmul.
 #[derive(Clone, Copy)]
 pub enum Acts<'a> {
     /// Per 256 (Q4_K, Q6_K).
     K(&'a Q8KRows),
-    /// Per 32, no offset (Q8_0).
+    /// Per 32, no offset (Q8_0, Q4_0, Q4_1).
     Q0(&'a Q8Rows),
 }
 
@@ -405,6 +433,43 @@ pub(super) unsafe fn q6k_step<S: Simd>(s: S, acc: S::F, isum: S::I, d: S::F, x: 
     s.fmadd(s.cvt(isum), s.mul(d, s.set1(dx)), acc)
 }
 
+/// One unit of nibbles (8 weights of `V·W/4` columns from `w`, as [`put_unit`] lays them out)
+/// against bytes `at..at + 8` of each row `xs`, into `sum`: with `PART` as a sub-block's partial
+/// ([`Simd::dot_u4_part`]), else in i32 lanes ([`Simd::dot_u8_pair`]).
+///
+/// # Safety
+/// `w` is a unit of a record with `V·W/4` columns from it; each row has bytes `at..at + 8`.
+#[inline(always)]
+unsafe fn nibble_unit<S: Simd, const V: usize, const R: usize, const PART: bool>(
+    s: S,
+    w: *const u8,
+    xs: &[*const i8; R],
+    at: usize,
+    sum: &mut [[S::I; V]; R],
+) {
+    let (l, low4) = (S::W / 4, s.set1_i32(0x0f0f_0f0f));
+    let mut lo = [s.zero(); V];
+    let mut hi = [s.zero(); V];
+    // SAFETY: the caller's contract
+    unsafe {
+        for v in 0..V {
+            let q = s.load(w.add(v * l * 4).cast());
+            lo[v] = s.and(q, low4);
+            hi[v] = s.and(s.shr32(q, 4), low4);
+        }
+        for (i, sum) in sum.iter_mut().enumerate() {
+            let (xa, xb) = (s.bcast32(xs[i].add(at)), s.bcast32(xs[i].add(at + 4)));
+            for v in 0..V {
+                sum[v] = if PART {
+                    s.dot_u4_part(sum[v], lo[v], xa, hi[v], xb)
+                } else {
+                    s.dot_u8_pair(sum[v], lo[v], xa, hi[v], xb)
+                };
+            }
+        }
+    }
+}
+
 /// Sub-block `t` (weights `32t..32t + 32`) of a pass of [`tile_q4k`] over columns `h` of
 /// record `rec` (pass `hh`): each row's `Σ q·x` over the sub-block, times the sub-block's scale,
 /// into `isum`. `(rec, h, hh, t)` in one tuple: the caller writes the eight calls out.
@@ -429,19 +494,7 @@ unsafe fn q4k_sub<S: Simd, const V: usize, const H: usize, const R: usize>(
         }
         let mut sum = [[s.zero(); V]; R];
         for u in 4 * t..4 * t + 4 {
-            let mut lo = [s.zero(); V];
-            let mut hi = [s.zero(); V];
-            for v in 0..V {
-                let w = s.load(rec.add((32 * u + h + v * l) * 4).cast());
-                lo[v] = s.and(w, low4);
-                hi[v] = s.and(s.shr32(w, 4), low4);
-            }
-            for (i, sum) in sum.iter_mut().enumerate() {
-                let (xa, xb) = (s.bcast32(xs[i].add(8 * u)), s.bcast32(xs[i].add(8 * u + 4)));
-                for v in 0..V {
-                    sum[v] = s.dot_u4_part(sum[v], lo[v], xa, hi[v], xb);
-                }
-            }
+            nibble_unit::<S, V, R, true>(s, rec.add((32 * u + h) * 4), xs, 8 * u, &mut sum);
         }
         for v in 0..V {
             // scales 0..4: low 6 bits of word 0; 4..8: low nibbles of word 2 and the top 2 bits
@@ -670,6 +723,65 @@ unsafe fn tile_q8_0<S: Simd, const V: usize, const H: usize, const R: usize>(
     acc
 }
 
+/// As [`tile_q8_0`] for Q4_0 and Q4_1 (`MIN`): per block `Σ q·x` of the four units' nibbles in
+/// i32 lanes (Q4_0's offset of 8 as the sum's start, `−8·Σx`) times `d·d_x`; Q4_1's min then
+/// adds `m · d_x·Σx`, as ggml's Q8_1 dot does, in that order.
+///
+/// # Safety
+/// As [`tile_q8_0`].
+#[inline(always)]
+unsafe fn tile_q4_0<S: Simd, const V: usize, const H: usize, const R: usize, const MIN: bool>(
+    s: S,
+    p: *const u8,
+    bpr: usize,
+    x: &Q8Rows,
+    r0: usize,
+    fetch: bool,
+) -> [[[S::F; V]; R]; H] {
+    let l = S::W / 4;
+    let kind = if MIN { Kind::Q4_1 } else { Kind::Q4_0 };
+    let mut acc = [[[s.zero_f(); V]; R]; H];
+    for b in 0..bpr {
+        // SAFETY: as in `tile_q4k`, inside the record's 576 (640) bytes
+        unsafe {
+            let rec = p.add(b * kind.record());
+            // the record is read for every vector of columns (one pass on zmm, four on ymm)
+            // while it is in L1
+            for (hh, acc) in acc.iter_mut().enumerate() {
+                let h = hh * V * l;
+                if fetch {
+                    fetch_ahead(rec, share(kind.record(), hh, H));
+                }
+                let at: [usize; R] = std::array::from_fn(|i| (r0 + i) * x.blocks + b);
+                let xs: [*const i8; R] = std::array::from_fn(|i| x.qs.as_ptr().add((r0 + i) * x.kp + 32 * b));
+                let mut sum = [[s.zero(); V]; R];
+                if !MIN {
+                    for (i, sum) in sum.iter_mut().enumerate() {
+                        *sum = [s.set1_i32(-8 * *x.sums.get_unchecked(at[i])); V];
+                    }
+                }
+                for u in 0..4 {
+                    nibble_unit::<S, V, R, false>(s, rec.add((32 * u + h) * 4), &xs, 8 * u, &mut sum);
+                }
+                for v in 0..V {
+                    let d = s.load_f16(rec.add(512 + 2 * (h + v * l)));
+                    for (i, acc) in acc.iter_mut().enumerate() {
+                        let dx = *x.d.get_unchecked(at[i]);
+                        acc[v] = s.fmadd(s.cvt(sum[i][v]), s.mul(d, s.set1(dx)), acc[v]);
+                    }
+                    if MIN {
+                        let m = s.load_f16(rec.add(576 + 2 * (h + v * l)));
+                        for (i, acc) in acc.iter_mut().enumerate() {
+                            acc[v] = s.fmadd(m, s.set1(*x.s.get_unchecked(at[i])), acc[v]);
+                        }
+                    }
+                }
+            }
+        }
+    }
+    acc
+}
+
 /// One tile of `R` rows × the block's `COLS` columns (`H` chunks of `V` vectors).
 ///
 /// # Safety
@@ -691,6 +803,8 @@ unsafe fn tile<S: Simd, const V: usize, const H: usize, const R: usize>(
             (Kind::Q4K, Acts::K(x)) => tile_q4k::<S, V, H, R>(s, p, bpr, x, r0, fetch),
             (Kind::Q6K, Acts::K(x)) => tile_q6k::<S, V, H, R>(s, p, bpr, x, r0, fetch),
             (Kind::Q8_0, Acts::Q0(x)) => tile_q8_0::<S, V, H, R>(s, p, bpr, x, r0, fetch),
+            (Kind::Q4_0, Acts::Q0(x)) => tile_q4_0::<S, V, H, R, false>(s, p, bpr, x, r0, fetch),
+            (Kind::Q4_1, Acts::Q0(x)) => tile_q4_0::<S, V, H, R, true>(s, p, bpr, x, r0, fetch),
             _ => unreachable!("activations of the weight's kind (`matmul` quantizes them so)"),
         }
     }
@@ -797,7 +911,7 @@ pub unsafe fn matmul<S: Simd>(s: S, w: &Packed, m: usize, lhs: &[f32], dst: &mut
             }
         })
     };
-    if w.kind == Kind::Q8_0 {
+    if w.kind.block() == 32 {
         return run(Acts::Q0(&Q8Rows::new(lhs, (m, k), m, k / 32, 0)));
     }
     let x = Q8KRows::new(lhs, (m, k), m);

@@ -345,7 +345,8 @@ fn matches_dequantized_matmul() {
     assert_eq!(got.dims(), &[1, 3, n]);
 }
 
-const PACKED_TYPES: [GgmlDType; 3] = [GgmlDType::Q4K, GgmlDType::Q6K, GgmlDType::Q8_0];
+const PACKED_TYPES: [GgmlDType; 5] =
+    [GgmlDType::Q4K, GgmlDType::Q6K, GgmlDType::Q8_0, GgmlDType::Q4_0, GgmlDType::Q4_1];
 
 #[cfg(target_arch = "x86_64")]
 impl Target {
@@ -373,7 +374,7 @@ fn packed_kernels_equal_scalar_reference() {
     let mut rng = ChaCha8Rng::seed_from_u64(17);
     for dt in PACKED_TYPES {
         for n in [37usize, 70] {
-            let k = if dt == GgmlDType::Q8_0 { 160 } else { 768 };
+            let k = if dt.block_size() == 32 { 160 } else { 768 };
             let w = random_weight(dt, (n, k), &mut rng);
             let p = Packed::new(dt, w.bytes(), (n, k)).unwrap();
             assert_eq!(p.storage_bytes(), n.div_ceil(32) * 32 * k / dt.block_size() * dt.type_size());
@@ -406,10 +407,10 @@ fn packed_rows_are_computed_as_alone() {
     );
     let mut rng = ChaCha8Rng::seed_from_u64(19);
     for dt in PACKED_TYPES {
-        let (n, k) = if dt == GgmlDType::Q8_0 { (40, 96) } else { (70, 512) };
+        let (n, k) = if dt.block_size() == 32 { (40, 96) } else { (70, 512) };
         let w = random_weight(dt, (n, k), &mut rng);
         let p = Packed::new(dt, w.bytes(), (n, k)).unwrap();
-        let rows = if dt == GgmlDType::Q8_0 { 13 } else { 37 };
+        let rows = if dt.block_size() == 32 { 13 } else { 37 };
         let lhs = activations(rows * k, &mut rng);
         let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
         for &t in &targets {
@@ -471,6 +472,6 @@ fn packed_q8_0_minus_128_and_checks() {
     assert!(matches!(r, Err(KernelError::Shape { want: 204, .. })), "{r:?}");
     let r = Packed::new(GgmlDType::Q8_0, w, (n, 48));
     assert!(matches!(r, Err(KernelError::BlockSize { k: 48, block: 32 })), "{r:?}");
-    let r = Packed::new(GgmlDType::Q4_0, w, (n, k));
-    assert!(r.is_err_and(|e| e.to_string().contains("Q4_0 weights are not packed")));
+    let r = Packed::new(GgmlDType::Q5_0, w, (n, k));
+    assert!(r.is_err_and(|e| e.to_string().contains("Q5_0 weights are not packed")));
 }
