@@ -149,13 +149,13 @@ impl Packed {
                         Kind::Q4_0 => {
                             let b = read::<Q4_0>(blk);
                             pack_q4(&b.qs, c, rec);
-                            rec[512 + 2 * c..][..2].copy_from_slice(&b.d.to_le_bytes());
+                            rec[Q4_D + 2 * c..][..2].copy_from_slice(&b.d.to_le_bytes());
                         }
                         Kind::Q4_1 => {
                             let b = read::<Q4_1>(blk);
                             pack_q4(&b.qs, c, rec);
-                            rec[512 + 2 * c..][..2].copy_from_slice(&b.d.to_le_bytes());
-                            rec[576 + 2 * c..][..2].copy_from_slice(&b.m.to_le_bytes());
+                            rec[Q4_D + 2 * c..][..2].copy_from_slice(&b.d.to_le_bytes());
+                            rec[Q4_M + 2 * c..][..2].copy_from_slice(&b.m.to_le_bytes());
                         }
                     }
                 }
@@ -292,6 +292,11 @@ fn pack_q8_0(b: &Q8_0, c: usize, rec: &mut [u8]) {
     }
     rec[1024 + 2 * c..][..2].copy_from_slice(&b.d.to_le_bytes());
 }
+
+/// Where a Q4_0 or Q4_1 record keeps its columns' `d` (f16 each), after the four units.
+const Q4_D: usize = 512;
+/// Where a Q4_1 record keeps its columns' `m`.
+const Q4_M: usize = 576;
 
 /// A Q4_0 or Q4_1 block's nibbles (ggml's order: weight `j` in the low nibble of byte `j`,
 /// `j + 16` in its high one) as column `c`'s four units.
@@ -710,17 +715,37 @@ unsafe fn tile_q8_0<S: Simd, const V: usize, const H: usize, const R: usize>(
                         }
                     }
                 }
-                for v in 0..V {
-                    let d = s.load_f16(rec.add(1024 + 2 * (h + v * l)));
-                    for (i, acc) in acc.iter_mut().enumerate() {
-                        let dx = *x.d.get_unchecked(at[i]);
-                        acc[v] = s.fmadd(s.cvt(sum[i][v]), s.mul(d, s.set1(dx)), acc[v]);
-                    }
-                }
+                q0_step(s, acc, &sum, rec.add(1024 + 2 * h), x, &at);
             }
         }
     }
     acc
+}
+
+/// `acc` plus each row's block sums `sum` times `d·d_x`, with `d` the f16 of each column from
+/// `d`: the float step of every 32-weight packed kernel.
+///
+/// # Safety
+/// `d` holds `V·W/4` f16; `at` are blocks of `x`.
+#[inline(always)]
+unsafe fn q0_step<S: Simd, const V: usize, const R: usize>(
+    s: S,
+    acc: &mut [[S::F; V]; R],
+    sum: &[[S::I; V]; R],
+    d: *const u8,
+    x: &Q8Rows,
+    at: &[usize; R],
+) {
+    for v in 0..V {
+        // SAFETY: the caller's contract
+        unsafe {
+            let d = s.load_f16(d.add(2 * v * (S::W / 4)));
+            for (i, acc) in acc.iter_mut().enumerate() {
+                let dx = *x.d.get_unchecked(at[i]);
+                acc[v] = s.fmadd(s.cvt(sum[i][v]), s.mul(d, s.set1(dx)), acc[v]);
+            }
+        }
+    }
 }
 
 /// As [`tile_q8_0`] for Q4_0 and Q4_1 (`MIN`): per block `Σ q·x` of the four units' nibbles in
@@ -763,14 +788,10 @@ unsafe fn tile_q4_0<S: Simd, const V: usize, const H: usize, const R: usize, con
                 for u in 0..4 {
                     nibble_unit::<S, V, R, false>(s, rec.add((32 * u + h) * 4), &xs, 8 * u, &mut sum);
                 }
-                for v in 0..V {
-                    let d = s.load_f16(rec.add(512 + 2 * (h + v * l)));
-                    for (i, acc) in acc.iter_mut().enumerate() {
-                        let dx = *x.d.get_unchecked(at[i]);
-                        acc[v] = s.fmadd(s.cvt(sum[i][v]), s.mul(d, s.set1(dx)), acc[v]);
-                    }
-                    if MIN {
-                        let m = s.load_f16(rec.add(576 + 2 * (h + v * l)));
+                q0_step(s, acc, &sum, rec.add(Q4_D + 2 * h), x, &at);
+                if MIN {
+                    for v in 0..V {
+                        let m = s.load_f16(rec.add(Q4_M + 2 * (h + v * l)));
                         for (i, acc) in acc.iter_mut().enumerate() {
                             acc[v] = s.fmadd(m, s.set1(*x.s.get_unchecked(at[i])), acc[v]);
                         }
