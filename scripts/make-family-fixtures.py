@@ -8,6 +8,12 @@ references brigade is tested against, with tools that are not brigade:
 
     scripts/make-family-fixtures.py --llama-cpp DIR --bench OUT [--family phi3]
 
+    scripts/make-family-fixtures.py --llama-cpp DIR --real target/models/gemma-3-270m-q4_k_m.gguf
+
+writes llama.cpp's greedy ids and log-probabilities for a real (trained) checkpoint over text
+prompts, one longer than a sliding window, from the file and from its weights dequantized to F32
+(tests/fixtures/real).
+
 writes, instead, each GGUF family at the size of BENCH (about 150M parameters) as OUT/<family>-
 bench-Q4_K_M.gguf, for `brigade bench` beside `llama-bench` (random weights: the speed of the
 shapes, not of a trained model).
@@ -381,10 +387,13 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def llama_greedy(server: Path, gguf: Path):
+def llama_greedy(server: Path, gguf: Path, prompts=None, texts=None, ctx=512):
+    """llama-server's greedy ids and top-5 log-probabilities for `prompts` (token id lists, or
+    texts it tokenizes with the model's BOS), and its tokenization of `texts`."""
+    prompts, texts = PROMPTS if prompts is None else prompts, TEXTS if texts is None else texts
     port = free_port()
     proc = subprocess.Popen(
-        [str(server), "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port), "-c", "512", "-t", "2",
+        [str(server), "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port), "-c", str(ctx), "-t", "2",
          "-np", "1", "--no-warmup",
          # ggml's own vec-dots: the repacked (AMX) buffers crash llama-server in these VMs
          "--no-repack"],
@@ -404,13 +413,19 @@ def llama_greedy(server: Path, gguf: Path):
                 raise RuntimeError(f"llama-server did not start for {gguf}")
             time.sleep(0.3)
         tokenized = []
-        for text in TEXTS:
+        for text in texts:
             body = json.dumps({"content": text, "add_special": True}).encode()
             req = urllib.request.Request(url + "/tokenize", data=body, headers={"Content-Type": "application/json"})
             with urllib.request.urlopen(req, timeout=60) as r:
                 tokenized.append({"text": text, "ids": json.loads(r.read())["tokens"]})
         cases = []
-        for prompt in PROMPTS:
+        for prompt in prompts:
+            if isinstance(prompt, str):
+                body = json.dumps({"content": prompt, "add_special": True}).encode()
+                req = urllib.request.Request(url + "/tokenize", data=body,
+                                             headers={"Content-Type": "application/json"})
+                with urllib.request.urlopen(req, timeout=60) as r:
+                    prompt = json.loads(r.read())["tokens"]
             body = json.dumps({
                 "prompt": prompt, "n_predict": N_GEN, "temperature": 0.0, "top_k": 1, "samplers": ["top_k"],
                 "return_tokens": True, "cache_prompt": False, "ignore_eos": True, "n_probs": 5,
@@ -443,7 +458,11 @@ def main():
     ap.add_argument("--family", action="append")
     ap.add_argument("--seed", type=int, default=7)
     ap.add_argument("--bench", type=Path, help="write bench-size Q4_K_M files here instead of fixtures")
+    ap.add_argument("--real", type=Path, action="append",
+                    help="a real checkpoint's GGUF: write llama.cpp's references for it to tests/fixtures/real")
     a = ap.parse_args()
+    if a.real:
+        return real_references(a)
     import torch
     import transformers
 
@@ -485,6 +504,45 @@ def main():
             for extra in ("generation_config.json",):
                 (hf_dir / extra).unlink(missing_ok=True)
             (dest / "reference.json").write_text(json.dumps(ref, indent=1) + "\n")
+
+
+# A real checkpoint's prompts: a short one, code, and a text longer than Gemma 3's 512-token
+# sliding window (tests/fixtures/prompts/lighthouse.txt, about 800 tokens).
+REAL_PROMPTS = [
+    "The capital of France is",
+    "def fibonacci(n):\n",
+    (Path(__file__).resolve().parent.parent / "tests/fixtures/prompts/lighthouse.txt").read_text(),
+]
+
+
+def real_references(a):
+    """llama.cpp's greedy ids and top-5 log-probabilities for a real checkpoint over REAL_PROMPTS,
+    from the file itself and from its weights dequantized to F32 by `llama-quantize` (the exact
+    math of the same weights): tests/fixtures/real/<file stem>.json, read by
+    crates/model/tests/families.rs."""
+    import hashlib
+    out_dir = Path(__file__).resolve().parent.parent / "tests/fixtures/real"
+    out_dir.mkdir(parents=True, exist_ok=True)
+    bin_dir = a.llama_cpp / "build" / "bin"
+    for gguf in a.real:
+        cases, _ = llama_greedy(bin_dir / "llama-server", gguf, prompts=REAL_PROMPTS, texts=[], ctx=2048)
+        with tempfile.TemporaryDirectory() as tmp:
+            f32 = Path(tmp) / "f32.gguf"
+            subprocess.run([str(bin_dir / "llama-quantize"), "--allow-requantize", str(gguf), str(f32), "F32"],
+                           check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            exact, _ = llama_greedy(bin_dir / "llama-server", f32, prompts=REAL_PROMPTS, texts=[], ctx=2048)
+        for case, text in zip(cases, REAL_PROMPTS):
+            case["prompt"] = text if len(text) < 200 else f"tests/fixtures/prompts/lighthouse.txt ({len(text)} chars)"
+        ref = {
+            "file": gguf.name,
+            "sha256": hashlib.sha256(gguf.read_bytes()).hexdigest(),
+            "made_by": {"script": "scripts/make-family-fixtures.py --real", "llama_cpp": a.llama_cpp.name},
+            "llama_cpp": cases,
+            "llama_cpp_f32": exact,
+        }
+        out = out_dir / (gguf.stem + ".json")
+        out.write_text(json.dumps(ref, indent=1) + "\n")
+        log(f"{out}: prompts of {[len(c['prompt_ids']) for c in cases]} tokens")
 
 
 def bench_models(a):

