@@ -420,13 +420,25 @@ pub fn root() -> PathBuf {
 /// The SmolLM2 GGUF: `BRIGADE_SMOLLM2`, or `target/models/` (tests/fetch-smollm2.sh fetches it
 /// when missing).
 pub fn smollm2() -> PathBuf {
-    if let Ok(p) = std::env::var("BRIGADE_SMOLLM2") {
+    fetched("BRIGADE_SMOLLM2", "SmolLM2-135M-Instruct.Q4_1.gguf", "fetch-smollm2.sh")
+}
+
+/// Gemma 3 270M (Q4_K_M): `BRIGADE_GEMMA3_270M`, or `target/models/`
+/// (tests/fetch-gemma3-270m.sh fetches it when missing).
+pub fn gemma3_270m() -> PathBuf {
+    fetched("BRIGADE_GEMMA3_270M", "gemma-3-270m-q4_k_m.gguf", "fetch-gemma3-270m.sh")
+}
+
+/// A model file: `$var` where set, else `target/models/file`, which `tests/script` fetches when
+/// it is not there.
+fn fetched(var: &str, file: &str, script: &str) -> PathBuf {
+    if let Ok(p) = std::env::var(var) {
         return PathBuf::from(p);
     }
-    let p = root().join("target/models/SmolLM2-135M-Instruct.Q4_1.gguf");
+    let p = root().join("target/models").join(file);
     if !p.exists() {
-        let st = Command::new("bash").arg(root().join("tests/fetch-smollm2.sh")).status().unwrap();
-        assert!(st.success(), "tests/fetch-smollm2.sh failed");
+        let st = Command::new("bash").arg(root().join("tests").join(script)).status().unwrap();
+        assert!(st.success(), "tests/{script} failed");
     }
     p
 }
