@@ -1011,14 +1011,14 @@ fn kv_bytes(cfg: &ModelConfig, layers: LayerRange, n_ctx: usize, dtype: DType) -
     positions.saturating_mul(per_token)
 }
 
-/// The output head's bytes on the CPU: packed for the int8 kernels where they read its type,
-/// which rounds its rows (the vocabulary) up to whole records of 32 columns
-/// (`cpu_matmul::Packed`); the file's bytes otherwise.
-fn packed_head_bytes(files: &ModelFiles) -> u64 {
+/// The CPU bytes of `name`, the output head or a tied head's embedding: packed for the int8
+/// kernels where they read its type, which rounds its rows (the vocabulary) up to whole records
+/// of 32 columns (`cpu_matmul::Packed`); the file's bytes otherwise.
+fn packed_head_bytes(files: &ModelFiles, name: &str) -> u64 {
     use crate::cpu_matmul::{packs_on, Isa};
-    let Some(t) = files.tensor_info(OUTPUT) else { return 0 };
+    let Some(t) = files.tensor_info(name) else { return 0 };
     let rows = t.shape().first().copied().unwrap_or(0) as u64;
-    if rows == 0 || !packs_on(crate::weights::ggml_dtype(t.ggml_type()), Isa::selected()) {
+    if rows == 0 || t.shape().len() != 2 || !packs_on(crate::weights::ggml_dtype(t.ggml_type()), Isa::selected()) {
         return t.n_bytes();
     }
     rows.div_ceil(32) * 32 * (t.n_bytes() / rows)
@@ -1035,7 +1035,14 @@ pub fn predict_slice_bytes(files: &ModelFiles, layers: LayerRange, device: Devic
     let weights = names
         .iter()
         .filter(|n| !SHARED_TENSORS.contains(&n.as_str()))
-        .map(|n| if on_cpu && n == OUTPUT { packed_head_bytes(files) } else { files.device_bytes(n, on_cpu, dtype) })
+        .map(|n| {
+            let head = n == OUTPUT || (n == TOKEN_EMBD && files.tied_head());
+            if on_cpu && head {
+                packed_head_bytes(files, n)
+            } else {
+                files.device_bytes(n, on_cpu, dtype)
+            }
+        })
         .fold(0u64, u64::saturating_add);
     let tables = files.config().rope_table_bytes(layers.start()..layers.end(), n_ctx, dtype.size_in_bytes() as u64);
     SliceBytes { weights, kv: kv_bytes(files.config(), layers, n_ctx, dtype), tables }

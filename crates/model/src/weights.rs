@@ -263,6 +263,7 @@ impl Linear {
     pub(crate) fn from_embedding(e: &Embedding) -> Linear {
         match e {
             Embedding::Quant(q) => Linear { w: LinearWeight::Quant(q.clone()), bias: None },
+            Embedding::Packed(p) => Linear { w: LinearWeight::Packed(p.clone()), bias: None },
             Embedding::Dense(t) => Linear { w: LinearWeight::Dense(t.clone()), bias: None },
         }
     }
@@ -301,6 +302,9 @@ impl<'a> View<'a> {
 #[derive(Debug, Clone)]
 pub enum Embedding {
     Quant(Arc<QTensor>),
+    /// A table that is also the output head, on the CPU: packed for the head's int8 kernels (the
+    /// file's bytes regrouped, no second copy), its rows dequantized from the packed records.
+    Packed(Arc<crate::cpu_matmul::Packed>),
     Dense(Tensor),
 }
 
@@ -308,6 +312,20 @@ impl Embedding {
     pub fn forward(&self, ids: &Tensor) -> candle_core::Result<Tensor> {
         match self {
             Embedding::Quant(q) => q.embedding(ids),
+            Embedding::Packed(p) => {
+                let (rows, k) = p.shape();
+                let ids_flat = ids.to_dtype(DType::U32)?.flatten_all()?.to_vec1::<u32>()?;
+                let mut out = vec![0f32; ids_flat.len() * k];
+                for (&id, row) in ids_flat.iter().zip(out.chunks_exact_mut(k.max(1))) {
+                    if id as usize >= rows {
+                        candle_core::bail!("token id {id} is outside the embedding's {rows} rows")
+                    }
+                    p.dequantize_row(id as usize, row).map_err(candle_core::Error::wrap)?;
+                }
+                let mut dims = ids.dims().to_vec();
+                dims.push(k);
+                Tensor::from_vec(out, dims, ids.device())
+            }
             Embedding::Dense(t) => {
                 let mut dims = ids.dims().to_vec();
                 dims.push(t.dim(1)?);
@@ -319,6 +337,7 @@ impl Embedding {
     pub fn storage_bytes(&self) -> u64 {
         match self {
             Embedding::Quant(q) => q.storage_size_in_bytes() as u64,
+            Embedding::Packed(p) => p.storage_bytes() as u64,
             Embedding::Dense(t) => (t.elem_count() * t.dtype().size_in_bytes()) as u64,
         }
     }
@@ -521,6 +540,14 @@ impl ModelFiles {
 
     pub fn embedding(&self, name: &str, device: &Device, dtype: DType) -> Result<Embedding, ModelError> {
         let t = self.stored(name)?;
+        if self.tied_head() && name == brigade_format::tensors::TOKEN_EMBD {
+            // the output head too: packed where the head's kernels read it packed
+            if let Some(LinearWeight::Packed(p)) =
+                packed(t.ggml_type(), self.index.tensor_data(name)?, t.shape(), device)?
+            {
+                return Ok(Embedding::Packed(p));
+            }
+        }
         Ok(if ModelIndex::keeps_stored_form(t, device.is_cpu()) {
             Embedding::Quant(Arc::new(self.qtensor(name, device)?))
         } else {

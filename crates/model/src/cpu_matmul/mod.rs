@@ -5,15 +5,15 @@
 //! (and of Q6_K/Q8_0 where it repacks) for every matmul, so a model takes up to 2.3× its file size
 //! in memory and a decode step reads 6 bits per Q4_K weight instead of 4.5. Here every weight
 //! holds its file's bytes, once:
-//! - On AVX-512, Q4_K, Q6_K and Q8_0 (every Q4_K_M file's types, and Q8_0's) are repacked when
+//! - On AVX-512, Q4_K, Q6_K, Q8_0, Q4_0 and Q4_1 (every Q4_K_M file's types, and the 32-weight ones) are repacked when
 //!   the model loads, on AVX2 and AVX-VNNI Q4_K only ([`Packed`], `packed`; [`packs_on`] says
 //!   why): the same bytes regrouped into records of 32 output columns, so
 //!   that one vector load serves 16 (or 8) columns and each activation row is broadcast. One
 //!   kernel then serves every number of rows — decode of one session, of several at once, and
 //!   prompts — with each row's arithmetic its own (batch invariance at any batch size, and a
 //!   prompt row gets a decode row's numbers). `BRIGADE_CPU_PACK=off` keeps the file's layout.
-//! - Q4_0, Q4_1, Q5_0, Q5_1, Q5_K (and the packed types where packing is off or the weight is
-//!   also the token embedding) go through int8 kernels on the file's blocks, as llama.cpp
+//! - Q5_0, Q5_1, Q5_K (and the packed types where packing is off or this instruction set does
+//!   not pack them) go through int8 kernels on the file's blocks, as llama.cpp
 //!   computes them (activations quantized to int8 per 32 or per 256, integer dot products, one
 //!   float scale per block). Up to [`DECODE_ROWS`] activation rows are vec-dots per weight row
 //!   straight from the blocks, each block unpacked once for all the rows, each row quantized
@@ -47,9 +47,9 @@
 //! - `tests`: every kernel on every instruction set this CPU has, against a scalar reference.
 //!
 //! Deliberately absent: a second copy of any weight (the packed layout replaces the file's, it
-//! is not kept beside it: a tied output head stays in the file's layout for the embedding's
-//! lookups), packed layouts of the rarer types (Q4_0/Q4_1/Q5_*: their file-layout kernels stay),
-//! and int8 kernels for Q2_K/Q3_K (rare in practice).
+//! is not kept beside it: a tied output head is packed and its embedding's lookups dequantize
+//! rows from the packed records, [`Packed::dequantize_row`]), packed layouts of the rarer types
+//! (Q5_*: their file-layout kernels stay), and int8 kernels for Q2_K/Q3_K (rare in practice).
 
 mod acts;
 #[cfg(all(target_arch = "x86_64", target_os = "linux"))]
@@ -96,6 +96,8 @@ pub enum KernelError {
     BlockSize { k: usize, block: usize },
     #[error("{what} holds {len} values, a ({m}, {k}) × ({n}, {k})ᵀ matmul needs {want}")]
     Shape { what: &'static str, len: usize, want: usize, m: usize, k: usize, n: usize },
+    #[error("row {row} of a weight of {rows} rows × {k} (into {len} values)")]
+    Row { row: usize, rows: usize, k: usize, len: usize },
     #[error("this CPU lacks the {0} instructions")]
     Unavailable(&'static str),
     #[error(transparent)]

@@ -197,6 +197,115 @@ impl Packed {
     fn blocks(&self) -> usize {
         self.n.div_ceil(COLS)
     }
+
+    /// Row `r` of the weight (an output column of the matmul) as f32 values, each block
+    /// dequantized as ggml (candle) dequantizes the file's block: what a tied output head's
+    /// embedding looks up, so that the head can be packed without a second copy of the table.
+    pub fn dequantize_row(&self, r: usize, out: &mut [f32]) -> Result<(), KernelError> {
+        use candle_core::quantized::k_quants::{BlockQ4K, BlockQ4_0, BlockQ4_1, BlockQ6K, BlockQ8_0};
+        if r >= self.n || out.len() != self.k {
+            return Err(KernelError::Row { row: r, rows: self.n, k: self.k, len: out.len() });
+        }
+        let (kind, c, block) = (self.kind, r % COLS, self.kind.block());
+        let p = self.column_block(r / COLS);
+        for (b, out) in out.chunks_exact_mut(block).enumerate() {
+            // SAFETY: block b of the column block's `bpr` records, inside `lines`
+            let rec = unsafe { std::slice::from_raw_parts(p.add(b * kind.record()), kind.record()) };
+            match kind {
+                Kind::Q4K => dequantize::<BlockQ4K>(|f| unpack_q4k(rec, c, f), out),
+                Kind::Q6K => dequantize::<BlockQ6K>(|f| unpack_q6k(rec, c, f), out),
+                Kind::Q8_0 => dequantize::<BlockQ8_0>(|f| unpack_q8_0(rec, c, f), out),
+                Kind::Q4_0 => dequantize::<BlockQ4_0>(|f| unpack_q4(rec, c, false, f), out),
+                Kind::Q4_1 => dequantize::<BlockQ4_1>(|f| unpack_q4(rec, c, true, f), out),
+            }
+        }
+        Ok(())
+    }
+}
+
+/// One block of type `T` written by `fill` (the file's bytes of it), dequantized into `out`.
+fn dequantize<T: candle_core::quantized::k_quants::GgmlType + blocks::Block>(
+    fill: impl FnOnce(&mut [u8]),
+    out: &mut [f32],
+) {
+    let mut b = [T::zeros()];
+    fill(blocks::as_bytes_mut(&mut b));
+    T::to_float(&b, out);
+}
+
+/// The quants of column `c`'s `units` units from `at(u)` ([`put_unit`]'s inverse): weight
+/// `8u + j` in the low nibble of byte `j`, `8u + 4 + j` in its high one.
+fn get_units(rec: &[u8], units: usize, at: impl Fn(usize) -> usize, q: &mut [u8]) {
+    for u in 0..units {
+        for j in 0..4 {
+            let byte = rec[at(u) + j];
+            (q[8 * u + j], q[8 * u + 4 + j]) = (byte & 15, byte >> 4);
+        }
+    }
+}
+
+/// Column `c`'s Q4_K block as the file has it (`pack_q4k`'s inverse).
+fn unpack_q4k(rec: &[u8], c: usize, f: &mut [u8]) {
+    let mut q = [0u8; 256];
+    get_units(rec, 32, |u| (32 * u + c) * 4, &mut q);
+    f[..2].copy_from_slice(&rec[4480 + 2 * c..][..2]);
+    f[2..4].copy_from_slice(&rec[4544 + 2 * c..][..2]);
+    for w in 0..3 {
+        f[4 + 4 * w..][..4].copy_from_slice(&rec[4096 + (32 * w + c) * 4..][..4]);
+    }
+    for j in 0..4 {
+        for i in 0..32 {
+            f[16 + 32 * j + i] = q[64 * j + i] | q[64 * j + 32 + i] << 4;
+        }
+    }
+}
+
+/// Column `c`'s Q6_K block as the file has it (`pack_q6k`'s inverse): `ql`, `qh`, the scales, `d`.
+fn unpack_q6k(rec: &[u8], c: usize, f: &mut [u8]) {
+    let mut q = [0u8; 256];
+    get_units(rec, 32, |u| q6_unit(u, c), &mut q);
+    for t in 0..16 {
+        for j in 0..4 {
+            let h = rec[q6_high(t, c) + j];
+            for s in 0..4 {
+                q[16 * t + 4 * s + j] |= ((h >> (2 * s)) & 3) << 4;
+            }
+        }
+        f[192 + t] = rec[q6_scale(t, c)];
+    }
+    for n in 0..2 {
+        let y = &q[128 * n..];
+        for l in 0..32 {
+            f[64 * n + l] = (y[l] & 15) | (y[l + 64] & 15) << 4;
+            f[64 * n + l + 32] = (y[l + 32] & 15) | (y[l + 96] & 15) << 4;
+            f[128 + 32 * n + l] = (y[l] >> 4) | (y[l + 32] >> 4) << 2 | (y[l + 64] >> 4) << 4 | (y[l + 96] >> 4) << 6;
+        }
+    }
+    f[208..210].copy_from_slice(&rec[q6_d(c)..][..2]);
+}
+
+/// Column `c`'s Q8_0 block as the file has it (`pack_q8_0`'s inverse).
+fn unpack_q8_0(rec: &[u8], c: usize, f: &mut [u8]) {
+    f[..2].copy_from_slice(&rec[1024 + 2 * c..][..2]);
+    for u in 0..8 {
+        f[2 + 4 * u..][..4].copy_from_slice(&rec[(32 * u + c) * 4..][..4]);
+    }
+}
+
+/// Column `c`'s Q4_0 (or with `min` Q4_1) block as the file has it (`pack_q4`'s inverse).
+fn unpack_q4(rec: &[u8], c: usize, min: bool, f: &mut [u8]) {
+    let mut q = [0u8; 32];
+    get_units(rec, 4, |u| (32 * u + c) * 4, &mut q);
+    f[..2].copy_from_slice(&rec[Q4_D + 2 * c..][..2]);
+    let qs = if min {
+        f[2..4].copy_from_slice(&rec[Q4_M + 2 * c..][..2]);
+        &mut f[4..]
+    } else {
+        &mut f[2..]
+    };
+    for i in 0..16 {
+        qs[i] = q[i] | q[i + 16] << 4;
+    }
 }
 
 /// A block read from unaligned bytes.

@@ -475,3 +475,26 @@ fn packed_q8_0_minus_128_and_checks() {
     let r = Packed::new(GgmlDType::Q5_0, w, (n, k));
     assert!(r.is_err_and(|e| e.to_string().contains("Q5_0 weights are not packed")));
 }
+
+/// A packed weight's rows read back (a tied head's embedding lookups) are the file's rows
+/// dequantized, bit for bit, for every packed type, at every column of a record and in a part
+/// record; a row past the weight or a wrong length is refused.
+#[test]
+fn packed_rows_dequantize_as_the_files() {
+    let mut rng = ChaCha8Rng::seed_from_u64(11);
+    for dt in PACKED_TYPES {
+        let (n, k) = (45usize, 512usize);
+        let w = random_weight(dt, (n, k), &mut rng);
+        let want = dequantize(dt, w.bytes(), (n, k));
+        let p = Packed::new(dt, w.bytes(), (n, k)).unwrap();
+        let mut row = vec![0f32; k];
+        for r in 0..n {
+            p.dequantize_row(r, &mut row).unwrap();
+            let same = row.iter().zip(&want[r * k..][..k]).all(|(a, b)| a.to_bits() == b.to_bits());
+            assert!(same, "{dt:?} row {r}");
+        }
+        let e = p.dequantize_row(n, &mut row).unwrap_err().to_string();
+        assert!(e.contains(&format!("row {n} of a weight of {n} rows")), "{e}");
+        assert!(p.dequantize_row(0, &mut row[1..]).is_err());
+    }
+}
