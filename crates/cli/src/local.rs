@@ -75,6 +75,7 @@ impl Drop for Children {
     }
 }
 
+#[allow(unsafe_code)]
 fn spawn(name: &str, args: &[String], log: &Path, detach: bool) -> Result<Child> {
     let exe = std::env::current_exe().context("finding the brigade binary")?;
     let out = std::fs::File::create(log).with_context(|| format!("creating {}", log.display()))?;

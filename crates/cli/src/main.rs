@@ -12,6 +12,7 @@
 //!
 //! Deliberately absent: tensors (candle is reached only through `brigade-model`) and any
 //! placement logic of its own (the planner places, with measured figures).
+#![deny(unsafe_code)] // three start-up calls below allow it: process set-up, not kernels
 
 mod bench;
 mod bench_report;
@@ -141,6 +142,7 @@ const MI_OPTION_PURGE_DELAY: libmimalloc_sys::mi_option_t = 15;
 /// mapped afresh and cleared by the kernel — pp512 175–177 t/s with the default, 195–205 with
 /// the pages kept (llama-1b q4_k, 2 threads, AMD EPYC AVX-512). Memory a pass no longer uses is
 /// still returned once the process idles. `MIMALLOC_PURGE_DELAY` in the environment wins.
+#[allow(unsafe_code)]
 fn keep_freed_memory_briefly() {
     if std::env::var_os("MIMALLOC_PURGE_DELAY").is_some() {
         return;
@@ -154,6 +156,7 @@ fn keep_freed_memory_briefly() {
     }
 }
 
+#[allow(unsafe_code)]
 fn main() {
     keep_freed_memory_briefly();
     let args = rewrite_llama_cpp_flags(std::env::args());

@@ -14,20 +14,23 @@
 //!   tokens are exactly what its caches hold, also after a failed forward pass.
 //! - [`batch`]: continuous batching of concurrent sessions on one pipeline (one decode pass for
 //!   all, batch-invariant), and the [`batch::Engine`] thread that serves it.
-//! - [`cpu_matmul`]: the CPU matmul by a ggml weight in place (int8 kernels per instruction set).
+//! - [`cpu_matmul`], [`threads`], [`bandwidth`]: re-exported from `brigade-kernels`, the crate
+//!   that holds every `unsafe` line of the runtime: the CPU matmul by a ggml weight in place (int8
+//!   kernels per instruction set), the vectorized element-wise loops (`llama`'s SiLU, softmax and
+//!   decode attention ops call them), the compute threads and the bandwidth probe. This crate
+//!   forbids `unsafe`.
 //! - [`speculative`]: drafts (prompt lookup, a draft model) verified in one pass, the text
 //!   unchanged.
 //! - [`sampler`], [`synth`] (random-weight models of any Llama shape).
-//! - [`threads`]: llama.cpp's `-t`, set once per process (candle sizes its pools once).
-//! - [`bandwidth`], [`devices`], [`measure`]: the memory read bandwidth probe, what the host has,
-//!   and this machine measured (kernels per weight type, GPUs), shared by workers and the CLI.
+//! - [`devices`], [`measure`]: what the host has, and this machine measured (kernels per weight
+//!   type, GPUs), shared by workers and the CLI.
 //!
 //! The crate knows nothing of sockets, raft or placement: it computes what it is told to, and
 //! measures what it is asked to; deciding where layers go is the planner's.
 
-pub mod bandwidth;
+#![forbid(unsafe_code)]
+
 pub mod batch;
-pub mod cpu_matmul;
 pub mod device;
 pub mod devices;
 pub mod llama;
@@ -37,8 +40,11 @@ pub mod rows;
 pub mod sampler;
 pub mod speculative;
 pub mod synth;
-pub mod threads;
 pub mod weights;
+
+/// brigade's CPU kernels, from their own crate: the int8 matmuls on ggml blocks (`cpu_matmul`),
+/// the memory bandwidth probe and the compute threads.
+pub use brigade_kernels::{bandwidth, matmul as cpu_matmul, threads};
 
 pub use brigade_format::{config, gguf, tokenizer};
 pub use brigade_format::{embedded_model, FormatError, EMBEDDED_MODEL_NAME};

@@ -25,11 +25,7 @@ mod softmax;
 /// attention): `avx512`, `avx2` or `scalar` (this CPU's widest, no wider than
 /// `BRIGADE_CPU_KERNELS` asks), for `brigade doctor`.
 pub fn vector_loops() -> &'static str {
-    match silu::width() {
-        silu::Width::Avx512 => "avx512",
-        silu::Width::Avx2 => "avx2",
-        silu::Width::Scalar => "scalar",
-    }
+    brigade_kernels::vector::Width::detect().name()
 }
 
 /// What a stage receives: token ids (first stage) or the previous stage's hidden state.
@@ -521,7 +517,7 @@ struct Scores {
 }
 
 /// `c · tanh(x / c)`: Gemma 2's soft cap of scores and logits as candle ops (brigade's own CPU
-/// attention caps its scores with [`decode_attn::soft_cap`], the same formula).
+/// attention caps its scores with `brigade_kernels::vector::soft_cap`, the same formula).
 fn soft_cap(x: &Tensor, c: f32) -> candle_core::Result<Tensor> {
     (x / c as f64)?.tanh()? * c as f64
 }

@@ -42,21 +42,7 @@ impl std::str::FromStr for Effort {
 }
 
 /// Every weight type candle quantizes to (what a full measurement times).
-pub(crate) const FULL_TYPES: [GgmlDType; 13] = [
-    GgmlDType::F32,
-    GgmlDType::F16,
-    GgmlDType::BF16,
-    GgmlDType::Q4_0,
-    GgmlDType::Q4_1,
-    GgmlDType::Q5_0,
-    GgmlDType::Q5_1,
-    GgmlDType::Q8_0,
-    GgmlDType::Q2K,
-    GgmlDType::Q3K,
-    GgmlDType::Q4K,
-    GgmlDType::Q5K,
-    GgmlDType::Q6K,
-];
+pub(crate) const FULL_TYPES: [GgmlDType; 13] = crate::cpu_matmul::WEIGHT_TYPES;
 const QUICK_TYPES: [GgmlDType; 5] = [GgmlDType::F32, GgmlDType::F16, GgmlDType::Q8_0, GgmlDType::Q4_0, GgmlDType::Q4K];
 
 /// The weight types a model's layers may come in, as [`measure_cpu`] measures them at full effort.
@@ -92,8 +78,7 @@ pub fn instruction_sets() -> Vec<&'static str> {
             }
         }
         // the tile unit, where this process may use it (the CPU has it and Linux granted it)
-        #[cfg(target_os = "linux")]
-        if crate::cpu_matmul::amx::available() {
+        if crate::cpu_matmul::amx_available() {
             f.push("amx-int8");
         }
     }

@@ -327,7 +327,10 @@ fn round_through(xs: &mut [f32], ty: SynthType) {
     }
 }
 
-fn quantize<T: k_quants::GgmlType + Send + Sync>(xs: &[f32], cols: usize) -> Vec<u8> {
+fn quantize<T: k_quants::GgmlType + crate::cpu_matmul::blocks::Block + Send + Sync>(
+    xs: &[f32],
+    cols: usize,
+) -> Vec<u8> {
     let blocks_per_row = cols / T::BLCK_SIZE;
     let rows = xs.len() / cols;
     let mut blocks = vec![T::zeros(); rows * blocks_per_row];
@@ -336,9 +339,7 @@ fn quantize<T: k_quants::GgmlType + Send + Sync>(xs: &[f32], cols: usize) -> Vec
             T::from_float(src, dst);
         },
     );
-    let n = std::mem::size_of_val(blocks.as_slice());
-    // SAFETY: the ggml block types are plain old data (#[repr(C)], no padding read as values).
-    unsafe { std::slice::from_raw_parts(blocks.as_ptr() as *const u8, n) }.to_vec()
+    crate::cpu_matmul::blocks::as_bytes(&blocks).to_vec()
 }
 
 fn encode(xs: &[f32], cols: usize, dt: GgmlType, out: &mut Vec<u8>) {

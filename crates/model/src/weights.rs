@@ -351,8 +351,7 @@ fn with_aligned<R>(data: &[u8], f: impl FnOnce(&[u8]) -> R) -> R {
         return f(data);
     }
     let mut v = vec![0u64; data.len().div_ceil(8)];
-    // SAFETY: the u64 buffer is viewed as bytes within its own length.
-    let bytes = unsafe { std::slice::from_raw_parts_mut(v.as_mut_ptr() as *mut u8, data.len()) };
+    let bytes = &mut bytemuck::cast_slice_mut::<u64, u8>(&mut v)[..data.len()];
     bytes.copy_from_slice(data);
     f(bytes)
 }

@@ -10,10 +10,10 @@
 //!
 //! The sums run in another order than `gemm`'s, so the weights differ from the prompt path's in
 //! the last bits; a decode step always takes this path, so every session's decode has the same
-//! numbers alone or batched. Its `exp` is the prompt softmax's ([`super::silu::exp`], the same
-//! bits at every vector width).
+//! numbers alone or batched. The loops are `brigade_kernels::vector::attention_head`; its `exp`
+//! is the prompt softmax's (the same bits at every vector width).
 
-use super::silu::{self, per_width};
+pub(super) use brigade_kernels::vector::attention_head as head;
 use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, CustomOp3, Layout, Shape};
 
@@ -26,15 +26,6 @@ pub(super) struct DecodeAttention {
     pub scale: f32,
     /// Scores soft-capped as `c · tanh(s / c)` after the scale (Gemma 2).
     pub cap: Option<f32>,
-}
-
-/// Soft-caps scaled scores in place: `c · tanh(s / c)`.
-pub(super) fn soft_cap(scores: &mut [f32], cap: Option<f32>) {
-    if let Some(c) = cap {
-        for s in scores {
-            *s = c * (*s / c).tanh();
-        }
-    }
 }
 
 impl CustomOp3 for DecodeAttention {
@@ -93,99 +84,6 @@ impl CustomOp3 for DecodeAttention {
         }
         Ok((CpuStorage::F32(out), Shape::from_dims(&[1, nh, 1, hd])))
     }
-}
-
-/// One kv head: `g` query rows `q` (`g × d`) against `seen` key and value rows; `w` is scratch
-/// of `g × seen`, `out` (`g × d`) receives the weighted values.
-///
-/// The vector width is the element-wise ops' ([`silu::width`]); the lanes are summed in the same
-/// order at each width, so the numbers are the same (tested).
-/// `scale` is the scores' scale and their soft cap ([`soft_cap`]).
-pub(super) fn head(
-    q: &[f32],
-    keys: &[f32],
-    values: &[f32],
-    scale: (f32, Option<f32>),
-    hd: usize,
-    w: &mut [f32],
-    out: &mut [f32],
-) {
-    // SAFETY: this CPU's width
-    unsafe { head_on(silu::width(), q, keys, values, scale, hd, w, out) }
-}
-
-per_width!(
-    /// [`head_body`] compiled for `on`.
-    #[allow(clippy::too_many_arguments)]
-    unsafe fn head_on = head_body(
-        q: &[f32],
-        keys: &[f32],
-        values: &[f32],
-        scale: (f32, Option<f32>),
-        hd: usize,
-        w: &mut [f32],
-        out: &mut [f32],
-    )
-);
-
-/// The loops, compiled for each vector width by [`head_on`].
-#[inline(always)]
-fn head_body(
-    q: &[f32],
-    keys: &[f32],
-    values: &[f32],
-    (scale, cap): (f32, Option<f32>),
-    hd: usize,
-    w: &mut [f32],
-    out: &mut [f32],
-) {
-    let g = q.len() / hd;
-    let seen = keys.len() / hd;
-    let w = &mut w[..g * seen];
-    // scores: each key row read once for the g queries
-    for (j, key) in keys.chunks_exact(hd).enumerate() {
-        for (r, qr) in q.chunks_exact(hd).enumerate() {
-            w[r * seen + j] = dot(qr, key) * scale;
-        }
-    }
-    soft_cap(w, cap);
-    // weights, per query: the softmax of its scores
-    for row in w.chunks_exact_mut(seen) {
-        let max = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-        // the exps in vectors (libm's `expf` is a scalar call), then summed in order
-        for x in row.iter_mut() {
-            *x = super::silu::exp(*x - max);
-        }
-        let sum: f32 = row.iter().sum();
-        let inv = 1.0 / sum;
-        for x in row.iter_mut() {
-            *x *= inv;
-        }
-    }
-    // the weighted values: each value row read once for the g queries
-    out.fill(0.0);
-    for (j, value) in values.chunks_exact(hd).enumerate() {
-        for (r, o) in out.chunks_exact_mut(hd).enumerate() {
-            let wj = w[r * seen + j];
-            for (o, x) in o.iter_mut().zip(value) {
-                *o += wj * x;
-            }
-        }
-    }
-}
-
-/// `Σ a·b` in 16 lanes (what one zmm or two ymm registers hold), then the lanes added.
-#[inline(always)]
-fn dot(a: &[f32], b: &[f32]) -> f32 {
-    let mut acc = [0f32; 16];
-    let (ac, bc) = (a.chunks_exact(16), b.chunks_exact(16));
-    let tail: f32 = ac.remainder().iter().zip(bc.remainder()).map(|(x, y)| x * y).sum();
-    for (x, y) in ac.zip(bc) {
-        for l in 0..16 {
-            acc[l] += x[l] * y[l];
-        }
-    }
-    acc.iter().sum::<f32>() + tail
 }
 
 #[cfg(test)]
@@ -253,10 +151,18 @@ mod tests {
             };
             let (q, keys, values) = (f(g * hd, 1), f(seen * hd, 2), f(seen * hd, 3));
             let mut want = None;
-            for on in silu::widths() {
+            for on in brigade_kernels::vector::Width::available() {
                 let (mut w, mut out) = (vec![0f32; g * seen], vec![0f32; g * hd]);
-                // SAFETY: a width this CPU has
-                unsafe { head_on(on, &q, &keys, &values, (0.125, Some(3.0)), hd, &mut w, &mut out) };
+                brigade_kernels::vector::attention_head_on(
+                    on,
+                    &q,
+                    &keys,
+                    &values,
+                    (0.125, Some(3.0)),
+                    hd,
+                    &mut w,
+                    &mut out,
+                );
                 let bits: Vec<u32> = out.iter().map(|v| v.to_bits()).collect();
                 match &want {
                     None => want = Some(bits),

@@ -8,17 +8,16 @@
 //!
 //! The numbers are those of the composition but for `exp`: the same f32 products by the scale,
 //! the maximum (order does not change it), the same `vec_reduce_sum` of candle over the whole row
-//! (whose masked tail is 0 in both), the same division; `exp(x − max)` is [`silu::exp`] (within
+//! (whose masked tail is 0 in both), the same division; `exp(x − max)` is `brigade_kernels::vector::exp` (within
 //! 2 ulp of libm's, which candle calls once per value, scalar, down to `x − max = −87.3`; 0
 //! below, where libm's is subnormal or 0), compiled for the widest vectors
 //! the CPU has — the same bits at every width, so a row's weights do not depend on the CPU's
 //! vector width or on which thread ran it. Written by hand because no candle op masks by
 //! position.
 
-use super::silu::{self, per_width};
 use crate::config::first_key;
+use brigade_kernels::vector::{softmax_row_on, Width};
 use candle_core::backend::BackendStorage;
-use candle_core::cpu::kernels::VecOps;
 use candle_core::{CpuStorage, CustomOp1, Layout, Shape};
 use rayon::prelude::*;
 
@@ -64,11 +63,10 @@ impl CustomOp1 for CausalSoftmax {
         }
         let (scale, t, pos, window, cap) = (self.scale, self.t, self.pos, self.window, self.cap);
         let mut dst = vec![0f32; src.len()];
-        let width = silu::width();
+        let width = Width::detect();
         let row = |(r, (s, d)): (usize, (&[f32], &mut [f32]))| {
             let query = pos + r % t;
-            // SAFETY: this CPU's width
-            unsafe { row_on(width, s, d, first_key(window, query), query + 1, (scale, cap)) }
+            softmax_row_on(width, s, d, first_key(window, query), query + 1, (scale, cap))
         };
         if src.len() < SERIAL_BELOW {
             src.chunks(keys).zip(dst.chunks_mut(keys)).enumerate().for_each(row);
@@ -78,32 +76,6 @@ impl CustomOp1 for CausalSoftmax {
         Ok((CpuStorage::F32(dst), layout.shape().clone()))
     }
 }
-
-/// One row: `s[from..seen]` scaled, to weights in `d` (whose head before `from` and tail stay 0).
-#[inline(always)]
-fn row(s: &[f32], d: &mut [f32], from: usize, seen: usize, (scale, cap): (f32, Option<f32>)) {
-    let keys = d.len();
-    let (s, w) = (&s[from..seen], &mut d[from..seen]);
-    for (x, y) in s.iter().zip(w.iter_mut()) {
-        *y = *x * scale;
-    }
-    super::decode_attn::soft_cap(w, cap);
-    let max = w.iter().copied().fold(w[0], f32::max);
-    for y in w.iter_mut() {
-        *y = silu::exp(*y - max);
-    }
-    let mut sum = 0f32;
-    // SAFETY: `d` holds `keys` floats and `sum` is one
-    unsafe { f32::vec_reduce_sum(d.as_ptr(), &mut sum, keys) };
-    for y in d[from..seen].iter_mut() {
-        *y /= sum;
-    }
-}
-
-per_width!(
-    /// [`row`] compiled for `on`.
-    unsafe fn row_on = row(s: &[f32], d: &mut [f32], from: usize, seen: usize, scale: (f32, Option<f32>))
-);
 
 #[cfg(test)]
 #[allow(clippy::unwrap_used)]
@@ -171,11 +143,10 @@ mod tests {
             // the op (pool threads above SERIAL_BELOW) equals the scalar compilation of its rows,
             // and so does every width this CPU has
             let src = s.flatten_all().unwrap().to_vec1::<f32>().unwrap();
-            for w in silu::widths() {
+            for w in Width::available() {
                 let mut one = vec![0f32; n];
                 for (r, (s, d)) in src.chunks(l).zip(one.chunks_mut(l)).enumerate() {
-                    // SAFETY: a width this CPU has
-                    unsafe { row_on(w, s, d, first(pos + r % t + 1), pos + r % t + 1, (scale as f32, None)) };
+                    softmax_row_on(w, s, d, first(pos + r % t + 1), pos + r % t + 1, (scale as f32, None));
                 }
                 let differ = one.iter().zip(&got).filter(|(a, b)| a.to_bits() != b.to_bits()).count();
                 assert_eq!(differ, 0, "{w:?}, kv {kv} g {g} t {t} pos {pos}: {differ} of {n} weights differ");

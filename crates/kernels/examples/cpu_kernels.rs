@@ -1,5 +1,5 @@
 //! Times brigade's CPU matmul kernels on one weight shape, per instruction set this CPU has:
-//! `cargo run --release -p brigade-model --example cpu_kernels -- [q4_k|q6_k|q8_0|…] [m] [k] [n]
+//! `cargo run --release -p brigade-kernels --example cpu_kernels -- [q4_k|q6_k|q8_0|…] [m] [k] [n]
 //! [avx512|avxvnni|avx2|portable]`. Prints GMAC/s (multiply-adds per second) for each, best of
 //! several runs, by the wall clock and by this thread's time on a CPU (`/proc/thread-self/schedstat`,
 //! which holds on a busy machine where wall times do not, with `RAYON_NUM_THREADS=1`) and by the
@@ -7,7 +7,7 @@
 //! instruction set named, only that one. Types packed at load (Q4_K, Q6_K, Q8_0, Q4_0, Q4_1) are
 //! timed both ways: on the file's layout and packed (`packed`).
 
-use brigade_model::cpu_matmul::{matmul, matmul_packed, packs_on, Isa, Packed};
+use brigade_kernels::matmul::{matmul, matmul_packed, packs_on, Isa, Packed};
 use candle_core::quantized::{GgmlDType, QTensor};
 use candle_core::{Device, Tensor};
 use std::time::Instant;

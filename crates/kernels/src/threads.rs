@@ -7,10 +7,13 @@
 //! ([`set_for_process`]), and a sweep over thread counts runs each count in its own process
 //! ([`child_env`]).
 
-use crate::ModelError;
-
 /// The most threads `-t` may ask for.
 pub const MAX_THREADS: usize = 1024;
+
+/// A thread count past [`MAX_THREADS`].
+#[derive(Debug, thiserror::Error)]
+#[error("-t {0}: at most {MAX_THREADS} threads")]
+pub struct TooManyThreads(pub i64);
 
 /// The environment variables candle reads its thread counts from.
 const VARS: [&str; 2] = ["RAYON_NUM_THREADS", "CANDLE_NUM_THREADS"];
@@ -23,13 +26,13 @@ pub fn logical_cpus() -> usize {
 /// The thread count for a request, with llama.cpp's meaning of `-t`: `None` is the default
 /// (`RAYON_NUM_THREADS` when set, else the physical cores, as candle counts them); zero or less
 /// is every logical CPU (llama.cpp's `std::thread::hardware_concurrency()`); else that many.
-pub fn resolve(requested: Option<i64>) -> Result<usize, ModelError> {
+pub fn resolve(requested: Option<i64>) -> Result<usize, TooManyThreads> {
     match requested {
         None => Ok(candle_core::utils::get_num_threads().max(1)),
         Some(n) if n <= 0 => Ok(logical_cpus()),
         Some(n) => match usize::try_from(n) {
             Ok(n) if n <= MAX_THREADS => Ok(n),
-            _ => Err(ModelError::BadInput(format!("-t {n}: at most {MAX_THREADS} threads"))),
+            _ => Err(TooManyThreads(n)),
         },
     }
 }
@@ -59,7 +62,7 @@ pub fn current() -> usize {
 /// Runs `f` on every unit of work on candle's barrier pool (the threads the CPU matmuls use,
 /// spinning between ops), each unit on one thread: the units hold the disjoint parts of an
 /// output they write (`chunks_mut` of it, with their indices).
-pub(crate) fn par_units<T: Send>(units: Vec<T>, f: impl Fn(&mut T) + Sync) {
+pub fn par_units<T: Send>(units: Vec<T>, f: impl Fn(&mut T) + Sync) {
     let units: Vec<std::sync::Mutex<T>> = units.into_iter().map(std::sync::Mutex::new).collect();
     candle_core::utils::barrier_pool().execute_chunked(units.len(), |range| {
         for i in range {

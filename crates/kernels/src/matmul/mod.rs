@@ -88,6 +88,23 @@ pub const DECODE_ROWS: usize = 8;
 /// Elements of dequantized weight per band (16 MiB of f32).
 const BAND_ELEMS: usize = 4 << 20;
 
+/// Every weight type candle quantizes to (what a full measurement times).
+pub const WEIGHT_TYPES: [GgmlDType; 13] = [
+    GgmlDType::F32,
+    GgmlDType::F16,
+    GgmlDType::BF16,
+    GgmlDType::Q4_0,
+    GgmlDType::Q4_1,
+    GgmlDType::Q5_0,
+    GgmlDType::Q5_1,
+    GgmlDType::Q8_0,
+    GgmlDType::Q2K,
+    GgmlDType::Q3K,
+    GgmlDType::Q4K,
+    GgmlDType::Q5K,
+    GgmlDType::Q6K,
+];
+
 #[derive(Debug, thiserror::Error)]
 pub enum KernelError {
     #[error("weight storage of {bytes} bytes is not whole blocks of {block} bytes aligned to {align}")]
@@ -332,9 +349,17 @@ pub fn packs_on(dt: GgmlDType, isa: Isa) -> bool {
     }
 }
 
+/// Whether this process may use Intel AMX's tile unit (the CPU has it and Linux granted it).
+pub fn amx_available() -> bool {
+    #[cfg(all(target_arch = "x86_64", target_os = "linux"))]
+    return amx::available();
+    #[allow(unreachable_code)]
+    false
+}
+
 /// Whether the environment variable `var` turns a kernel feature off (`off`, `0` or `no`), for
 /// measuring what the feature gives.
-pub(crate) fn switched_off(var: &str) -> bool {
+pub fn switched_off(var: &str) -> bool {
     std::env::var(var).is_ok_and(|v| matches!(v.trim(), "off" | "0" | "no"))
 }
 

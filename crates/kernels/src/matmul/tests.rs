@@ -318,7 +318,7 @@ fn kernel_choice_names_the_instruction_set() {
 fn matches_dequantized_matmul() {
     let (n, k) = (72usize, 512usize);
     let w = Tensor::randn(0f32, 1.0, (n, k), &Device::Cpu).unwrap();
-    for dt in crate::measure::FULL_TYPES {
+    for dt in WEIGHT_TYPES {
         let q = QTensor::quantize(&w, dt).unwrap();
         let data = q.data().unwrap();
         let wd = q.dequantize(&Device::Cpu).unwrap();

@@ -22,7 +22,7 @@ mod sealed {
 ///
 /// ```compile_fail
 /// // `bool` has invalid bit patterns: it is not a Block, so this does not compile
-/// brigade_model::cpu_matmul::blocks::cast::<bool>(&[2u8]);
+/// brigade_kernels::matmul::blocks::cast::<bool>(&[2u8]);
 /// ```
 ///
 /// # Safety
