@@ -6,7 +6,7 @@
 //! in memory and a decode step reads 6 bits per Q4_K weight instead of 4.5. Here every weight
 //! holds its file's bytes, once:
 //! - On AVX-512, Q4_K, Q6_K, Q8_0, Q4_0 and Q4_1 (every Q4_K_M file's types, and the 32-weight ones) are repacked when
-//!   the model loads, on AVX2 and AVX-VNNI Q4_K only ([`Packed`], `packed`; [`packs_on`] says
+//!   the model loads, on AVX2 and AVX-VNNI Q4_K, Q4_0 and Q4_1 ([`Packed`], `packed`; [`packs_on`] says
 //!   why): the same bytes regrouped into records of 32 output columns, so
 //!   that one vector load serves 16 (or 8) columns and each activation row is broadcast. One
 //!   kernel then serves every number of rows — decode of one session, of several at once, and
@@ -318,7 +318,11 @@ pub fn kernels(dt: GgmlDType) -> (&'static str, &'static str) {
 }
 
 /// Whether weights of type `dt` are packed at load for `isa` (see [`Packed`]): Q4_K, Q6_K,
-/// Q8_0, Q4_0 and Q4_1 on AVX-512; Q4_K only on 256-bit registers (AVX2, AVX-VNNI). There the packed kernels
+/// Q8_0, Q4_0 and Q4_1 on AVX-512; Q4_K, Q4_0 and Q4_1 on 256-bit registers (AVX2, AVX-VNNI).
+/// The 4-bit types' packed records are faster there (`cpu_kernels TYPE 1 2048 200000 avx2`, 2
+/// threads, a 2-vCPU AMD EPYC, from memory: Q4_0 58–85 GMAC/s packed against 49, Q4_1 52
+/// against 29; 64 rows × 2048 × 16384: Q4_0 165 against 142, Q4_1 169 against 147; 2026-12-06).
+/// For Q6_K and Q8_0 the packed kernels
 /// read a record as four chunks of 8 columns, which memory serves slower than the vec-dots'
 /// one stream for Q6_K and Q8_0 (one row × 2048 × 32000 from memory, AVX2, one thread on a
 /// 2-vCPU AMD EPYC: Q6_K 17 GMAC/s packed against 27, Q8_0 9 against 22), while Q4_K's packed
@@ -327,7 +331,8 @@ pub fn kernels(dt: GgmlDType) -> (&'static str, &'static str) {
 /// memory as AVX2 does and follows it. On a 2-vCPU Intel Xeon, with the packed kernels asking
 /// for their records ahead (`packed::AHEAD`), from memory (`cpu_kernels TYPE 1 2048 400000`,
 /// 2 threads, AVX2): Q6_K 26.6 packed against 30.4, Q8_0 26.2 against 24.9 — no reason to move
-/// either. The kernels not chosen are
+/// either (on the AMD EPYC on 2026-12-06: Q6_K 34–37 against 39–60, Q8_0 29–31 against 30–46).
+/// The kernels not chosen are
 /// tested and timed (`cpu_kernels`) all the same. `BRIGADE_CPU_PACK=off` keeps every weight in
 /// the file's layout (to measure the difference).
 pub fn packs_on(dt: GgmlDType, isa: Isa) -> bool {
@@ -338,7 +343,7 @@ pub fn packs_on(dt: GgmlDType, isa: Isa) -> bool {
         !off && packed::packs(dt)
             && match isa {
                 Isa::Avx512Vnni => true,
-                Isa::AvxVnni | Isa::Avx2 => dt == GgmlDType::Q4K,
+                Isa::AvxVnni | Isa::Avx2 => matches!(dt, GgmlDType::Q4K | GgmlDType::Q4_0 | GgmlDType::Q4_1),
                 Isa::Portable => false,
             }
     }

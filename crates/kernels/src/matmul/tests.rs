@@ -291,7 +291,7 @@ fn kernel_choice_names_the_instruction_set() {
             let packed = cfg!(target_arch = "x86_64")
                 && match isa {
                     Isa::Avx512Vnni => PACKED_TYPES.contains(&dt),
-                    Isa::AvxVnni | Isa::Avx2 => dt == GgmlDType::Q4K,
+                    Isa::AvxVnni | Isa::Avx2 => matches!(dt, GgmlDType::Q4K | GgmlDType::Q4_0 | GgmlDType::Q4_1),
                     Isa::Portable => false,
                 };
             assert_eq!(packs_on(dt, isa), packed, "{dt:?} on {isa:?}");
