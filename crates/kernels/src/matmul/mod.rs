@@ -5,15 +5,15 @@
 //! (and of Q6_K/Q8_0 where it repacks) for every matmul, so a model takes up to 2.3× its file size
 //! in memory and a decode step reads 6 bits per Q4_K weight instead of 4.5. Here every weight
 //! holds its file's bytes, once:
-//! - On AVX-512, Q4_K, Q6_K, Q8_0, Q4_0 and Q4_1 (every Q4_K_M file's types, and the 32-weight ones) are repacked when
+//! - On AVX-512, Q4_K, Q6_K, Q8_0, Q4_0, Q4_1, Q5_0 and Q5_1 (every Q4_K_M file's types, and the 32-weight ones) are repacked when
 //!   the model loads, on AVX2 and AVX-VNNI Q4_K, Q4_0 and Q4_1 ([`Packed`], `packed`; [`packs_on`] says
 //!   why): the same bytes regrouped into records of 32 output columns, so
 //!   that one vector load serves 16 (or 8) columns and each activation row is broadcast. One
 //!   kernel then serves every number of rows — decode of one session, of several at once, and
 //!   prompts — with each row's arithmetic its own (batch invariance at any batch size, and a
 //!   prompt row gets a decode row's numbers). `BRIGADE_CPU_PACK=off` keeps the file's layout.
-//! - Q5_0, Q5_1, Q5_K (and the packed types where packing is off or this instruction set does
-//!   not pack them) go through int8 kernels on the file's blocks, as llama.cpp
+//! - Q5_K (and the packed types where packing is off or this instruction set does not pack
+//!   them) go through int8 kernels on the file's blocks, as llama.cpp
 //!   computes them (activations quantized to int8 per 32 or per 256, integer dot products, one
 //!   float scale per block). Up to [`DECODE_ROWS`] activation rows are vec-dots per weight row
 //!   straight from the blocks, each block unpacked once for all the rows, each row quantized
@@ -49,7 +49,7 @@
 //! Deliberately absent: a second copy of any weight (the packed layout replaces the file's, it
 //! is not kept beside it: a tied output head is packed and its embedding's lookups dequantize
 //! rows from the packed records, [`Packed::dequantize_row`]), packed layouts of the rarer types
-//! (Q5_*: their file-layout kernels stay), and int8 kernels for Q2_K/Q3_K (rare in practice).
+//! (Q5_K: its file-layout kernels stay), and int8 kernels for Q2_K/Q3_K (rare in practice).
 
 mod acts;
 #[cfg(all(target_arch = "x86_64", target_os = "linux"))]
@@ -318,7 +318,11 @@ pub fn kernels(dt: GgmlDType) -> (&'static str, &'static str) {
 }
 
 /// Whether weights of type `dt` are packed at load for `isa` (see [`Packed`]): Q4_K, Q6_K,
-/// Q8_0, Q4_0 and Q4_1 on AVX-512; Q4_K, Q4_0 and Q4_1 on 256-bit registers (AVX2, AVX-VNNI).
+/// Q8_0, Q4_0, Q4_1, Q5_0 and Q5_1 on AVX-512; Q4_K, Q4_0 and Q4_1 on 256-bit registers (AVX2,
+/// AVX-VNNI). Q5_0 and Q5_1 packed on AVX-512: from memory 1.23× the vec-dots, 64 rows
+/// 1.18–1.21× the lanes kernel; on AVX2 1.6× from memory but 0.86–0.92× for 64 rows (their
+/// fifth bits cost a multiply per unit), so there they stay in the file's layout
+/// (`cpu_kernels q5_0 1 2048 200000` and `64 2048 16384`, 2 threads, AMD EPYC, 2026-12-06).
 /// The 4-bit types' packed records are faster there (`cpu_kernels TYPE 1 2048 200000 avx2`, 2
 /// threads, a 2-vCPU AMD EPYC, from memory: Q4_0 58–85 GMAC/s packed against 49, Q4_1 52
 /// against 29; 64 rows × 2048 × 16384: Q4_0 165 against 142, Q4_1 169 against 147; 2026-12-06).

@@ -22,6 +22,9 @@
 //! - Q8_0 (34): 8 units of 4 weights at `(32u + c)·4`; `d` at 1024.
 //! - Q4_0 (18) and Q4_1 (20): Q4_K's units, four per block of 32 weights; `d` as f16 per column
 //!   at 512, Q4_1's `m` at 576.
+//! - Q5_0 (22) and Q5_1 (24): Q4_0's units for the low four bits, the fifth bits as the file's
+//!   32-bit word per column at 512 (bit `i` weight `i`'s), spread into the unit's bytes by the
+//!   kernel; `d` at 640, Q5_1's `m` at 704.
 //!
 //! A unit load is then 16 (zmm) or 8 (ymm) columns × 8 weights; each row's activation bytes
 //! are broadcast and one `vpdpbusd` advances every column of the vector by four weights. The
@@ -34,7 +37,7 @@
 //! Other types keep the file's layout (`tiles`, `lanes`).
 
 use super::acts::{Q8KRows, Q8Rows};
-use super::blocks::{self, Q4K, Q4_0, Q4_1, Q6K, Q8_0};
+use super::blocks::{self, Q4K, Q4_0, Q4_1, Q5_0, Q5_1, Q6K, Q8_0};
 use super::simd::Simd;
 use super::tiles::Out;
 use super::KernelError;
@@ -57,6 +60,8 @@ pub(super) enum Kind {
     Q8_0,
     Q4_0,
     Q4_1,
+    Q5_0,
+    Q5_1,
 }
 
 impl Kind {
@@ -67,6 +72,8 @@ impl Kind {
             GgmlDType::Q8_0 => Some(Kind::Q8_0),
             GgmlDType::Q4_0 => Some(Kind::Q4_0),
             GgmlDType::Q4_1 => Some(Kind::Q4_1),
+            GgmlDType::Q5_0 => Some(Kind::Q5_0),
+            GgmlDType::Q5_1 => Some(Kind::Q5_1),
             _ => None,
         }
     }
@@ -75,7 +82,7 @@ impl Kind {
     fn block(self) -> usize {
         match self {
             Kind::Q4K | Kind::Q6K => 256,
-            Kind::Q8_0 | Kind::Q4_0 | Kind::Q4_1 => 32,
+            Kind::Q8_0 | Kind::Q4_0 | Kind::Q4_1 | Kind::Q5_0 | Kind::Q5_1 => 32,
         }
     }
 
@@ -87,6 +94,8 @@ impl Kind {
             Kind::Q8_0 => 34,
             Kind::Q4_0 => 18,
             Kind::Q4_1 => 20,
+            Kind::Q5_0 => 22,
+            Kind::Q5_1 => 24,
         }
     }
 
@@ -157,6 +166,19 @@ impl Packed {
                             rec[Q4_D + 2 * c..][..2].copy_from_slice(&b.d.to_le_bytes());
                             rec[Q4_M + 2 * c..][..2].copy_from_slice(&b.m.to_le_bytes());
                         }
+                        Kind::Q5_0 => {
+                            let b = read::<Q5_0>(blk);
+                            pack_q4(&b.qs, c, rec);
+                            rec[Q5_H + 4 * c..][..4].copy_from_slice(&b.qh);
+                            rec[Q5_D + 2 * c..][..2].copy_from_slice(&b.d.to_le_bytes());
+                        }
+                        Kind::Q5_1 => {
+                            let b = read::<Q5_1>(blk);
+                            pack_q4(&b.qs, c, rec);
+                            rec[Q5_H + 4 * c..][..4].copy_from_slice(&b.qh);
+                            rec[Q5_D + 2 * c..][..2].copy_from_slice(&b.d.to_le_bytes());
+                            rec[Q5_M + 2 * c..][..2].copy_from_slice(&b.m.to_le_bytes());
+                        }
                     }
                 }
             }
@@ -202,7 +224,9 @@ impl Packed {
     /// dequantized as ggml (candle) dequantizes the file's block: what a tied output head's
     /// embedding looks up, so that the head can be packed without a second copy of the table.
     pub fn dequantize_row(&self, r: usize, out: &mut [f32]) -> Result<(), KernelError> {
-        use candle_core::quantized::k_quants::{BlockQ4K, BlockQ4_0, BlockQ4_1, BlockQ6K, BlockQ8_0};
+        use candle_core::quantized::k_quants::{
+            BlockQ4K, BlockQ4_0, BlockQ4_1, BlockQ5_0, BlockQ5_1, BlockQ6K, BlockQ8_0,
+        };
         if r >= self.n || out.len() != self.k {
             return Err(KernelError::Row { row: r, rows: self.n, k: self.k, len: out.len() });
         }
@@ -217,6 +241,8 @@ impl Packed {
                 Kind::Q8_0 => dequantize::<BlockQ8_0>(|f| unpack_q8_0(rec, c, f), out),
                 Kind::Q4_0 => dequantize::<BlockQ4_0>(|f| unpack_q4(rec, c, false, f), out),
                 Kind::Q4_1 => dequantize::<BlockQ4_1>(|f| unpack_q4(rec, c, true, f), out),
+                Kind::Q5_0 => dequantize::<BlockQ5_0>(|f| unpack_q5(rec, c, false, f), out),
+                Kind::Q5_1 => dequantize::<BlockQ5_1>(|f| unpack_q5(rec, c, true, f), out),
             }
         }
         Ok(())
@@ -289,6 +315,23 @@ fn unpack_q8_0(rec: &[u8], c: usize, f: &mut [u8]) {
     f[..2].copy_from_slice(&rec[1024 + 2 * c..][..2]);
     for u in 0..8 {
         f[2 + 4 * u..][..4].copy_from_slice(&rec[(32 * u + c) * 4..][..4]);
+    }
+}
+
+/// Column `c`'s Q5_0 (or with `min` Q5_1) block as the file has it: `d`, (`m`,) `qh`, `qs`.
+fn unpack_q5(rec: &[u8], c: usize, min: bool, f: &mut [u8]) {
+    let mut q = [0u8; 32];
+    get_units(rec, 4, |u| (32 * u + c) * 4, &mut q);
+    f[..2].copy_from_slice(&rec[Q5_D + 2 * c..][..2]);
+    let rest = if min {
+        f[2..4].copy_from_slice(&rec[Q5_M + 2 * c..][..2]);
+        &mut f[4..]
+    } else {
+        &mut f[2..]
+    };
+    rest[..4].copy_from_slice(&rec[Q5_H + 4 * c..][..4]);
+    for i in 0..16 {
+        rest[4 + i] = q[i] | q[i + 16] << 4;
     }
 }
 
@@ -406,6 +449,12 @@ fn pack_q8_0(b: &Q8_0, c: usize, rec: &mut [u8]) {
 const Q4_D: usize = 512;
 /// Where a Q4_1 record keeps its columns' `m`.
 const Q4_M: usize = 576;
+/// Where a Q5_0 or Q5_1 record keeps its columns' fifth bits (the file's `qh` word each).
+const Q5_H: usize = 512;
+/// Where a Q5_0 or Q5_1 record keeps its columns' `d`.
+const Q5_D: usize = 640;
+/// Where a Q5_1 record keeps its columns' `m`.
+const Q5_M: usize = 704;
 
 /// A Q4_0 or Q4_1 block's nibbles (ggml's order: weight `j` in the low nibble of byte `j`,
 /// `j + 16` in its high one) as column `c`'s four units.
@@ -421,7 +470,7 @@ fn pack_q4(qs: &[u8; 16], c: usize, rec: &mut [u8]) {
 pub enum Acts<'a> {
     /// Per 256 (Q4_K, Q6_K).
     K(&'a Q8KRows),
-    /// Per 32, no offset (Q8_0, Q4_0, Q4_1).
+    /// Per 32, no offset (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1).
     Q0(&'a Q8Rows),
 }
 
@@ -549,14 +598,16 @@ pub(super) unsafe fn q6k_step<S: Simd>(s: S, acc: S::F, isum: S::I, d: S::F, x: 
 
 /// One unit of nibbles (8 weights of `V·W/4` columns from `w`, as [`put_unit`] lays them out)
 /// against bytes `at..at + 8` of each row `xs`, into `sum`: with `PART` as a sub-block's partial
-/// ([`Simd::dot_u4_part`]), else in i32 lanes ([`Simd::dot_u8_pair`]).
+/// ([`Simd::dot_u4_part`]), else in i32 lanes ([`Simd::dot_u8_pair`]). With `FIFTH`, each
+/// weight's fifth bit (bit `at % 32 + j` of its column's word in `qh`, Q5_0/Q5_1) is added as 16.
 ///
 /// # Safety
 /// `w` is a unit of a record with `V·W/4` columns from it; each row has bytes `at..at + 8`.
 #[inline(always)]
-unsafe fn nibble_unit<S: Simd, const V: usize, const R: usize, const PART: bool>(
+unsafe fn nibble_unit<S: Simd, const V: usize, const R: usize, const PART: bool, const FIFTH: bool>(
     s: S,
     w: *const u8,
+    qh: &[S::I; V],
     xs: &[*const i8; R],
     at: usize,
     sum: &mut [[S::I; V]; R],
@@ -570,6 +621,17 @@ unsafe fn nibble_unit<S: Simd, const V: usize, const R: usize, const PART: bool>
             let q = s.load(w.add(v * l * 4).cast());
             lo[v] = s.and(q, low4);
             hi[v] = s.and(s.shr32(q, 4), low4);
+            if FIFTH {
+                // four bits of the word to bit 4 of the unit's four bytes: b·0x00204081 puts bit
+                // j of b at bit 8j (no carries: the four copies do not overlap there)
+                let (spread, ones, nib) = (s.set1_i32(0x0020_4081), s.set1_i32(0x0101_0101), s.set1_i32(15));
+                let fifth = |shift: usize| {
+                    let b = s.and(s.shr32(qh[v], (at % 32 + shift) as i32), nib);
+                    s.shl32(s.and(s.mullo32(b, spread), ones), 4)
+                };
+                lo[v] = s.or(lo[v], fifth(0));
+                hi[v] = s.or(hi[v], fifth(4));
+            }
         }
         for (i, sum) in sum.iter_mut().enumerate() {
             let (xa, xb) = (s.bcast32(xs[i].add(at)), s.bcast32(xs[i].add(at + 4)));
@@ -608,7 +670,7 @@ unsafe fn q4k_sub<S: Simd, const V: usize, const H: usize, const R: usize>(
         }
         let mut sum = [[s.zero(); V]; R];
         for u in 4 * t..4 * t + 4 {
-            nibble_unit::<S, V, R, true>(s, rec.add((32 * u + h) * 4), xs, 8 * u, &mut sum);
+            nibble_unit::<S, V, R, true, false>(s, rec.add((32 * u + h) * 4), &[s.zero(); V], xs, 8 * u, &mut sum);
         }
         for v in 0..V {
             // scales 0..4: low 6 bits of word 0; 4..8: low nibbles of word 2 and the top 2 bits
@@ -857,14 +919,15 @@ unsafe fn q0_step<S: Simd, const V: usize, const R: usize>(
     }
 }
 
-/// As [`tile_q8_0`] for Q4_0 and Q4_1 (`MIN`): per block `Σ q·x` of the four units' nibbles in
-/// i32 lanes (Q4_0's offset of 8 as the sum's start, `−8·Σx`) times `d·d_x`; Q4_1's min then
-/// adds `m · d_x·Σx`, as ggml's Q8_1 dot does, in that order.
+/// As [`tile_q8_0`] for Q4_0 and Q4_1 (`MIN`), or with `FIFTH` Q5_0 and Q5_1: per block `Σ q·x`
+/// of the four units' nibbles (and fifth bits) in i32 lanes (Q4_0's offset of 8, Q5_0's 16, as
+/// the sum's start, `−8·Σx`) times `d·d_x`; the min of Q4_1 and Q5_1 then adds `m · d_x·Σx`, as
+/// ggml's Q8_1 dot does, in that order.
 ///
 /// # Safety
 /// As [`tile_q8_0`].
 #[inline(always)]
-unsafe fn tile_q4_0<S: Simd, const V: usize, const H: usize, const R: usize, const MIN: bool>(
+unsafe fn tile_q4_0<S: Simd, const V: usize, const H: usize, const R: usize, const MIN: bool, const FIFTH: bool>(
     s: S,
     p: *const u8,
     bpr: usize,
@@ -873,10 +936,16 @@ unsafe fn tile_q4_0<S: Simd, const V: usize, const H: usize, const R: usize, con
     fetch: bool,
 ) -> [[[S::F; V]; R]; H] {
     let l = S::W / 4;
-    let kind = if MIN { Kind::Q4_1 } else { Kind::Q4_0 };
+    let kind = match (FIFTH, MIN) {
+        (false, false) => Kind::Q4_0,
+        (false, true) => Kind::Q4_1,
+        (true, false) => Kind::Q5_0,
+        (true, true) => Kind::Q5_1,
+    };
+    let (d_at, m_at) = if FIFTH { (Q5_D, Q5_M) } else { (Q4_D, Q4_M) };
     let mut acc = [[[s.zero_f(); V]; R]; H];
     for b in 0..bpr {
-        // SAFETY: as in `tile_q4k`, inside the record's 576 (640) bytes
+        // SAFETY: as in `tile_q4k`, inside the record's 576, 640, 704 or 768 bytes
         unsafe {
             let rec = p.add(b * kind.record());
             // the record is read for every vector of columns (one pass on zmm, four on ymm)
@@ -890,17 +959,24 @@ unsafe fn tile_q4_0<S: Simd, const V: usize, const H: usize, const R: usize, con
                 let xs: [*const i8; R] = std::array::from_fn(|i| x.qs.as_ptr().add((r0 + i) * x.kp + 32 * b));
                 let mut sum = [[s.zero(); V]; R];
                 if !MIN {
+                    let offset = if FIFTH { -16 } else { -8 };
                     for (i, sum) in sum.iter_mut().enumerate() {
-                        *sum = [s.set1_i32(-8 * *x.sums.get_unchecked(at[i])); V];
+                        *sum = [s.set1_i32(offset * *x.sums.get_unchecked(at[i])); V];
+                    }
+                }
+                let mut qh = [s.zero(); V];
+                if FIFTH {
+                    for (v, qh) in qh.iter_mut().enumerate() {
+                        *qh = s.load(rec.add(Q5_H + 4 * (h + v * l)).cast());
                     }
                 }
                 for u in 0..4 {
-                    nibble_unit::<S, V, R, false>(s, rec.add((32 * u + h) * 4), &xs, 8 * u, &mut sum);
+                    nibble_unit::<S, V, R, false, FIFTH>(s, rec.add((32 * u + h) * 4), &qh, &xs, 8 * u, &mut sum);
                 }
-                q0_step(s, acc, &sum, rec.add(Q4_D + 2 * h), x, &at);
+                q0_step(s, acc, &sum, rec.add(d_at + 2 * h), x, &at);
                 if MIN {
                     for v in 0..V {
-                        let m = s.load_f16(rec.add(Q4_M + 2 * (h + v * l)));
+                        let m = s.load_f16(rec.add(m_at + 2 * (h + v * l)));
                         for (i, acc) in acc.iter_mut().enumerate() {
                             acc[v] = s.fmadd(m, s.set1(*x.s.get_unchecked(at[i])), acc[v]);
                         }
@@ -933,8 +1009,10 @@ unsafe fn tile<S: Simd, const V: usize, const H: usize, const R: usize>(
             (Kind::Q4K, Acts::K(x)) => tile_q4k::<S, V, H, R>(s, p, bpr, x, r0, fetch),
             (Kind::Q6K, Acts::K(x)) => tile_q6k::<S, V, H, R>(s, p, bpr, x, r0, fetch),
             (Kind::Q8_0, Acts::Q0(x)) => tile_q8_0::<S, V, H, R>(s, p, bpr, x, r0, fetch),
-            (Kind::Q4_0, Acts::Q0(x)) => tile_q4_0::<S, V, H, R, false>(s, p, bpr, x, r0, fetch),
-            (Kind::Q4_1, Acts::Q0(x)) => tile_q4_0::<S, V, H, R, true>(s, p, bpr, x, r0, fetch),
+            (Kind::Q4_0, Acts::Q0(x)) => tile_q4_0::<S, V, H, R, false, false>(s, p, bpr, x, r0, fetch),
+            (Kind::Q4_1, Acts::Q0(x)) => tile_q4_0::<S, V, H, R, true, false>(s, p, bpr, x, r0, fetch),
+            (Kind::Q5_0, Acts::Q0(x)) => tile_q4_0::<S, V, H, R, false, true>(s, p, bpr, x, r0, fetch),
+            (Kind::Q5_1, Acts::Q0(x)) => tile_q4_0::<S, V, H, R, true, true>(s, p, bpr, x, r0, fetch),
             _ => unreachable!("activations of the weight's kind (`matmul` quantizes them so)"),
         }
     }

@@ -345,8 +345,15 @@ fn matches_dequantized_matmul() {
     assert_eq!(got.dims(), &[1, 3, n]);
 }
 
-const PACKED_TYPES: [GgmlDType; 5] =
-    [GgmlDType::Q4K, GgmlDType::Q6K, GgmlDType::Q8_0, GgmlDType::Q4_0, GgmlDType::Q4_1];
+const PACKED_TYPES: [GgmlDType; 7] = [
+    GgmlDType::Q4K,
+    GgmlDType::Q6K,
+    GgmlDType::Q8_0,
+    GgmlDType::Q4_0,
+    GgmlDType::Q4_1,
+    GgmlDType::Q5_0,
+    GgmlDType::Q5_1,
+];
 
 #[cfg(target_arch = "x86_64")]
 impl Target {
@@ -472,8 +479,8 @@ fn packed_q8_0_minus_128_and_checks() {
     assert!(matches!(r, Err(KernelError::Shape { want: 204, .. })), "{r:?}");
     let r = Packed::new(GgmlDType::Q8_0, w, (n, 48));
     assert!(matches!(r, Err(KernelError::BlockSize { k: 48, block: 32 })), "{r:?}");
-    let r = Packed::new(GgmlDType::Q5_0, w, (n, k));
-    assert!(r.is_err_and(|e| e.to_string().contains("Q5_0 weights are not packed")));
+    let r = Packed::new(GgmlDType::Q5K, w, (n, k));
+    assert!(r.is_err_and(|e| e.to_string().contains("Q5K weights are not packed")));
 }
 
 /// A packed weight's rows read back (a tied head's embedding lookups) are the file's rows
