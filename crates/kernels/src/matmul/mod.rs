@@ -6,7 +6,7 @@
 //! in memory and a decode step reads 6 bits per Q4_K weight instead of 4.5. Here every weight
 //! holds its file's bytes, once:
 //! - On AVX-512, Q4_K, Q6_K, Q8_0, Q4_0, Q4_1, Q5_0 and Q5_1 (every Q4_K_M file's types, and the 32-weight ones) are repacked when
-//!   the model loads, on AVX2 and AVX-VNNI Q4_K, Q4_0 and Q4_1 ([`Packed`], `packed`; [`packs_on`] says
+//!   the model loads, on AVX2 and AVX-VNNI all but Q6_K and Q8_0 ([`Packed`], `packed`; [`packs_on`] says
 //!   why): the same bytes regrouped into records of 32 output columns, so
 //!   that one vector load serves 16 (or 8) columns and each activation row is broadcast. One
 //!   kernel then serves every number of rows — decode of one session, of several at once, and
@@ -318,14 +318,12 @@ pub fn kernels(dt: GgmlDType) -> (&'static str, &'static str) {
 }
 
 /// Whether weights of type `dt` are packed at load for `isa` (see [`Packed`]): Q4_K, Q6_K,
-/// Q8_0, Q4_0, Q4_1, Q5_0 and Q5_1 on AVX-512; Q4_K, Q4_0 and Q4_1 on 256-bit registers (AVX2,
-/// AVX-VNNI). Q5_0 and Q5_1 packed on AVX-512: from memory 1.23× the vec-dots, 64 rows
-/// 1.18–1.21× the lanes kernel; on AVX2 1.6× from memory but 0.86–0.92× for 64 rows (their
-/// fifth bits cost a multiply per unit), so there they stay in the file's layout
-/// (`cpu_kernels q5_0 1 2048 200000` and `64 2048 16384`, 2 threads, AMD EPYC, 2026-12-06).
-/// The 4-bit types' packed records are faster there (`cpu_kernels TYPE 1 2048 200000 avx2`, 2
-/// threads, a 2-vCPU AMD EPYC, from memory: Q4_0 58–85 GMAC/s packed against 49, Q4_1 52
-/// against 29; 64 rows × 2048 × 16384: Q4_0 165 against 142, Q4_1 169 against 147; 2026-12-06).
+/// Q8_0, Q4_0, Q4_1, Q5_0 and Q5_1 on AVX-512; all but Q6_K and Q8_0 on 256-bit registers (AVX2,
+/// AVX-VNNI). The 4- and 5-bit types' packed records are faster there (`cpu_kernels TYPE 1 2048
+/// 200000 avx2`, 2 threads, a 2-vCPU AMD EPYC, from memory: Q4_0 58–85 GMAC/s packed against 49,
+/// Q4_1 52 against 29, Q5_0 42 against 32, Q5_1 41 against 28; 64 rows × 2048 × 16384: Q4_0 165
+/// against 142, Q4_1 169 against 147, Q5_0 152 against 145, Q5_1 149 against 142; on AVX-512 Q5_0
+/// 42 against 36 and 277 against 216, Q5_1 40 against 32 and 287 against 218; 2026-12-06).
 /// For Q6_K and Q8_0 the packed kernels
 /// read a record as four chunks of 8 columns, which memory serves slower than the vec-dots'
 /// one stream for Q6_K and Q8_0 (one row × 2048 × 32000 from memory, AVX2, one thread on a
@@ -347,7 +345,7 @@ pub fn packs_on(dt: GgmlDType, isa: Isa) -> bool {
         !off && packed::packs(dt)
             && match isa {
                 Isa::Avx512Vnni => true,
-                Isa::AvxVnni | Isa::Avx2 => matches!(dt, GgmlDType::Q4K | GgmlDType::Q4_0 | GgmlDType::Q4_1),
+                Isa::AvxVnni | Isa::Avx2 => !matches!(dt, GgmlDType::Q6K | GgmlDType::Q8_0),
                 Isa::Portable => false,
             }
     }

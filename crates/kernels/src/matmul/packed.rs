@@ -22,9 +22,9 @@
 //! - Q8_0 (34): 8 units of 4 weights at `(32u + c)·4`; `d` at 1024.
 //! - Q4_0 (18) and Q4_1 (20): Q4_K's units, four per block of 32 weights; `d` as f16 per column
 //!   at 512, Q4_1's `m` at 576.
-//! - Q5_0 (22) and Q5_1 (24): Q4_0's units for the low four bits, the fifth bits as the file's
-//!   32-bit word per column at 512 (bit `i` weight `i`'s), spread into the unit's bytes by the
-//!   kernel; `d` at 640, Q5_1's `m` at 704.
+//! - Q5_0 (22) and Q5_1 (24): Q4_0's units for the low four bits, the fifth bits as one 32-bit
+//!   word per column at 512, the file's `qh` regrouped (`fifth_word`) so that one shift and one
+//!   mask put a unit's bits at bit 4 of its bytes; `d` at 640, Q5_1's `m` at 704.
 //!
 //! A unit load is then 16 (zmm) or 8 (ymm) columns × 8 weights; each row's activation bytes
 //! are broadcast and one `vpdpbusd` advances every column of the vector by four weights. The
@@ -169,13 +169,13 @@ impl Packed {
                         Kind::Q5_0 => {
                             let b = read::<Q5_0>(blk);
                             pack_q4(&b.qs, c, rec);
-                            rec[Q5_H + 4 * c..][..4].copy_from_slice(&b.qh);
+                            rec[Q5_H + 4 * c..][..4].copy_from_slice(&fifth_word(b.qh).to_le_bytes());
                             rec[Q5_D + 2 * c..][..2].copy_from_slice(&b.d.to_le_bytes());
                         }
                         Kind::Q5_1 => {
                             let b = read::<Q5_1>(blk);
                             pack_q4(&b.qs, c, rec);
-                            rec[Q5_H + 4 * c..][..4].copy_from_slice(&b.qh);
+                            rec[Q5_H + 4 * c..][..4].copy_from_slice(&fifth_word(b.qh).to_le_bytes());
                             rec[Q5_D + 2 * c..][..2].copy_from_slice(&b.d.to_le_bytes());
                             rec[Q5_M + 2 * c..][..2].copy_from_slice(&b.m.to_le_bytes());
                         }
@@ -329,7 +329,8 @@ fn unpack_q5(rec: &[u8], c: usize, min: bool, f: &mut [u8]) {
     } else {
         &mut f[2..]
     };
-    rest[..4].copy_from_slice(&rec[Q5_H + 4 * c..][..4]);
+    let word = u32::from_le_bytes([0, 1, 2, 3].map(|i| rec[Q5_H + 4 * c + i]));
+    rest[..4].copy_from_slice(&file_qh(word));
     for i in 0..16 {
         rest[4 + i] = q[i] | q[i + 16] << 4;
     }
@@ -449,7 +450,37 @@ fn pack_q8_0(b: &Q8_0, c: usize, rec: &mut [u8]) {
 const Q4_D: usize = 512;
 /// Where a Q4_1 record keeps its columns' `m`.
 const Q4_M: usize = 576;
-/// Where a Q5_0 or Q5_1 record keeps its columns' fifth bits (the file's `qh` word each).
+/// A Q5 block's fifth bits (`qh`, bit `i` weight `i`'s) regrouped for the units: byte `j` bit
+/// `2u + p` holds weight `8u + 4p + j`'s (unit `u`'s byte `j`, low nibble `p = 0` or high `p =
+/// 1`), so that shifting the word by `4 − (2u + p)` and masking `0x10101010` puts each at bit 4
+/// of the byte its nibble is in.
+pub(super) fn fifth_word(qh: [u8; 4]) -> u32 {
+    let qh = u32::from_le_bytes(qh);
+    let mut w = 0u32;
+    for u in 0..4 {
+        for p in 0..2 {
+            for j in 0..4 {
+                w |= ((qh >> (8 * u + 4 * p + j)) & 1) << (8 * j + 2 * u + p);
+            }
+        }
+    }
+    w
+}
+
+/// [`fifth_word`]'s inverse: the file's `qh`.
+pub(super) fn file_qh(w: u32) -> [u8; 4] {
+    let mut qh = 0u32;
+    for u in 0..4 {
+        for p in 0..2 {
+            for j in 0..4 {
+                qh |= ((w >> (8 * j + 2 * u + p)) & 1) << (8 * u + 4 * p + j);
+            }
+        }
+    }
+    qh.to_le_bytes()
+}
+
+/// Where a Q5_0 or Q5_1 record keeps its columns' fifth bits ([`fifth_word`], one word each).
 const Q5_H: usize = 512;
 /// Where a Q5_0 or Q5_1 record keeps its columns' `d`.
 const Q5_D: usize = 640;
@@ -599,7 +630,7 @@ pub(super) unsafe fn q6k_step<S: Simd>(s: S, acc: S::F, isum: S::I, d: S::F, x: 
 /// One unit of nibbles (8 weights of `V·W/4` columns from `w`, as [`put_unit`] lays them out)
 /// against bytes `at..at + 8` of each row `xs`, into `sum`: with `PART` as a sub-block's partial
 /// ([`Simd::dot_u4_part`]), else in i32 lanes ([`Simd::dot_u8_pair`]). With `FIFTH`, each
-/// weight's fifth bit (bit `at % 32 + j` of its column's word in `qh`, Q5_0/Q5_1) is added as 16.
+/// weight's fifth bit (from its column's [`fifth_word`] in `qh`, Q5_0/Q5_1) is added as 16.
 ///
 /// # Safety
 /// `w` is a unit of a record with `V·W/4` columns from it; each row has bytes `at..at + 8`.
@@ -622,15 +653,15 @@ unsafe fn nibble_unit<S: Simd, const V: usize, const R: usize, const PART: bool,
             lo[v] = s.and(q, low4);
             hi[v] = s.and(s.shr32(q, 4), low4);
             if FIFTH {
-                // four bits of the word to bit 4 of the unit's four bytes: b·0x00204081 puts bit
-                // j of b at bit 8j (no carries: the four copies do not overlap there)
-                let (spread, ones, nib) = (s.set1_i32(0x0020_4081), s.set1_i32(0x0101_0101), s.set1_i32(15));
-                let fifth = |shift: usize| {
-                    let b = s.and(s.shr32(qh[v], (at % 32 + shift) as i32), nib);
-                    s.shl32(s.and(s.mullo32(b, spread), ones), 4)
+                // unit u's bits of nibble half p are at bit 2u + p of each byte: moved to bit 4
+                let (u, bit4) = ((at % 32) / 8, s.set1_i32(0x1010_1010));
+                let fifth = |p: usize| {
+                    let at = (2 * u + p) as i32;
+                    let w = if at <= 4 { s.shl32(qh[v], 4 - at) } else { s.shr32(qh[v], at - 4) };
+                    s.and(w, bit4)
                 };
                 lo[v] = s.or(lo[v], fifth(0));
-                hi[v] = s.or(hi[v], fifth(4));
+                hi[v] = s.or(hi[v], fifth(1));
             }
         }
         for (i, sum) in sum.iter_mut().enumerate() {

@@ -291,7 +291,9 @@ fn kernel_choice_names_the_instruction_set() {
             let packed = cfg!(target_arch = "x86_64")
                 && match isa {
                     Isa::Avx512Vnni => PACKED_TYPES.contains(&dt),
-                    Isa::AvxVnni | Isa::Avx2 => matches!(dt, GgmlDType::Q4K | GgmlDType::Q4_0 | GgmlDType::Q4_1),
+                    Isa::AvxVnni | Isa::Avx2 => {
+                        PACKED_TYPES.contains(&dt) && !matches!(dt, GgmlDType::Q6K | GgmlDType::Q8_0)
+                    }
                     Isa::Portable => false,
                 };
             assert_eq!(packs_on(dt, isa), packed, "{dt:?} on {isa:?}");
@@ -504,4 +506,17 @@ fn packed_rows_dequantize_as_the_files() {
         assert!(e.contains(&format!("row {n} of a weight of {n} rows")), "{e}");
         assert!(p.dequantize_row(0, &mut row[1..]).is_err());
     }
+}
+
+/// The fifth bits' regrouping for the packed Q5 kernels goes back to the file's `qh` exactly.
+#[test]
+fn fifth_words_go_back_to_the_files_bits() {
+    let mut rng = ChaCha8Rng::seed_from_u64(5);
+    for _ in 0..1000 {
+        let qh: [u8; 4] = rng.random();
+        assert_eq!(packed::file_qh(packed::fifth_word(qh)), qh);
+    }
+    // weight 8u + 4p + j at bit 8j + 2u + p
+    assert_eq!(packed::fifth_word(1u32.to_le_bytes()), 1);
+    assert_eq!(packed::fifth_word((1u32 << 31).to_le_bytes()), 1 << (8 * 3 + 2 * 3 + 1));
 }
