@@ -211,8 +211,8 @@ pub unsafe fn rows(s: Zmm, w: &Packed, cb: usize, x: &Q8KRows, a: &APanel, out: 
         Kind::Q4K => B_LINES,
         Kind::Q6K => B_LINES6,
         // `packed::matmul` sends only Q4_K and Q6_K here
-        Kind::Q8_0 | Kind::Q4_0 | Kind::Q4_1 | Kind::Q5_0 | Kind::Q5_1 => {
-            debug_assert!(false, "the 32-weight types have no AMX kernel");
+        Kind::Q5K | Kind::Q8_0 | Kind::Q4_0 | Kind::Q4_1 | Kind::Q5_0 | Kind::Q5_1 => {
+            debug_assert!(false, "only Q4_K and Q6_K have an AMX kernel");
             return;
         }
     };

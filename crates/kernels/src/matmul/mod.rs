@@ -49,7 +49,8 @@
 //! Deliberately absent: a second copy of any weight (the packed layout replaces the file's, it
 //! is not kept beside it: a tied output head is packed and its embedding's lookups dequantize
 //! rows from the packed records, [`Packed::dequantize_row`]), packed layouts of the rarer types
-//! (Q5_K: its file-layout kernels stay), and int8 kernels for Q2_K/Q3_K (rare in practice).
+//! (Q5_K: its packed kernel exists and is tested, but [`packs_on`] does not choose it), and
+//! int8 kernels for Q2_K/Q3_K (rare in practice).
 
 mod acts;
 #[cfg(all(target_arch = "x86_64", target_os = "linux"))]
@@ -324,6 +325,9 @@ pub fn kernels(dt: GgmlDType) -> (&'static str, &'static str) {
 /// Q4_1 52 against 29, Q5_0 42 against 32, Q5_1 41 against 28; 64 rows × 2048 × 16384: Q4_0 165
 /// against 142, Q4_1 169 against 147, Q5_0 152 against 145, Q5_1 149 against 142; on AVX-512 Q5_0
 /// 42 against 36 and 277 against 216, Q5_1 40 against 32 and 287 against 218; 2026-12-06).
+/// Q5_K is packed nowhere: its packed kernel (Q4_K's, plus the fifth bits in i32 lanes) is
+/// 1.27× the lanes kernel for 64 rows on AVX-512 (298 against 234) but 0.91× the vec-dots from
+/// memory (44.5 against 49), and on AVX2 even for 64 rows (147 against 147).
 /// For Q6_K and Q8_0 the packed kernels
 /// read a record as four chunks of 8 columns, which memory serves slower than the vec-dots'
 /// one stream for Q6_K and Q8_0 (one row × 2048 × 32000 from memory, AVX2, one thread on a
@@ -342,7 +346,10 @@ pub fn packs_on(dt: GgmlDType, isa: Isa) -> bool {
     let off = *OFF.get_or_init(|| switched_off("BRIGADE_CPU_PACK"));
     #[cfg(target_arch = "x86_64")]
     {
+        // Q5_K's packed kernel is tested and timed but not chosen: from memory it reads slower
+        // than the vec-dots (see below)
         !off && packed::packs(dt)
+            && dt != GgmlDType::Q5K
             && match isa {
                 Isa::Avx512Vnni => true,
                 Isa::AvxVnni | Isa::Avx2 => !matches!(dt, GgmlDType::Q6K | GgmlDType::Q8_0),

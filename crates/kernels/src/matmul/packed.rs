@@ -14,6 +14,8 @@
 //!   its high one; the 12 scale bytes as three words per column (word `w` of column `c` at
 //!   `4096 + (32w + c)·4`, ggml's bit layout, unpacked in lanes by the kernel); `d` and `dmin`
 //!   as f16 per column at 4480 and 4544.
+//! - Q5_K (176): a Q4_K record, then per 32 weights `t` the fifth bits as one word per column
+//!   (`fifth_word`, as Q5_0's) at `4608 + (32t + c)·4`.
 //! - Q6_K (210): the low nibbles as Q4_K's units; the high two bits per 16 weights `t` as one
 //!   word per column, byte `j` holding those of weights `16t + 4s + j` at bits `2s, 2s + 1`;
 //!   the 16 scales (i8); per 32 weights those four units, two words and 64 scale bytes are 832
@@ -37,7 +39,7 @@
 //! Other types keep the file's layout (`tiles`, `lanes`).
 
 use super::acts::{Q8KRows, Q8Rows};
-use super::blocks::{self, Q4K, Q4_0, Q4_1, Q5_0, Q5_1, Q6K, Q8_0};
+use super::blocks::{self, Q4K, Q4_0, Q4_1, Q5K, Q5_0, Q5_1, Q6K, Q8_0};
 use super::simd::Simd;
 use super::tiles::Out;
 use super::KernelError;
@@ -56,6 +58,7 @@ struct Line([u8; 64]);
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(super) enum Kind {
     Q4K,
+    Q5K,
     Q6K,
     Q8_0,
     Q4_0,
@@ -68,6 +71,7 @@ impl Kind {
     fn of(dt: GgmlDType) -> Option<Kind> {
         match dt {
             GgmlDType::Q4K => Some(Kind::Q4K),
+            GgmlDType::Q5K => Some(Kind::Q5K),
             GgmlDType::Q6K => Some(Kind::Q6K),
             GgmlDType::Q8_0 => Some(Kind::Q8_0),
             GgmlDType::Q4_0 => Some(Kind::Q4_0),
@@ -81,7 +85,7 @@ impl Kind {
     /// Weights of `k` per block.
     fn block(self) -> usize {
         match self {
-            Kind::Q4K | Kind::Q6K => 256,
+            Kind::Q4K | Kind::Q5K | Kind::Q6K => 256,
             Kind::Q8_0 | Kind::Q4_0 | Kind::Q4_1 | Kind::Q5_0 | Kind::Q5_1 => 32,
         }
     }
@@ -90,6 +94,7 @@ impl Kind {
     fn bytes(self) -> usize {
         match self {
             Kind::Q4K => 144,
+            Kind::Q5K => 176,
             Kind::Q6K => 210,
             Kind::Q8_0 => 34,
             Kind::Q4_0 => 18,
@@ -153,6 +158,7 @@ impl Packed {
                     let rec = &mut out[b * rec..][..rec];
                     match kind {
                         Kind::Q4K => pack_q4k(&read::<Q4K>(blk), c, rec),
+                        Kind::Q5K => pack_q5k(&read::<Q5K>(blk), c, rec),
                         Kind::Q6K => pack_q6k(&read::<Q6K>(blk), c, rec),
                         Kind::Q8_0 => pack_q8_0(&read::<Q8_0>(blk), c, rec),
                         Kind::Q4_0 => {
@@ -225,7 +231,7 @@ impl Packed {
     /// embedding looks up, so that the head can be packed without a second copy of the table.
     pub fn dequantize_row(&self, r: usize, out: &mut [f32]) -> Result<(), KernelError> {
         use candle_core::quantized::k_quants::{
-            BlockQ4K, BlockQ4_0, BlockQ4_1, BlockQ5_0, BlockQ5_1, BlockQ6K, BlockQ8_0,
+            BlockQ4K, BlockQ4_0, BlockQ4_1, BlockQ5K, BlockQ5_0, BlockQ5_1, BlockQ6K, BlockQ8_0,
         };
         if r >= self.n || out.len() != self.k {
             return Err(KernelError::Row { row: r, rows: self.n, k: self.k, len: out.len() });
@@ -237,6 +243,7 @@ impl Packed {
             let rec = unsafe { std::slice::from_raw_parts(p.add(b * kind.record()), kind.record()) };
             match kind {
                 Kind::Q4K => dequantize::<BlockQ4K>(|f| unpack_q4k(rec, c, f), out),
+                Kind::Q5K => dequantize::<BlockQ5K>(|f| unpack_q5k(rec, c, f), out),
                 Kind::Q6K => dequantize::<BlockQ6K>(|f| unpack_q6k(rec, c, f), out),
                 Kind::Q8_0 => dequantize::<BlockQ8_0>(|f| unpack_q8_0(rec, c, f), out),
                 Kind::Q4_0 => dequantize::<BlockQ4_0>(|f| unpack_q4(rec, c, false, f), out),
@@ -282,6 +289,22 @@ fn unpack_q4k(rec: &[u8], c: usize, f: &mut [u8]) {
     for j in 0..4 {
         for i in 0..32 {
             f[16 + 32 * j + i] = q[64 * j + i] | q[64 * j + 32 + i] << 4;
+        }
+    }
+}
+
+/// Column `c`'s Q5_K block as the file has it: Q4_K's fields with `qh` between the scales and
+/// the quants.
+fn unpack_q5k(rec: &[u8], c: usize, f: &mut [u8]) {
+    let mut q4 = [0u8; 144];
+    unpack_q4k(rec, c, &mut q4);
+    f[..16].copy_from_slice(&q4[..16]);
+    f[48..].copy_from_slice(&q4[16..]);
+    f[16..48].fill(0);
+    for t in 0..8 {
+        let w = u32::from_le_bytes(file_qh(u32::from_le_bytes([0, 1, 2, 3].map(|i| rec[q5k_fifth(t, c) + i]))));
+        for l in 0..32 {
+            f[16 + l] |= (((w >> l) & 1) as u8) << t;
         }
     }
 }
@@ -405,6 +428,25 @@ fn pack_q4k(b: &Q4K, c: usize, rec: &mut [u8]) {
     }
     rec[4480 + 2 * c..][..2].copy_from_slice(&b.d.to_le_bytes());
     rec[4544 + 2 * c..][..2].copy_from_slice(&b.dmin.to_le_bytes());
+}
+
+/// Where a Q5_K record keeps column `c`'s fifth bits of weights `32t..32t + 32`.
+const fn q5k_fifth(t: usize, c: usize) -> usize {
+    4608 + (32 * t + c) * 4
+}
+
+/// ggml's Q5_K fifth bits in weight order: weight `64j + l` (`l < 32`) has bit `2j` of `qh[l]`,
+/// weight `64j + 32 + l` bit `2j + 1`; so word `t` (weights `32t..32t + 32`, bit `i` weight
+/// `32t + i`'s) is bit `t` of each `qh[l]`.
+fn q5k_words(qh: &[u8; 32]) -> [u32; 8] {
+    std::array::from_fn(|t| (0..32).fold(0u32, |w, l| w | (((qh[l] >> t) & 1) as u32) << l))
+}
+
+fn pack_q5k(b: &Q5K, c: usize, rec: &mut [u8]) {
+    pack_q4k(&Q4K { d: b.d, dmin: b.dmin, scales: b.scales, qs: b.qs }, c, rec);
+    for (t, w) in q5k_words(&b.qh).into_iter().enumerate() {
+        rec[q5k_fifth(t, c)..][..4].copy_from_slice(&fifth_word(w.to_le_bytes()).to_le_bytes());
+    }
 }
 
 fn pack_q6k(b: &Q6K, c: usize, rec: &mut [u8]) {
@@ -684,7 +726,7 @@ unsafe fn nibble_unit<S: Simd, const V: usize, const R: usize, const PART: bool,
 /// # Safety
 /// As [`tile_q4k`]: `rec` is a record, `xs` the rows' super-blocks, `h + V·W/4 ≤ COLS`, `t < 8`.
 #[inline(always)]
-unsafe fn q4k_sub<S: Simd, const V: usize, const H: usize, const R: usize>(
+unsafe fn q4k_sub<S: Simd, const V: usize, const H: usize, const R: usize, const FIFTH: bool>(
     s: S,
     (rec, h, hh, t): (*const u8, usize, usize, usize),
     xs: &[*const i8; R],
@@ -692,16 +734,28 @@ unsafe fn q4k_sub<S: Simd, const V: usize, const H: usize, const R: usize>(
     isum: &mut [[S::I; V]; R],
 ) {
     let l = S::W / 4;
+    let kind = if FIFTH { Kind::Q5K } else { Kind::Q4K };
     let (low4, low6, hi2) = (s.set1_i32(0x0f0f_0f0f), s.set1_i32(0x3f3f_3f3f), s.set1_i32(0x3030_3030));
-    // SAFETY: the caller's contract; every offset is inside the record's 4608 bytes
+    // SAFETY: the caller's contract; every offset is inside the record's 4608 (Q5_K: 5632) bytes
     unsafe {
         let word = |w: usize, v: usize| rec.add(4096 + (32 * w + h + v * l) * 4).cast::<i8>();
         if fetch {
-            fetch_ahead(rec, share(Kind::Q4K.record(), hh * 8 + t, H * 8));
+            fetch_ahead(rec, share(kind.record(), hh * 8 + t, H * 8));
         }
         let mut sum = [[s.zero(); V]; R];
+        let mut qh = [s.zero(); V];
+        if FIFTH {
+            for (v, qh) in qh.iter_mut().enumerate() {
+                *qh = s.load(rec.add(q5k_fifth(t, h + v * l)).cast());
+            }
+        }
         for u in 4 * t..4 * t + 4 {
-            nibble_unit::<S, V, R, true, false>(s, rec.add((32 * u + h) * 4), &[s.zero(); V], xs, 8 * u, &mut sum);
+            // 5-bit quants in i32 lanes (`dot_u4_part`'s i16 partials hold 4-bit ones only)
+            if FIFTH {
+                nibble_unit::<S, V, R, false, true>(s, rec.add((32 * u + h) * 4), &qh, xs, 8 * u, &mut sum);
+            } else {
+                nibble_unit::<S, V, R, true, false>(s, rec.add((32 * u + h) * 4), &qh, xs, 8 * u, &mut sum);
+            }
         }
         for v in 0..V {
             // scales 0..4: low 6 bits of word 0; 4..8: low nibbles of word 2 and the top 2 bits
@@ -711,9 +765,16 @@ unsafe fn q4k_sub<S: Simd, const V: usize, const H: usize, const R: usize>(
             } else {
                 s.or(s.and(s.load(word(2, v)), low4), s.and(s.shr32(s.load(word(0, v)), 2), hi2))
             };
-            let sc = s.part_scale(bytes, t % 4);
-            for (isum, sum) in isum.iter_mut().zip(&sum) {
-                isum[v] = s.scale_part(isum[v], sum[v], sc);
+            if FIFTH {
+                let sc = s.and(s.shr32(bytes, 8 * (t % 4) as i32), s.set1_i32(0xff));
+                for (isum, sum) in isum.iter_mut().zip(&sum) {
+                    isum[v] = s.add32(isum[v], s.mullo32(sum[v], sc));
+                }
+            } else {
+                let sc = s.part_scale(bytes, t % 4);
+                for (isum, sum) in isum.iter_mut().zip(&sum) {
+                    isum[v] = s.scale_part(isum[v], sum[v], sc);
+                }
             }
         }
     }
@@ -728,7 +789,7 @@ unsafe fn q4k_sub<S: Simd, const V: usize, const H: usize, const R: usize>(
 /// `p` is the column block's first record of `bpr`; `x` holds rows `r0..r0 + R`; `h + V·W/4 ≤
 /// COLS`.
 #[inline(always)]
-unsafe fn tile_q4k<S: Simd, const V: usize, const H: usize, const R: usize>(
+unsafe fn tile_q4k<S: Simd, const V: usize, const H: usize, const R: usize, const FIFTH: bool>(
     s: S,
     p: *const u8,
     bpr: usize,
@@ -742,7 +803,7 @@ unsafe fn tile_q4k<S: Simd, const V: usize, const H: usize, const R: usize>(
         // SAFETY: record b of the column block (the caller's contract); every offset below is
         // inside its 4608 bytes, every row's bytes inside `x`
         unsafe {
-            let rec = p.add(b * 4608);
+            let rec = p.add(b * if FIFTH { Kind::Q5K.record() } else { Kind::Q4K.record() });
             // the record is read for every vector of columns (one pass on zmm, four on ymm)
             // while it is in L1
             for (hh, acc) in acc.iter_mut().enumerate() {
@@ -756,17 +817,17 @@ unsafe fn tile_q4k<S: Simd, const V: usize, const H: usize, const R: usize>(
                     // lines known. As a loop LLVM kept `t` in a register, and one row ran at
                     // half this speed (`cpu_kernels q4_k 1 2048 1024 avx2`, one thread, Ice
                     // Lake Xeon: 28 → 55 GMAC/s); on zmm the loop is faster (0.8× written out)
-                    q4k_sub::<S, V, H, R>(s, sub(0), &xs, fetch, &mut isum);
-                    q4k_sub::<S, V, H, R>(s, sub(1), &xs, fetch, &mut isum);
-                    q4k_sub::<S, V, H, R>(s, sub(2), &xs, fetch, &mut isum);
-                    q4k_sub::<S, V, H, R>(s, sub(3), &xs, fetch, &mut isum);
-                    q4k_sub::<S, V, H, R>(s, sub(4), &xs, fetch, &mut isum);
-                    q4k_sub::<S, V, H, R>(s, sub(5), &xs, fetch, &mut isum);
-                    q4k_sub::<S, V, H, R>(s, sub(6), &xs, fetch, &mut isum);
-                    q4k_sub::<S, V, H, R>(s, sub(7), &xs, fetch, &mut isum);
+                    q4k_sub::<S, V, H, R, FIFTH>(s, sub(0), &xs, fetch, &mut isum);
+                    q4k_sub::<S, V, H, R, FIFTH>(s, sub(1), &xs, fetch, &mut isum);
+                    q4k_sub::<S, V, H, R, FIFTH>(s, sub(2), &xs, fetch, &mut isum);
+                    q4k_sub::<S, V, H, R, FIFTH>(s, sub(3), &xs, fetch, &mut isum);
+                    q4k_sub::<S, V, H, R, FIFTH>(s, sub(4), &xs, fetch, &mut isum);
+                    q4k_sub::<S, V, H, R, FIFTH>(s, sub(5), &xs, fetch, &mut isum);
+                    q4k_sub::<S, V, H, R, FIFTH>(s, sub(6), &xs, fetch, &mut isum);
+                    q4k_sub::<S, V, H, R, FIFTH>(s, sub(7), &xs, fetch, &mut isum);
                 } else {
                     for t in 0..8 {
-                        q4k_sub::<S, V, H, R>(s, sub(t), &xs, fetch, &mut isum);
+                        q4k_sub::<S, V, H, R, FIFTH>(s, sub(t), &xs, fetch, &mut isum);
                     }
                 }
                 let word = |w: usize, v: usize| rec.add(4096 + (32 * w + h + v * l) * 4).cast::<i8>();
@@ -1037,7 +1098,8 @@ unsafe fn tile<S: Simd, const V: usize, const H: usize, const R: usize>(
     // SAFETY: the caller's contract
     unsafe {
         match (w.kind, x) {
-            (Kind::Q4K, Acts::K(x)) => tile_q4k::<S, V, H, R>(s, p, bpr, x, r0, fetch),
+            (Kind::Q4K, Acts::K(x)) => tile_q4k::<S, V, H, R, false>(s, p, bpr, x, r0, fetch),
+            (Kind::Q5K, Acts::K(x)) => tile_q4k::<S, V, H, R, true>(s, p, bpr, x, r0, fetch),
             (Kind::Q6K, Acts::K(x)) => tile_q6k::<S, V, H, R>(s, p, bpr, x, r0, fetch),
             (Kind::Q8_0, Acts::Q0(x)) => tile_q8_0::<S, V, H, R>(s, p, bpr, x, r0, fetch),
             (Kind::Q4_0, Acts::Q0(x)) => tile_q4_0::<S, V, H, R, false, false>(s, p, bpr, x, r0, fetch),
@@ -1156,9 +1218,10 @@ pub unsafe fn matmul<S: Simd>(s: S, w: &Packed, m: usize, lhs: &[f32], dst: &mut
     let x = Q8KRows::new(lhs, (m, k), m);
     // `available` implies AVX-512, so the token exists where it says yes
     #[cfg(target_os = "linux")]
-    if let (true, Some(z)) =
-        (m >= super::amx::MIN_ROWS && S::W == 64 && super::amx::available(), super::simd::Zmm::new())
-    {
+    if let (true, Some(z)) = (
+        m >= super::amx::MIN_ROWS && S::W == 64 && matches!(w.kind, Kind::Q4K | Kind::Q6K) && super::amx::available(),
+        super::simd::Zmm::new(),
+    ) {
         let whole = m - m % super::amx::ROWS;
         let a = super::amx::APanel::new(&x, whole, k / 256);
         return candle_core::utils::barrier_pool().execute_chunked(w.blocks(), |blocks| {

@@ -290,9 +290,9 @@ fn kernel_choice_names_the_instruction_set() {
         for dt in INT8_TYPES {
             let packed = cfg!(target_arch = "x86_64")
                 && match isa {
-                    Isa::Avx512Vnni => PACKED_TYPES.contains(&dt),
+                    Isa::Avx512Vnni => PACKED_TYPES.contains(&dt) && dt != GgmlDType::Q5K,
                     Isa::AvxVnni | Isa::Avx2 => {
-                        PACKED_TYPES.contains(&dt) && !matches!(dt, GgmlDType::Q6K | GgmlDType::Q8_0)
+                        PACKED_TYPES.contains(&dt) && !matches!(dt, GgmlDType::Q6K | GgmlDType::Q8_0 | GgmlDType::Q5K)
                     }
                     Isa::Portable => false,
                 };
@@ -347,7 +347,7 @@ fn matches_dequantized_matmul() {
     assert_eq!(got.dims(), &[1, 3, n]);
 }
 
-const PACKED_TYPES: [GgmlDType; 7] = [
+const PACKED_TYPES: [GgmlDType; 8] = [
     GgmlDType::Q4K,
     GgmlDType::Q6K,
     GgmlDType::Q8_0,
@@ -355,6 +355,7 @@ const PACKED_TYPES: [GgmlDType; 7] = [
     GgmlDType::Q4_1,
     GgmlDType::Q5_0,
     GgmlDType::Q5_1,
+    GgmlDType::Q5K,
 ];
 
 #[cfg(target_arch = "x86_64")]
@@ -481,8 +482,8 @@ fn packed_q8_0_minus_128_and_checks() {
     assert!(matches!(r, Err(KernelError::Shape { want: 204, .. })), "{r:?}");
     let r = Packed::new(GgmlDType::Q8_0, w, (n, 48));
     assert!(matches!(r, Err(KernelError::BlockSize { k: 48, block: 32 })), "{r:?}");
-    let r = Packed::new(GgmlDType::Q5K, w, (n, k));
-    assert!(r.is_err_and(|e| e.to_string().contains("Q5K weights are not packed")));
+    let r = Packed::new(GgmlDType::Q3K, w, (n, k));
+    assert!(r.is_err_and(|e| e.to_string().contains("Q3K weights are not packed")));
 }
 
 /// A packed weight's rows read back (a tied head's embedding lookups) are the file's rows
