@@ -41,13 +41,11 @@ impl std::str::FromStr for Effort {
     }
 }
 
-/// Every weight type candle quantizes to (what a full measurement times).
-pub(crate) const FULL_TYPES: [GgmlDType; 13] = crate::cpu_matmul::WEIGHT_TYPES;
 const QUICK_TYPES: [GgmlDType; 5] = [GgmlDType::F32, GgmlDType::F16, GgmlDType::Q8_0, GgmlDType::Q4_0, GgmlDType::Q4K];
 
 /// The weight types a model's layers may come in, as [`measure_cpu`] measures them at full effort.
 pub fn weight_types() -> &'static [GgmlDType] {
-    &FULL_TYPES
+    &crate::cpu_matmul::WEIGHT_TYPES
 }
 
 /// brigade's name of a ggml type, as model files and manifests print it.
@@ -261,7 +259,7 @@ pub fn measure_cpu(
     };
     let mem_bandwidth = crate::bandwidth::read_bandwidth(bw_bytes, threads, 3);
     let types: &[GgmlDType] = match effort {
-        Effort::Full => &FULL_TYPES,
+        Effort::Full => &crate::cpu_matmul::WEIGHT_TYPES,
         Effort::Quick => &QUICK_TYPES,
     };
     let kernels = types.iter().map(|&t| kernel_rates(t, effort)).collect::<Result<Vec<_>, _>>()?;

@@ -173,7 +173,8 @@ fn agrees_with_llama_cpp(
     n_ctx: usize,
 ) {
     let (mut steps, mut same, mut worst, mut sum, mut compared) = (0, 0, 0f32, 0f32, 0);
-    let one_stage = pipeline(files, &maps(files)[0], n_ctx);
+    let maps = maps(files);
+    let one_stage = pipeline(files, &maps[0], n_ctx);
     for (k, case) in cases.iter().enumerate() {
         let (prompt, want) = (ids(&case["prompt_ids"]), ids(&case["greedy_ids"]));
         // teacher-forced on llama.cpp's ids: the prompt's last logits, then every later step's
@@ -211,14 +212,10 @@ fn agrees_with_llama_cpp(
         }
         // decoding freely, brigade gives llama.cpp's ids up to its first close call, over any split
         let n = clear_prefix.unwrap_or(want.len());
-        let one = greedy_without_eog(files, &maps(files)[0], &prompt, want.len(), n_ctx);
-        for map in &maps(files) {
-            let got = if map == &maps(files)[0] {
-                one.clone()
-            } else {
-                greedy_without_eog(files, map, &prompt, want.len(), n_ctx)
-            };
-            assert_eq!(got[..n], want[..n], "{what} prompt {k} over {map}: the first {n} ids");
+        let one = greedy_without_eog(files, &maps[0], &prompt, want.len(), n_ctx);
+        assert_eq!(one[..n], want[..n], "{what} prompt {k} over {}: the first {n} ids", maps[0]);
+        for map in &maps[1..] {
+            let got = greedy_without_eog(files, map, &prompt, want.len(), n_ctx);
             assert_eq!(got, one, "{what} prompt {k}: {map} differs from one stage");
         }
     }

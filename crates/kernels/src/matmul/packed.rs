@@ -39,7 +39,7 @@
 //! Other types keep the file's layout (`tiles`, `lanes`).
 
 use super::acts::{Q8KRows, Q8Rows};
-use super::blocks::{self, Q4K, Q4_0, Q4_1, Q5K, Q5_0, Q5_1, Q6K, Q8_0};
+use super::blocks::{self, Q4K, Q5K, Q6K, Q8_0};
 use super::simd::Simd;
 use super::tiles::Out;
 use super::KernelError;
@@ -108,6 +108,34 @@ impl Kind {
     fn record(self) -> usize {
         self.bytes() * COLS
     }
+
+    /// Of the 32-weight nibble types (Q4_0, Q4_1, Q5_0, Q5_1): whether a block has a min `m`.
+    fn has_min(self) -> bool {
+        matches!(self, Kind::Q4_1 | Kind::Q5_1)
+    }
+
+    /// Of the 32-weight nibble types: whether a block has fifth bits `qh`.
+    fn has_fifth(self) -> bool {
+        matches!(self, Kind::Q5_0 | Kind::Q5_1)
+    }
+
+    /// Where a nibble type's record keeps its columns' `d` (f16 each).
+    fn d_at(self) -> usize {
+        if self.has_fifth() {
+            Q5_D
+        } else {
+            Q4_D
+        }
+    }
+
+    /// Where a Q4_1 or Q5_1 record keeps its columns' `m`.
+    fn m_at(self) -> usize {
+        if self.has_fifth() {
+            Q5_M
+        } else {
+            Q4_M
+        }
+    }
 }
 
 /// Whether weights of type `dt` are packed (on a CPU with int8 kernels).
@@ -161,30 +189,7 @@ impl Packed {
                         Kind::Q5K => pack_q5k(&read::<Q5K>(blk), c, rec),
                         Kind::Q6K => pack_q6k(&read::<Q6K>(blk), c, rec),
                         Kind::Q8_0 => pack_q8_0(&read::<Q8_0>(blk), c, rec),
-                        Kind::Q4_0 => {
-                            let b = read::<Q4_0>(blk);
-                            pack_q4(&b.qs, c, rec);
-                            rec[Q4_D + 2 * c..][..2].copy_from_slice(&b.d.to_le_bytes());
-                        }
-                        Kind::Q4_1 => {
-                            let b = read::<Q4_1>(blk);
-                            pack_q4(&b.qs, c, rec);
-                            rec[Q4_D + 2 * c..][..2].copy_from_slice(&b.d.to_le_bytes());
-                            rec[Q4_M + 2 * c..][..2].copy_from_slice(&b.m.to_le_bytes());
-                        }
-                        Kind::Q5_0 => {
-                            let b = read::<Q5_0>(blk);
-                            pack_q4(&b.qs, c, rec);
-                            rec[Q5_H + 4 * c..][..4].copy_from_slice(&fifth_word(b.qh).to_le_bytes());
-                            rec[Q5_D + 2 * c..][..2].copy_from_slice(&b.d.to_le_bytes());
-                        }
-                        Kind::Q5_1 => {
-                            let b = read::<Q5_1>(blk);
-                            pack_q4(&b.qs, c, rec);
-                            rec[Q5_H + 4 * c..][..4].copy_from_slice(&fifth_word(b.qh).to_le_bytes());
-                            rec[Q5_D + 2 * c..][..2].copy_from_slice(&b.d.to_le_bytes());
-                            rec[Q5_M + 2 * c..][..2].copy_from_slice(&b.m.to_le_bytes());
-                        }
+                        Kind::Q4_0 | Kind::Q4_1 | Kind::Q5_0 | Kind::Q5_1 => pack_nibbles(kind, blk, c, rec),
                     }
                 }
             }
@@ -246,10 +251,10 @@ impl Packed {
                 Kind::Q5K => dequantize::<BlockQ5K>(|f| unpack_q5k(rec, c, f), out),
                 Kind::Q6K => dequantize::<BlockQ6K>(|f| unpack_q6k(rec, c, f), out),
                 Kind::Q8_0 => dequantize::<BlockQ8_0>(|f| unpack_q8_0(rec, c, f), out),
-                Kind::Q4_0 => dequantize::<BlockQ4_0>(|f| unpack_q4(rec, c, false, f), out),
-                Kind::Q4_1 => dequantize::<BlockQ4_1>(|f| unpack_q4(rec, c, true, f), out),
-                Kind::Q5_0 => dequantize::<BlockQ5_0>(|f| unpack_q5(rec, c, false, f), out),
-                Kind::Q5_1 => dequantize::<BlockQ5_1>(|f| unpack_q5(rec, c, true, f), out),
+                Kind::Q4_0 => dequantize::<BlockQ4_0>(|f| unpack_nibbles(kind, rec, c, f), out),
+                Kind::Q4_1 => dequantize::<BlockQ4_1>(|f| unpack_nibbles(kind, rec, c, f), out),
+                Kind::Q5_0 => dequantize::<BlockQ5_0>(|f| unpack_nibbles(kind, rec, c, f), out),
+                Kind::Q5_1 => dequantize::<BlockQ5_1>(|f| unpack_nibbles(kind, rec, c, f), out),
             }
         }
         Ok(())
@@ -302,7 +307,7 @@ fn unpack_q5k(rec: &[u8], c: usize, f: &mut [u8]) {
     f[48..].copy_from_slice(&q4[16..]);
     f[16..48].fill(0);
     for t in 0..8 {
-        let w = u32::from_le_bytes(file_qh(u32::from_le_bytes([0, 1, 2, 3].map(|i| rec[q5k_fifth(t, c) + i]))));
+        let w = u32::from_le_bytes(file_qh(read_word(rec, q5k_fifth(t, c))));
         for l in 0..32 {
             f[16 + l] |= (((w >> l) & 1) as u8) << t;
         }
@@ -341,38 +346,26 @@ fn unpack_q8_0(rec: &[u8], c: usize, f: &mut [u8]) {
     }
 }
 
-/// Column `c`'s Q5_0 (or with `min` Q5_1) block as the file has it: `d`, (`m`,) `qh`, `qs`.
-fn unpack_q5(rec: &[u8], c: usize, min: bool, f: &mut [u8]) {
+/// Column `c`'s block of a 32-weight nibble type as the file has it ([`pack_nibbles`]'s inverse).
+fn unpack_nibbles(kind: Kind, rec: &[u8], c: usize, f: &mut [u8]) {
+    let (d, m, qh, qs) = nibble_fields(kind);
     let mut q = [0u8; 32];
     get_units(rec, 4, |u| (32 * u + c) * 4, &mut q);
-    f[..2].copy_from_slice(&rec[Q5_D + 2 * c..][..2]);
-    let rest = if min {
-        f[2..4].copy_from_slice(&rec[Q5_M + 2 * c..][..2]);
-        &mut f[4..]
-    } else {
-        &mut f[2..]
-    };
-    let word = u32::from_le_bytes([0, 1, 2, 3].map(|i| rec[Q5_H + 4 * c + i]));
-    rest[..4].copy_from_slice(&file_qh(word));
+    f[d..d + 2].copy_from_slice(&rec[kind.d_at() + 2 * c..][..2]);
+    if let Some(m) = m {
+        f[m..m + 2].copy_from_slice(&rec[kind.m_at() + 2 * c..][..2]);
+    }
+    if let Some(qh) = qh {
+        f[qh..qh + 4].copy_from_slice(&file_qh(read_word(rec, Q5_H + 4 * c)));
+    }
     for i in 0..16 {
-        rest[4 + i] = q[i] | q[i + 16] << 4;
+        f[qs + i] = q[i] | q[i + 16] << 4;
     }
 }
 
-/// Column `c`'s Q4_0 (or with `min` Q4_1) block as the file has it (`pack_q4`'s inverse).
-fn unpack_q4(rec: &[u8], c: usize, min: bool, f: &mut [u8]) {
-    let mut q = [0u8; 32];
-    get_units(rec, 4, |u| (32 * u + c) * 4, &mut q);
-    f[..2].copy_from_slice(&rec[Q4_D + 2 * c..][..2]);
-    let qs = if min {
-        f[2..4].copy_from_slice(&rec[Q4_M + 2 * c..][..2]);
-        &mut f[4..]
-    } else {
-        &mut f[2..]
-    };
-    for i in 0..16 {
-        qs[i] = q[i] | q[i + 16] << 4;
-    }
+/// The little-endian word at `at`.
+fn read_word(rec: &[u8], at: usize) -> u32 {
+    u32::from_le_bytes([0, 1, 2, 3].map(|i| rec[at + i]))
 }
 
 /// A block read from unaligned bytes.
@@ -529,12 +522,30 @@ const Q5_D: usize = 640;
 /// Where a Q5_1 record keeps its columns' `m`.
 const Q5_M: usize = 704;
 
-/// A Q4_0 or Q4_1 block's nibbles (ggml's order: weight `j` in the low nibble of byte `j`,
-/// `j + 16` in its high one) as column `c`'s four units.
-fn pack_q4(qs: &[u8; 16], c: usize, rec: &mut [u8]) {
-    let q: [u8; 32] = std::array::from_fn(|i| if i < 16 { qs[i] & 15 } else { qs[i - 16] >> 4 });
+/// Where a block of a 32-weight nibble type keeps its fields in the file (ggml's layouts): `d`,
+/// `m` (Q4_1, Q5_1), `qh` (Q5_0, Q5_1) and the 16 bytes of nibbles.
+fn nibble_fields(kind: Kind) -> (usize, Option<usize>, Option<usize>, usize) {
+    let m = kind.has_min().then_some(2);
+    let qh = kind.has_fifth().then_some(2 + 2 * usize::from(kind.has_min()));
+    (0, m, qh, kind.bytes() - 16)
+}
+
+/// Column `c`'s block `blk` (the file's bytes) of a 32-weight nibble type into record `rec`: the
+/// nibbles (ggml's order: weight `j` in the low nibble of byte `j`, `j + 16` in its high one) as
+/// four units, `d` and `m` as they are, `qh` as its [`fifth_word`].
+fn pack_nibbles(kind: Kind, blk: &[u8], c: usize, rec: &mut [u8]) {
+    let (d, m, qh, qs) = nibble_fields(kind);
+    let q: [u8; 32] = std::array::from_fn(|i| if i < 16 { blk[qs + i] & 15 } else { blk[qs + i - 16] >> 4 });
     for u in 0..4 {
         put_unit(&q, u, rec, (32 * u + c) * 4);
+    }
+    rec[kind.d_at() + 2 * c..][..2].copy_from_slice(&blk[d..d + 2]);
+    if let Some(m) = m {
+        rec[kind.m_at() + 2 * c..][..2].copy_from_slice(&blk[m..m + 2]);
+    }
+    if let Some(qh) = qh {
+        let word = fifth_word([0, 1, 2, 3].map(|i| blk[qh + i]));
+        rec[Q5_H + 4 * c..][..4].copy_from_slice(&word.to_le_bytes());
     }
 }
 
@@ -1034,7 +1045,6 @@ unsafe fn tile_q4_0<S: Simd, const V: usize, const H: usize, const R: usize, con
         (true, false) => Kind::Q5_0,
         (true, true) => Kind::Q5_1,
     };
-    let (d_at, m_at) = if FIFTH { (Q5_D, Q5_M) } else { (Q4_D, Q4_M) };
     let mut acc = [[[s.zero_f(); V]; R]; H];
     for b in 0..bpr {
         // SAFETY: as in `tile_q4k`, inside the record's 576, 640, 704 or 768 bytes
@@ -1065,10 +1075,10 @@ unsafe fn tile_q4_0<S: Simd, const V: usize, const H: usize, const R: usize, con
                 for u in 0..4 {
                     nibble_unit::<S, V, R, false, FIFTH>(s, rec.add((32 * u + h) * 4), &qh, &xs, 8 * u, &mut sum);
                 }
-                q0_step(s, acc, &sum, rec.add(d_at + 2 * h), x, &at);
+                q0_step(s, acc, &sum, rec.add(kind.d_at() + 2 * h), x, &at);
                 if MIN {
                     for v in 0..V {
-                        let m = s.load_f16(rec.add(m_at + 2 * (h + v * l)));
+                        let m = s.load_f16(rec.add(kind.m_at() + 2 * (h + v * l)));
                         for (i, acc) in acc.iter_mut().enumerate() {
                             acc[v] = s.fmadd(m, s.set1(*x.s.get_unchecked(at[i])), acc[v]);
                         }
