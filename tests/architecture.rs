@@ -110,6 +110,18 @@ fn the_coordinator_never_links_candle_and_the_worker_never_raft() {
 }
 
 #[test]
+fn the_test_kit_is_dev_only_and_links_no_tensor_library() {
+    let kit = deps("brigade-testkit");
+    assert!(kit.iter().any(|x| x == "brigade-coordinator"), "cargo tree did not list the coordinator: {kit:?}");
+    for bad in ["candle-core", "brigade-model", "tokio-test"] {
+        assert!(!kit.iter().any(|x| x == bad), "brigade-testkit depends on {bad}");
+    }
+    for package in ["brigade-cli", "brigade-coordinator", "brigade-worker", "brigade-serve", "brigade-sdk"] {
+        assert!(!deps(package).iter().any(|x| x == "brigade-testkit"), "{package} depends on the test kit");
+    }
+}
+
+#[test]
 fn the_cli_reaches_tensors_only_through_the_model_crate() {
     let cli = direct_deps("brigade-cli");
     assert!(cli.iter().any(|x| x == "brigade-model"), "cargo tree did not list the model crate: {cli:?}");

@@ -12,7 +12,7 @@
 
 use crate::{LayerRange, Link};
 use serde::{Deserialize, Serialize};
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, VecDeque};
 
 /// Maximum lengths of names that arrive from outside (node and deployment names).
 pub const MAX_NAME_LEN: usize = 64;
@@ -476,7 +476,7 @@ pub enum Applied {
 }
 
 /// Why a command did not apply (the state is unchanged).
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error, Serialize, Deserialize)]
 pub enum StateError {
     /// A node or deployment name outside its alphabet or length, or a malformed certificate
     /// fingerprint.
@@ -595,12 +595,49 @@ pub struct ClusterState {
     /// The coordinator replicas (raft ids) and the addresses they serve on.
     #[serde(default)]
     pub replicas: BTreeMap<u64, String>,
+    /// The last [`PROPOSALS_REMEMBERED`] proposals applied from each replica, by the replica's
+    /// raft id: a proposal the network delivered twice is in the log twice and applies once,
+    /// and a replica that caught up from a snapshot still answers its own proposals.
+    #[serde(default)]
+    pub proposals: BTreeMap<u64, VecDeque<Proposal>>,
+}
+
+/// How many of each replica's latest proposals [`ClusterState::apply_proposal`] remembers.
+pub const PROPOSALS_REMEMBERED: usize = 256;
+
+/// A proposal applied, and its result.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Proposal {
+    /// The proposing replica's number for it.
+    pub ticket: u64,
+    /// What [`ClusterState::apply`] returned.
+    pub result: Result<Applied, StateError>,
 }
 
 impl ClusterState {
     /// An empty state; its first placement gets generation 1.
     pub fn new() -> Self {
         ClusterState { next_generation: 1, ..Default::default() }
+    }
+
+    /// Applies proposal `ticket` of replica `replica`: its result, or `None` for a copy of one
+    /// among that replica's last [`PROPOSALS_REMEMBERED`], which changes nothing.
+    pub fn apply_proposal(&mut self, replica: u64, ticket: u64, cmd: Command) -> Option<Result<Applied, StateError>> {
+        if self.proposal(replica, ticket).is_some() {
+            return None;
+        }
+        let result = self.apply(cmd);
+        let seen = self.proposals.entry(replica).or_default();
+        if seen.len() == PROPOSALS_REMEMBERED {
+            seen.pop_front();
+        }
+        seen.push_back(Proposal { ticket, result: result.clone() });
+        Some(result)
+    }
+
+    /// The result of proposal `ticket` of replica `replica`, while it is remembered.
+    pub fn proposal(&self, replica: u64, ticket: u64) -> Option<&Result<Applied, StateError>> {
+        self.proposals.get(&replica)?.iter().find(|p| p.ticket == ticket).map(|p| &p.result)
     }
 
     /// Applies one command. On error nothing has changed.
@@ -970,6 +1007,25 @@ mod tests {
 
     fn admit(name: &str) -> Command {
         Command::AdmitNode { name: name.into(), fingerprint: "ab".repeat(32), admitted_ms: 1 }
+    }
+
+    #[test]
+    fn a_proposal_applies_once_however_often_the_log_holds_it() {
+        let mut s = ClusterState::new();
+        assert_eq!(s.apply_proposal(1, 10, admit("a")), Some(Ok(Applied::Done)));
+        let refused = s.apply_proposal(2, 10, Command::RegisterNode { node: node("b") });
+        assert_eq!(refused, Some(Err(StateError::NotAdmitted("b".into()))), "another replica's ticket 10");
+        let before = s.clone();
+        assert_eq!(s.apply_proposal(1, 10, Command::RemoveNode { name: "a".into() }), None, "a copy");
+        assert_eq!(s, before, "a copy changes nothing");
+        assert_eq!(s.proposal(2, 10), Some(&Err(StateError::NotAdmitted("b".into()))), "results are kept");
+        for t in 11..11 + PROPOSALS_REMEMBERED as u64 {
+            assert!(s.apply_proposal(1, t, admit("a")).is_some());
+        }
+        assert_eq!(s.proposals[&1].len(), PROPOSALS_REMEMBERED, "the memory is bounded");
+        assert_eq!(s.proposal(1, 10), None, "forgotten once {PROPOSALS_REMEMBERED} newer ones applied");
+        let back: ClusterState = serde_json::from_str(&serde_json::to_string(&s).unwrap()).unwrap();
+        assert_eq!(back, s, "snapshots carry the memory, so every replica decides alike");
     }
 
     fn cluster() -> ClusterState {

@@ -1,7 +1,9 @@
 //! The replicated coordinator: a raft-rs group whose log entries are the cluster state's
 //! [`Command`]s, applied by the pure `ClusterState::apply` on every replica at the same index.
 //!
-//! One task owns the `RawNode` ([`node`]); everything else talks to it through a [`RaftHandle`]:
+//! [`replica`] is one replica's raft without IO: the `RawNode`, its log and the state machine,
+//! driven by calls and answering with effects. In production one task drives it ([`node`]);
+//! everything else talks to it through a [`RaftHandle`]:
 //! `propose` a command and await its result once it is committed and applied (any replica may
 //! propose: a follower's proposal is forwarded to the leader by raft and answered when the
 //! follower applies it), `read_barrier` before a read that must be current (raft's read index),
@@ -12,10 +14,13 @@
 //! durable.
 
 pub mod node;
+pub mod replica;
 pub mod storage;
 pub mod transport;
 
 pub use node::{RaftHandle, RaftOptions, RaftStatusView};
+pub use raft::eraftpb::{ConfChangeType, Message, MessageType};
+pub use replica::{Answer, Effect, Replica, Ticket, Tuning};
 
 /// Routes raft-rs's slog records to `tracing` (target `raft`).
 pub(crate) struct TracingDrain;
