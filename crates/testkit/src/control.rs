@@ -4,18 +4,25 @@
 //! the certificate fingerprint the value) at any replica, while a schedule drawn from one seed
 //! kills and restarts replicas (a restart reopens the log from disk), pauses them, partitions
 //! the network (both ways and one way), and changes its weather (loss, duplication, delay).
-//! Then the network heals, every replica comes back, and the group must elect a leader, take a
-//! write at every replica and converge on one state. The [`History`] of what clients saw must be
-//! linearizable throughout.
+//! Around them run worker nodes ([`fleet`](crate::fleet)): they register, heartbeat the leader,
+//! re-register when it says so, and report the stages placed on them ready, while the leader's
+//! recovery loop (the production `Reconciler`) marks silent nodes down and places the
+//! deployment again; the schedule kills and restarts workers too, and partitions cut them off.
+//! Then the network heals, every replica and some of the workers come back, and the group must
+//! elect a leader, take a write at every replica, converge on one state, know which workers are
+//! up, and serve the deployment from workers that are up (or say why it cannot). The
+//! [`History`] of what clients saw must be linearizable throughout, and no replica may ever see
+//! the deployment's generation go back.
 
+use crate::fleet::{self, Heard, LeaderTask, Worker, DEPLOYMENT};
 use crate::history::{History, Kind, Outcome};
 use crate::net::{Net, Weather};
-use brigade_coordinator::raft::{Answer, Effect, Message, RaftOptions, Replica, Tuning};
-use brigade_core::cluster::Command;
+use brigade_coordinator::raft::{Answer, Effect, Message, RaftOptions, Replica, Ticket, Tuning};
+use brigade_core::cluster::{ClusterState, Command, DeploymentState, NodeState};
 use rand::seq::{IndexedRandom, SliceRandom};
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashMap};
 use std::hash::{Hash, Hasher};
 use std::path::PathBuf;
 use std::time::Duration;
@@ -33,11 +40,13 @@ pub struct Config {
     pub compact_every: u64,
     /// The chance a client operation starts in a tick.
     pub op_rate: f64,
+    /// Worker nodes (0: replicas and clients only).
+    pub workers: usize,
 }
 
 impl Default for Config {
     fn default() -> Self {
-        Config { replicas: 3, chaos_ticks: 300, calm_ticks: 200, compact_every: 16, op_rate: 0.3 }
+        Config { replicas: 3, chaos_ticks: 300, calm_ticks: 400, compact_every: 16, op_rate: 0.3, workers: 4 }
     }
 }
 
@@ -55,6 +64,34 @@ pub struct Report {
     pub max_term: u64,
     pub last_index: u64,
     pub messages_lost: u64,
+    pub worker_kills: u64,
+    /// Workers down at the end, and the deployment's generation then (each placement is one).
+    pub workers_down: u64,
+    pub generation: u64,
+    /// The deployment could not be placed on the workers left, and said so.
+    pub degraded: bool,
+}
+
+/// What travels between the group's members and the workers.
+#[derive(Debug, Clone)]
+enum Wire {
+    Raft(Message),
+    /// A worker's heartbeat (to every replica; the leader takes it).
+    Heartbeat(usize),
+    /// The leader's answer: whether the worker must register again (it was marked down).
+    Reregister(bool),
+}
+
+/// Workers' addresses on the network: this plus their index.
+const WORKER_BASE: u64 = 1000;
+
+/// Who waits for a request's answer besides the clients.
+#[derive(Debug, Clone, Copy)]
+enum Owner {
+    Setup,
+    Leader,
+    Register(usize),
+    Report(usize),
 }
 
 struct Member {
@@ -66,15 +103,26 @@ struct Member {
     /// the vote in step.
     election_ticks: usize,
     /// Messages that arrived while it was paused (its socket's buffer).
-    backlog: Vec<Message>,
+    backlog: Vec<Wire>,
+    /// Soft state of this incarnation: the tick each worker's heartbeat last arrived while this
+    /// replica led, and its recovery loop while it leads.
+    heartbeats: BTreeMap<String, u64>,
+    leader: Option<LeaderTask>,
+    /// The deployment's generation this incarnation last published.
+    generation: u64,
 }
 
 struct Group {
     cfg: Config,
     rng: ChaCha8Rng,
     now: u64,
-    net: Net<Message>,
+    net: Net<Wire>,
     members: BTreeMap<u64, Member>,
+    workers: Vec<Worker>,
+    owners: HashMap<(u64, Ticket), Owner>,
+    /// The set-up command in flight, and the first refusal of one.
+    setup: Option<(u64, Ticket)>,
+    setup_failed: Option<String>,
     history: History,
     report: Report,
     next_value: u64,
@@ -107,6 +155,7 @@ fn digest(state: &brigade_core::cluster::ClusterState) -> u64 {
 
 impl Group {
     fn new(seed: u64, cfg: Config) -> Result<Group, String> {
+        let cfg_workers = cfg.workers;
         let dir = scratch().map_err(|e| format!("scratch dir: {e}"))?;
         let peers: BTreeMap<u64, String> = (1..=cfg.replicas).map(|id| (id, format!("replica-{id}"))).collect();
         let mut rng = ChaCha8Rng::seed_from_u64(seed);
@@ -125,7 +174,19 @@ impl Group {
                 force_new_cluster: false,
             };
             let election_ticks = timeouts[(id as usize - 1) % timeouts.len()];
-            members.insert(id, Member { opts, replica: None, paused_until: 0, election_ticks, backlog: Vec::new() });
+            members.insert(
+                id,
+                Member {
+                    opts,
+                    replica: None,
+                    paused_until: 0,
+                    election_ticks,
+                    backlog: Vec::new(),
+                    heartbeats: BTreeMap::new(),
+                    leader: None,
+                    generation: 0,
+                },
+            );
         }
         let mut g = Group {
             cfg,
@@ -133,6 +194,10 @@ impl Group {
             now: 0,
             net: Net::default(),
             members,
+            workers: (0..cfg_workers).map(Worker::new).collect(),
+            owners: HashMap::new(),
+            setup: None,
+            setup_failed: None,
             history: History::default(),
             report: Report::default(),
             next_value: 0,
@@ -153,6 +218,9 @@ impl Group {
         m.replica = Some(r);
         m.paused_until = 0;
         m.backlog.clear();
+        m.heartbeats.clear();
+        m.leader = None;
+        m.generation = 0;
         Ok(())
     }
 
@@ -162,6 +230,12 @@ impl Group {
 
     fn running(&self, id: u64) -> bool {
         self.members.get(&id).is_some_and(|m| m.replica.is_some() && m.paused_until <= self.now)
+    }
+
+    /// Every address on the network: replicas, then workers.
+    fn addresses(&self) -> Vec<u64> {
+        let workers = (0..self.workers.len() as u64).map(|i| WORKER_BASE + i);
+        self.members.keys().copied().chain(workers).collect()
     }
 
     /// One fault, perhaps, drawn from the schedule's generator.
@@ -193,7 +267,7 @@ impl Group {
             }
         } else if roll < 0.06 {
             self.report.partitions += 1;
-            let ids: Vec<u64> = self.members.keys().copied().collect();
+            let ids = self.addresses();
             if self.rng.random_bool(0.3) {
                 let a = *ids.choose(&mut self.rng).unwrap_or(&1);
                 let b = *ids.choose(&mut self.rng).unwrap_or(&2);
@@ -219,6 +293,16 @@ impl Group {
                 duplicate: *[0.0, 0.05, 0.2].choose(&mut self.rng).unwrap_or(&0.0),
                 max_delay: *[0u64, 1, 3, 8, 30].choose(&mut self.rng).unwrap_or(&0),
             };
+        } else if roll < 0.105 && !self.workers.is_empty() {
+            // a worker's process dies, or one that died starts again (and registers)
+            let i = self.rng.random_range(0..self.workers.len());
+            let w = &mut self.workers[i];
+            if w.up {
+                self.report.worker_kills += 1;
+            }
+            w.up = !w.up;
+            w.registered = false;
+            w.waiting = None;
         }
         Ok(())
     }
@@ -246,7 +330,99 @@ impl Group {
         }
     }
 
-    /// One tick of the virtual clock: ticks, deliveries, readies.
+    /// Proposes `cmd` at replica `id` for `owner`; the request, unless the replica is down.
+    fn propose(&mut self, id: u64, cmd: Command, owner: Owner) -> Option<(u64, Ticket, u64)> {
+        let r = self.members.get_mut(&id)?.replica.as_mut()?;
+        let t = r.propose(cmd);
+        self.owners.insert((id, t), owner);
+        self.history.background((id, t));
+        Some((id, t, self.now))
+    }
+
+    fn running_replicas(&self) -> Vec<u64> {
+        self.up().into_iter().filter(|id| self.running(*id)).collect()
+    }
+
+    /// The published state of replica `id`.
+    fn state_of(&self, id: u64) -> Option<std::sync::Arc<ClusterState>> {
+        let r = self.members.get(&id)?.replica.as_ref()?;
+        let p = r.published();
+        let s = p.read().ok()?.1.clone();
+        Some(s)
+    }
+
+    /// What the workers do this tick: heartbeat, register, report their stages ready.
+    fn workers_act(&mut self) {
+        let now = self.now;
+        for i in 0..self.workers.len() {
+            if !self.workers[i].up {
+                continue;
+            }
+            if let Some((_, _, at)) = self.workers[i].waiting {
+                if now < at + RETRY {
+                    continue;
+                }
+                self.workers[i].waiting = None; // timed out: asked again below
+            }
+            let running = self.running_replicas();
+            let Some(&at) = running.choose(&mut self.rng) else { continue };
+            let name = self.workers[i].name.clone();
+            if !self.workers[i].registered {
+                let cmd = Command::RegisterNode { node: fleet::node_record(&name) };
+                self.workers[i].waiting = self.propose(at, cmd, Owner::Register(i));
+                continue;
+            }
+            if now % fleet::HEARTBEAT_EVERY == i as u64 % fleet::HEARTBEAT_EVERY {
+                for r in self.members.keys().copied().collect::<Vec<_>>() {
+                    self.net.send(&mut self.rng, now, WORKER_BASE + i as u64, r, Wire::Heartbeat(i));
+                }
+            }
+            if now % fleet::WATCH_EVERY == i as u64 % fleet::WATCH_EVERY {
+                // its assignments, from the replica it asks (perhaps behind the leader)
+                if let Some(cmd) = self.state_of(at).and_then(|s| self.workers[i].report(&s)) {
+                    self.workers[i].waiting = self.propose(at, cmd, Owner::Report(i));
+                }
+            }
+        }
+    }
+
+    /// The recovery loop of the replica that leads, as `recover::leader_tasks` runs it: a step
+    /// every few ticks, its commands replicated one after the other, the rest of a step dropped
+    /// when one is not.
+    fn leader_acts(&mut self, id: u64) {
+        let now = self.now;
+        let Some(m) = self.members.get_mut(&id) else { return };
+        let Some(r) = m.replica.as_ref() else { return };
+        if !r.is_leader() {
+            m.leader = None;
+            return;
+        }
+        let task = m.leader.get_or_insert_with(|| LeaderTask::new(now));
+        if task.waiting.is_some_and(|(_, _, at)| now >= at + RETRY) {
+            task.failed();
+        }
+        if task.waiting.is_some() {
+            return;
+        }
+        if task.queue.is_empty() && now >= task.last_step + fleet::RECONCILE_EVERY {
+            task.last_step = now;
+            let published = r.published();
+            let Ok(state) = published.read().map(|p| p.1.clone()) else { return };
+            let heard = Heard { now, since: task.since, heartbeats: &m.heartbeats };
+            for action in task.reconciler.step(fleet::TICK * now as u32, &state, &heard) {
+                if let brigade_coordinator::reconcile::Action::Apply { command, .. } = action {
+                    task.queue.push_back(*command);
+                }
+            }
+        }
+        let Some(cmd) = task.queue.pop_front() else { return };
+        let waiting = self.propose(id, cmd, Owner::Leader);
+        if let Some(task) = self.members.get_mut(&id).and_then(|m| m.leader.as_mut()) {
+            task.waiting = waiting;
+        }
+    }
+
+    /// One tick of the virtual clock: ticks, deliveries, readies, workers and leaders.
     fn turn(&mut self) -> Result<(), String> {
         self.now += 1;
         let now = self.now;
@@ -259,28 +435,66 @@ impl Group {
             }
         }
         for e in self.net.due(now) {
+            if e.to >= WORKER_BASE {
+                let w = self.workers.get_mut((e.to - WORKER_BASE) as usize);
+                if let (Some(w), Wire::Reregister(true)) = (w, &e.message) {
+                    if w.up && w.registered {
+                        w.registered = false;
+                    }
+                }
+                continue;
+            }
             let running = self.running(e.to);
             let Some(m) = self.members.get_mut(&e.to) else { continue };
-            match m.replica.as_mut() {
-                Some(r) if running => r.step(e.message),
-                Some(_) => m.backlog.push(e.message),
-                None => {} // a dead process's socket: lost
+            match m.replica.is_some() {
+                true if running => self.deliver(e.to, e.message),
+                true => m.backlog.push(e.message),
+                false => {} // a dead process's socket: lost
             }
         }
         for id in ids {
             if !self.running(id) {
                 continue;
             }
-            let Some(m) = self.members.get_mut(&id) else { continue };
-            let Some(r) = m.replica.as_mut() else { continue };
-            for msg in std::mem::take(&mut m.backlog) {
-                r.step(msg);
+            let backlog = self.members.get_mut(&id).map(|m| std::mem::take(&mut m.backlog)).unwrap_or_default();
+            for w in backlog {
+                self.deliver(id, w);
             }
+            let Some(r) = self.members.get_mut(&id).and_then(|m| m.replica.as_mut()) else { continue };
             let effects = r.ready().map_err(|e| format!("replica {id} at tick {now}: {e}"))?;
             self.report.max_term = self.report.max_term.max(r.status().term);
             self.carry_out(id, effects);
+            if !self.workers.is_empty() {
+                self.leader_acts(id);
+            }
+        }
+        if self.setup.is_none() {
+            self.workers_act();
         }
         Ok(())
+    }
+
+    /// A message for replica `id`, which is running.
+    fn deliver(&mut self, id: u64, w: Wire) {
+        let now = self.now;
+        let Some(m) = self.members.get_mut(&id) else { return };
+        let Some(r) = m.replica.as_mut() else { return };
+        match w {
+            Wire::Raft(msg) => r.step(msg),
+            Wire::Heartbeat(i) => {
+                // `Control.Heartbeat`: the leader's alone (a follower refuses it)
+                if !r.is_leader() {
+                    return;
+                }
+                let Some(name) = self.workers.get(i).map(|w| w.name.clone()) else { return };
+                let published = r.published();
+                let known_up =
+                    published.read().is_ok_and(|p| p.1.nodes.get(&name).is_some_and(|n| n.state == NodeState::Up));
+                m.heartbeats.insert(name, now);
+                self.net.send(&mut self.rng, now, id, WORKER_BASE + i as u64, Wire::Reregister(!known_up));
+            }
+            Wire::Reregister(_) => {}
+        }
     }
 
     fn carry_out(&mut self, id: u64, effects: Vec<Effect>) {
@@ -292,12 +506,16 @@ impl Group {
                     msgs.sort_by_key(|m| m.to);
                     for m in msgs {
                         let to = m.to;
-                        self.net.send(&mut self.rng, self.now, id, to, m);
+                        self.net.send(&mut self.rng, self.now, id, to, Wire::Raft(m));
                     }
                 }
                 Effect::Peer { .. } | Effect::Published => {}
                 Effect::Applied { index, by } => self.history.applied(id, index, by),
                 Effect::Answer { ticket, answer } => {
+                    if let Some(owner) = self.owners.remove(&(id, ticket)) {
+                        self.answered(owner, (id, ticket), answer);
+                        continue;
+                    }
                     let outcome = match answer {
                         Answer::Proposed(Ok(_)) => match self.history.placed((id, ticket)) {
                             Some(index) => Outcome::Wrote { index },
@@ -331,10 +549,58 @@ impl Group {
                 }
             }
         }
-        if let Some(r) = self.members.get(&id).and_then(|m| m.replica.as_ref()) {
-            if let Ok(p) = r.published().read() {
-                let (index, d) = (p.0, digest(&p.1));
-                self.history.published(id, index, d);
+        let Some(m) = self.members.get_mut(&id) else { return };
+        let Some(r) = m.replica.as_ref() else { return };
+        let Ok((index, d, generation)) = r
+            .published()
+            .read()
+            .map(|p| (p.0, digest(&p.1), p.1.deployments.get(DEPLOYMENT).map_or(0, |d| d.generation)))
+        else {
+            return;
+        };
+        if generation < m.generation {
+            let why =
+                format!("replica {id} saw the deployment go back from generation {} to {generation}", m.generation);
+            self.history.fail(why);
+        }
+        m.generation = generation;
+        self.history.published(id, index, d);
+    }
+
+    /// The answer to a request of the set-up, a leader or a worker.
+    fn answered(&mut self, owner: Owner, (id, ticket): (u64, Ticket), answer: Answer) {
+        let ok = match &answer {
+            Answer::Proposed(r) => r.as_ref().map(|_| ()).map_err(|e| e.to_string()),
+            other => Err(format!("{other:?}")),
+        };
+        let mine = |w: Option<(u64, Ticket, u64)>| w.is_some_and(|(r, t, _)| (r, t) == (id, ticket));
+        match owner {
+            Owner::Setup => {
+                if self.setup == Some((id, ticket)) {
+                    self.setup = None;
+                }
+                if let Err(e) = ok {
+                    self.setup_failed.get_or_insert(e);
+                }
+            }
+            Owner::Leader => {
+                if let Some(task) = self.members.get_mut(&id).and_then(|m| m.leader.as_mut()) {
+                    if mine(task.waiting) {
+                        task.waiting = None;
+                        if ok.is_err() {
+                            task.failed();
+                        }
+                    }
+                }
+            }
+            Owner::Register(i) | Owner::Report(i) => {
+                let Some(w) = self.workers.get_mut(i) else { return };
+                if mine(w.waiting) {
+                    w.waiting = None;
+                    if matches!(owner, Owner::Register(_)) && ok.is_ok() && w.up {
+                        w.registered = true;
+                    }
+                }
             }
         }
     }
@@ -347,8 +613,31 @@ impl Group {
         (first != 0 && is && leaders.all(|l| l == Some(first))).then_some(first)
     }
 
-    /// Everything heals; every replica must come back, agree on a leader, take a write and end
-    /// on one state.
+    /// Before the faults: the workers, the model and the deployment, one command after the
+    /// other at the leader.
+    fn set_up(&mut self) -> Result<(), String> {
+        let mut commands: std::collections::VecDeque<Command> = fleet::setup(self.workers.len())?.into();
+        let deadline = self.now + 500;
+        while self.now < deadline {
+            self.turn()?;
+            if let Some(e) = &self.setup_failed {
+                return Err(format!("set-up refused: {e}"));
+            }
+            if self.setup.is_some() {
+                continue;
+            }
+            let Some(leader) = self.agreed_leader() else { continue };
+            match commands.pop_front() {
+                Some(cmd) => self.setup = self.propose(leader, cmd, Owner::Setup).map(|(r, t, _)| (r, t)),
+                None => return Ok(()),
+            }
+        }
+        Err(format!("no set-up in 500 calm ticks ({} commands left)", commands.len()))
+    }
+
+    /// Everything heals; every replica and all but a few workers come back; the group must
+    /// agree on a leader, take a write at every replica and end on one state that knows which
+    /// workers are up and serves the deployment from them (or says why it cannot).
     fn heal(&mut self) -> Result<(), String> {
         self.net.heal();
         self.net.weather = Weather::CALM;
@@ -357,6 +646,18 @@ impl Group {
                 self.start(id)?;
             } else if let Some(m) = self.members.get_mut(&id) {
                 m.paused_until = 0;
+            }
+        }
+        let stay_down = if self.workers.is_empty() { 0 } else { self.rng.random_range(0..=2.min(self.workers.len())) };
+        let mut order: Vec<usize> = (0..self.workers.len()).collect();
+        order.shuffle(&mut self.rng);
+        for (k, i) in order.into_iter().enumerate() {
+            let w = &mut self.workers[i];
+            let up = k >= stay_down;
+            if up != w.up {
+                w.up = up;
+                w.registered = false;
+                w.waiting = None;
             }
         }
         let deadline = self.now + self.cfg.calm_ticks;
@@ -381,7 +682,7 @@ impl Group {
                 && finals
                     .values()
                     .all(|(i, _)| matches!(self.history.ops()[*i].answered, Some((_, Outcome::Wrote { .. }))));
-            if acked && self.converged() {
+            if acked && self.converged() && self.serving().is_ok() {
                 return Ok(());
             }
         }
@@ -402,9 +703,41 @@ impl Group {
             })
             .collect();
         Err(format!(
-            "{} calm ticks after healing: leader {leader:?}, final writes {finals:?}, replicas {states:?}",
-            self.cfg.calm_ticks
+            "{} calm ticks after healing: leader {leader:?}, final writes {finals:?}, replicas {states:?}, cluster: {:?}",
+            self.cfg.calm_ticks,
+            self.serving().err()
         ))
+    }
+
+    /// Whether the leader's state knows which workers are up and serves the deployment from
+    /// workers that are up — or, where they cannot hold it, says why; what is amiss if not.
+    fn serving(&self) -> Result<(), String> {
+        if self.workers.is_empty() {
+            return Ok(());
+        }
+        let leader = self.agreed_leader().ok_or("no leader")?;
+        let state = self.state_of(leader).ok_or("the leader is down")?;
+        for w in &self.workers {
+            let known = state.nodes.get(&w.name).map(|n| n.state);
+            let want = if w.up { NodeState::Up } else { NodeState::Down };
+            if known != Some(want) {
+                return Err(format!("worker {} is {want:?}, the state says {known:?}", w.name));
+            }
+        }
+        let d = state.deployments.get(DEPLOYMENT).ok_or("the deployment is gone")?;
+        if fleet::placeable(&state) {
+            let ready = state.deployment_state(d) == DeploymentState::Ready;
+            let on_up = d.stages.iter().all(|s| self.workers.iter().any(|w| w.up && w.name == s.node));
+            if !(ready && on_up) {
+                return Err(format!(
+                    "deployment at generation {} not ready on workers that are up: {:?}",
+                    d.generation, d.stages
+                ));
+            }
+        } else if d.note.is_empty() {
+            return Err("the deployment cannot be placed on the workers up and its note does not say so".into());
+        }
+        Ok(())
     }
 
     fn converged(&self) -> bool {
@@ -424,7 +757,9 @@ impl Group {
 pub fn run(seed: u64, cfg: &Config) -> Result<Report, String> {
     let go = || -> Result<Report, String> {
         let mut g = Group::new(seed, cfg.clone())?;
-        while g.now < cfg.chaos_ticks {
+        g.set_up()?;
+        let end = g.now + cfg.chaos_ticks;
+        while g.now < end {
             g.weather_the_chaos()?;
             g.turn()?;
             if g.rng.random_bool(cfg.op_rate) {
@@ -444,7 +779,13 @@ pub fn run(seed: u64, cfg: &Config) -> Result<Report, String> {
         }
         report.last_index = g.history.last_index();
         report.messages_lost = g.net.lost;
+        report.workers_down = g.workers.iter().filter(|w| !w.up).count() as u64;
+        if let Some(s) = g.agreed_leader().and_then(|l| g.state_of(l)) {
+            let d = s.deployments.get(DEPLOYMENT);
+            report.generation = d.map_or(0, |d| d.generation);
+            report.degraded = d.is_some_and(|d| !d.note.is_empty());
+        }
         Ok(report)
     };
-    go().map_err(|e| format!("seed {seed} ({} replicas): {e}", cfg.replicas))
+    go().map_err(|e| format!("seed {seed} ({} replicas, {} workers): {e}", cfg.replicas, cfg.workers))
 }

@@ -12,5 +12,6 @@
 #![forbid(unsafe_code)]
 
 pub mod control;
+pub mod fleet;
 pub mod history;
 pub mod net;

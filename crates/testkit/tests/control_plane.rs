@@ -1,8 +1,11 @@
 //! The coordinator's control plane under a thousand seeded fault schedules: raft replicas (the
 //! production code, logs on disk) are killed and restarted, paused, partitioned and flooded with
-//! loss, duplication and delay while clients write and read; the history clients saw must be
-//! linearizable, every acknowledged write must survive, and once the faults heal the group must
-//! elect a leader, take a write at every replica and converge on one state.
+//! loss, duplication and delay while clients write and read, and worker nodes die, come back and
+//! are cut off while the leader's recovery loop (the production reconciler) re-places the
+//! deployment they serve. The history clients saw must be linearizable, every acknowledged write
+//! must survive, no replica may see the deployment's generation go back, and once the faults
+//! heal the group must elect a leader, take a write at every replica, converge on one state,
+//! know which workers are up and serve the deployment from them (or say why it cannot).
 //!
 //! `BRIGADE_SEED=N` runs one seed (a failure prints its seed); `BRIGADE_SEEDS=N` sets how many.
 #![allow(clippy::unwrap_used)]
@@ -50,7 +53,7 @@ fn a_thousand_fault_schedules_keep_the_control_plane_linearizable_and_live() {
     let reports = run_all(|seed| Config { replicas: if seed % 4 == 3 { 5 } else { 3 }, ..Config::default() });
     let sum = |f: fn(&Report) -> u64| reports.iter().map(f).sum::<u64>();
     eprintln!(
-        "{} schedules: {} writes acknowledged, {} reads answered, {} refused, {} unanswered; {} kills, {} pauses, {} partitions, {} messages lost; terms up to {}",
+        "{} schedules: {} writes acknowledged, {} reads answered, {} refused, {} unanswered; {} kills, {} pauses, {} partitions, {} messages lost; terms up to {}; {} worker kills; at the end {} workers down, {} deployments re-placed, {} degraded",
         reports.len(),
         sum(|r| r.writes_acked),
         sum(|r| r.reads_answered),
@@ -61,6 +64,10 @@ fn a_thousand_fault_schedules_keep_the_control_plane_linearizable_and_live() {
         sum(|r| r.partitions),
         sum(|r| r.messages_lost),
         reports.iter().map(|r| r.max_term).max().unwrap_or(0),
+        sum(|r| r.worker_kills),
+        sum(|r| r.workers_down),
+        reports.iter().filter(|r| r.generation > 1).count(),
+        reports.iter().filter(|r| r.degraded).count(),
     );
     // the schedules did what they are for: faults happened, and clients got answers through them
     let n = reports.len() as u64;
@@ -70,6 +77,9 @@ fn a_thousand_fault_schedules_keep_the_control_plane_linearizable_and_live() {
         assert!(sum(|r| r.kills) >= n, "too few kills");
         assert!(sum(|r| r.partitions) >= n, "too few partitions");
         assert!(reports.iter().filter(|r| r.max_term >= 4).count() as u64 >= n / 4, "too few elections");
+        assert!(sum(|r| r.worker_kills) >= n / 2, "too few workers killed");
+        assert!(reports.iter().filter(|r| r.generation > 1).count() as u64 >= n / 4, "too few re-placements");
+        assert!(reports.iter().any(|r| r.degraded), "no deployment was ever left without the workers to hold it");
     }
 }
 
