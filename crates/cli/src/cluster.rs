@@ -3,7 +3,7 @@
 
 use crate::common::SamplingArgs;
 use anyhow::{bail, Context, Result};
-use brigade_sdk::{ActDtype, CarrierKind, DeployParams, Deployment};
+use brigade_sdk::{ActDtype, CarrierKind, DeployParams, Deployment, DeploymentState};
 use brigade_sdk::{Client, ClientConfig, Event, GenerateParams};
 use clap::Args;
 use serde::Serialize;
@@ -524,9 +524,9 @@ pub fn deploy(a: DeployArgs) -> Result<()> {
         } else {
             print_deployment(&d);
         }
-        match d.state.as_str() {
-            "ready" => Ok(()),
-            "loading" if a.wait == 0 => Ok(()),
+        match d.state {
+            DeploymentState::Ready => Ok(()),
+            DeploymentState::Loading if a.wait == 0 => Ok(()),
             s => bail!(
                 "deployment `{}` is {s}{}",
                 d.name,
@@ -752,7 +752,7 @@ fn deployment_json(d: &Deployment) -> serde_json::Value {
         "source": d.source,
         "model_id": d.model_id,
         "generation": d.generation,
-        "state": d.state,
+        "state": d.state.name(),
         "error": d.error,
         "n_layers": d.n_layers,
         "n_ctx": d.n_ctx,
@@ -764,7 +764,7 @@ fn deployment_json(d: &Deployment) -> serde_json::Value {
         "tokens_generated": d.tokens_generated,
         "stages": d.stages.iter().map(|s| serde_json::json!({
             "index": s.index, "node": s.node, "device": s.device, "address": s.address,
-            "layers": [s.layer_start, s.layer_end], "state": s.state, "error": s.error,
+            "layers": [s.layer_start, s.layer_end], "state": s.state.name(), "error": s.error,
             "weight_bytes": s.weight_bytes, "kv_bytes": s.kv_bytes, "fetched_bytes": s.fetched_bytes,
             "predicted_ms": s.predicted_s * 1e3, "measured_ms": s.measured_s * 1e3,
         })).collect::<Vec<_>>(),
@@ -792,7 +792,7 @@ pub fn status(a: StatusArgs) -> Result<()> {
                     .iter()
                     .map(|n| {
                         serde_json::json!({
-                            "name": n.name, "address": n.address, "state": n.state,
+                            "name": n.name, "address": n.address, "state": n.state.name(),
                             "heartbeat_age_ms": n.heartbeat_age_ms, "version": n.version,
                             "devices": n.devices.iter().map(|d| serde_json::json!({
                                 "name": d.name, "kind": d.kind, "model": d.model, "memory_total": d.memory_total,

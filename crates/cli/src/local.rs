@@ -4,7 +4,7 @@
 
 use crate::cluster::{runtime, stop_signal};
 use anyhow::{bail, Context, Result};
-use brigade_sdk::{CarrierKind, DeployParams};
+use brigade_sdk::{CarrierKind, DeployParams, DeploymentState, NodeState};
 use brigade_sdk::{Client, ClientConfig};
 use clap::{Args, Subcommand};
 use std::path::{Path, PathBuf};
@@ -213,7 +213,7 @@ pub fn local(a: LocalArgs) -> Result<()> {
         let t0 = Instant::now();
         loop {
             let s = client.status().await?;
-            let up = s.nodes.iter().filter(|n| n.state == "up").count();
+            let up = s.nodes.iter().filter(|n| n.state == NodeState::Up).count();
             if up >= a.workers {
                 break;
             }
@@ -240,7 +240,7 @@ pub fn local(a: LocalArgs) -> Result<()> {
             ..DeployParams::new(&name, &model_arg)
         };
         let d = client.deploy(&req).await?;
-        if d.state != "ready" {
+        if d.state != DeploymentState::Ready {
             bail!("deploying {name}: {} {}; logs are in {}", d.state, d.error, dir.display());
         }
         print!("{}", d.plan_text);

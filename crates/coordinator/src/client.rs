@@ -10,8 +10,8 @@ use brigade_core::cluster::{
 };
 use brigade_planner::Objective;
 use brigade_proto::convert::{
-    act_dtype_from_proto, act_dtype_to_proto, carrier_from_proto, carrier_to_proto, device_to_proto,
-    sampling_from_proto, sampling_to_proto, unix_ms,
+    act_dtype_from_proto, act_dtype_to_proto, carrier_from_proto, carrier_to_proto, deployment_state_to_proto,
+    device_to_proto, node_state_to_proto, sampling_from_proto, sampling_to_proto, stage_state_to_proto, unix_ms,
 };
 use brigade_proto::v1::client_server::Client;
 use brigade_proto::v1::{
@@ -54,7 +54,7 @@ pub fn deployment_info(state: &ClusterState, d: &Deployment, stats: Option<&Depl
         source,
         model_id: d.model_id.clone(),
         generation: d.generation,
-        state: st.name().into(),
+        state: deployment_state_to_proto(st).into(),
         stages: d
             .stages
             .iter()
@@ -65,7 +65,7 @@ pub fn deployment_info(state: &ClusterState, d: &Deployment, stats: Option<&Depl
                 device: s.device.clone(),
                 layer_start: s.layers.start() as u32,
                 layer_end: s.layers.end() as u32,
-                state: s.state.name().into(),
+                state: stage_state_to_proto(&s.state).into(),
                 error: match &s.state {
                     StageState::Failed(e) => e.clone(),
                     _ => String::new(),
@@ -393,10 +393,7 @@ pub fn status_snapshot(shared: &Shared, s: &ClusterState) -> ClusterStatusRespon
         .map(|n| NodeInfo {
             name: n.name.clone(),
             address: n.address.clone(),
-            state: match n.state {
-                NodeState::Up => "up".into(),
-                NodeState::Down => "down".into(),
-            },
+            state: node_state_to_proto(n.state).into(),
             devices: n.devices.iter().map(device_to_proto).collect(),
             heartbeat_age_ms: shared.heartbeat_age(&n.name).as_millis() as u64,
             version: n.version.clone(),
@@ -580,7 +577,7 @@ impl Client for ClientService {
             .map(|d| ModelInfo {
                 name: d.name.clone(),
                 source: s.models.get(&d.model_id).map(|m| m.source.clone()).unwrap_or_default(),
-                state: s.deployment_state(d).name().into(),
+                state: deployment_state_to_proto(s.deployment_state(d)).into(),
                 n_layers: d.n_layers as u32,
                 n_ctx: d.n_ctx as u32,
                 created_ms: d.created_ms,

@@ -7,7 +7,7 @@ use crate::server::Shared;
 use crate::CoordError;
 use brigade_core::cluster::{ClusterState, Command, LinkRecord, NodeRecord, NodeState, StageState};
 use brigade_core::Link;
-use brigade_proto::convert::{device_from_proto, unix_ms};
+use brigade_proto::convert::{device_from_proto, stage_state_from_proto, unix_ms};
 use brigade_proto::v1::control_server::Control;
 use brigade_proto::v1::{
     Assignments, Chunk, FetchRangeRequest, HeartbeatRequest, HeartbeatResponse, JoinRequest, JoinResponse, LinksAck,
@@ -151,11 +151,11 @@ impl Control for ControlService {
         self.shared.require_leader()?;
         let name = self.node(&req, &req.get_ref().name)?;
         let r = req.into_inner();
-        let state = match r.state.as_str() {
-            "ready" => StageState::Ready,
-            "failed" => StageState::Failed(r.error.chars().take(2000).collect()),
-            "loading" => StageState::Loading,
-            other => return Err(Status::invalid_argument(format!("stage state `{other}`"))),
+        let error: String = r.error.chars().take(2000).collect();
+        let state = match stage_state_from_proto(r.state, &error) {
+            Ok(s @ (StageState::Ready | StageState::Failed(_) | StageState::Loading)) => s,
+            Ok(s) => return Err(Status::invalid_argument(format!("a worker reports a stage {}", s.name()))),
+            Err(n) => return Err(Status::invalid_argument(format!("stage state {n}"))),
         };
         if let StageState::Failed(e) = &state {
             tracing::warn!("stage {} of {} on {name} failed: {e}", r.stage, r.deployment);

@@ -11,7 +11,7 @@ use brigade_core::cluster::ModelRecord;
 use brigade_core::{DeviceKind, TokenLogprob};
 use brigade_format::{ModelIndex, Tokenizer};
 use brigade_planner::{HopPlan, Objective, Plan, StagePlan};
-use brigade_proto::convert::sampling_to_proto;
+use brigade_proto::convert::{deployment_state_name, node_state_name, sampling_to_proto, stage_state_name};
 use brigade_proto::v1::{generate_event, DriveRequest, StopReason};
 use brigade_serve::{
     ApiError, Backend, DeploymentView, DeviceView, EngineEvent, EngineRequest, Finish, LinkView, ModelInfo, NodeView,
@@ -166,7 +166,7 @@ impl ClusterBackend {
             .map(|n| NodeView {
                 name: n.name.clone(),
                 address: n.address.clone(),
-                state: n.state.clone(),
+                state: node_state_name(n.state).into(),
                 heartbeat_age_s: n.heartbeat_age_ms as f64 / 1e3,
                 devices: n
                     .devices
@@ -200,7 +200,7 @@ impl ClusterBackend {
                         node: s.node.clone(),
                         device: s.device.clone(),
                         layers: (s.layer_start, s.layer_end),
-                        state: s.state.clone(),
+                        state: stage_state_name(s.state).into(),
                         weight_bytes: s.weight_bytes,
                         kv_bytes: s.kv_bytes,
                         predicted_s: s.predicted_s,
@@ -211,7 +211,7 @@ impl ClusterBackend {
                     .collect();
                 let mut view = DeploymentView {
                     name: d.name.clone(),
-                    state: d.state.clone(),
+                    state: deployment_state_name(d.state).into(),
                     predicted_decode_s: d.predicted_decode_s,
                     measured_decode_s: d.measured_decode_s,
                     tokens_generated: d.tokens_generated,

@@ -425,7 +425,7 @@ mod tests {
                 deployment: "d".into(),
                 generation: d.generation,
                 stage: i as u32,
-                state: "failed".into(),
+                state: brigade_proto::v1::StageState::Failed.into(),
                 error: "out of memory on cuda0 (0 bytes free after the attempt): CUDA_ERROR_OUT_OF_MEMORY".into(),
                 out_of_memory: true,
                 ..Default::default()

@@ -103,6 +103,16 @@ pub enum NodeState {
     Down,
 }
 
+impl NodeState {
+    /// The state's lower-case name, as the APIs show it (`up`, `down`).
+    pub fn name(self) -> &'static str {
+        match self {
+            NodeState::Up => "up",
+            NodeState::Down => "down",
+        }
+    }
+}
+
 /// A registered node: where its worker listens and what it measured.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct NodeRecord {

@@ -1,7 +1,9 @@
 //! Conversions between the wire types and brigade's own (`brigade-core`), in one place.
 
 use crate::v1;
-use brigade_core::cluster::{ActDtype, CarrierKind, DeviceFigures, KernelFigures};
+use brigade_core::cluster::{
+    ActDtype, CarrierKind, DeploymentState, DeviceFigures, KernelFigures, NodeState, StageState,
+};
 use brigade_core::{DeviceKind, Link, SamplingError, SamplingParams};
 
 /// Unix time in milliseconds (0 if the clock is before 1970).
@@ -118,6 +120,84 @@ pub fn carrier_from_proto(n: i32) -> Result<CarrierKind, i32> {
     }
 }
 
+/// The wire's name of a node's state.
+pub fn node_state_to_proto(s: NodeState) -> v1::NodeState {
+    match s {
+        NodeState::Up => v1::NodeState::Up,
+        NodeState::Down => v1::NodeState::Down,
+    }
+}
+
+/// The node state a wire number names (`None`: unspecified or unknown).
+pub fn node_state_from_proto(n: i32) -> Option<NodeState> {
+    match v1::NodeState::try_from(n) {
+        Ok(v1::NodeState::Up) => Some(NodeState::Up),
+        Ok(v1::NodeState::Down) => Some(NodeState::Down),
+        _ => None,
+    }
+}
+
+/// The wire's name of a stage's state (a failure's text travels in the message's `error`).
+pub fn stage_state_to_proto(s: &StageState) -> v1::StageState {
+    match s {
+        StageState::Pending => v1::StageState::Pending,
+        StageState::Loading => v1::StageState::Loading,
+        StageState::Ready => v1::StageState::Ready,
+        StageState::Failed(_) => v1::StageState::Failed,
+    }
+}
+
+/// The stage state a wire number names, a failure with the text `error`; `Err` with the number
+/// where it names none (unspecified or unknown).
+pub fn stage_state_from_proto(n: i32, error: &str) -> Result<StageState, i32> {
+    match v1::StageState::try_from(n) {
+        Ok(v1::StageState::Pending) => Ok(StageState::Pending),
+        Ok(v1::StageState::Loading) => Ok(StageState::Loading),
+        Ok(v1::StageState::Ready) => Ok(StageState::Ready),
+        Ok(v1::StageState::Failed) => Ok(StageState::Failed(error.to_string())),
+        _ => Err(n),
+    }
+}
+
+/// The wire's name of a deployment's state.
+pub fn deployment_state_to_proto(s: DeploymentState) -> v1::DeploymentState {
+    match s {
+        DeploymentState::Loading => v1::DeploymentState::Loading,
+        DeploymentState::Replacing => v1::DeploymentState::Replacing,
+        DeploymentState::Ready => v1::DeploymentState::Ready,
+        DeploymentState::Failed => v1::DeploymentState::Failed,
+        DeploymentState::Degraded => v1::DeploymentState::Degraded,
+    }
+}
+
+/// The deployment state a wire number names (`None`: unspecified or unknown).
+pub fn deployment_state_from_proto(n: i32) -> Option<DeploymentState> {
+    match v1::DeploymentState::try_from(n) {
+        Ok(v1::DeploymentState::Loading) => Some(DeploymentState::Loading),
+        Ok(v1::DeploymentState::Replacing) => Some(DeploymentState::Replacing),
+        Ok(v1::DeploymentState::Ready) => Some(DeploymentState::Ready),
+        Ok(v1::DeploymentState::Failed) => Some(DeploymentState::Failed),
+        Ok(v1::DeploymentState::Degraded) => Some(DeploymentState::Degraded),
+        _ => None,
+    }
+}
+
+/// The lower-case names of the states a wire number names, as the APIs and the dashboard show
+/// them (`unknown` for an unspecified or unknown number).
+pub fn node_state_name(n: i32) -> &'static str {
+    node_state_from_proto(n).map_or("unknown", NodeState::name)
+}
+
+/// See [`node_state_name`].
+pub fn stage_state_name(n: i32) -> &'static str {
+    stage_state_from_proto(n, "").map_or("unknown", |s| s.name())
+}
+
+/// See [`node_state_name`].
+pub fn deployment_state_name(n: i32) -> &'static str {
+    deployment_state_from_proto(n).map_or("unknown", |s| s.name())
+}
+
 /// Every field set: the receiver samples exactly as the sender asked.
 pub fn sampling_to_proto(p: &SamplingParams) -> v1::Sampling {
     v1::Sampling {
@@ -171,6 +251,30 @@ mod tests {
         assert_eq!(act_dtype_from_proto(77), Err(77));
         assert_eq!(carrier_from_proto(v1::Carrier::Unspecified as i32), Ok(CarrierKind::Quic));
         assert_eq!(carrier_from_proto(9), Err(9));
+    }
+
+    #[test]
+    fn states_round_trip_and_unspecified_or_unknown_numbers_name_none() {
+        for s in [NodeState::Up, NodeState::Down] {
+            assert_eq!(node_state_from_proto(node_state_to_proto(s) as i32), Some(s));
+        }
+        let failed = StageState::Failed("out of memory".into());
+        for s in [StageState::Pending, StageState::Loading, StageState::Ready, failed] {
+            let error = if let StageState::Failed(e) = &s { e.clone() } else { String::new() };
+            assert_eq!(stage_state_from_proto(stage_state_to_proto(&s) as i32, &error), Ok(s));
+        }
+        use DeploymentState as D;
+        for s in [D::Loading, D::Replacing, D::Ready, D::Failed, D::Degraded] {
+            assert_eq!(deployment_state_from_proto(deployment_state_to_proto(s) as i32), Some(s));
+        }
+        assert_eq!(node_state_from_proto(0), None);
+        assert_eq!(node_state_from_proto(9), None);
+        assert_eq!(stage_state_from_proto(0, ""), Err(0));
+        assert_eq!(stage_state_from_proto(-3, ""), Err(-3));
+        assert_eq!(deployment_state_from_proto(6), None);
+        assert_eq!(deployment_state_name(v1::DeploymentState::Replacing as i32), "re-placing");
+        assert_eq!(stage_state_name(v1::StageState::Failed as i32), "failed");
+        assert_eq!((node_state_name(v1::NodeState::Down as i32), node_state_name(0)), ("down", "unknown"));
     }
 
     #[test]

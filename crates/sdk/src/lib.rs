@@ -41,8 +41,8 @@ use tonic::transport::{Certificate, Channel, ClientTlsConfig, Endpoint};
 
 pub mod types;
 pub use types::{
-    ActDtype, CarrierKind, ClusterStatus, DeployParams, Deployment, Device, Done, HopTiming, KernelRate, Link,
-    ModelInfo, Node, Plan, RaftStatus, Replica, Stage, StopReason, Timings,
+    ActDtype, CarrierKind, ClusterStatus, DeployParams, Deployment, DeploymentState, Device, Done, HopTiming,
+    KernelRate, Link, ModelInfo, Node, NodeState, Plan, RaftStatus, Replica, Stage, StageState, StopReason, Timings,
 };
 
 /// The name in the coordinator's certificate.

@@ -52,6 +52,142 @@ impl From<i32> for StopReason {
     }
 }
 
+/// A node's state.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum NodeState {
+    /// Registered and taken to be running: placements may use it.
+    Up,
+    /// Declared down: no new stages go there, its deployments are degraded.
+    Down,
+    /// A state this SDK does not know (its wire number).
+    Other(i32),
+}
+
+/// A stage's state.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum StageState {
+    /// Placed; its worker has not reported on it yet.
+    Pending,
+    /// Its worker is fetching and loading the slice.
+    Loading,
+    /// Loaded and serving.
+    Ready,
+    /// The load failed ([`Stage::error`] says why).
+    Failed,
+    /// A state this SDK does not know (its wire number).
+    Other(i32),
+}
+
+/// A deployment's state.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum DeploymentState {
+    /// Some stage has not reported yet.
+    Loading,
+    /// Placed again (a node died, or a better placement appeared): stages are loading.
+    Replacing,
+    /// Every stage is loaded and serving.
+    Ready,
+    /// A stage failed to load.
+    Failed,
+    /// A stage's node is down.
+    Degraded,
+    /// A state this SDK does not know (its wire number).
+    Other(i32),
+}
+
+impl NodeState {
+    /// The name the CLI and the Python SDK use: `up`, `down` (`unknown` for [`NodeState::Other`]).
+    pub fn name(self) -> &'static str {
+        match self {
+            NodeState::Up => "up",
+            NodeState::Down => "down",
+            NodeState::Other(_) => "unknown",
+        }
+    }
+}
+
+impl StageState {
+    /// The name the CLI and the Python SDK use: `pending`, `loading`, `ready`, `failed`
+    /// (`unknown` for [`StageState::Other`]).
+    pub fn name(self) -> &'static str {
+        match self {
+            StageState::Pending => "pending",
+            StageState::Loading => "loading",
+            StageState::Ready => "ready",
+            StageState::Failed => "failed",
+            StageState::Other(_) => "unknown",
+        }
+    }
+}
+
+impl DeploymentState {
+    /// The name the CLI and the Python SDK use: `loading`, `re-placing`, `ready`, `failed`,
+    /// `degraded` (`unknown` for [`DeploymentState::Other`]).
+    pub fn name(self) -> &'static str {
+        match self {
+            DeploymentState::Loading => "loading",
+            DeploymentState::Replacing => "re-placing",
+            DeploymentState::Ready => "ready",
+            DeploymentState::Failed => "failed",
+            DeploymentState::Degraded => "degraded",
+            DeploymentState::Other(_) => "unknown",
+        }
+    }
+}
+
+impl std::fmt::Display for NodeState {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+impl std::fmt::Display for StageState {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+impl std::fmt::Display for DeploymentState {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+impl From<i32> for NodeState {
+    fn from(n: i32) -> Self {
+        match v1::NodeState::try_from(n) {
+            Ok(v1::NodeState::Up) => NodeState::Up,
+            Ok(v1::NodeState::Down) => NodeState::Down,
+            _ => NodeState::Other(n),
+        }
+    }
+}
+
+impl From<i32> for StageState {
+    fn from(n: i32) -> Self {
+        match v1::StageState::try_from(n) {
+            Ok(v1::StageState::Pending) => StageState::Pending,
+            Ok(v1::StageState::Loading) => StageState::Loading,
+            Ok(v1::StageState::Ready) => StageState::Ready,
+            Ok(v1::StageState::Failed) => StageState::Failed,
+            _ => StageState::Other(n),
+        }
+    }
+}
+
+impl From<i32> for DeploymentState {
+    fn from(n: i32) -> Self {
+        match v1::DeploymentState::try_from(n) {
+            Ok(v1::DeploymentState::Loading) => DeploymentState::Loading,
+            Ok(v1::DeploymentState::Replacing) => DeploymentState::Replacing,
+            Ok(v1::DeploymentState::Ready) => DeploymentState::Ready,
+            Ok(v1::DeploymentState::Failed) => DeploymentState::Failed,
+            Ok(v1::DeploymentState::Degraded) => DeploymentState::Degraded,
+            _ => DeploymentState::Other(n),
+        }
+    }
+}
+
 /// One stage's share of a decoded token.
 #[derive(Debug, Clone, PartialEq)]
 pub struct HopTiming {
@@ -238,8 +374,8 @@ pub struct Node {
     pub name: String,
     /// `host:port` where the node's worker takes QUIC and gRPC from peers and the coordinator.
     pub address: String,
-    /// `up` or `down`.
-    pub state: String,
+    /// Up or down.
+    pub state: NodeState,
     /// The node's devices, as its worker measured them.
     pub devices: Vec<Device>,
     /// Milliseconds since the node's last heartbeat (0 if never).
@@ -261,8 +397,8 @@ pub struct Stage {
     pub layer_start: u32,
     /// One past the last layer of the stage (`layer_start..layer_end`).
     pub layer_end: u32,
-    /// `pending`, `loading`, `ready` or `failed`.
-    pub state: String,
+    /// Pending, loading, ready or failed.
+    pub state: StageState,
     /// Why the stage failed; empty unless it failed.
     pub error: String,
     /// Bytes of weights the stage holds (the plan's figure until its worker reports).
@@ -290,8 +426,8 @@ pub struct Deployment {
     pub model_id: String,
     /// Bumped on every placement: workers refuse frames of another generation.
     pub generation: u64,
-    /// `loading`, `re-placing`, `ready`, `degraded` or `failed`.
-    pub state: String,
+    /// Loading, re-placing, ready, degraded or failed.
+    pub state: DeploymentState,
     /// The stages, in pipeline order.
     pub stages: Vec<Stage>,
     /// Layers of the model.
@@ -348,7 +484,7 @@ impl From<v1::DeploymentInfo> for Deployment {
             source: d.source,
             model_id: d.model_id,
             generation: d.generation,
-            state: d.state,
+            state: d.state.into(),
             stages: d
                 .stages
                 .into_iter()
@@ -358,7 +494,7 @@ impl From<v1::DeploymentInfo> for Deployment {
                     device: s.device,
                     layer_start: s.layer_start,
                     layer_end: s.layer_end,
-                    state: s.state,
+                    state: s.state.into(),
                     error: s.error,
                     weight_bytes: s.weight_bytes,
                     kv_bytes: s.kv_bytes,
@@ -449,7 +585,7 @@ impl From<v1::ClusterStatusResponse> for ClusterStatus {
                 .map(|n| Node {
                     name: n.name,
                     address: n.address,
-                    state: n.state,
+                    state: n.state.into(),
                     devices: n.devices.into_iter().map(Into::into).collect(),
                     heartbeat_age_ms: n.heartbeat_age_ms,
                     version: n.version,
@@ -500,7 +636,7 @@ pub struct ModelInfo {
     /// The model's path on the coordinator's machine, or `embedded`.
     pub source: String,
     /// The deployment's state, as [`Deployment::state`].
-    pub state: String,
+    pub state: DeploymentState,
     /// Layers of the model.
     pub n_layers: u32,
     /// Context length, tokens.
@@ -514,7 +650,7 @@ impl From<v1::ModelInfo> for ModelInfo {
         ModelInfo {
             name: m.name,
             source: m.source,
-            state: m.state,
+            state: m.state.into(),
             n_layers: m.n_layers,
             n_ctx: m.n_ctx,
             created_ms: m.created_ms,
@@ -607,6 +743,13 @@ mod tests {
         assert_eq!(StopReason::from(99), StopReason::Other(99));
         assert_eq!(StopReason::from(99).name(), "unknown");
         assert_eq!(StopReason::Cancelled.name(), "caller");
+        assert_eq!(NodeState::from(v1::NodeState::Down as i32), NodeState::Down);
+        assert_eq!((NodeState::from(0), NodeState::from(0).name()), (NodeState::Other(0), "unknown"));
+        assert_eq!(StageState::from(v1::StageState::Failed as i32).to_string(), "failed");
+        assert_eq!(StageState::from(17), StageState::Other(17));
+        let replacing = DeploymentState::from(v1::DeploymentState::Replacing as i32);
+        assert_eq!((replacing, replacing.to_string()), (DeploymentState::Replacing, "re-placing".to_string()));
+        assert_eq!(DeploymentState::from(-1), DeploymentState::Other(-1));
         assert_eq!(activation_dtype_name(v1::WireDtype::Bf16 as i32), "bf16");
         assert_eq!(carrier_name(42), "unspecified");
         let d = Device::from(v1::Device { name: "cuda0".into(), kind: 77, ..Default::default() });

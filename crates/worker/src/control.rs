@@ -10,7 +10,7 @@ use brigade_core::cluster::DeviceFigures;
 use brigade_proto::v1::control_client::ControlClient;
 use brigade_proto::v1::{
     Assignments, FetchRangeRequest, FileRange, HeartbeatRequest, LinkFigures, LinksReport, ReadyReport,
-    RegisterRequest, WatchRequest,
+    RegisterRequest, StageState, WatchRequest,
 };
 use brigade_proto::VersionInterceptor;
 use std::collections::HashMap;
@@ -143,8 +143,8 @@ impl ControlLoop {
                 }
                 Some(l) = loaded_rx.recv() => {
                     let (state, error, w, kv, fetched, load_s) = match l.result {
-                        Ok((w, kv, f, s)) => ("ready", String::new(), w, kv, f, s),
-                        Err(e) => ("failed", e, 0, 0, 0, 0.0),
+                        Ok((w, kv, f, s)) => (StageState::Ready, String::new(), w, kv, f, s),
+                        Err(e) => (StageState::Failed, e, 0, 0, 0, 0.0),
                     };
                     let r = ReadyReport {
                         name: self.node.cfg.name.clone(),

@@ -12,7 +12,7 @@ use brigade_core::{DeviceId, LayerRange};
 use brigade_model::device::{activation_dtype, candle_device, is_out_of_memory};
 use brigade_model::{ModelError, ModelFiles, Slice};
 use brigade_proto::convert::{act_dtype_from_proto, carrier_from_proto};
-use brigade_proto::v1::{FileRange, PeerRef, SliceStatus, StageAssignment};
+use brigade_proto::v1::{FileRange, PeerRef, SliceStatus, StageAssignment, StageState};
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
@@ -96,10 +96,11 @@ impl Node {
                 generation: x.assignment.generation,
                 stage: x.assignment.stage,
                 state: match &x.load {
-                    Load::Loading => "loading".into(),
-                    Load::Ready => "ready".into(),
-                    Load::Failed(_) => "failed".into(),
-                },
+                    Load::Loading => StageState::Loading,
+                    Load::Ready => StageState::Ready,
+                    Load::Failed(_) => StageState::Failed,
+                }
+                .into(),
                 weight_bytes: x.handle.as_ref().map(|s| s.weight_bytes).unwrap_or(0),
                 kv_bytes: x.handle.as_ref().map(StageHandle::kv_bytes_held).unwrap_or(0),
                 active_sessions: x

@@ -39,6 +39,13 @@ def _enum_name(enum: Any, value: int, prefix: str) -> str:
     return name[len(prefix) :].lower() if name.startswith(prefix) else name.lower()
 
 
+def _deployment_state(value: int) -> str:
+    """The name the CLI and the Rust SDK give a deployment's state (``re-placing``, not
+    ``replacing``)."""
+    name = _enum_name(common_pb2.DeploymentState, value, "DEPLOYMENT_STATE_")
+    return "re-placing" if name == "replacing" else name
+
+
 @dataclass(frozen=True)
 class HopTiming:
     """Where a decoded token's time went in one stage: compute, and the hop to the next."""
@@ -181,7 +188,14 @@ class Node:
 
     @classmethod
     def from_pb(cls, m: client_pb2.NodeInfo) -> Node:
-        return cls(m.name, m.address, m.state, [Device.from_pb(d) for d in m.devices], m.heartbeat_age_ms, m.version)
+        return cls(
+            m.name,
+            m.address,
+            _enum_name(common_pb2.NodeState, m.state, "NODE_STATE_"),
+            [Device.from_pb(d) for d in m.devices],
+            m.heartbeat_age_ms,
+            m.version,
+        )
 
 
 @dataclass(frozen=True)
@@ -210,7 +224,7 @@ class Stage:
             m.device,
             m.layer_start,
             m.layer_end,
-            m.state,
+            _enum_name(common_pb2.StageState, m.state, "STAGE_STATE_"),
             m.error,
             m.weight_bytes,
             m.kv_bytes,
@@ -251,7 +265,7 @@ class Deployment:
             m.source,
             m.model_id,
             m.generation,
-            m.state,
+            _deployment_state(m.state),
             [Stage.from_pb(s) for s in m.stages],
             m.n_layers,
             m.n_ctx,
@@ -340,7 +354,7 @@ class ModelInfo:
 
     @classmethod
     def from_pb(cls, m: client_pb2.ModelInfo) -> ModelInfo:
-        return cls(m.name, m.source, m.state, m.n_layers, m.n_ctx, m.created_ms)
+        return cls(m.name, m.source, _deployment_state(m.state), m.n_layers, m.n_ctx, m.created_ms)
 
 
 @dataclass(frozen=True)
