@@ -143,6 +143,67 @@ fn model_modules_point_down() {
     }
 }
 
+/// The coordinator's modules and the modules each names (`crate::x`), tests left out; a
+/// directory module (`raft/`) is one module.
+fn coordinator_imports() -> std::collections::BTreeMap<String, std::collections::BTreeSet<String>> {
+    let dir = std::path::Path::new(concat!(env!("CARGO_MANIFEST_DIR"), "/../coordinator/src"));
+    let mut graph = std::collections::BTreeMap::new();
+    let mut read = |module: String, path: &std::path::Path| {
+        let text = std::fs::read_to_string(path).unwrap();
+        let code = text.split("#[cfg(test)]").next().unwrap_or_default();
+        let names: &mut std::collections::BTreeSet<String> = graph.entry(module.clone()).or_default();
+        for (i, _) in code.match_indices("crate::") {
+            let name: String = code[i + 7..].chars().take_while(|c| c.is_ascii_lowercase() || *c == '_').collect();
+            if !name.is_empty() && name != module {
+                names.insert(name);
+            }
+        }
+    };
+    for e in std::fs::read_dir(dir).unwrap() {
+        let path = e.unwrap().path();
+        let stem = path.file_stem().unwrap().to_string_lossy().to_string();
+        if path.is_dir() {
+            for f in std::fs::read_dir(&path).unwrap() {
+                read(stem.clone(), &f.unwrap().path());
+            }
+        } else if stem != "lib" {
+            read(stem, &path);
+        }
+    }
+    graph
+}
+
+#[test]
+fn no_module_of_the_coordinator_imports_one_that_imports_it_back() {
+    let graph = coordinator_imports();
+    assert!(graph["server"].contains("shared") && graph["client"].contains("shared"), "{graph:?}");
+    // a depth-first walk from every module; a module met again on the current path is a circle
+    fn walk<'a>(
+        g: &'a std::collections::BTreeMap<String, std::collections::BTreeSet<String>>,
+        m: &'a str,
+        path: &mut Vec<&'a str>,
+    ) -> Option<Vec<String>> {
+        if let Some(i) = path.iter().position(|p| *p == m) {
+            let mut circle: Vec<String> = path[i..].iter().map(|s| s.to_string()).collect();
+            circle.push(m.to_string());
+            return Some(circle);
+        }
+        path.push(m);
+        for next in g.get(m).into_iter().flatten() {
+            if let Some(c) = walk(g, next, path) {
+                return Some(c);
+            }
+        }
+        path.pop();
+        None
+    }
+    for m in graph.keys() {
+        if let Some(circle) = walk(&graph, m, &mut Vec::new()) {
+            panic!("the coordinator's modules import in a circle: {}", circle.join(" → "));
+        }
+    }
+}
+
 #[test]
 fn the_grammar_engine_links_no_tensor_library_and_no_runtime() {
     // constrained decoding runs in the server and on a cluster's last worker: pure

@@ -3,7 +3,7 @@
 //! loop between the stages).
 
 use crate::placement::{self, PlacementRequest};
-use crate::server::{DeployStats, Shared};
+use crate::shared::{DeployStats, Shared};
 use crate::CoordError;
 use brigade_core::cluster::{
     ActDtype, CarrierKind, ClusterState, Command, Deployment, DeploymentState, NodeState, StageState,
@@ -587,7 +587,7 @@ impl Client for ClientService {
     }
 
     async fn deploy(&self, req: Request<DeployRequest>) -> Result<Response<DeployResponse>, Status> {
-        crate::server::require_admin(&req, "deploying")?;
+        require_admin(&req, "deploying")?;
         let r = req.into_inner();
         // a current read: a stale replica must not refuse a name the group has freed
         if self.shared.current_state().await?.deployments.contains_key(&r.name) {
@@ -641,7 +641,7 @@ impl Client for ClientService {
     }
 
     async fn undeploy(&self, req: Request<UndeployRequest>) -> Result<Response<UndeployResponse>, Status> {
-        crate::server::require_admin(&req, "undeploying")?;
+        require_admin(&req, "undeploying")?;
         let name = req.into_inner().name;
         self.shared.apply(Command::RemoveDeployment { name: name.clone() }).await?;
         if let Ok(mut s) = self.shared.stats.lock() {
@@ -664,7 +664,7 @@ impl Client for ClientService {
         &self,
         req: Request<RemoveReplicaRequest>,
     ) -> Result<Response<RemoveReplicaResponse>, Status> {
-        crate::server::require_admin(&req, "removing a replica")?;
+        require_admin(&req, "removing a replica")?;
         let id = req.into_inner().id;
         let state = self.shared.current_state().await?;
         if !state.replicas.contains_key(&id) {
@@ -690,10 +690,21 @@ impl Client for ClientService {
     }
 
     async fn plan(&self, req: Request<DeployRequest>) -> Result<Response<PlanResponse>, Status> {
-        crate::server::require_admin(&req, "planning")?;
+        require_admin(&req, "planning")?;
         let r = req.into_inner();
         let (_, p, _, _) = self.placement(&r).await?;
         Ok(Response::new(PlanResponse { plan_text: p.plan_text, plan_json: p.plan_json }))
+    }
+}
+
+/// Refuses a call whose key is of the inference tier (admin calls: deploy, undeploy, plan,
+/// remove a replica).
+fn require_admin<T>(req: &tonic::Request<T>, what: &str) -> Result<(), tonic::Status> {
+    match req.extensions().get::<brigade_serve::Tier>() {
+        Some(brigade_serve::Tier::Admin) => Ok(()),
+        _ => Err(tonic::Status::permission_denied(format!(
+            "{what} needs an admin key (--admin-key); this key may only run inference"
+        ))),
     }
 }
 

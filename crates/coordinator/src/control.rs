@@ -3,7 +3,7 @@
 //! and may only speak for the node the certificate names.
 
 use crate::assign;
-use crate::server::Shared;
+use crate::shared::Shared;
 use crate::CoordError;
 use brigade_core::cluster::{ClusterState, Command, LinkRecord, NodeRecord, NodeState, StageState};
 use brigade_core::Link;

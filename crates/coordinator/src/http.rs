@@ -6,7 +6,7 @@
 
 use crate::client::start_session;
 use crate::models::EMBEDDED;
-use crate::server::Shared;
+use crate::shared::Shared;
 use brigade_core::cluster::ModelRecord;
 use brigade_core::{DeviceKind, TokenLogprob};
 use brigade_format::{ModelIndex, Tokenizer};

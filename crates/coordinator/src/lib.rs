@@ -20,7 +20,10 @@
 //! - [`assign`]: what each node must host, as the `Watch` stream sends it.
 //! - [`control`]: the `Control` service workers call.
 //! - [`client`]: the `Client` service users call; sessions relayed from their drivers.
-//! - [`server`]: the gRPC server (TLS, reflection, health) and the background tasks.
+//! - [`shared`]: what the services and the leader's loop share (configuration, the raft handle,
+//!   soft state from heartbeats, measured figures, channels to workers); it imports none of them.
+//! - [`server`]: the gRPC server (TLS, reflection, health) and the background tasks: it wires the
+//!   services to [`shared::Shared`].
 //! - [`http`]: the OpenAI-compatible HTTP API (`brigade-serve`'s server) over the deployments.
 //!
 //! Deliberately lacking: candle (a `cargo tree` test checks it), any model computation, and
@@ -41,6 +44,8 @@ pub mod raft_service;
 pub mod reconcile;
 pub mod recover;
 pub mod server;
+pub mod shared;
 
 pub use error::CoordError;
-pub use server::{run, CoordinatorConfig, LEADER_METADATA_KEY};
+pub use server::run;
+pub use shared::{CoordinatorConfig, LEADER_METADATA_KEY};

@@ -7,7 +7,7 @@
 //! (`raft::node`), so a joiner that never answers never counts towards the quorum.
 
 use crate::pki::write_secret;
-use crate::server::Shared;
+use crate::shared::Shared;
 use crate::CoordError;
 use brigade_proto::v1::raft_server::Raft;
 use brigade_proto::v1::replica_join_client::ReplicaJoinClient;

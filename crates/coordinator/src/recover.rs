@@ -4,7 +4,7 @@
 //! reconciler's commands in order and logs them.
 
 use crate::reconcile::{Action, Liveness, ReconcileConfig, Reconciler};
-use crate::server::Shared;
+use crate::shared::Shared;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 

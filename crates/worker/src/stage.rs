@@ -1,5 +1,7 @@
 //! One hosted stage: a slice of layers on a device, its sessions' KV caches, and the thread that
-//! computes.
+//! computes. The stage itself is [`StageCore`], without IO: frames in (`step`), what to send out
+//! ([`Out`]); [`StageHandle`] starts the thread that takes frames from the stage's queue, steps
+//! the core and sends what it produced through the router.
 //!
 //! Frames arrive in order on one channel (from the previous stage's link, or from the driver on
 //! this node for the first stage). Decode steps of different sessions that are waiting together
@@ -339,8 +341,23 @@ fn draw_run(
     failed.map_or(Ok(out), Err)
 }
 
-/// The compute side of a stage, owned by its thread.
-pub struct StageHost {
+/// What a stage's core asks its host to send, in order.
+#[derive(Debug)]
+pub enum Out {
+    /// To the next stage (its header names it): over the link to its node.
+    Next(Frame),
+    /// To the next stage hosted on this node: the rows themselves, no bytes.
+    HandOver(Inbound),
+    /// Back to the session's driver: an id drawn, or why the session ended here.
+    Driver(Frame),
+}
+
+/// A stage without IO: the slice, its sessions' caches and samplers, and every check and
+/// decision on the frames that reach it — generation, session and position checks, which frames
+/// go through the slice together, what each produces. It takes frames (`step`) and answers with
+/// what to send ([`Out`]); the host ([`StageHost`]) owns the thread, the queue and the router,
+/// and sends. No socket, no queue, no thread: a test drives a chain of cores by hand.
+pub struct StageCore {
     place: StagePlace,
     slice: Slice,
     /// The model's tokenizer: end-of-generation ids, and the vocabulary a format is compiled
@@ -349,9 +366,17 @@ pub struct StageHost {
     vocabulary: VocabularyCell,
     sessions: HashMap<u64, SessionState>,
     pool: Vec<SliceCache>,
-    router: Arc<Router>,
+    /// This node's name: a peer of this name is reached in process.
+    me: String,
     active: Arc<AtomicU32>,
     counters: Arc<StageCounters>,
+    out: Vec<Out>,
+}
+
+/// The stage's thread: its core, the queue it takes frames from, the router it sends through.
+struct StageHost {
+    core: StageCore,
+    router: Arc<Router>,
     /// Set when the handle is dropped: the thread ends even while others (the router) still hold
     /// senders of its channel.
     stop: Arc<AtomicBool>,
@@ -416,18 +441,16 @@ impl StageHandle {
                 tracing::debug!("no thread for the vocabulary ({e}): the first format builds it");
             }
         }
-        let host = StageHost {
-            place: place.clone(),
+        let core = StageCore::new(
+            place.clone(),
             slice,
+            caches,
             tokenizer,
-            vocabulary: vocabulary.clone(),
-            sessions: HashMap::new(),
-            pool: caches,
-            router,
-            active: active.clone(),
-            counters: counters.clone(),
-            stop: stop.clone(),
-        };
+            vocabulary.clone(),
+            router.me().to_string(),
+            (active.clone(), counters.clone()),
+        );
+        let host = StageHost { core, router, stop: stop.clone() };
         let name = format!("stage-{}-{}", place.deployment, place.stage);
         let thread = std::thread::Builder::new()
             .name(name.chars().take(15).collect())
@@ -465,8 +488,8 @@ pub fn now_us() -> u64 {
 
 impl StageHost {
     fn run(mut self, rx: StageQueue) {
-        let _span =
-            tracing::debug_span!("stage", deployment = %self.place.deployment, stage = self.place.stage).entered();
+        let place = &self.core.place;
+        let _span = tracing::debug_span!("stage", deployment = %place.deployment, stage = place.stage).entered();
         let mut pending: std::collections::VecDeque<(Inbound, u64)> = std::collections::VecDeque::new();
         let mut swept = Instant::now();
         loop {
@@ -474,7 +497,8 @@ impl StageHost {
                 break;
             }
             if swept.elapsed() >= STOP_POLL {
-                self.expire_idle();
+                let expired = self.core.expire_idle(Instant::now());
+                self.send(expired);
                 swept = Instant::now();
             }
             if pending.is_empty() {
@@ -491,26 +515,117 @@ impl StageHost {
                     Err(_) => break,
                 }
             }
-            let n = self.batchable(&pending);
-            let prompts = if n >= 2 { 0 } else { self.prompts_together(&pending) };
-            if n >= 2 {
-                let batch: Vec<(Inbound, u64)> = pending.drain(..n).collect();
-                self.process_together(batch, false);
-            } else if prompts >= 2 {
-                let batch: Vec<(Inbound, u64)> = pending.drain(..prompts).collect();
-                self.process_together(batch, true);
-            } else if let Some((frame, received)) = pending.pop_front() {
-                self.process(frame, received);
-            }
+            let out = self.core.step(&mut pending);
+            self.send(out);
         }
-        tracing::debug!("stage {} of {} stopped", self.place.stage, self.place.deployment);
+        tracing::debug!("stage {} of {} stopped", self.core.place.stage, self.core.place.deployment);
     }
 
-    /// Ends the sessions that received no frame for `session_idle`, telling their drivers.
-    fn expire_idle(&mut self) {
+    /// Sends what the core produced, in order. A frame the router cannot encode ends its
+    /// session (the core tells the driver why); a closed link is the recovery's business.
+    fn send(&mut self, out: Vec<Out>) {
+        let mut out: std::collections::VecDeque<Out> = out.into();
+        let (carrier, counters) = (self.core.place.carrier, self.core.counters.clone());
+        while let Some(o) = out.pop_front() {
+            let t = Instant::now();
+            let (to, frame, next) = match o {
+                Out::HandOver(item) => {
+                    self.router.hand_over(item);
+                    counters.handed_over.fetch_add(1, Ordering::Relaxed);
+                    add_ns(&counters.send_ns, t.elapsed());
+                    continue;
+                }
+                Out::Next(frame) => match &self.core.place.next {
+                    Some(next) => (next, frame, true),
+                    None => continue,
+                },
+                Out::Driver(frame) => (&self.core.place.driver, frame, false),
+            };
+            let bytes = if to.node == self.core.me { 0 } else { frame.payload.len() as u64 };
+            let session = frame.header.session;
+            match self.router.send_blocking(to, carrier, frame) {
+                // the router's check: this frame cannot be encoded
+                Err(e @ WorkerError::Frame(_)) if next => {
+                    out.extend(self.core.fail(session, &e.to_string()));
+                    continue;
+                }
+                Err(e) if next => tracing::warn!("to stage {}: {e}", self.core.place.stage + 1),
+                Err(e) => tracing::warn!("to the driver: {e}"),
+                Ok(()) => {}
+            }
+            counters.sent_bytes.fetch_add(bytes, Ordering::Relaxed);
+            add_ns(&counters.send_ns, t.elapsed());
+        }
+    }
+}
+
+impl StageCore {
+    /// A stage's core: `place` on this node `me`, its slice and the caches allocated for it
+    /// (`active` and `counters` shared with the node, which reports them).
+    pub fn new(
+        place: StagePlace,
+        slice: Slice,
+        caches: Vec<SliceCache>,
+        tokenizer: Arc<Tokenizer>,
+        vocabulary: VocabularyCell,
+        me: String,
+        (active, counters): (Arc<AtomicU32>, Arc<StageCounters>),
+    ) -> StageCore {
+        StageCore {
+            place,
+            slice,
+            tokenizer,
+            vocabulary,
+            sessions: HashMap::new(),
+            pool: caches,
+            me,
+            active,
+            counters,
+            out: Vec::new(),
+        }
+    }
+
+    /// Takes what to compute next from the front of `pending` — several sessions' decode steps
+    /// or prompt chunks in one pass where they wait together, else one frame — and returns what
+    /// to send.
+    pub fn step(&mut self, pending: &mut std::collections::VecDeque<(Inbound, u64)>) -> Vec<Out> {
+        let n = self.batchable(pending);
+        let prompts = if n >= 2 { 0 } else { self.prompts_together(pending) };
+        if n >= 2 {
+            let batch: Vec<(Inbound, u64)> = pending.drain(..n).collect();
+            self.process_together(batch, false);
+        } else if prompts >= 2 {
+            let batch: Vec<(Inbound, u64)> = pending.drain(..prompts).collect();
+            self.process_together(batch, true);
+        } else if let Some((frame, received)) = pending.pop_front() {
+            self.process(frame, received);
+        }
+        std::mem::take(&mut self.out)
+    }
+
+    /// Ends `session` here and tells its driver why (a frame of it could not be sent on).
+    pub fn fail(&mut self, session: u64, why: &str) -> Vec<Out> {
+        tracing::warn!(session, "stage {} of {}: {why}", self.place.stage, self.place.deployment);
+        self.end(session);
+        self.fail_to_driver(session, why);
+        std::mem::take(&mut self.out)
+    }
+
+    /// Sessions open here.
+    pub fn sessions(&self) -> usize {
+        self.sessions.len()
+    }
+
+    /// Ends the sessions that received no frame for `session_idle` before `now`, telling their
+    /// drivers.
+    pub fn expire_idle(&mut self, now: Instant) -> Vec<Out> {
         let idle = self.place.session_idle;
-        let expired: Vec<u64> =
-            self.sessions.iter().filter(|(_, s)| s.touched.elapsed() >= idle).map(|(id, _)| *id).collect();
+        let expired: Vec<u64> = self
+            .sessions
+            .iter()
+            .filter(|(_, s)| now.saturating_duration_since(s.touched) >= idle)
+            .map(|(id, _)| *id)
+            .collect();
         for session in expired {
             tracing::warn!(
                 session,
@@ -524,6 +639,7 @@ impl StageHost {
                 &format!("session {session} received no frame for {:.0} s and was ended", idle.as_secs_f64()),
             );
         }
+        std::mem::take(&mut self.out)
     }
 
     /// One frame, its failure ending its session here and told to the driver.
@@ -768,7 +884,7 @@ impl StageHost {
 
     /// Whether `to` is this node (the router delivers to it in process).
     fn is_here(&self, to: &crate::router::Peer) -> bool {
-        to.node == self.router.me()
+        to.node == self.me
     }
 
     /// Whether the next stage is hosted on this node (its hop is in process).
@@ -786,49 +902,25 @@ impl StageHost {
     }
 
     /// Tells the driver that `session` failed here, and why.
-    fn fail_to_driver(&self, session: u64, why: &str) {
+    fn fail_to_driver(&mut self, session: u64, why: &str) {
         let text = format!("stage {} ({}): {why}", self.place.stage, self.place.deployment);
-        self.to_driver(self.addressed(Frame::error(&text), session));
+        self.send_back(self.addressed(Frame::error(&text), session));
     }
 
-    /// Sends to the next stage. A frame that cannot be encoded is this session's error (the
-    /// caller ends it and tells the driver); a closed link is the recovery's business.
-    fn to_next(&self, mut frame: Frame) -> Result<(), WorkerError> {
-        let Some(next) = &self.place.next else { return Ok(()) };
-        frame.header.stage = self.place.stage + 1;
-        let (t, n) = (Instant::now(), self.link_bytes(next, &frame));
-        match self.router.send_blocking(next, self.place.carrier, frame) {
-            // the router's check: this frame cannot be encoded
-            Err(e @ WorkerError::Frame(_)) => return Err(e),
-            Err(e) => tracing::warn!("to stage {}: {e}", self.place.stage + 1),
-            Ok(()) => {}
+    /// Sends to the next stage (a frame that cannot be encoded ends its session: the host's
+    /// [`StageCore::fail`]).
+    fn send_on(&mut self, mut frame: Frame) -> Result<(), WorkerError> {
+        if self.place.next.is_none() {
+            return Ok(());
         }
-        self.sent(t, n);
+        frame.header.stage = self.place.stage + 1;
+        self.out.push(Out::Next(frame));
         Ok(())
     }
 
-    fn to_driver(&self, mut frame: Frame) {
+    fn send_back(&mut self, mut frame: Frame) {
         frame.header.stage = self.place.n_stages;
-        let (t, n) = (Instant::now(), self.link_bytes(&self.place.driver, &frame));
-        if let Err(e) = self.router.send_blocking(&self.place.driver, self.place.carrier, frame) {
-            tracing::warn!("to the driver: {e}");
-        }
-        self.sent(t, n);
-    }
-
-    /// The bytes `frame` puts on a link to `to`: none when `to` is this node (the router
-    /// delivers it in process).
-    fn link_bytes(&self, to: &crate::router::Peer, frame: &Frame) -> u64 {
-        if self.is_here(to) {
-            0
-        } else {
-            frame.payload.len() as u64
-        }
-    }
-
-    fn sent(&self, t: Instant, bytes: u64) {
-        self.counters.sent_bytes.fetch_add(bytes, Ordering::Relaxed);
-        add_ns(&self.counters.send_ns, t.elapsed());
+        self.out.push(Out::Driver(frame));
     }
 
     fn end(&mut self, session: u64) {
@@ -857,7 +949,7 @@ impl StageHost {
             FrameKind::Close => {
                 let s = item.frame.header.session;
                 self.end(s);
-                self.to_next(item.frame)
+                self.send_on(item.frame)
             }
             FrameKind::Tokens | FrameKind::Hidden => self.compute(item, kind, received),
             other => Err(WorkerError::Frame(format!("a stage does not take {other:?} frames"))),
@@ -889,7 +981,7 @@ impl StageHost {
         self.sessions.insert(session, SessionState { touched: Instant::now(), cache, sampler, run_from: None });
         self.active.store(self.sessions.len() as u32, Ordering::Relaxed);
         // (a failure here ends the session again: `process`)
-        self.to_next(frame)
+        self.send_on(frame)
     }
 
     fn compute(&mut self, item: Inbound, kind: FrameKind, received: u64) -> Result<(), WorkerError> {
@@ -977,7 +1069,7 @@ impl StageHost {
     /// Sends a computed frame on: the hidden state to the next stage, or (last stage) the
     /// sampled id back to the driver; each stamped with this stage's times.
     fn emit(
-        &self,
+        &mut self,
         h: FrameHeader,
         out: candle_core::Tensor,
         sampled: Vec<Sampled>,
@@ -1002,10 +1094,7 @@ impl StageHost {
             next.header.stage = self.place.stage + 1;
             trace.push(StageTrace { sent_us: now_us(), ..stamp });
             next.header.trace = trace;
-            let t = Instant::now();
-            self.router.hand_over(Inbound { frame: next, rows: Some(out) });
-            self.counters.handed_over.fetch_add(1, Ordering::Relaxed);
-            self.sent(t, 0);
+            self.out.push(Out::HandOver(Inbound { frame: next, rows: Some(out) }));
             return Ok(());
         }
         if !self.is_last() {
@@ -1018,7 +1107,7 @@ impl StageHost {
             let mut next = self.addressed(next, session);
             next.header.trace = trace;
             next.header.draft = draft;
-            return self.to_next(next);
+            return self.send_on(next);
         }
         // a prompt chunk before the last fills the cache; there is nothing to sample yet (a
         // decode run's ids are the draws along it: the flags and scores are its last's)
@@ -1028,7 +1117,9 @@ impl StageHost {
         if done {
             flags |= FLAG_DONE;
         }
-        let back = Frame::tokens(h.step, h.first_position + ids.len() as u64, &ids).with_flags(flags);
+        // the first id drawn follows the frame's last row (a decode run's: its first row)
+        let at = h.first_position + if h.flags & FLAG_DRAFT != 0 { 1 } else { u64::from(rows) };
+        let back = Frame::tokens(h.step, at, &ids).with_flags(flags);
         trace.push(StageTrace { sent_us: now_us(), ..stamp });
         let mut back = self.addressed(back, session);
         back.header.trace = trace;
@@ -1037,7 +1128,7 @@ impl StageHost {
             top_ids: s.top.iter().map(|t| t.0).collect(),
             top_logprobs: s.top.iter().map(|t| t.1).collect(),
         });
-        self.to_driver(back);
+        self.send_back(back);
         Ok(())
     }
 }
@@ -1224,6 +1315,86 @@ mod tests {
 
     async fn answer(rx: &mut tokio::sync::mpsc::UnboundedReceiver<Frame>) -> Frame {
         tokio::time::timeout(std::time::Duration::from_secs(60), rx.recv()).await.unwrap().unwrap()
+    }
+
+    /// A stage's core on node `me` for `files`' layers `cut` (stage `stage` of `n` on `w1`).
+    fn core(files: &brigade_model::ModelFiles, cut: (usize, usize), stage: u32, n: u32, me: &str) -> StageCore {
+        let tokenizer = files.tokenizer().clone();
+        let counters = (Arc::new(AtomicU32::new(0)), Arc::new(StageCounters::default()));
+        StageCore::new(
+            place(stage, n),
+            load(files, cut),
+            vec![],
+            tokenizer,
+            VocabularyCell::default(),
+            me.into(),
+            counters,
+        )
+    }
+
+    /// One frame through a core; what it asks to send.
+    fn step(core: &mut StageCore, item: impl Into<Inbound>) -> Vec<Out> {
+        let mut pending = std::collections::VecDeque::from([(item.into(), 0)]);
+        let out = core.step(&mut pending);
+        assert!(pending.is_empty());
+        out
+    }
+
+    /// The stage without IO: two cores driven by hand, no router, no thread. A prompt's rows go
+    /// to the next stage as the tensor (the next on this node) or as a HIDDEN frame (another
+    /// node), and the last stage's draw is the whole model's greedy id; a frame of another
+    /// generation, one whose position does not follow the cache, and a session idle past its
+    /// limit each end the session with one ERROR to the driver and nothing sent on.
+    #[test]
+    fn a_chain_of_stage_cores_answers_what_the_whole_model_answers_and_refuses_what_does_not_follow() {
+        let dir = tempfile::tempdir().unwrap();
+        let files = q4k_model(&dir);
+        let prompt: Vec<u32> = (0..11u32).map(|i| 3 + (i * 53) % 290).collect();
+        let whole = {
+            let s = load(&files, (0, 2));
+            let l = s.forward(&mut s.new_cache().unwrap(), StageInput::Tokens(&prompt), Logits::Last).unwrap();
+            Sampler::new(brigade_core::SamplingParams::greedy())
+                .sample(&brigade_model::rows::logits_row(&l).unwrap(), &prompt)
+        };
+        let error_of = |out: &[Out]| match out {
+            [Out::Driver(f)] if f.header.kind == FrameKind::Error as i32 => f.header.text.clone(),
+            other => panic!("not one ERROR to the driver: {other:?}"),
+        };
+        for me in ["w1", "w0"] {
+            let (mut first, mut last) = (core(&files, (0, 1), 0, 2, me), core(&files, (1, 2), 1, 2, "w1"));
+            let open = step(&mut first, open_frame(7, &prompt));
+            let [Out::Next(open)] = &open[..] else { panic!("OPEN not sent on: {open:?}") };
+            assert_eq!(open.header.stage, 1);
+            assert!(step(&mut last, open.clone()).is_empty(), "the last stage sends OPEN nowhere");
+            let rows = step(&mut first, tokens_at(7, 0, &prompt, false));
+            let item = match (me, rows.into_iter().next()) {
+                ("w1", Some(Out::HandOver(item))) => item,
+                ("w0", Some(Out::Next(f))) => {
+                    assert_eq!((f.header.kind, f.header.rows), (FrameKind::Hidden as i32, prompt.len() as u32));
+                    Inbound::from(f)
+                }
+                (_, other) => panic!("on {me}: {other:?}"),
+            };
+            let back = step(&mut last, item);
+            let [Out::Driver(f)] = &back[..] else { panic!("no draw: {back:?}") };
+            let ids = wire::ids_from_frame(&f.header, &f.payload).unwrap();
+            assert_eq!((ids, f.header.first_position), (vec![whole], prompt.len() as u64), "on {me}");
+            // another generation: refused, the session ended here
+            let mut stale = tokens_at(7, prompt.len() as u64, &[whole], false);
+            stale.header.generation = 2;
+            assert!(error_of(&step(&mut first, stale)).contains("generation 2"));
+            assert_eq!(first.sessions(), 0);
+            // a position the cache does not hold
+            let gap = tokens_at(7, prompt.len() as u64 + 3, &[whole], false);
+            assert!(error_of(&step(&mut last, Inbound::from(gap))).contains("position"));
+            assert_eq!(last.sessions(), 0);
+            // idle past the limit
+            step(&mut first, open_frame(8, &prompt));
+            assert!(first.expire_idle(Instant::now()).is_empty());
+            let later = Instant::now() + std::time::Duration::from_secs(61);
+            assert!(error_of(&first.expire_idle(later)).contains("received no frame"));
+            assert_eq!(first.sessions(), 0);
+        }
     }
 
     /// Prompts of three sessions waiting together at a stage are read in one pass
