@@ -5,7 +5,8 @@
 //! last stage sends back, decides — with exactly the rules of `Pipeline::generate`, so greedy
 //! output equals `brigade run`'s — whether to stop or to feed the id to the first stage. Events go
 //! to the caller (the coordinator relays them to the client) through a channel: the caller is
-//! never on the token loop's path.
+//! never on the token loop's path. The decisions are [`SessionCore`]'s, without IO (frames in,
+//! tokens and frames out); [`drive`] moves its frames and events.
 
 use crate::router::{Peer, Router};
 use crate::stage::{now_us, FLAG_DONE, FLAG_DRAFT, FLAG_EOG, FLAG_LAST};
@@ -255,93 +256,128 @@ pub async fn drive(router: Arc<Router>, t: DriveTarget, req: DriveRequest, hidde
     }
 }
 
-#[allow(clippy::too_many_arguments)]
-async fn run_session(
-    router: &Arc<Router>,
-    t: &DriveTarget,
-    req: &DriveRequest,
+/// One session's driving without IO: what to send the first stage to open it and read its
+/// prompt, and, for each frame the last stage sends back, the tokens to stream and either the
+/// next run to send or why the generation stops — with exactly the rules of
+/// `Pipeline::generate`. The async loop below ([`drive`]) moves its frames and events; a test
+/// drives it by hand against stage cores.
+pub struct SessionCore<'a> {
+    t: &'a DriveTarget,
+    req: &'a DriveRequest,
     session: u64,
-    prompt: &[u32],
-    feed: &[u32],
-    rx: &mut mpsc::UnboundedReceiver<Frame>,
-    started: Instant,
-    hidden_bytes: u64,
-    out: &Events,
-) -> Result<(), Status> {
-    let link_err = |e: WorkerError| Status::unavailable(e.to_string());
-    // the answer's text; after a failover its state is rebuilt from the ids the client already
-    // has (their text is not sent again), so a stop string that began before is still found
-    let mut text = t.tokenizer.answer(prompt.last().copied(), req.stop.clone());
-    text.replay(&req.resume_ids);
-    if text.stopped() {
-        // the client has the id that completed a stop string (the last driver died before its
-        // Done): nothing more to generate
-        let timings = Timings { prompt_tokens: prompt.len() as u32, ..Default::default() };
-        let done = Done { stop: StopReason::Stop as i32, timings: Some(timings), text_tail: String::new() };
-        let _ = out.send(ev(generate_event::Event::Done(done))).await;
-        return Ok(());
-    }
-    let spec = SessionSpec {
-        sampling: req.sampling,
-        prompt_ids: feed.to_vec(),
-        max_tokens: req.max_tokens,
-        format: req.format.clone(),
-        logprobs: req.logprobs,
-        resumed: req.resume_ids.len() as u32,
-    };
-    let open = addressed(t, Frame::open(&spec), session);
-    router.send(&t.first, t.carrier, open).await.map_err(link_err)?;
-    let chunks: Vec<&[u32]> = feed.chunks(t.ubatch.max(1)).collect();
-    let mut pos = 0u64;
-    for (i, c) in chunks.iter().enumerate() {
-        let f = tokens_frame(t, session, 0, pos, c, i + 1 == chunks.len());
-        router.send(&t.first, t.carrier, f).await.map_err(link_err)?;
-        pos += c.len() as u64;
-    }
-    if out.send(ev(generate_event::Event::Prompt(PromptIds { ids: prompt.to_vec() }))).await.is_err() {
-        return Ok(());
-    }
-    // the tokens the stages hold, then the id drawn last (what a draft continues)
-    let mut context = feed.to_vec();
-    // the ids of the last run sent (the prompt's last token counts as a run of one)
-    let mut run = vec![feed[feed.len() - 1]];
-    // (logprobs score one id per answer: a session that asks for them does not draft)
-    let mut drafter = match (&t.drafting, req.logprobs) {
-        (Some(s), None) => Some(Drafter::new(s.clone(), t.vocab).map_err(|e| Status::internal(e.to_string()))?),
-        _ => None,
-    };
-    let mut decoded = 0u64;
-    let mut generated = req.resume_ids.len() as u32;
-    let mut emitted = 0u32;
-    let mut first_token_at: Option<Instant> = None;
-    let mut last_token_at = Instant::now();
-    let mut hops = HopSums::default();
-    let mut sent_us = now_us();
-    let mut cancel = t.cancel.clone();
-    let stop = loop {
-        let frame = tokio::select! {
-            _ = cancel.wait_for(|c| *c) => return Err(Status::unavailable(format!(
-                "{} is being re-placed; the session resumes on the new placement", t.deployment
-            ))),
-            f = tokio::time::timeout(STALL, rx.recv()) => match f {
-                Ok(Some(f)) => f,
-                Ok(None) => return Err(Status::internal("the session's channel closed")),
-                Err(_) => return Err(Status::deadline_exceeded(format!(
-                    "no answer from the pipeline of {} for {}s (a stage or link is down)", t.deployment, STALL.as_secs()
-                ))),
-            },
-            _ = out.closed() => break StopReason::Cancelled,
+    prompt_len: usize,
+    feed_len: usize,
+    /// The answer's text (stop strings).
+    text: brigade_model::tokenizer::AnswerText<'a>,
+    /// The tokens the stages hold, then the id drawn last (what a draft continues).
+    context: Vec<u32>,
+    /// The ids of the last run sent (the prompt's last token counts as a run of one).
+    run: Vec<u32>,
+    drafter: Option<Drafter>,
+    decoded: u64,
+    generated: u32,
+    emitted: u32,
+    first_token_at: Option<Instant>,
+    last_token_at: Instant,
+    hops: HopSums,
+    sent_us: u64,
+}
+
+/// What the driver does after a frame from the last stage.
+#[derive(Debug)]
+pub enum Then {
+    /// Send this run to the first stage.
+    Send(Box<Frame>),
+    /// The generation ends.
+    Stop(StopReason),
+}
+
+/// How a session opens.
+pub enum Opened<'a> {
+    /// The frames for the first stage: OPEN, then the prompt's chunks.
+    Run(Box<SessionCore<'a>>, Vec<Frame>),
+    /// Nothing to generate: the ids the client has after a failover completed a stop string.
+    Done(Done),
+}
+
+impl<'a> SessionCore<'a> {
+    /// Opens `session` for `req`: `prompt` its ids, `feed` them and the ids resumed after a
+    /// failover.
+    pub fn open(
+        t: &'a DriveTarget,
+        req: &'a DriveRequest,
+        session: u64,
+        prompt: &[u32],
+        feed: &[u32],
+    ) -> Result<Opened<'a>, Status> {
+        // after a failover the text's state is rebuilt from the ids the client already has
+        // (their text is not sent again), so a stop string that began before is still found
+        let mut text = t.tokenizer.answer(prompt.last().copied(), req.stop.clone());
+        text.replay(&req.resume_ids);
+        if text.stopped() {
+            let timings = Timings { prompt_tokens: prompt.len() as u32, ..Default::default() };
+            return Ok(Opened::Done(Done {
+                stop: StopReason::Stop as i32,
+                timings: Some(timings),
+                text_tail: String::new(),
+            }));
+        }
+        let spec = SessionSpec {
+            sampling: req.sampling,
+            prompt_ids: feed.to_vec(),
+            max_tokens: req.max_tokens,
+            format: req.format.clone(),
+            logprobs: req.logprobs,
+            resumed: req.resume_ids.len() as u32,
         };
-        let received = now_us();
+        let mut frames = vec![addressed(t, Frame::open(&spec), session)];
+        let chunks: Vec<&[u32]> = feed.chunks(t.ubatch.max(1)).collect();
+        let mut pos = 0u64;
+        for (i, c) in chunks.iter().enumerate() {
+            frames.push(tokens_frame(t, session, 0, pos, c, i + 1 == chunks.len()));
+            pos += c.len() as u64;
+        }
+        // (logprobs score one id per answer: a session that asks for them does not draft)
+        let drafter = match (&t.drafting, req.logprobs) {
+            (Some(s), None) => Some(Drafter::new(s.clone(), t.vocab).map_err(|e| Status::internal(e.to_string()))?),
+            _ => None,
+        };
+        let core = SessionCore {
+            t,
+            req,
+            session,
+            prompt_len: prompt.len(),
+            feed_len: feed.len(),
+            text,
+            context: feed.to_vec(),
+            run: vec![feed[feed.len() - 1]],
+            drafter,
+            decoded: 0,
+            generated: req.resume_ids.len() as u32,
+            emitted: 0,
+            first_token_at: None,
+            last_token_at: Instant::now(),
+            hops: HopSums::default(),
+            sent_us: now_us(),
+        };
+        Ok(Opened::Run(Box::new(core), frames))
+    }
+
+    /// A frame from the last stage (`received_us` when it arrived): the tokens to stream and
+    /// what next; `None` for a frame that says nothing (not TOKENS). An ERROR, or ids the run
+    /// did not ask for, is the session's failure.
+    pub fn on_frame(&mut self, frame: Frame, received_us: u64) -> Result<Option<(Vec<Token>, Then)>, Status> {
         let kind = FrameKind::try_from(frame.header.kind).unwrap_or(FrameKind::Unspecified);
         if kind == FrameKind::Error {
             return Err(Status::internal(frame.header.text.clone()));
         }
         if kind != FrameKind::Tokens {
-            continue;
+            return Ok(None);
         }
+        let (t, req) = (self.t, self.req);
         let ids = wire::ids_from_frame(&frame.header, &frame.payload).map_err(|e| Status::internal(e.to_string()))?;
         // one id per row of the run at most: the draws that took the draft, then one more
+        let run = &self.run;
         if ids.is_empty() || ids.len() > run.len() || ids[..ids.len() - 1] != run[1..ids.len()] {
             return Err(Status::internal(format!(
                 "the last stage sent {} ids for a run of {}, or ids the draft did not hold",
@@ -350,16 +386,17 @@ async fn run_session(
             )));
         }
         let now = Instant::now();
-        if first_token_at.is_none() {
-            first_token_at = Some(now);
+        if self.first_token_at.is_none() {
+            self.first_token_at = Some(now);
         } else {
-            hops.add(&frame.header.trace, sent_us, received);
-            decoded += ids.len() as u64;
+            self.hops.add(&frame.header.trace, self.sent_us, received_us);
+            self.decoded += ids.len() as u64;
         }
-        last_token_at = now;
-        if let Some(d) = drafter.as_mut() {
+        self.last_token_at = now;
+        if let Some(d) = self.drafter.as_mut() {
             d.verified(run.len() - 1, ids.len() - 1);
         }
+        let mut tokens = Vec::with_capacity(ids.len());
         let mut stop = None;
         for (k, &id) in ids.iter().enumerate() {
             let last = k + 1 == ids.len();
@@ -375,19 +412,17 @@ async fn run_session(
                 (None, Some(_)) => return Err(Status::internal("the last stage sent no scores for a token")),
                 _ => (None, Vec::new()),
             };
-            let token = Token { id, text: text.push(id), index: generated, logprob, top_logprobs };
-            generated += 1;
-            emitted += 1;
-            context.push(id);
-            stop = if out.send(ev(generate_event::Event::Token(token))).await.is_err() {
-                Some(StopReason::Cancelled)
-            } else if text.stopped() {
+            tokens.push(Token { id, text: self.text.push(id), index: self.generated, logprob, top_logprobs });
+            self.generated += 1;
+            self.emitted += 1;
+            self.context.push(id);
+            stop = if self.text.stopped() {
                 Some(StopReason::Stop)
             } else if done {
                 Some(StopReason::Eos)
-            } else if req.max_tokens > 0 && generated >= req.max_tokens {
+            } else if req.max_tokens > 0 && self.generated >= req.max_tokens {
                 Some(StopReason::Length)
-            } else if context.len() > t.n_ctx {
+            } else if self.context.len() > t.n_ctx {
                 Some(StopReason::Context)
             } else {
                 None
@@ -397,45 +432,105 @@ async fn run_session(
             }
         }
         if let Some(stop) = stop {
-            break stop;
+            return Ok(Some((tokens, Then::Stop(stop))));
         }
         // the next run: the id drawn last, then a draft where one is worth its rows
-        let fed = context.len() - 1;
-        let id = context[fed];
-        run = vec![id];
-        if let Some(d) = drafter.as_mut() {
-            let left = if req.max_tokens > 0 { (req.max_tokens - generated) as usize - 1 } else { usize::MAX };
-            let room = brigade_model::speculative::room(t.n_ctx, context.len(), left, t.max_run);
-            run.extend(d.draft(&context, room).map_err(|e| Status::internal(e.to_string()))?);
+        let fed = self.context.len() - 1;
+        self.run = vec![self.context[fed]];
+        if let Some(d) = self.drafter.as_mut() {
+            let left = if req.max_tokens > 0 { (req.max_tokens - self.generated) as usize - 1 } else { usize::MAX };
+            let room = brigade_model::speculative::room(t.n_ctx, self.context.len(), left, t.max_run);
+            self.run.extend(d.draft(&self.context, room).map_err(|e| Status::internal(e.to_string()))?);
         }
-        sent_us = now_us();
-        let mut f = tokens_frame(t, session, u64::from(generated), fed as u64, &run, true);
-        if run.len() > 1 {
+        self.sent_us = now_us();
+        let mut f = tokens_frame(t, self.session, u64::from(self.generated), fed as u64, &self.run, true);
+        if self.run.len() > 1 {
             f.header.flags |= FLAG_DRAFT;
-            f.header.draft = run.clone();
+            f.header.draft = self.run.clone();
         }
+        Ok(Some((tokens, Then::Send(Box::new(f)))))
+    }
+
+    /// The final event: why the generation stopped and its figures (`started` when the request
+    /// came; `me` this node, the driver).
+    pub fn done(mut self, stop: StopReason, started: Instant, hidden_bytes: u64, me: &str) -> Done {
+        let first = self.first_token_at.unwrap_or(self.last_token_at);
+        let prompt_s = first.duration_since(started).as_secs_f64();
+        let generate_s = self.last_token_at.duration_since(first).as_secs_f64();
+        let decode_steps = self.hops.steps;
+        let timings = Timings {
+            prompt_tokens: self.prompt_len as u32,
+            generated_tokens: self.emitted,
+            prompt_s,
+            generate_s,
+            prompt_tokens_per_s: self.feed_len as f64 / prompt_s.max(1e-9),
+            generate_tokens_per_s: if decode_steps > 0 { self.decoded as f64 / generate_s.max(1e-9) } else { 0.0 },
+            ttft_s: prompt_s,
+            hops: self.hops.timings(hidden_bytes, &self.t.stage_nodes, me),
+            decode_passes: decode_steps as u32,
+            drafted_tokens: self.drafter.as_ref().map_or(0, |d| d.drafted as u32),
+            accepted_tokens: self.drafter.as_ref().map_or(0, |d| d.accepted as u32),
+        };
+        let text_tail = self.text.finish();
+        let stop = if self.text.stopped() && stop != StopReason::Cancelled { StopReason::Stop } else { stop };
+        Done { stop: stop as i32, timings: Some(timings), text_tail }
+    }
+}
+
+#[allow(clippy::too_many_arguments)]
+async fn run_session(
+    router: &Arc<Router>,
+    t: &DriveTarget,
+    req: &DriveRequest,
+    session: u64,
+    prompt: &[u32],
+    feed: &[u32],
+    rx: &mut mpsc::UnboundedReceiver<Frame>,
+    started: Instant,
+    hidden_bytes: u64,
+    out: &Events,
+) -> Result<(), Status> {
+    let link_err = |e: WorkerError| Status::unavailable(e.to_string());
+    let (mut core, frames) = match SessionCore::open(t, req, session, prompt, feed)? {
+        Opened::Run(core, frames) => (core, frames),
+        Opened::Done(done) => {
+            let _ = out.send(ev(generate_event::Event::Done(done))).await;
+            return Ok(());
+        }
+    };
+    for f in frames {
         router.send(&t.first, t.carrier, f).await.map_err(link_err)?;
+    }
+    if out.send(ev(generate_event::Event::Prompt(PromptIds { ids: prompt.to_vec() }))).await.is_err() {
+        return Ok(());
+    }
+    let mut cancel = t.cancel.clone();
+    let stop = 'session: loop {
+        let frame = tokio::select! {
+            _ = cancel.wait_for(|c| *c) => return Err(Status::unavailable(format!(
+                "{} is being re-placed; the session resumes on the new placement", t.deployment
+            ))),
+            f = tokio::time::timeout(STALL, rx.recv()) => match f {
+                Ok(Some(f)) => f,
+                Ok(None) => return Err(Status::internal("the session's channel closed")),
+                Err(_) => return Err(Status::deadline_exceeded(format!(
+                    "no answer from the pipeline of {} for {}s (a stage or link is down)", t.deployment, STALL.as_secs()
+                ))),
+            },
+            _ = out.closed() => break StopReason::Cancelled,
+        };
+        let Some((tokens, then)) = core.on_frame(frame, now_us())? else { continue };
+        for token in tokens {
+            if out.send(ev(generate_event::Event::Token(token))).await.is_err() {
+                break 'session StopReason::Cancelled;
+            }
+        }
+        match then {
+            Then::Stop(stop) => break stop,
+            Then::Send(f) => router.send(&t.first, t.carrier, *f).await.map_err(link_err)?,
+        }
     };
-    let first = first_token_at.unwrap_or(last_token_at);
-    let prompt_s = first.duration_since(started).as_secs_f64();
-    let generate_s = last_token_at.duration_since(first).as_secs_f64();
-    let decode_steps = hops.steps;
-    let timings = Timings {
-        prompt_tokens: prompt.len() as u32,
-        generated_tokens: emitted,
-        prompt_s,
-        generate_s,
-        prompt_tokens_per_s: feed.len() as f64 / prompt_s.max(1e-9),
-        generate_tokens_per_s: if decode_steps > 0 { decoded as f64 / generate_s.max(1e-9) } else { 0.0 },
-        ttft_s: prompt_s,
-        hops: hops.timings(hidden_bytes, &t.stage_nodes, router.me()),
-        decode_passes: decode_steps as u32,
-        drafted_tokens: drafter.as_ref().map_or(0, |d| d.drafted as u32),
-        accepted_tokens: drafter.as_ref().map_or(0, |d| d.accepted as u32),
-    };
-    let text_tail = text.finish();
-    let stop = if text.stopped() && stop != StopReason::Cancelled { StopReason::Stop } else { stop };
-    let done = Done { stop: stop as i32, timings: Some(timings), text_tail };
+    let done = core.done(stop, started, hidden_bytes, router.me());
     let _ = out.send(ev(generate_event::Event::Done(done))).await;
     Ok(())
 }

@@ -1397,6 +1397,124 @@ mod tests {
         }
     }
 
+    /// The whole ring without IO: a driver's [`crate::driver::SessionCore`] and two stage cores,
+    /// frames moved by hand. The session's ids are the single box's greedy decoding of the same
+    /// model (the prompt read in chunks of 4); a frame delivered twice makes the stage refuse
+    /// it and the session fail with that reason, never with other text.
+    #[test]
+    fn a_session_core_and_stage_cores_generate_what_the_single_box_generates() {
+        use crate::driver::{Opened, SessionCore, Then};
+        use brigade_proto::v1::StopReason;
+        let dir = tempfile::tempdir().unwrap();
+        let files = q4k_model(&dir);
+        let prompt: Vec<u32> = (0..10u32).map(|i| 5 + (i * 71) % 280).collect();
+        const N: usize = 12;
+        let whole: Vec<u32> = {
+            let s = load(&files, (0, 2));
+            let mut cache = s.new_cache().unwrap();
+            let mut sampler = Sampler::new(brigade_core::SamplingParams::greedy());
+            let (mut ids, mut input) = (Vec::new(), prompt.clone());
+            for _ in 0..N {
+                let l = s.forward(&mut cache, StageInput::Tokens(&input), Logits::Last).unwrap();
+                let id = sampler.sample(&brigade_model::rows::logits_row(&l).unwrap(), &prompt);
+                ids.push(id);
+                input = vec![id];
+            }
+            ids
+        };
+        let (_, cancel) = tokio::sync::watch::channel(false);
+        let target = crate::driver::DriveTarget {
+            deployment: "d".into(),
+            generation: 1,
+            n_stages: 2,
+            n_ctx: 256,
+            vocab: 300,
+            carrier: CarrierKind::Quic,
+            first: crate::router::Peer { node: "w1".into(), address: String::new() },
+            stage_nodes: Arc::new(vec!["w1".into(), "w1".into()]),
+            tokenizer: files.tokenizer().clone(),
+            vocabulary: VocabularyCell::default(),
+            permits: Arc::new(tokio::sync::Semaphore::new(1)),
+            ubatch: 4,
+            hidden_bytes: 1024,
+            cancel,
+            drafting: None,
+            max_run: MAX_RUN,
+        };
+        let greedy = brigade_proto::convert::sampling_to_proto(&brigade_core::SamplingParams::greedy());
+        let req = brigade_proto::v1::DriveRequest {
+            prompt_ids: prompt.clone(),
+            use_prompt_ids: true,
+            max_tokens: N as u32,
+            ignore_eos: true,
+            sampling: Some(greedy),
+            ..Default::default()
+        };
+        for twice in [None, Some(5)] {
+            let (mut first, mut last) = (core(&files, (0, 1), 0, 2, "w1"), core(&files, (1, 2), 1, 2, "w1"));
+            let Opened::Run(mut session, frames) = SessionCore::open(&target, &req, 7, &prompt, &prompt).unwrap()
+            else {
+                panic!("nothing to generate")
+            };
+            assert_eq!(frames.len(), 1 + prompt.len().div_ceil(4), "OPEN and the prompt in chunks of 4");
+            // the ring: the first stage's output to the last, the last's to the driver
+            let ring = |f: Frame, first: &mut StageCore, last: &mut StageCore| -> Vec<Frame> {
+                let mut back = Vec::new();
+                for o in step(first, f) {
+                    let item = match o {
+                        Out::HandOver(item) => item,
+                        Out::Next(f) => Inbound::from(f),
+                        Out::Driver(f) => {
+                            back.push(f);
+                            continue;
+                        }
+                    };
+                    back.extend(step(last, item).into_iter().map(|o| match o {
+                        Out::Driver(f) => f,
+                        other => panic!("the last stage sent {other:?} on"),
+                    }));
+                }
+                back
+            };
+            let mut answers: Vec<Frame> = frames.into_iter().flat_map(|f| ring(f, &mut first, &mut last)).collect();
+            let (mut ids, mut sent) = (Vec::new(), 0);
+            let outcome = loop {
+                let Some(f) = answers.pop() else { break Err("no answer".to_string()) };
+                match session.on_frame(f, 0) {
+                    Err(e) => break Err(e.message().to_string()),
+                    Ok(None) => {}
+                    Ok(Some((tokens, then))) => {
+                        ids.extend(tokens.iter().map(|t| t.id));
+                        match then {
+                            Then::Stop(s) => break Ok(s),
+                            Then::Send(f) => {
+                                sent += 1;
+                                if twice == Some(sent) {
+                                    answers.extend(ring((*f).clone(), &mut first, &mut last));
+                                }
+                                answers.extend(ring(*f, &mut first, &mut last));
+                            }
+                        }
+                    }
+                }
+            };
+            match twice {
+                None => {
+                    assert_eq!(outcome, Ok(StopReason::Length));
+                    assert_eq!(ids, whole, "the ring's greedy ids are the single box's");
+                    let done = session.done(StopReason::Length, std::time::Instant::now(), 1024, "w1");
+                    assert_eq!(done.timings.unwrap().generated_tokens, N as u32);
+                }
+                Some(k) => {
+                    let e = outcome.unwrap_err();
+                    assert!(e.contains("position"), "{e}");
+                    assert_eq!(ids[..], whole[..ids.len()], "what came before the failure is the same text");
+                    assert!(ids.len() <= k + 1, "{} ids after the duplicate at run {k}", ids.len());
+                }
+            }
+        }
+    }
+
     /// Prompts of three sessions waiting together at a stage are read in one pass
     /// (`forward_ragged`), and each session's first draw and its log-probability are, bit for
     /// bit, what its prompt read alone gives: on one stage (the last: the draws of the pass's
