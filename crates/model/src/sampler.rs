@@ -19,6 +19,19 @@ impl Sampler {
         Self { cfg, rng, candidates: Vec::new(), counts: Default::default() }
     }
 
+    /// A sampler that goes on where one that drew `draws` ids stopped: its generator past the
+    /// numbers those draws took (one each above temperature 0), so that a session resumed after
+    /// a failover draws from the same logits what the uninterrupted one would.
+    pub fn resumed(cfg: SamplingParams, draws: usize) -> Self {
+        let mut s = Self::new(cfg);
+        if s.cfg.temperature > 0.0 {
+            for _ in 0..draws {
+                let _: f32 = s.rng.random();
+            }
+        }
+        s
+    }
+
     pub fn config(&self) -> &SamplingParams {
         &self.cfg
     }
@@ -140,6 +153,19 @@ mod tests {
         let logits = [-1.0, -1.5];
         let cfg = SamplingParams { repeat_penalty: 2.0, frequency_penalty: 0.1, ..SamplingParams::greedy() };
         assert_eq!(Sampler::new(cfg).sample(&logits, &[0]), 1);
+    }
+
+    #[test]
+    fn a_resumed_sampler_draws_what_the_uninterrupted_one_draws() {
+        let logits: Vec<f32> = (0..50).map(|i| (i as f32 * 0.71).cos() * 3.0).collect();
+        let cfg = SamplingParams { temperature: 0.8, top_k: 20, seed: 5, ..Default::default() };
+        let mut whole = Sampler::new(cfg.clone());
+        let ids: Vec<u32> = (0..30).map(|_| whole.sample(&logits, &[])).collect();
+        let mut resumed = Sampler::resumed(cfg.clone(), 12);
+        let rest: Vec<u32> = (12..30).map(|_| resumed.sample(&logits, &[])).collect();
+        assert_eq!(rest[..], ids[12..]);
+        let mut fresh = Sampler::new(cfg);
+        assert_ne!((12..30).map(|_| fresh.sample(&logits, &[])).collect::<Vec<_>>(), rest, "skipping matters");
     }
 
     #[test]

@@ -230,6 +230,14 @@ fn draw_for(spec: &SessionSpec, tokenizer: &Tokenizer, vocabulary: &VocabularyCe
         }
         n => n.map(|n| n as usize),
     };
+    // the ids generated before a failover, at the prompt's end
+    let resumed = spec.resumed as usize;
+    let Some(start) = spec.prompt_ids.len().checked_sub(resumed) else {
+        return Err(WorkerError::Frame(format!(
+            "OPEN frame: {resumed} resumed ids of a prompt of {}",
+            spec.prompt_ids.len()
+        )));
+    };
     let grammar = if spec.format.is_empty() {
         None
     } else {
@@ -239,19 +247,14 @@ fn draw_for(spec: &SessionSpec, tokenizer: &Tokenizer, vocabulary: &VocabularyCe
         let mut g = vocab
             .compile(&format)
             .map_err(|e| WorkerError::BadRequest(format!("the session's format cannot be used: {e}")))?;
-        let resumed = spec.resumed as usize;
-        let Some(start) = spec.prompt_ids.len().checked_sub(resumed) else {
-            return Err(WorkerError::Frame(format!(
-                "OPEN frame: {resumed} resumed ids of a prompt of {}",
-                spec.prompt_ids.len()
-            )));
-        };
         for &id in &spec.prompt_ids[start..] {
             g.commit(id).map_err(|e| WorkerError::BadRequest(format!("resuming the session's format: {e}")))?;
         }
         Some(g)
     };
-    Ok(Draw { sampler: Sampler::new(cfg), history: spec.prompt_ids.clone(), grammar, logprobs, eos: tokenizer.eos })
+    // resumed after a failover: the generator goes on past the draws of the ids resumed
+    let sampler = Sampler::resumed(cfg, resumed);
+    Ok(Draw { sampler, history: spec.prompt_ids.clone(), grammar, logprobs, eos: tokenizer.eos })
 }
 
 /// A model's vocabulary for the grammar engine, built once (or the reason it cannot be).
@@ -1397,13 +1400,107 @@ mod tests {
         }
     }
 
-    /// The whole ring without IO: a driver's [`crate::driver::SessionCore`] and two stage cores,
-    /// frames moved by hand. The session's ids are the single box's greedy decoding of the same
-    /// model (the prompt read in chunks of 4); a frame delivered twice makes the stage refuse
-    /// it and the session fail with that reason, never with other text.
+    /// A driver's target for `files` on two stages of node `w1`, prompts in chunks of 4.
+    fn target(files: &brigade_model::ModelFiles) -> crate::driver::DriveTarget {
+        let (_, cancel) = tokio::sync::watch::channel(false);
+        crate::driver::DriveTarget {
+            deployment: "d".into(),
+            generation: 1,
+            n_stages: 2,
+            n_ctx: 256,
+            vocab: 300,
+            carrier: CarrierKind::Quic,
+            first: crate::router::Peer { node: "w1".into(), address: String::new() },
+            stage_nodes: Arc::new(vec!["w1".into(), "w1".into()]),
+            tokenizer: files.tokenizer().clone(),
+            vocabulary: VocabularyCell::default(),
+            permits: Arc::new(tokio::sync::Semaphore::new(1)),
+            ubatch: 4,
+            hidden_bytes: 1024,
+            cancel,
+            drafting: None,
+            max_run: MAX_RUN,
+        }
+    }
+
+    /// What a ring run gave: the ids streamed, and the stop or the failure's text.
+    type Ring = (Vec<u32>, Result<brigade_proto::v1::StopReason, String>);
+
+    /// One session of `req` around the whole ring without IO — a driver's
+    /// [`crate::driver::SessionCore`] and two fresh stage cores, frames moved by hand — with the
+    /// `twice`-th run the driver sends delivered twice.
+    fn ring(files: &brigade_model::ModelFiles, req: &brigade_proto::v1::DriveRequest, twice: Option<usize>) -> Ring {
+        use crate::driver::{Opened, SessionCore, Then};
+        let target = target(files);
+        let (mut first, mut last) = (core(files, (0, 1), 0, 2, "w1"), core(files, (1, 2), 1, 2, "w1"));
+        let mut feed = req.prompt_ids.clone();
+        feed.extend(&req.resume_ids);
+        let Opened::Run(mut session, frames) = SessionCore::open(&target, req, 7, &req.prompt_ids, &feed).unwrap()
+        else {
+            panic!("nothing to generate")
+        };
+        assert_eq!(frames.len(), 1 + feed.len().div_ceil(4), "OPEN and the prompt in chunks of 4");
+        // the first stage's output to the last, the last's to the driver
+        let around = |f: Frame, first: &mut StageCore, last: &mut StageCore| -> Vec<Frame> {
+            let mut back = Vec::new();
+            for o in step(first, f) {
+                let item = match o {
+                    Out::HandOver(item) => item,
+                    Out::Next(f) => Inbound::from(f),
+                    Out::Driver(f) => {
+                        back.push(f);
+                        continue;
+                    }
+                };
+                back.extend(step(last, item).into_iter().map(|o| match o {
+                    Out::Driver(f) => f,
+                    other => panic!("the last stage sent {other:?} on"),
+                }));
+            }
+            back
+        };
+        let mut answers: Vec<Frame> = frames.into_iter().flat_map(|f| around(f, &mut first, &mut last)).collect();
+        let (mut ids, mut sent) = (Vec::new(), 0);
+        let outcome = loop {
+            let Some(f) = answers.pop() else { break Err("no answer".to_string()) };
+            match session.on_frame(f, 0) {
+                Err(e) => break Err(e.message().to_string()),
+                Ok(None) => {}
+                Ok(Some((tokens, then))) => {
+                    ids.extend(tokens.iter().map(|t| t.id));
+                    match then {
+                        Then::Stop(s) => break Ok(s),
+                        Then::Send(f) => {
+                            sent += 1;
+                            if twice == Some(sent) {
+                                answers.extend(around((*f).clone(), &mut first, &mut last));
+                            }
+                            answers.extend(around(*f, &mut first, &mut last));
+                        }
+                    }
+                }
+            }
+        };
+        (ids, outcome)
+    }
+
+    /// A request for `n` ids after `prompt`, sampled by `sampling`, end-of-text ignored.
+    fn request(prompt: &[u32], n: u32, sampling: brigade_core::SamplingParams) -> brigade_proto::v1::DriveRequest {
+        brigade_proto::v1::DriveRequest {
+            prompt_ids: prompt.to_vec(),
+            use_prompt_ids: true,
+            max_tokens: n,
+            ignore_eos: true,
+            sampling: Some(brigade_proto::convert::sampling_to_proto(&sampling)),
+            ..Default::default()
+        }
+    }
+
+    /// The whole ring without IO gives the single box's greedy ids (the prompt read in chunks
+    /// of 4); a frame delivered twice makes the stage refuse it and the session fail with that
+    /// reason, never with other text.
     #[test]
     fn a_session_core_and_stage_cores_generate_what_the_single_box_generates() {
-        use crate::driver::{Opened, SessionCore, Then};
         use brigade_proto::v1::StopReason;
         let dir = tempfile::tempdir().unwrap();
         let files = q4k_model(&dir);
@@ -1422,95 +1519,41 @@ mod tests {
             }
             ids
         };
-        let (_, cancel) = tokio::sync::watch::channel(false);
-        let target = crate::driver::DriveTarget {
-            deployment: "d".into(),
-            generation: 1,
-            n_stages: 2,
-            n_ctx: 256,
-            vocab: 300,
-            carrier: CarrierKind::Quic,
-            first: crate::router::Peer { node: "w1".into(), address: String::new() },
-            stage_nodes: Arc::new(vec!["w1".into(), "w1".into()]),
-            tokenizer: files.tokenizer().clone(),
-            vocabulary: VocabularyCell::default(),
-            permits: Arc::new(tokio::sync::Semaphore::new(1)),
-            ubatch: 4,
-            hidden_bytes: 1024,
-            cancel,
-            drafting: None,
-            max_run: MAX_RUN,
+        let req = request(&prompt, N as u32, brigade_core::SamplingParams::greedy());
+        assert_eq!(ring(&files, &req, None), (whole.clone(), Ok(StopReason::Length)));
+        let (ids, outcome) = ring(&files, &req, Some(5));
+        let e = outcome.unwrap_err();
+        assert!(e.contains("position"), "{e}");
+        assert_eq!(ids[..], whole[..ids.len()], "what came before the failure is the same text");
+        assert!(ids.len() <= 6, "{} ids after the duplicate at run 5", ids.len());
+    }
+
+    /// A session resumed after a failover (the ids the client has replayed as `resume_ids`)
+    /// goes on as if nothing had happened — with seeded sampling too: the last stage's
+    /// generator skips the draws the resumed ids took.
+    #[test]
+    fn a_resumed_seeded_session_goes_on_as_the_uninterrupted_one() {
+        use brigade_proto::v1::StopReason;
+        let dir = tempfile::tempdir().unwrap();
+        let files = q4k_model(&dir);
+        let prompt: Vec<u32> = (0..7u32).map(|i| 9 + (i * 41) % 280).collect();
+        let seeded = brigade_core::SamplingParams {
+            temperature: 0.9,
+            top_k: 40,
+            top_p: 0.95,
+            seed: 77,
+            repeat_penalty: 1.1,
+            ..brigade_core::SamplingParams::default()
         };
-        let greedy = brigade_proto::convert::sampling_to_proto(&brigade_core::SamplingParams::greedy());
-        let req = brigade_proto::v1::DriveRequest {
-            prompt_ids: prompt.clone(),
-            use_prompt_ids: true,
-            max_tokens: N as u32,
-            ignore_eos: true,
-            sampling: Some(greedy),
-            ..Default::default()
-        };
-        for twice in [None, Some(5)] {
-            let (mut first, mut last) = (core(&files, (0, 1), 0, 2, "w1"), core(&files, (1, 2), 1, 2, "w1"));
-            let Opened::Run(mut session, frames) = SessionCore::open(&target, &req, 7, &prompt, &prompt).unwrap()
-            else {
-                panic!("nothing to generate")
-            };
-            assert_eq!(frames.len(), 1 + prompt.len().div_ceil(4), "OPEN and the prompt in chunks of 4");
-            // the ring: the first stage's output to the last, the last's to the driver
-            let ring = |f: Frame, first: &mut StageCore, last: &mut StageCore| -> Vec<Frame> {
-                let mut back = Vec::new();
-                for o in step(first, f) {
-                    let item = match o {
-                        Out::HandOver(item) => item,
-                        Out::Next(f) => Inbound::from(f),
-                        Out::Driver(f) => {
-                            back.push(f);
-                            continue;
-                        }
-                    };
-                    back.extend(step(last, item).into_iter().map(|o| match o {
-                        Out::Driver(f) => f,
-                        other => panic!("the last stage sent {other:?} on"),
-                    }));
-                }
-                back
-            };
-            let mut answers: Vec<Frame> = frames.into_iter().flat_map(|f| ring(f, &mut first, &mut last)).collect();
-            let (mut ids, mut sent) = (Vec::new(), 0);
-            let outcome = loop {
-                let Some(f) = answers.pop() else { break Err("no answer".to_string()) };
-                match session.on_frame(f, 0) {
-                    Err(e) => break Err(e.message().to_string()),
-                    Ok(None) => {}
-                    Ok(Some((tokens, then))) => {
-                        ids.extend(tokens.iter().map(|t| t.id));
-                        match then {
-                            Then::Stop(s) => break Ok(s),
-                            Then::Send(f) => {
-                                sent += 1;
-                                if twice == Some(sent) {
-                                    answers.extend(ring((*f).clone(), &mut first, &mut last));
-                                }
-                                answers.extend(ring(*f, &mut first, &mut last));
-                            }
-                        }
-                    }
-                }
-            };
-            match twice {
-                None => {
-                    assert_eq!(outcome, Ok(StopReason::Length));
-                    assert_eq!(ids, whole, "the ring's greedy ids are the single box's");
-                    let done = session.done(StopReason::Length, std::time::Instant::now(), 1024, "w1");
-                    assert_eq!(done.timings.unwrap().generated_tokens, N as u32);
-                }
-                Some(k) => {
-                    let e = outcome.unwrap_err();
-                    assert!(e.contains("position"), "{e}");
-                    assert_eq!(ids[..], whole[..ids.len()], "what came before the failure is the same text");
-                    assert!(ids.len() <= k + 1, "{} ids after the duplicate at run {k}", ids.len());
-                }
+        for sampling in [brigade_core::SamplingParams::greedy(), seeded] {
+            let (whole, outcome) = ring(&files, &request(&prompt, 16, sampling.clone()), None);
+            assert_eq!((whole.len(), outcome), (16, Ok(StopReason::Length)));
+            for k in [1, 5, 11] {
+                let mut req = request(&prompt, 16, sampling.clone());
+                req.resume_ids = whole[..k].to_vec();
+                let (rest, outcome) = ring(&files, &req, None);
+                assert_eq!(outcome, Ok(StopReason::Length));
+                assert_eq!(rest[..], whole[k..], "resumed after {k} ids at temperature {}", sampling.temperature);
             }
         }
     }
