@@ -281,6 +281,9 @@ pub struct SessionCore<'a> {
     last_token_at: Instant,
     hops: HopSums,
     sent_us: u64,
+    /// The step and position of the answer awaited: the last stage echoes the step of the run
+    /// it answers and names the position of its first id.
+    awaiting: (u64, u64),
 }
 
 /// What the driver does after a frame from the last stage.
@@ -359,6 +362,7 @@ impl<'a> SessionCore<'a> {
             last_token_at: Instant::now(),
             hops: HopSums::default(),
             sent_us: now_us(),
+            awaiting: (0, feed.len() as u64),
         };
         Ok(Opened::Run(Box::new(core), frames))
     }
@@ -375,6 +379,18 @@ impl<'a> SessionCore<'a> {
             return Ok(None);
         }
         let (t, req) = (self.t, self.req);
+        let (step, at) = (frame.header.step, frame.header.first_position);
+        if step < self.awaiting.0 {
+            // an answer to a run answered before (a link delivered it twice): taking it as the
+            // next run's answer would put its ids in the text twice
+            return Ok(None);
+        }
+        if (step, at) != self.awaiting {
+            return Err(Status::internal(format!(
+                "the last stage answered step {step} at position {at}; the session waits for step {} at {}",
+                self.awaiting.0, self.awaiting.1
+            )));
+        }
         let ids = wire::ids_from_frame(&frame.header, &frame.payload).map_err(|e| Status::internal(e.to_string()))?;
         // one id per row of the run at most: the draws that took the draft, then one more
         let run = &self.run;
@@ -443,6 +459,7 @@ impl<'a> SessionCore<'a> {
             self.run.extend(d.draft(&self.context, room).map_err(|e| Status::internal(e.to_string()))?);
         }
         self.sent_us = now_us();
+        self.awaiting = (u64::from(self.generated), fed as u64 + 1);
         let mut f = tokens_frame(t, self.session, u64::from(self.generated), fed as u64, &self.run, true);
         if self.run.len() > 1 {
             f.header.flags |= FLAG_DRAFT;

@@ -25,6 +25,8 @@ pub mod control;
 pub mod devices;
 pub mod driver;
 mod error;
+#[cfg(test)]
+mod faults;
 pub mod fetch;
 pub mod identity;
 pub mod measure;

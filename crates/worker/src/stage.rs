@@ -1137,7 +1137,7 @@ impl StageCore {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
 
     fn frame(bytes: usize) -> Frame {
@@ -1248,9 +1248,23 @@ mod tests {
 
     /// A random Q4_K model of two layers (its weights packed on CPUs with int8 kernels).
     fn q4k_model(dir: &tempfile::TempDir) -> brigade_model::ModelFiles {
-        let path = dir.path().join("q4k.gguf");
+        q4k_layers(dir, 2)
+    }
+
+    /// A random Q4_K model of `layers` layers (hidden 256, vocabulary 300).
+    pub(crate) fn q4k_layers(dir: &tempfile::TempDir, layers: usize) -> brigade_model::ModelFiles {
+        synth_layers(dir, layers, brigade_model::synth::SynthType::Q4K)
+    }
+
+    /// A random model of `layers` layers of weights `ty` (hidden 256, vocabulary 300).
+    pub(crate) fn synth_layers(
+        dir: &tempfile::TempDir,
+        layers: usize,
+        ty: brigade_model::synth::SynthType,
+    ) -> brigade_model::ModelFiles {
+        let path = dir.path().join(format!("{ty:?}-{layers}.gguf"));
         let shape = brigade_model::synth::Shape {
-            layers: 2,
+            layers,
             hidden: 256,
             ffn: 512,
             heads: 4,
@@ -1263,7 +1277,7 @@ mod tests {
         brigade_model::ModelFiles::open(&path).unwrap()
     }
 
-    fn load(files: &brigade_model::ModelFiles, (a, b): (usize, usize)) -> Slice {
+    pub(crate) fn load(files: &brigade_model::ModelFiles, (a, b): (usize, usize)) -> Slice {
         let layers = brigade_core::LayerRange::new(a, b).unwrap();
         Slice::load(files, layers, &candle_core::Device::Cpu, candle_core::DType::F32, 256).unwrap()
     }
@@ -1485,7 +1499,11 @@ mod tests {
     }
 
     /// A request for `n` ids after `prompt`, sampled by `sampling`, end-of-text ignored.
-    fn request(prompt: &[u32], n: u32, sampling: brigade_core::SamplingParams) -> brigade_proto::v1::DriveRequest {
+    pub(crate) fn request(
+        prompt: &[u32],
+        n: u32,
+        sampling: brigade_core::SamplingParams,
+    ) -> brigade_proto::v1::DriveRequest {
         brigade_proto::v1::DriveRequest {
             prompt_ids: prompt.to_vec(),
             use_prompt_ids: true,

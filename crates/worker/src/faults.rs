@@ -1,0 +1,381 @@
+//! Sessions under seeded faults, without IO: the production [`SessionCore`] and three
+//! [`StageCore`]s on three nodes, frames carried by the test kit's virtual network (loss,
+//! duplication, delay and reordering), stage processes killed and restarted (their sessions
+//! gone), while several sessions generate at once. A session that fails — an ERROR from a stage,
+//! or no answer for a while — is resumed as the coordinator's relay resumes it: a new session
+//! with the ids the client already has as `resume_ids`. Every id of every attempt must be the
+//! one the single box draws for the same input read the same way — the prompt and the resumed
+//! ids in chunks of the deployment's size, then one token at a time, the sampler past the
+//! resumed ids' draws (greedy or seeded) — so no fault alters a generation; once the faults
+//! stop, every session must complete. (The same ids whatever the chunking, and so across a
+//! failover, needs prompt rows computed alike in any chunk: not yet — see ARCHITECTURE.md.)
+//! A run is a function of its seed (`BRIGADE_SEED=N` reruns one, `BRIGADE_SEEDS=N` runs more).
+
+use crate::driver::{DriveTarget, Opened, SessionCore, Then};
+use crate::router::Peer;
+use crate::stage::tests::{load, request, synth_layers};
+use crate::stage::{Inbound, Out, StageCore, StageCounters, StagePlace, VocabularyCell, MAX_RUN};
+use brigade_core::cluster::{ActDtype, CarrierKind};
+use brigade_core::SamplingParams;
+use brigade_model::{Logits, Sampler, StageInput};
+use brigade_proto::v1::{DriveRequest, StopReason};
+use brigade_testkit::net::{Net, Weather};
+use brigade_transport::frame::Frame;
+use rand::{Rng, SeedableRng};
+use rand_chacha::ChaCha8Rng;
+use std::collections::VecDeque;
+use std::sync::atomic::AtomicU32;
+use std::sync::Arc;
+
+/// Stage `i` runs on node `i`; the driver's address on the network (it runs on node 0).
+const STAGES: u64 = 3;
+const DRIVER: u64 = 100;
+/// Ticks of faults, then ticks for everything to complete.
+const CHAOS: u64 = 150;
+const CALM: u64 = 1500;
+/// Ticks without an answer before a session counts as failed (the driver's `STALL`).
+const STALL: u64 = 40;
+const SESSIONS: usize = 3;
+
+fn node(i: u64) -> Peer {
+    Peer { node: format!("n{i}"), address: String::new() }
+}
+
+fn stage_core(files: &brigade_model::ModelFiles, i: u64) -> StageCore {
+    let place = StagePlace {
+        deployment: "d".into(),
+        generation: 1,
+        stage: i as u32,
+        n_stages: STAGES as u32,
+        next: (i + 1 < STAGES).then(|| node(i + 1)),
+        driver: node(0),
+        act_dtype: ActDtype::F32,
+        carrier: CarrierKind::Quic,
+        max_sessions: 64,
+        session_idle: std::time::Duration::from_secs(600),
+    };
+    let slice = load(files, (i as usize, i as usize + 1));
+    let counters = (Arc::new(AtomicU32::new(0)), Arc::new(StageCounters::default()));
+    let tokenizer = files.tokenizer().clone();
+    StageCore::new(place, slice, vec![], tokenizer, VocabularyCell::default(), format!("n{i}"), counters)
+}
+
+/// The single box's ids for `req`: the whole model reads the prompt and the resumed ids in
+/// chunks of `ubatch`, then one token at a time, with the last stage's sampler (resumed past the
+/// resumed ids' draws).
+fn single_box(files: &brigade_model::ModelFiles, req: &DriveRequest, ubatch: usize) -> Vec<u32> {
+    let slice = load(files, (0, STAGES as usize));
+    let mut cache = slice.new_cache().unwrap();
+    let cfg = brigade_proto::convert::sampling_from_proto(req.sampling.as_ref()).unwrap();
+    let mut sampler = Sampler::resumed(cfg, req.resume_ids.len());
+    let mut history = req.prompt_ids.clone();
+    history.extend(&req.resume_ids);
+    let mut logits = None;
+    for chunk in history.chunks(ubatch) {
+        logits = Some(slice.forward(&mut cache, StageInput::Tokens(chunk), Logits::Last).unwrap());
+    }
+    let fed = history.len();
+    for _ in req.resume_ids.len()..req.max_tokens as usize {
+        let l = logits.take().unwrap();
+        let id = sampler.sample(&brigade_model::rows::logits_row(&l).unwrap(), &history);
+        history.push(id);
+        logits = Some(slice.forward(&mut cache, StageInput::Tokens(&[id]), Logits::Last).unwrap());
+    }
+    history.split_off(fed)
+}
+
+/// One session as the client and the relay see it.
+struct Client<'a> {
+    req: &'static DriveRequest,
+    /// What the single box draws for the running attempt's input (its first id at `from`).
+    want: Vec<u32>,
+    from: usize,
+    /// The ids streamed to the client so far (over every attempt).
+    got: Vec<u32>,
+    /// The attempt running: its session id, its core, the tick it last heard from the ring.
+    live: Option<(u64, Box<SessionCore<'a>>, u64)>,
+    attempts: u32,
+    /// The first failure's reason of each attempt.
+    failures: Vec<String>,
+    done: Option<StopReason>,
+    start_at: u64,
+}
+
+struct Ring<'a> {
+    files: &'a brigade_model::ModelFiles,
+    target: &'static DriveTarget,
+    rng: ChaCha8Rng,
+    now: u64,
+    net: Net<Frame>,
+    stages: Vec<Option<StageCore>>,
+    clients: Vec<Client<'a>>,
+    kills: u64,
+    /// The first id that was not the single box's.
+    broken: Option<String>,
+}
+
+impl<'a> Ring<'a> {
+    fn send(&mut self, from: u64, to: u64, f: Frame) {
+        self.net.send(&mut self.rng, self.now, from, to, f);
+    }
+
+    /// A frame reaches stage `i` (lost if its process is down).
+    fn at_stage(&mut self, i: u64, f: Frame) {
+        let Some(core) = self.stages[i as usize].as_mut() else { return };
+        let mut pending = VecDeque::from([(Inbound::from(f), 0)]);
+        let out = core.step(&mut pending);
+        for o in out {
+            match o {
+                Out::Next(f) => self.send(i, i + 1, f),
+                Out::Driver(f) => self.send(i, DRIVER, f),
+                Out::HandOver(_) => panic!("stage {i} handed rows over to another node"),
+            }
+        }
+    }
+
+    /// Starts (or resumes) client `c`'s session: the ids it has so far are resumed.
+    fn start(&mut self, c: usize) {
+        let cl = &mut self.clients[c];
+        let mut req = cl.req.clone();
+        req.resume_ids = cl.got.clone();
+        let req: &'static DriveRequest = Box::leak(Box::new(req));
+        let mut feed = req.prompt_ids.clone();
+        feed.extend(&req.resume_ids);
+        cl.want = single_box(self.files, req, self.target.ubatch);
+        cl.from = cl.got.len();
+        let session = self.rng.random::<u64>();
+        cl.attempts += 1;
+        match SessionCore::open(self.target, req, session, &req.prompt_ids, &feed) {
+            Ok(Opened::Run(core, frames)) => {
+                cl.live = Some((session, core, self.now));
+                for f in frames {
+                    self.send(DRIVER, 0, f);
+                }
+            }
+            Ok(Opened::Done(_)) => cl.done = Some(StopReason::Stop),
+            Err(e) => panic!("session {c} does not open: {e}"),
+        }
+    }
+
+    /// Client `c`'s attempt failed: its stages free the session, and the relay resumes it.
+    fn failed(&mut self, c: usize, why: String) {
+        if let Some((session, _, _)) = self.clients[c].live.take() {
+            let close = Frame::close().in_session("d", 1, session);
+            self.send(DRIVER, 0, close);
+        }
+        assert!(!why.is_empty(), "a session failed without a reason");
+        self.clients[c].failures.push(why);
+        self.start(c);
+    }
+
+    /// A frame for the driver: to the session it names (a finished or replaced one's is
+    /// ignored, as the router drops it).
+    fn at_driver(&mut self, f: Frame) {
+        let Some(c) = self.clients.iter().position(|cl| cl.live.as_ref().is_some_and(|l| l.0 == f.header.session))
+        else {
+            return;
+        };
+        let now = self.now;
+        let Some((_, core, heard)) = self.clients[c].live.as_mut() else { return };
+        *heard = now;
+        match core.on_frame(f, 0) {
+            Err(e) => self.failed(c, e.message().to_string()),
+            Ok(None) => {}
+            Ok(Some((tokens, then))) => {
+                let cl = &mut self.clients[c];
+                for t in &tokens {
+                    let i = cl.got.len() - cl.from;
+                    if cl.want.get(i) != Some(&t.id) {
+                        self.broken.get_or_insert(format!(
+                            "session {c}, attempt {}: id {} at {}; the single box draws {:?} after the same input",
+                            cl.attempts,
+                            t.id,
+                            cl.got.len(),
+                            cl.want.get(i)
+                        ));
+                    }
+                    cl.got.push(t.id);
+                }
+                match then {
+                    Then::Send(f) => self.send(DRIVER, 0, *f),
+                    Then::Stop(stop) => {
+                        // the driver closes the session on every stage
+                        if let Some((session, _, _)) = self.clients[c].live.take() {
+                            self.send(DRIVER, 0, Frame::close().in_session("d", 1, session));
+                        }
+                        self.clients[c].done = Some(stop);
+                    }
+                }
+            }
+        }
+    }
+
+    /// One tick: faults (while `chaos`), deliveries, sessions that start or stalled.
+    fn turn(&mut self, chaos: bool) {
+        self.now += 1;
+        if chaos {
+            let roll: f64 = self.rng.random();
+            let i = self.rng.random_range(0..STAGES) as usize;
+            if roll < 0.01 && self.stages[i].is_some() {
+                // the stage's process dies: its sessions with it
+                self.stages[i] = None;
+                self.kills += 1;
+            } else if roll < 0.05 && self.stages[i].is_none() {
+                self.stages[i] = Some(stage_core(self.files, i as u64));
+            } else if roll < 0.07 {
+                let pick = |rng: &mut ChaCha8Rng, xs: &[f64]| xs[rng.random_range(0..xs.len())];
+                self.net.weather = Weather {
+                    drop: pick(&mut self.rng, &[0.0, 0.0, 0.01, 0.05]),
+                    duplicate: pick(&mut self.rng, &[0.0, 0.0, 0.01, 0.05]),
+                    max_delay: [0u64, 0, 1, 3][self.rng.random_range(0..4)],
+                };
+            }
+        }
+        for e in self.net.due(self.now) {
+            if e.to == DRIVER {
+                self.at_driver(e.message);
+            } else {
+                self.at_stage(e.to, e.message);
+            }
+        }
+        for c in 0..self.clients.len() {
+            let cl = &self.clients[c];
+            if cl.done.is_some() {
+                continue;
+            }
+            match &cl.live {
+                None if self.now >= cl.start_at => self.start(c),
+                Some((_, _, heard)) if self.now > heard + STALL => {
+                    self.failed(c, format!("no answer from the ring for {STALL} ticks"))
+                }
+                _ => {}
+            }
+        }
+    }
+}
+
+/// One schedule: the kills and the weather, the sessions' prompts, lengths and sampling, all
+/// drawn from `seed`. The clients' outcomes: (ids wanted, ids got, stop, failures).
+fn run(files: &brigade_model::ModelFiles, target: &'static DriveTarget, seed: u64) -> Result<(u64, u32), String> {
+    let mut rng = ChaCha8Rng::seed_from_u64(seed);
+    let mut clients = Vec::new();
+    for k in 0..SESSIONS {
+        let n = rng.random_range(3..24);
+        let prompt: Vec<u32> = (0..n).map(|_| rng.random_range(3..300)).collect();
+        let sampling = if rng.random_bool(0.5) {
+            SamplingParams::greedy()
+        } else {
+            SamplingParams {
+                temperature: 0.8,
+                top_k: 30,
+                top_p: 0.95,
+                seed: rng.random(),
+                repeat_penalty: 1.1,
+                ..SamplingParams::default()
+            }
+        };
+        let req: &'static DriveRequest = Box::leak(Box::new(request(&prompt, rng.random_range(4..16), sampling)));
+        clients.push(Client {
+            req,
+            want: Vec::new(),
+            from: 0,
+            got: Vec::new(),
+            live: None,
+            attempts: 0,
+            failures: Vec::new(),
+            done: None,
+            start_at: rng.random_range(0..40) + k as u64,
+        });
+    }
+    let mut ring = Ring {
+        files,
+        target,
+        rng,
+        now: 0,
+        net: Net::default(),
+        stages: (0..STAGES).map(|i| Some(stage_core(files, i))).collect(),
+        clients,
+        kills: 0,
+        broken: None,
+    };
+    while ring.now < CHAOS {
+        ring.turn(true);
+    }
+    ring.net.weather = Weather::CALM;
+    for i in 0..STAGES as usize {
+        if ring.stages[i].is_none() {
+            ring.stages[i] = Some(stage_core(files, i as u64));
+        }
+    }
+    while ring.now < CHAOS + CALM && ring.clients.iter().any(|c| c.done.is_none()) {
+        ring.turn(false);
+    }
+    if let Some(b) = ring.broken {
+        return Err(b);
+    }
+    let mut attempts = 0;
+    for (k, c) in ring.clients.iter().enumerate() {
+        attempts += c.attempts;
+        let why = || format!("session {k} ({} attempts, failures {:?})", c.attempts, c.failures);
+        match c.done {
+            Some(StopReason::Length) if c.got.len() == c.req.max_tokens as usize => {}
+            Some(stop) => return Err(format!("{}: {stop:?} after {} ids", why(), c.got.len())),
+            None => return Err(format!("{}: not done {CALM} ticks after the faults stopped", why())),
+        }
+    }
+    Ok((ring.kills, attempts))
+}
+
+#[test]
+fn sessions_under_seeded_faults_end_with_the_single_box_ids() {
+    let dir = tempfile::tempdir().unwrap();
+    let files = synth_layers(&dir, STAGES as usize, brigade_model::synth::SynthType::Q4K);
+    let (_, cancel) = tokio::sync::watch::channel(false);
+    let target: &'static DriveTarget = Box::leak(Box::new(DriveTarget {
+        deployment: "d".into(),
+        generation: 1,
+        n_stages: STAGES as u32,
+        n_ctx: 256,
+        vocab: 300,
+        carrier: CarrierKind::Quic,
+        first: node(0),
+        stage_nodes: Arc::new((0..STAGES).map(|i| format!("n{i}")).collect()),
+        tokenizer: files.tokenizer().clone(),
+        vocabulary: VocabularyCell::default(),
+        permits: Arc::new(tokio::sync::Semaphore::new(SESSIONS)),
+        ubatch: 4,
+        hidden_bytes: 1024,
+        cancel,
+        drafting: None,
+        max_run: MAX_RUN,
+    }));
+    let seeds: Vec<u64> = match std::env::var("BRIGADE_SEED").ok().and_then(|s| s.parse().ok()) {
+        Some(s) => vec![s],
+        None => (0..std::env::var("BRIGADE_SEEDS").ok().and_then(|s| s.parse().ok()).unwrap_or(100u64)).collect(),
+    };
+    let (mut kills, mut attempts, mut failures) = (0, 0, Vec::new());
+    for seed in &seeds {
+        match run(&files, target, *seed) {
+            Ok((k, a)) => {
+                kills += k;
+                attempts += a;
+            }
+            Err(e) => failures.push(format!("seed {seed}: {e}")),
+        }
+    }
+    eprintln!(
+        "{} schedules of {SESSIONS} sessions: {kills} stage kills, {attempts} attempts ({} resumed)",
+        seeds.len(),
+        attempts as usize - seeds.len() * SESSIONS
+    );
+    assert!(
+        failures.is_empty(),
+        "{} schedules failed (rerun one with BRIGADE_SEED=N):\n{}",
+        failures.len(),
+        failures.join("\n")
+    );
+    if seeds.len() >= 50 {
+        assert!(kills as usize >= seeds.len() / 2, "too few stage kills: {kills}");
+        assert!(attempts as usize >= seeds.len() * SESSIONS * 3 / 2, "too few sessions resumed: {attempts} attempts");
+    }
+}
