@@ -257,7 +257,7 @@ impl Group {
                 self.start(id)?;
             }
         } else if roll < 0.05 {
-            let running: Vec<u64> = up.iter().copied().filter(|id| self.running(*id)).collect();
+            let running = self.running_replicas();
             if let Some(&id) = running.choose(&mut self.rng) {
                 let until = self.now + self.rng.random_range(5..40);
                 if let Some(m) = self.members.get_mut(&id) {
@@ -309,7 +309,7 @@ impl Group {
 
     /// A client operation at a random running replica.
     fn client(&mut self) {
-        let running: Vec<u64> = self.up().into_iter().filter(|id| self.running(*id)).collect();
+        let running = self.running_replicas();
         let Some(&id) = running.choose(&mut self.rng) else { return };
         let key = KEYS[self.rng.random_range(0..KEYS.len())];
         let write = self.rng.random_bool(0.6);
