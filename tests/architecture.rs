@@ -204,6 +204,55 @@ fn no_module_of_the_coordinator_imports_one_that_imports_it_back() {
     }
 }
 
+/// The `.rs` files under `dir`, recursively.
+fn rust_files(dir: &std::path::Path) -> Vec<std::path::PathBuf> {
+    let mut out = Vec::new();
+    for e in std::fs::read_dir(dir).unwrap() {
+        let path = e.unwrap().path();
+        if path.is_dir() {
+            out.extend(rust_files(&path));
+        } else if path.extension().is_some_and(|x| x == "rs") {
+            out.push(path);
+        }
+    }
+    out
+}
+
+#[test]
+fn the_services_raise_their_errors_and_only_error_rs_maps_them_to_status() {
+    let codes = [
+        "invalid_argument",
+        "not_found",
+        "unavailable",
+        "internal",
+        "permission_denied",
+        "unauthenticated",
+        "failed_precondition",
+        "aborted",
+        "already_exists",
+        "resource_exhausted",
+        "deadline_exceeded",
+        "cancelled",
+        "unknown",
+        "new",
+    ];
+    let mut mapped = 0;
+    for krate in ["coordinator", "worker"] {
+        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("..").join(krate).join("src");
+        for path in rust_files(&dir) {
+            let text = std::fs::read_to_string(&path).unwrap();
+            let code = text.split("#[cfg(test)]").next().unwrap_or_default();
+            let built: Vec<&str> = codes.iter().copied().filter(|c| code.contains(&format!("Status::{c}("))).collect();
+            if path.ends_with("error.rs") {
+                mapped += built.len();
+            } else {
+                assert!(built.is_empty(), "{} builds a tonic::Status itself ({built:?})", path.display());
+            }
+        }
+    }
+    assert!(mapped >= 8, "the check found no mapping in error.rs ({mapped})");
+}
+
 #[test]
 fn the_grammar_engine_links_no_tensor_library_and_no_runtime() {
     // constrained decoding runs in the server and on a cluster's last worker: pure

@@ -218,21 +218,21 @@ async fn open_drive(
     drive: &DriveRequest,
 ) -> Result<(tonic::Streaming<GenerateEvent>, u64), Status> {
     let state = shared.state();
-    let d = state
-        .deployments
-        .get(model)
-        .cloned()
-        .ok_or_else(|| Status::not_found(format!("no deployment named `{model}` (brigade status lists them)")))?;
+    let d =
+        state.deployments.get(model).cloned().ok_or_else(|| {
+            CoordError::NotFound(format!("no deployment named `{model}` (brigade status lists them)"))
+        })?;
     match state.deployment_state(&d) {
         DeploymentState::Ready => {}
         other => {
             let info = deployment_info(&state, &d, None);
             let why = if !d.note.is_empty() { d.note.clone() } else { info.error };
-            return Err(Status::unavailable(format!(
+            return Err(CoordError::Unavailable(format!(
                 "deployment `{model}` is {}{}",
                 other.name(),
                 if why.is_empty() { String::new() } else { format!(": {why}") }
-            )));
+            ))
+            .into());
         }
     }
     let mut worker = shared.worker(&d.driver).await?;
@@ -268,17 +268,19 @@ async fn wait_ready(shared: &Shared, model: &str, failed_generation: u64) -> Res
     let mut changed = shared.subscribe();
     loop {
         let state = shared.state();
-        let d = state.deployments.get(model).ok_or_else(|| Status::not_found(format!("`{model}` was undeployed")))?;
+        let d =
+            state.deployments.get(model).ok_or_else(|| CoordError::NotFound(format!("`{model}` was undeployed")))?;
         let ready = state.deployment_state(d) == DeploymentState::Ready;
         if ready && (d.generation > failed_generation || t0.elapsed() > Duration::from_secs(5)) {
             return Ok(());
         }
         if t0.elapsed() > RESUME_WAIT {
-            return Err(Status::unavailable(format!(
+            return Err(CoordError::Unavailable(format!(
                 "deployment `{model}` did not serve again within {}s{}",
                 RESUME_WAIT.as_secs(),
                 if d.note.is_empty() { String::new() } else { format!(": {}", d.note) }
-            )));
+            ))
+            .into());
         }
         let _ = tokio::time::timeout(Duration::from_millis(250), changed.changed()).await;
     }
@@ -334,7 +336,7 @@ async fn relay_session(
                 }
                 continue;
             }
-            Ok(None) => Status::unavailable("the driver's stream ended without a final event"),
+            Ok(None) => CoordError::Unavailable("the driver's stream ended without a final event".into()).into(),
             Err(e) => e,
         };
         if !resumable(&failure) || resumes >= MAX_RESUMES {
@@ -377,7 +379,9 @@ async fn relay_session(
                 return;
             }
             Err(_) => {
-                let _ = tx.send(Err(Status::unavailable(format!("`{model}` did not serve again in time")))).await;
+                let _ = tx
+                    .send(Err(CoordError::Unavailable(format!("`{model}` did not serve again in time")).into()))
+                    .await;
                 return;
             }
         }
@@ -488,26 +492,29 @@ fn record(shared: &Shared, name: &str, t: &brigade_proto::v1::Timings) {
 fn drive_options(o: Option<GenerateOptions>) -> Result<DriveRequest, Status> {
     let o = o.unwrap_or_default();
     if o.resume_ids.len() > 1 << 20 {
-        return Err(Status::invalid_argument("too many resume ids"));
+        return Err(CoordError::BadRequest("too many resume ids".into()).into());
     }
     // checked here, at the edge, so a bad setting is the caller's error and never reaches a stage
-    let sampling = sampling_from_proto(o.sampling.as_ref()).map_err(|e| Status::invalid_argument(e.to_string()))?;
-    brigade_core::stop::check_stops(&o.stop).map_err(|e| Status::invalid_argument(format!("stop: {e}")))?;
+    let sampling = sampling_from_proto(o.sampling.as_ref()).map_err(|e| CoordError::BadRequest(e.to_string()))?;
+    brigade_core::stop::check_stops(&o.stop).map_err(|e| CoordError::BadRequest(format!("stop: {e}")))?;
     if let Some(n) = o.logprobs.filter(|&n| n as usize > brigade_core::MAX_TOP_LOGPROBS) {
-        return Err(Status::invalid_argument(format!(
+        return Err(CoordError::BadRequest(format!(
             "logprobs: 0 to {} alternatives per token, got {n}",
             brigade_core::MAX_TOP_LOGPROBS
-        )));
+        ))
+        .into());
     }
     // the format is read here; the driver compiles it against the model's vocabulary
     let format = match (o.json_schema.is_empty(), o.grammar.is_empty()) {
         (true, true) => None,
         (false, false) => {
-            return Err(Status::invalid_argument("json_schema and grammar both constrain the answer: send one"))
+            return Err(
+                CoordError::BadRequest("json_schema and grammar both constrain the answer: send one".into()).into()
+            )
         }
         (false, true) => {
             let schema: serde_json::Value = serde_json::from_str(&o.json_schema)
-                .map_err(|e| Status::invalid_argument(format!("json_schema is not JSON: {e}")))?;
+                .map_err(|e| CoordError::BadRequest(format!("json_schema is not JSON: {e}")))?;
             Some(Format::JsonSchema(schema))
         }
         (true, false) => {
@@ -520,7 +527,7 @@ fn drive_options(o: Option<GenerateOptions>) -> Result<DriveRequest, Status> {
         }
     };
     let format = match format {
-        Some(f) => serde_json::to_string(&f).map_err(|e| Status::internal(format!("the format: {e}")))?,
+        Some(f) => serde_json::to_string(&f).map_err(|e| CoordError::Internal(format!("the format: {e}")))?,
         None => String::new(),
     };
     Ok(DriveRequest {
@@ -543,7 +550,7 @@ impl Client for ClientService {
     async fn generate(&self, req: Request<GenerateRequest>) -> Result<Response<Self::GenerateStream>, Status> {
         let r = req.into_inner();
         if r.prompt.len() > 16 << 20 || r.prompt_ids.len() > 1 << 20 {
-            return Err(Status::invalid_argument("the prompt is larger than 16 MiB"));
+            return Err(CoordError::BadRequest("the prompt is larger than 16 MiB".into()).into());
         }
         let use_ids = !r.prompt_ids.is_empty();
         let d = DriveRequest {
@@ -558,11 +565,11 @@ impl Client for ClientService {
     async fn chat(&self, req: Request<ChatRequest>) -> Result<Response<Self::ChatStream>, Status> {
         let r = req.into_inner();
         if r.messages.is_empty() {
-            return Err(Status::invalid_argument("a chat needs at least one message"));
+            return Err(CoordError::BadRequest("a chat needs at least one message".into()).into());
         }
         let size: usize = r.messages.iter().map(|m| m.content.len() + m.role.len()).sum();
         if size > 16 << 20 {
-            return Err(Status::invalid_argument("the messages are larger than 16 MiB"));
+            return Err(CoordError::BadRequest("the messages are larger than 16 MiB".into()).into());
         }
         let chat = r.messages.into_iter().map(|m| ChatMessageRef { role: m.role, content: m.content }).collect();
         let d = DriveRequest { chat, ..drive_options(r.options)? };
@@ -636,7 +643,10 @@ impl Client for ClientService {
             }
         }
         let s = self.shared.state();
-        let d = s.deployments.get(&r.name).ok_or_else(|| Status::aborted("the deployment was removed meanwhile"))?;
+        let d = s
+            .deployments
+            .get(&r.name)
+            .ok_or_else(|| CoordError::Aborted("the deployment was removed meanwhile".into()))?;
         Ok(Response::new(DeployResponse { deployment: Some(deployment_info(&s, d, None)) }))
     }
 
@@ -668,20 +678,22 @@ impl Client for ClientService {
         let id = req.into_inner().id;
         let state = self.shared.current_state().await?;
         if !state.replicas.contains_key(&id) {
-            return Err(Status::not_found(format!(
+            return Err(CoordError::NotFound(format!(
                 "replica {id} is not in the group ({:?})",
                 state.replicas.keys().collect::<Vec<_>>()
-            )));
+            ))
+            .into());
         }
         if state.replicas.len() == 1 {
-            return Err(Status::failed_precondition("the last replica cannot leave its group"));
+            return Err(CoordError::FailedPrecondition("the last replica cannot leave its group".into()).into());
         }
         if id == self.shared.cfg.id {
             // the group stops talking to a replica as soon as its removal commits: this one
             // would never hear that it did
-            return Err(Status::failed_precondition(format!(
+            return Err(CoordError::FailedPrecondition(format!(
                 "this is replica {id}: ask another replica of the group to remove it"
-            )));
+            ))
+            .into());
         }
         self.shared.raft.change_replicas(id, None).await?;
         tracing::info!("replica {id} left the group");
@@ -702,9 +714,10 @@ impl Client for ClientService {
 fn require_admin<T>(req: &tonic::Request<T>, what: &str) -> Result<(), tonic::Status> {
     match req.extensions().get::<brigade_serve::Tier>() {
         Some(brigade_serve::Tier::Admin) => Ok(()),
-        _ => Err(tonic::Status::permission_denied(format!(
+        _ => Err(CoordError::PermissionDenied(format!(
             "{what} needs an admin key (--admin-key); this key may only run inference"
-        ))),
+        ))
+        .into()),
     }
 }
 

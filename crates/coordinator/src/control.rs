@@ -28,22 +28,27 @@ pub struct ControlService {
 impl ControlService {
     /// The node the request's certificate speaks for, checked against the admitted certificate.
     fn node<T>(&self, req: &Request<T>, claimed: &str) -> Result<String, Status> {
-        let certs =
-            req.peer_certs().ok_or_else(|| Status::unauthenticated("no client certificate: join the cluster first"))?;
-        let leaf = certs.first().ok_or_else(|| Status::unauthenticated("no client certificate"))?;
+        let certs = req
+            .peer_certs()
+            .ok_or_else(|| CoordError::Unauthenticated("no client certificate: join the cluster first".into()))?;
+        let leaf = certs.first().ok_or_else(|| CoordError::Unauthenticated("no client certificate".into()))?;
         let name = brigade_transport::tls::peer_name_from_cert(leaf.as_ref())
-            .ok_or_else(|| Status::unauthenticated("the client certificate names no node"))?;
+            .ok_or_else(|| CoordError::Unauthenticated("the client certificate names no node".into()))?;
         if name != claimed {
-            return Err(Status::permission_denied(format!("a certificate of `{name}` cannot speak for `{claimed}`")));
+            return Err(CoordError::PermissionDenied(format!(
+                "a certificate of `{name}` cannot speak for `{claimed}`"
+            ))
+            .into());
         }
         let fp = brigade_transport::tls::fingerprint(leaf.as_ref());
         let state = self.shared.state();
         match state.admitted.get(&name) {
             Some(a) if a.fingerprint == fp => Ok(name),
-            Some(_) => Err(Status::permission_denied(format!(
+            Some(_) => Err(CoordError::PermissionDenied(format!(
                 "this certificate of `{name}` was replaced by a later join: use the newer one or join again"
-            ))),
-            None => Err(Status::permission_denied(format!("`{name}` has not joined this cluster"))),
+            ))
+            .into()),
+            None => Err(CoordError::PermissionDenied(format!("`{name}` has not joined this cluster")).into()),
         }
     }
 }
@@ -78,12 +83,12 @@ impl Control for ControlService {
             .iter()
             .map(device_from_proto)
             .collect::<Result<Vec<_>, _>>()
-            .map_err(|e| Status::invalid_argument(format!("node `{name}`: {e}")))?;
+            .map_err(|e| CoordError::BadRequest(format!("node `{name}`: {e}")))?;
         if devices.is_empty() {
-            return Err(Status::invalid_argument(format!("node `{name}` registered no devices")));
+            return Err(CoordError::BadRequest(format!("node `{name}` registered no devices")).into());
         }
         if r.advertise.parse::<std::net::SocketAddr>().is_err() && !r.advertise.contains(':') {
-            return Err(Status::invalid_argument(format!("node `{name}`: `{}` is not host:port", r.advertise)));
+            return Err(CoordError::BadRequest(format!("node `{name}`: `{}` is not host:port", r.advertise)).into());
         }
         let node = NodeRecord {
             name: name.clone(),
@@ -134,12 +139,9 @@ impl Control for ControlService {
                 }
                 if !shared.raft.is_leader() {
                     // the node must follow the new leader: end the stream with where it is
-                    let _ = tx
-                        .send(Err(shared
-                            .require_leader()
-                            .err()
-                            .unwrap_or_else(|| Status::unavailable("leader changed"))))
-                        .await;
+                    let why = shared.require_leader().err();
+                    let why = why.unwrap_or_else(|| CoordError::Unavailable("leader changed".into()));
+                    let _ = tx.send(Err(why.into())).await;
                     return;
                 }
             }
@@ -154,8 +156,8 @@ impl Control for ControlService {
         let error: String = r.error.chars().take(2000).collect();
         let state = match stage_state_from_proto(r.state, &error) {
             Ok(s @ (StageState::Ready | StageState::Failed(_) | StageState::Loading)) => s,
-            Ok(s) => return Err(Status::invalid_argument(format!("a worker reports a stage {}", s.name()))),
-            Err(n) => return Err(Status::invalid_argument(format!("stage state {n}"))),
+            Ok(s) => return Err(CoordError::BadRequest(format!("a worker reports a stage {}", s.name())).into()),
+            Err(n) => return Err(CoordError::BadRequest(format!("stage state {n}")).into()),
         };
         if let StageState::Failed(e) = &state {
             tracing::warn!("stage {} of {} on {name} failed: {e}", r.stage, r.deployment);
@@ -206,11 +208,12 @@ impl Control for ControlService {
     }
 
     async fn fetch_range(&self, req: Request<FetchRangeRequest>) -> Result<Response<Self::FetchRangeStream>, Status> {
-        let certs = req.peer_certs().ok_or_else(|| Status::unauthenticated("fetching needs a node certificate"))?;
+        let certs =
+            req.peer_certs().ok_or_else(|| CoordError::Unauthenticated("fetching needs a node certificate".into()))?;
         let named = certs
             .first()
             .and_then(|c| brigade_transport::tls::peer_name_from_cert(c.as_ref()))
-            .ok_or_else(|| Status::unauthenticated("the client certificate names no node"))?;
+            .ok_or_else(|| CoordError::Unauthenticated("the client certificate names no node".into()))?;
         // the certificate the node holds now: a replaced (revoked) one fetches nothing
         let who = self.node(&req, &named)?;
         let r = req.into_inner();
@@ -220,13 +223,12 @@ impl Control for ControlService {
             .models
             .get(&r.model_id)
             .cloned()
-            .ok_or_else(|| Status::not_found(format!("unknown model {}", r.model_id)))?;
+            .ok_or_else(|| CoordError::NotFound(format!("unknown model {}", r.model_id)))?;
         let shared = self.shared.clone();
         let t0 = Instant::now();
         let data = tokio::task::spawn_blocking(move || shared.models.read(&model, &r.file, r.offset, r.length))
             .await
-            .map_err(|e| Status::internal(e.to_string()))?
-            .map_err(|e: CoordError| Status::from(e))?;
+            .map_err(|e| CoordError::Internal(e.to_string()))??;
         tracing::debug!("{who} fetched {} bytes in {:?}", data.len(), t0.elapsed());
         let chunks: Vec<Result<Chunk, Status>> = data.chunks(1 << 20).map(|c| Ok(Chunk { data: c.to_vec() })).collect();
         Ok(Response::new(Box::pin(tokio_stream::iter(chunks))))

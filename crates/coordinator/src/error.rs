@@ -1,4 +1,6 @@
-//! The coordinator's one error type, and its one mapping to gRPC status codes.
+//! The coordinator's one error type, and its one mapping to gRPC status codes: the services
+//! raise `CoordError`s and nothing else builds a `tonic::Status` (`tests/architecture.rs`
+//! checks).
 
 use std::path::Path;
 
@@ -18,6 +20,19 @@ pub enum CoordError {
     FailedPrecondition(String),
     #[error("{0}")]
     Busy(String),
+    #[error("{0}")]
+    Aborted(String),
+    #[error("{0}")]
+    AlreadyExists(String),
+    #[error("{0}")]
+    DeadlineExceeded(String),
+    /// A call only the leader serves reached another replica: the leader's id and address when
+    /// one is known (the status names it in metadata, for the caller to follow).
+    #[error("{}", match leader {
+        Some((id, addr)) => format!("not the leader; the leader is replica {id} at {addr}"),
+        None => "no coordinator leader yet; retry".to_string(),
+    })]
+    NotLeader { leader: Option<(u64, String)> },
     #[error("corrupt data dir: {0}")]
     Corrupt(String),
     #[error("{path}: {source}")]
@@ -57,6 +72,17 @@ impl From<CoordError> for tonic::Status {
             CoordError::Unavailable(_) => tonic::Status::unavailable(msg),
             CoordError::FailedPrecondition(_) => tonic::Status::failed_precondition(msg),
             CoordError::Busy(_) => tonic::Status::resource_exhausted(msg),
+            CoordError::Aborted(_) => tonic::Status::aborted(msg),
+            CoordError::AlreadyExists(_) => tonic::Status::already_exists(msg),
+            CoordError::DeadlineExceeded(_) => tonic::Status::deadline_exceeded(msg),
+            CoordError::NotLeader { leader } => {
+                let mut st = tonic::Status::unavailable(msg);
+                if let Some(v) = leader.and_then(|(_, addr)| addr.parse().ok()) {
+                    st.metadata_mut().insert(crate::LEADER_METADATA_KEY, v);
+                }
+                st.metadata_mut().insert("retry-after-ms", tonic::metadata::MetadataValue::from(200u32));
+                st
+            }
             CoordError::State(ref s) => match s {
                 S::UnknownNode(_) | S::UnknownDeployment(_) | S::UnknownModel(_) | S::UnknownStage { .. } => {
                     tonic::Status::not_found(msg)

@@ -30,12 +30,13 @@ impl Raft for RaftService {
         let env = req.into_inner();
         brigade_proto::check_protocol(env.protocol)?;
         let msg = raft::eraftpb::Message::parse_from_bytes(&env.message)
-            .map_err(|e| Status::invalid_argument(format!("not a raft message: {e}")))?;
+            .map_err(|e| CoordError::BadRequest(format!("not a raft message: {e}")))?;
         if msg.from != env.from || msg.to != self.shared.cfg.id {
-            return Err(Status::invalid_argument(format!(
+            return Err(CoordError::BadRequest(format!(
                 "a raft message from {} to {} in an envelope from {} (this is replica {})",
                 msg.from, msg.to, env.from, self.shared.cfg.id
-            )));
+            ))
+            .into());
         }
         self.shared.raft.step(msg);
         Ok(Response::new(RaftAck {}))
@@ -47,7 +48,9 @@ impl Raft for RaftService {
 pub fn raft_gate(req: Request<()>) -> Result<Request<()>, Status> {
     let req = brigade_proto::require_version(req)?;
     if brigade_transport::grpc::peer_node_name(&req).as_deref() != Some(crate::pki::COORDINATOR_CN) {
-        return Err(Status::permission_denied("raft messages are taken from coordinator replicas only"));
+        return Err(
+            CoordError::PermissionDenied("raft messages are taken from coordinator replicas only".into()).into()
+        );
     }
     Ok(req)
 }
@@ -65,19 +68,20 @@ impl ReplicaJoin for ReplicaJoinService {
         let r = req.into_inner();
         brigade_proto::check_protocol(r.protocol)?;
         if r.id == 0 {
-            return Err(Status::invalid_argument("replica id 0 is not an id"));
+            return Err(CoordError::BadRequest("replica id 0 is not an id".into()).into());
         }
         if !r.address.contains(':') || r.address.len() > 256 {
-            return Err(Status::invalid_argument(format!("`{}` is not host:port", r.address)));
+            return Err(CoordError::BadRequest(format!("`{}` is not host:port", r.address)).into());
         }
         let nonce = self.shared.pki.check_replica_proof(r.id, &r.nonce, &r.proof)?;
         let state = self.shared.current_state().await?;
         if state.replicas.get(&r.id) != Some(&r.address) {
             if state.replicas.contains_key(&r.id) {
-                return Err(Status::already_exists(format!(
+                return Err(CoordError::AlreadyExists(format!(
                     "replica {} is in the group at {}; remove it first (`brigade coordinator leave`)",
                     r.id, state.replicas[&r.id]
-                )));
+                ))
+                .into());
             }
             self.shared.raft.add_learner(r.id, r.address.clone()).await?;
             tracing::info!("replica {} at {} joined the group as a learner", r.id, r.address);

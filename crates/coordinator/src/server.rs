@@ -60,9 +60,9 @@ fn api_key_check(
         brigade_proto::check_version(&req)?;
         let given = brigade_serve::ApiKeys::bearer(req.metadata().get("authorization").and_then(|v| v.to_str().ok()));
         let tier = keys.check(given).map_err(|e| match e {
-            brigade_serve::KeyError::Invalid => tonic::Status::unauthenticated("invalid API key"),
+            brigade_serve::KeyError::Invalid => CoordError::Unauthenticated("invalid API key".into()),
             brigade_serve::KeyError::Missing => {
-                tonic::Status::unauthenticated("an API key is required: metadata `authorization: Bearer KEY`")
+                CoordError::Unauthenticated("an API key is required: metadata `authorization: Bearer KEY`".into())
             }
         })?;
         req.extensions_mut().insert(tier);

@@ -170,22 +170,11 @@ impl Shared {
     }
 
     /// Refuses a call that only the leader serves, naming the leader for the caller to follow.
-    pub fn require_leader(&self) -> Result<(), tonic::Status> {
+    pub fn require_leader(&self) -> Result<(), CoordError> {
         if self.raft.is_leader() {
             return Ok(());
         }
-        let mut st = match self.raft.leader() {
-            Some((id, addr)) => {
-                let mut s = tonic::Status::unavailable(format!("not the leader; the leader is replica {id} at {addr}"));
-                if let Ok(v) = addr.parse() {
-                    s.metadata_mut().insert(LEADER_METADATA_KEY, v);
-                }
-                s
-            }
-            None => tonic::Status::unavailable("no coordinator leader yet; retry"),
-        };
-        st.metadata_mut().insert("retry-after-ms", tonic::metadata::MetadataValue::from(200u32));
-        Err(st)
+        Err(CoordError::NotLeader { leader: self.raft.leader() })
     }
 
     pub fn heartbeat(&self, node: &str, slices: Vec<SliceStatus>) {

@@ -92,26 +92,23 @@ pub fn prompt_ids(t: &DriveTarget, req: &DriveRequest) -> Result<Vec<u32>, Worke
 
 /// A request's format (brigade-grammar's `Format` as JSON) read and compiled against the model's
 /// vocabulary, off the async threads: what cannot be used is the caller's error.
-async fn check_format(t: &DriveTarget, format: &str) -> Result<(), Status> {
+async fn check_format(t: &DriveTarget, format: &str) -> Result<(), WorkerError> {
     let format: brigade_grammar::Format =
-        serde_json::from_str(format).map_err(|e| Status::invalid_argument(format!("the format: {e}")))?;
+        serde_json::from_str(format).map_err(|e| WorkerError::BadRequest(format!("the format: {e}")))?;
     let (cell, tk) = (t.vocabulary.clone(), t.tokenizer.clone());
     tokio::task::spawn_blocking(move || {
-        let vocab = crate::stage::vocabulary_of(&cell, &tk).map_err(|e| Status::invalid_argument(e.to_string()))?;
-        vocab
-            .compile(&format)
-            .map(drop)
-            .map_err(|e| Status::invalid_argument(format!("the format cannot be used: {e}")))
+        let vocab = crate::stage::vocabulary_of(&cell, &tk).map_err(|e| WorkerError::BadRequest(e.to_string()))?;
+        vocab.compile(&format).map(drop).map_err(|e| WorkerError::BadRequest(format!("the format cannot be used: {e}")))
     })
     .await
-    .map_err(|e| Status::internal(format!("format task: {e}")))?
+    .map_err(|e| WorkerError::Failed(format!("format task: {e}")))?
 }
 
 /// A token's scores as the last stage sent them, checked: as many ids as log-probabilities, at
 /// most [`brigade_core::MAX_TOP_LOGPROBS`], every id in the vocabulary.
-fn scores(s: &TokenScores, vocab: usize) -> Result<(Option<f32>, Vec<TopLogprob>), Status> {
+fn scores(s: &TokenScores, vocab: usize) -> Result<(Option<f32>, Vec<TopLogprob>), WorkerError> {
     if s.top_ids.len() != s.top_logprobs.len() || s.top_ids.len() > brigade_core::MAX_TOP_LOGPROBS {
-        return Err(Status::internal(format!(
+        return Err(WorkerError::Failed(format!(
             "the last stage sent {} ids and {} log-probabilities (at most {})",
             s.top_ids.len(),
             s.top_logprobs.len(),
@@ -119,7 +116,7 @@ fn scores(s: &TokenScores, vocab: usize) -> Result<(Option<f32>, Vec<TopLogprob>
         )));
     }
     if let Some(&bad) = s.top_ids.iter().find(|&&i| i as usize >= vocab) {
-        return Err(Status::internal(format!("the last stage scored id {bad}, outside the vocabulary of {vocab}")));
+        return Err(WorkerError::Failed(format!("the last stage scored id {bad}, outside the vocabulary of {vocab}")));
     }
     let top = s.top_ids.iter().zip(&s.top_logprobs).map(|(&id, &logprob)| TopLogprob { id, logprob }).collect();
     Ok((Some(s.logprob), top))
@@ -204,16 +201,17 @@ pub async fn drive(router: Arc<Router>, t: DriveTarget, req: DriveRequest, hidde
     };
     if let Some(n) = req.logprobs.filter(|&n| n as usize > brigade_core::MAX_TOP_LOGPROBS) {
         let _ = out
-            .send(Err(Status::invalid_argument(format!(
+            .send(Err(WorkerError::BadRequest(format!(
                 "logprobs: at most {} alternatives per token, asked for {n}",
                 brigade_core::MAX_TOP_LOGPROBS
-            ))))
+            ))
+            .into()))
             .await;
         return;
     }
     if !req.format.is_empty() {
         if let Err(e) = check_format(&t, &req.format).await {
-            let _ = out.send(Err(e)).await;
+            let _ = out.send(Err(e.into())).await;
             return;
         }
     }
@@ -221,12 +219,13 @@ pub async fn drive(router: Arc<Router>, t: DriveTarget, req: DriveRequest, hidde
     feed.extend_from_slice(&req.resume_ids);
     if feed.len() >= t.n_ctx {
         let _ = out
-            .send(Err(Status::invalid_argument(format!(
+            .send(Err(WorkerError::BadRequest(format!(
                 "the prompt is {} tokens, the context of {} holds at most {} with room to generate",
                 feed.len(),
                 t.deployment,
                 t.n_ctx.saturating_sub(1)
-            ))))
+            ))
+            .into()))
             .await;
         return;
     }
@@ -234,11 +233,12 @@ pub async fn drive(router: Arc<Router>, t: DriveTarget, req: DriveRequest, hidde
         Ok(Ok(p)) => p,
         _ => {
             let _ = out
-                .send(Err(Status::resource_exhausted(format!(
+                .send(Err(WorkerError::Busy(format!(
                     "every session of {} stayed busy for {}s",
                     t.deployment,
                     QUEUE_WAIT.as_secs()
-                ))))
+                ))
+                .into()))
                 .await;
             return;
         }
@@ -312,7 +312,7 @@ impl<'a> SessionCore<'a> {
         session: u64,
         prompt: &[u32],
         feed: &[u32],
-    ) -> Result<Opened<'a>, Status> {
+    ) -> Result<Opened<'a>, WorkerError> {
         // after a failover the text's state is rebuilt from the ids the client already has
         // (their text is not sent again), so a stop string that began before is still found
         let mut text = t.tokenizer.answer(prompt.last().copied(), req.stop.clone());
@@ -342,7 +342,7 @@ impl<'a> SessionCore<'a> {
         }
         // (logprobs score one id per answer: a session that asks for them does not draft)
         let drafter = match (&t.drafting, req.logprobs) {
-            (Some(s), None) => Some(Drafter::new(s.clone(), t.vocab).map_err(|e| Status::internal(e.to_string()))?),
+            (Some(s), None) => Some(Drafter::new(s.clone(), t.vocab).map_err(|e| WorkerError::Failed(e.to_string()))?),
             _ => None,
         };
         let core = SessionCore {
@@ -370,10 +370,10 @@ impl<'a> SessionCore<'a> {
     /// A frame from the last stage (`received_us` when it arrived): the tokens to stream and
     /// what next; `None` for a frame that says nothing (not TOKENS). An ERROR, or ids the run
     /// did not ask for, is the session's failure.
-    pub fn on_frame(&mut self, frame: Frame, received_us: u64) -> Result<Option<(Vec<Token>, Then)>, Status> {
+    pub fn on_frame(&mut self, frame: Frame, received_us: u64) -> Result<Option<(Vec<Token>, Then)>, WorkerError> {
         let kind = FrameKind::try_from(frame.header.kind).unwrap_or(FrameKind::Unspecified);
         if kind == FrameKind::Error {
-            return Err(Status::internal(frame.header.text.clone()));
+            return Err(WorkerError::Failed(frame.header.text.clone()));
         }
         if kind != FrameKind::Tokens {
             return Ok(None);
@@ -386,16 +386,17 @@ impl<'a> SessionCore<'a> {
             return Ok(None);
         }
         if (step, at) != self.awaiting {
-            return Err(Status::internal(format!(
+            return Err(WorkerError::Failed(format!(
                 "the last stage answered step {step} at position {at}; the session waits for step {} at {}",
                 self.awaiting.0, self.awaiting.1
             )));
         }
-        let ids = wire::ids_from_frame(&frame.header, &frame.payload).map_err(|e| Status::internal(e.to_string()))?;
+        let ids =
+            wire::ids_from_frame(&frame.header, &frame.payload).map_err(|e| WorkerError::Failed(e.to_string()))?;
         // one id per row of the run at most: the draws that took the draft, then one more
         let run = &self.run;
         if ids.is_empty() || ids.len() > run.len() || ids[..ids.len() - 1] != run[1..ids.len()] {
-            return Err(Status::internal(format!(
+            return Err(WorkerError::Failed(format!(
                 "the last stage sent {} ids for a run of {}, or ids the draft did not hold",
                 ids.len(),
                 run.len()
@@ -425,7 +426,7 @@ impl<'a> SessionCore<'a> {
             }
             let (logprob, top_logprobs) = match (&frame.header.scores, req.logprobs) {
                 (Some(s), Some(_)) => scores(s, t.vocab)?,
-                (None, Some(_)) => return Err(Status::internal("the last stage sent no scores for a token")),
+                (None, Some(_)) => return Err(WorkerError::Failed("the last stage sent no scores for a token".into())),
                 _ => (None, Vec::new()),
             };
             tokens.push(Token { id, text: self.text.push(id), index: self.generated, logprob, top_logprobs });
@@ -456,7 +457,7 @@ impl<'a> SessionCore<'a> {
         if let Some(d) = self.drafter.as_mut() {
             let left = if req.max_tokens > 0 { (req.max_tokens - self.generated) as usize - 1 } else { usize::MAX };
             let room = brigade_model::speculative::room(t.n_ctx, self.context.len(), left, t.max_run);
-            self.run.extend(d.draft(&self.context, room).map_err(|e| Status::internal(e.to_string()))?);
+            self.run.extend(d.draft(&self.context, room).map_err(|e| WorkerError::Failed(e.to_string()))?);
         }
         self.sent_us = now_us();
         self.awaiting = (u64::from(self.generated), fed as u64 + 1);
@@ -507,7 +508,7 @@ async fn run_session(
     hidden_bytes: u64,
     out: &Events,
 ) -> Result<(), Status> {
-    let link_err = |e: WorkerError| Status::unavailable(e.to_string());
+    let link_err = |e: WorkerError| WorkerError::Unavailable(e.to_string());
     let (mut core, frames) = match SessionCore::open(t, req, session, prompt, feed)? {
         Opened::Run(core, frames) => (core, frames),
         Opened::Done(done) => {
@@ -524,15 +525,15 @@ async fn run_session(
     let mut cancel = t.cancel.clone();
     let stop = 'session: loop {
         let frame = tokio::select! {
-            _ = cancel.wait_for(|c| *c) => return Err(Status::unavailable(format!(
+            _ = cancel.wait_for(|c| *c) => return Err(WorkerError::Unavailable(format!(
                 "{} is being re-placed; the session resumes on the new placement", t.deployment
-            ))),
+            )).into()),
             f = tokio::time::timeout(STALL, rx.recv()) => match f {
                 Ok(Some(f)) => f,
-                Ok(None) => return Err(Status::internal("the session's channel closed")),
-                Err(_) => return Err(Status::deadline_exceeded(format!(
+                Ok(None) => return Err(WorkerError::Failed("the session's channel closed".into()).into()),
+                Err(_) => return Err(WorkerError::Stalled(format!(
                     "no answer from the pipeline of {} for {}s (a stage or link is down)", t.deployment, STALL.as_secs()
-                ))),
+                )).into()),
             },
             _ = out.closed() => break StopReason::Cancelled,
         };

@@ -1,4 +1,5 @@
-//! The worker's one error type, and its one mapping to gRPC status codes.
+//! The worker's one error type, and its one mapping to gRPC status codes: nothing else in the
+//! worker builds a `tonic::Status` (`tests/architecture.rs` checks).
 
 use std::path::Path;
 
@@ -35,6 +36,19 @@ pub enum WorkerError {
     Tls(String),
     #[error("internal error: {0}")]
     Internal(String),
+    /// A session's pipeline failed (an ERROR from a stage, an answer the driver did not ask
+    /// for): the relay may resume it elsewhere.
+    #[error("{0}")]
+    Failed(String),
+    #[error("{0}")]
+    Unavailable(String),
+    /// No answer from the pipeline in time.
+    #[error("{0}")]
+    Stalled(String),
+    #[error("{0}")]
+    Unauthenticated(String),
+    #[error("{0}")]
+    PermissionDenied(String),
 }
 
 impl From<brigade_model::FormatError> for WorkerError {
@@ -67,7 +81,10 @@ impl From<WorkerError> for tonic::Status {
             WorkerError::Model(brigade_model::ModelError::Tokenizer(_)) => tonic::Status::failed_precondition(msg),
             WorkerError::Busy(_) => tonic::Status::resource_exhausted(msg),
             WorkerError::Link(_) | WorkerError::Control(_) => tonic::Status::unavailable(msg),
-            WorkerError::Join(_) => tonic::Status::permission_denied(msg),
+            WorkerError::Join(_) | WorkerError::PermissionDenied(_) => tonic::Status::permission_denied(msg),
+            WorkerError::Unavailable(_) => tonic::Status::unavailable(msg),
+            WorkerError::Stalled(_) => tonic::Status::deadline_exceeded(msg),
+            WorkerError::Unauthenticated(_) => tonic::Status::unauthenticated(msg),
             _ => tonic::Status::internal(msg),
         }
     }

@@ -179,7 +179,7 @@ impl<'a> Ring<'a> {
         let Some((_, core, heard)) = self.clients[c].live.as_mut() else { return };
         *heard = now;
         match core.on_frame(f, 0) {
-            Err(e) => self.failed(c, e.message().to_string()),
+            Err(e) => self.failed(c, e.to_string()),
             Ok(None) => {}
             Ok(Some((tokens, then))) => {
                 let cl = &mut self.clients[c];

@@ -20,7 +20,8 @@ pub struct StageService {
 }
 
 fn peer_name<T>(req: &Request<T>) -> Result<String, Status> {
-    brigade_transport::grpc::peer_node_name(req).ok_or_else(|| Status::unauthenticated("no cluster certificate"))
+    brigade_transport::grpc::peer_node_name(req)
+        .ok_or_else(|| WorkerError::Unauthenticated("no cluster certificate".into()).into())
 }
 
 /// The node a request's certificate names and the certificate's fingerprint, refused when it is
@@ -28,11 +29,12 @@ fn peer_name<T>(req: &Request<T>) -> Result<String, Status> {
 fn admitted_peer<T>(node: &Node, req: &Request<T>) -> Result<(String, String), Status> {
     let who = peer_name(req)?;
     let leaf = req.peer_certs().and_then(|c| c.first().map(|l| brigade_transport::tls::fingerprint(l.as_ref())));
-    let fingerprint = leaf.ok_or_else(|| Status::unauthenticated("no cluster certificate"))?;
+    let fingerprint = leaf.ok_or_else(|| WorkerError::Unauthenticated("no cluster certificate".into()))?;
     if !node.router.admits(&who, Some(&fingerprint)) {
-        return Err(Status::permission_denied(format!(
+        return Err(WorkerError::PermissionDenied(format!(
             "this certificate of `{who}` is not the one it was admitted with (revoked)"
-        )));
+        ))
+        .into());
     }
     Ok((who, fingerprint))
 }
@@ -46,18 +48,21 @@ impl Stage for StageService {
     async fn drive(&self, req: Request<DriveRequest>) -> Result<Response<Self::DriveStream>, Status> {
         let who = peer_name(&req)?;
         if who != crate::COORDINATOR_CN {
-            return Err(Status::permission_denied(format!("only the coordinator drives sessions, not {who}")));
+            return Err(
+                WorkerError::PermissionDenied(format!("only the coordinator drives sessions, not {who}")).into()
+            );
         }
         let req = req.into_inner();
         let target =
             self.node.drive.lock().ok().and_then(|d| d.get(&req.deployment).map(|(t, _)| t.clone())).ok_or_else(
-                || Status::unavailable(format!("{} is not ready on {}", req.deployment, self.node.cfg.name)),
+                || WorkerError::Unavailable(format!("{} is not ready on {}", req.deployment, self.node.cfg.name)),
             )?;
         if req.generation != 0 && req.generation != target.generation {
-            return Err(Status::unavailable(format!(
+            return Err(WorkerError::Unavailable(format!(
                 "{} is at generation {} here, the request is for {}",
                 req.deployment, target.generation, req.generation
-            )));
+            ))
+            .into());
         }
         // refuse a bad prompt before the stream starts, so the client sees a plain error
         prompt_ids(&target, &req).map_err(Status::from)?;

@@ -1478,7 +1478,7 @@ pub(crate) mod tests {
         let outcome = loop {
             let Some(f) = answers.pop() else { break Err("no answer".to_string()) };
             match session.on_frame(f, 0) {
-                Err(e) => break Err(e.message().to_string()),
+                Err(e) => break Err(e.to_string()),
                 Ok(None) => {}
                 Ok(Some((tokens, then))) => {
                     ids.extend(tokens.iter().map(|t| t.id));
