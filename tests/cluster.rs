@@ -61,9 +61,10 @@ fn three_workers_generate_what_run_generates_with_sixteen_clients_at_once() {
     }
     // a real checkpoint, Gemma 3 270M, six layers a worker: a prompt of 776 tokens across its
     // 512-token window, read in `run`'s chunks of 512 (in chunks of 64, the default over several
-    // stages, a prompt row's numbers are not the same as in a 512-token pass: its attention and
-    // the rounding of its activations to 8 bits see other chunks, and on this prompt a near tie
-    // at the 12th token, 0.11 apart in logits, goes the other way)
+    // stages, a prompt row's numbers are the same where all its weight types are packed — on
+    // AVX-512 — but not where some are read in the file's layout, whose prompt kernels round
+    // unlike the decode kernels: Q6_K and Q8_0 on AVX2; on this prompt a near tie at the 12th
+    // token, 0.11 apart in logits, then goes the other way)
     let gemma3_270m = gemma3_270m();
     let m = gemma3_270m.to_str().unwrap();
     c.deploy(&["--name", "gemma3-270m", "-m", m, "--device-map", "w2:cpu:6,w3:cpu:6,w1:cpu:6", "--ubatch", "512"]);

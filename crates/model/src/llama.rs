@@ -500,6 +500,12 @@ fn attend(
         let y = grouped_attention(&q, (&keys, &values), nkv, l - from - 1, scores, None, QUERY_BLOCK)?;
         return y.transpose(1, 2)?.reshape((b, t, nh * hd));
     }
+    if b == 1 && own_cpu_attention(q.device(), q.dtype()) {
+        // each query row as a decode step computes it: a prompt row's numbers do not depend on
+        // how the prompt was cut into chunks (see `decode_attn::PromptAttention`)
+        let op = decode_attn::PromptAttention { pos, window, scale: scale as f32, cap: cfg.attn_softcap };
+        return q.contiguous()?.apply_op3_no_bwd(&kv.0, &kv.1, &op);
+    }
     let keys = kv.0.narrow(2, 0, l)?;
     let values = kv.1.narrow(2, 0, l)?;
     let scores = Scores { scale, window, cap: cfg.attn_softcap };

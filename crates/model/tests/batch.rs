@@ -726,3 +726,44 @@ fn prompts_arriving_together_are_read_in_one_pass_and_answer_as_alone() {
     let f32_files = ModelFiles::open(&f32_path).unwrap();
     assert!(!pipeline(&f32_files, "cpu:2", 64).reads_prompts_together());
 }
+
+/// A prompt's numbers do not depend on the chunks it is read in — one pass, chunks of 64, 7, 4
+/// or one token at a time give the same logits, bit for bit — where the weights are packed (the
+/// same kernel for any number of rows) and the attention of a prompt row is a decode step's:
+/// so a cluster's 64-token chunks give `serve`'s numbers, and a session resumed after a failover
+/// (its prompt and answer read again) goes on as the uninterrupted one.
+#[test]
+fn a_prompts_numbers_do_not_depend_on_its_chunks() {
+    let dir = tempfile::tempdir().unwrap();
+    let files = q4k_model(&dir);
+    let packed = brigade_model::cpu_matmul::packs_on(
+        candle_core::quantized::GgmlDType::Q4K,
+        brigade_model::cpu_matmul::Isa::best(),
+    );
+    let layers = brigade_core::LayerRange::new(0, files.config.n_layers).unwrap();
+    let slice =
+        brigade_model::Slice::load(&files, layers, &candle_core::Device::Cpu, candle_core::DType::F32, 512).unwrap();
+    let vocab = files.config.vocab as u32;
+    for len in [5usize, 70, 200] {
+        let p = prompt(len, len as u32, vocab);
+        let read = |chunk: usize| -> Vec<f32> {
+            let mut cache = slice.new_cache().unwrap();
+            let mut last = None;
+            for c in p.chunks(chunk) {
+                last = Some(slice.forward(&mut cache, brigade_model::StageInput::Tokens(c), Logits::Last).unwrap());
+            }
+            brigade_model::rows::logits_row(&last.unwrap()).unwrap()
+        };
+        let whole = read(len);
+        for chunk in [64, 7, 4, 1] {
+            let got = read(chunk);
+            let worst = whole.iter().zip(&got).map(|(a, b)| (a - b).abs()).fold(0f32, f32::max);
+            if packed {
+                assert_eq!(worst, 0.0, "{len} tokens in chunks of {chunk}: logits differ by {worst}");
+            } else {
+                // (file-layout prompt kernels round unlike the decode kernels: close, not equal)
+                assert!(worst < 1e-2, "{len} tokens in chunks of {chunk}: logits differ by {worst}");
+            }
+        }
+    }
+}
