@@ -500,64 +500,73 @@ impl Replica {
         answers: &mut Vec<(Ticket, Answer)>,
     ) -> Result<(), CoordError> {
         for e in entries {
-            if e.data.is_empty() {
-                // a new leader's empty entry
-                self.effects.push(Effect::Applied { index: e.index, by: None });
-                *last = e.index;
-                continue;
-            }
-            let by = parse_context(&e.context);
+            let by = if e.data.is_empty() { None } else { parse_context(&e.context) };
             let ours = by.filter(|(r, _)| *r == self.id).map(|(_, t)| t);
-            match e.get_entry_type() {
-                EntryType::EntryNormal => {
-                    let result = match (serde_json::from_slice::<Command>(&e.data), by) {
-                        (Ok(cmd), Some((r, t))) => self.state.apply_proposal(r, t, cmd).map(|r| r.map_err(Into::into)),
-                        (Ok(cmd), None) => Some(self.state.apply(cmd).map_err(CoordError::from)),
-                        (Err(err), _) => Some(Err(CoordError::Corrupt(format!("raft entry {}: {err}", e.index)))),
-                    };
-                    let Some(result) = result else {
-                        // a copy of a proposal the network delivered twice: it applied already
-                        self.effects.push(Effect::Applied { index: e.index, by: None });
-                        *last = e.index;
-                        continue;
-                    };
-                    self.effects.push(Effect::Applied { index: e.index, by });
-                    if let Some(t) = ours.filter(|t| self.pending.remove(t)) {
-                        answers.push((t, Answer::Proposed(result)));
-                    }
-                }
+            let applied = match e.get_entry_type() {
+                // a new leader's empty entry
+                _ if e.data.is_empty() => None,
+                EntryType::EntryNormal => self.apply_command(&e, by, ours, answers),
                 EntryType::EntryConfChange => {
-                    self.effects.push(Effect::Applied { index: e.index, by });
-                    let cc = ConfChange::parse_from_bytes(&e.data)
-                        .map_err(|err| CoordError::Corrupt(format!("raft entry {}: {err}", e.index)))?;
-                    let cs = self
-                        .node
-                        .apply_conf_change(&cc)
-                        .map_err(|err| CoordError::Internal(format!("conf change: {err}")))?;
-                    self.node.mut_store().set_conf_state(cs)?;
-                    let address = String::from_utf8_lossy(&cc.context).into_owned();
-                    let add = matches!(cc.get_change_type(), ConfChangeType::AddNode | ConfChangeType::AddLearnerNode);
-                    self.effects.push(Effect::Peer { id: cc.node_id, address: add.then(|| address.clone()) });
-                    let _ = self.state.apply(Command::SetReplica { id: cc.node_id, address: add.then_some(address) });
-                    if let Some(t) = ours.filter(|t| self.pending_conf.remove(t)) {
-                        answers.push((t, Answer::Changed(Ok(()))));
-                    }
-                    if !add && cc.node_id == self.id {
-                        tracing::warn!("this replica was removed from the coordinator group");
-                    }
-                    if add && self.node.store().first_index() <= 1 {
-                        // a log bootstrapped by an older build, whose members are not in it
-                        // (see `DiskStorage::open`): compacted before the newcomer's first reply
-                        // can ask for entries, so that the leader sends it a snapshot instead
-                        self.compact_now = true;
-                    }
+                    self.apply_conf_change(&e, ours, answers)?;
+                    by
                 }
                 EntryType::EntryConfChangeV2 => {
-                    self.effects.push(Effect::Applied { index: e.index, by });
                     tracing::warn!("raft entry {}: configuration changes v2 are not used by brigade", e.index);
+                    by
                 }
-            }
+            };
+            self.effects.push(Effect::Applied { index: e.index, by: applied });
             *last = e.index;
+        }
+        Ok(())
+    }
+
+    /// A command entry applied to the state (its result answered if this replica proposed it);
+    /// the proposal it applied, `None` for a copy of one applied before (which changes nothing).
+    fn apply_command(
+        &mut self,
+        e: &Entry,
+        by: Option<(u64, Ticket)>,
+        ours: Option<Ticket>,
+        answers: &mut Vec<(Ticket, Answer)>,
+    ) -> Option<(u64, Ticket)> {
+        let result = match (serde_json::from_slice::<Command>(&e.data), by) {
+            (Ok(cmd), Some((r, t))) => self.state.apply_proposal(r, t, cmd)?.map_err(Into::into),
+            (Ok(cmd), None) => self.state.apply(cmd).map_err(CoordError::from),
+            (Err(err), _) => Err(CoordError::Corrupt(format!("raft entry {}: {err}", e.index))),
+        };
+        if let Some(t) = ours.filter(|t| self.pending.remove(t)) {
+            answers.push((t, Answer::Proposed(result)));
+        }
+        by
+    }
+
+    /// A configuration change applied to raft, the log's configuration and the state's replicas.
+    fn apply_conf_change(
+        &mut self,
+        e: &Entry,
+        ours: Option<Ticket>,
+        answers: &mut Vec<(Ticket, Answer)>,
+    ) -> Result<(), CoordError> {
+        let cc = ConfChange::parse_from_bytes(&e.data)
+            .map_err(|err| CoordError::Corrupt(format!("raft entry {}: {err}", e.index)))?;
+        let cs = self.node.apply_conf_change(&cc).map_err(|err| CoordError::Internal(format!("conf change: {err}")))?;
+        self.node.mut_store().set_conf_state(cs)?;
+        let address = String::from_utf8_lossy(&cc.context).into_owned();
+        let add = matches!(cc.get_change_type(), ConfChangeType::AddNode | ConfChangeType::AddLearnerNode);
+        self.effects.push(Effect::Peer { id: cc.node_id, address: add.then(|| address.clone()) });
+        let _ = self.state.apply(Command::SetReplica { id: cc.node_id, address: add.then_some(address) });
+        if let Some(t) = ours.filter(|t| self.pending_conf.remove(t)) {
+            answers.push((t, Answer::Changed(Ok(()))));
+        }
+        if !add && cc.node_id == self.id {
+            tracing::warn!("this replica was removed from the coordinator group");
+        }
+        if add && self.node.store().first_index() <= 1 {
+            // a log bootstrapped by an older build, whose members are not in it (see
+            // `DiskStorage::open`): compacted before the newcomer's first reply can ask for
+            // entries, so that the leader sends it a snapshot instead
+            self.compact_now = true;
         }
         Ok(())
     }
