@@ -211,6 +211,17 @@ fn decode_rows_are_computed_as_alone() {
     }
 }
 
+/// `n × k` Q8_0 weights in which every third byte is −128 (legal in the format, though ggml's
+/// quantizer stops at −127).
+fn q8_0_with_minus_128(n: usize, k: usize) -> Vec<blocks::Q8_0> {
+    (0..n * k / 32)
+        .map(|b| blocks::Q8_0 {
+            d: f16::from_f32(0.5),
+            qs: std::array::from_fn(|i| if (i + b) % 3 == 0 { -128 } else { i as i8 - 16 }),
+        })
+        .collect()
+}
+
 /// A Q8_0 weight byte of −128 (legal in the format, though ggml's quantizer stops at −127): the
 /// AVX2 prompt tile moved the activation's sign onto the weight, and −(−128) overflows i8
 /// (before the fix this gave −1174.7 where decode gave 233.2).
@@ -218,12 +229,7 @@ fn decode_rows_are_computed_as_alone() {
 fn q8_0_weight_of_minus_128() {
     let targets = int8_targets("q8_0_weight_of_minus_128");
     let (n, k) = (3usize, 64usize);
-    let blocks: Vec<blocks::Q8_0> = (0..n * k / 32)
-        .map(|b| blocks::Q8_0 {
-            d: f16::from_f32(0.5),
-            qs: std::array::from_fn(|i| if (i + b) % 3 == 0 { -128 } else { i as i8 - 16 }),
-        })
-        .collect();
+    let blocks = q8_0_with_minus_128(n, k);
     let w = blocks::as_bytes(&blocks);
     for m in [1usize, 5] {
         let lhs: Vec<f32> = (0..m * k).map(|i| if i % 2 == 0 { -1.0 } else { 0.75 }).collect();
@@ -450,12 +456,7 @@ fn packed_rows_are_computed_as_alone() {
 fn packed_q8_0_minus_128_and_checks() {
     let targets = int8_targets("packed_q8_0_minus_128_and_checks");
     let (n, k) = (3usize, 64usize);
-    let blocks: Vec<blocks::Q8_0> = (0..n * k / 32)
-        .map(|b| blocks::Q8_0 {
-            d: f16::from_f32(0.5),
-            qs: std::array::from_fn(|i| if (i + b) % 3 == 0 { -128 } else { i as i8 - 16 }),
-        })
-        .collect();
+    let blocks = q8_0_with_minus_128(n, k);
     let w = blocks::as_bytes(&blocks);
     let p = Packed::new(GgmlDType::Q8_0, w, (n, k)).unwrap();
     for m in [1usize, 5] {
