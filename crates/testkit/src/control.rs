@@ -110,6 +110,8 @@ struct Member {
     leader: Option<LeaderTask>,
     /// The deployment's generation this incarnation last published.
     generation: u64,
+    /// The applied index this incarnation last published, and its state's digest.
+    published: Option<(u64, u64)>,
 }
 
 struct Group {
@@ -185,6 +187,7 @@ impl Group {
                     heartbeats: BTreeMap::new(),
                     leader: None,
                     generation: 0,
+                    published: None,
                 },
             );
         }
@@ -221,6 +224,7 @@ impl Group {
         m.heartbeats.clear();
         m.leader = None;
         m.generation = 0;
+        m.published = None;
         Ok(())
     }
 
@@ -551,19 +555,20 @@ impl Group {
         }
         let Some(m) = self.members.get_mut(&id) else { return };
         let Some(r) = m.replica.as_ref() else { return };
-        let Ok((index, d, generation)) = r
-            .published()
-            .read()
-            .map(|p| (p.0, digest(&p.1), p.1.deployments.get(DEPLOYMENT).map_or(0, |d| d.generation)))
-        else {
-            return;
-        };
+        let published = r.published();
+        let Ok(p) = published.read() else { return };
+        if m.published.is_some_and(|(index, _)| index == p.0) {
+            return; // (an incarnation publishes one state per index)
+        }
+        let (index, d) = (p.0, digest(&p.1));
+        let generation = p.1.deployments.get(DEPLOYMENT).map_or(0, |d| d.generation);
         if generation < m.generation {
             let why =
                 format!("replica {id} saw the deployment go back from generation {} to {generation}", m.generation);
             self.history.fail(why);
         }
         m.generation = generation;
+        m.published = Some((index, d));
         self.history.published(id, index, d);
     }
 
@@ -743,8 +748,7 @@ impl Group {
     fn converged(&self) -> bool {
         let mut seen = None;
         for m in self.members.values() {
-            let Some(r) = &m.replica else { return false };
-            let Ok(p) = r.published().read().map(|p| (p.0, digest(&p.1))) else { return false };
+            let (Some(_), Some(p)) = (&m.replica, m.published) else { return false };
             if *seen.get_or_insert(p) != p {
                 return false;
             }
