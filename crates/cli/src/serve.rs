@@ -6,7 +6,6 @@ use crate::cluster::{runtime, stop_signal};
 use crate::common::{detect_gpus, load_with_retry, GpuLayers, ModelArgs, Placed, SpecArgs};
 use anyhow::{Context, Result};
 use brigade_model::batch::{Batch, Engine, EngineConfig, Job, Output, Sink};
-use brigade_model::pipeline::StopReason;
 use brigade_model::Pipeline;
 use brigade_serve::{
     ApiError, Backend, DeploymentView, DeviceView, EngineEvent, EngineRequest, Finish, Load, ModelInfo, NodeView,
@@ -68,8 +67,7 @@ impl Sink for ToChannel {
         let ev = match out {
             Output::Started { cached_tokens } => EngineEvent::Started { cached_tokens },
             Output::Token(t, lp) => EngineEvent::Token(t, lp),
-            Output::Done(s) if s.stop == StopReason::Eos => EngineEvent::Done(Finish::Stop),
-            Output::Done(_) => EngineEvent::Done(Finish::Length),
+            Output::Done(s) => EngineEvent::Done(Finish::of(s.stop)),
             Output::Error(e) => EngineEvent::Error(e),
         };
         self.0.send(ev).is_ok()

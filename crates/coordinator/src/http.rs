@@ -8,11 +8,12 @@ use crate::client::start_session;
 use crate::models::EMBEDDED;
 use crate::shared::Shared;
 use brigade_core::cluster::ModelRecord;
+use brigade_core::stop::StopReason;
 use brigade_core::{DeviceKind, TokenLogprob};
 use brigade_format::{ModelIndex, Tokenizer};
 use brigade_planner::{HopPlan, Objective, Plan, StagePlan};
 use brigade_proto::convert::{deployment_state_name, node_state_name, sampling_to_proto, stage_state_name};
-use brigade_proto::v1::{generate_event, DriveRequest, StopReason};
+use brigade_proto::v1::{generate_event, DriveRequest};
 use brigade_serve::{
     ApiError, Backend, DeploymentView, DeviceView, EngineEvent, EngineRequest, Finish, LinkView, ModelInfo, NodeView,
     Overview, StageView,
@@ -119,10 +120,11 @@ impl Backend for ClusterBackend {
                             });
                             EngineEvent::Token(t.id, scores)
                         }
-                        Some(generate_event::Event::Done(d)) => EngineEvent::Done(match d.stop() {
-                            StopReason::Eos | StopReason::Stop => Finish::Stop,
-                            _ => Finish::Length,
-                        }),
+                        Some(generate_event::Event::Done(d)) => {
+                            // (an unknown reason is a length: the answer was cut, not finished)
+                            let stop = brigade_proto::convert::stop_from_proto(d.stop).unwrap_or(StopReason::Length);
+                            EngineEvent::Done(Finish::of(stop))
+                        }
                         Some(generate_event::Event::Prompt(_)) | None => continue,
                     },
                     Some(Err(e)) => EngineEvent::Error(e.message().to_string()),

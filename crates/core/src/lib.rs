@@ -9,7 +9,8 @@
 //!   links between its nodes, in base units.
 //! - [`SamplingParams`]: how the next token is drawn, one definition for every entry point.
 //! - [`ModelProfile`]: what placement needs to know of a model (bytes and flops per layer).
-//! - [`stop`]: stop strings over streamed text, one rule for every API.
+//! - [`stop`]: when a generation ends (why, the rules, stop strings), one definition for every
+//!   engine and API.
 //! - [`admission`]: how many connections a listener holds at once, overall and per address.
 //! - [`cluster`]: the replicated cluster state (nodes, links, models, deployments) and its pure
 //!   `apply(command)`.

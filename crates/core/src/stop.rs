@@ -1,7 +1,87 @@
-//! Stop strings over streamed text (pure), one rule for every API (OpenAI `stop`, gRPC
-//! `GenerateOptions.stop`, both SDKs): text is released only once no stop string can start in
-//! it, so a stop string split across tokens is found and never sent; the answer ends before the
-//! earliest stop string.
+//! When a generation ends, one definition for every engine (one box's `Pipeline` and batch, a
+//! cluster's session driver) and every API:
+//! - [`StopReason`]: the one vocabulary of why it ended;
+//! - [`StopRules`]: what a drawn id does to the answer (end-of-generation, a complete format,
+//!   `max_tokens`, a full context);
+//! - [`StopMatcher`]: stop strings over streamed text (OpenAI `stop`, gRPC
+//!   `GenerateOptions.stop`, both SDKs): text is released only once no stop string can start in
+//!   it, so a stop string split across tokens is found and never sent; the answer ends before
+//!   the earliest stop string.
+
+/// Why a generation ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum StopReason {
+    /// `max_tokens` reached.
+    Length,
+    /// An end-of-generation id (not part of the answer), or the answer's format is complete.
+    Eos,
+    /// The context is full.
+    Context,
+    /// The caller ended it (went away, or said so).
+    Caller,
+    /// One of the request's stop strings.
+    Stop,
+}
+
+/// A generation's stop rules and its count of generated ids: the same decisions on one box
+/// and through a cluster (whose last stage draws and whose driver judges).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct StopRules {
+    /// Ids to generate at most (`usize::MAX`: no limit).
+    pub max_tokens: usize,
+    /// Tokens a session holds: the id drawn after a full context is its last.
+    pub n_ctx: usize,
+    /// Keep generating past end-of-generation ids (unless the format is complete).
+    pub ignore_eos: bool,
+    /// Ids of the answer so far (after a failover, those resumed count).
+    pub generated: usize,
+}
+
+/// What a drawn id does to the answer ([`StopRules::judge`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Verdict {
+    /// It ends the answer and is not part of it (an end-of-generation id).
+    Unsent,
+    /// It is part of the answer, which goes on.
+    Next,
+    /// It is the answer's last id.
+    Last(StopReason),
+}
+
+impl Verdict {
+    /// Why the answer ends here, if it does.
+    pub fn stop(self) -> Option<StopReason> {
+        match self {
+            Verdict::Unsent => Some(StopReason::Eos),
+            Verdict::Next => None,
+            Verdict::Last(r) => Some(r),
+        }
+    }
+}
+
+impl StopRules {
+    /// Judges a drawn id: `eog` whether it is an end-of-generation id, `done` whether it
+    /// completes the answer's format, `follows` how many tokens the logits it was drawn from
+    /// follow. Counts it when it is part of the answer. In order: an end-of-generation id ends
+    /// the answer unsent (unless `ignore_eos`, which a complete format overrides); a complete
+    /// format, then `max_tokens`, then a full context make the id the last.
+    pub fn judge(&mut self, eog: bool, done: bool, follows: usize) -> Verdict {
+        if eog && (!self.ignore_eos || done) {
+            return Verdict::Unsent;
+        }
+        self.generated += 1;
+        if done {
+            Verdict::Last(StopReason::Eos)
+        } else if self.generated >= self.max_tokens {
+            Verdict::Last(StopReason::Length)
+        } else if follows + 1 > self.n_ctx {
+            Verdict::Last(StopReason::Context)
+        } else {
+            Verdict::Next
+        }
+    }
+}
 
 /// Stop strings one request may give (OpenAI allows 4).
 pub const MAX_STOPS: usize = 16;
@@ -89,6 +169,27 @@ fn held_prefix(held: &str, stop: &str) -> usize {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_rules_judge_in_their_order() {
+        let rules = StopRules { max_tokens: 3, n_ctx: 10, ignore_eos: false, generated: 0 };
+        let mut r = rules.clone();
+        assert_eq!(r.judge(true, false, 4), Verdict::Unsent);
+        assert_eq!(r.generated, 0, "an unsent id is not counted");
+        assert_eq!((r.judge(false, false, 4), r.judge(false, false, 5)), (Verdict::Next, Verdict::Next));
+        assert_eq!(r.judge(false, false, 9), Verdict::Last(StopReason::Length), "length before context");
+        // ignore_eos keeps an end-of-generation id, unless the format is complete
+        let mut r = StopRules { ignore_eos: true, ..rules.clone() };
+        assert_eq!(r.judge(true, false, 4), Verdict::Next);
+        assert_eq!(r.judge(true, true, 5), Verdict::Unsent);
+        assert_eq!(r.judge(false, true, 5), Verdict::Last(StopReason::Eos));
+        // the id drawn after a full context is the last
+        let mut r = StopRules { max_tokens: usize::MAX, ..rules };
+        assert_eq!(r.judge(false, false, 8), Verdict::Next);
+        assert_eq!(r.judge(false, false, 10), Verdict::Last(StopReason::Context));
+        assert_eq!(Verdict::Unsent.stop(), Some(StopReason::Eos));
+        assert_eq!(serde_json::to_string(&StopReason::Caller).unwrap(), "\"caller\"");
+    }
 
     fn run(stops: &[&str], pieces: &[&str]) -> (Vec<String>, bool) {
         let mut m = StopMatcher::new(stops.iter().map(|s| s.to_string()).collect());

@@ -13,6 +13,8 @@ use crate::sampler::Sampler;
 use crate::speculative::Drafter;
 use crate::weights::ModelFiles;
 use crate::ModelError;
+pub use brigade_core::stop::StopReason;
+use brigade_core::stop::{StopRules, Verdict};
 use brigade_core::{DeviceId, Stage};
 use candle_core::{Device, Tensor};
 use serde::Serialize;
@@ -399,6 +401,7 @@ impl Pipeline {
             stop: StopReason::Length,
             unfed: None,
         };
+        let mut rules = StopRules { max_tokens: n_predict, n_ctx: self.n_ctx, ignore_eos, generated: 0 };
         let mut stop = (n_predict == 0).then_some(StopReason::Length);
         while stop.is_none() {
             let start = session.len() + 1 - rows.len();
@@ -409,18 +412,14 @@ impl Pipeline {
                     stats.decoded += 1;
                 }
                 let id = sampler.sample(logits, &session.tokens()[..start + j]);
-                if !ignore_eos && is_eog(id) {
-                    stop = Some(StopReason::Eos);
+                let verdict = rules.judge(is_eog(id), false, start + j);
+                if verdict == Verdict::Unsent {
+                    stop = verdict.stop();
                     return None;
                 }
-                stats.generated += 1;
                 stats.unfed = Some(id);
                 next = id;
-                if !on_token(id) {
-                    stop = Some(StopReason::Caller);
-                } else if stats.generated == n_predict {
-                    stop = Some(StopReason::Length);
-                }
+                stop = if on_token(id) { verdict.stop() } else { Some(StopReason::Caller) };
                 stop.is_none().then_some(id)
             });
             stats.accepted += used - 1;
@@ -434,13 +433,9 @@ impl Pipeline {
             if stop.is_some() {
                 break;
             }
-            if session.len() + 1 > self.n_ctx {
-                stop = Some(StopReason::Context);
-                break;
-            }
             let mut run = vec![next];
             if let Some(d) = drafter.as_deref_mut() {
-                let left = n_predict.saturating_sub(stats.generated + 1);
+                let left = n_predict.saturating_sub(rules.generated + 1);
                 let room = crate::speculative::room(self.n_ctx, session.len() + 1, left, self.max_run());
                 let mut context = session.tokens().to_vec();
                 context.push(next);
@@ -453,6 +448,7 @@ impl Pipeline {
             stats.decode_steps += 1;
         }
         stats.stop = stop.unwrap_or(StopReason::Length);
+        stats.generated = rules.generated;
         stats.gen_time = t1.elapsed();
         Ok(stats)
     }
@@ -462,15 +458,6 @@ impl Pipeline {
     pub fn max_run(&self) -> usize {
         self.stages.iter().filter_map(|(_, s)| s.config().pass()).min().unwrap_or(usize::MAX).max(1)
     }
-}
-
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
-#[serde(rename_all = "lowercase")]
-pub enum StopReason {
-    Length,
-    Eos,
-    Context,
-    Caller,
 }
 
 #[derive(Debug, Clone)]

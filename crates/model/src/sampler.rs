@@ -1,7 +1,13 @@
 //! Token sampling in llama.cpp's order: penalties (repetition, frequency, presence), top-k, top-p,
 //! min-p, temperature, then a draw from a seeded generator. Temperature 0 (or below) is greedy.
 
+//!
+//! [`Draw`] is how every engine draws a session's next id — the one box's batch and a cluster's
+//! last stage alike: the format's mask, the sampling chain, the format told the id, the scores
+//! from the logits as they came; [`draw_run`] walks a decode run's rows with it.
+
 pub use brigade_core::SamplingParams;
+use brigade_core::{Constraint, TokenLogprob};
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
@@ -124,6 +130,101 @@ impl Sampler {
     }
 }
 
+/// A session's drawing state: its sampler, every id the session has seen (the penalties'),
+/// the format its answer must follow, how many alternatives to score.
+pub struct Draw {
+    sampler: Sampler,
+    history: Vec<u32>,
+    constraint: Option<Constraint>,
+    logprobs: Option<usize>,
+    /// The end-of-sequence id: what a format complete before the draw (the ids a failover
+    /// resumed with finished it) answers.
+    eos: Option<u32>,
+}
+
+/// An id drawn, with what the stop rules and the caller need to know of it.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Drawn {
+    pub id: u32,
+    /// The id completes the session's format.
+    pub done: bool,
+    /// Its log-probability and the most likely alternatives, when the session asked for them.
+    pub scores: Option<TokenLogprob>,
+}
+
+/// A draw the session's format refused (its message), or a complete format with no
+/// end-of-sequence id to answer.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{0}")]
+pub struct DrawError(pub String);
+
+impl Draw {
+    /// Draws with `sampler` after `history` (the session's tokens so far), masked by
+    /// `constraint`, scoring `logprobs` alternatives; `eos` answers a format already complete.
+    pub fn new(
+        sampler: Sampler,
+        history: Vec<u32>,
+        constraint: Option<Constraint>,
+        logprobs: Option<usize>,
+        eos: Option<u32>,
+    ) -> Self {
+        Draw { sampler, history, constraint, logprobs, eos }
+    }
+
+    /// The next id from `logits`, which follow the session's history; the id joins the history.
+    pub fn draw(&mut self, logits: &[f32]) -> Result<Drawn, DrawError> {
+        let complete = self.constraint.as_ref().is_some_and(|Constraint(c)| c.is_done());
+        let (id, done) = match self.constraint.as_mut() {
+            Some(_) if complete => {
+                let id = self.eos.ok_or_else(|| {
+                    DrawError("the format is complete and the model names no end-of-sequence id".into())
+                })?;
+                (id, true)
+            }
+            None => (self.sampler.sample(logits, &self.history), false),
+            Some(Constraint(c)) => {
+                let mut masked = logits.to_vec();
+                c.mask(&mut masked).map_err(DrawError)?;
+                let id = self.sampler.sample(&masked, &self.history);
+                c.commit(id).map_err(DrawError)?;
+                (id, c.is_done())
+            }
+        };
+        if !complete {
+            self.history.push(id);
+        }
+        let scores = self.logprobs.map(|n| TokenLogprob::of(logits, id, n));
+        Ok(Drawn { id, done, scores })
+    }
+}
+
+/// Draws along a decode run ([`crate::speculative::walk`]: `run` the ids fed, the id drawn last
+/// then a draft; `rows[j]` the logits after `run[..=j]`): a draw from each row in order, on to
+/// the next row only where the draw is the run's next id and is neither an end-of-generation id
+/// nor completes the format (the stop rules end the answer there). Each row's draw is the one
+/// plain decoding makes: its logits are those one token at a time gives.
+pub fn draw_run(
+    draw: &mut Draw,
+    run: &[u32],
+    rows: &[Vec<f32>],
+    is_eog: impl Fn(u32) -> bool,
+) -> Result<Vec<Drawn>, DrawError> {
+    let mut out: Vec<Drawn> = Vec::with_capacity(rows.len());
+    let mut failed = None;
+    crate::speculative::walk(run, rows, |_, l| match draw.draw(l) {
+        Ok(d) => {
+            let (id, stop) = (d.id, d.done || is_eog(d.id));
+            out.push(d);
+            (!stop).then_some(id)
+        }
+        Err(e) => {
+            failed = Some(e);
+            None
+        }
+    });
+    failed.map_or(Ok(out), Err)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -199,5 +300,77 @@ mod tests {
             ..Default::default()
         });
         assert_eq!(s.sample(&logits, &[]), top5[0]);
+    }
+
+    /// One hot logit per row: a greedy draw takes it.
+    fn rows(hot: &[usize]) -> Vec<Vec<f32>> {
+        hot.iter()
+            .map(|&h| {
+                let mut l = vec![0.0f32; 8];
+                l[h] = 5.0;
+                l
+            })
+            .collect()
+    }
+
+    #[test]
+    fn a_run_is_drawn_while_the_draws_follow_its_draft() {
+        let greedy = || Draw::new(Sampler::new(SamplingParams::greedy()), vec![1], None, Some(1), None);
+        // run [2, 3, 4]: the draw after 2 is 3 (taken), after 3 is 6 (not the draft's 4): stop
+        let mut d = greedy();
+        let got = draw_run(&mut d, &[2, 3, 4], &rows(&[3, 6, 4]), |_| false).unwrap();
+        assert_eq!(got.iter().map(|d| d.id).collect::<Vec<_>>(), [3, 6]);
+        assert_eq!(d.history, [1, 3, 6], "the draws join the history");
+        let s = got[0].scores.as_ref().unwrap();
+        assert_eq!((s.top[0].0, s.top.len()), (3, 1));
+        // an end-of-generation draw ends the walk even where it is the draft's
+        let got = draw_run(&mut greedy(), &[2, 7, 4], &rows(&[7, 4, 4]), |id| id == 7).unwrap();
+        assert_eq!(got.len(), 1);
+    }
+
+    /// A format: the ids it allows, in order; done after the last.
+    struct Script(Vec<u32>, usize);
+
+    impl brigade_core::TokenConstraint for Script {
+        fn mask(&mut self, logits: &mut [f32]) -> Result<(), String> {
+            let want = *self.0.get(self.1).ok_or("past the end")?;
+            logits.iter_mut().enumerate().filter(|(i, _)| *i as u32 != want).for_each(|(_, l)| *l = f32::NEG_INFINITY);
+            Ok(())
+        }
+        fn commit(&mut self, id: u32) -> Result<(), String> {
+            self.1 += 1;
+            (Some(&id) == self.0.get(self.1 - 1)).then_some(()).ok_or_else(|| format!("{id} is not allowed"))
+        }
+        fn is_done(&self) -> bool {
+            self.1 == self.0.len()
+        }
+        fn boxed_clone(&self) -> Box<dyn brigade_core::TokenConstraint> {
+            Box::new(Script(self.0.clone(), self.1))
+        }
+    }
+
+    #[test]
+    fn a_format_masks_the_draw_ends_the_walk_and_a_complete_one_answers_eos() {
+        let with = |script: Vec<u32>, at: usize, eos: Option<u32>| {
+            let c = Some(Constraint(Box::new(Script(script, at))));
+            Draw::new(Sampler::new(SamplingParams::greedy()), vec![], c, Some(1), eos)
+        };
+        // the mask beats the logits; the draw that completes the format ends the walk
+        let mut d = with(vec![5, 6], 0, Some(7));
+        let got = draw_run(&mut d, &[1, 5, 6], &rows(&[2, 2, 2]), |_| false).unwrap();
+        assert_eq!(
+            got,
+            vec![
+                Drawn { id: 5, done: false, scores: Some(TokenLogprob::of(&rows(&[2])[0], 5, 1)) },
+                Drawn { id: 6, done: true, scores: Some(TokenLogprob::of(&rows(&[2])[0], 6, 1)) },
+            ]
+        );
+        // complete before the draw (a failover resumed with its end): the end-of-sequence id
+        let mut d = with(vec![5], 1, Some(7));
+        assert_eq!(d.draw(&rows(&[2])[0]).unwrap().id, 7);
+        assert!(d.history.is_empty(), "the end is not the format's: the history does not take it");
+        assert!(with(vec![5], 1, None).draw(&rows(&[2])[0]).unwrap_err().0.contains("no end-of-sequence"));
+        // a format that refuses: the draw's error
+        assert_eq!(with(vec![5], 2, None).draw(&rows(&[2])[0]).unwrap_err(), DrawError("past the end".into()));
     }
 }

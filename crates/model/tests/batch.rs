@@ -484,8 +484,8 @@ fn engine_cancels_gone_receivers_and_refuses_past_the_queue() {
     }
 }
 
-/// A constraint that allows one id at each step (`script`), then is done; an empty script is a
-/// constraint that fails.
+/// A constraint that allows one id at each step (`script`), then is done; past its script's
+/// end (`at` beyond it), a constraint that fails.
 #[derive(Clone)]
 struct Forced {
     script: Vec<u32>,
@@ -542,7 +542,7 @@ fn a_constraint_decides_the_tokens_and_where_the_answer_ends() {
         max_tokens: 5,
         sampler: SamplingParams::greedy(),
         ignore_eos: true,
-        constraint: Some(brigade_core::Constraint(Box::new(Forced { script: vec![], at: 0 }))),
+        constraint: Some(brigade_core::Constraint(Box::new(Forced { script: vec![], at: 1 }))),
         logprobs: None,
     };
     b.handle_submit(2, failing);

@@ -4,6 +4,7 @@ use crate::v1;
 use brigade_core::cluster::{
     ActDtype, CarrierKind, DeploymentState, DeviceFigures, KernelFigures, NodeState, StageState,
 };
+use brigade_core::stop::StopReason;
 use brigade_core::{DeviceKind, Link, SamplingError, SamplingParams};
 
 /// Unix time in milliseconds (0 if the clock is before 1970).
@@ -182,6 +183,29 @@ pub fn deployment_state_from_proto(n: i32) -> Option<DeploymentState> {
     }
 }
 
+/// The wire's name of why a generation ended (the caller's end is `CANCELLED`).
+pub fn stop_to_proto(s: StopReason) -> v1::StopReason {
+    match s {
+        StopReason::Length => v1::StopReason::Length,
+        StopReason::Eos => v1::StopReason::Eos,
+        StopReason::Context => v1::StopReason::Context,
+        StopReason::Caller => v1::StopReason::Cancelled,
+        StopReason::Stop => v1::StopReason::Stop,
+    }
+}
+
+/// Why a generation ended, as a wire number names it (`None`: unspecified or unknown).
+pub fn stop_from_proto(n: i32) -> Option<StopReason> {
+    match v1::StopReason::try_from(n) {
+        Ok(v1::StopReason::Length) => Some(StopReason::Length),
+        Ok(v1::StopReason::Eos) => Some(StopReason::Eos),
+        Ok(v1::StopReason::Context) => Some(StopReason::Context),
+        Ok(v1::StopReason::Cancelled) => Some(StopReason::Caller),
+        Ok(v1::StopReason::Stop) => Some(StopReason::Stop),
+        _ => None,
+    }
+}
+
 /// The lower-case names of the states a wire number names, as the APIs and the dashboard show
 /// them (`unknown` for an unspecified or unknown number).
 pub fn node_state_name(n: i32) -> &'static str {
@@ -275,6 +299,15 @@ mod tests {
         assert_eq!(deployment_state_name(v1::DeploymentState::Replacing as i32), "re-placing");
         assert_eq!(stage_state_name(v1::StageState::Failed as i32), "failed");
         assert_eq!((node_state_name(v1::NodeState::Down as i32), node_state_name(0)), ("down", "unknown"));
+    }
+
+    #[test]
+    fn stop_reasons_round_trip_and_unknown_numbers_are_none() {
+        use StopReason::*;
+        for s in [Length, Eos, Context, Caller, Stop] {
+            assert_eq!(stop_from_proto(stop_to_proto(s) as i32), Some(s));
+        }
+        assert_eq!((stop_from_proto(0), stop_from_proto(99)), (None, None));
     }
 
     #[test]

@@ -4,6 +4,7 @@
 
 use crate::error::ApiError;
 use crate::overview::Overview;
+use brigade_core::stop::StopReason;
 use brigade_core::{Constraint, SamplingParams, TokenLogprob};
 use brigade_format::Tokenizer;
 use brigade_grammar::Format;
@@ -63,6 +64,15 @@ pub enum Finish {
 }
 
 impl Finish {
+    /// OpenAI's reason for brigade's: an end-of-generation id or a stop string is `stop`, the
+    /// rest (`max_tokens`, a full context, a caller's end) `length`.
+    pub fn of(stop: StopReason) -> Finish {
+        match stop {
+            StopReason::Eos | StopReason::Stop => Finish::Stop,
+            StopReason::Length | StopReason::Context | StopReason::Caller => Finish::Length,
+        }
+    }
+
     pub fn as_str(self) -> &'static str {
         match self {
             Finish::Stop => "stop",

@@ -2,8 +2,9 @@
 //!
 //! The driver tokenizes the request, opens the session on every stage, feeds the prompt to the
 //! first stage in chunks (so stages overlap on a long prompt), and then, for each sampled id the
-//! last stage sends back, decides — with exactly the rules of `Pipeline::generate`, so greedy
-//! output equals `brigade run`'s — whether to stop or to feed the id to the first stage. Events go
+//! last stage sends back, decides — with the stop rules every engine judges by
+//! ([`brigade_core::stop::StopRules`]), so greedy output equals `brigade run`'s — whether to stop
+//! or to feed the id to the first stage. Events go
 //! to the caller (the coordinator relays them to the client) through a channel: the caller is
 //! never on the token loop's path. The decisions are [`SessionCore`]'s, without IO (frames in,
 //! tokens and frames out); [`drive`] moves its frames and events.
@@ -13,8 +14,10 @@ use crate::stage::{now_us, FLAG_DONE, FLAG_DRAFT, FLAG_EOG, FLAG_LAST};
 use crate::wire;
 use crate::WorkerError;
 use brigade_core::cluster::CarrierKind;
+use brigade_core::stop::{StopReason as CoreStop, StopRules, Verdict};
 use brigade_model::speculative::{Drafter, Speculation};
 use brigade_model::Tokenizer;
+use brigade_proto::convert::stop_to_proto;
 use brigade_proto::v1::{
     generate_event, Done, DriveRequest, FrameKind, GenerateEvent, HopTiming, PromptIds, SessionSpec, StopReason,
     Timings, Token, TokenScores, TopLogprob,
@@ -258,8 +261,8 @@ pub async fn drive(router: Arc<Router>, t: DriveTarget, req: DriveRequest, hidde
 
 /// One session's driving without IO: what to send the first stage to open it and read its
 /// prompt, and, for each frame the last stage sends back, the tokens to stream and either the
-/// next run to send or why the generation stops — with exactly the rules of
-/// `Pipeline::generate`. The async loop below ([`drive`]) moves its frames and events; a test
+/// next run to send or why the generation stops — by [`StopRules`], as the one box's engines
+/// judge, and the request's stop strings. The async loop below ([`drive`]) moves its frames and events; a test
 /// drives it by hand against stage cores.
 pub struct SessionCore<'a> {
     t: &'a DriveTarget,
@@ -275,7 +278,8 @@ pub struct SessionCore<'a> {
     run: Vec<u32>,
     drafter: Option<Drafter>,
     decoded: u64,
-    generated: u32,
+    /// The stop rules, and the ids generated so far (those resumed count).
+    rules: StopRules,
     emitted: u32,
     first_token_at: Option<Instant>,
     last_token_at: Instant,
@@ -356,7 +360,12 @@ impl<'a> SessionCore<'a> {
             run: vec![feed[feed.len() - 1]],
             drafter,
             decoded: 0,
-            generated: req.resume_ids.len() as u32,
+            rules: StopRules {
+                max_tokens: if req.max_tokens > 0 { req.max_tokens as usize } else { usize::MAX },
+                n_ctx: t.n_ctx,
+                ignore_eos: req.ignore_eos,
+                generated: req.resume_ids.len(),
+            },
             emitted: 0,
             first_token_at: None,
             last_token_at: Instant::now(),
@@ -418,10 +427,11 @@ impl<'a> SessionCore<'a> {
         for (k, &id) in ids.iter().enumerate() {
             let last = k + 1 == ids.len();
             let eog = (last && frame.header.flags & FLAG_EOG != 0) || t.tokenizer.is_eog(id);
-            // (a format ends the answer where it is complete, whatever `ignore_eos` says)
             let done = last && frame.header.flags & FLAG_DONE != 0;
-            if (!req.ignore_eos || done) && eog {
-                stop = Some(StopReason::Eos);
+            let index = self.rules.generated as u32;
+            let verdict = self.rules.judge(eog, done, self.context.len());
+            if verdict == Verdict::Unsent {
+                stop = verdict.stop();
                 break;
             }
             let (logprob, top_logprobs) = match (&frame.header.scores, req.logprobs) {
@@ -429,39 +439,30 @@ impl<'a> SessionCore<'a> {
                 (None, Some(_)) => return Err(WorkerError::Failed("the last stage sent no scores for a token".into())),
                 _ => (None, Vec::new()),
             };
-            tokens.push(Token { id, text: self.text.push(id), index: self.generated, logprob, top_logprobs });
-            self.generated += 1;
+            tokens.push(Token { id, text: self.text.push(id), index, logprob, top_logprobs });
             self.emitted += 1;
             self.context.push(id);
-            stop = if self.text.stopped() {
-                Some(StopReason::Stop)
-            } else if done {
-                Some(StopReason::Eos)
-            } else if req.max_tokens > 0 && self.generated >= req.max_tokens {
-                Some(StopReason::Length)
-            } else if self.context.len() > t.n_ctx {
-                Some(StopReason::Context)
-            } else {
-                None
-            };
+            // (a stop string ends the answer before anything the rules say)
+            stop = if self.text.stopped() { Some(CoreStop::Stop) } else { verdict.stop() };
             if stop.is_some() {
                 break;
             }
         }
         if let Some(stop) = stop {
-            return Ok(Some((tokens, Then::Stop(stop))));
+            return Ok(Some((tokens, Then::Stop(stop_to_proto(stop)))));
         }
         // the next run: the id drawn last, then a draft where one is worth its rows
         let fed = self.context.len() - 1;
         self.run = vec![self.context[fed]];
         if let Some(d) = self.drafter.as_mut() {
-            let left = if req.max_tokens > 0 { (req.max_tokens - self.generated) as usize - 1 } else { usize::MAX };
+            let left = self.rules.max_tokens.saturating_sub(self.rules.generated + 1);
             let room = brigade_model::speculative::room(t.n_ctx, self.context.len(), left, t.max_run);
             self.run.extend(d.draft(&self.context, room).map_err(|e| WorkerError::Failed(e.to_string()))?);
         }
         self.sent_us = now_us();
-        self.awaiting = (u64::from(self.generated), fed as u64 + 1);
-        let mut f = tokens_frame(t, self.session, u64::from(self.generated), fed as u64, &self.run, true);
+        let step = self.rules.generated as u64;
+        self.awaiting = (step, fed as u64 + 1);
+        let mut f = tokens_frame(t, self.session, step, fed as u64, &self.run, true);
         if self.run.len() > 1 {
             f.header.flags |= FLAG_DRAFT;
             f.header.draft = self.run.clone();

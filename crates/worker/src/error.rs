@@ -57,6 +57,13 @@ impl From<brigade_model::FormatError> for WorkerError {
     }
 }
 
+/// A draw the session's format refused is the request's error.
+impl From<brigade_model::sampler::DrawError> for WorkerError {
+    fn from(e: brigade_model::sampler::DrawError) -> Self {
+        WorkerError::BadRequest(e.0)
+    }
+}
+
 impl WorkerError {
     pub fn io(path: &Path, source: std::io::Error) -> Self {
         WorkerError::Io { path: path.display().to_string(), source }

@@ -12,7 +12,7 @@
 //! chunks of a long prompt overlap across stages (this stage computes chunk k+1 while the next
 //! computes chunk k). Per frame:
 //! - `OPEN`: a KV cache for the session (from a pool of freed ones); the last stage also makes
-//!   the session's sampler. Forwarded down the chain.
+//!   the session's [`Draw`] (the one box's batch draws with the same). Forwarded down the chain.
 //! - `TOKENS` (first stage) / `HIDDEN`: the slice runs over the rows, appending to the session's
 //!   cache; the hidden state goes to the next stage, or — on the last stage, after a prompt's last
 //!   chunk or a decode step — the sampled id goes back to the driver, never the logits.
@@ -31,9 +31,10 @@ use crate::router::{Peer, Router};
 use crate::wire;
 use crate::WorkerError;
 use brigade_core::cluster::{ActDtype, CarrierKind};
-use brigade_core::{TokenConstraint, TokenLogprob, MAX_TOP_LOGPROBS};
-use brigade_grammar::{Format, Grammar, Vocabulary};
+use brigade_core::{Constraint, TokenConstraint, MAX_TOP_LOGPROBS};
+use brigade_grammar::{Format, Vocabulary};
 use brigade_model::pipeline::PREFILL_CHUNK;
+use brigade_model::sampler::{draw_run, Draw, Drawn};
 use brigade_model::{Logits, Sampler, Slice, SliceCache, StageInput, Tokenizer};
 use brigade_proto::convert::sampling_from_proto;
 use brigade_proto::v1::{FrameHeader, FrameKind, SessionSpec, StageTrace, TokenScores};
@@ -205,18 +206,6 @@ impl SessionState {
     }
 }
 
-/// The last stage's part of a session: the sampler, every id the session has seen (the
-/// penalties'), the grammar its answer must follow, how many alternatives to score.
-struct Draw {
-    sampler: Sampler,
-    history: Vec<u32>,
-    grammar: Option<Grammar>,
-    logprobs: Option<usize>,
-    /// The end-of-sequence id: what a format complete before the draw (the ids a failover
-    /// resumed with finished it) answers.
-    eos: Option<u32>,
-}
-
 /// The last stage's sampling state for a session: its sampler, and its format compiled
 /// against the model's vocabulary (which has taken the ids generated before a failover).
 fn draw_for(spec: &SessionSpec, tokenizer: &Tokenizer, vocabulary: &VocabularyCell) -> Result<Draw, WorkerError> {
@@ -254,7 +243,8 @@ fn draw_for(spec: &SessionSpec, tokenizer: &Tokenizer, vocabulary: &VocabularyCe
     };
     // resumed after a failover: the generator goes on past the draws of the ids resumed
     let sampler = Sampler::resumed(cfg, resumed);
-    Ok(Draw { sampler, history: spec.prompt_ids.clone(), grammar, logprobs, eos: tokenizer.eos })
+    let constraint = grammar.map(|g| Constraint(Box::new(g)));
+    Ok(Draw::new(sampler, spec.prompt_ids.clone(), constraint, logprobs, tokenizer.eos))
 }
 
 /// A model's vocabulary for the grammar engine, built once (or the reason it cannot be).
@@ -267,44 +257,8 @@ pub(crate) fn vocabulary_of(cell: &VocabularyCell, tokenizer: &Tokenizer) -> Res
         .map_err(WorkerError::BadRequest)
 }
 
-/// An id the last stage drew, with what the driver needs to know of it.
-#[derive(Debug)]
-pub(crate) struct Sampled {
-    id: u32,
-    /// The id completes the session's format.
-    done: bool,
-    scores: Option<TokenLogprob>,
-}
-
-impl Draw {
-    /// The next id from `logits` (the same steps as the one-box engine's: the grammar's mask,
-    /// the sampling chain, the grammar told the id; scores from the logits as they came).
-    fn draw(&mut self, logits: &[f32]) -> Result<Sampled, WorkerError> {
-        if self.grammar.as_ref().is_some_and(|g| g.is_done()) {
-            let id = self.eos.ok_or_else(|| {
-                WorkerError::BadRequest("the format is complete and the model names no end-of-sequence id".into())
-            })?;
-            let scores = self.logprobs.map(|n| TokenLogprob::of(logits, id, n));
-            return Ok(Sampled { id, done: true, scores });
-        }
-        let (id, done) = match self.grammar.as_mut() {
-            None => (self.sampler.sample(logits, &self.history), false),
-            Some(g) => {
-                let mut masked = logits.to_vec();
-                g.mask(&mut masked).map_err(WorkerError::BadRequest)?;
-                let id = self.sampler.sample(&masked, &self.history);
-                g.commit(id).map_err(WorkerError::BadRequest)?;
-                (id, g.is_done())
-            }
-        };
-        self.history.push(id);
-        let scores = self.logprobs.map(|n| TokenLogprob::of(logits, id, n));
-        Ok(Sampled { id, done, scores })
-    }
-}
-
 /// What a pass of several sessions gives each frame: its output, and its draws (last stage).
-type FrameOut = (candle_core::Tensor, Result<Vec<Sampled>, WorkerError>);
+type FrameOut = (candle_core::Tensor, Result<Vec<Drawn>, WorkerError>);
 
 /// A pass's input: the frames' ids (first stage) or their joined rows.
 fn input_of<'a>(ids: &'a [u32], rows: Option<&'a candle_core::Tensor>) -> StageInput<'a> {
@@ -316,33 +270,6 @@ fn input_of<'a>(ids: &'a [u32], rows: Option<&'a candle_core::Tensor>) -> StageI
 
 /// Most rows of a decode run (the last drawn id and a draft of at most 64).
 pub const MAX_RUN: usize = 65;
-
-/// The last stage's walk along a decode run (`run` its ids, `logits` `(rows, 1, vocab)`): a
-/// draw from each row's logits in order, on to the next row only where the draw is the run's
-/// next id and neither ends the generation nor completes the format (the driver stops there).
-/// The draws are plain decoding's: each row's logits are those one token at a time gives.
-fn draw_run(
-    draw: &mut Draw,
-    run: &[u32],
-    logits: &candle_core::Tensor,
-    is_eog: impl Fn(u32) -> bool,
-) -> Result<Vec<Sampled>, WorkerError> {
-    let rows = logits.squeeze(1)?.to_dtype(candle_core::DType::F32)?.to_vec2::<f32>()?;
-    let mut out: Vec<Sampled> = Vec::with_capacity(rows.len());
-    let mut failed = None;
-    brigade_model::speculative::walk(run, &rows, |_, l| match draw.draw(l) {
-        Ok(s) => {
-            let (id, stop) = (s.id, s.done || is_eog(s.id));
-            out.push(s);
-            (!stop).then_some(id)
-        }
-        Err(e) => {
-            failed = Some(e);
-            None
-        }
-    });
-    failed.map_or(Ok(out), Err)
-}
 
 /// What a stage's core asks its host to send, in order.
 #[derive(Debug)]
@@ -757,7 +684,7 @@ impl StageCore {
                 let sampled = match st.sampler.as_mut() {
                     Some(draw) if last => brigade_model::rows::logits_row(&row)
                         .map_err(WorkerError::from)
-                        .and_then(|l| draw.draw(&l))
+                        .and_then(|l| draw.draw(&l).map_err(WorkerError::from))
                         .map(|s| vec![s]),
                     _ => Ok(Vec::new()),
                 };
@@ -792,7 +719,7 @@ impl StageCore {
                 let row = out.narrow(0, i, 1)?;
                 let sampled = if batch[i].0.frame.header.flags & FLAG_LAST != 0 {
                     let logits = brigade_model::rows::logits_row(&row)?;
-                    st.draw().and_then(|d| d.draw(&logits)).map(|s| vec![s])
+                    st.draw().and_then(|d| Ok(vec![d.draw(&logits)?]))
                 } else {
                     Ok(Vec::new())
                 };
@@ -1046,8 +973,12 @@ impl StageCore {
                 };
                 let out = self.slice.forward_runs(&mut [&mut st.cache], input, &[n])?;
                 st.run_from = Some(h.first_position);
-                let sampled =
-                    if last { draw_run(st.draw()?, &h.draft, &out, |id| tokenizer.is_eog(id))? } else { Vec::new() };
+                let sampled = if last {
+                    let rows = out.squeeze(1)?.to_dtype(candle_core::DType::F32)?.to_vec2::<f32>()?;
+                    draw_run(st.draw()?, &h.draft, &rows, |id| tokenizer.is_eog(id))?
+                } else {
+                    Vec::new()
+                };
                 let hidden = out.dim(2)?;
                 (out.reshape((1, n, hidden))?, sampled)
             } else {
@@ -1075,7 +1006,7 @@ impl StageCore {
         &mut self,
         h: FrameHeader,
         out: candle_core::Tensor,
-        sampled: Vec<Sampled>,
+        sampled: Vec<Drawn>,
         received: u64,
         computed: std::time::Duration,
     ) -> Result<(), WorkerError> {
@@ -1115,7 +1046,7 @@ impl StageCore {
         // a prompt chunk before the last fills the cache; there is nothing to sample yet (a
         // decode run's ids are the draws along it: the flags and scores are its last's)
         let ids: Vec<u32> = sampled.iter().map(|s| s.id).collect();
-        let Some(Sampled { id, done, scores }) = sampled.into_iter().next_back() else { return Ok(()) };
+        let Some(Drawn { id, done, scores }) = sampled.into_iter().next_back() else { return Ok(()) };
         let mut flags = if self.tokenizer.is_eog(id) { FLAG_EOG } else { 0 };
         if done {
             flags |= FLAG_DONE;
@@ -1595,7 +1526,7 @@ pub(crate) mod tests {
                 let l = s.forward(&mut c, StageInput::Tokens(p), Logits::Last).unwrap();
                 let l = brigade_model::rows::logits_row(&l).unwrap();
                 let id = Sampler::new(brigade_core::SamplingParams::greedy()).sample(&l, p);
-                (id, TokenLogprob::of(&l, id, 1).logprob)
+                (id, brigade_core::TokenLogprob::of(&l, id, 1).logprob)
             })
             .collect();
         for cuts in [vec![(0, 2)], vec![(0, 1), (1, 2)]] {

@@ -18,8 +18,10 @@
 //!    batch leaves free.
 //!
 //! **Batch invariance**: a row's numbers never depend on which other rows share the step (see
-//! [`crate::llama::Slice::forward_rows`]), and sampling and stop rules are `generate`'s, so a
-//! job's output is the one it gets alone, and greedy output equals `brigade run`'s.
+//! [`crate::llama::Slice::forward_rows`]), and a job draws with [`crate::sampler::Draw`] (as a
+//! cluster's last stage does) and is judged by [`brigade_core::stop::StopRules`] (as `generate`
+//! and a cluster's driver are), so a job's output is the one it gets alone, and greedy output
+//! equals `brigade run`'s.
 //!
 //! **Prompt cache**: a slot keeps its last conversation's caches. A job goes to the free slot
 //! whose cache begins with the longest run of the job's prompt in whole chunks that the slot's
@@ -35,8 +37,10 @@ mod engine;
 pub use engine::{Busy, Engine, EngineConfig, Load, Sink};
 
 use crate::pipeline::{StopReason, PREFILL_CHUNK};
+use crate::sampler::{draw_run, Draw, DrawError, Drawn};
 use crate::speculative::{Drafter, Speculation};
 use crate::{Logits, ModelError, Pipeline, Sampler, SamplingParams, Session};
+use brigade_core::stop::{StopRules, Verdict};
 use brigade_core::{Constraint, TokenLogprob};
 use std::collections::VecDeque;
 use std::sync::Arc;
@@ -127,10 +131,11 @@ enum Phase {
 
 struct Active {
     id: JobId,
+    /// The prompt, `max_tokens` and the rest ([`Job::constraint`] has moved into `draw`).
     job: Job,
-    sampler: Sampler,
+    draw: Draw,
+    rules: StopRules,
     phase: Phase,
-    generated: usize,
     queued: Duration,
     admitted: Instant,
     first_token: Option<Instant>,
@@ -302,12 +307,16 @@ impl Batch {
             let cached = slot.session.truncate(cached);
             slot.chunked = job.prompt.len() / self.chunk * self.chunk;
             slot.used = self.admitted;
+            let mut job = job;
+            let sampler = Sampler::new(job.sampler.clone());
+            let draw = Draw::new(sampler, job.prompt.clone(), job.constraint.take(), job.logprobs, None);
+            let rules = StopRules { max_tokens: job.max_tokens, n_ctx, ignore_eos: job.ignore_eos, generated: 0 };
             slot.active = Some(Active {
                 id,
-                sampler: Sampler::new(job.sampler.clone()),
+                draw,
+                rules,
                 job,
                 phase: Phase::Prompt { fed: cached },
-                generated: 0,
                 queued,
                 admitted: Instant::now(),
                 first_token: None,
@@ -355,8 +364,8 @@ impl Batch {
             Err(e) => fail(slot, &e, out),
             Ok(_) if end < a.job.prompt.len() => a.phase = Phase::Prompt { fed: end },
             Ok(l) => {
-                let fed = slot.session.len();
-                self.sampled(i, &l, fed, out);
+                let (fed, drawn) = (slot.session.len(), a.draw.draw(&l).map(|d| vec![d]));
+                self.answered(i, drawn, fed, out);
             }
         }
     }
@@ -410,12 +419,13 @@ impl Batch {
             }
             Ok(logits) => {
                 for (&(i, _, end), l) in picked.iter().zip(logits) {
+                    let fed = self.slots[i].session.len();
                     let Some(a) = self.slots[i].active.as_mut() else { continue };
                     if end < a.job.prompt.len() {
                         a.phase = Phase::Prompt { fed: end };
                     } else {
-                        let fed = self.slots[i].session.len();
-                        self.sampled(i, &l, fed, out);
+                        let drawn = a.draw.draw(&l).map(|d| vec![d]);
+                        self.answered(i, drawn, fed, out);
                     }
                 }
             }
@@ -439,7 +449,7 @@ impl Batch {
             decoding.push(i);
             let mut run = vec![t];
             if let Some(d) = slot.drafter.as_mut() {
-                let left = a.job.max_tokens.saturating_sub(a.generated + 1);
+                let left = a.job.max_tokens.saturating_sub(a.rules.generated + 1);
                 let room = spare.min(crate::speculative::room(n_ctx, slot.session.len() + 1, left, max_run));
                 let mut context = slot.session.tokens().to_vec();
                 context.push(t);
@@ -473,7 +483,10 @@ impl Batch {
         for (i, run) in decoding.into_iter().zip(runs) {
             let rows: Vec<Vec<f32>> = rows.by_ref().take(run.len()).collect();
             let start = self.slots[i].session.len() + 1 - run.len();
-            let used = crate::speculative::walk(&run, &rows, |j, l| self.sampled(i, l, start + j, out));
+            let Some(a) = self.slots[i].active.as_mut() else { continue };
+            let drawn = draw_run(&mut a.draw, &run, &rows, &self.is_eog);
+            // the rows whose draws were taken (on a failure, the run's first: the job ends)
+            let used = drawn.as_ref().map_or(1, Vec::len);
             let slot = &mut self.slots[i];
             if let Some(d) = slot.drafter.as_mut() {
                 d.verified(run.len() - 1, used - 1);
@@ -482,56 +495,46 @@ impl Batch {
             if slot.session.truncate(keep) != keep {
                 let e = ModelError::BadSlice(format!("a session cannot go back to {keep} tokens after a draft"));
                 fail(slot, &e, out);
+                continue;
             }
+            self.answered(i, drawn, start, out);
         }
     }
 
-    /// Samples slot `i`'s next token from `logits`, which follow the first `fed` of its
-    /// session's tokens, and applies `generate`'s stop rules; returns the token when the job
-    /// goes on (it is fed at the next decode step).
-    fn sampled(&mut self, i: usize, logits: &[f32], fed: usize, out: &mut Vec<(JobId, Output)>) -> Option<u32> {
-        let n_ctx = self.pipeline.n_ctx();
+    /// Slot `i`'s draws (the first from logits that follow the first `follows` tokens of its
+    /// session, each next one a token further) judged by the job's stop rules: the tokens of
+    /// the answer go out, and the job ends where the rules say or goes on from its last.
+    fn answered(
+        &mut self,
+        i: usize,
+        drawn: Result<Vec<Drawn>, DrawError>,
+        follows: usize,
+        out: &mut Vec<(JobId, Output)>,
+    ) {
         let slot = &mut self.slots[i];
-        let a = slot.active.as_mut()?;
-        let history = &slot.session.tokens()[..fed];
-        let (id, done) = match a.job.constraint.as_mut() {
-            None => (a.sampler.sample(logits, history), false),
-            Some(Constraint(c)) => {
-                let mut masked = logits.to_vec();
-                let drawn = c.mask(&mut masked).map(|()| a.sampler.sample(&masked, history));
-                match drawn.and_then(|id| c.commit(id).map(|()| id)) {
-                    Ok(id) => (id, c.is_done()),
-                    Err(e) => {
-                        fail(slot, &ModelError::BadInput(e), out);
-                        return None;
-                    }
-                }
-            }
+        let drawn = match drawn {
+            Ok(d) => d,
+            Err(e) => return fail(slot, &ModelError::BadInput(e.0), out),
         };
+        let Some(a) = slot.active.as_mut() else { return };
         let first = *a.first_token.get_or_insert_with(Instant::now);
-        // (a constraint ends the answer where it is complete, whatever `ignore_eos` says)
-        let stop = if (!a.job.ignore_eos || done) && (self.is_eog)(id) {
-            Some(StopReason::Eos)
-        } else {
-            a.generated += 1;
-            let lp = a.job.logprobs.map(|n| TokenLogprob::of(logits, id, n));
-            out.push((a.id, Output::Token(id, lp)));
-            // the last token is not fed (as `generate`): the session's tokens stay its caches'
-            if done {
-                Some(StopReason::Eos)
-            } else if a.generated >= a.job.max_tokens {
-                Some(StopReason::Length)
-            } else if fed + 1 > n_ctx {
-                Some(StopReason::Context)
-            } else {
-                a.phase = Phase::Decode(id);
-                None
+        let mut stop = None;
+        for (j, d) in drawn.into_iter().enumerate() {
+            let verdict = a.rules.judge((self.is_eog)(d.id), d.done, follows + j);
+            if verdict != Verdict::Unsent {
+                // the last token is not fed (as `generate`): the session's tokens stay its caches'
+                out.push((a.id, Output::Token(d.id, d.scores)));
+                a.phase = Phase::Decode(d.id);
             }
-        };
+            stop = verdict.stop();
+            if stop.is_some() {
+                break;
+            }
+        }
         if let Some(stop) = stop {
             let stats = JobStats {
                 prompt_tokens: a.job.prompt.len(),
-                generated: a.generated,
+                generated: a.rules.generated,
                 stop,
                 queued: a.queued,
                 prompt_time: first - a.admitted,
@@ -540,9 +543,7 @@ impl Batch {
             };
             out.push((a.id, Output::Done(stats)));
             slot.active = None;
-            return None;
         }
-        Some(id)
     }
 }
 
