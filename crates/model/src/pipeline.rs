@@ -433,16 +433,15 @@ impl Pipeline {
             if stop.is_some() {
                 break;
             }
-            let mut run = vec![next];
-            if let Some(d) = drafter.as_deref_mut() {
-                let left = n_predict.saturating_sub(rules.generated + 1);
-                let room = crate::speculative::room(self.n_ctx, session.len() + 1, left, self.max_run());
-                let mut context = session.tokens().to_vec();
-                context.push(next);
-                let draft = d.draft(&context, room)?;
-                stats.drafted += draft.len();
-                run.extend(draft);
-            }
+            let run = match drafter.as_deref_mut() {
+                None => vec![next],
+                Some(d) => {
+                    let context = [session.tokens(), &[next]].concat();
+                    let run = d.run(&context, &rules, self.max_run(), usize::MAX)?;
+                    stats.drafted += run.len() - 1;
+                    run
+                }
+            };
             stats.unfed = None;
             rows = self.forward_runs(&mut [&mut *session], &[&run])?;
             stats.decode_steps += 1;

@@ -19,6 +19,7 @@
 
 use crate::pipeline::PREFILL_CHUNK;
 use crate::{Logits, ModelError, Pipeline, Session};
+use brigade_core::stop::StopRules;
 use std::sync::Arc;
 
 /// Where drafts come from.
@@ -144,6 +145,24 @@ impl Drafter {
         };
         self.idle = if d.is_empty() { self.idle + 1 } else { 0 };
         Ok(d)
+    }
+
+    /// The next decode run of a generation judged by `rules` (its counts as of the id drawn
+    /// last): `context`'s last id — the one drawn last, after the tokens the session holds —
+    /// then a draft that fits [`room`] for one pass of `max_run` tokens, and `cap` tokens.
+    pub fn run(
+        &mut self,
+        context: &[u32],
+        rules: &StopRules,
+        max_run: usize,
+        cap: usize,
+    ) -> Result<Vec<u32>, ModelError> {
+        let Some(&next) = context.last() else { return Ok(Vec::new()) };
+        let left = rules.max_tokens.saturating_sub(rules.generated + 1);
+        let room = cap.min(room(rules.n_ctx, context.len(), left, max_run));
+        let mut run = vec![next];
+        run.extend(self.draft(context, room)?);
+        Ok(run)
     }
 
     /// Records a verified draft: `drafted` tokens fed, the first `accepted` of them taken.

@@ -453,12 +453,12 @@ impl<'a> SessionCore<'a> {
         }
         // the next run: the id drawn last, then a draft where one is worth its rows
         let fed = self.context.len() - 1;
-        self.run = vec![self.context[fed]];
-        if let Some(d) = self.drafter.as_mut() {
-            let left = self.rules.max_tokens.saturating_sub(self.rules.generated + 1);
-            let room = brigade_model::speculative::room(t.n_ctx, self.context.len(), left, t.max_run);
-            self.run.extend(d.draft(&self.context, room).map_err(|e| WorkerError::Failed(e.to_string()))?);
-        }
+        self.run = match self.drafter.as_mut() {
+            None => vec![self.context[fed]],
+            Some(d) => d
+                .run(&self.context, &self.rules, t.max_run, usize::MAX)
+                .map_err(|e| WorkerError::Failed(e.to_string()))?,
+        };
         self.sent_us = now_us();
         let step = self.rules.generated as u64;
         self.awaiting = (step, fed as u64 + 1);

@@ -439,7 +439,7 @@ impl Batch {
         }
         // drafts fill the rows one pass reads each weight for (DECODE_ROWS), shared out evenly
         let spare = crate::cpu_matmul::DECODE_ROWS.saturating_sub(n) / n;
-        let (n_ctx, max_run) = (self.pipeline.n_ctx(), self.pipeline.max_run());
+        let max_run = self.pipeline.max_run();
         // (slot, its run: the token drawn last, then its draft)
         let mut decoding: Vec<usize> = Vec::with_capacity(n);
         let mut runs: Vec<Vec<u32>> = Vec::with_capacity(n);
@@ -447,16 +447,14 @@ impl Batch {
             let Some(a) = slot.active.as_ref() else { continue };
             let Phase::Decode(t) = a.phase else { continue };
             decoding.push(i);
-            let mut run = vec![t];
-            if let Some(d) = slot.drafter.as_mut() {
-                let left = a.job.max_tokens.saturating_sub(a.rules.generated + 1);
-                let room = spare.min(crate::speculative::room(n_ctx, slot.session.len() + 1, left, max_run));
-                let mut context = slot.session.tokens().to_vec();
-                context.push(t);
-                // (a draft that cannot be made is no draft: the job goes on without)
-                let draft = d.draft(&context, room).unwrap_or_default();
-                run.extend(draft);
-            }
+            let run = match slot.drafter.as_mut() {
+                None => vec![t],
+                Some(d) => {
+                    let context = [slot.session.tokens(), &[t]].concat();
+                    // (a draft that cannot be made is no draft: the job goes on without)
+                    d.run(&context, &a.rules, max_run, spare).unwrap_or_else(|_| vec![t])
+                }
+            };
             runs.push(run);
         }
         let result = {
