@@ -84,6 +84,10 @@ pub enum FrameError {
     WrongKind { expected: &'static str, got: String },
     #[error("session spec does not decode: {0}")]
     BadSpec(String),
+    #[error("{kind} frame has no rows")]
+    NoRows { kind: &'static str },
+    #[error("HIDDEN frame of shape {shape:?}: this model's hidden size is {cols}")]
+    Width { shape: Vec<u64>, cols: u64 },
 }
 
 /// One activation frame: the header and exactly `header.payload_len` bytes of payload.
@@ -259,17 +263,40 @@ impl Frame {
         SessionSpec::decode(self.payload.clone()).map_err(|e| FrameError::BadSpec(e.to_string()))
     }
 
-    /// The values of a HIDDEN frame as f32, row-major.
-    pub fn hidden_values(&self) -> Result<Vec<f32>, FrameError> {
-        self.expect(FrameKind::Hidden)?;
+    /// The values of a HIDDEN frame of `cols` columns as f32, row-major ([`Frame::tensor`]'s
+    /// checks, and the width).
+    pub fn hidden_values(&self, cols: usize) -> Result<Vec<f32>, FrameError> {
+        self.tensor(FrameKind::Hidden)?;
+        if self.header.shape.get(1) != Some(&(cols as u64)) {
+            return Err(FrameError::Width { shape: self.header.shape.clone(), cols: cols as u64 });
+        }
         let dtype = WireDtype::try_from(self.header.dtype).unwrap_or(WireDtype::Unspecified);
         wire::f32_from_wire(&self.payload, dtype)
     }
 
-    /// The ids of a TOKENS frame.
+    /// The ids of a TOKENS frame ([`Frame::tensor`]'s checks).
     pub fn token_ids(&self) -> Result<Vec<u32>, FrameError> {
-        self.expect(FrameKind::Tokens)?;
+        self.tensor(FrameKind::Tokens)?;
         wire::u32_from_wire(&self.payload)
+    }
+
+    /// A tensor frame of `kind` held to what the codec holds a decoded one to ([`check_header`]:
+    /// dtype, shape, rows, payload length by the header) and more: its payload is as long as its
+    /// header says and it has a row at least. Frames built in process (a stage hands its rows
+    /// to the next on the same node; a test) are checked here too.
+    fn tensor(&self, kind: FrameKind) -> Result<(), FrameError> {
+        self.expect(kind)?;
+        check_header(&self.header, &Limits { max_header: MAX_HEADER, max_payload: u64::MAX })?;
+        if self.payload.len() as u64 != self.header.payload_len {
+            return Err(FrameError::PayloadLength {
+                header: self.header.payload_len,
+                actual: self.payload.len() as u64,
+            });
+        }
+        if self.header.rows == 0 {
+            return Err(FrameError::NoRows { kind: kind.as_str_name() });
+        }
+        Ok(())
     }
 
     fn expect(&self, kind: FrameKind) -> Result<(), FrameError> {
@@ -504,7 +531,7 @@ mod tests {
         }
         assert_eq!(out, vec![frame.clone()]);
         assert_eq!(decoder.buffered(), 0);
-        assert_eq!(out[0].hidden_values(), Ok(values));
+        assert_eq!(out[0].hidden_values(3), Ok(values));
         assert_eq!(decode_exact(Bytes::from(bytes), &Limits::default()), Ok(frame));
     }
 
@@ -575,5 +602,26 @@ mod tests {
         );
         let spec = SessionSpec { max_tokens: 9, prompt_ids: vec![1, 2], ..SessionSpec::default() };
         assert_eq!(Frame::open(&spec).spec(), Ok(spec));
+    }
+
+    /// A frame built in process (not through the decoder) is held to the decoder's checks when
+    /// its ids or values are read, and to a row at least and the model's width.
+    #[test]
+    fn reading_a_tensor_checks_its_header_and_payload() {
+        let good = Frame::tokens(0, 0, &[7, 8]);
+        assert_eq!(good.token_ids(), Ok(vec![7, 8]));
+        let mut f = good.clone();
+        f.header.rows = 3;
+        assert!(matches!(f.token_ids(), Err(FrameError::RowsMismatch { rows: 3, .. })));
+        let mut f = good.clone();
+        f.payload = f.payload.slice(..4);
+        assert_eq!(f.token_ids(), Err(FrameError::PayloadLength { header: 8, actual: 4 }));
+        let mut f = good.clone();
+        f.header.dtype = WireDtype::F32 as i32;
+        assert!(matches!(f.token_ids(), Err(FrameError::BadDtype { .. })));
+        assert_eq!(Frame::tokens(0, 0, &[]).token_ids(), Err(FrameError::NoRows { kind: "TOKENS" }));
+        let h = Frame::hidden_f32(0, 0, 2, 3, &[0.5; 6], WireDtype::Bf16).unwrap();
+        assert_eq!(h.hidden_values(3), Ok(vec![0.5; 6]));
+        assert_eq!(h.hidden_values(4), Err(FrameError::Width { shape: vec![2, 3], cols: 4 }));
     }
 }

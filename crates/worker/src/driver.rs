@@ -11,7 +11,6 @@
 
 use crate::router::{Peer, Router};
 use crate::stage::{now_us, FLAG_DONE, FLAG_DRAFT, FLAG_EOG, FLAG_LAST};
-use crate::wire;
 use crate::WorkerError;
 use brigade_core::cluster::CarrierKind;
 use brigade_core::stop::{StopReason as CoreStop, StopRules, Verdict};
@@ -400,8 +399,7 @@ impl<'a> SessionCore<'a> {
                 self.awaiting.0, self.awaiting.1
             )));
         }
-        let ids =
-            wire::ids_from_frame(&frame.header, &frame.payload).map_err(|e| WorkerError::Failed(e.to_string()))?;
+        let ids = frame.token_ids().map_err(|e| WorkerError::Failed(e.to_string()))?;
         // one id per row of the run at most: the draws that took the draft, then one more
         let run = &self.run;
         if ids.is_empty() || ids.len() > run.len() || ids[..ids.len() - 1] != run[1..ids.len()] {

@@ -57,6 +57,13 @@ impl From<brigade_model::FormatError> for WorkerError {
     }
 }
 
+/// A frame whose ids or values cannot be read is a bad frame.
+impl From<brigade_transport::frame::FrameError> for WorkerError {
+    fn from(e: brigade_transport::frame::FrameError) -> Self {
+        WorkerError::Frame(e.to_string())
+    }
+}
+
 /// A draw the session's format refused is the request's error.
 impl From<brigade_model::sampler::DrawError> for WorkerError {
     fn from(e: brigade_model::sampler::DrawError) -> Self {

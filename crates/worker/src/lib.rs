@@ -12,7 +12,6 @@
 //! - [`driver`]: running a session from this node around the ring of stages.
 //! - [`router`]: where frames go: local stages, waiting drivers, links to other nodes.
 //! - [`server`]: the `Stage` gRPC service and the QUIC accept loop.
-//! - [`wire`]: tensors and ids in and out of frame payloads.
 //! - [`metrics`]: `--metrics ADDR`, the node's `/metrics` (per stage compute, hop bytes and send
 //!   time, sessions, KV cache and weight bytes, heartbeat age).
 //!
@@ -35,7 +34,6 @@ pub mod node;
 pub mod router;
 pub mod server;
 pub mod stage;
-pub mod wire;
 
 pub use error::WorkerError;
 

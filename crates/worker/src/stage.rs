@@ -28,7 +28,6 @@
 //! a failed forward) ends the session here and sends the driver an `ERROR` naming why.
 
 use crate::router::{Peer, Router};
-use crate::wire;
 use crate::WorkerError;
 use brigade_core::cluster::{ActDtype, CarrierKind};
 use brigade_core::{Constraint, TokenConstraint, MAX_TOP_LOGPROBS};
@@ -743,7 +742,7 @@ impl StageCore {
         if self.place.stage == 0 {
             let mut ids = Vec::new();
             for (f, _) in batch {
-                ids.extend(wire::ids_from_frame(&f.frame.header, &f.frame.payload)?);
+                ids.extend(f.frame.token_ids()?);
             }
             return Ok((ids, None));
         }
@@ -808,7 +807,10 @@ impl StageCore {
                 }
                 Ok(t.clone())
             }
-            None => wire::hidden_from_frame(h, &item.frame.payload, hidden, self.slice.device()),
+            None => {
+                let values = item.frame.hidden_values(hidden)?;
+                Ok(brigade_model::rows::hidden_from_rows(values, h.rows as usize, hidden, self.slice.device())?)
+            }
         }
     }
 
@@ -918,10 +920,10 @@ impl StageCore {
         let t0 = Instant::now();
         let tensor =
             if kind == FrameKind::Hidden { Some(self.hidden_rows(&item, self.slice.config().hidden)?) } else { None };
-        let Inbound { frame, .. } = item;
-        let h = frame.header;
-        let session = h.session;
         let first = self.place.stage == 0;
+        let mut token_ids = if kind == FrameKind::Tokens && first { Some(item.frame.token_ids()?) } else { None };
+        let h = item.frame.header;
+        let session = h.session;
         let last = self.is_last();
         let rows = h.rows;
         let tokenizer = &self.tokenizer;
@@ -953,7 +955,7 @@ impl StageCore {
             let ids;
             let input = match (kind, first, &tensor) {
                 (FrameKind::Tokens, true, _) => {
-                    ids = wire::ids_from_frame(&h, &frame.payload)?;
+                    ids = token_ids.take().unwrap_or_default();
                     if run && ids != h.draft {
                         return Err(WorkerError::Frame("a decode run whose ids are not its rows'".into()));
                     }
@@ -1032,11 +1034,10 @@ impl StageCore {
             return Ok(());
         }
         if !self.is_last() {
-            let payload = wire::hidden_to_bytes(&out, self.place.act_dtype)?;
+            let values = brigade_model::rows::hidden_to_rows(&out)?;
             let dtype = brigade_proto::convert::act_dtype_to_proto(self.place.act_dtype);
-            let next = Frame::hidden(h.step, h.first_position, rows, hidden as u64, dtype, payload)
-                .map_err(|e| WorkerError::Frame(e.to_string()))?
-                .with_flags(h.flags);
+            let next =
+                Frame::hidden_f32(h.step, h.first_position, rows, hidden as u64, &values, dtype)?.with_flags(h.flags);
             trace.push(StageTrace { sent_us: now_us(), ..stamp });
             let mut next = self.addressed(next, session);
             next.header.trace = trace;
@@ -1325,7 +1326,7 @@ pub(crate) mod tests {
             };
             let back = step(&mut last, item);
             let [Out::Driver(f)] = &back[..] else { panic!("no draw: {back:?}") };
-            let ids = wire::ids_from_frame(&f.header, &f.payload).unwrap();
+            let ids = f.token_ids().unwrap();
             assert_eq!((ids, f.header.first_position), (vec![whole], prompt.len() as u64), "on {me}");
             // another generation: refused, the session ended here
             let mut stale = tokens_at(7, prompt.len() as u64, &[whole], false);
@@ -1559,7 +1560,7 @@ pub(crate) mod tests {
             for (k, rx) in answers.iter_mut().enumerate() {
                 let f = answer(rx).await;
                 assert_eq!(f.header.kind, FrameKind::Tokens as i32, "{cuts:?}, session {k}: {}", f.header.text);
-                let ids = wire::ids_from_frame(&f.header, &f.payload).unwrap();
+                let ids = f.token_ids().unwrap();
                 let lp = f.header.scores.as_ref().unwrap().logprob;
                 assert_eq!(ids, vec![alone[k].0], "{cuts:?}, session {k}");
                 assert!(
@@ -1630,5 +1631,75 @@ pub(crate) mod tests {
         handle.input.offer(tokens_at(5, at, &[30], false)).unwrap();
         let f = answer(&mut rx[5]).await;
         assert!(f.header.kind == FrameKind::Error as i32 && f.header.text.contains("cache holds"), "{}", f.header.text);
+    }
+
+    /// Hidden states crossing a stage boundary as f16 or bf16 instead of f32, against the f32
+    /// path, on a random-weight model (the worst case: trained models' hidden states are smoother).
+    ///
+    /// The tolerance: rounding a hidden state to f16 (11 significant bits) perturbs each element
+    /// by at most 2^-11 ≈ 4.9e-4 of its size, bf16 (8 bits) by 2^-8 ≈ 3.9e-3. The next stage
+    /// starts with an RMS norm (scale-free) and the layers after are smooth maps, so the logits
+    /// move by about that relative amount times the amplification of the remaining layers; we
+    /// allow 20× the rounding (1e-2 of the largest logit for f16, 8e-2 for bf16) and measured
+    /// well under that (the test prints the figures).
+    #[test]
+    fn half_precision_activations_stay_close_to_f32() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("m.gguf");
+        let shape = brigade_model::synth::Shape {
+            layers: 4,
+            hidden: 256,
+            ffn: 512,
+            heads: 8,
+            kv_heads: 4,
+            vocab: 512,
+            context: 128,
+            rope_theta: 1e4,
+        };
+        brigade_model::synth::write_gguf(&path, &shape, brigade_model::synth::SynthType::F32, 7, |_, _| {}).unwrap();
+        let files = brigade_model::ModelFiles::open(&path).unwrap();
+        let cpu = candle_core::Device::Cpu;
+        let a = Slice::load(&files, brigade_core::LayerRange::new(0, 2).unwrap(), &cpu, candle_core::DType::F32, 64)
+            .unwrap();
+        let b = Slice::load(&files, brigade_core::LayerRange::new(2, 4).unwrap(), &cpu, candle_core::DType::F32, 64)
+            .unwrap();
+        let ids: Vec<u32> = (0..24).map(|i| (i * 37 + 5) % 512).collect();
+        let mut ca = a.new_cache().unwrap();
+        let h = a.forward(&mut ca, StageInput::Tokens(&ids), Logits::All).unwrap();
+        let logits = |dtype: ActDtype| -> Vec<f32> {
+            let values = brigade_model::rows::hidden_to_rows(&h).unwrap();
+            let rows = ids.len() as u32;
+            let frame =
+                Frame::hidden_f32(0, 0, rows, 256, &values, brigade_proto::convert::act_dtype_to_proto(dtype)).unwrap();
+            let back = frame.hidden_values(256).unwrap();
+            let back = brigade_model::rows::hidden_from_rows(back, ids.len(), 256, &cpu).unwrap();
+            let mut cb = b.new_cache().unwrap();
+            b.forward(&mut cb, StageInput::Hidden(&back), Logits::All)
+                .unwrap()
+                .flatten_all()
+                .unwrap()
+                .to_vec1()
+                .unwrap()
+        };
+        let exact = logits(ActDtype::F32);
+        let scale = exact.iter().fold(0f32, |m, x| m.max(x.abs()));
+        // f32 on the wire is exact
+        let direct: Vec<f32> = {
+            let mut cb = b.new_cache().unwrap();
+            b.forward(&mut cb, StageInput::Hidden(&h), Logits::All).unwrap().flatten_all().unwrap().to_vec1().unwrap()
+        };
+        assert_eq!(exact, direct);
+        for (dtype, tol) in [(ActDtype::F16, 1e-2f32), (ActDtype::Bf16, 8e-2)] {
+            let got = logits(dtype);
+            let worst = exact.iter().zip(&got).map(|(x, y)| (x - y).abs()).fold(0f32, f32::max) / scale;
+            let argmax = |v: &[f32]| -> Vec<usize> {
+                v.chunks(512)
+                    .map(|r| r.iter().enumerate().max_by(|a, b| a.1.total_cmp(b.1)).map(|(i, _)| i).unwrap_or(0))
+                    .collect()
+            };
+            let same = argmax(&exact).iter().zip(argmax(&got)).filter(|(x, y)| **x == *y).count();
+            eprintln!("{dtype:?}: largest logit error {worst:.2e} of the largest logit; argmax equal at {same} of {} positions", ids.len());
+            assert!(worst < tol, "{dtype:?}: {worst} of the largest logit (allowed {tol})");
+        }
     }
 }
