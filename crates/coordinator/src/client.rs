@@ -13,6 +13,7 @@ use brigade_proto::convert::{
     act_dtype_from_proto, act_dtype_to_proto, carrier_from_proto, carrier_to_proto, deployment_state_to_proto,
     device_to_proto, node_state_to_proto, sampling_from_proto, sampling_to_proto, stage_state_to_proto, unix_ms,
 };
+use brigade_proto::relay::{resumable, Failed, Relay, Relayed};
 use brigade_proto::v1::client_server::Client;
 use brigade_proto::v1::{
     generate_event, ChatMessageRef, ChatRequest, ClusterStatusRequest, ClusterStatusResponse, DeployRequest,
@@ -208,8 +209,6 @@ pub(crate) async fn start_session(
 
 /// How long a session waits for its deployment to be placed again after a failure.
 const RESUME_WAIT: Duration = Duration::from_secs(120);
-/// Resumptions of one session before it fails.
-const MAX_RESUMES: u32 = 8;
 
 /// Calls `Drive` on the deployment's driver.
 async fn open_drive(
@@ -248,19 +247,6 @@ async fn open_drive(
     }
 }
 
-/// Whether a failure of the pipeline (not of the request) ended the upstream stream.
-fn resumable(s: &Status) -> bool {
-    !matches!(
-        s.code(),
-        tonic::Code::InvalidArgument
-            | tonic::Code::NotFound
-            | tonic::Code::PermissionDenied
-            | tonic::Code::Unauthenticated
-            | tonic::Code::ResourceExhausted
-            | tonic::Code::FailedPrecondition
-    )
-}
-
 /// Waits until the deployment serves again: a newer placement that is ready, or the same one
 /// ready after a few seconds (the failure was not a node's death).
 async fn wait_ready(shared: &Shared, model: &str, failed_generation: u64) -> Result<(), Status> {
@@ -289,7 +275,8 @@ async fn wait_ready(shared: &Shared, model: &str, failed_generation: u64) -> Res
 /// Relays a session's events to the client. When the pipeline fails under it (a node died, the
 /// deployment was re-placed), the session resumes on the new placement from the ids already
 /// sent: the driver replays prompt + those ids to rebuild the KV caches, and the client's stream
-/// goes on with no gap and no repeat (greedy output is the same as without the failure).
+/// goes on with no gap and no repeat (greedy output is the same as without the failure). The
+/// decisions are [`Relay`]'s; this loop moves the events and waits for the deployment.
 async fn relay_session(
     shared: Arc<Shared>,
     model: String,
@@ -298,62 +285,58 @@ async fn relay_session(
     mut generation: u64,
     tx: tokio::sync::mpsc::Sender<Result<GenerateEvent, Status>>,
 ) {
-    let mut sent: Vec<u32> = Vec::new();
-    let mut resumes = 0;
-    let mut resumed = false;
+    let mut relay = Relay::new(drive);
     loop {
         let msg = tokio::select! {
             m = upstream.message() => m,
             _ = tx.closed() => return,
         };
         let failure = match msg {
-            Ok(Some(mut ev)) => {
-                match &mut ev.event {
-                    Some(generate_event::Event::Prompt(_)) if resumed => continue,
-                    Some(generate_event::Event::Token(t)) => sent.push(t.id),
-                    Some(generate_event::Event::Done(done)) => {
-                        if let Some(t) = &mut done.timings {
-                            let state = shared.state();
-                            if let Some(d) = state.deployments.get(&model) {
-                                for h in &mut t.hops {
-                                    if let Some(s) = d.stages.get(h.stage as usize) {
-                                        h.node = s.node.clone();
-                                        h.device = s.device.clone();
-                                    }
-                                }
-                            }
-                            t.generated_tokens =
-                                (drive.resume_ids.len() + sent.len()) as u32 - drive.resume_ids.len() as u32;
-                            record(&shared, &model, t);
-                        }
-                        let _ = tx.send(Ok(ev)).await;
+            Ok(Some(ev)) => match relay.on_event(ev) {
+                Relayed::Skip => continue,
+                Relayed::Forward(ev) => {
+                    if tx.send(Ok(ev)).await.is_err() {
                         return;
                     }
-                    _ => {}
+                    continue;
                 }
-                if tx.send(Ok(ev)).await.is_err() {
+                Relayed::Done(mut ev) => {
+                    if let Some(generate_event::Event::Done(brigade_proto::v1::Done { timings: Some(t), .. })) =
+                        &mut ev.event
+                    {
+                        let state = shared.state();
+                        if let Some(d) = state.deployments.get(&model) {
+                            for h in &mut t.hops {
+                                if let Some(s) = d.stages.get(h.stage as usize) {
+                                    h.node = s.node.clone();
+                                    h.device = s.device.clone();
+                                }
+                            }
+                        }
+                        record(&shared, &model, t);
+                    }
+                    let _ = tx.send(Ok(ev)).await;
                     return;
                 }
-                continue;
-            }
+            },
             Ok(None) => CoordError::Unavailable("the driver's stream ended without a final event".into()).into(),
             Err(e) => e,
         };
-        if !resumable(&failure) || resumes >= MAX_RESUMES {
-            let _ = tx.send(Err(failure)).await;
-            return;
-        }
-        resumes += 1;
+        let message = failure.message().to_string();
+        let again = match relay.on_failure(failure) {
+            Failed::Fail(e) => {
+                let _ = tx.send(Err(e)).await;
+                return;
+            }
+            Failed::Resume(again) => again,
+        };
         tracing::warn!(
-            "a session of `{model}` lost its pipeline ({}); resuming after {} tokens",
-            failure.message(),
-            sent.len()
+            "a session of `{model}` lost its pipeline ({message}); resuming after {} tokens",
+            relay.sent().len()
         );
         let resumed_upstream = async {
             loop {
                 wait_ready(&shared, &model, generation).await?;
-                let mut again = drive.clone();
-                again.resume_ids.extend_from_slice(&sent);
                 match open_drive(&shared, &model, &again).await {
                     Ok(x) => return Ok::<_, Status>(x),
                     Err(e) if resumable(&e) => {
@@ -372,7 +355,6 @@ async fn relay_session(
             Ok(Ok((u, g))) => {
                 upstream = u;
                 generation = g;
-                resumed = true;
             }
             Ok(Err(e)) => {
                 let _ = tx.send(Err(e)).await;

@@ -11,6 +11,8 @@
 //!   naming both versions.
 //!
 //! - [`convert`]: wire types to and from `brigade-core`'s, with the figures checked.
+//! - [`relay`]: a session's relay between a client and its driver without IO (what to forward,
+//!   when and how to resume after the pipeline fails), shared by the coordinator and the tests.
 //!
 //! Deliberately lacking: transport, TLS and any I/O. This crate depends only on brigade-core,
 //! tonic, prost and tonic-prost.
@@ -18,6 +20,7 @@
 #![forbid(unsafe_code)]
 
 pub mod convert;
+pub mod relay;
 
 use tonic::metadata::MetadataValue;
 use tonic::service::Interceptor;

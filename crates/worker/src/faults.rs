@@ -2,23 +2,29 @@
 //! [`StageCore`]s on three nodes, frames carried by the test kit's virtual network (loss,
 //! duplication, delay and reordering), stage processes killed and restarted (their sessions
 //! gone), while several sessions generate at once. A session that fails — an ERROR from a stage,
-//! or no answer for a while — is resumed as the coordinator's relay resumes it: a new session
-//! with the ids the client already has as `resume_ids`. Every session must end with exactly the
-//! ids the single box draws for it, uninterrupted (greedy or seeded sampling): every id an
-//! attempt streams is checked as it comes. That holds across a failover because a prompt row's
-//! numbers do not depend on how the prompt is cut into chunks (its attention is computed as a
-//! decode step's), and a resumed sampler skips the draws already made. Once the faults stop,
-//! every session must complete. A run is a function of its seed (`BRIGADE_SEED=N` reruns one,
-//! `BRIGADE_SEEDS=N` runs more).
+//! or no answer for a while — is resumed by the coordinator's relay core ([`Relay`]): a new
+//! session with the ids the client already has as `resume_ids`. Every id an attempt streams is
+//! checked as it comes against the ids the single box draws for the session, uninterrupted
+//! (greedy or seeded sampling). That holds across a failover because a prompt row's numbers do
+//! not depend on how the prompt is cut into chunks (its attention is computed as a decode
+//! step's), and a resumed sampler skips the draws already made. Every session must complete
+//! once the faults stop, or have been given up by the relay while they lasted, with its reason,
+//! after [`MAX_RESUMES`] resumptions in a row without a new token. (This network loses, repeats
+//! and reorders frames, which a link — ordered and reliable until its connection dies — never
+//! does, so attempts fail far more often than over QUIC: the relay gives up on about a quarter
+//! of the sessions, 204 of 900 in the 300 schedules of CI.) A run is a function of its
+//! seed (`BRIGADE_SEED=N` reruns one, `BRIGADE_SEEDS=N` runs more).
 
 use crate::driver::{DriveTarget, Opened, SessionCore, Then};
 use crate::router::Peer;
 use crate::stage::tests::{load, request, synth_layers};
 use crate::stage::{Inbound, Out, StageCore, StageCounters, StagePlace, VocabularyCell, MAX_RUN};
+use crate::WorkerError;
 use brigade_core::cluster::{ActDtype, CarrierKind};
 use brigade_core::SamplingParams;
 use brigade_model::{Logits, Sampler, StageInput};
-use brigade_proto::v1::{DriveRequest, StopReason};
+use brigade_proto::relay::{Failed, Relay, Relayed, MAX_RESUMES};
+use brigade_proto::v1::{generate_event, Done, DriveRequest, GenerateEvent, StopReason};
 use brigade_testkit::net::{Net, Weather};
 use brigade_transport::frame::Frame;
 use rand::{Rng, SeedableRng};
@@ -82,14 +88,17 @@ struct Client<'a> {
     req: &'static DriveRequest,
     /// What the single box draws for the session.
     want: Vec<u32>,
-    /// The ids streamed to the client so far (over every attempt).
-    got: Vec<u32>,
+    /// The coordinator's relay of the session: the ids streamed to the client so far (over
+    /// every attempt), and the request of the next attempt.
+    relay: Relay,
+    next: &'static DriveRequest,
     /// The attempt running: its session id, its core, the tick it last heard from the ring.
     live: Option<(u64, Box<SessionCore<'a>>, u64)>,
     attempts: u32,
     /// The first failure's reason of each attempt.
     failures: Vec<String>,
-    done: Option<StopReason>,
+    /// How the session ended: its stop, or the relay's reason to give up and when.
+    done: Option<Result<StopReason, (String, u64)>>,
     start_at: u64,
 }
 
@@ -129,12 +138,10 @@ impl<'a> Ring<'a> {
         }
     }
 
-    /// Starts (or resumes) client `c`'s session: the ids it has so far are resumed.
+    /// Starts (or resumes) client `c`'s session with the relay's request.
     fn start(&mut self, c: usize) {
         let cl = &mut self.clients[c];
-        let mut req = cl.req.clone();
-        req.resume_ids = cl.got.clone();
-        let req: &'static DriveRequest = Box::leak(Box::new(req));
+        let req = cl.next;
         let mut feed = req.prompt_ids.clone();
         feed.extend(&req.resume_ids);
         let session = self.rng.random::<u64>();
@@ -146,20 +153,27 @@ impl<'a> Ring<'a> {
                     self.send(DRIVER, 0, f);
                 }
             }
-            Ok(Opened::Done(_)) => cl.done = Some(StopReason::Stop),
+            Ok(Opened::Done(_)) => cl.done = Some(Ok(StopReason::Stop)),
             Err(e) => panic!("session {c} does not open: {e}"),
         }
     }
 
-    /// Client `c`'s attempt failed: its stages free the session, and the relay resumes it.
-    fn failed(&mut self, c: usize, why: String) {
+    /// Client `c`'s attempt failed: its stages free the session, and the relay resumes it (or,
+    /// past its resumptions, gives up with a reason).
+    fn failed(&mut self, c: usize, why: WorkerError) {
         if let Some((session, _, _)) = self.clients[c].live.take() {
             let close = Frame::close().in_session("d", 1, session);
             self.send(DRIVER, 0, close);
         }
-        assert!(!why.is_empty(), "a session failed without a reason");
-        self.clients[c].failures.push(why);
-        self.start(c);
+        let cl = &mut self.clients[c];
+        let status = tonic::Status::from(why);
+        assert!(!status.message().is_empty(), "a session failed without a reason");
+        cl.failures.push(status.message().to_string());
+        match cl.relay.on_failure(status) {
+            // (the next attempt starts once the deployment serves again: `turn`)
+            Failed::Resume(req) => cl.next = Box::leak(req),
+            Failed::Fail(e) => cl.done = Some(Err((e.message().to_string(), self.now))),
+        }
     }
 
     /// A frame for the driver: to the session it names (a finished or replaced one's is
@@ -173,22 +187,23 @@ impl<'a> Ring<'a> {
         let Some((_, core, heard)) = self.clients[c].live.as_mut() else { return };
         *heard = now;
         match core.on_frame(f, 0) {
-            Err(e) => self.failed(c, e.to_string()),
+            Err(e) => self.failed(c, e),
             Ok(None) => {}
             Ok(Some((tokens, then))) => {
                 let cl = &mut self.clients[c];
-                for t in &tokens {
-                    if self.exact && cl.want.get(cl.got.len()) != Some(&t.id) {
+                for t in tokens {
+                    let at = cl.relay.sent().len();
+                    if self.exact && cl.want.get(at) != Some(&t.id) {
                         self.broken.get_or_insert(format!(
-                            "session {c}, attempt {} (failures {:?}): id {} at {}; the single box draws {:?}",
+                            "session {c}, attempt {} (failures {:?}): id {} at {at}; the single box draws {:?}",
                             cl.attempts,
                             cl.failures,
                             t.id,
-                            cl.got.len(),
-                            cl.want.get(cl.got.len())
+                            cl.want.get(at)
                         ));
                     }
-                    cl.got.push(t.id);
+                    let ev = GenerateEvent { event: Some(generate_event::Event::Token(t)) };
+                    assert!(matches!(cl.relay.on_event(ev), Relayed::Forward(_)), "the relay forwards every token");
                 }
                 match then {
                     Then::Send(f) => self.send(DRIVER, 0, *f),
@@ -197,7 +212,11 @@ impl<'a> Ring<'a> {
                         if let Some((session, _, _)) = self.clients[c].live.take() {
                             self.send(DRIVER, 0, Frame::close().in_session("d", 1, session));
                         }
-                        self.clients[c].done = Some(stop);
+                        let cl = &mut self.clients[c];
+                        let done = Done { stop: stop as i32, ..Default::default() };
+                        let ev = GenerateEvent { event: Some(generate_event::Event::Done(done)) };
+                        assert!(matches!(cl.relay.on_event(ev), Relayed::Done(_)));
+                        cl.done = Some(Ok(stop));
                     }
                 }
             }
@@ -237,10 +256,13 @@ impl<'a> Ring<'a> {
             if cl.done.is_some() {
                 continue;
             }
+            // an attempt opens on a deployment that serves: every stage's process up (the relay
+            // waits for that, as the coordinator's `wait_ready` waits for a ready placement)
+            let serving = self.stages.iter().all(Option::is_some);
             match &cl.live {
-                None if self.now >= cl.start_at => self.start(c),
+                None if self.now >= cl.start_at && serving => self.start(c),
                 Some((_, _, heard)) if self.now > heard + STALL => {
-                    self.failed(c, format!("no answer from the ring for {STALL} ticks"))
+                    self.failed(c, WorkerError::Stalled(format!("no answer from the ring for {STALL} ticks")))
                 }
                 _ => {}
             }
@@ -249,8 +271,9 @@ impl<'a> Ring<'a> {
 }
 
 /// One schedule: the kills and the weather, the sessions' prompts, lengths and sampling, all
-/// drawn from `seed`. The clients' outcomes: (ids wanted, ids got, stop, failures).
-fn run(files: &brigade_model::ModelFiles, target: &'static DriveTarget, seed: u64) -> Result<(u64, u32), String> {
+/// drawn from `seed`. Returns its stage kills, its sessions' attempts, and the sessions the
+/// relay gave up on.
+fn run(files: &brigade_model::ModelFiles, target: &'static DriveTarget, seed: u64) -> Result<(u64, u32, u32), String> {
     let mut rng = ChaCha8Rng::seed_from_u64(seed);
     let mut clients = Vec::new();
     for k in 0..SESSIONS {
@@ -272,7 +295,8 @@ fn run(files: &brigade_model::ModelFiles, target: &'static DriveTarget, seed: u6
         clients.push(Client {
             req,
             want: single_box(files, req),
-            got: Vec::new(),
+            relay: Relay::new(req.clone()),
+            next: req,
             live: None,
             attempts: 0,
             failures: Vec::new(),
@@ -310,17 +334,25 @@ fn run(files: &brigade_model::ModelFiles, target: &'static DriveTarget, seed: u6
     if let Some(b) = ring.broken {
         return Err(b);
     }
-    let mut attempts = 0;
+    let (mut attempts, mut gave_up) = (0, 0);
     for (k, c) in ring.clients.iter().enumerate() {
         attempts += c.attempts;
         let why = || format!("session {k} ({} attempts, failures {:?})", c.attempts, c.failures);
-        match c.done {
-            Some(StopReason::Length) if c.got.len() == c.req.max_tokens as usize => {}
-            Some(stop) => return Err(format!("{}: {stop:?} after {} ids", why(), c.got.len())),
+        match &c.done {
+            Some(Ok(StopReason::Length)) if c.relay.sent().len() == c.req.max_tokens as usize => {}
+            // the relay gave up, saying why, after its resumptions: the one other way to end
+            Some(Err((reason, at))) if c.relay.resumes().1 == MAX_RESUMES && !reason.is_empty() => {
+                // (the last failure of an attempt the faults hit is seen a stall after them)
+                if *at > CHAOS + STALL + 1 {
+                    return Err(format!("{}: given up at tick {at}, after the faults stopped at {CHAOS}", why()));
+                }
+                gave_up += 1
+            }
+            Some(stop) => return Err(format!("{}: {stop:?} after {} ids", why(), c.relay.sent().len())),
             None => return Err(format!("{}: not done {CALM} ticks after the faults stopped", why())),
         }
     }
-    Ok((ring.kills, attempts))
+    Ok((ring.kills, attempts, gave_up))
 }
 
 #[test]
@@ -350,18 +382,20 @@ fn sessions_under_seeded_faults_end_with_the_single_box_ids() {
         Some(s) => vec![s],
         None => (0..std::env::var("BRIGADE_SEEDS").ok().and_then(|s| s.parse().ok()).unwrap_or(300u64)).collect(),
     };
-    let (mut kills, mut attempts, mut failures) = (0, 0, Vec::new());
+    let (mut kills, mut attempts, mut gave_up, mut failures) = (0, 0, 0, Vec::new());
     for seed in &seeds {
         match run(&files, target, *seed) {
-            Ok((k, a)) => {
+            Ok((k, a, g)) => {
                 kills += k;
                 attempts += a;
+                gave_up += g;
             }
             Err(e) => failures.push(format!("seed {seed}: {e}")),
         }
     }
     eprintln!(
-        "{} schedules of {SESSIONS} sessions: {kills} stage kills, {attempts} attempts ({} resumed)",
+        "{} schedules of {SESSIONS} sessions: {kills} stage kills, {attempts} attempts ({} resumed), {gave_up} \
+         sessions given up after {MAX_RESUMES} resumptions in a row without a token",
         seeds.len(),
         attempts as usize - seeds.len() * SESSIONS
     );
@@ -374,5 +408,8 @@ fn sessions_under_seeded_faults_end_with_the_single_box_ids() {
     if seeds.len() >= 50 {
         assert!(kills as usize >= seeds.len() / 2, "too few stage kills: {kills}");
         assert!(attempts as usize >= seeds.len() * SESSIONS * 3 / 2, "too few sessions resumed: {attempts} attempts");
+        // (this network loses, repeats and reorders frames, which a link never does: attempts
+        // fail far more often than over QUIC, and the relay gives up on some sessions)
+        assert!(gave_up as usize <= seeds.len() * SESSIONS * 2 / 5, "the relay gave up on {gave_up} sessions");
     }
 }
