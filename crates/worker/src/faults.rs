@@ -12,7 +12,7 @@
 //! after [`MAX_RESUMES`] resumptions in a row without a new token. (This network loses, repeats
 //! and reorders frames, which a link — ordered and reliable until its connection dies — never
 //! does, so attempts fail far more often than over QUIC: the relay gives up on about a quarter
-//! of the sessions, 204 of 900 in the 300 schedules of CI.) A run is a function of its
+//! of the sessions, 738 of 3000 in the 1000 schedules of CI.) A run is a function of its
 //! seed (`BRIGADE_SEED=N` reruns one, `BRIGADE_SEEDS=N` runs more).
 
 use crate::driver::{DriveTarget, Opened, SessionCore, Then};
@@ -380,7 +380,7 @@ fn sessions_under_seeded_faults_end_with_the_single_box_ids() {
     }));
     let seeds: Vec<u64> = match std::env::var("BRIGADE_SEED").ok().and_then(|s| s.parse().ok()) {
         Some(s) => vec![s],
-        None => (0..std::env::var("BRIGADE_SEEDS").ok().and_then(|s| s.parse().ok()).unwrap_or(300u64)).collect(),
+        None => (0..std::env::var("BRIGADE_SEEDS").ok().and_then(|s| s.parse().ok()).unwrap_or(1000u64)).collect(),
     };
     let (mut kills, mut attempts, mut gave_up, mut failures) = (0, 0, 0, Vec::new());
     for seed in &seeds {
