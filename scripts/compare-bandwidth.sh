@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # brigade's read bandwidth probe beside a C streaming reader (scripts/read-bandwidth.c: AVX-512
 # or AVX2 loads, eight accumulators), interleaved so that both see the same machine load.
-# Not a test: the numbers go into reports (ARCHITECTURE.md's known limits, `brigade doctor`).
+# Not a test: the numbers go into reports (docs/performance.md, `brigade doctor`).
 # Usage: scripts/compare-bandwidth.sh [threads=2] [MiB=512] [rounds=3]
 set -euo pipefail
 cd "$(dirname "$0")/.."

@@ -1,5 +1,8 @@
-//! The dependency rules of ARCHITECTURE.md, checked with `cargo tree`: the pure crates and the
-//! format crate pull in no async runtime, RPC framework, tensor library or consensus library.
+//! The rules of ARCHITECTURE.md, checked: the dependency rules with `cargo tree` (the pure crates
+//! and the format crate pull in no async runtime, RPC framework, tensor library or consensus
+//! library; …), and, by reading the sources, the module order of the model and the coordinator,
+//! where `tonic::Status` is built, the SDK's public types, where `unsafe` is, the documented
+//! crates, and a code map that names every module.
 #![allow(clippy::unwrap_used)]
 
 use std::process::Command;
@@ -397,4 +400,60 @@ fn the_shared_crates_document_their_public_items() {
             assert!(lints.contains(lint), "crates/{name}/src/lib.rs does not warn of {lint}: {lints}");
         }
     }
+}
+
+/// The code map of ARCHITECTURE.md names every module: each `.rs` file under `crates/*/src`,
+/// by its path under `src/` in backticks (`stage.rs`, `llama/decode_attn.rs`, `raft/mod.rs`),
+/// within its crate's subsection (from the heading that starts "### `crates/NAME`" to the next
+/// `##` or `###` heading). A crate root (`lib.rs` or `main.rs` directly under `src/`) is the
+/// crate itself and needs no mention; a directory module's `mod.rs` is named as such.
+#[test]
+fn the_code_map_names_every_module() {
+    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../..");
+    let doc = std::fs::read_to_string(root.join("ARCHITECTURE.md")).unwrap();
+    let mut crates: Vec<std::path::PathBuf> =
+        std::fs::read_dir(root.join("crates")).unwrap().map(|e| e.unwrap().path()).collect();
+    crates.sort();
+    let (mut checked, mut missing) = (0, Vec::new());
+    for dir in crates {
+        let src = dir.join("src");
+        if !src.is_dir() {
+            continue;
+        }
+        let name = dir.file_name().unwrap().to_string_lossy().into_owned();
+        let heading = format!("### `crates/{name}`");
+        let section: Vec<&str> = doc
+            .lines()
+            .skip_while(|l| !l.starts_with(&heading))
+            .enumerate()
+            .take_while(|(i, l)| *i == 0 || !(l.starts_with("## ") || l.starts_with("### ")))
+            .map(|(_, l)| l)
+            .collect();
+        let section = section.join("\n");
+        let mut files = rust_files(&src);
+        files.sort();
+        for path in files {
+            let parts: Vec<String> = path
+                .strip_prefix(&src)
+                .unwrap()
+                .components()
+                .map(|c| c.as_os_str().to_string_lossy().into_owned())
+                .collect();
+            let rel = parts.join("/");
+            if rel == "lib.rs" || rel == "main.rs" {
+                continue;
+            }
+            checked += 1;
+            if !section.contains(&format!("`{rel}`")) {
+                missing.push(format!("crates/{name}/src/{rel}"));
+            }
+        }
+    }
+    assert!(checked >= 100, "only {checked} modules found under {}", root.join("crates").display());
+    assert!(
+        missing.is_empty(),
+        "ARCHITECTURE.md's code map does not name {} module(s) in their crate's subsection (as `path/under/src.rs`): {}",
+        missing.len(),
+        missing.join(", ")
+    );
 }

@@ -21,9 +21,10 @@
 //!   forced call's grammar, and the parser that turns an answer's text into `tool_calls`.
 //!
 //! Deliberately lacks: any tensor library (checked by `tests/architecture.rs`: the coordinator
-//! links this crate), `n > 1`, logprobs, images, embeddings, TLS (put a proxy in front).
+//! links this crate), `n > 1`, images, embeddings, TLS (put a proxy in front).
 //! Structured output (`response_format`, `json_schema`, `grammar`) is compiled here by
-//! `brigade-grammar` and applied by a backend that [`Backend::constrains`].
+//! `brigade-grammar` and applied by a backend that [`Backend::constrains`]; `logprobs` are sent
+//! by a backend that [`Backend::scores`].
 
 #![forbid(unsafe_code)]
 
