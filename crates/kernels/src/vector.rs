@@ -561,12 +561,23 @@ fn head_body<S: Scores>(
             *x *= inv;
         }
     }
-    // the weighted values: each value row read once for the g queries
+    // the weighted values: 64 dimensions of a query's output at a time, in registers over every
+    // value row (each output the same sum, row after row, as one value row at a time gives)
     out.fill(0.0);
-    for (j, value) in values.chunks_exact(hd).enumerate() {
-        for (r, o) in out.chunks_exact_mut(hd).enumerate() {
-            let wj = w[r * seen + j];
-            for (o, x) in o.iter_mut().zip(value) {
+    let wide = hd / 64 * 64;
+    for (r, o) in out.chunks_exact_mut(hd).enumerate() {
+        let wr = &w[r * seen..][..seen];
+        for d0 in (0..wide).step_by(64) {
+            let mut acc = [0f32; 64];
+            for (&wj, value) in wr.iter().zip(values.chunks_exact(hd)) {
+                for (a, x) in acc.iter_mut().zip(&value[d0..d0 + 64]) {
+                    *a += wj * x;
+                }
+            }
+            o[d0..d0 + 64].copy_from_slice(&acc);
+        }
+        for (&wj, value) in wr.iter().zip(values.chunks_exact(hd)) {
+            for (o, x) in o[wide..].iter_mut().zip(&value[wide..]) {
                 *o += wj * x;
             }
         }
