@@ -1,6 +1,5 @@
 //! Token sampling in llama.cpp's order: penalties (repetition, frequency, presence), top-k, top-p,
 //! min-p, temperature, then a draw from a seeded generator. Temperature 0 (or below) is greedy.
-
 //!
 //! [`Draw`] is how every engine draws a session's next id — the one box's batch and a cluster's
 //! last stage alike: the format's mask, the sampling chain, the format told the id, the scores

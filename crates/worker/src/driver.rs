@@ -4,9 +4,8 @@
 //! first stage in chunks (so stages overlap on a long prompt), and then, for each sampled id the
 //! last stage sends back, decides — with the stop rules every engine judges by
 //! ([`brigade_core::stop::StopRules`]), so greedy output equals `brigade run`'s — whether to stop
-//! or to feed the id to the first stage. Events go
-//! to the caller (the coordinator relays them to the client) through a channel: the caller is
-//! never on the token loop's path. The decisions are [`SessionCore`]'s, without IO (frames in,
+//! or to feed the id to the first stage. Events go to the caller (the coordinator relays them to
+//! the client) through a channel: the caller is never on the token loop's path. The decisions are [`SessionCore`]'s, without IO (frames in,
 //! tokens and frames out); [`drive`] moves its frames and events.
 
 use crate::router::{Peer, Router};
@@ -261,8 +260,8 @@ pub async fn drive(router: Arc<Router>, t: DriveTarget, req: DriveRequest, hidde
 /// One session's driving without IO: what to send the first stage to open it and read its
 /// prompt, and, for each frame the last stage sends back, the tokens to stream and either the
 /// next run to send or why the generation stops — by [`StopRules`], as the one box's engines
-/// judge, and the request's stop strings. The async loop below ([`drive`]) moves its frames and events; a test
-/// drives it by hand against stage cores.
+/// judge, and the request's stop strings. The async loop below ([`drive`]) moves its frames and
+/// events; a test drives it by hand against stage cores.
 pub struct SessionCore<'a> {
     t: &'a DriveTarget,
     req: &'a DriveRequest,
