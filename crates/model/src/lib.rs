@@ -19,6 +19,9 @@
 //!   kernels per instruction set), the vectorized element-wise loops (`llama`'s SiLU, softmax and
 //!   decode attention ops call them), the compute threads and the bandwidth probe. This crate
 //!   forbids `unsafe`.
+//! - [`generation`]: one generation's decisions without IO (the ids the stop rules take, the
+//!   next run with its draft), the same for `Pipeline::generate`, the batch and a cluster's
+//!   session driver.
 //! - [`speculative`]: drafts (prompt lookup, a draft model) verified in one pass, the text
 //!   unchanged.
 //! - [`sampler`], [`synth`] (random-weight models of any Llama shape).
@@ -33,6 +36,7 @@
 pub mod batch;
 pub mod device;
 pub mod devices;
+pub mod generation;
 pub mod llama;
 pub mod measure;
 pub mod pipeline;

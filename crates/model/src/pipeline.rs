@@ -8,6 +8,7 @@
 //! feeding is returned in [`GenerationStats::unfed`], not recorded as fed.
 
 use crate::device::{activation_dtype, candle_device};
+use crate::generation::Generation;
 use crate::llama::{Logits, Slice, SliceCache, StageInput};
 use crate::sampler::Sampler;
 use crate::speculative::Drafter;
@@ -401,31 +402,28 @@ impl Pipeline {
             stop: StopReason::Length,
             unfed: None,
         };
-        let mut rules = StopRules { max_tokens: n_predict, n_ctx: self.n_ctx, ignore_eos, generated: 0 };
+        let rules = StopRules { max_tokens: n_predict, n_ctx: self.n_ctx, ignore_eos, generated: 0 };
+        let mut generation = Generation::new(session.tokens().to_vec(), rules, self.max_run())?;
         let mut stop = (n_predict == 0).then_some(StopReason::Length);
         while stop.is_none() {
             let start = session.len() + 1 - rows.len();
-            let run = session.tokens()[start - 1..].to_vec();
-            let mut next = 0;
+            let run = generation.run().to_vec();
             let used = crate::speculative::walk(&run, &rows, |j, logits| {
                 if stats.decode_steps > 0 {
                     stats.decoded += 1;
                 }
                 let id = sampler.sample(logits, &session.tokens()[..start + j]);
-                let verdict = rules.judge(is_eog(id), false, start + j);
+                let verdict = generation.judge(id, is_eog(id), false);
                 if verdict == Verdict::Unsent {
                     stop = verdict.stop();
                     return None;
                 }
                 stats.unfed = Some(id);
-                next = id;
                 stop = if on_token(id) { verdict.stop() } else { Some(StopReason::Caller) };
                 stop.is_none().then_some(id)
             });
             stats.accepted += used - 1;
-            if let Some(d) = drafter.as_deref_mut() {
-                d.verified(run.len() - 1, used - 1);
-            }
+            generation.ran(drafter.as_deref_mut(), used);
             let keep = start - 1 + used;
             if session.truncate(keep) != keep {
                 return Err(ModelError::BadSlice(format!("a session cannot go back to {keep} tokens after a draft")));
@@ -433,21 +431,14 @@ impl Pipeline {
             if stop.is_some() {
                 break;
             }
-            let run = match drafter.as_deref_mut() {
-                None => vec![next],
-                Some(d) => {
-                    let context = [session.tokens(), &[next]].concat();
-                    let run = d.run(&context, &rules, self.max_run(), usize::MAX)?;
-                    stats.drafted += run.len() - 1;
-                    run
-                }
-            };
+            let run = generation.next_run(drafter.as_deref_mut(), usize::MAX)?.to_vec();
+            stats.drafted += run.len() - 1;
             stats.unfed = None;
             rows = self.forward_runs(&mut [&mut *session], &[&run])?;
             stats.decode_steps += 1;
         }
         stats.stop = stop.unwrap_or(StopReason::Length);
-        stats.generated = rules.generated;
+        stats.generated = generation.generated();
         stats.gen_time = t1.elapsed();
         Ok(stats)
     }

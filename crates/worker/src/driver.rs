@@ -2,9 +2,8 @@
 //!
 //! The driver tokenizes the request, opens the session on every stage, feeds the prompt to the
 //! first stage in chunks (so stages overlap on a long prompt), and then, for each sampled id the
-//! last stage sends back, decides — with the stop rules every engine judges by
-//! ([`brigade_core::stop::StopRules`]), so greedy output equals `brigade run`'s — whether to stop
-//! or to feed the id to the first stage. Events go to the caller (the coordinator relays them to
+//! last stage sends back, decides — with the [`Generation`] every engine's sessions go by, so
+//! greedy output equals `brigade run`'s — whether to stop or to feed the id to the first stage. Events go to the caller (the coordinator relays them to
 //! the client) through a channel: the caller is never on the token loop's path. The decisions are [`SessionCore`]'s, without IO (frames in,
 //! tokens and frames out); [`drive`] moves its frames and events.
 
@@ -13,6 +12,7 @@ use crate::stage::{now_us, FLAG_DONE, FLAG_DRAFT, FLAG_EOG, FLAG_LAST};
 use crate::WorkerError;
 use brigade_core::cluster::CarrierKind;
 use brigade_core::stop::{StopReason as CoreStop, StopRules, Verdict};
+use brigade_model::generation::Generation;
 use brigade_model::speculative::{Drafter, Speculation};
 use brigade_model::Tokenizer;
 use brigade_proto::convert::stop_to_proto;
@@ -259,8 +259,8 @@ pub async fn drive(router: Arc<Router>, t: DriveTarget, req: DriveRequest, hidde
 
 /// One session's driving without IO: what to send the first stage to open it and read its
 /// prompt, and, for each frame the last stage sends back, the tokens to stream and either the
-/// next run to send or why the generation stops — by [`StopRules`], as the one box's engines
-/// judge, and the request's stop strings. The async loop below ([`drive`]) moves its frames and
+/// next run to send or why the generation stops — by a [`Generation`], as the one box's engines
+/// decide, and the request's stop strings. The async loop below ([`drive`]) moves its frames and
 /// events; a test drives it by hand against stage cores.
 pub struct SessionCore<'a> {
     t: &'a DriveTarget,
@@ -270,14 +270,11 @@ pub struct SessionCore<'a> {
     feed_len: usize,
     /// The answer's text (stop strings).
     text: brigade_model::tokenizer::AnswerText<'a>,
-    /// The tokens the stages hold, then the id drawn last (what a draft continues).
-    context: Vec<u32>,
-    /// The ids of the last run sent (the prompt's last token counts as a run of one).
-    run: Vec<u32>,
+    /// The generation's decisions: the ids the rules take, the run sent last (the prompt's last
+    /// token counts as a run of one) and the next.
+    generation: Generation,
     drafter: Option<Drafter>,
     decoded: u64,
-    /// The stop rules, and the ids generated so far (those resumed count).
-    rules: StopRules,
     emitted: u32,
     first_token_at: Option<Instant>,
     last_token_at: Instant,
@@ -347,6 +344,13 @@ impl<'a> SessionCore<'a> {
             (Some(s), None) => Some(Drafter::new(s.clone(), t.vocab).map_err(|e| WorkerError::Failed(e.to_string()))?),
             _ => None,
         };
+        let rules = StopRules {
+            max_tokens: if req.max_tokens > 0 { req.max_tokens as usize } else { usize::MAX },
+            n_ctx: t.n_ctx,
+            ignore_eos: req.ignore_eos,
+            generated: req.resume_ids.len(),
+        };
+        let generation = Generation::new(feed.to_vec(), rules, t.max_run)?;
         let core = SessionCore {
             t,
             req,
@@ -354,16 +358,9 @@ impl<'a> SessionCore<'a> {
             prompt_len: prompt.len(),
             feed_len: feed.len(),
             text,
-            context: feed.to_vec(),
-            run: vec![feed[feed.len() - 1]],
+            generation,
             drafter,
             decoded: 0,
-            rules: StopRules {
-                max_tokens: if req.max_tokens > 0 { req.max_tokens as usize } else { usize::MAX },
-                n_ctx: t.n_ctx,
-                ignore_eos: req.ignore_eos,
-                generated: req.resume_ids.len(),
-            },
             emitted: 0,
             first_token_at: None,
             last_token_at: Instant::now(),
@@ -400,7 +397,7 @@ impl<'a> SessionCore<'a> {
         }
         let ids = frame.token_ids().map_err(|e| WorkerError::Failed(e.to_string()))?;
         // one id per row of the run at most: the draws that took the draft, then one more
-        let run = &self.run;
+        let run = self.generation.run();
         if ids.is_empty() || ids.len() > run.len() || ids[..ids.len() - 1] != run[1..ids.len()] {
             return Err(WorkerError::Failed(format!(
                 "the last stage sent {} ids for a run of {}, or ids the draft did not hold",
@@ -416,17 +413,15 @@ impl<'a> SessionCore<'a> {
             self.decoded += ids.len() as u64;
         }
         self.last_token_at = now;
-        if let Some(d) = self.drafter.as_mut() {
-            d.verified(run.len() - 1, ids.len() - 1);
-        }
+        self.generation.ran(self.drafter.as_mut(), ids.len());
         let mut tokens = Vec::with_capacity(ids.len());
         let mut stop = None;
         for (k, &id) in ids.iter().enumerate() {
             let last = k + 1 == ids.len();
             let eog = (last && frame.header.flags & FLAG_EOG != 0) || t.tokenizer.is_eog(id);
             let done = last && frame.header.flags & FLAG_DONE != 0;
-            let index = self.rules.generated as u32;
-            let verdict = self.rules.judge(eog, done, self.context.len());
+            let index = self.generation.generated() as u32;
+            let verdict = self.generation.judge(id, eog, done);
             if verdict == Verdict::Unsent {
                 stop = verdict.stop();
                 break;
@@ -438,7 +433,6 @@ impl<'a> SessionCore<'a> {
             };
             tokens.push(Token { id, text: self.text.push(id), index, logprob, top_logprobs });
             self.emitted += 1;
-            self.context.push(id);
             // (a stop string ends the answer before anything the rules say)
             stop = if self.text.stopped() { Some(CoreStop::Stop) } else { verdict.stop() };
             if stop.is_some() {
@@ -449,20 +443,19 @@ impl<'a> SessionCore<'a> {
             return Ok(Some((tokens, Then::Stop(stop_to_proto(stop)))));
         }
         // the next run: the id drawn last, then a draft where one is worth its rows
-        let fed = self.context.len() - 1;
-        self.run = match self.drafter.as_mut() {
-            None => vec![self.context[fed]],
-            Some(d) => d
-                .run(&self.context, &self.rules, t.max_run, usize::MAX)
-                .map_err(|e| WorkerError::Failed(e.to_string()))?,
-        };
+        let fed = self.generation.context().len() - 1;
+        let run = self
+            .generation
+            .next_run(self.drafter.as_mut(), usize::MAX)
+            .map_err(|e| WorkerError::Failed(e.to_string()))?
+            .to_vec();
         self.sent_us = now_us();
-        let step = self.rules.generated as u64;
+        let step = self.generation.generated() as u64;
         self.awaiting = (step, fed as u64 + 1);
-        let mut f = tokens_frame(t, self.session, step, fed as u64, &self.run, true);
-        if self.run.len() > 1 {
+        let mut f = tokens_frame(t, self.session, step, fed as u64, &run, true);
+        if run.len() > 1 {
             f.header.flags |= FLAG_DRAFT;
-            f.header.draft = self.run.clone();
+            f.header.draft = run;
         }
         Ok(Some((tokens, Then::Send(Box::new(f)))))
     }

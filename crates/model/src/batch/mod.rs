@@ -19,7 +19,7 @@
 //!
 //! **Batch invariance**: a row's numbers never depend on which other rows share the step (see
 //! [`crate::llama::Slice::forward_rows`]), and a job draws with [`crate::sampler::Draw`] (as a
-//! cluster's last stage does) and is judged by [`brigade_core::stop::StopRules`] (as `generate`
+//! cluster's last stage does) and is judged, its runs made, by a [`Generation`] (as `generate`
 //! and a cluster's driver are), so a job's output is the one it gets alone, and greedy output
 //! equals `brigade run`'s.
 //!
@@ -36,6 +36,7 @@ mod engine;
 
 pub use engine::{Busy, Engine, EngineConfig, Load, Sink};
 
+use crate::generation::Generation;
 use crate::pipeline::{StopReason, PREFILL_CHUNK};
 use crate::sampler::{draw_run, Draw, DrawError, Drawn};
 use crate::speculative::{Drafter, Speculation};
@@ -125,8 +126,8 @@ pub struct JobStats {
 enum Phase {
     /// `fed` prompt tokens are in the caches.
     Prompt { fed: usize },
-    /// This token was sampled and is fed at the next decode step.
-    Decode(u32),
+    /// The generation's last id was drawn and is fed at the next decode step.
+    Decode,
 }
 
 struct Active {
@@ -134,7 +135,7 @@ struct Active {
     /// The prompt, `max_tokens` and the rest ([`Job::constraint`] has moved into `draw`).
     job: Job,
     draw: Draw,
-    rules: StopRules,
+    generation: Generation,
     phase: Phase,
     queued: Duration,
     admitted: Instant,
@@ -301,20 +302,27 @@ impl Batch {
                 out.push((id, Output::Done(stats)));
                 continue;
             }
+            let rules = StopRules { max_tokens: job.max_tokens, n_ctx, ignore_eos: job.ignore_eos, generated: 0 };
+            let generation = match Generation::new(job.prompt.clone(), rules, self.pipeline.max_run()) {
+                Ok(g) => g,
+                Err(e) => {
+                    out.push((id, Output::Error(e.to_string())));
+                    continue;
+                }
+            };
+            let mut job = job;
+            let sampler = Sampler::new(job.sampler.clone());
+            let draw = Draw::new(sampler, job.prompt.clone(), job.constraint.take(), job.logprobs, None);
             let (i, cached) = self.best_slot(&job.prompt);
             self.admitted += 1;
             let slot = &mut self.slots[i];
             let cached = slot.session.truncate(cached);
             slot.chunked = job.prompt.len() / self.chunk * self.chunk;
             slot.used = self.admitted;
-            let mut job = job;
-            let sampler = Sampler::new(job.sampler.clone());
-            let draw = Draw::new(sampler, job.prompt.clone(), job.constraint.take(), job.logprobs, None);
-            let rules = StopRules { max_tokens: job.max_tokens, n_ctx, ignore_eos: job.ignore_eos, generated: 0 };
             slot.active = Some(Active {
                 id,
                 draw,
-                rules,
+                generation,
                 job,
                 phase: Phase::Prompt { fed: cached },
                 queued,
@@ -364,8 +372,8 @@ impl Batch {
             Err(e) => fail(slot, &e, out),
             Ok(_) if end < a.job.prompt.len() => a.phase = Phase::Prompt { fed: end },
             Ok(l) => {
-                let (fed, drawn) = (slot.session.len(), a.draw.draw(&l).map(|d| vec![d]));
-                self.answered(i, drawn, fed, out);
+                let drawn = a.draw.draw(&l).map(|d| vec![d]);
+                self.answered(i, drawn, out);
             }
         }
     }
@@ -419,13 +427,12 @@ impl Batch {
             }
             Ok(logits) => {
                 for (&(i, _, end), l) in picked.iter().zip(logits) {
-                    let fed = self.slots[i].session.len();
                     let Some(a) = self.slots[i].active.as_mut() else { continue };
                     if end < a.job.prompt.len() {
                         a.phase = Phase::Prompt { fed: end };
                     } else {
                         let drawn = a.draw.draw(&l).map(|d| vec![d]);
-                        self.answered(i, drawn, fed, out);
+                        self.answered(i, drawn, out);
                     }
                 }
             }
@@ -433,27 +440,23 @@ impl Batch {
     }
 
     fn decode(&mut self, out: &mut Vec<(JobId, Output)>) {
-        let n = self.slots.iter().filter(|s| matches!(s.active, Some(Active { phase: Phase::Decode(_), .. }))).count();
+        let n = self.slots.iter().filter(|s| matches!(s.active, Some(Active { phase: Phase::Decode, .. }))).count();
         if n == 0 {
             return;
         }
         // drafts fill the rows one pass reads each weight for (DECODE_ROWS), shared out evenly
         let spare = crate::cpu_matmul::DECODE_ROWS.saturating_sub(n) / n;
-        let max_run = self.pipeline.max_run();
         // (slot, its run: the token drawn last, then its draft)
         let mut decoding: Vec<usize> = Vec::with_capacity(n);
         let mut runs: Vec<Vec<u32>> = Vec::with_capacity(n);
         for (i, slot) in self.slots.iter_mut().enumerate() {
-            let Some(a) = slot.active.as_ref() else { continue };
-            let Phase::Decode(t) = a.phase else { continue };
+            let Some(a) = slot.active.as_mut() else { continue };
+            let Phase::Decode = a.phase else { continue };
             decoding.push(i);
-            let run = match slot.drafter.as_mut() {
-                None => vec![t],
-                Some(d) => {
-                    let context = [slot.session.tokens(), &[t]].concat();
-                    // (a draft that cannot be made is no draft: the job goes on without)
-                    d.run(&context, &a.rules, max_run, spare).unwrap_or_else(|_| vec![t])
-                }
+            // (a draft that cannot be made is no draft: the job goes on without)
+            let run = match a.generation.next_run(slot.drafter.as_mut(), spare) {
+                Ok(run) => run.to_vec(),
+                Err(_) => a.generation.run().to_vec(),
             };
             runs.push(run);
         }
@@ -481,34 +484,25 @@ impl Batch {
         for (i, run) in decoding.into_iter().zip(runs) {
             let rows: Vec<Vec<f32>> = rows.by_ref().take(run.len()).collect();
             let start = self.slots[i].session.len() + 1 - run.len();
-            let Some(a) = self.slots[i].active.as_mut() else { continue };
+            let slot = &mut self.slots[i];
+            let Some(a) = slot.active.as_mut() else { continue };
             let drawn = draw_run(&mut a.draw, &run, &rows, &self.is_eog);
             // the rows whose draws were taken (on a failure, the run's first: the job ends)
             let used = drawn.as_ref().map_or(1, Vec::len);
-            let slot = &mut self.slots[i];
-            if let Some(d) = slot.drafter.as_mut() {
-                d.verified(run.len() - 1, used - 1);
-            }
+            a.generation.ran(slot.drafter.as_mut(), used);
             let keep = start - 1 + used;
             if slot.session.truncate(keep) != keep {
                 let e = ModelError::BadSlice(format!("a session cannot go back to {keep} tokens after a draft"));
                 fail(slot, &e, out);
                 continue;
             }
-            self.answered(i, drawn, start, out);
+            self.answered(i, drawn, out);
         }
     }
 
-    /// Slot `i`'s draws (the first from logits that follow the first `follows` tokens of its
-    /// session, each next one a token further) judged by the job's stop rules: the tokens of
+    /// Slot `i`'s draws from its last pass judged by the job's [`Generation`]: the tokens of
     /// the answer go out, and the job ends where the rules say or goes on from its last.
-    fn answered(
-        &mut self,
-        i: usize,
-        drawn: Result<Vec<Drawn>, DrawError>,
-        follows: usize,
-        out: &mut Vec<(JobId, Output)>,
-    ) {
+    fn answered(&mut self, i: usize, drawn: Result<Vec<Drawn>, DrawError>, out: &mut Vec<(JobId, Output)>) {
         let slot = &mut self.slots[i];
         let drawn = match drawn {
             Ok(d) => d,
@@ -517,12 +511,12 @@ impl Batch {
         let Some(a) = slot.active.as_mut() else { return };
         let first = *a.first_token.get_or_insert_with(Instant::now);
         let mut stop = None;
-        for (j, d) in drawn.into_iter().enumerate() {
-            let verdict = a.rules.judge((self.is_eog)(d.id), d.done, follows + j);
+        for d in drawn {
+            let verdict = a.generation.judge(d.id, (self.is_eog)(d.id), d.done);
             if verdict != Verdict::Unsent {
                 // the last token is not fed (as `generate`): the session's tokens stay its caches'
                 out.push((a.id, Output::Token(d.id, d.scores)));
-                a.phase = Phase::Decode(d.id);
+                a.phase = Phase::Decode;
             }
             stop = verdict.stop();
             if stop.is_some() {
@@ -532,7 +526,7 @@ impl Batch {
         if let Some(stop) = stop {
             let stats = JobStats {
                 prompt_tokens: a.job.prompt.len(),
-                generated: a.rules.generated,
+                generated: a.generation.generated(),
                 stop,
                 queued: a.queued,
                 prompt_time: first - a.admitted,
