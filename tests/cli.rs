@@ -378,6 +378,27 @@ fn bench_reports_rows_bandwidth_and_bound() {
     assert_eq!(String::from_utf8(csv.stdout).unwrap().lines().count(), 2);
 }
 
+/// `-d` (llama-bench's depth) runs every test after that many tokens, untimed; the cost model's
+/// prediction and the bandwidth bound count no cache, so a deep row has neither; the flag is
+/// refused where no model file is benchmarked here.
+#[test]
+fn bench_runs_every_test_at_every_depth() {
+    let j = ok_json(&["bench", "-p", "8", "-n", "4", "-d", "0,40", "-r", "1", "-o", "json", "--measure", "quick"]);
+    let rows = j["rows"].as_array().unwrap();
+    let tests: Vec<(&str, u64)> =
+        rows.iter().map(|r| (r["test"].as_str().unwrap(), r["n_depth"].as_u64().unwrap())).collect();
+    assert_eq!(tests, [("pp8", 0), ("tg4", 0), ("pp8 @ d40", 40), ("tg4 @ d40", 40)]);
+    for r in rows {
+        assert!(r["avg_ts"].as_f64().unwrap() > 0.0, "{r}");
+        let deep = r["n_depth"].as_u64().unwrap() > 0;
+        assert_eq!(r["predicted_ts"].is_null(), deep, "{r}");
+    }
+    assert!(rows[1]["bound_ts"].as_f64().is_some() && rows[3]["bound_ts"].is_null());
+    let out = brigade(&["bench", "--url", "http://127.0.0.1:9", "-d", "16"]);
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("-d (context depth)"));
+}
+
 #[test]
 fn bench_sweeps_thread_counts_in_child_processes() {
     let j = ok_json(&["bench", "-p", "8", "-n", "4", "-r", "1", "-t", "1,2", "-o", "json", "--measure", "quick"]);

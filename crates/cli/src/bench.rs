@@ -31,6 +31,10 @@ pub struct BenchArgs {
     /// Generation lengths to test (tg), comma separated; 0 skips.
     #[arg(short = 'n', long = "n-gen", default_value = "128", value_delimiter = ',')]
     pub n_gen: Vec<usize>,
+    /// Context depths to run every test at, comma separated (llama-bench's `-d`): each test
+    /// first reads that many tokens, untimed, so a `tg128 @ d4096` row is decode 4096 tokens in.
+    #[arg(short = 'd', long = "n-depth", default_value = "0", value_delimiter = ',')]
+    pub n_depth: Vec<usize>,
     /// Repetitions of each test.
     #[arg(short = 'r', long = "repetitions", default_value_t = 3)]
     pub reps: usize,
@@ -67,6 +71,10 @@ pub struct BenchArgs {
 }
 
 pub fn bench(a: BenchArgs) -> Result<()> {
+    let served = a.http.url.is_some() || a.connect.coordinator.is_some() || a.concurrency.iter().any(|&c| c != 1);
+    if served && a.n_depth.iter().any(|&d| d > 0) {
+        bail!("-d (context depth) is a test of a model file in this process: not with --url, --coordinator or --concurrency");
+    }
     if let Some(url) = a.http.url.clone() {
         return crate::http_bench::bench(crate::http_bench::HttpBench {
             url,
@@ -125,6 +133,7 @@ fn sweep(a: &BenchArgs) -> Result<BenchOut> {
         }
         args.extend(["-p".into(), join(a.n_prompt.iter().map(|x| x.to_string()).collect())]);
         args.extend(["-n".into(), join(a.n_gen.iter().map(|x| x.to_string()).collect())]);
+        args.extend(["-d".into(), join(a.n_depth.iter().map(|x| x.to_string()).collect())]);
         args.extend(["-r".into(), a.reps.to_string().into()]);
         args.extend(["--n-gpu-layers".into(), join(a.ngl.iter().map(|g| g.to_string()).collect())]);
         args.extend(["--headroom".into(), a.headroom.to_string().into()]);
@@ -170,7 +179,8 @@ fn bench_here(a: &BenchArgs) -> Result<BenchOut> {
     let files = open_model(a.model.as_deref())?;
     let threads = brigade_model::threads::current();
     let gpus = detect_gpus();
-    let n_ctx = a.n_prompt.iter().max().copied().unwrap_or(0) + a.n_gen.iter().max().copied().unwrap_or(0) + 16;
+    let longest = |v: &[usize]| v.iter().max().copied().unwrap_or(0);
+    let n_ctx = longest(&a.n_depth) + longest(&a.n_prompt) + longest(&a.n_gen) + 16;
     let mut notes = kernel_notes(&files);
     let bandwidth = (!a.no_bandwidth).then(|| bandwidth::read_bandwidth(bandwidth::probe_bytes(), threads, 3));
     // CUDA devices opened first (free memory measured around each load sees only the load)
@@ -277,8 +287,10 @@ fn bench_placement(s: &Setup, ngl: GpuLayers) -> Result<Vec<Row>> {
     let (gpu_predicted, gpu_measured) = warm_up(s, &pipeline, stages, &free_before)?;
     let predicted =
         |p: Option<usize>| s.machine.as_ref().and_then(|(_, inv, prof)| predict(inv, prof, stages, s.n_ctx, p));
-    let row = |test: String, n_prompt: usize, n_gen: usize, samples: Vec<f64>| {
+    let row = |test: String, n_prompt: usize, n_gen: usize, n_depth: usize, samples: Vec<f64>| {
         let (avg_ts, stddev_ts) = mean_std(&samples);
+        // (as llama-bench names a test at a depth)
+        let test = if n_depth > 0 { format!("{test} @ d{n_depth}") } else { test };
         Row {
             threads: s.threads,
             ngl: ngl.to_string(),
@@ -286,6 +298,7 @@ fn bench_placement(s: &Setup, ngl: GpuLayers) -> Result<Vec<Row>> {
             test,
             n_prompt,
             n_gen,
+            n_depth,
             avg_ts,
             stddev_ts,
             samples_ts: samples,
@@ -301,30 +314,35 @@ fn bench_placement(s: &Setup, ngl: GpuLayers) -> Result<Vec<Row>> {
         }
     };
     let mut rows = Vec::new();
-    for &p in a.n_prompt.iter().filter(|&&p| p > 0) {
-        let samples = time_prompt(s, &pipeline, p)?;
-        let predicted_ts = predicted(Some(p)).and_then(|x| x.prefill_tps);
-        rows.push(Row { predicted_ts, ..row(format!("pp{p}"), p, 0, samples) });
-    }
-    for &n in a.n_gen.iter().filter(|&&n| n > 0) {
-        let (samples, bw) = time_decode(s, &pipeline, n)?;
-        let r = row(format!("tg{n}"), 0, n, samples);
-        // floor: CPU-resident bytes at CPU bandwidth plus GPU-resident bytes at GPU bandwidth
-        let gpu_read = read_total - cpu_read;
-        let bound = match (bw, s.gpu_bandwidth, gpu_read) {
-            (Some(bw), _, 0) => Some(bw / cpu_read.max(1) as f64),
-            (Some(bw), Some(g), _) => Some(1.0 / (cpu_read as f64 / bw + gpu_read as f64 / g)),
-            (None, Some(g), _) if cpu_read == 0 => Some(g / gpu_read as f64),
-            _ => None,
-        };
-        let predicted_ts = predicted(None).map(|x| x.decode_tps);
-        rows.push(Row {
-            bandwidth_bytes_per_s: bw,
-            bound_ts: bound,
-            fraction_of_bound: bound.map(|b| r.avg_ts / b),
-            predicted_ts,
-            ..r
-        });
+    for &d in &a.n_depth {
+        // (the cost model and the bound count weights, not a deep cache: at depth 0 only)
+        let shallow = d == 0;
+        for &p in a.n_prompt.iter().filter(|&&p| p > 0) {
+            let samples = time_prompt(s, &pipeline, p, d)?;
+            let predicted_ts = predicted(Some(p)).and_then(|x| x.prefill_tps).filter(|_| shallow);
+            rows.push(Row { predicted_ts, ..row(format!("pp{p}"), p, 0, d, samples) });
+        }
+        for &n in a.n_gen.iter().filter(|&&n| n > 0) {
+            let (samples, bw) = time_decode(s, &pipeline, n, d)?;
+            let r = row(format!("tg{n}"), 0, n, d, samples);
+            // floor: CPU-resident bytes at CPU bandwidth plus GPU-resident bytes at GPU bandwidth
+            let gpu_read = read_total - cpu_read;
+            let bound = match (bw, s.gpu_bandwidth, gpu_read) {
+                (Some(bw), _, 0) => Some(bw / cpu_read.max(1) as f64),
+                (Some(bw), Some(g), _) => Some(1.0 / (cpu_read as f64 / bw + gpu_read as f64 / g)),
+                (None, Some(g), _) if cpu_read == 0 => Some(g / gpu_read as f64),
+                _ => None,
+            }
+            .filter(|_| shallow);
+            let predicted_ts = predicted(None).map(|x| x.decode_tps).filter(|_| shallow);
+            rows.push(Row {
+                bandwidth_bytes_per_s: bw,
+                bound_ts: bound,
+                fraction_of_bound: bound.map(|b| r.avg_ts / b),
+                predicted_ts,
+                ..r
+            });
+        }
     }
     Ok(rows)
 }
@@ -360,11 +378,11 @@ fn warm_up(
 }
 
 /// Prompt tokens per second of each repetition of a `p`-token prefill (a fresh session each).
-fn time_prompt(s: &Setup, pipeline: &Pipeline, p: usize) -> Result<Vec<f64>> {
-    let prompt: Vec<u32> = (0..p).map(|i| token(s.files.config.vocab, i)).collect();
+fn time_prompt(s: &Setup, pipeline: &Pipeline, p: usize, depth: usize) -> Result<Vec<f64>> {
+    let prompt: Vec<u32> = (depth..depth + p).map(|i| token(s.files.config.vocab, i)).collect();
     let mut samples = Vec::with_capacity(s.args.reps);
     for _ in 0..s.args.reps {
-        let mut session = pipeline.new_session()?;
+        let mut session = at_depth(s, pipeline, depth)?;
         let t = Instant::now();
         pipeline.prefill(&mut session, &prompt, 512)?;
         s.accelerators.synchronize();
@@ -376,22 +394,33 @@ fn time_prompt(s: &Setup, pipeline: &Pipeline, p: usize) -> Result<Vec<f64>> {
 /// Decoded tokens per second of each repetition of `n` one-token steps, and the read bandwidth
 /// the bound uses: this machine's bandwidth drifts (shared hosts), so the best measured before
 /// the benchmark and right before and after each repetition.
-fn time_decode(s: &Setup, pipeline: &Pipeline, n: usize) -> Result<(Vec<f64>, Option<f64>)> {
+fn time_decode(s: &Setup, pipeline: &Pipeline, n: usize, depth: usize) -> Result<(Vec<f64>, Option<f64>)> {
     let mut samples = Vec::with_capacity(s.args.reps);
     let mut bw = s.bandwidth;
     let probe = |bw: Option<f64>| bw.map(|b| b.max(bandwidth::read_bandwidth(bandwidth::probe_bytes(), s.threads, 2)));
     for _ in 0..s.args.reps {
-        let mut session = pipeline.new_session()?;
+        let mut session = at_depth(s, pipeline, depth)?;
         bw = probe(bw);
         let t = Instant::now();
         for i in 0..n {
-            pipeline.forward(&mut session, &[token(s.files.config.vocab, i + 1)], Logits::Last)?;
+            pipeline.forward(&mut session, &[token(s.files.config.vocab, depth + i + 1)], Logits::Last)?;
         }
         s.accelerators.synchronize();
         samples.push(n as f64 / t.elapsed().as_secs_f64().max(1e-9));
         bw = probe(bw);
     }
     Ok((samples, bw))
+}
+
+/// A new session that has read `depth` tokens (in the benchmark's prompt chunks), untimed.
+fn at_depth(s: &Setup, pipeline: &Pipeline, depth: usize) -> Result<brigade_model::Session> {
+    let mut session = pipeline.new_session()?;
+    if depth > 0 {
+        let context: Vec<u32> = (0..depth).map(|i| token(s.files.config.vocab, i)).collect();
+        pipeline.prefill(&mut session, &context, 512)?;
+        s.accelerators.synchronize();
+    }
+    Ok(session)
 }
 
 fn mean_std(xs: &[f64]) -> (f64, f64) {

@@ -31,6 +31,9 @@ pub struct Row {
     pub test: String,
     pub n_prompt: usize,
     pub n_gen: usize,
+    /// Tokens read before the test (`-d`), untimed.
+    #[serde(default)]
+    pub n_depth: usize,
     pub avg_ts: f64,
     pub stddev_ts: f64,
     pub samples_ts: Vec<f64>,
@@ -118,10 +121,10 @@ fn opt(x: Option<f64>) -> String {
 }
 
 fn csv(o: &BenchOut) -> String {
-    let mut s = String::from("model,model_bytes,params,threads,ngl,n_gpu_layers,test,n_prompt,n_gen,avg_ts,stddev_ts,predicted_ts,devices,read_bytes_per_token,bound_ts,fraction_of_bound,gpu_predicted_bytes,gpu_measured_bytes\n");
+    let mut s = String::from("model,model_bytes,params,threads,ngl,n_gpu_layers,test,n_prompt,n_gen,n_depth,avg_ts,stddev_ts,predicted_ts,devices,read_bytes_per_token,bound_ts,fraction_of_bound,gpu_predicted_bytes,gpu_measured_bytes\n");
     for r in &o.rows {
         s.push_str(&format!(
-            "\"{}\",{},{},{},{},{},{},{},{},{:.3},{:.3},{},\"{}\",{},{},{},{},{}\n",
+            "\"{}\",{},{},{},{},{},{},{},{},{},{:.3},{:.3},{},\"{}\",{},{},{},{},{}\n",
             o.model,
             o.model_bytes,
             o.params,
@@ -131,6 +134,7 @@ fn csv(o: &BenchOut) -> String {
             r.test,
             r.n_prompt,
             r.n_gen,
+            r.n_depth,
             r.avg_ts,
             r.stddev_ts,
             opt(r.predicted_ts),
@@ -237,6 +241,7 @@ mod tests {
             test: test.into(),
             n_prompt: 0,
             n_gen: 8,
+            n_depth: 0,
             avg_ts: avg,
             stddev_ts: 0.0,
             samples_ts: vec![avg],
