@@ -550,7 +550,7 @@ fn head_body<S: Scores>(
     soft_cap(w, cap);
     // weights, per query: the softmax of its scores
     for row in w.chunks_exact_mut(seen) {
-        let max = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+        let max = max_of(row);
         // the exps in vectors (libm's `expf` is a scalar call), then summed in order
         for x in row.iter_mut() {
             *x = exp(*x - max);
@@ -582,6 +582,23 @@ fn head_body<S: Scores>(
             }
         }
     }
+}
+
+/// The largest of `xs` (−∞ for none), in 16 lanes and then across them: a maximum does not
+/// depend on the order it is taken in (but for NaNs, which no score is, and the sign of a zero,
+/// which `x − max` does not see), so this is the chain of one lane at a time's value without
+/// its chain of dependent instructions.
+#[inline(always)]
+fn max_of(xs: &[f32]) -> f32 {
+    let mut m = [f32::NEG_INFINITY; 16];
+    let chunks = xs.chunks_exact(16);
+    let tail = chunks.remainder().iter().copied().fold(f32::NEG_INFINITY, f32::max);
+    for c in chunks {
+        for l in 0..16 {
+            m[l] = m[l].max(c[l]);
+        }
+    }
+    m.iter().copied().fold(tail, f32::max)
 }
 
 /// `Σ a·b` in 16 lanes (what one zmm or two ymm registers hold), then the lanes added.
