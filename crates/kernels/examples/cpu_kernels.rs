@@ -4,8 +4,8 @@
 //! several runs, by the wall clock and by this thread's time on a CPU (`/proc/thread-self/schedstat`,
 //! which holds on a busy machine where wall times do not, with `RAYON_NUM_THREADS=1`) and by the
 //! fastest single call (what a harness timing each call and keeping the best reports); with one
-//! instruction set named, only that one. Types packed at load (Q4_K, Q6_K, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1) are
-//! timed both ways: on the file's layout and packed (`packed`).
+//! instruction set named, only that one. Types packed at load (Q4_K, Q5_K, Q6_K, Q8_0, Q4_0, Q4_1, Q5_0,
+//! Q5_1) are timed both ways: on the file's layout and packed (`packed`).
 
 use brigade_kernels::matmul::{matmul, matmul_packed, packs_on, Isa, Packed};
 use candle_core::quantized::{GgmlDType, QTensor};

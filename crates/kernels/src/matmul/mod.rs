@@ -5,15 +5,15 @@
 //! (and of Q6_K/Q8_0 where it repacks) for every matmul, so a model takes up to 2.3× its file size
 //! in memory and a decode step reads 6 bits per Q4_K weight instead of 4.5. Here every weight
 //! holds its file's bytes, once:
-//! - On AVX-512, Q4_K, Q6_K, Q8_0, Q4_0, Q4_1, Q5_0 and Q5_1 (every Q4_K_M file's types, and the 32-weight ones) are repacked when
-//!   the model loads, on AVX2 and AVX-VNNI all but Q6_K and Q8_0 ([`Packed`], `packed`; [`packs_on`] says
-//!   why): the same bytes regrouped into records of 32 output columns, so
+//! - On AVX-512, Q4_K, Q5_K, Q6_K, Q8_0, Q4_0, Q4_1, Q5_0 and Q5_1 (every Q4_K_M and Q5_K_M
+//!   file's types, and the 32-weight ones) are repacked when the model loads, on AVX2 and
+//!   AVX-VNNI all but Q6_K and Q8_0 ([`Packed`], `packed`; [`packs_on`] says why): the same bytes regrouped into records of 32 output columns, so
 //!   that one vector load serves 16 (or 8) columns and each activation row is broadcast. One
 //!   kernel then serves every number of rows — decode of one session, of several at once, and
 //!   prompts — with each row's arithmetic its own (batch invariance at any batch size, and a
 //!   prompt row gets a decode row's numbers). `BRIGADE_CPU_PACK=off` keeps the file's layout.
-//! - Q5_K (and the packed types where packing is off or this instruction set does not pack
-//!   them) go through int8 kernels on the file's blocks, as llama.cpp
+//! - The packed types where packing is off or this instruction set does not pack them go
+//!   through int8 kernels on the file's blocks, as llama.cpp
 //!   computes them (activations quantized to int8 per 32 or per 256, integer dot products, one
 //!   float scale per block). Up to [`DECODE_ROWS`] activation rows are vec-dots per weight row
 //!   straight from the blocks, each block unpacked once for all the rows, each row quantized
@@ -48,9 +48,8 @@
 //!
 //! Deliberately absent: a second copy of any weight (the packed layout replaces the file's, it
 //! is not kept beside it: a tied output head is packed and its embedding's lookups dequantize
-//! rows from the packed records, [`Packed::dequantize_row`]), packed layouts of the rarer types
-//! (Q5_K: its packed kernel exists and is tested, but [`packs_on`] does not choose it), and
-//! int8 kernels for Q2_K/Q3_K (rare in practice).
+//! rows from the packed records, [`Packed::dequantize_row`]), and int8 kernels for Q2_K/Q3_K
+//! (rare in practice).
 
 mod acts;
 #[cfg(all(target_arch = "x86_64", target_os = "linux"))]
@@ -318,16 +317,25 @@ pub fn kernels(dt: GgmlDType) -> (&'static str, &'static str) {
     (Kernel::choose(dt, 1).describe(dt), Kernel::choose(dt, DECODE_ROWS + 1).describe(dt))
 }
 
-/// Whether weights of type `dt` are packed at load for `isa` (see [`Packed`]): Q4_K, Q6_K,
+/// Whether weights of type `dt` are packed at load for `isa` (see [`Packed`]): Q4_K, Q5_K, Q6_K,
 /// Q8_0, Q4_0, Q4_1, Q5_0 and Q5_1 on AVX-512; all but Q6_K and Q8_0 on 256-bit registers (AVX2,
 /// AVX-VNNI). The 4- and 5-bit types' packed records are faster there (`cpu_kernels TYPE 1 2048
 /// 200000 avx2`, 2 threads, a 2-vCPU AMD EPYC, from memory: Q4_0 58–85 GMAC/s packed against 49,
 /// Q4_1 52 against 29, Q5_0 42 against 32, Q5_1 41 against 28; 64 rows × 2048 × 16384: Q4_0 165
 /// against 142, Q4_1 169 against 147, Q5_0 152 against 145, Q5_1 149 against 142; on AVX-512 Q5_0
 /// 42 against 36 and 277 against 216, Q5_1 40 against 32 and 287 against 218; 2026-12-06).
-/// Q5_K is packed nowhere: its packed kernel (Q4_K's, plus the fifth bits in i32 lanes) is
-/// 1.27× the lanes kernel for 64 rows on AVX-512 (298 against 234) but 0.91× the vec-dots from
-/// memory (44.5 against 49), and on AVX2 even for 64 rows (147 against 147).
+/// Q5_K is packed everywhere since 2026-12-07 (its packed kernel is Q4_K's plus the fifth bits
+/// in i32 lanes). It had been left out on a measurement of 0.91× the vec-dots from memory
+/// (44.5 against 49 GMAC/s, AVX-512); on the AMD EPYC of 2026-12-07, with the records asked for
+/// ahead, `cpu_kernels q5_k M 2048 N`, 2 threads, packed against the file's layout: one row ×
+/// 200000 from memory, AVX-512 41.8 / 48.3 / 47.0 against 43.8 / 43.1 / 40.8, AVX2 59.5 / 55.8
+/// against 41.0 / 40.3; 8 rows × 50000 AVX-512 220 against 101, AVX2 95 against 51; 64 rows ×
+/// 16384 AVX-512 259 against 212 (lanes), AVX2 122 against 116. Whole models (`brigade bench`,
+/// 2 threads, alternated): SmolLM2-135M requantized to Q5_K_M pp512 900 against 839 and tg32
+/// 177 against 156 t/s; the synthetic 1.5B as Q5_K_M on AVX-512 even (pp512 210 / 216 against
+/// 202 / 224, tg32 29.0 / 28.7 / 28.8 against 29.1 / 27.6 / 27.1), on AVX2 pp256 0.93–0.96× (95
+/// / 109 against 102 / 113) for tg32 1.06–1.4× (29.3 / 39.0 against 27.8 / 27.5): packed, a
+/// prompt row also reads the same in any chunk.
 /// For Q6_K and Q8_0 the packed kernels
 /// read a record as four chunks of 8 columns, which memory serves slower than the vec-dots'
 /// one stream for Q6_K and Q8_0 (one row × 2048 × 32000 from memory, AVX2, one thread on a
@@ -346,10 +354,7 @@ pub fn packs_on(dt: GgmlDType, isa: Isa) -> bool {
     let off = *OFF.get_or_init(|| switched_off("BRIGADE_CPU_PACK"));
     #[cfg(target_arch = "x86_64")]
     {
-        // Q5_K's packed kernel is tested and timed but not chosen: from memory it reads slower
-        // than the vec-dots (see below)
         !off && packed::packs(dt)
-            && dt != GgmlDType::Q5K
             && match isa {
                 Isa::Avx512Vnni => true,
                 Isa::AvxVnni | Isa::Avx2 => !matches!(dt, GgmlDType::Q6K | GgmlDType::Q8_0),

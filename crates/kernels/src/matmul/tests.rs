@@ -296,9 +296,9 @@ fn kernel_choice_names_the_instruction_set() {
         for dt in INT8_TYPES {
             let packed = cfg!(target_arch = "x86_64")
                 && match isa {
-                    Isa::Avx512Vnni => PACKED_TYPES.contains(&dt) && dt != GgmlDType::Q5K,
+                    Isa::Avx512Vnni => PACKED_TYPES.contains(&dt),
                     Isa::AvxVnni | Isa::Avx2 => {
-                        PACKED_TYPES.contains(&dt) && !matches!(dt, GgmlDType::Q6K | GgmlDType::Q8_0 | GgmlDType::Q5K)
+                        PACKED_TYPES.contains(&dt) && !matches!(dt, GgmlDType::Q6K | GgmlDType::Q8_0)
                     }
                     Isa::Portable => false,
                 };
