@@ -71,9 +71,12 @@ pub struct BenchArgs {
 }
 
 pub fn bench(a: BenchArgs) -> Result<()> {
-    let served = a.http.url.is_some() || a.connect.coordinator.is_some() || a.concurrency.iter().any(|&c| c != 1);
+    let served = a.http.url.is_some()
+        || a.connect.coordinator.is_some()
+        || a.concurrency.iter().any(|&c| c != 1)
+        || a.http.asked().is_some();
     if served && a.n_depth.iter().any(|&d| d > 0) {
-        bail!("-d (context depth) is a test of a model file in this process: not with --url, --coordinator or --concurrency");
+        bail!("-d (context depth) is a test of a model file in this process: not with --url, --coordinator, --concurrency or an HTTP test's flag");
     }
     if let Some(url) = a.http.url.clone() {
         return crate::http_bench::bench(crate::http_bench::HttpBench {

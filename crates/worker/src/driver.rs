@@ -275,7 +275,6 @@ pub struct SessionCore<'a> {
     generation: Generation,
     drafter: Option<Drafter>,
     decoded: u64,
-    emitted: u32,
     first_token_at: Option<Instant>,
     last_token_at: Instant,
     hops: HopSums,
@@ -361,7 +360,6 @@ impl<'a> SessionCore<'a> {
             generation,
             drafter,
             decoded: 0,
-            emitted: 0,
             first_token_at: None,
             last_token_at: Instant::now(),
             hops: HopSums::default(),
@@ -432,7 +430,6 @@ impl<'a> SessionCore<'a> {
                 _ => (None, Vec::new()),
             };
             tokens.push(Token { id, text: self.text.push(id), index, logprob, top_logprobs });
-            self.emitted += 1;
             // (a stop string ends the answer before anything the rules say)
             stop = if self.text.stopped() { Some(CoreStop::Stop) } else { verdict.stop() };
             if stop.is_some() {
@@ -469,7 +466,8 @@ impl<'a> SessionCore<'a> {
         let decode_steps = self.hops.steps;
         let timings = Timings {
             prompt_tokens: self.prompt_len as u32,
-            generated_tokens: self.emitted,
+            // (this attempt's: the rules count the ids resumed too)
+            generated_tokens: (self.generation.generated() - self.req.resume_ids.len()) as u32,
             prompt_s,
             generate_s,
             prompt_tokens_per_s: self.feed_len as f64 / prompt_s.max(1e-9),

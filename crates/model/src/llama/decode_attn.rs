@@ -54,6 +54,30 @@ fn f32_inputs<'a>(
     Ok((&q[q0..q1], &k[k0..k1], &v[v0..v1]))
 }
 
+/// An attention op's shapes `(query heads, query rows, head size, kv heads, cache positions)`,
+/// checked: one sequence, keys and values alike, whole groups of query heads per kv head, and the
+/// op's own `fits(query rows, cache positions)`; else an error naming `what`, the shapes and
+/// `at()` (the op's positions).
+fn shapes(
+    what: &str,
+    (lq, lk, lv): (&Layout, &Layout, &Layout),
+    fits: impl FnOnce(usize, usize) -> bool,
+    at: impl FnOnce() -> String,
+) -> candle_core::Result<(usize, usize, usize, usize, usize)> {
+    let (qb, nh, t, hd) = lq.shape().dims4()?;
+    let (kb, nkv, n_ctx, khd) = lk.shape().dims4()?;
+    if qb != 1 || kb != 1 || khd != hd || lv.shape() != lk.shape() || nkv == 0 || nh % nkv != 0 || !fits(t, n_ctx) {
+        candle_core::bail!(
+            "{what}: queries {:?}, keys {:?}, values {:?}, {}",
+            lq.shape().dims(),
+            lk.shape().dims(),
+            lv.shape().dims(),
+            at()
+        )
+    }
+    Ok((nh, t, hd, nkv, n_ctx))
+}
+
 impl CustomOp3 for DecodeAttention {
     fn name(&self) -> &'static str {
         "decode-attention"
@@ -68,29 +92,11 @@ impl CustomOp3 for DecodeAttention {
         v: &CpuStorage,
         lv: &Layout,
     ) -> candle_core::Result<(CpuStorage, Shape)> {
-        let (qs, ks, vs) = f32_inputs("decode attention", (q, lq), (k, lk), (v, lv))?;
-        let (qb, nh, qt, hd) = lq.shape().dims4()?;
-        let (kb, nkv, n_ctx, khd) = lk.shape().dims4()?;
-        if qb != 1
-            || qt != 1
-            || kb != 1
-            || khd != hd
-            || lv.shape() != lk.shape()
-            || nkv == 0
-            || nh % nkv != 0
-            || self.from >= self.seen
-            || self.seen > n_ctx
-        {
-            candle_core::bail!(
-                "decode attention: queries {:?}, keys {:?}, values {:?}, positions {}..{} seen",
-                lq.shape().dims(),
-                lk.shape().dims(),
-                lv.shape().dims(),
-                self.from,
-                self.seen
-            )
-        }
-        let (q, k, v) = (qs, ks, vs);
+        let what = "decode attention";
+        let (q, k, v) = f32_inputs(what, (q, lq), (k, lk), (v, lv))?;
+        let fits = |t, n_ctx| t == 1 && self.from < self.seen && self.seen <= n_ctx;
+        let at = || format!("positions {}..{} seen", self.from, self.seen);
+        let (nh, _, hd, nkv, n_ctx) = shapes(what, (lq, lk, lv), fits, at)?;
         let (g, n) = (nh / nkv, self.seen - self.from);
         let mut out = vec![0f32; nh * hd];
         let mut w = vec![0f32; g * n];
@@ -133,27 +139,10 @@ impl CustomOp3 for PromptAttention {
         v: &CpuStorage,
         lv: &Layout,
     ) -> candle_core::Result<(CpuStorage, Shape)> {
-        let (qs, ks, vs) = f32_inputs("prompt attention", (q, lq), (k, lk), (v, lv))?;
-        let (qb, nh, t, hd) = lq.shape().dims4()?;
-        let (kb, nkv, n_ctx, khd) = lk.shape().dims4()?;
-        if qb != 1
-            || t == 0
-            || kb != 1
-            || khd != hd
-            || lv.shape() != lk.shape()
-            || nkv == 0
-            || nh % nkv != 0
-            || self.pos + t > n_ctx
-        {
-            candle_core::bail!(
-                "prompt attention: queries {:?}, keys {:?}, values {:?}, at position {}",
-                lq.shape().dims(),
-                lk.shape().dims(),
-                lv.shape().dims(),
-                self.pos
-            )
-        }
-        let (q, k, v) = (qs, ks, vs);
+        let what = "prompt attention";
+        let (q, k, v) = f32_inputs(what, (q, lq), (k, lk), (v, lv))?;
+        let fits = |t, n_ctx| t > 0 && self.pos + t <= n_ctx;
+        let (nh, t, hd, nkv, n_ctx) = shapes(what, (lq, lk, lv), fits, || format!("at position {}", self.pos))?;
         let g = nh / nkv;
         let mut out = vec![0f32; t * nh * hd];
         let mut rows: std::collections::VecDeque<(usize, &mut [f32])> = out.chunks_mut(nh * hd).enumerate().collect();
