@@ -20,6 +20,7 @@ mod moe;
 mod rows;
 mod silu;
 mod softmax;
+pub use moe::{ExpertShard, ExpertSplit, RemoteExperts};
 
 /// The vector code the element-wise CPU loops run (SiLU·up, the softmaxes, a decode step's
 /// attention): `avx512`, `avx2` or `scalar` (this CPU's widest, no wider than
@@ -43,9 +44,23 @@ pub enum Logits {
     All,
 }
 
-/// A matmul by a layer's weight: [`Linear::forward`] for one session's tokens,
-/// [`Linear::forward_rows`] for the decode rows of several sessions (see [`rows`]).
-type MatMul = fn(&Linear, &Tensor) -> candle_core::Result<Tensor>;
+/// Which matmul a pass runs a layer's weights with: [`Linear::forward`] for one session's
+/// tokens (`Batch`), [`Linear::forward_rows`] for the decode rows of several sessions (`Rows`,
+/// see [`rows`]). Experts computed on another node are computed with the same one.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum MatMul {
+    Batch,
+    Rows,
+}
+
+impl MatMul {
+    fn run(self, l: &Linear, x: &Tensor) -> candle_core::Result<Tensor> {
+        match self {
+            MatMul::Batch => l.forward(x),
+            MatMul::Rows => l.forward_rows(x),
+        }
+    }
+}
 
 /// Matmuls that share their input, stacked into one when the file's types allow it.
 enum Proj {
@@ -78,7 +93,7 @@ impl Proj {
     fn forward(&self, x: &Tensor, mm: MatMul) -> candle_core::Result<Vec<Tensor>> {
         match self {
             Proj::Stacked(l, sizes) => {
-                let y = mm(l, x)?;
+                let y = mm.run(l, x)?;
                 let mut out = Vec::with_capacity(sizes.len());
                 let mut at = 0;
                 for &n in sizes {
@@ -87,7 +102,7 @@ impl Proj {
                 }
                 Ok(out)
             }
-            Proj::Separate(ls) => ls.iter().map(|l| mm(l, x)).collect(),
+            Proj::Separate(ls) => ls.iter().map(|l| mm.run(l, x)).collect(),
         }
     }
 
@@ -148,7 +163,7 @@ impl GatedFfn {
     /// `x: (b, t, hidden)` through the block with candle's ops.
     fn forward(&self, x: &Tensor, mm: MatMul, gelu: bool) -> candle_core::Result<Tensor> {
         let gu = self.gate_up.forward(x, mm)?;
-        mm(&self.down, &gated(gelu, &gu[0], &gu[1])?)
+        mm.run(&self.down, &gated(gelu, &gu[0], &gu[1])?)
     }
 }
 
@@ -329,7 +344,13 @@ fn rms_norm(x: &Tensor, w: &Tensor, eps: f64) -> candle_core::Result<Tensor> {
 
 impl Block {
     /// Loads layer `i`: every tensor [`LayerTensor`] says the configuration has.
-    fn load(files: &ModelFiles, i: usize, device: &Device, dtype: DType) -> Result<Self, ModelError> {
+    fn load(
+        files: &ModelFiles,
+        i: usize,
+        device: &Device,
+        dtype: DType,
+        split: Option<&moe::ExpertSplit>,
+    ) -> Result<Self, ModelError> {
         use LayerTensor as T;
         let cfg = files.config();
         let n = |t: T| t.name(i);
@@ -354,7 +375,7 @@ impl Block {
             },
             wo: files.linear(&n(T::AttnOutput), None, device, dtype)?,
             ffn: match cfg.moe {
-                Some(m) => Ffn::Moe(Box::new(moe::MoeFfn::load(files, i, m, device, dtype)?)),
+                Some(m) => Ffn::Moe(Box::new(moe::MoeFfn::load(files, i, m, device, dtype, split)?)),
                 None => Ffn::Dense(GatedFfn {
                     gate_up: if cfg.layer.fused_gate_up {
                         Proj::Stacked(files.linear(&n(T::FfnUp), None, device, dtype)?, vec![cfg.ffn, cfg.ffn])
@@ -394,9 +415,9 @@ impl Block {
         mask: Option<&Tensor>,
     ) -> candle_core::Result<Tensor> {
         let _g = self.span.enter();
-        let (q, k, v) = self.qkv(cfg, x, Linear::forward)?;
+        let (q, k, v) = self.qkv(cfg, x, MatMul::Batch)?;
         let y = attend(cfg, self.window, (&q, &k, &v), kv, pos, (cos, sin), mask)?;
-        self.output(cfg, x, &y, Linear::forward)
+        self.output(cfg, x, &y, MatMul::Batch)
     }
 
     /// The attention norm and the q, k, v projections of `x: (b, t, hidden)`: q as
@@ -437,7 +458,7 @@ impl Block {
             Some(n) => rms_norm(&t, n, cfg.rms_eps),
             None => Ok(t),
         };
-        let x = (x + post(mm(&self.wo, y)?, post_attn)?)?;
+        let x = (x + post(mm.run(&self.wo, y)?, post_attn)?)?;
         let h = rms_norm(&x, &self.ffn_norm, cfg.rms_eps)?;
         let f = match &self.ffn {
             Ffn::Dense(f) => f.forward(&h, mm, self.gelu)?,
@@ -621,7 +642,23 @@ impl Slice {
         dtype: DType,
         n_ctx: usize,
     ) -> Result<Self, ModelError> {
+        Self::load_split(files, layers, device, dtype, n_ctx, None)
+    }
+
+    /// [`Slice::load`], leaving the routed experts `split` names to its remote (a mixture whose
+    /// experts are spread over nodes): the slice holds the rest of its layers.
+    pub fn load_split(
+        files: &ModelFiles,
+        layers: LayerRange,
+        device: &Device,
+        dtype: DType,
+        n_ctx: usize,
+        split: Option<ExpertSplit>,
+    ) -> Result<Self, ModelError> {
         let cfg = files.config().clone();
+        if split.is_some() && cfg.moe.is_none() {
+            return Err(ModelError::BadSlice(format!("{:?} has no experts to leave elsewhere", cfg.arch)));
+        }
         if layers.end() > cfg.n_layers {
             return Err(ModelError::BadSlice(format!("layers {layers} of a model with {} layers", cfg.n_layers)));
         }
@@ -640,7 +677,7 @@ impl Slice {
         };
         let mut blocks = Vec::with_capacity(layers.len());
         for i in layers.iter() {
-            let b = Block::load(files, i, device, dtype)?;
+            let b = Block::load(files, i, device, dtype, split.as_ref())?;
             weight_bytes += b.bytes();
             blocks.push(b);
         }
@@ -901,7 +938,7 @@ impl Slice {
             .collect();
         for (l, block) in self.blocks.iter().enumerate() {
             let _b = block.span.enter();
-            let (q, k, v) = block.qkv(&self.cfg, &x, Linear::forward)?;
+            let (q, k, v) = block.qkv(&self.cfg, &x, MatMul::Batch)?;
             let mut ys = Vec::with_capacity(lens.len());
             for ((c, &at), &t) in caches.iter_mut().zip(&starts).zip(lens) {
                 let (pos, base) = (c.len, c.base_of(l));
@@ -915,7 +952,7 @@ impl Slice {
                 ys.push(attend(&self.cfg, block.window, qkv, &mut c.kv[l], pos - base, (&cos, &sin), None)?);
             }
             let y = Tensor::cat(&ys, 1)?;
-            x = block.output(&self.cfg, &x, &y, Linear::forward)?;
+            x = block.output(&self.cfg, &x, &y, MatMul::Batch)?;
         }
         let out = match &self.head {
             None => x,

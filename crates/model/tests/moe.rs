@@ -6,12 +6,17 @@
 
 mod common;
 
-use brigade_core::DeviceMap;
+use brigade_core::{DeviceMap, LayerRange};
 use brigade_model::gguf::{Gguf, TensorSpec, Value};
 use brigade_model::synth::{write_gguf_with, Shape, SynthMoe, SynthMoeFamily, SynthType};
-use brigade_model::{Logits, ModelFiles, Pipeline};
+use brigade_model::{
+    ExpertShard, ExpertSplit, Logits, MatMul, ModelError, ModelFiles, Pipeline, RemoteExperts, Slice, StageInput,
+};
+use candle_core::{DType, Device, Tensor};
 use common::{all_logits, max_abs_diff, pipeline};
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
 
 fn shape() -> Shape {
     Shape { layers: 3, hidden: 256, ffn: 128, heads: 4, kv_heads: 2, vocab: 300, context: 512, rope_theta: 1e4 }
@@ -185,4 +190,104 @@ fn malformed_expert_metadata_is_refused_with_the_field_named() {
     }
     // and the good file opens
     assert!(ModelFiles::open(&good).is_ok());
+}
+
+/// A [`RemoteExperts`] that counts the rows it is sent, in front of a shard.
+struct Counted(ExpertShard, AtomicUsize);
+
+impl RemoteExperts for Counted {
+    fn compute(&self, layer: usize, calls: &[(u32, usize)], xs: &[f32], mm: MatMul) -> Result<Vec<f32>, ModelError> {
+        self.1.fetch_add(calls.iter().map(|c| c.1).sum(), Ordering::Relaxed);
+        self.0.compute(layer, calls, xs, mm)
+    }
+}
+
+fn logits(t: &Tensor) -> Vec<f32> {
+    t.flatten_all().unwrap().to_vec1().unwrap()
+}
+
+/// Experts held by a shard elsewhere (here, in process, as a worker holds them for a node
+/// elsewhere) give the same bits as the slice holding them all: a prompt, decode steps fused and
+/// on candle's ops, and several sessions' decode rows at once.
+#[test]
+fn experts_held_elsewhere_give_the_numbers_of_experts_held_here() {
+    let dir = tempfile::tempdir().unwrap();
+    for (ty, family) in [
+        (SynthType::Q4K, SynthMoeFamily::Mixtral),
+        (SynthType::F32, SynthMoeFamily::Qwen3Moe),
+        (SynthType::Q8_0, SynthMoeFamily::Olmoe),
+    ] {
+        let path = dir.path().join(format!("moe-{ty:?}-{family:?}.gguf"));
+        write_gguf_with(&path, &shape(), Some(SynthMoe { family, ..MOE }), ty, 3, |_, _| {}).unwrap();
+        let files = ModelFiles::open(&path).unwrap();
+        let all = LayerRange::new(0, 3).unwrap();
+        let whole = Slice::load(&files, all, &Device::Cpu, DType::F32, 128).unwrap();
+        let shard = ExpertShard::load(&files, LayerRange::new(1, 3).unwrap(), 2..6).unwrap();
+        assert!(shard.weight_bytes() > 0);
+        let remote = Arc::new(Counted(shard, AtomicUsize::new(0)));
+        let split = ExpertSplit { elsewhere: vec![(LayerRange::new(1, 3).unwrap(), 2..6)], remote: remote.clone() };
+        let mut held = Slice::load_split(&files, all, &Device::Cpu, DType::F32, 128, Some(split)).unwrap();
+        assert!(held.weight_bytes() < whole.weight_bytes(), "{ty:?}: the experts elsewhere are not held here");
+        let ids = prompt(20);
+        for fused in [true, false] {
+            held.set_fused_decode(fused);
+            let (mut a, mut b) = (whole.new_cache().unwrap(), held.new_cache().unwrap());
+            let want = logits(&whole.forward(&mut a, StageInput::Tokens(&ids), Logits::All).unwrap());
+            let sent = remote.1.load(Ordering::Relaxed);
+            let got = logits(&held.forward(&mut b, StageInput::Tokens(&ids), Logits::All).unwrap());
+            assert!(remote.1.load(Ordering::Relaxed) > sent, "{ty:?}: no row went to the experts elsewhere");
+            assert_eq!(want, got, "{ty:?}: a prompt");
+            for &t in &ids[..6] {
+                let want = logits(&whole.forward(&mut a, StageInput::Tokens(&[t]), Logits::Last).unwrap());
+                let got = logits(&held.forward(&mut b, StageInput::Tokens(&[t]), Logits::Last).unwrap());
+                assert_eq!(want, got, "{ty:?}: a decode step, fused {fused}");
+            }
+        }
+        // three sessions' decode rows in one pass
+        let mut caches: Vec<_> = (0..3).map(|_| (whole.new_cache().unwrap(), held.new_cache().unwrap())).collect();
+        for (i, (a, b)) in caches.iter_mut().enumerate() {
+            let p = &ids[..5 + 3 * i];
+            whole.forward(a, StageInput::Tokens(p), Logits::Last).unwrap();
+            held.forward(b, StageInput::Tokens(p), Logits::Last).unwrap();
+        }
+        let step = [7u32, 8, 9];
+        let (mut wa, mut hb): (Vec<_>, Vec<_>) = caches.iter_mut().map(|(a, b)| (a, b)).unzip();
+        let want = logits(&whole.forward_rows(&mut wa, StageInput::Tokens(&step)).unwrap());
+        let got = logits(&held.forward_rows(&mut hb, StageInput::Tokens(&step)).unwrap());
+        assert_eq!(want, got, "{ty:?}: decode rows of three sessions");
+    }
+}
+
+/// A call a shard cannot answer is refused whole, with the numbers: a layer or an expert it
+/// does not hold, a row count that does not match the values, no rows; and a shard of experts
+/// the model does not have is not loaded.
+#[test]
+fn a_shard_refuses_calls_it_cannot_answer() {
+    let dir = tempfile::tempdir().unwrap();
+    let files = ModelFiles::open(&synth(dir.path(), SynthType::Q4K)).unwrap();
+    let layers = LayerRange::new(1, 3).unwrap();
+    let shard = ExpertShard::load(&files, layers, 2..6).unwrap();
+    let d = shard.hidden();
+    let row = vec![0.5f32; d];
+    assert_eq!(shard.compute(1, &[(2, 1)], &row, MatMul::Rows).unwrap().len(), d);
+    let refused = |layer, calls: &[(u32, usize)], xs: &[f32]| {
+        shard.compute(layer, calls, xs, MatMul::Rows).unwrap_err().to_string()
+    };
+    assert!(refused(0, &[(2, 1)], &row).contains("layer 0"));
+    assert!(refused(1, &[(6, 1)], &row).contains("expert 6"));
+    assert!(refused(1, &[(2, 2)], &row).contains(&format!("{d} values for 2 rows")));
+    assert!(refused(1, &[(2, 0)], &[]).contains("no rows"));
+    assert!(refused(1, &[(2, usize::MAX), (3, 2)], &row).contains("values"));
+    for ids in [3..3, 6..9] {
+        let e = ExpertShard::load(&files, layers, ids.clone()).err().unwrap().to_string();
+        assert!(e.contains("of a model with 8 experts"), "{ids:?}: {e}");
+    }
+    // a dense model has no experts to hold
+    let dense = dir.path().join("dense.gguf");
+    write_gguf_with(&dense, &shape(), None, SynthType::Q8_0, 3, |_, _| {}).unwrap();
+    let dense = ModelFiles::open(&dense).unwrap();
+    assert!(ExpertShard::load(&dense, layers, 0..1).is_err());
+    let split = ExpertSplit { elsewhere: vec![(layers, 2..6)], remote: Arc::new(shard) };
+    let e = Slice::load_split(&dense, layers, &Device::Cpu, DType::F32, 64, Some(split)).err().unwrap();
+    assert!(e.to_string().contains("no experts"), "{e}");
 }

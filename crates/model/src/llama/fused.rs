@@ -19,7 +19,7 @@
 //! it off, to measure it), and a row's numbers still do not depend on the rows beside it (batch
 //! invariance). Tested against the tensor path on every weight layout the CPU kernels have.
 
-use super::{decode_attn, Block, Ffn, GatedFfn, Proj, Slice, SliceCache};
+use super::{decode_attn, Block, Ffn, GatedFfn, MatMul, Proj, Slice, SliceCache};
 use crate::config::first_key;
 use crate::config::{ModelConfig, RopeStyle};
 use crate::threads::par_units;
@@ -288,7 +288,7 @@ impl Block {
         rms_norm_rows(x, View::of(&self.ffn_norm)?.get(), eps, &mut h);
         match &self.ffn {
             Ffn::Dense(f) => f.rows(n, &h, &mut o, self.gelu)?,
-            Ffn::Moe(m) => m.combine(n, &h, &mut o, |e, m, xs, ys| e.rows(m, xs, ys, self.gelu))?,
+            Ffn::Moe(m) => m.combine(n, &h, &mut o, MatMul::Rows, |e, m, xs, ys| e.rows(m, xs, ys, self.gelu))?,
         }
         add_out(x, &o, post.as_ref().map(|p| &p.1));
         Ok(())

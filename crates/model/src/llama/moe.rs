@@ -19,8 +19,36 @@ use super::{GatedFfn as Expert, MatMul, Proj};
 use crate::config::Moe;
 use crate::weights::ModelFiles;
 use crate::ModelError;
+use brigade_core::LayerRange;
 use brigade_format::tensors::LayerTensor as T;
 use candle_core::{DType, Device, Tensor};
+use std::ops::Range;
+use std::sync::Arc;
+
+/// Computes routed experts held somewhere else (another node's [`ExpertShard`]): the rows of
+/// the tokens routed to them go out and their outputs come back; the weighted sum stays with
+/// the layer, so every routed expert is computed and the numbers are those of the expert's own
+/// kernels, wherever it runs.
+pub trait RemoteExperts: Send + Sync {
+    /// Layer `layer`'s experts `calls[j].0`, each on its `calls[j].1` rows of `xs` (the calls'
+    /// rows one after another, `hidden` values each), with the matmul `mm`: their outputs, in
+    /// the same order and shape.
+    fn compute(&self, layer: usize, calls: &[(u32, usize)], xs: &[f32], mm: MatMul) -> Result<Vec<f32>, ModelError>;
+}
+
+/// Which routed experts a slice leaves to [`RemoteExperts`]: per range of layers, a range of
+/// expert ids held elsewhere. The slice loads every other expert of its layers.
+#[derive(Clone)]
+pub struct ExpertSplit {
+    pub elsewhere: Vec<(LayerRange, Range<u32>)>,
+    pub remote: Arc<dyn RemoteExperts>,
+}
+
+impl ExpertSplit {
+    fn is_elsewhere(&self, layer: usize, expert: u32) -> bool {
+        self.elsewhere.iter().any(|(l, e)| l.contains(layer) && e.contains(&expert))
+    }
+}
 
 /// The shared expert of Qwen2-MoE and its gate row.
 pub(super) struct Shared {
@@ -32,10 +60,14 @@ pub(super) struct Shared {
 pub(super) struct MoeFfn {
     spec: Moe,
     hidden: usize,
+    /// The layer's index in the model (what remote experts are asked for).
+    layer: usize,
     /// `experts × hidden`, row-major, in f32 on the host (routing is decided there).
     router: Vec<f32>,
-    experts: Vec<Expert>,
+    /// By id; `None` for an expert held elsewhere (`remote` computes it).
+    experts: Vec<Option<Expert>>,
     shared: Option<Shared>,
+    remote: Option<Arc<dyn RemoteExperts>>,
 }
 
 /// The experts a token goes to, best first, and their weights.
@@ -45,14 +77,46 @@ pub(super) struct Route {
     pub(super) weights: Vec<f32>,
 }
 
+/// Expert `e` of layer `i`, from its ranges of the stacked tensors.
+fn load_expert(
+    files: &ModelFiles,
+    i: usize,
+    e: usize,
+    spec: &Moe,
+    device: &Device,
+    dtype: DType,
+) -> Result<Expert, ModelError> {
+    let gate_up = match files.expert_gate_up(i, e, device, dtype)? {
+        Some(l) => Proj::Stacked(l, vec![spec.ffn, spec.ffn]),
+        None => Proj::Separate(vec![
+            files.expert(i, T::FfnGateExps, e, device, dtype)?,
+            files.expert(i, T::FfnUpExps, e, device, dtype)?,
+        ]),
+    };
+    Ok(Expert { gate_up, down: files.expert(i, T::FfnDownExps, e, device, dtype)? })
+}
+
+/// Refuses a range of expert ids the model does not have.
+fn check_ids(ids: &Range<u32>, spec: &Moe) -> Result<(), ModelError> {
+    if ids.start >= ids.end || ids.end as usize > spec.experts {
+        return Err(ModelError::BadSlice(format!(
+            "experts {}..{} of a model with {} experts per layer",
+            ids.start, ids.end, spec.experts
+        )));
+    }
+    Ok(())
+}
+
 impl MoeFfn {
-    /// Loads layer `i`'s router, experts and shared expert.
+    /// Loads layer `i`'s router, experts (those `split` does not leave elsewhere) and shared
+    /// expert.
     pub(super) fn load(
         files: &ModelFiles,
         i: usize,
         spec: Moe,
         device: &Device,
         dtype: DType,
+        split: Option<&ExpertSplit>,
     ) -> Result<Self, ModelError> {
         let hidden = files.config().hidden;
         let host = |name: String| -> Result<Vec<f32>, ModelError> {
@@ -67,18 +131,16 @@ impl MoeFfn {
                 spec.experts
             )));
         }
+        if let Some(s) = split {
+            s.elsewhere.iter().try_for_each(|(_, ids)| check_ids(ids, &spec))?;
+        }
         let experts = (0..spec.experts)
-            .map(|e| {
-                let gate_up = match files.expert_gate_up(i, e, device, dtype)? {
-                    Some(l) => Proj::Stacked(l, vec![spec.ffn, spec.ffn]),
-                    None => Proj::Separate(vec![
-                        files.expert(i, T::FfnGateExps, e, device, dtype)?,
-                        files.expert(i, T::FfnUpExps, e, device, dtype)?,
-                    ]),
-                };
-                Ok(Expert { gate_up, down: files.expert(i, T::FfnDownExps, e, device, dtype)? })
+            .map(|e| match split {
+                Some(s) if s.is_elsewhere(i, e as u32) => Ok(None),
+                _ => load_expert(files, i, e, &spec, device, dtype).map(Some),
             })
             .collect::<Result<Vec<_>, ModelError>>()?;
+        let remote = split.filter(|_| experts.iter().any(Option::is_none)).map(|s| s.remote.clone());
         let shared = match spec.shared_ffn {
             None => None,
             Some(_) => {
@@ -89,23 +151,23 @@ impl MoeFfn {
                 Some(Shared { expert: Expert { gate_up, down }, gate })
             }
         };
-        Ok(MoeFfn { spec, hidden, router, experts, shared })
+        Ok(MoeFfn { spec, hidden, layer: i, router, experts, shared, remote })
     }
 
     pub(super) fn bytes(&self) -> u64 {
         let router = (self.router.len() + self.shared.as_ref().map_or(0, |s| s.gate.len())) as u64 * 4;
         router
-            + self.experts.iter().map(Expert::bytes).sum::<u64>()
+            + self.experts.iter().flatten().map(Expert::bytes).sum::<u64>()
             + self.shared.as_ref().map_or(0, |s| s.expert.bytes())
     }
 
     pub(super) fn rows_independent(&self) -> bool {
-        self.experts.iter().all(Expert::rows_independent)
+        self.experts.iter().flatten().all(Expert::rows_independent)
             && self.shared.as_ref().is_none_or(|s| s.expert.rows_independent())
     }
 
     pub(super) fn runs_on_slices(&self) -> bool {
-        self.experts.iter().all(Expert::runs_on_slices)
+        self.experts.iter().flatten().all(Expert::runs_on_slices)
             && self.shared.as_ref().is_none_or(|s| s.expert.runs_on_slices() && s.gate.len() == self.hidden)
     }
 
@@ -133,14 +195,17 @@ impl MoeFfn {
     }
 
     /// The block's output for `n` rows `h` (`n × hidden`, normed), into `out` (`n × hidden`):
-    /// `run(expert, m, xs, ys)` computes an expert on `m` gathered rows. Each chosen expert
-    /// runs once on every row that chose it; a row's outputs are then summed in the order of
-    /// its experts' ranks, each times its weight, then the shared expert's, times its gate.
+    /// `run(expert, m, xs, ys)` computes an expert held here on `m` gathered rows; the experts
+    /// held elsewhere go to the remote in one call per pass, made while the ones here run,
+    /// with the matmul `mm` the pass runs. Each chosen expert runs once on every row that chose
+    /// it; a row's outputs are then summed in the order of its experts' ranks, each times its
+    /// weight, then the shared expert's, times its gate.
     pub(super) fn combine(
         &self,
         n: usize,
         h: &[f32],
         out: &mut [f32],
+        mm: MatMul,
         mut run: impl FnMut(&Expert, usize, &[f32], &mut [f32]) -> candle_core::Result<()>,
     ) -> candle_core::Result<()> {
         let (d, k) = (self.hidden, self.spec.used);
@@ -155,20 +220,58 @@ impl MoeFfn {
                 chosen[e as usize].push((r, rank));
             }
         }
-        // every (row, rank)'s expert output
-        let mut each = vec![0f32; n * k * d];
-        let (mut xs, mut ys) = (Vec::new(), Vec::new());
-        for (e, rows) in chosen.iter().enumerate().filter(|(_, rows)| !rows.is_empty()) {
-            let m = rows.len();
-            xs.clear();
+        let gather = |rows: &[(usize, usize)], xs: &mut Vec<f32>| {
             for &(r, _) in rows {
                 xs.extend_from_slice(&h[r * d..(r + 1) * d]);
             }
-            ys.clear();
-            ys.resize(m * d, 0.0);
-            run(&self.experts[e], m, &xs, &mut ys)?;
+        };
+        // every (row, rank)'s expert output
+        let mut each = vec![0f32; n * k * d];
+        let mut scatter = |rows: &[(usize, usize)], ys: &[f32]| {
             for (j, &(r, rank)) in rows.iter().enumerate() {
                 each[(r * k + rank) * d..][..d].copy_from_slice(&ys[j * d..(j + 1) * d]);
+            }
+        };
+        let used = || chosen.iter().enumerate().filter(|(_, rows)| !rows.is_empty());
+        let away: Vec<(u32, usize)> =
+            used().filter(|(e, _)| self.experts[*e].is_none()).map(|(e, rows)| (e as u32, rows.len())).collect();
+        let mut away_xs = Vec::new();
+        for &(e, _) in &away {
+            gather(&chosen[e as usize], &mut away_xs);
+        }
+        let remote = match (&self.remote, away.is_empty()) {
+            (_, true) => None,
+            (Some(r), false) => Some(r),
+            (None, false) => candle_core::bail!("layer {}: experts {away:?} are held nowhere", self.layer),
+        };
+        let away_ys = std::thread::scope(|scope| -> candle_core::Result<Option<Vec<f32>>> {
+            let pending = remote.map(|r| scope.spawn(|| r.compute(self.layer, &away, &away_xs, mm)));
+            let (mut xs, mut ys) = (Vec::new(), Vec::new());
+            for (e, rows) in used() {
+                let Some(expert) = &self.experts[e] else { continue };
+                xs.clear();
+                gather(rows, &mut xs);
+                ys.clear();
+                ys.resize(rows.len() * d, 0.0);
+                run(expert, rows.len(), &xs, &mut ys)?;
+                scatter(rows, &ys);
+            }
+            match pending.map(|p| p.join()) {
+                None => Ok(None),
+                Some(Ok(Ok(ys))) => Ok(Some(ys)),
+                Some(Ok(Err(e))) => candle_core::bail!("layer {}: remote experts: {e}", self.layer),
+                Some(Err(_)) => candle_core::bail!("layer {}: the remote experts' call panicked", self.layer),
+            }
+        })?;
+        if let Some(ys) = away_ys {
+            let m: usize = away.iter().map(|(_, m)| m).sum();
+            if ys.len() != m * d {
+                candle_core::bail!("layer {}: remote experts gave {} values for {m} rows of {d}", self.layer, ys.len())
+            }
+            let mut at = 0;
+            for &(e, m) in &away {
+                scatter(&chosen[e as usize], &ys[at * d..(at + m) * d]);
+                at += m;
             }
         }
         for (r, route) in routes.iter().enumerate() {
@@ -202,16 +305,127 @@ impl MoeFfn {
         let host: Vec<f32> = h.to_dtype(DType::F32)?.flatten_all()?.to_vec1()?;
         let mut out = vec![0f32; n * d];
         let (device, dtype) = (h.device().clone(), h.dtype());
-        self.combine(n, &host, &mut out, |expert, m, xs, ys| {
-            let x = Tensor::from_slice(xs, (m, 1, d), &device)?.to_dtype(dtype)?;
-            let y = expert.forward(&x, mm, gelu)?.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?;
-            if y.len() != ys.len() {
-                candle_core::bail!("an expert gave {} values for {} rows of {d}", y.len(), m)
-            }
-            ys.copy_from_slice(&y);
-            Ok(())
-        })?;
+        self.combine(n, &host, &mut out, mm, |expert, m, xs, ys| expert.on_host(m, xs, ys, mm, gelu, &device, dtype))?;
         Tensor::from_vec(out, (b, t, d), h.device())?.to_dtype(dtype)
+    }
+}
+
+impl Expert {
+    /// The expert on `m` host rows `xs` (`m × hidden`) into `ys`, with candle's ops on `device`
+    /// in `dtype` (rows shaped `(m, 1, hidden)`, as a pass's decode rows are).
+    #[allow(clippy::too_many_arguments)]
+    fn on_host(
+        &self,
+        m: usize,
+        xs: &[f32],
+        ys: &mut [f32],
+        mm: MatMul,
+        gelu: bool,
+        device: &Device,
+        dtype: DType,
+    ) -> candle_core::Result<()> {
+        let d = xs.len() / m.max(1);
+        let x = Tensor::from_slice(xs, (m, 1, d), device)?.to_dtype(dtype)?;
+        let y = self.forward(&x, mm, gelu)?.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?;
+        if y.len() != ys.len() {
+            candle_core::bail!("an expert gave {} values for {m} rows of {d}", y.len())
+        }
+        ys.copy_from_slice(&y);
+        Ok(())
+    }
+}
+
+/// A node's share of a mixture's routed experts: experts `ids` of layers `layers`, nothing else
+/// of those layers (no attention, no router), on the CPU. It computes what a layer elsewhere
+/// sends it ([`RemoteExperts`]) with the kernels a slice holding the experts would run, so a
+/// token's numbers do not depend on where its experts are.
+pub struct ExpertShard {
+    layers: LayerRange,
+    ids: Range<u32>,
+    hidden: usize,
+    gelu: bool,
+    /// By layer of `layers`, then by id of `ids`.
+    experts: Vec<Vec<Expert>>,
+    weight_bytes: u64,
+}
+
+impl ExpertShard {
+    /// Loads experts `ids` of layers `layers` from `files` (a mixture-of-experts model).
+    pub fn load(files: &ModelFiles, layers: LayerRange, ids: Range<u32>) -> Result<Self, ModelError> {
+        let cfg = files.config();
+        let Some(spec) = cfg.moe else {
+            return Err(ModelError::BadSlice(format!("{:?} has no experts to hold", cfg.arch)));
+        };
+        if layers.end() > cfg.n_layers {
+            return Err(ModelError::BadSlice(format!("layers {layers} of a model with {} layers", cfg.n_layers)));
+        }
+        check_ids(&ids, &spec)?;
+        let experts = layers
+            .iter()
+            .map(|i| {
+                ids.clone()
+                    .map(|e| load_expert(files, i, e as usize, &spec, &Device::Cpu, DType::F32))
+                    .collect::<Result<Vec<_>, _>>()
+            })
+            .collect::<Result<Vec<_>, ModelError>>()?;
+        let weight_bytes = experts.iter().flatten().map(Expert::bytes).sum();
+        Ok(ExpertShard { layers, ids, hidden: cfg.hidden, gelu: cfg.layer.gelu, experts, weight_bytes })
+    }
+
+    pub fn layers(&self) -> LayerRange {
+        self.layers
+    }
+
+    pub fn ids(&self) -> Range<u32> {
+        self.ids.clone()
+    }
+
+    pub fn hidden(&self) -> usize {
+        self.hidden
+    }
+
+    pub fn weight_bytes(&self) -> u64 {
+        self.weight_bytes
+    }
+}
+
+impl RemoteExperts for ExpertShard {
+    /// Checks the call whole (layer, ids, row counts, values) before computing any of it.
+    fn compute(&self, layer: usize, calls: &[(u32, usize)], xs: &[f32], mm: MatMul) -> Result<Vec<f32>, ModelError> {
+        let d = self.hidden;
+        if !self.layers.contains(layer) {
+            return Err(ModelError::BadSlice(format!("layer {layer}: this shard holds layers {}", self.layers)));
+        }
+        let mut m = 0usize;
+        for &(e, rows) in calls {
+            if !self.ids.contains(&e) {
+                return Err(ModelError::BadSlice(format!(
+                    "expert {e}: this shard holds experts {}..{}",
+                    self.ids.start, self.ids.end
+                )));
+            }
+            if rows == 0 {
+                return Err(ModelError::BadSlice(format!("expert {e}: a call with no rows")));
+            }
+            m = m.saturating_add(rows);
+        }
+        if m.checked_mul(d) != Some(xs.len()) {
+            return Err(ModelError::BadSlice(format!("{} values for {m} rows of {d}", xs.len())));
+        }
+        let experts = &self.experts[layer - self.layers.start()];
+        let mut ys = vec![0f32; xs.len()];
+        let mut at = 0;
+        for &(e, rows) in calls {
+            let expert = &experts[(e - self.ids.start) as usize];
+            let (x, y) = (&xs[at * d..(at + rows) * d], &mut ys[at * d..(at + rows) * d]);
+            if mm == MatMul::Rows && expert.runs_on_slices() {
+                expert.rows(rows, x, y, self.gelu)?;
+            } else {
+                expert.on_host(rows, x, y, mm, self.gelu, &Device::Cpu, DType::F32)?;
+            }
+            at += rows;
+        }
+        Ok(ys)
     }
 }
 
@@ -238,9 +452,11 @@ mod tests {
         MoeFfn {
             spec: Moe { experts, used, ffn: 1, norm_topk, shared_ffn: None },
             hidden: router.len() / experts,
+            layer: 0,
             router,
             experts: Vec::new(),
             shared: None,
+            remote: None,
         }
     }
 
@@ -271,15 +487,26 @@ mod tests {
             Ok(())
         };
         // no experts to index: give the block stand-ins
-        let f = MoeFfn { experts: (0..8).map(|_| stand_in()).collect(), ..f };
-        f.combine(3, &rows, &mut got, run).unwrap();
+        let f = MoeFfn { experts: (0..8).map(|_| Some(stand_in())).collect(), ..f };
+        f.combine(3, &rows, &mut got, MatMul::Rows, run).unwrap();
         let mut alone = vec![0f32; 16];
-        f.combine(1, &rows[16..32], &mut alone, run).unwrap();
+        f.combine(1, &rows[16..32], &mut alone, MatMul::Rows, run).unwrap();
         assert_eq!(&got[16..32], &alone[..]);
         // weights sum to 1: twice the row
         for (g, x) in got.iter().zip(&rows) {
             assert!((g - 2.0 * x).abs() < 1e-5, "{g} {x}");
         }
+    }
+
+    #[test]
+    fn an_expert_held_nowhere_fails_the_pass() {
+        let router: Vec<f32> = (0..4 * 8).map(|i| (i % 5) as f32).collect();
+        let mut f = ffn(4, 2, true, router);
+        f.experts = vec![Some(stand_in()), None, Some(stand_in()), None];
+        let run = |_: &Expert, _: usize, _: &[f32], _: &mut [f32]| Ok(());
+        let mut out = vec![0f32; 8];
+        let e = f.combine(1, &[1.0; 8], &mut out, MatMul::Batch, run).unwrap_err().to_string();
+        assert!(e.contains("held nowhere"), "{e}");
     }
 
     fn stand_in() -> Expert {

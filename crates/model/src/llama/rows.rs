@@ -2,15 +2,15 @@
 //! (see [`crate::batch`]).
 //!
 //! Row `i` is session `i`'s next token. The matmuls by the layer weights take every row at once,
-//! through [`Linear::forward_rows`], which gives each row exactly the numbers a one-row call gives;
+//! through [`crate::weights::Linear::forward_rows`], which gives each row exactly the numbers a one-row call gives;
 //! RoPE, the cache write and attention run per session on its own cache with the code of the
 //! one-session path. So a row's numbers never depend on which other rows share the step: the
 //! logits equal, bit for bit, those of [`Slice::forward`] for that session alone (on the CPU;
 //! candle's CUDA kernels promise no such thing). On the CPU in f32 the step is the fused one
 //! ([`super::fused`]), which computes the same numbers row by row.
 
-use super::{attend, rms_norm, Slice, SliceCache, StageInput};
-use crate::weights::Linear;
+use super::{attend, rms_norm, MatMul, Slice, SliceCache, StageInput};
+
 use crate::ModelError;
 use candle_core::{DType, Tensor};
 
@@ -100,7 +100,7 @@ impl Slice {
         };
         for (l, block) in self.blocks.iter().enumerate() {
             let _b = block.span.enter();
-            let (q, k, v) = block.qkv(&self.cfg, x, Linear::forward_rows)?;
+            let (q, k, v) = block.qkv(&self.cfg, x, MatMul::Rows)?;
             let tables = match &local {
                 Some(t) if block.local_rope => t,
                 _ => &global,
@@ -115,7 +115,7 @@ impl Slice {
                 let qkv = (&row(&q)?, &row(&k)?, &row(&v)?);
                 ys.push(attend(&self.cfg, block.window, qkv, &mut cache.kv[l], pos, (cos, sin), None)?);
             }
-            *x = block.output(&self.cfg, x, &Tensor::cat(&ys, 0)?, Linear::forward_rows)?;
+            *x = block.output(&self.cfg, x, &Tensor::cat(&ys, 0)?, MatMul::Rows)?;
         }
         Ok(())
     }
