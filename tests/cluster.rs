@@ -152,6 +152,75 @@ fn three_workers_generate_what_run_generates_with_sixteen_clients_at_once() {
     assert!(st["nodes"][0]["devices"][0]["kernels"].as_array().unwrap().len() >= 3, "measured kernel rates");
 }
 
+/// A mixture whose routed experts live on other nodes than its layers' attention: the stages of
+/// the pipeline call the expert stages for the rows routed there, over the same mTLS QUIC links
+/// (and over gRPC), and the answer is `run`'s, id for id — every routed expert computed, none
+/// dropped. Expert stages hold only their experts' bytes, and maps that cannot work are refused
+/// with the reason, changing nothing.
+#[test]
+fn experts_held_on_other_nodes_answer_what_run_answers() {
+    let mut c = Cluster::new();
+    c.start_coordinator(&[]);
+    for w in ["w1", "w2", "w3"] {
+        c.start_worker(w, &[]);
+    }
+    c.wait_up(3);
+    let moe = c.path("moe.gguf");
+    let shape = ["--layers", "4", "--hidden", "256", "--ffn", "128", "--heads", "8", "--kv-heads", "4"];
+    let experts = ["--vocab", "512", "--experts", "8", "--experts-used", "2", "--moe-family", "qwen3moe"];
+    synth(&moe, &[&shape[..], &experts[..], &["--type", "q8_0"]].concat());
+    let m = moe.to_str().unwrap();
+    // the experts of every layer spread over two other nodes, some kept with the layers
+    let spread =
+        c.deploy(&["--name", "spread", "-m", m, "--device-map", "w1:cpu:4,w2:cpu:experts=0..3,w3:cpu:experts=5..8"]);
+    assert_eq!(spread["state"], "ready", "{spread}");
+    let held = spread["expert_stages"].as_array().unwrap();
+    assert_eq!(held.len(), 2, "{spread}");
+    assert_eq!((held[0]["index"].as_u64(), held[1]["index"].as_u64()), (Some(1), Some(2)));
+    assert_eq!(held[1]["experts"], serde_json::json!([5, 8]));
+    let pipeline_bytes = spread["stages"][0]["weight_bytes"].as_u64().unwrap();
+    let w2 = held[0]["weight_bytes"].as_u64().unwrap();
+    assert!(w2 > 0 && held.iter().all(|s| s["state"] == "ready"), "{spread}");
+    // w1 holds 2 of 8 experts and the attention; w2 3 of 8: more than w1's share of experts
+    assert!(w2 > pipeline_bytes / 3, "w2 holds {w2} bytes, w1 {pipeline_bytes}");
+    // two stages, and all the experts on the third node, over gRPC
+    c.deploy(&[
+        "--name",
+        "apart",
+        "-m",
+        m,
+        "--transport",
+        "grpc",
+        "--device-map",
+        "w1:cpu:2,w2:cpu:2,w3:cpu:experts=0..8",
+    ]);
+    for p in PROMPTS {
+        let (prompt_ids, want) = run_ids(Some(&moe), p, 24);
+        for model in ["spread", "apart"] {
+            let got = c.generate(model, p, 24);
+            assert_eq!(ids(&got["prompt_ids"]), prompt_ids, "{model}: {p}");
+            assert_eq!(ids(&got["generated_ids"]), want, "{model}: {p}\n{}", c.logs());
+        }
+    }
+    // maps that cannot work: refused, and nothing is deployed
+    for (map, why) in [
+        ("w1:cpu:4,w2:cpu:experts=0..9", "has 8 experts per layer"),
+        ("w1:cpu:4,w2:cpu:experts=4..2", "A < B"),
+        ("w1:cpu:4,w2:cpu:experts=0..4,w3:cpu:experts=3..8", "expert stages 0 and 1"),
+        ("w1:cpu:4,w9:cpu:experts=0..4", "unknown node `w9`"),
+    ] {
+        let out = c.brigade(&["deploy", "--name", "bad", "-m", m, "--device-map", map]);
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success() && err.contains(why), "{map}: {err}");
+    }
+    let out = c.brigade(&["deploy", "--name", "bad", "--device-map", "w1:cpu:5,w2:cpu:experts=0..2"]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success() && err.contains("not a mixture of experts"), "{err}");
+    let names: Vec<String> =
+        c.status()["deployments"].as_array().unwrap().iter().map(|d| d["name"].as_str().unwrap().to_string()).collect();
+    assert_eq!(names.len(), 2, "{names:?}");
+}
+
 /// Speculative decoding through three workers (each drives its sessions with `--spec-type
 /// ngram-simple`): a drawn id and its draft go round the ring once, the last stage draws along
 /// the rows and the stages drop what it did not take. The stories model and Gemma 3 (sliding

@@ -434,7 +434,9 @@ pub struct DeployArgs {
     #[arg(long, default_value_t = 4)]
     pub sessions: u32,
     /// Place by hand: NODE:DEVICE:LAYERS,… (e.g. w1:cpu:3,w2:cpu:2); one entry may say `all`
-    /// for the layers the others leave (gpu1:cuda0:all,edge1:cpu:8).
+    /// for the layers the others leave (gpu1:cuda0:all,edge1:cpu:8). For a mixture of experts,
+    /// NODE:cpu:experts=A..B entries hold routed experts A..B-1 of every layer on that node,
+    /// called by the layers' stages (w1:cpu:all,w2:cpu:experts=0..64,w3:cpu:experts=64..128).
     #[arg(long)]
     pub device_map: Option<String>,
     /// Element type of hidden states between stages.
@@ -486,12 +488,13 @@ pub fn deploy_request(a: &DeployArgs) -> DeployParams {
 fn print_deployment(d: &Deployment) {
     print!("{}", d.plan_text);
     println!("deployment `{}`: {} (generation {})", d.name, d.state, d.generation);
-    for s in &d.stages {
+    for s in d.stages.iter().chain(&d.expert_stages) {
         println!(
-            "  stage {} on {}/{} layers {}–{}: {}{}{}",
+            "  stage {} on {}/{} {}layers {}–{}: {}{}{}",
             s.index,
             s.node,
             s.device,
+            s.experts.map(|(a, b)| format!("experts {a}..{b} of ")).unwrap_or_default(),
             s.layer_start,
             s.layer_end.saturating_sub(1),
             s.state,
@@ -762,14 +765,23 @@ fn deployment_json(d: &Deployment) -> serde_json::Value {
         "predicted_decode_ms": d.predicted_decode_s * 1e3,
         "measured_decode_ms": d.measured_decode_s * 1e3,
         "tokens_generated": d.tokens_generated,
-        "stages": d.stages.iter().map(|s| serde_json::json!({
-            "index": s.index, "node": s.node, "device": s.device, "address": s.address,
-            "layers": [s.layer_start, s.layer_end], "state": s.state.name(), "error": s.error,
-            "weight_bytes": s.weight_bytes, "kv_bytes": s.kv_bytes, "fetched_bytes": s.fetched_bytes,
-            "predicted_ms": s.predicted_s * 1e3, "measured_ms": s.measured_s * 1e3,
-        })).collect::<Vec<_>>(),
+        "stages": d.stages.iter().map(stage_json).collect::<Vec<_>>(),
+        "expert_stages": d.expert_stages.iter().map(stage_json).collect::<Vec<_>>(),
         "plan": d.plan_text,
     })
+}
+
+fn stage_json(s: &brigade_sdk::Stage) -> serde_json::Value {
+    let mut v = serde_json::json!({
+        "index": s.index, "node": s.node, "device": s.device, "address": s.address,
+        "layers": [s.layer_start, s.layer_end], "state": s.state.name(), "error": s.error,
+        "weight_bytes": s.weight_bytes, "kv_bytes": s.kv_bytes, "fetched_bytes": s.fetched_bytes,
+        "predicted_ms": s.predicted_s * 1e3, "measured_ms": s.measured_s * 1e3,
+    });
+    if let Some((a, b)) = s.experts {
+        v["experts"] = serde_json::json!([a, b]);
+    }
+    v
 }
 
 pub fn status(a: StatusArgs) -> Result<()> {

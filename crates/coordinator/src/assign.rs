@@ -2,10 +2,12 @@
 //! load and connect them (the slice's manifest, the next stage, the driver), and the peers whose
 //! links it should measure.
 
-use crate::models::slice_ranges;
+use crate::models::{expert_ranges, slice_ranges};
 use brigade_core::cluster::{ClusterState, NodeState};
 use brigade_proto::convert::{act_dtype_to_proto, carrier_to_proto};
-use brigade_proto::v1::{AdmittedCert, Assignments, FileRange, ModelFile, PeerRef, SliceManifest, StageAssignment};
+use brigade_proto::v1::{
+    AdmittedCert, Assignments, ExpertHost, FileRange, ModelFile, PeerRef, SliceManifest, StageAssignment,
+};
 
 /// Prompt tokens per chunk into the first stage: one chunk when the pipeline has one stage; small
 /// chunks when there are several, so that stages overlap on a long prompt.
@@ -28,9 +30,12 @@ pub fn for_node(state: &ClusterState, node: &str) -> Assignments {
     let mut stages = Vec::new();
     for (d, i) in state.stages_of(node) {
         let Some(model) = state.models.get(&d.model_id) else { continue };
-        let s = &d.stages[i];
+        let Some(s) = d.stage(i) else { continue };
         let n = d.stages.len();
-        let ranges = slice_ranges(model, s.layers);
+        let ranges = match s.experts {
+            Some(_) => expert_ranges(model, s.layers),
+            None => slice_ranges(model, s.layers),
+        };
         let manifest = SliceManifest {
             model_id: model.id.clone(),
             model_name: model.name.clone(),
@@ -47,6 +52,28 @@ pub fn for_node(state: &ClusterState, node: &str) -> Assignments {
                 .collect(),
             sources: vec!["coordinator".into()],
         };
+        // the expert stages holding experts of this stage's layers (none for an expert stage)
+        let experts_elsewhere = match s.experts {
+            Some(_) => Vec::new(),
+            None => d
+                .expert_stages
+                .iter()
+                .enumerate()
+                .filter(|(_, e)| e.layers.start() < s.layers.end() && s.layers.start() < e.layers.end())
+                .filter_map(|(j, e)| {
+                    let ids = e.experts?;
+                    Some(ExpertHost {
+                        node: Some(peer(state, &e.node)),
+                        stage: (n + j) as u32,
+                        layer_start: e.layers.start() as u32,
+                        layer_end: e.layers.end() as u32,
+                        expert_start: ids.start,
+                        expert_end: ids.end,
+                    })
+                })
+                .collect(),
+        };
+        let in_pipeline = i < n;
         stages.push(StageAssignment {
             deployment: d.name.clone(),
             generation: d.generation,
@@ -66,9 +93,12 @@ pub fn for_node(state: &ClusterState, node: &str) -> Assignments {
             threads,
             first: Some(peer(state, &d.stages[0].node)),
             ubatch: if d.ubatch > 0 { d.ubatch.min(4096) as u32 } else { ubatch(n) },
-            is_driver: d.driver == node,
-            prev: i.checked_sub(1).map(|p| peer(state, &d.stages[p].node)),
+            is_driver: in_pipeline && d.driver == node,
+            prev: i.checked_sub(1).filter(|_| in_pipeline).map(|p| peer(state, &d.stages[p].node)),
             stage_nodes: d.stages.iter().map(|x| x.node.clone()).collect(),
+            expert_start: s.experts.map_or(0, |e| e.start),
+            expert_end: s.experts.map_or(0, |e| e.end),
+            experts_elsewhere,
         });
     }
     let peers = state

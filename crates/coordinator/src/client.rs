@@ -6,7 +6,7 @@ use crate::placement::{self, PlacementRequest};
 use crate::shared::{DeployStats, Shared};
 use crate::CoordError;
 use brigade_core::cluster::{
-    ActDtype, CarrierKind, ClusterState, Command, Deployment, DeploymentState, NodeState, StageState,
+    ActDtype, CarrierKind, ClusterState, Command, Deployment, DeploymentState, NodeState, StageRecord, StageState,
 };
 use brigade_planner::Objective;
 use brigade_proto::convert::{
@@ -56,34 +56,12 @@ pub fn deployment_info(state: &ClusterState, d: &Deployment, stats: Option<&Depl
         model_id: d.model_id.clone(),
         generation: d.generation,
         state: deployment_state_to_proto(st).into(),
-        stages: d
-            .stages
+        stages: d.stages.iter().enumerate().map(|(i, s)| stage_info(state, stats, steps, i, s)).collect(),
+        expert_stages: d
+            .expert_stages
             .iter()
             .enumerate()
-            .map(|(i, s)| StageInfo {
-                index: i as u32,
-                node: s.node.clone(),
-                device: s.device.clone(),
-                layer_start: s.layers.start() as u32,
-                layer_end: s.layers.end() as u32,
-                state: stage_state_to_proto(&s.state).into(),
-                error: match &s.state {
-                    StageState::Failed(e) => e.clone(),
-                    _ => String::new(),
-                },
-                weight_bytes: s.weight_bytes,
-                kv_bytes: s.kv_bytes,
-                fetched_bytes: s.fetched_bytes,
-                predicted_s: s.predicted_s,
-                measured_s: stats
-                    .map(|x| {
-                        (x.stage_compute_s.get(i).copied().unwrap_or(0.0)
-                            + x.stage_transfer_s.get(i).copied().unwrap_or(0.0))
-                            / steps
-                    })
-                    .unwrap_or(0.0),
-                address: state.nodes.get(&s.node).map(|n| n.address.clone()).unwrap_or_default(),
-            })
+            .map(|(j, s)| stage_info(state, None, steps, d.stages.len() + j, s))
             .collect(),
         n_layers: d.n_layers as u32,
         n_ctx: d.n_ctx as u32,
@@ -99,8 +77,7 @@ pub fn deployment_info(state: &ClusterState, d: &Deployment, stats: Option<&Depl
         error: match st {
             _ if !d.note.is_empty() => d.note.clone(),
             DeploymentState::Failed => d
-                .stages
-                .iter()
+                .every_stage()
                 .filter_map(|s| match &s.state {
                     StageState::Failed(e) => Some(format!("{}: {e}", s.node)),
                     _ => None,
@@ -109,8 +86,7 @@ pub fn deployment_info(state: &ClusterState, d: &Deployment, stats: Option<&Depl
                 .join("; "),
             DeploymentState::Degraded => format!(
                 "node(s) down: {}",
-                d.stages
-                    .iter()
+                d.every_stage()
                     .filter(|s| state.nodes.get(&s.node).is_none_or(|n| n.state == NodeState::Down))
                     .map(|s| s.node.as_str())
                     .collect::<Vec<_>>()
@@ -118,6 +94,36 @@ pub fn deployment_info(state: &ClusterState, d: &Deployment, stats: Option<&Depl
             ),
             _ => String::new(),
         },
+    }
+}
+
+/// Stage `i` of a deployment as clients see it (`stats`: the deployment's measured figures, for
+/// the pipeline's stages).
+fn stage_info(state: &ClusterState, stats: Option<&DeployStats>, steps: f64, i: usize, s: &StageRecord) -> StageInfo {
+    StageInfo {
+        index: i as u32,
+        node: s.node.clone(),
+        device: s.device.clone(),
+        layer_start: s.layers.start() as u32,
+        layer_end: s.layers.end() as u32,
+        state: stage_state_to_proto(&s.state).into(),
+        error: match &s.state {
+            StageState::Failed(e) => e.clone(),
+            _ => String::new(),
+        },
+        weight_bytes: s.weight_bytes,
+        kv_bytes: s.kv_bytes,
+        fetched_bytes: s.fetched_bytes,
+        predicted_s: s.predicted_s,
+        measured_s: stats
+            .map(|x| {
+                (x.stage_compute_s.get(i).copied().unwrap_or(0.0) + x.stage_transfer_s.get(i).copied().unwrap_or(0.0))
+                    / steps
+            })
+            .unwrap_or(0.0),
+        address: state.nodes.get(&s.node).map(|n| n.address.clone()).unwrap_or_default(),
+        expert_start: s.experts.map_or(0, |e| e.start),
+        expert_end: s.experts.map_or(0, |e| e.end),
     }
 }
 
@@ -596,6 +602,7 @@ impl Client for ClientService {
             carrier: carrier(r.carrier)?,
             driver: p.driver.clone(),
             stages: p.stages,
+            expert_stages: p.expert_stages,
             predicted_decode_s: p.predicted_decode_s,
             plan_text: p.plan_text,
             created_ms: unix_ms(),

@@ -242,7 +242,7 @@ impl Control for ControlService {
 /// last none. `None` for a stale report (another generation, or a stage not on this node).
 pub fn lower_after_oom(state: &ClusterState, node: &str, r: &ReadyReport) -> Option<Command> {
     let d = state.deployments.get(&r.deployment).filter(|d| d.generation == r.generation)?;
-    let s = d.stages.get(r.stage as usize).filter(|s| s.node == node)?;
+    let s = d.stage(r.stage as usize).filter(|s| s.node == node)?;
     let current = state.nodes.get(node)?.devices.iter().find(|x| x.name == s.device)?.memory_free;
     let mut lowered = current.min((s.weight_bytes + s.kv_bytes) / 8 * 7);
     if r.device_free > 0 {

@@ -54,6 +54,7 @@ fn record(index: &ModelIndex, manifest: &Manifest, id: String, name: String, sou
         context_length: cfg.context_length,
         profile: cluster_profile(index),
         weight_types: index.weight_types().into_iter().map(|(t, b)| (t.name().to_string(), b)).collect(),
+        experts: cfg.moe.map_or(0, |m| m.experts),
     }
 }
 
@@ -178,6 +179,32 @@ impl Models {
 }
 
 /// The ranges a slice needs of a model: headers and small files, and the slice's tensors.
+/// The ranges an expert stage of `layers` fetches: the headers and the layers' stacked expert
+/// tensors (whole: a range's checksum covers all of it; the stage loads only its experts').
+pub fn expert_ranges(m: &ModelRecord, layers: LayerRange) -> Vec<RangeRecord> {
+    m.ranges
+        .iter()
+        .filter(|r| r.tensor.is_empty() || expert_tensor_layer(&r.tensor).is_some_and(|l| layers.contains(l)))
+        .cloned()
+        .collect()
+}
+
+/// Bytes of the routed experts of `layers` (every expert's).
+pub fn expert_bytes(m: &ModelRecord, layers: LayerRange) -> u64 {
+    m.ranges
+        .iter()
+        .filter(|r| expert_tensor_layer(&r.tensor).is_some_and(|l| layers.contains(l)))
+        .map(|r| r.length)
+        .sum()
+}
+
+/// The layer of a stacked expert tensor (`blk.N.ffn_*_exps.weight`), `None` for any other.
+fn expert_tensor_layer(name: &str) -> Option<usize> {
+    let rest = name.strip_prefix("blk.")?;
+    let (n, t) = rest.split_once('.')?;
+    (t.starts_with("ffn_") && t.contains("_exps")).then(|| n.parse().ok()).flatten()
+}
+
 pub fn slice_ranges(m: &ModelRecord, layers: LayerRange) -> Vec<RangeRecord> {
     let names = m.ranges.iter().filter(|r| !r.tensor.is_empty()).map(|r| r.tensor.as_str());
     let want: std::collections::HashSet<String> =

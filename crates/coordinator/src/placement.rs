@@ -3,8 +3,9 @@
 //! they timed), then either the planner's choice or a hand-given map, evaluated by the same cost
 //! model so that `status` can put the prediction beside the measurement.
 
+use crate::models::expert_bytes;
 use crate::CoordError;
-use brigade_core::cluster::{ClusterState, DeviceFigures, ModelRecord, NodeState, StageRecord, StageState};
+use brigade_core::cluster::{ClusterState, DeviceFigures, ExpertIds, ModelRecord, NodeState, StageRecord, StageState};
 use brigade_core::{DeviceKind, DeviceSpec, Inventory, LayerRange, Link, LinkSpec, NodeSpec};
 use brigade_planner::cost::Problem;
 use brigade_planner::{Objective, Policy};
@@ -138,6 +139,8 @@ pub struct PlacementRequest {
 #[derive(Debug, Clone)]
 pub struct Placement {
     pub stages: Vec<StageRecord>,
+    /// Stages that hold only routed experts (a hand map's `experts=A..B` entries).
+    pub expert_stages: Vec<StageRecord>,
     pub driver: String,
     pub predicted_decode_s: f64,
     pub plan_text: String,
@@ -263,6 +266,7 @@ fn plan(state: &ClusterState, model: &ModelRecord, req: &PlacementRequest) -> Re
             kv_bytes: s.kv_bytes,
             fetched_bytes: 0,
             predicted_s: (s.compute_ms + hop_ms) / 1e3,
+            experts: None,
         });
     }
     let mut text = p.to_text();
@@ -275,6 +279,7 @@ fn plan(state: &ClusterState, model: &ModelRecord, req: &PlacementRequest) -> Re
         plan_json: serde_json::to_string_pretty(&p).unwrap_or_default(),
         plan_text: text,
         stages,
+        expert_stages: Vec::new(),
     })
 }
 
@@ -288,9 +293,52 @@ fn better(a: &brigade_planner::Plan, b: &brigade_planner::Plan, objective: Objec
     }
 }
 
+/// A hand map's expert entry: node, device, the experts it holds.
+pub type ExpertEntry = (String, String, ExpertIds);
+
+/// Takes a hand map's expert entries (`NODE:DEVICE:experts=A..B`: that device holds routed
+/// experts `A..B` of every layer, and the pipeline's stages call it for them) out of `map`:
+/// the rest of the map, and the entries.
+pub fn expert_entries(map: &str) -> Result<(String, Vec<ExpertEntry>), CoordError> {
+    let mut rest = Vec::new();
+    let mut experts = Vec::new();
+    for entry in map.split(',').map(str::trim).filter(|e| !e.is_empty()) {
+        let parts: Vec<&str> = entry.split(':').collect();
+        let Some(ids) = parts.get(2).and_then(|p| p.strip_prefix("experts=")) else {
+            rest.push(entry);
+            continue;
+        };
+        let bad = |why: &str| CoordError::BadRequest(format!("--device-map entry `{entry}`: {why}"));
+        let (a, b) = ids.split_once("..").ok_or_else(|| bad("expected experts=A..B, for example experts=0..32"))?;
+        let (start, end) = match (a.parse::<u32>(), b.parse::<u32>()) {
+            (Ok(a), Ok(b)) if a < b => (a, b),
+            _ => return Err(bad("expert ids A..B must be numbers with A < B")),
+        };
+        if parts.len() != 3 {
+            return Err(bad("expected NODE:DEVICE:experts=A..B"));
+        }
+        experts.push((parts[0].to_string(), parts[1].to_string(), ExpertIds { start, end }));
+    }
+    Ok((rest.join(","), experts))
+}
+
 fn by_hand(state: &ClusterState, model: &ModelRecord, req: &PlacementRequest) -> Result<Placement, CoordError> {
-    let entries = parse_device_map(&req.device_map, model.n_layers)?;
-    for (node, device, _) in &entries {
+    let (pipeline_map, expert_map) = expert_entries(&req.device_map)?;
+    let entries = parse_device_map(&pipeline_map, model.n_layers)?;
+    if !expert_map.is_empty() {
+        let why = if model.experts == 0 {
+            Some("is not a mixture of experts")
+        } else if expert_bytes(model, LayerRange::new(0, model.n_layers)?) == 0 {
+            Some("does not stack its experts (a GGUF file does)")
+        } else {
+            None
+        };
+        if let Some(why) = why {
+            return Err(CoordError::BadRequest(format!("--device-map: `experts=` entries: {} {why}", model.name)));
+        }
+    }
+    let nodes = entries.iter().map(|(n, d, _)| (n, d)).chain(expert_map.iter().map(|(n, d, _)| (n, d)));
+    for (node, device) in nodes {
         let n = state
             .nodes
             .get(node)
@@ -326,10 +374,20 @@ fn by_hand(state: &ClusterState, model: &ModelRecord, req: &PlacementRequest) ->
         idx.push((d, at, at + n));
         at += n;
     }
+    // bytes of routed experts of layers a..b held on the expert stages (not on the pipeline's)
+    let all = LayerRange::new(0, model.n_layers)?;
+    let share = |ids: &ExpertIds, layers: LayerRange| {
+        expert_bytes(model, layers) / model.experts.max(1) as u64 * u64::from(ids.end - ids.start)
+    };
+    let away = |a: usize, b: usize| -> Result<u64, CoordError> {
+        let layers = LayerRange::new(a, b)?;
+        Ok(expert_map.iter().map(|(_, _, ids)| share(ids, layers)).sum())
+    };
     let mut stages = Vec::with_capacity(entries.len());
     for (i, &(d, a, b)) in idx.iter().enumerate() {
-        let mem = problem.stage_mem(a, b);
-        if !problem.fits(d, a, b) {
+        let mut mem = problem.stage_mem(a, b);
+        mem.weights = mem.weights.saturating_sub(away(a, b)?);
+        if mem.total() > problem.devs[d].budget {
             return Err(CoordError::BadRequest(format!(
                 "--device-map: layers {a}–{} need {} bytes on {}, its budget is {} bytes",
                 b - 1,
@@ -348,6 +406,36 @@ fn by_hand(state: &ClusterState, model: &ModelRecord, req: &PlacementRequest) ->
             kv_bytes: mem.kv,
             fetched_bytes: 0,
             predicted_s: problem.stage_time(d, a, b) + hop,
+            experts: None,
+        });
+    }
+    let mut expert_stages = Vec::with_capacity(expert_map.len());
+    for (node, device, ids) in &expert_map {
+        if ids.end as usize > model.experts {
+            return Err(CoordError::BadRequest(format!(
+                "--device-map: experts={ids} on {node}: the model has {} experts per layer",
+                model.experts
+            )));
+        }
+        let weights = share(ids, all);
+        let dev = problem.devs.iter().find(|x| &x.node_name == node && &x.name == device);
+        if let Some(dev) = dev.filter(|x| weights > x.budget) {
+            return Err(CoordError::BadRequest(format!(
+                "--device-map: experts {ids} need {weights} bytes on {}, its budget is {} bytes",
+                dev.label(),
+                dev.budget
+            )));
+        }
+        expert_stages.push(StageRecord {
+            node: node.clone(),
+            device: device.clone(),
+            layers: all,
+            state: StageState::Pending,
+            weight_bytes: weights,
+            kv_bytes: 0,
+            fetched_bytes: 0,
+            predicted_s: 0.0,
+            experts: Some(*ids),
         });
     }
     let metrics = problem.evaluate(&idx);
@@ -374,10 +462,26 @@ fn by_hand(state: &ClusterState, model: &ModelRecord, req: &PlacementRequest) ->
         predicted * 1e3,
         1.0 / predicted.max(1e-12)
     ));
+    for s in &expert_stages {
+        text.push_str(&format!(
+            "experts {} of every layer on {}/{}  weights {}\n",
+            s.experts.map(|e| e.to_string()).unwrap_or_default(),
+            s.node,
+            s.device,
+            brigade_planner::explain::human(s.weight_bytes)
+        ));
+    }
     for n in notes {
         text.push_str(&format!("note: {n}\n"));
     }
-    Ok(Placement { stages, driver, predicted_decode_s: predicted, plan_text: text, plan_json: String::new() })
+    Ok(Placement {
+        stages,
+        expert_stages,
+        driver,
+        predicted_decode_s: predicted,
+        plan_text: text,
+        plan_json: String::new(),
+    })
 }
 
 #[cfg(test)]
@@ -484,6 +588,7 @@ mod tests {
             context_length: 4096,
             profile,
             weight_types: vec![],
+            experts: 0,
         };
         (s, model)
     }

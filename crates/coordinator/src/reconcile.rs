@@ -107,7 +107,7 @@ impl Reconciler {
             state.nodes.values().filter(|n| n.state == NodeState::Up).map(|n| n.name.clone()).collect();
         self.tried.retain(|name, _| state.deployments.contains_key(name));
         for d in state.deployments.values() {
-            let lost = d.stages.iter().any(|s| state.nodes.get(&s.node).is_none_or(|n| n.state != NodeState::Up));
+            let lost = d.every_stage().any(|s| state.nodes.get(&s.node).is_none_or(|n| n.state != NodeState::Up));
             if !lost {
                 self.tried.remove(&d.name);
                 // a stage that did not fit on its device (whose figure the report lowered; where
@@ -176,6 +176,7 @@ fn replace(state: &ClusterState, d: &Deployment, why: &str) -> Option<Action> {
                 command: Box::new(Command::ReplaceStages {
                     deployment: d.name.clone(),
                     stages: p.stages,
+                    expert_stages: p.expert_stages,
                     driver: p.driver,
                     predicted_decode_s: p.predicted_decode_s,
                     plan_text: p.plan_text,
@@ -255,6 +256,7 @@ mod tests {
             context_length: 512,
             profile: ModelProfile::from_shape("tiny", &shape, 16.0, 4),
             weight_types: vec![],
+            experts: 0,
         };
         s.apply(Command::AddModel { model }).unwrap();
         let deployment = Deployment {
@@ -269,6 +271,7 @@ mod tests {
             carrier: CarrierKind::Quic,
             driver: String::new(),
             stages: vec![],
+            expert_stages: vec![],
             predicted_decode_s: 0.0,
             plan_text: String::new(),
             created_ms: 1,

@@ -197,6 +197,9 @@ pub struct ModelRecord {
     /// Bytes of the layers' matrices by stored type (`q4_k`, `q6_k`, …): how a device's measured
     /// kernel rates combine into its speed on this model.
     pub weight_types: Vec<(String, u64)>,
+    /// Routed experts per layer of a mixture-of-experts model (0: dense).
+    #[serde(default)]
+    pub experts: usize,
 }
 
 /// Where one stage of a deployment is, as its worker reports it.
@@ -245,6 +248,37 @@ pub struct StageRecord {
     pub fetched_bytes: u64,
     /// The planner's decode seconds per token for this stage (its hop to the next included).
     pub predicted_s: f64,
+    /// On an expert stage ([`Deployment::expert_stages`]): the routed experts of `layers` it
+    /// holds, and nothing else of them. `None` on the pipeline's stages.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub experts: Option<ExpertIds>,
+}
+
+/// Routed experts `[start, end)` of a mixture-of-experts layer, by id.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ExpertIds {
+    /// The first id held.
+    pub start: u32,
+    /// One past the last id held.
+    pub end: u32,
+}
+
+impl ExpertIds {
+    /// Whether the two share an id.
+    pub fn overlaps(&self, other: &ExpertIds) -> bool {
+        self.start < other.end && other.start < self.end
+    }
+
+    /// The ids as a range.
+    pub fn range(&self) -> std::ops::Range<u32> {
+        self.start..self.end
+    }
+}
+
+impl std::fmt::Display for ExpertIds {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}..{}", self.start, self.end)
+    }
 }
 
 /// Element type of hidden states between stages.
@@ -324,6 +358,30 @@ pub struct Deployment {
     /// Placed by a hand-given map: never moved for a faster placement (only when a node dies).
     #[serde(default)]
     pub by_hand: bool,
+    /// Stages that hold only routed experts of a mixture ([`StageRecord::experts`]), called by
+    /// the pipeline's stages of their layers; numbered after the pipeline's stages.
+    #[serde(default)]
+    pub expert_stages: Vec<StageRecord>,
+}
+
+impl Deployment {
+    /// Stage `i`: the pipeline's stages, then the expert stages.
+    pub fn stage(&self, i: usize) -> Option<&StageRecord> {
+        self.stages.get(i).or_else(|| self.expert_stages.get(i.checked_sub(self.stages.len())?))
+    }
+
+    fn stage_mut(&mut self, i: usize) -> Option<&mut StageRecord> {
+        let n = self.stages.len();
+        match i.checked_sub(n) {
+            None => self.stages.get_mut(i),
+            Some(j) => self.expert_stages.get_mut(j),
+        }
+    }
+
+    /// Every stage, the pipeline's then the expert stages, in [`Deployment::stage`]'s numbering.
+    pub fn every_stage(&self) -> impl Iterator<Item = &StageRecord> {
+        self.stages.iter().chain(&self.expert_stages)
+    }
 }
 
 /// What a deployment as a whole is doing.
@@ -430,6 +488,9 @@ pub enum Command {
         deployment: String,
         /// The new stages in pipeline order (they start pending).
         stages: Vec<StageRecord>,
+        /// The new expert stages ([`Deployment::expert_stages`]).
+        #[serde(default)]
+        expert_stages: Vec<StageRecord>,
         /// The node that drives sessions from now on; it must hold a stage.
         driver: String,
         /// The planner's decode seconds per token of the new placement.
@@ -710,7 +771,7 @@ impl ClusterState {
                 let users: Vec<&str> = self
                     .deployments
                     .values()
-                    .filter(|d| d.stages.iter().any(|s| s.node == name))
+                    .filter(|d| d.every_stage().any(|s| s.node == name))
                     .map(|d| d.name.as_str())
                     .collect();
                 if !users.is_empty() {
@@ -761,32 +822,38 @@ impl ClusterState {
             Command::CreateDeployment { deployment } => {
                 let generation = self.next_generation;
                 self.check_deployment(&deployment)?;
+                let pending = |v: Vec<StageRecord>| -> Vec<StageRecord> {
+                    v.into_iter().map(|s| StageRecord { state: StageState::Pending, fetched_bytes: 0, ..s }).collect()
+                };
                 let d = Deployment {
                     generation,
-                    stages: deployment
-                        .stages
-                        .into_iter()
-                        .map(|s| StageRecord { state: StageState::Pending, fetched_bytes: 0, ..s })
-                        .collect(),
+                    stages: pending(deployment.stages),
+                    expert_stages: pending(deployment.expert_stages),
                     ..deployment
                 };
                 self.deployments.insert(d.name.clone(), d);
                 self.next_generation += 1;
                 Applied::Deployed { generation }
             }
-            Command::ReplaceStages { deployment, stages, driver, predicted_decode_s, plan_text } => {
+            Command::ReplaceStages { deployment, stages, expert_stages, driver, predicted_decode_s, plan_text } => {
                 let generation = self.next_generation;
                 let d = self
                     .deployments
                     .get(&deployment)
                     .ok_or_else(|| StateError::UnknownDeployment(deployment.clone()))?;
-                let candidate = Deployment { stages: stages.clone(), driver: driver.clone(), ..d.clone() };
+                let candidate = Deployment {
+                    stages: stages.clone(),
+                    expert_stages: expert_stages.clone(),
+                    driver: driver.clone(),
+                    ..d.clone()
+                };
                 self.check_placement(&candidate)?;
                 let d = self.deployments.get_mut(&deployment).ok_or(StateError::UnknownDeployment(deployment))?;
-                d.stages = stages
-                    .into_iter()
-                    .map(|s| StageRecord { state: StageState::Pending, fetched_bytes: 0, ..s })
-                    .collect();
+                let pending = |v: Vec<StageRecord>| -> Vec<StageRecord> {
+                    v.into_iter().map(|s| StageRecord { state: StageState::Pending, fetched_bytes: 0, ..s }).collect()
+                };
+                d.stages = pending(stages);
+                d.expert_stages = pending(expert_stages);
                 d.driver = driver;
                 d.predicted_decode_s = predicted_decode_s;
                 d.plan_text = plan_text;
@@ -837,12 +904,9 @@ impl ClusterState {
                         reported: generation,
                     });
                 }
-                let n = d.stages.len();
-                let s = d.stages.get_mut(stage).ok_or(StateError::UnknownStage {
-                    deployment: deployment.clone(),
-                    stage,
-                    n,
-                })?;
+                let n = d.stages.len() + d.expert_stages.len();
+                let s =
+                    d.stage_mut(stage).ok_or(StateError::UnknownStage { deployment: deployment.clone(), stage, n })?;
                 if s.node != node {
                     return Err(StateError::NotStageOwner { deployment, stage, owner: s.node.clone(), node });
                 }
@@ -895,6 +959,38 @@ impl ClusterState {
         if next != d.n_layers {
             return Err(bad(format!("stages cover {next} of {} layers", d.n_layers)));
         }
+        if let Some(s) = d.stages.iter().find(|s| s.experts.is_some()) {
+            return Err(bad(format!("stage {} of the pipeline names experts", s.layers)));
+        }
+        for (i, s) in d.expert_stages.iter().enumerate() {
+            let Some(ids) = s.experts else {
+                return Err(bad(format!("expert stage {i} names no experts")));
+            };
+            if model.experts == 0 {
+                return Err(bad(format!("expert stage {i}: the model has no experts")));
+            }
+            if ids.start >= ids.end || ids.end as usize > model.experts {
+                return Err(bad(format!("expert stage {i}: experts {ids} of a model with {}", model.experts)));
+            }
+            if s.layers.end() > d.n_layers {
+                return Err(bad(format!("expert stage {i}: layers {} of {}", s.layers, d.n_layers)));
+            }
+            let node = self.nodes.get(&s.node).ok_or_else(|| StateError::UnknownNode(s.node.clone()))?;
+            if node.state != NodeState::Up {
+                return Err(StateError::NodeDown(s.node.clone()));
+            }
+            if !node.devices.iter().any(|x| x.name == s.device) {
+                return Err(StateError::UnknownDevice { node: s.node.clone(), device: s.device.clone() });
+            }
+            let clash = d.expert_stages[..i].iter().position(|o| {
+                o.experts.is_some_and(|e| e.overlaps(&ids))
+                    && o.layers.start() < s.layers.end()
+                    && s.layers.start() < o.layers.end()
+            });
+            if let Some(j) = clash {
+                return Err(bad(format!("expert stages {j} and {i} both hold experts of the same layer")));
+            }
+        }
         if !d.stages.iter().any(|s| s.node == d.driver) {
             return Err(StateError::BadPlacement {
                 name: d.name.clone(),
@@ -906,13 +1002,13 @@ impl ClusterState {
 
     /// A deployment's overall state, from its stages and their nodes.
     pub fn deployment_state(&self, d: &Deployment) -> DeploymentState {
-        if d.stages.iter().any(|s| self.nodes.get(&s.node).is_none_or(|n| n.state == NodeState::Down)) {
+        if d.every_stage().any(|s| self.nodes.get(&s.node).is_none_or(|n| n.state == NodeState::Down)) {
             return DeploymentState::Degraded;
         }
-        if d.stages.iter().any(|s| matches!(s.state, StageState::Failed(_))) {
+        if d.every_stage().any(|s| matches!(s.state, StageState::Failed(_))) {
             return DeploymentState::Failed;
         }
-        if d.stages.iter().all(|s| s.state == StageState::Ready) {
+        if d.every_stage().all(|s| s.state == StageState::Ready) {
             return DeploymentState::Ready;
         }
         if d.replacements > 0 {
@@ -922,10 +1018,10 @@ impl ClusterState {
         }
     }
 
-    /// The stages a node holds: (deployment, stage index).
+    /// The stages a node holds, expert stages included: (deployment, [`Deployment::stage`] index).
     pub fn stages_of<'a>(&'a self, node: &'a str) -> impl Iterator<Item = (&'a Deployment, usize)> + 'a {
         self.deployments.values().flat_map(move |d| {
-            d.stages.iter().enumerate().filter(move |(_, s)| s.node == node).map(move |(i, _)| (d, i))
+            d.every_stage().enumerate().filter(move |(_, s)| s.node == node).map(move |(i, _)| (d, i))
         })
     }
 
@@ -976,6 +1072,7 @@ mod tests {
             context_length: 512,
             profile: crate::ModelProfile::from_shape("m", &crate::LlamaShape::preset("llama-1b").unwrap(), 4.5, 4),
             weight_types: vec![("q4_k".into(), 100)],
+            experts: 0,
         }
     }
 
@@ -989,6 +1086,7 @@ mod tests {
             kv_bytes: 0,
             fetched_bytes: 7,
             predicted_s: 0.0,
+            experts: None,
         }
     }
 
@@ -1012,6 +1110,7 @@ mod tests {
             replacements: 0,
             note: String::new(),
             by_hand: false,
+            expert_stages: vec![],
         }
     }
 
@@ -1046,6 +1145,71 @@ mod tests {
         }
         s.apply(Command::AddModel { model: model() }).unwrap();
         s
+    }
+
+    #[test]
+    fn expert_stages_are_checked_numbered_after_the_pipeline_and_reported_on() {
+        let mut s = cluster();
+        s.apply(Command::AddModel { model: ModelRecord { id: "moe".into(), experts: 8, ..model() } }).unwrap();
+        let experts = |node: &str, a: u32, b: u32, layers: (usize, usize)| StageRecord {
+            experts: Some(ExpertIds { start: a, end: b }),
+            state: StageState::Pending,
+            ..stage(node, layers.0, layers.1)
+        };
+        let with = |model: &str, e: Vec<StageRecord>| Deployment {
+            model_id: model.into(),
+            expert_stages: e,
+            ..deployment("d", vec![stage("a", 0, 3), stage("b", 3, 5)])
+        };
+        let refused = |s: &mut ClusterState, d: Deployment| {
+            let before = s.clone();
+            let e = s.apply(Command::CreateDeployment { deployment: d }).unwrap_err().to_string();
+            assert_eq!(*s, before, "a refused deployment changes nothing");
+            e
+        };
+        assert!(refused(&mut s, with("m1", vec![experts("c", 0, 4, (0, 5))])).contains("has no experts"));
+        assert!(
+            refused(&mut s, with("moe", vec![experts("c", 4, 9, (0, 5))])).contains("experts 4..9 of a model with 8")
+        );
+        let e = refused(&mut s, with("moe", vec![experts("c", 0, 4, (0, 5)), experts("b", 3, 6, (2, 3))]));
+        assert!(e.contains("expert stages 0 and 1"), "{e}");
+        let e = refused(&mut s, with("moe", vec![StageRecord { experts: None, ..experts("c", 0, 4, (0, 5)) }]));
+        assert!(e.contains("names no experts"), "{e}");
+        // disjoint ids, or the same ids of other layers: accepted
+        let d = with("moe", vec![experts("c", 0, 4, (0, 5)), experts("b", 4, 8, (0, 2)), experts("a", 4, 8, (2, 5))]);
+        let generation = match s.apply(Command::CreateDeployment { deployment: d }).unwrap() {
+            Applied::Deployed { generation } => generation,
+            other => panic!("{other:?}"),
+        };
+        let got = &s.deployments["d"];
+        assert_eq!(got.stage(2).unwrap().node, "c");
+        assert_eq!(got.stage(4).unwrap().node, "a");
+        assert!(got.stage(5).is_none());
+        assert_eq!(s.stages_of("c").map(|(_, i)| i).collect::<Vec<_>>(), vec![2]);
+        assert_eq!(s.stages_of("a").map(|(_, i)| i).collect::<Vec<_>>(), vec![0, 4]);
+        let report = |stage: usize, node: &str| Command::StageReport {
+            deployment: "d".into(),
+            generation,
+            stage,
+            node: node.into(),
+            state: StageState::Ready,
+            weight_bytes: 9,
+            kv_bytes: 0,
+            fetched_bytes: 1,
+        };
+        for (i, n) in [(0, "a"), (1, "b"), (2, "c"), (3, "b")] {
+            s.apply(report(i, n)).unwrap();
+        }
+        assert_eq!(s.deployment_state(&s.deployments["d"]), DeploymentState::Loading, "an expert stage still loads");
+        assert!(matches!(s.apply(report(4, "b")), Err(StateError::NotStageOwner { .. })));
+        assert!(matches!(s.apply(report(5, "a")), Err(StateError::UnknownStage { n: 5, .. })));
+        s.apply(report(4, "a")).unwrap();
+        assert_eq!(s.deployment_state(&s.deployments["d"]), DeploymentState::Ready);
+        assert_eq!(s.deployments["d"].expert_stages[2].weight_bytes, 9);
+        s.apply(Command::SetNodeState { name: "c".into(), state: NodeState::Down }).unwrap();
+        assert_eq!(s.deployment_state(&s.deployments["d"]), DeploymentState::Degraded, "an expert node is down");
+        let e = s.apply(Command::RemoveNode { name: "c".into() }).unwrap_err();
+        assert!(matches!(e, StateError::NodeInUse { .. }), "{e}");
     }
 
     #[test]
@@ -1135,6 +1299,7 @@ mod tests {
         let replace = |stages: Vec<StageRecord>, driver: &str| Command::ReplaceStages {
             deployment: "d".into(),
             stages,
+            expert_stages: vec![],
             driver: driver.into(),
             predicted_decode_s: 1.0,
             plan_text: "p".into(),

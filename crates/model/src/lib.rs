@@ -96,6 +96,8 @@ pub enum ModelError {
     ContextFull { need: usize, n_ctx: usize },
     #[error("device unavailable: {0}")]
     NoDevice(String),
+    #[error("experts held elsewhere: {0}")]
+    Remote(String),
     #[error(transparent)]
     Candle(#[from] candle_core::Error),
 }

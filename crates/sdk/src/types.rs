@@ -413,6 +413,30 @@ pub struct Stage {
     pub measured_s: f64,
     /// The stage node's `host:port`.
     pub address: String,
+    /// An expert stage's routed experts `start..end` (of every layer it covers); `None` on the
+    /// pipeline's stages.
+    pub experts: Option<(u32, u32)>,
+}
+
+impl From<v1::StageInfo> for Stage {
+    fn from(s: v1::StageInfo) -> Self {
+        Stage {
+            index: s.index,
+            node: s.node,
+            device: s.device,
+            layer_start: s.layer_start,
+            layer_end: s.layer_end,
+            state: s.state.into(),
+            error: s.error,
+            weight_bytes: s.weight_bytes,
+            kv_bytes: s.kv_bytes,
+            fetched_bytes: s.fetched_bytes,
+            predicted_s: s.predicted_s,
+            measured_s: s.measured_s,
+            address: s.address,
+            experts: (s.expert_end > s.expert_start).then_some((s.expert_start, s.expert_end)),
+        }
+    }
 }
 
 /// A deployment: a model placed on the cluster under a name.
@@ -430,6 +454,8 @@ pub struct Deployment {
     pub state: DeploymentState,
     /// The stages, in pipeline order.
     pub stages: Vec<Stage>,
+    /// Stages that hold only routed experts of a mixture, called by the pipeline's stages.
+    pub expert_stages: Vec<Stage>,
     /// Layers of the model.
     pub n_layers: u32,
     /// Context length, tokens.
@@ -485,25 +511,8 @@ impl From<v1::DeploymentInfo> for Deployment {
             model_id: d.model_id,
             generation: d.generation,
             state: d.state.into(),
-            stages: d
-                .stages
-                .into_iter()
-                .map(|s| Stage {
-                    index: s.index,
-                    node: s.node,
-                    device: s.device,
-                    layer_start: s.layer_start,
-                    layer_end: s.layer_end,
-                    state: s.state.into(),
-                    error: s.error,
-                    weight_bytes: s.weight_bytes,
-                    kv_bytes: s.kv_bytes,
-                    fetched_bytes: s.fetched_bytes,
-                    predicted_s: s.predicted_s,
-                    measured_s: s.measured_s,
-                    address: s.address,
-                })
-                .collect(),
+            stages: d.stages.into_iter().map(Stage::from).collect(),
+            expert_stages: d.expert_stages.into_iter().map(Stage::from).collect(),
             n_layers: d.n_layers,
             n_ctx: d.n_ctx,
             sessions: d.sessions,

@@ -76,6 +76,7 @@ fn model_record() -> ModelRecord {
         context_length: 512,
         profile: ModelProfile::from_shape("tiny", &shape, 16.0, 4),
         weight_types: vec![],
+        experts: 0,
     }
 }
 
@@ -134,6 +135,7 @@ pub fn setup(workers: usize) -> Result<Vec<Command>, String> {
         carrier: CarrierKind::Quic,
         driver: p.driver,
         stages: p.stages,
+        expert_stages: p.expert_stages,
         predicted_decode_s: p.predicted_decode_s,
         plan_text: p.plan_text,
         created_ms: 1,

@@ -29,6 +29,8 @@ pub const FLAG_DONE: u32 = 4;
 /// a draft) of one session, each row a decode row of its own; the last stage draws along them
 /// and sends back the ids up to the first that is not the draft's (speculative decoding).
 pub const FLAG_DRAFT: u32 = 8;
+/// On EXPERTS: the experts run with the decode rows' matmul (`MatMul::Rows`), not the prompt's.
+pub const FLAG_ROWS: u32 = 16;
 /// The largest header a receiver accepts (frame.proto: at most 4 KiB).
 pub const MAX_HEADER: u32 = 4096;
 /// The largest payload a receiver accepts unless told otherwise.
@@ -88,6 +90,23 @@ pub enum FrameError {
     NoRows { kind: &'static str },
     #[error("HIDDEN frame of shape {shape:?}: this model's hidden size is {cols}")]
     Width { shape: Vec<u64>, cols: u64 },
+    #[error("EXPERTS frame with {values} expert_rows values: expected (expert, rows) pairs")]
+    ExpertPairs { values: usize },
+    #[error("EXPERTS frame: expert {expert} called with no rows")]
+    ExpertNoRows { expert: u32 },
+    #[error("EXPERTS frame: its pairs add up to {sum} rows, the frame has {rows}")]
+    ExpertRowSum { sum: u64, rows: u32 },
+}
+
+/// What an EXPERTS frame asks for ([`Frame::expert_calls`]).
+#[derive(Debug, Clone, PartialEq)]
+pub struct ExpertCall {
+    /// The layer whose experts are called.
+    pub layer: u32,
+    /// (expert, rows) pairs, in the order of the rows.
+    pub calls: Vec<(u32, usize)>,
+    /// The calls' rows one after another, `hidden` values each.
+    pub rows: Vec<f32>,
 }
 
 /// One activation frame: the header and exactly `header.payload_len` bytes of payload.
@@ -188,6 +207,77 @@ impl Frame {
         frame
     }
 
+    /// A call of layer `layer`'s experts held on another node: `calls` are (expert, rows) pairs,
+    /// `xs` their rows one after another, `cols` wide, sent in f32 (the numbers the experts get
+    /// are the caller's). `rows`: the decode rows' matmul ([`FLAG_ROWS`]).
+    pub fn experts(layer: u32, calls: &[(u32, usize)], xs: &[f32], cols: u64, rows: bool) -> Result<Self, FrameError> {
+        let n: usize = calls.iter().map(|c| c.1).sum();
+        let n32 = u32::try_from(n).map_err(|_| FrameError::ValueCount { values: xs.len(), rows: u32::MAX, cols })?;
+        let mut frame = Self::f32_rows(FrameKind::Experts, n32, cols, xs)?;
+        frame.header.layer = layer;
+        for &(e, m) in calls {
+            let m = u32::try_from(m).map_err(|_| FrameError::ValueCount { values: xs.len(), rows: u32::MAX, cols })?;
+            frame.header.expert_rows.extend([e, m]);
+        }
+        if rows {
+            frame.header.flags |= FLAG_ROWS;
+        }
+        Ok(frame)
+    }
+
+    /// The answer to an EXPERTS frame: the outputs, `rows × cols` f32.
+    pub fn experts_out(rows: u32, cols: u64, ys: &[f32]) -> Result<Self, FrameError> {
+        Self::f32_rows(FrameKind::ExpertsOut, rows, cols, ys)
+    }
+
+    fn f32_rows(kind: FrameKind, rows: u32, cols: u64, values: &[f32]) -> Result<Self, FrameError> {
+        if u64::from(rows).checked_mul(cols) != Some(values.len() as u64) {
+            return Err(FrameError::ValueCount { values: values.len(), rows, cols });
+        }
+        let mut frame = Self::new(kind, wire::f32_to_wire(values, WireDtype::F32)?);
+        frame.header.rows = rows;
+        frame.header.dtype = WireDtype::F32 as i32;
+        frame.header.shape = vec![u64::from(rows), cols];
+        check_header(&frame.header, &Limits::default())?;
+        Ok(frame)
+    }
+
+    /// An EXPERTS frame's layer, (expert, rows) pairs and rows ([`Frame::tensor`]'s checks, the
+    /// width, and pairs of rows that add up to the frame's).
+    pub fn expert_calls(&self, cols: usize) -> Result<ExpertCall, FrameError> {
+        let xs = self.f32_values(FrameKind::Experts, cols)?;
+        let pairs = &self.header.expert_rows;
+        if !pairs.len().is_multiple_of(2) || pairs.is_empty() {
+            return Err(FrameError::ExpertPairs { values: pairs.len() });
+        }
+        let calls: Vec<(u32, usize)> = pairs.chunks_exact(2).map(|p| (p[0], p[1] as usize)).collect();
+        if let Some(&(expert, _)) = calls.iter().find(|c| c.1 == 0) {
+            return Err(FrameError::ExpertNoRows { expert });
+        }
+        let sum: u64 = calls.iter().map(|c| c.1 as u64).sum();
+        if sum != u64::from(self.header.rows) {
+            return Err(FrameError::ExpertRowSum { sum, rows: self.header.rows });
+        }
+        Ok(ExpertCall { layer: self.header.layer, calls, rows: xs })
+    }
+
+    /// An EXPERTS_OUT frame's outputs ([`Frame::tensor`]'s checks and the width).
+    pub fn expert_outputs(&self, cols: usize) -> Result<Vec<f32>, FrameError> {
+        self.f32_values(FrameKind::ExpertsOut, cols)
+    }
+
+    /// The values of a `rows × cols` tensor frame of `kind` (HIDDEN, EXPERTS, EXPERTS_OUT) as f32,
+    /// row-major: [`Frame::tensor`]'s checks, which include the dtypes the kind allows, and the
+    /// width.
+    fn f32_values(&self, kind: FrameKind, cols: usize) -> Result<Vec<f32>, FrameError> {
+        self.tensor(kind)?;
+        if self.header.shape.get(1) != Some(&(cols as u64)) {
+            return Err(FrameError::Width { shape: self.header.shape.clone(), cols: cols as u64 });
+        }
+        let dtype = WireDtype::try_from(self.header.dtype).unwrap_or(WireDtype::Unspecified);
+        wire::f32_from_wire(&self.payload, dtype)
+    }
+
     /// A session ends.
     pub fn close() -> Self {
         Self::new(FrameKind::Close, Bytes::new())
@@ -266,12 +356,7 @@ impl Frame {
     /// The values of a HIDDEN frame of `cols` columns as f32, row-major ([`Frame::tensor`]'s
     /// checks, and the width).
     pub fn hidden_values(&self, cols: usize) -> Result<Vec<f32>, FrameError> {
-        self.tensor(FrameKind::Hidden)?;
-        if self.header.shape.get(1) != Some(&(cols as u64)) {
-            return Err(FrameError::Width { shape: self.header.shape.clone(), cols: cols as u64 });
-        }
-        let dtype = WireDtype::try_from(self.header.dtype).unwrap_or(WireDtype::Unspecified);
-        wire::f32_from_wire(&self.payload, dtype)
+        self.f32_values(FrameKind::Hidden, cols)
     }
 
     /// The ids of a TOKENS frame ([`Frame::tensor`]'s checks).
@@ -322,6 +407,7 @@ pub fn check_header(header: &FrameHeader, limits: &Limits) -> Result<(), FrameEr
     let (dims, allowed): (usize, &[WireDtype]) = match kind {
         FrameKind::Hidden => (2, &[WireDtype::F32, WireDtype::F16, WireDtype::Bf16]),
         FrameKind::Tokens => (1, &[WireDtype::U32]),
+        FrameKind::Experts | FrameKind::ExpertsOut => (2, &[WireDtype::F32]),
         _ => return Ok(()),
     };
     let kind_str = kind.as_str_name();
@@ -623,5 +709,36 @@ mod tests {
         let h = Frame::hidden_f32(0, 0, 2, 3, &[0.5; 6], WireDtype::Bf16).unwrap();
         assert_eq!(h.hidden_values(3), Ok(vec![0.5; 6]));
         assert_eq!(h.hidden_values(4), Err(FrameError::Width { shape: vec![2, 3], cols: 4 }));
+    }
+
+    #[test]
+    fn expert_calls_round_trip_and_malformed_ones_are_refused() {
+        let xs: Vec<f32> = (0..3 * 4).map(|i| i as f32 / 3.0).collect();
+        let f = Frame::experts(5, &[(2, 1), (7, 2)], &xs, 4, true).unwrap().in_session("d", 3, 99);
+        let mut buf = BytesMut::new();
+        encode(&f, &mut buf).unwrap();
+        let back = decode_exact(buf.freeze(), &Limits::default()).unwrap();
+        assert!(back.has_flag(FLAG_ROWS));
+        let want = ExpertCall { layer: 5, calls: vec![(2, 1), (7, 2)], rows: xs.clone() };
+        assert_eq!(back.expert_calls(4), Ok(want));
+        assert_eq!(back.expert_calls(3), Err(FrameError::Width { shape: vec![3, 4], cols: 3 }));
+        assert!(matches!(Frame::experts(5, &[(2, 2)], &xs, 4, false), Err(FrameError::ValueCount { .. })));
+        let bad = |edit: fn(&mut Frame)| {
+            let mut g = f.clone();
+            edit(&mut g);
+            g.expert_calls(4)
+        };
+        assert_eq!(
+            bad(|g| g.header.expert_rows.pop().map(drop).unwrap_or(())),
+            Err(FrameError::ExpertPairs { values: 3 })
+        );
+        assert_eq!(bad(|g| g.header.expert_rows.clear()), Err(FrameError::ExpertPairs { values: 0 }));
+        assert_eq!(bad(|g| g.header.expert_rows = vec![2, 0, 7, 3]), Err(FrameError::ExpertNoRows { expert: 2 }));
+        assert_eq!(bad(|g| g.header.expert_rows = vec![2, 1, 7, 1]), Err(FrameError::ExpertRowSum { sum: 2, rows: 3 }));
+        assert!(matches!(bad(|g| g.header.dtype = WireDtype::F16 as i32), Err(FrameError::BadDtype { .. })));
+        assert!(matches!(bad(|g| g.header.kind = FrameKind::Hidden as i32), Err(FrameError::WrongKind { .. })));
+        let out = Frame::experts_out(3, 4, &xs).unwrap();
+        assert_eq!(out.expert_outputs(4), Ok(xs.clone()));
+        assert!(matches!(out.expert_calls(4), Err(FrameError::WrongKind { .. })));
     }
 }

@@ -24,6 +24,7 @@ pub mod control;
 pub mod devices;
 pub mod driver;
 mod error;
+pub mod experts;
 #[cfg(test)]
 mod faults;
 pub mod fetch;

@@ -3,6 +3,7 @@
 
 use crate::devices::Offered;
 use crate::driver::DriveTarget;
+use crate::experts::LinkedExperts;
 use crate::fetch::{ensure_slice, FetchReport};
 use crate::router::{Peer, Router};
 use crate::stage::{StageHandle, StagePlace};
@@ -10,7 +11,7 @@ use crate::{WorkerConfig, WorkerError};
 use brigade_core::cluster::{ActDtype, CarrierKind};
 use brigade_core::{DeviceId, LayerRange};
 use brigade_model::device::{activation_dtype, candle_device, is_out_of_memory};
-use brigade_model::{ModelError, ModelFiles, Slice};
+use brigade_model::{ExpertShard, ModelError, ModelFiles, Slice};
 use brigade_proto::convert::{act_dtype_from_proto, carrier_from_proto};
 use brigade_proto::v1::{FileRange, PeerRef, SliceStatus, StageAssignment, StageState};
 use std::collections::HashMap;
@@ -30,8 +31,16 @@ pub struct Hosted {
     pub assignment: StageAssignment,
     pub load: Load,
     pub handle: Option<StageHandle>,
+    /// An expert stage's experts (served through the router, no stage thread).
+    pub shard: Option<Arc<ExpertShard>>,
     pub fetched_bytes: u64,
     pub load_s: f64,
+}
+
+/// What a loaded assignment runs: a stage of the pipeline, or an expert stage's experts.
+enum Started {
+    Stage(Box<StageHandle>),
+    Shard(Arc<ExpertShard>),
 }
 
 /// The result of loading a stage, for the coordinator.
@@ -101,7 +110,12 @@ impl Node {
                     Load::Failed(_) => StageState::Failed,
                 }
                 .into(),
-                weight_bytes: x.handle.as_ref().map(|s| s.weight_bytes).unwrap_or(0),
+                weight_bytes: x
+                    .handle
+                    .as_ref()
+                    .map(|s| s.weight_bytes)
+                    .or(x.shard.as_ref().map(|s| s.weight_bytes()))
+                    .unwrap_or(0),
                 kv_bytes: x.handle.as_ref().map(StageHandle::kv_bytes_held).unwrap_or(0),
                 active_sessions: x
                     .handle
@@ -136,6 +150,7 @@ impl Node {
                         assignment: a.clone(),
                         load: Load::Loading,
                         handle: None,
+                        shard: None,
                         fetched_bytes: 0,
                         load_s: 0.0,
                     });
@@ -187,14 +202,31 @@ impl Node {
         };
         let key = (a.deployment.clone(), a.stage);
         let report = match result {
-            Ok((handle, report)) => match hosted.get_mut(&key) {
+            Ok((started, report)) => match hosted.get_mut(&key) {
                 Some(h) if h.assignment == *a => {
-                    let (w, kv) = (handle.weight_bytes, handle.kv_bytes_per_session * u64::from(a.max_sessions));
-                    // the stage before sends this stage its frames; the driver sends the first its
-                    let from =
-                        a.prev.as_ref().or(a.driver.as_ref()).map_or(self.cfg.name.as_str(), |p| p.node.as_str());
-                    self.router.add_stage(&a.deployment, a.stage, handle.input.clone(), from);
-                    h.handle = Some(handle);
+                    let (w, kv) = match started {
+                        Started::Stage(handle) => {
+                            let kv = handle.kv_bytes_per_session * u64::from(a.max_sessions);
+                            // the stage before sends this stage its frames; the driver sends the first its
+                            let from = a
+                                .prev
+                                .as_ref()
+                                .or(a.driver.as_ref())
+                                .map_or(self.cfg.name.as_str(), |p| p.node.as_str());
+                            self.router.add_stage(&a.deployment, a.stage, handle.input.clone(), from);
+                            let w = handle.weight_bytes;
+                            h.handle = Some(*handle);
+                            (w, kv)
+                        }
+                        Started::Shard(shard) => {
+                            let w = shard.weight_bytes();
+                            // the pipeline's stages call it
+                            let callers = a.stage_nodes.clone();
+                            self.router.add_shard(&a.deployment, a.stage, a.generation, shard.clone(), callers);
+                            h.shard = Some(shard);
+                            (w, 0)
+                        }
+                    };
                     h.load = Load::Ready;
                     h.fetched_bytes = report.fetched_bytes;
                     h.load_s = t0.elapsed().as_secs_f64();
@@ -227,7 +259,7 @@ impl Node {
         a: &StageAssignment,
         fetch: impl FnMut(&FileRange) -> Result<Vec<u8>, WorkerError>,
         t0: Instant,
-    ) -> Result<(StageHandle, FetchReport), WorkerError> {
+    ) -> Result<(Started, FetchReport), WorkerError> {
         let manifest =
             a.manifest.clone().ok_or_else(|| WorkerError::Manifest("the assignment has no manifest".into()))?;
         let (files, report) = if manifest.model_id == "embedded" {
@@ -246,6 +278,26 @@ impl Node {
         }
         let layers = LayerRange::new(a.layer_start as usize, a.layer_end as usize)
             .map_err(|e| WorkerError::BadRequest(e.to_string()))?;
+        if a.expert_end > a.expert_start {
+            if self.offered.check(&a.device)? != DeviceId::Cpu {
+                return Err(WorkerError::BadRequest(format!(
+                    "expert stage on {}: experts are held on the CPU",
+                    a.device
+                )));
+            }
+            let shard = ExpertShard::load(&files, layers, a.expert_start..a.expert_end)?;
+            tracing::info!(
+                deployment = %a.deployment,
+                stage = a.stage,
+                "experts {}..{} of layers {layers} ready in {:.2}s ({} bytes, {} fetched)",
+                a.expert_start,
+                a.expert_end,
+                t0.elapsed().as_secs_f64(),
+                shard.weight_bytes(),
+                report.fetched_bytes
+            );
+            return Ok((Started::Shard(Arc::new(shard)), report));
+        }
         // a device this worker offered (in a build without CUDA only the CPU is), computing in
         // the type the single box computes in there
         let device = self.offered.check(&a.device)?;
@@ -257,7 +309,8 @@ impl Node {
         let on = candle_device(device)?;
         let max_sessions = a.max_sessions.max(1) as usize;
         let free_before = gpu_free(device);
-        let slice = Slice::load(&files, layers, &on, activation_dtype(device, &files), a.n_ctx as usize)
+        let split = LinkedExperts::split(&self.router, a, carrier(a.carrier), files.config.hidden)?;
+        let slice = Slice::load_split(&files, layers, &on, activation_dtype(device, &files), a.n_ctx as usize, split)
             .map_err(|e| out_of_memory(device, e))?;
         // On a GPU every session's KV cache is allocated now: running out of memory fails the
         // load (which the coordinator re-plans), never a client's session later; and what the
@@ -352,7 +405,7 @@ impl Node {
             t0.elapsed().as_secs_f64(),
             report.fetched_bytes
         );
-        Ok((handle, report))
+        Ok((Started::Stage(Box::new(handle)), report))
     }
 }
 

@@ -6,10 +6,15 @@
 //! break; a frame to this node itself never touches a socket. Links other nodes open to this one
 //! are read the same way. Link-measurement frames (PING, BULK) are answered on the link they came
 //! in on.
+//!
+//! Expert calls (EXPERTS frames, [`crate::experts`]) go to the expert stage they name, are
+//! computed off the link's task and answered on the link they came in on; their answers go to
+//! the call waiting for them here, by the call's id.
 
 use crate::identity::Creds;
 use crate::WorkerError;
 use brigade_core::cluster::CarrierKind;
+use brigade_model::{MatMul, RemoteExperts};
 use brigade_proto::v1::FrameKind;
 use brigade_transport::frame::Frame;
 use brigade_transport::Link;
@@ -39,6 +44,25 @@ struct HostedStage {
     from: String,
 }
 
+/// An expert stage hosted here: its experts, its generation and the nodes that may call it (the
+/// nodes of its deployment's pipeline).
+#[derive(Clone)]
+struct HostedShard {
+    shard: Arc<brigade_model::ExpertShard>,
+    generation: u64,
+    callers: Arc<Vec<String>>,
+}
+
+/// Where an expert call's answer goes: back on the link the call came in on, or to this node.
+enum Reply {
+    Link(mpsc::Sender<Frame>),
+    Here,
+}
+
+/// Call ids have the top bit set: they never meet a session's id in the maps that route
+/// answers (sessions are numbered from 1 by the coordinator).
+const CALL_BIT: u64 = 1 << 63;
+
 /// A session this node drives: where its frames go, and the nodes that may send them.
 type DrivenSession = (mpsc::UnboundedSender<Frame>, Arc<Vec<String>>);
 
@@ -54,6 +78,10 @@ pub struct Router {
     stages: RwLock<HashMap<StageKey, HostedStage>>,
     /// The sessions this node drives: where their frames go, and the nodes that may send them.
     drivers: Mutex<HashMap<u64, DrivenSession>>,
+    shards: RwLock<HashMap<StageKey, HostedShard>>,
+    /// Expert calls of this node's stages waiting for their answers, by call id.
+    calls: Mutex<HashMap<u64, std::sync::mpsc::SyncSender<Frame>>>,
+    next_call: std::sync::atomic::AtomicU64,
     /// `None` until the coordinator first said (nothing is hosted before then either).
     admitted: RwLock<Option<AdmittedCerts>>,
     /// Bumped when `admitted` changes: open links look again.
@@ -70,6 +98,9 @@ impl Router {
             outbound: Mutex::new(HashMap::new()),
             stages: RwLock::new(HashMap::new()),
             drivers: Mutex::new(HashMap::new()),
+            shards: RwLock::new(HashMap::new()),
+            calls: Mutex::new(HashMap::new()),
+            next_call: std::sync::atomic::AtomicU64::new(1),
             admitted: RwLock::new(None),
             admitted_changed: tokio::sync::watch::Sender::new(0),
             rt: tokio::runtime::Handle::current(),
@@ -118,6 +149,109 @@ impl Router {
         if let Ok(mut m) = self.stages.write() {
             m.remove(&(deployment.to_string(), stage));
         }
+        if let Ok(mut m) = self.shards.write() {
+            m.remove(&(deployment.to_string(), stage));
+        }
+    }
+
+    /// Expert calls for stage `stage` of `deployment` (generation `generation`) are computed by
+    /// `shard` from now on, taken from the nodes `callers` only.
+    pub fn add_shard(
+        &self,
+        deployment: &str,
+        stage: u32,
+        generation: u64,
+        shard: Arc<brigade_model::ExpertShard>,
+        callers: Vec<String>,
+    ) {
+        if let Ok(mut m) = self.shards.write() {
+            let hosted = HostedShard { shard, generation, callers: Arc::new(callers) };
+            m.insert((deployment.to_string(), stage), hosted);
+        }
+    }
+
+    /// A new expert call: its id, and where its answer (EXPERTS_OUT or ERROR) will arrive.
+    pub fn new_call(&self) -> (u64, std::sync::mpsc::Receiver<Frame>) {
+        let id = CALL_BIT | self.next_call.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let (tx, rx) = std::sync::mpsc::sync_channel(1);
+        if let Ok(mut m) = self.calls.lock() {
+            m.insert(id, tx);
+        }
+        (id, rx)
+    }
+
+    /// Forgets a call that gave up waiting (a late answer is dropped).
+    pub fn forget_call(&self, id: u64) {
+        if let Ok(mut m) = self.calls.lock() {
+            m.remove(&id);
+        }
+    }
+
+    /// Hands an expert call's answer to the call waiting for it; gives other frames back.
+    fn answer_call(&self, frame: Frame) -> Option<Frame> {
+        let h = &frame.header;
+        let answer =
+            matches!(frame.kind(), Some(FrameKind::ExpertsOut | FrameKind::Error)) && h.session & CALL_BIT != 0;
+        if !answer {
+            return Some(frame);
+        }
+        match self.calls.lock().ok().and_then(|mut m| m.remove(&h.session)) {
+            Some(tx) => {
+                let _ = tx.try_send(frame);
+            }
+            None => tracing::debug!(call = h.session, "an answer to an expert call nobody waits for; dropped"),
+        }
+        None
+    }
+
+    /// Computes an EXPERTS frame from `from` on the expert stage it names, off the caller's task,
+    /// and answers it (an ERROR frame when the call cannot be answered: the caller's pass fails,
+    /// not this node).
+    fn serve_experts(self: &Arc<Self>, frame: Frame, from: &str, reply: Reply) {
+        let h = &frame.header;
+        let key = (h.deployment.clone(), h.stage);
+        let hosted = self.shards.read().ok().and_then(|m| m.get(&key).cloned());
+        let shard = match hosted {
+            None => Err(format!("no expert stage {} of `{}` here", key.1, key.0)),
+            Some(s) if !s.callers.iter().any(|c| c == from) => {
+                tracing::warn!(deployment = %key.0, stage = key.1, "an expert call from {from} dropped: not a stage of the deployment");
+                return;
+            }
+            Some(s) if s.generation != h.generation => Err(format!(
+                "expert stage {} of `{}` is at generation {}, the call is for {}",
+                key.1, key.0, s.generation, h.generation
+            )),
+            Some(s) => Ok(s.shard),
+        };
+        let me = self.clone();
+        self.rt.spawn_blocking(move || {
+            let h = &frame.header;
+            let out = shard.and_then(|shard| {
+                let hidden = shard.hidden();
+                let mm = if frame.has_flag(brigade_transport::frame::FLAG_ROWS) { MatMul::Rows } else { MatMul::Batch };
+                let call = frame.expert_calls(hidden).map_err(|e| e.to_string())?;
+                let ys = shard.compute(call.layer as usize, &call.calls, &call.rows, mm).map_err(|e| e.to_string())?;
+                Frame::experts_out(h.rows, hidden as u64, &ys).map_err(|e| e.to_string())
+            });
+            let out = out.unwrap_or_else(|e| Frame::error(&e)).in_session(&h.deployment, h.generation, h.session);
+            match reply {
+                Reply::Link(tx) => {
+                    if tx.blocking_send(out).is_err() {
+                        tracing::debug!("the link an expert call came in on closed before its answer");
+                    }
+                }
+                Reply::Here => me.deliver(out, &me.me),
+            }
+        });
+    }
+
+    /// A frame this node sends itself: an expert call is served here, anything else delivered.
+    fn deliver_here(self: &Arc<Self>, frame: Frame) {
+        if frame.kind() == Some(FrameKind::Experts) {
+            self.serve_experts(frame, &self.me.clone(), Reply::Here);
+        } else {
+            self.deliver(frame, &self.me);
+        }
     }
 
     /// Frames for the driver of `session`, from the nodes `senders` (the deployment's stages),
@@ -139,6 +273,7 @@ impl Router {
     /// Hands a frame that arrived from the node `from` (over a link, or this node) to whoever
     /// takes it here. A stage takes frames only from the node assigned to send them.
     pub fn deliver(&self, frame: Frame, from: &str) {
+        let Some(frame) = self.answer_call(frame) else { return };
         let Some(item) = self.to_stage(frame.into(), from) else { return };
         let frame = item.frame;
         let h = &frame.header;
@@ -217,7 +352,7 @@ impl Router {
     pub fn send_blocking(self: &Arc<Self>, to: &Peer, carrier: CarrierKind, frame: Frame) -> Result<(), WorkerError> {
         check(&frame)?;
         if to.node == self.me {
-            self.deliver(frame, &self.me);
+            self.deliver_here(frame);
             return Ok(());
         }
         self.queue(to, carrier)
@@ -229,7 +364,7 @@ impl Router {
     pub async fn send(self: &Arc<Self>, to: &Peer, carrier: CarrierKind, frame: Frame) -> Result<(), WorkerError> {
         check(&frame)?;
         if to.node == self.me {
-            self.deliver(frame, &self.me);
+            self.deliver_here(frame);
             return Ok(());
         }
         self.queue(to, carrier)
@@ -344,6 +479,7 @@ impl Router {
                         }
                     }
                 }
+                FrameKind::Experts => self.serve_experts(frame, &peer, Reply::Link(tx.clone())),
                 FrameKind::Hello | FrameKind::Pong | FrameKind::Unspecified => {}
                 _ => self.deliver(frame, &peer),
             }
@@ -412,5 +548,62 @@ mod tests {
         assert!(!r.admits("w3", Some("cc")), "a node that never joined");
         // a dialed gRPC link, whose server was checked by name only
         assert!(r.admits("w3", None));
+    }
+
+    /// An expert stage answers the deployment's nodes (the experts' outputs, or an ERROR naming
+    /// what is wrong: another generation, a malformed call, an expert it does not hold), and
+    /// drops calls from any other node.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn an_expert_stage_answers_its_deployment_and_refuses_what_it_cannot() {
+        use brigade_model::synth::{write_gguf_with, Shape, SynthMoe, SynthMoeFamily, SynthType};
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("moe.gguf");
+        let shape =
+            Shape { layers: 2, hidden: 64, ffn: 32, heads: 2, kv_heads: 1, vocab: 300, context: 64, rope_theta: 1e4 };
+        let moe = SynthMoe { experts: 4, used: 2, family: SynthMoeFamily::Mixtral };
+        write_gguf_with(&path, &shape, Some(moe), SynthType::Q8_0, 1, |_, _| {}).unwrap();
+        let files = brigade_model::ModelFiles::open(&path).unwrap();
+        let layers = brigade_core::LayerRange::new(0, 2).unwrap();
+        let shard = Arc::new(brigade_model::ExpertShard::load(&files, layers, 1..3).unwrap());
+        let (r, _) = router("w2");
+        r.add_shard("d", 3, 7, shard.clone(), vec!["w2".into()]);
+        let row: Vec<f32> = (0..64).map(|i| i as f32 / 64.0).collect();
+        let (r2, row2) = (r.clone(), row.clone());
+        let call = move |generation: u64, stage: u32, experts: &[(u32, usize)], edit: fn(&mut Frame)| {
+            let (r, row) = (&r2, &row2);
+            let mut f = Frame::experts(1, experts, row, 64, true).unwrap();
+            let (id, rx) = r.new_call();
+            f = f.in_session("d", generation, id);
+            f.header.stage = stage;
+            edit(&mut f);
+            r.send_blocking(&Peer { node: "w2".into(), address: String::new() }, CarrierKind::Quic, f).unwrap();
+            rx.recv_timeout(Duration::from_secs(10))
+        };
+        let row2 = row.clone();
+        tokio::task::spawn_blocking(move || {
+            let row = row2;
+            let ok = call(7, 3, &[(2, 1)], |_| {}).unwrap();
+            let want = shard.compute(1, &[(2, 1)], &row, brigade_model::MatMul::Rows).unwrap();
+            assert_eq!(ok.expert_outputs(64).unwrap(), want);
+            let text = |f: Frame| {
+                assert_eq!(f.kind(), Some(FrameKind::Error));
+                f.header.text
+            };
+            assert!(text(call(6, 3, &[(2, 1)], |_| {}).unwrap()).contains("generation 7, the call is for 6"));
+            assert!(text(call(7, 4, &[(2, 1)], |_| {}).unwrap()).contains("no expert stage 4"));
+            assert!(text(call(7, 3, &[(3, 1)], |_| {}).unwrap()).contains("expert 3"));
+            let bad_pairs = call(7, 3, &[(2, 1)], |f| f.header.expert_rows.push(9)).unwrap();
+            assert!(text(bad_pairs).contains("expert_rows"));
+        })
+        .await
+        .unwrap();
+        // a node outside the deployment gets no answer at all
+        let mut f = Frame::experts(1, &[(2, 1)], &row, 64, true).unwrap();
+        let (id, rx) = r.new_call();
+        f = f.in_session("d", 7, id);
+        f.header.stage = 3;
+        r.serve_experts(f, "w9", Reply::Here);
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        assert!(rx.try_recv().is_err());
     }
 }
