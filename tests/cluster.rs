@@ -183,6 +183,16 @@ fn experts_held_on_other_nodes_answer_what_run_answers() {
     assert!(w2 > 0 && held.iter().all(|s| s["state"] == "ready"), "{spread}");
     // w1 holds 2 of 8 experts and the attention; w2 3 of 8: more than w1's share of experts
     assert!(w2 > pipeline_bytes / 3, "w2 holds {w2} bytes, w1 {pipeline_bytes}");
+    // each node fetched its own share of the file (an expert is a range of its own), the three
+    // together the file once, and the headers three times
+    let size = std::fs::metadata(&moe).unwrap().len();
+    let fetched: Vec<u64> = ["stages", "expert_stages"]
+        .iter()
+        .flat_map(|k| spread[k].as_array().unwrap().iter().map(|s| s["fetched_bytes"].as_u64().unwrap()))
+        .collect();
+    assert!(fetched.iter().all(|&f| f > 0 && f < size / 2), "{fetched:?} of a {size}-byte file");
+    let total: u64 = fetched.iter().sum();
+    assert!(total >= size * 95 / 100 && total <= size * 11 / 10, "{fetched:?} of a {size}-byte file");
     // two stages, and all the experts on the third node, over gRPC
     c.deploy(&[
         "--name",

@@ -3,7 +3,8 @@
 //! links it should measure.
 
 use crate::models::{expert_ranges, slice_ranges};
-use brigade_core::cluster::{ClusterState, NodeState};
+use brigade_core::cluster::{ClusterState, ExpertIds, NodeState};
+use brigade_core::LayerRange;
 use brigade_proto::convert::{act_dtype_to_proto, carrier_to_proto};
 use brigade_proto::v1::{
     AdmittedCert, Assignments, ExpertHost, FileRange, ModelFile, PeerRef, SliceManifest, StageAssignment,
@@ -32,9 +33,14 @@ pub fn for_node(state: &ClusterState, node: &str) -> Assignments {
         let Some(model) = state.models.get(&d.model_id) else { continue };
         let Some(s) = d.stage(i) else { continue };
         let n = d.stages.len();
+        // the experts of this stage's layers that expert stages hold
+        let elsewhere: Vec<(LayerRange, ExpertIds)> = match s.experts {
+            Some(_) => Vec::new(),
+            None => d.expert_stages.iter().filter_map(|e| Some((e.layers, e.experts?))).collect(),
+        };
         let ranges = match s.experts {
-            Some(_) => expert_ranges(model, s.layers),
-            None => slice_ranges(model, s.layers),
+            Some(ids) => expert_ranges(model, s.layers, ids),
+            None => slice_ranges(model, s.layers, &elsewhere),
         };
         let manifest = SliceManifest {
             model_id: model.id.clone(),

@@ -4,9 +4,9 @@
 //! their slice.
 
 use crate::CoordError;
-use brigade_core::cluster::{ModelRecord, RangeRecord};
+use brigade_core::cluster::{ExpertIds, ModelRecord, RangeRecord};
 use brigade_core::LayerRange;
-use brigade_format::manifest::Manifest;
+use brigade_format::manifest::{expert_of_range, range_tensor, Manifest};
 use brigade_format::ModelIndex;
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
@@ -179,35 +179,32 @@ impl Models {
 }
 
 /// The ranges a slice needs of a model: headers and small files, and the slice's tensors.
-/// The ranges an expert stage of `layers` fetches: the headers and the layers' stacked expert
-/// tensors (whole: a range's checksum covers all of it; the stage loads only its experts').
-pub fn expert_ranges(m: &ModelRecord, layers: LayerRange) -> Vec<RangeRecord> {
-    m.ranges
-        .iter()
-        .filter(|r| r.tensor.is_empty() || expert_tensor_layer(&r.tensor).is_some_and(|l| layers.contains(l)))
-        .cloned()
-        .collect()
+/// The ranges an expert stage holding experts `ids` of `layers` fetches: the headers and those
+/// experts' bytes.
+pub fn expert_ranges(m: &ModelRecord, layers: LayerRange, ids: ExpertIds) -> Vec<RangeRecord> {
+    let held = |t: &str| expert_of_range(t).is_some_and(|(l, e)| layers.contains(l) && ids.range().contains(&e));
+    m.ranges.iter().filter(|r| r.tensor.is_empty() || held(&r.tensor)).cloned().collect()
 }
 
-/// Bytes of the routed experts of `layers` (every expert's).
-pub fn expert_bytes(m: &ModelRecord, layers: LayerRange) -> u64 {
-    m.ranges
-        .iter()
-        .filter(|r| expert_tensor_layer(&r.tensor).is_some_and(|l| layers.contains(l)))
-        .map(|r| r.length)
-        .sum()
+/// Bytes of the routed experts `ids` of `layers`.
+pub fn expert_bytes(m: &ModelRecord, layers: LayerRange, ids: ExpertIds) -> u64 {
+    let held = |t: &str| expert_of_range(t).is_some_and(|(l, e)| layers.contains(l) && ids.range().contains(&e));
+    m.ranges.iter().filter(|r| held(&r.tensor)).map(|r| r.length).sum()
 }
 
-/// The layer of a stacked expert tensor (`blk.N.ffn_*_exps.weight`), `None` for any other.
-fn expert_tensor_layer(name: &str) -> Option<usize> {
-    let rest = name.strip_prefix("blk.")?;
-    let (n, t) = rest.split_once('.')?;
-    (t.starts_with("ffn_") && t.contains("_exps")).then(|| n.parse().ok()).flatten()
-}
-
-pub fn slice_ranges(m: &ModelRecord, layers: LayerRange) -> Vec<RangeRecord> {
-    let names = m.ranges.iter().filter(|r| !r.tensor.is_empty()).map(|r| r.tensor.as_str());
+/// The ranges a stage of `layers` fetches: the headers and its layers' tensors, less the experts
+/// `elsewhere` holds (the expert stages of those layers).
+pub fn slice_ranges(m: &ModelRecord, layers: LayerRange, elsewhere: &[(LayerRange, ExpertIds)]) -> Vec<RangeRecord> {
+    let names = m.ranges.iter().filter(|r| !r.tensor.is_empty()).map(|r| range_tensor(&r.tensor));
     let want: std::collections::HashSet<String> =
         brigade_format::slice_tensor_names(names, m.n_layers, layers).unwrap_or_default().into_iter().collect();
-    m.ranges.iter().filter(|r| r.tensor.is_empty() || want.contains(&r.tensor)).cloned().collect()
+    let away = |t: &str| {
+        expert_of_range(t)
+            .is_some_and(|(l, e)| elsewhere.iter().any(|(ls, ids)| ls.contains(l) && ids.range().contains(&e)))
+    };
+    m.ranges
+        .iter()
+        .filter(|r| r.tensor.is_empty() || (want.contains(range_tensor(&r.tensor)) && !away(&r.tensor)))
+        .cloned()
+        .collect()
 }

@@ -328,8 +328,8 @@ fn by_hand(state: &ClusterState, model: &ModelRecord, req: &PlacementRequest) ->
     if !expert_map.is_empty() {
         let why = if model.experts == 0 {
             Some("is not a mixture of experts")
-        } else if expert_bytes(model, LayerRange::new(0, model.n_layers)?) == 0 {
-            Some("does not stack its experts (a GGUF file does)")
+        } else if expert_bytes(model, LayerRange::new(0, model.n_layers)?, ExpertIds { start: 0, end: u32::MAX }) == 0 {
+            Some("has no expert's bytes on their own in its manifest")
         } else {
             None
         };
@@ -376,9 +376,7 @@ fn by_hand(state: &ClusterState, model: &ModelRecord, req: &PlacementRequest) ->
     }
     // bytes of routed experts of layers a..b held on the expert stages (not on the pipeline's)
     let all = LayerRange::new(0, model.n_layers)?;
-    let share = |ids: &ExpertIds, layers: LayerRange| {
-        expert_bytes(model, layers) / model.experts.max(1) as u64 * u64::from(ids.end - ids.start)
-    };
+    let share = |ids: &ExpertIds, layers: LayerRange| expert_bytes(model, layers, *ids);
     let away = |a: usize, b: usize| -> Result<u64, CoordError> {
         let layers = LayerRange::new(a, b)?;
         Ok(expert_map.iter().map(|(_, _, ids)| share(ids, layers)).sum())

@@ -1,11 +1,12 @@
 //! A model's files as byte ranges with SHA-256 checksums: what a coordinator hands out and a
 //! worker verifies. Each file's header (GGUF: up to the start of the tensor data; safetensors:
 //! the length prefix and JSON), each small file whole (a directory's JSON files), and one range
-//! per tensor. A worker that holds the headers, the small files and its slice's tensors at their
+//! per tensor — a stacked expert tensor (`ffn_*_exps`) as one range per expert, so a node that
+//! holds some experts fetches only theirs. A worker that holds the headers, the small files and its slice's tensors at their
 //! offsets in files of the full size (a sparse copy) opens the model like the original.
 
 use crate::index::ModelIndex;
-use crate::tensors::slice_tensors;
+use crate::tensors::{slice_tensors, LayerTensor};
 use crate::FormatError;
 use brigade_core::cluster::RangeRecord;
 use brigade_core::LayerRange;
@@ -28,6 +29,29 @@ struct Planned {
     offset: u64,
     length: u64,
     tensor: String,
+}
+
+/// Separates a stacked expert tensor's name from an expert's id in the name of a range that
+/// holds one expert's bytes of it (`blk.3.ffn_up_exps.weight#5`).
+pub const EXPERT_SEP: char = '#';
+
+/// The tensor a range holds bytes of: its name without an expert's `#E`.
+pub fn range_tensor(tensor: &str) -> &str {
+    tensor.split(EXPERT_SEP).next().unwrap_or(tensor)
+}
+
+/// The layer and the expert whose bytes a range holds: one expert's bytes of a stacked tensor
+/// (`blk.3.ffn_up_exps.weight#5`) or an expert's own tensor (`blk.3.ffn_up.5.weight`, as a
+/// checkpoint stores it); `None` for any other range.
+pub fn expert_of_range(tensor: &str) -> Option<(usize, u32)> {
+    match tensor.split_once(EXPERT_SEP) {
+        Some((name, e)) => {
+            let (layer, t) = LayerTensor::parse(name)?;
+            t.is_experts().then_some(())?;
+            Some((layer, e.parse().ok()?))
+        }
+        None => LayerTensor::parse_piece(tensor).and_then(|(layer, _, e)| Some((layer, u32::try_from(e).ok()?))),
+    }
 }
 
 /// The SHA-256 of `bytes` in lower-case hex.
@@ -54,12 +78,24 @@ impl Manifest {
             plan.push(Planned { file: fi, offset: 0, length: header, tensor: String::new() });
             let mut tensors: Vec<_> = index.tensor_names().filter(|(_, t)| t.file() == fi).collect();
             tensors.sort_by_key(|(name, t)| (t.start(), t.end(), name.as_str()));
-            plan.extend(tensors.into_iter().map(|(name, t)| Planned {
-                file: fi,
-                offset: t.start(),
-                length: t.n_bytes(),
-                tensor: name.clone(),
-            }));
+            for (name, t) in tensors {
+                // a stacked expert tensor: one range per expert (expert-major, equal parts)
+                let experts = match LayerTensor::parse(name) {
+                    Some((_, lt)) if lt.is_experts() => t.shape().first().copied().unwrap_or(1),
+                    _ => 1,
+                };
+                if experts > 1 && t.n_bytes().is_multiple_of(experts as u64) {
+                    let each = t.n_bytes() / experts as u64;
+                    plan.extend((0..experts).map(|e| Planned {
+                        file: fi,
+                        offset: t.start() + e as u64 * each,
+                        length: each,
+                        tensor: format!("{name}{EXPERT_SEP}{e}"),
+                    }));
+                } else {
+                    plan.push(Planned { file: fi, offset: t.start(), length: t.n_bytes(), tensor: name.clone() });
+                }
+            }
         }
         let digests = hash_all(index, &plan);
         let ranges = plan
@@ -110,12 +146,18 @@ impl Manifest {
 
     /// The ranges a holder of `tensors` needs: every header and small file, and those tensors.
     pub fn ranges_for(&self, tensors: &[String]) -> Result<Vec<RangeRecord>, FormatError> {
-        let known: HashSet<&str> = self.ranges.iter().map(|r| r.tensor.as_str()).filter(|t| !t.is_empty()).collect();
+        let known: HashSet<&str> =
+            self.ranges.iter().map(|r| range_tensor(&r.tensor)).filter(|t| !t.is_empty()).collect();
         if let Some(missing) = tensors.iter().find(|t| !known.contains(t.as_str())) {
             return Err(FormatError::MissingTensor(missing.clone()));
         }
         let wanted: HashSet<&str> = tensors.iter().map(String::as_str).collect();
-        Ok(self.ranges.iter().filter(|r| r.tensor.is_empty() || wanted.contains(r.tensor.as_str())).cloned().collect())
+        Ok(self
+            .ranges
+            .iter()
+            .filter(|r| r.tensor.is_empty() || wanted.contains(range_tensor(&r.tensor)))
+            .cloned()
+            .collect())
     }
 
     /// The ranges a slice of `layers` needs ([`slice_tensors`] plus headers and small files).

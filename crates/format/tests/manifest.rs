@@ -137,3 +137,49 @@ fn sparse_safetensors_copies_open_and_hold_their_slice() {
         check_sparse_copy(&m, range(a, b), &dir.path().join(format!("{a}-{b}")));
     }
 }
+
+/// A stacked expert tensor is one range per expert (llama.cpp's OLMoE file): each range is that
+/// expert's bytes, named `tensor#E`; asking for the tensor gives all of them; a sparse copy of
+/// some experts holds exactly those. A checkpoint's experts are tensors of their own already.
+#[test]
+fn stacked_experts_are_a_range_each() {
+    use brigade_format::manifest::{expert_of_range, range_tensor};
+    use brigade_format::LayerTensor as T;
+    let path = repo_root().join("tests/fixtures/families/olmoe/olmoe-tiny-Q4_K_M.gguf");
+    let m = ModelIndex::open(&path).unwrap();
+    let experts = m.config().moe.unwrap().experts;
+    let man = Manifest::build(&m);
+    let name = T::FfnUpExps.name(1);
+    let pieces: Vec<_> = man.ranges().iter().filter(|r| range_tensor(&r.tensor) == name).collect();
+    assert_eq!(pieces.len(), experts);
+    let whole = m.tensor_info(&name).unwrap();
+    assert_eq!(pieces[0].offset, whole.start());
+    assert_eq!(pieces.iter().map(|r| r.length).sum::<u64>(), whole.n_bytes());
+    for (e, r) in pieces.iter().enumerate() {
+        assert_eq!(r.tensor, format!("{name}#{e}"));
+        assert_eq!(expert_of_range(&r.tensor), Some((1, e as u32)));
+        assert!(range_matches(r, m.expert_data(1, T::FfnUpExps, e).unwrap().2), "{}", r.tensor);
+    }
+    assert_eq!(expert_of_range(&T::AttnQ.name(1)), None);
+    assert_eq!(expert_of_range("blk.2.ffn_up.5.weight"), Some((2, 5)));
+    assert_eq!(expert_of_range("blk.2.attn_q.weight#5"), None, "only stacked tensors are cut by expert");
+    assert_eq!(man.ranges_for(std::slice::from_ref(&name)).unwrap().len(), 1 + experts);
+    // a copy of experts 2..5 of layer 1: those read back, the others do not
+    let ranges: Vec<_> = man
+        .ranges()
+        .iter()
+        .filter(|r| {
+            r.tensor.is_empty() || expert_of_range(&r.tensor).is_some_and(|(l, e)| l == 1 && (2..5).contains(&e))
+        })
+        .cloned()
+        .collect();
+    let dir = tempfile::tempdir().unwrap();
+    let copy = ModelIndex::open(&write_sparse(&m, &man, &ranges, dir.path())).unwrap();
+    for t in [T::FfnGateExps, T::FfnUpExps, T::FfnDownExps] {
+        for e in 0..experts {
+            let r = man.ranges().iter().find(|r| r.tensor == format!("{}#{e}", t.name(1))).unwrap();
+            let held = range_matches(r, copy.expert_data(1, t, e).unwrap().2);
+            assert_eq!(held, (2..5).contains(&e), "{}", r.tensor);
+        }
+    }
+}
