@@ -20,7 +20,7 @@ mod moe;
 mod rows;
 mod silu;
 mod softmax;
-pub use moe::{ExpertShard, ExpertSplit, RemoteExperts};
+pub use moe::{ExpertShard, ExpertSplit, ExpertsCall, RemoteExperts};
 
 /// The vector code the element-wise CPU loops run (SiLU·up, the softmaxes, a decode step's
 /// attention): `avx512`, `avx2` or `scalar` (this CPU's widest, no wider than

@@ -13,7 +13,7 @@ use crate::router::{Peer, Router};
 use crate::WorkerError;
 use brigade_core::cluster::CarrierKind;
 use brigade_core::LayerRange;
-use brigade_model::{ExpertSplit, MatMul, ModelError, RemoteExperts};
+use brigade_model::{ExpertSplit, ExpertsCall, MatMul, ModelError, RemoteExperts};
 use brigade_proto::v1::{FrameKind, StageAssignment};
 use brigade_transport::frame::Frame;
 use std::ops::Range;
@@ -78,38 +78,42 @@ impl LinkedExperts {
         });
         Ok(Some(ExpertSplit { elsewhere, remote }))
     }
+}
 
-    /// Waits for call `id`'s answer: the outputs of `rows` rows.
-    fn answer(
-        &self,
-        host: &Host,
-        id: u64,
-        rx: &std::sync::mpsc::Receiver<Frame>,
-        rows: usize,
-    ) -> Result<Vec<f32>, ModelError> {
-        let node = &host.peer.node;
-        let frame = rx.recv_timeout(CALL_TIMEOUT).map_err(|_| {
-            self.router.forget_call(id);
-            ModelError::Remote(format!("{node} (expert stage {}) did not answer within {CALL_TIMEOUT:?}", host.stage))
-        })?;
-        if frame.kind() == Some(FrameKind::Error) {
-            return Err(ModelError::Remote(format!("{node}: {}", frame.header.text)));
-        }
-        let ys = frame.expert_outputs(self.hidden).map_err(|e| ModelError::Remote(format!("{node}: {e}")))?;
-        if ys.len() != rows * self.hidden {
-            return Err(ModelError::Remote(format!(
-                "{node} answered {} values for {rows} rows of {}",
-                ys.len(),
-                self.hidden
-            )));
-        }
-        Ok(ys)
+/// One expert stage's part of a call under way: its answer's receiver and its rows.
+struct Sent {
+    node: String,
+    stage: u32,
+    id: u64,
+    rx: std::sync::mpsc::Receiver<Frame>,
+    rows: usize,
+}
+
+/// Waits for a part's answer: the outputs of its rows.
+fn answer(router: &Router, sent: &Sent, hidden: usize) -> Result<Vec<f32>, ModelError> {
+    let node = &sent.node;
+    let frame = sent.rx.recv_timeout(CALL_TIMEOUT).map_err(|_| {
+        router.forget_call(sent.id);
+        ModelError::Remote(format!("{node} (expert stage {}) did not answer within {CALL_TIMEOUT:?}", sent.stage))
+    })?;
+    if frame.kind() == Some(FrameKind::Error) {
+        return Err(ModelError::Remote(format!("{node}: {}", frame.header.text)));
     }
+    let ys = frame.expert_outputs(hidden).map_err(|e| ModelError::Remote(format!("{node}: {e}")))?;
+    if ys.len() != sent.rows * hidden {
+        return Err(ModelError::Remote(format!(
+            "{node} answered {} values for {} rows of {hidden}",
+            ys.len(),
+            sent.rows
+        )));
+    }
+    Ok(ys)
 }
 
 impl RemoteExperts for LinkedExperts {
-    /// One EXPERTS frame to each expert stage concerned, all sent before any answer is awaited.
-    fn compute(&self, layer: usize, calls: &[(u32, usize)], xs: &[f32], mm: MatMul) -> Result<Vec<f32>, ModelError> {
+    /// One EXPERTS frame to each expert stage concerned, all sent now; the answers are awaited
+    /// by the returned call and put back in the calls' order.
+    fn call(&self, layer: usize, calls: &[(u32, usize)], xs: &[f32], mm: MatMul) -> Result<ExpertsCall, ModelError> {
         let d = self.hidden;
         // each call's host, and each host's calls and rows in the order they come
         let mut groups: Vec<Group> = self.hosts.iter().map(|_| Default::default()).collect();
@@ -126,10 +130,11 @@ impl RemoteExperts for LinkedExperts {
                 .ok_or_else(|| ModelError::Remote(format!("{} values for the calls' rows of {d}", xs.len())))?;
             groups[h].0.push((e, m));
             groups[h].1.extend_from_slice(rows);
-            order.push(h);
+            order.push((h, m));
             at += m;
         }
-        let mut pending = Vec::new();
+        let mut sent: Vec<Option<Sent>> = self.hosts.iter().map(|_| None).collect();
+        let forget = |sent: &[Option<Sent>]| sent.iter().flatten().for_each(|s| self.router.forget_call(s.id));
         for (h, (calls, rows)) in groups.iter().enumerate().filter(|(_, g)| !g.0.is_empty()) {
             let host = &self.hosts[h];
             let mut frame = Frame::experts(layer as u32, calls, rows, d as u64, mm == MatMul::Rows)
@@ -137,33 +142,35 @@ impl RemoteExperts for LinkedExperts {
             let (id, rx) = self.router.new_call();
             frame = frame.in_session(&self.deployment, self.generation, id);
             frame.header.stage = host.stage;
+            let part = Sent { node: host.peer.node.clone(), stage: host.stage, id, rx, rows: rows.len() / d };
+            sent[h] = Some(part);
             if let Err(e) = self.router.send_blocking(&host.peer, self.carrier, frame) {
-                self.router.forget_call(id);
+                forget(&sent);
                 return Err(ModelError::Remote(format!("{}: {e}", host.peer.node)));
             }
-            pending.push((h, id, rx, rows.len() / d));
         }
-        let mut answers: Vec<Option<Vec<f32>>> = self.hosts.iter().map(|_| None).collect();
-        let mut failed = None;
-        for (h, id, rx, rows) in pending {
-            match self.answer(&self.hosts[h], id, &rx, rows) {
-                Ok(ys) => answers[h] = Some(ys),
-                Err(e) => {
-                    failed.get_or_insert(e);
+        let router = self.router.clone();
+        Ok(ExpertsCall::later(move || {
+            let mut answers = Vec::with_capacity(sent.len());
+            for s in &sent {
+                match s.as_ref().map(|s| answer(&router, s, d)).transpose() {
+                    Ok(a) => answers.push(a),
+                    Err(e) => {
+                        // the calls not waited for: their late answers are dropped
+                        sent.iter().flatten().for_each(|s| router.forget_call(s.id));
+                        return Err(e);
+                    }
                 }
             }
-        }
-        if let Some(e) = failed {
-            return Err(e);
-        }
-        // back in the calls' order
-        let mut out = Vec::with_capacity(xs.len());
-        let mut cursor = vec![0usize; self.hosts.len()];
-        for (&(_, m), &h) in calls.iter().zip(&order) {
-            let ys = answers[h].as_deref().unwrap_or_default();
-            out.extend_from_slice(&ys[cursor[h] * d..(cursor[h] + m) * d]);
-            cursor[h] += m;
-        }
-        Ok(out)
+            // back in the calls' order
+            let mut out = Vec::with_capacity(order.iter().map(|(_, m)| m * d).sum());
+            let mut cursor = vec![0usize; answers.len()];
+            for (h, m) in order {
+                let ys = answers[h].as_deref().unwrap_or_default();
+                out.extend_from_slice(&ys[cursor[h] * d..(cursor[h] + m) * d]);
+                cursor[h] += m;
+            }
+            Ok(out)
+        }))
     }
 }

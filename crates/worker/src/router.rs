@@ -14,7 +14,7 @@
 use crate::identity::Creds;
 use crate::WorkerError;
 use brigade_core::cluster::CarrierKind;
-use brigade_model::{MatMul, RemoteExperts};
+use brigade_model::MatMul;
 use brigade_proto::v1::FrameKind;
 use brigade_transport::frame::Frame;
 use brigade_transport::Link;

@@ -30,10 +30,31 @@ use std::sync::Arc;
 /// the layer, so every routed expert is computed and the numbers are those of the expert's own
 /// kernels, wherever it runs.
 pub trait RemoteExperts: Send + Sync {
-    /// Layer `layer`'s experts `calls[j].0`, each on its `calls[j].1` rows of `xs` (the calls'
-    /// rows one after another, `hidden` values each), with the matmul `mm`: their outputs, in
-    /// the same order and shape.
-    fn compute(&self, layer: usize, calls: &[(u32, usize)], xs: &[f32], mm: MatMul) -> Result<Vec<f32>, ModelError>;
+    /// Sends layer `layer`'s experts `calls[j].0`, each on its `calls[j].1` rows of `xs` (the
+    /// calls' rows one after another, `hidden` values each), to run with the matmul `mm`; the
+    /// layer computes the experts held here, then waits for the outputs ([`ExpertsCall::wait`]:
+    /// in the same order and shape as `xs`).
+    fn call(&self, layer: usize, calls: &[(u32, usize)], xs: &[f32], mm: MatMul) -> Result<ExpertsCall, ModelError>;
+}
+
+/// A call of experts held elsewhere, under way.
+pub struct ExpertsCall(Box<dyn FnOnce() -> Result<Vec<f32>, ModelError> + Send>);
+
+impl ExpertsCall {
+    /// A call whose outputs are there already.
+    pub fn ready(ys: Vec<f32>) -> Self {
+        ExpertsCall(Box::new(move || Ok(ys)))
+    }
+
+    /// A call whose outputs `wait` will give.
+    pub fn later(wait: impl FnOnce() -> Result<Vec<f32>, ModelError> + Send + 'static) -> Self {
+        ExpertsCall(Box::new(wait))
+    }
+
+    /// Waits for the outputs.
+    pub fn wait(self) -> Result<Vec<f32>, ModelError> {
+        (self.0)()
+    }
 }
 
 /// Which routed experts a slice leaves to [`RemoteExperts`]: per range of layers, a range of
@@ -244,25 +265,19 @@ impl MoeFfn {
             (Some(r), false) => Some(r),
             (None, false) => candle_core::bail!("layer {}: experts {away:?} are held nowhere", self.layer),
         };
-        let away_ys = std::thread::scope(|scope| -> candle_core::Result<Option<Vec<f32>>> {
-            let pending = remote.map(|r| scope.spawn(|| r.compute(self.layer, &away, &away_xs, mm)));
-            let (mut xs, mut ys) = (Vec::new(), Vec::new());
-            for (e, rows) in used() {
-                let Some(expert) = &self.experts[e] else { continue };
-                xs.clear();
-                gather(rows, &mut xs);
-                ys.clear();
-                ys.resize(rows.len() * d, 0.0);
-                run(expert, rows.len(), &xs, &mut ys)?;
-                scatter(rows, &ys);
-            }
-            match pending.map(|p| p.join()) {
-                None => Ok(None),
-                Some(Ok(Ok(ys))) => Ok(Some(ys)),
-                Some(Ok(Err(e))) => candle_core::bail!("layer {}: remote experts: {e}", self.layer),
-                Some(Err(_)) => candle_core::bail!("layer {}: the remote experts' call panicked", self.layer),
-            }
-        })?;
+        let remote_err = |e: ModelError| candle_core::Error::Msg(format!("layer {}: {e}", self.layer));
+        let pending = remote.map(|r| r.call(self.layer, &away, &away_xs, mm)).transpose().map_err(remote_err)?;
+        let (mut xs, mut ys) = (Vec::new(), Vec::new());
+        for (e, rows) in used() {
+            let Some(expert) = &self.experts[e] else { continue };
+            xs.clear();
+            gather(rows, &mut xs);
+            ys.clear();
+            ys.resize(rows.len() * d, 0.0);
+            run(expert, rows.len(), &xs, &mut ys)?;
+            scatter(rows, &ys);
+        }
+        let away_ys = pending.map(ExpertsCall::wait).transpose().map_err(remote_err)?;
         if let Some(ys) = away_ys {
             let m: usize = away.iter().map(|(_, m)| m).sum();
             if ys.len() != m * d {
@@ -390,8 +405,23 @@ impl ExpertShard {
 }
 
 impl RemoteExperts for ExpertShard {
-    /// Checks the call whole (layer, ids, row counts, values) before computing any of it.
-    fn compute(&self, layer: usize, calls: &[(u32, usize)], xs: &[f32], mm: MatMul) -> Result<Vec<f32>, ModelError> {
+    /// Computes the call at once (a shard in this process).
+    fn call(&self, layer: usize, calls: &[(u32, usize)], xs: &[f32], mm: MatMul) -> Result<ExpertsCall, ModelError> {
+        self.compute(layer, calls, xs, mm).map(ExpertsCall::ready)
+    }
+}
+
+impl ExpertShard {
+    /// Layer `layer`'s experts `calls[j].0`, each on its `calls[j].1` rows of `xs`, with the
+    /// matmul `mm`: their outputs in the same order and shape. The call is checked whole (layer,
+    /// ids, row counts, values) before any of it is computed.
+    pub fn compute(
+        &self,
+        layer: usize,
+        calls: &[(u32, usize)],
+        xs: &[f32],
+        mm: MatMul,
+    ) -> Result<Vec<f32>, ModelError> {
         let d = self.hidden;
         if !self.layers.contains(layer) {
             return Err(ModelError::BadSlice(format!("layer {layer}: this shard holds layers {}", self.layers)));
