@@ -237,6 +237,14 @@ impl Linear {
         Ok(())
     }
 
+    /// The weight packed for the CPU's kernels, where it is and has no bias.
+    pub(crate) fn packed(&self) -> Option<&crate::cpu_matmul::Packed> {
+        match (&self.w, &self.bias) {
+            (LinearWeight::Packed(p), None) => Some(p),
+            _ => None,
+        }
+    }
+
     pub fn out_features(&self) -> usize {
         match &self.w {
             LinearWeight::Quant(q) => q.shape().dims()[0],

@@ -454,6 +454,58 @@ pub fn matmul_packed(w: &Packed, m: usize, lhs: &[f32], dst: &mut [f32], isa: Is
     }
 }
 
+/// One matmul of [`matmul_packed_group`]: `lhs (m × k) @ wᵀ` into `dst (m × n)`.
+pub struct PackedJob<'a> {
+    pub w: &'a Packed,
+    pub m: usize,
+    pub lhs: &'a [f32],
+    pub dst: &'a mut [f32],
+}
+
+/// [`matmul_packed`] of several jobs in one dispatch of the thread pool (a token's experts):
+/// each job's numbers are, bit for bit, what [`matmul_packed`] gives it alone below the AMX
+/// row count — a job at or above it (AMX computes it) runs alone through [`matmul_packed`].
+pub fn matmul_packed_group(jobs: &mut [PackedJob<'_>], isa: Isa) -> Result<Kernel, KernelError> {
+    if !isa.available() || isa == Isa::Portable {
+        return Err(KernelError::Unavailable(isa.name()));
+    }
+    for j in jobs.iter() {
+        let (n, k) = j.w.shape();
+        let m = j.m;
+        let shape = |what, len, want| KernelError::Shape { what, len, want, m, k, n };
+        if Some(j.lhs.len()) != m.checked_mul(k) {
+            return Err(shape("the input", j.lhs.len(), m.saturating_mul(k)));
+        }
+        if Some(j.dst.len()) != m.checked_mul(n) {
+            return Err(shape("the output", j.dst.len(), m.saturating_mul(n)));
+        }
+    }
+    if jobs.iter().any(|j| j.m >= amx::MIN_ROWS) {
+        for j in jobs.iter_mut() {
+            matmul_packed(j.w, j.m, j.lhs, j.dst, isa)?;
+        }
+        return Ok(Kernel::Packed(isa));
+    }
+    #[cfg(target_arch = "x86_64")]
+    {
+        let unavailable = KernelError::Unavailable(isa.name());
+        // SAFETY: the lengths are checked above; the tokens check the instructions
+        unsafe {
+            match isa {
+                Isa::Avx512Vnni => packed::matmul_group(simd::Zmm::new().ok_or(unavailable)?, jobs),
+                Isa::AvxVnni => packed::matmul_group(simd::AvxVnni::new().ok_or(unavailable)?, jobs),
+                Isa::Avx2 => packed::matmul_group(simd::Avx2::new().ok_or(unavailable)?, jobs),
+                Isa::Portable => return Err(unavailable),
+            }
+        }
+        Ok(Kernel::Packed(isa))
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        Err(KernelError::Unavailable(isa.name()))
+    }
+}
+
 /// `x @ wᵀ` for a weight packed at load ([`Packed`]).
 pub struct PackedMatMul(pub Arc<Packed>);
 

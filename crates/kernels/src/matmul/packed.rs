@@ -1210,6 +1210,52 @@ unsafe fn rows_of<S: Simd, const V: usize, const H: usize, const R: usize>(
 ///
 /// # Safety
 /// `lhs` holds `m · k` values, `dst` `m · n`.
+/// Several matmuls by packed weights in one dispatch of the thread pool: job `j` is
+/// `jobs[j].lhs (m × k) @ jobs[j].w ᵀ` into `jobs[j].dst`, each column block of each job a unit
+/// of work, so small matmuls (a token's experts) share one barrier instead of one each. Every
+/// column block is computed as [`matmul`] computes it without AMX: the same numbers.
+///
+/// # Safety
+/// The caller checks the lengths (`lhs = m × k`, `dst = m × n` of each job) and that `s` is a
+/// token of instructions this CPU has.
+pub unsafe fn matmul_group<S: Simd>(s: S, jobs: &mut [super::PackedJob<'_>]) {
+    enum Held {
+        K(Q8KRows),
+        Q0(Q8Rows),
+    }
+    let acts: Vec<Held> = jobs
+        .iter()
+        .map(|j| {
+            let (m, k) = (j.m, j.w.k);
+            if j.w.kind.block() == 32 {
+                Held::Q0(Q8Rows::new(j.lhs, (m, k), m, k / 32, 0))
+            } else {
+                Held::K(Q8KRows::new(j.lhs, (m, k), m))
+            }
+        })
+        .collect();
+    let outs: Vec<Out> = jobs.iter_mut().map(|j| Out { ptr: j.dst.as_mut_ptr() as usize, m: j.m, n: j.w.n }).collect();
+    // the first flat unit of each job
+    let mut starts = Vec::with_capacity(jobs.len() + 1);
+    starts.push(0usize);
+    for j in jobs.iter() {
+        starts.push(starts[starts.len() - 1] + j.w.blocks());
+    }
+    let total = starts[jobs.len()];
+    let jobs = &*jobs;
+    candle_core::utils::barrier_pool().execute_chunked(total, |units| {
+        for u in units {
+            let j = starts.partition_point(|&st| st <= u) - 1;
+            let x = match &acts[j] {
+                Held::K(x) => Acts::K(x),
+                Held::Q0(x) => Acts::Q0(x),
+            };
+            // SAFETY: each column block writes its own columns of every row of its own job
+            unsafe { s.packed_block(jobs[j].w, u - starts[j], x, outs[j], 0) }
+        }
+    })
+}
+
 pub unsafe fn matmul<S: Simd>(s: S, w: &Packed, m: usize, lhs: &[f32], dst: &mut [f32]) {
     let (n, k) = (w.n, w.k);
     debug_assert!(lhs.len() == m * k && dst.len() == m * n);

@@ -449,6 +449,56 @@ fn packed_rows_are_computed_as_alone() {
     }
 }
 
+/// Several packed matmuls in one dispatch (a token's experts: weights of several types and
+/// shapes, one to a few rows each, and a job big enough for AMX among them) give each job, bit
+/// for bit, what it gives alone; a job of the wrong length is refused before any is computed.
+#[cfg(target_arch = "x86_64")]
+#[test]
+fn a_group_of_packed_matmuls_computes_each_as_alone() {
+    let mut rng = ChaCha8Rng::seed_from_u64(23);
+    let shapes =
+        [(GgmlDType::Q4K, 70, 512), (GgmlDType::Q8_0, 40, 96), (GgmlDType::Q6K, 33, 256), (GgmlDType::Q4K, 9, 256)];
+    let weights: Vec<(Packed, usize)> = shapes
+        .iter()
+        .map(|&(dt, n, k)| (Packed::new(dt, random_weight(dt, (n, k), &mut rng).bytes(), (n, k)).unwrap(), k))
+        .collect();
+    let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+    for isa in [Isa::Avx512Vnni, Isa::AvxVnni, Isa::Avx2].into_iter().filter(|i| i.available()) {
+        for rows in [[1usize, 1, 1, 1], [3, 1, 2, 5], [1, 2, 1, amx::MIN_ROWS]] {
+            let lhs: Vec<Vec<f32>> = weights.iter().zip(rows).map(|((_, k), m)| activations(m * k, &mut rng)).collect();
+            let alone: Vec<Vec<f32>> = weights
+                .iter()
+                .zip(rows)
+                .zip(&lhs)
+                .map(|(((p, _), m), x)| {
+                    let mut d = vec![f32::NAN; m * p.shape().0];
+                    matmul_packed(p, m, x, &mut d, isa).unwrap();
+                    d
+                })
+                .collect();
+            let mut outs: Vec<Vec<f32>> = alone.iter().map(|a| vec![f32::NAN; a.len()]).collect();
+            let mut jobs: Vec<PackedJob<'_>> = weights
+                .iter()
+                .zip(rows)
+                .zip(&lhs)
+                .zip(outs.iter_mut())
+                .map(|((((w, _), m), lhs), dst)| PackedJob { w, m, lhs, dst })
+                .collect();
+            assert_eq!(matmul_packed_group(&mut jobs, isa).unwrap(), Kernel::Packed(isa));
+            for (j, (got, want)) in outs.iter().zip(&alone).enumerate() {
+                assert_eq!(bits(got), bits(want), "job {j} of rows {rows:?} on {isa:?}");
+            }
+        }
+        let (p, k) = &weights[0];
+        let (x, mut short) = (vec![0.5; *k], vec![0.0; p.shape().0 - 1]);
+        let mut fine = vec![f32::NAN; p.shape().0];
+        let mut jobs =
+            vec![PackedJob { w: p, m: 1, lhs: &x, dst: &mut fine }, PackedJob { w: p, m: 1, lhs: &x, dst: &mut short }];
+        assert!(matches!(matmul_packed_group(&mut jobs, isa), Err(KernelError::Shape { what: "the output", .. })));
+        assert!(fine.iter().all(|v| v.is_nan()), "nothing computed");
+    }
+}
+
 /// Packed Q8_0 with weight bytes of −128, and the packed entry's checks: lengths, a weight of
 /// the wrong size, `k` off the block, an instruction set this CPU lacks, a type not packed.
 #[cfg(target_arch = "x86_64")]

@@ -91,6 +91,9 @@ pub(super) struct MoeFfn {
     remote: Option<Arc<dyn RemoteExperts>>,
 }
 
+/// An expert on `m` gathered rows (`m × hidden` values): one job of a pass's experts.
+pub(super) type ExpertJob<'a> = (&'a Expert, usize, &'a [f32]);
+
 /// The experts a token goes to, best first, and their weights.
 #[derive(Debug, Clone, PartialEq)]
 pub(super) struct Route {
@@ -216,7 +219,7 @@ impl MoeFfn {
     }
 
     /// The block's output for `n` rows `h` (`n × hidden`, normed), into `out` (`n × hidden`):
-    /// `run(expert, m, xs, ys)` computes an expert held here on `m` gathered rows; the experts
+    /// `run(jobs, outs)` computes the experts held here, each on its gathered rows, at once; the experts
     /// held elsewhere go to the remote in one call per pass, made while the ones here run,
     /// with the matmul `mm` the pass runs. Each chosen expert runs once on every row that chose
     /// it; a row's outputs are then summed in the order of its experts' ranks, each times its
@@ -227,7 +230,7 @@ impl MoeFfn {
         h: &[f32],
         out: &mut [f32],
         mm: MatMul,
-        mut run: impl FnMut(&Expert, usize, &[f32], &mut [f32]) -> candle_core::Result<()>,
+        mut run: impl FnMut(&[ExpertJob<'_>], &mut [Vec<f32>]) -> candle_core::Result<()>,
     ) -> candle_core::Result<()> {
         let (d, k) = (self.hidden, self.spec.used);
         if h.len() != n * d || out.len() != n * d {
@@ -267,15 +270,23 @@ impl MoeFfn {
         };
         let remote_err = |e: ModelError| candle_core::Error::Msg(format!("layer {}: {e}", self.layer));
         let pending = remote.map(|r| r.call(self.layer, &away, &away_xs, mm)).transpose().map_err(remote_err)?;
-        let (mut xs, mut ys) = (Vec::new(), Vec::new());
-        for (e, rows) in used() {
-            let Some(expert) = &self.experts[e] else { continue };
-            xs.clear();
-            gather(rows, &mut xs);
-            ys.clear();
-            ys.resize(rows.len() * d, 0.0);
-            run(expert, rows.len(), &xs, &mut ys)?;
-            scatter(rows, &ys);
+        // the experts held here, each on the rows that chose it, in one call
+        let here: Vec<(&Expert, &[(usize, usize)])> =
+            used().filter_map(|(e, rows)| Some((self.experts[e].as_ref()?, rows.as_slice()))).collect();
+        let xs: Vec<Vec<f32>> = here
+            .iter()
+            .map(|(_, rows)| {
+                let mut x = Vec::with_capacity(rows.len() * d);
+                gather(rows, &mut x);
+                x
+            })
+            .collect();
+        let jobs: Vec<ExpertJob<'_>> =
+            here.iter().zip(&xs).map(|((e, rows), x)| (*e, rows.len(), x.as_slice())).collect();
+        let mut ys: Vec<Vec<f32>> = here.iter().map(|(_, rows)| vec![0f32; rows.len() * d]).collect();
+        run(&jobs, &mut ys)?;
+        for ((_, rows), y) in here.iter().zip(&ys) {
+            scatter(rows, y);
         }
         let away_ys = pending.map(ExpertsCall::wait).transpose().map_err(remote_err)?;
         if let Some(ys) = away_ys {
@@ -301,9 +312,9 @@ impl MoeFfn {
             }
         }
         if let Some(s) = &self.shared {
-            let mut ys = vec![0f32; n * d];
-            run(&s.expert, n, h, &mut ys)?;
-            for (r, (o, y)) in out.chunks_exact_mut(d).zip(ys.chunks_exact(d)).enumerate() {
+            let mut ys = [vec![0f32; n * d]];
+            run(&[(&s.expert, n, h)], &mut ys)?;
+            for (r, (o, y)) in out.chunks_exact_mut(d).zip(ys[0].chunks_exact(d)).enumerate() {
                 let g = 1.0 / (1.0 + (-dot(&s.gate, &h[r * d..(r + 1) * d])).exp());
                 o.iter_mut().zip(y).for_each(|(o, y)| *o += y * g);
             }
@@ -320,7 +331,9 @@ impl MoeFfn {
         let host: Vec<f32> = h.to_dtype(DType::F32)?.flatten_all()?.to_vec1()?;
         let mut out = vec![0f32; n * d];
         let (device, dtype) = (h.device().clone(), h.dtype());
-        self.combine(n, &host, &mut out, mm, |expert, m, xs, ys| expert.on_host(m, xs, ys, mm, gelu, &device, dtype))?;
+        self.combine(n, &host, &mut out, mm, |jobs, outs| {
+            jobs.iter().zip(outs).try_for_each(|((e, m, xs), ys)| e.on_host(*m, xs, ys, mm, gelu, &device, dtype))
+        })?;
         Tensor::from_vec(out, (b, t, d), h.device())?.to_dtype(dtype)
     }
 }
@@ -443,19 +456,24 @@ impl ExpertShard {
             return Err(ModelError::BadSlice(format!("{} values for {m} rows of {d}", xs.len())));
         }
         let experts = &self.experts[layer - self.layers.start()];
-        let mut ys = vec![0f32; xs.len()];
         let mut at = 0;
-        for &(e, rows) in calls {
-            let expert = &experts[(e - self.ids.start) as usize];
-            let (x, y) = (&xs[at * d..(at + rows) * d], &mut ys[at * d..(at + rows) * d]);
-            if mm == MatMul::Rows && expert.runs_on_slices() {
-                expert.rows(rows, x, y, self.gelu)?;
-            } else {
-                expert.on_host(rows, x, y, mm, self.gelu, &Device::Cpu, DType::F32)?;
+        let jobs: Vec<ExpertJob<'_>> = calls
+            .iter()
+            .map(|&(e, rows)| {
+                at += rows;
+                (&experts[(e - self.ids.start) as usize], rows, &xs[(at - rows) * d..at * d])
+            })
+            .collect();
+        let mut ys: Vec<Vec<f32>> = calls.iter().map(|&(_, rows)| vec![0f32; rows * d]).collect();
+        // the kernels a slice's pass would run: the fused step's for decode rows, else candle's
+        if mm == MatMul::Rows && jobs.iter().all(|(e, _, _)| e.runs_on_slices()) {
+            Expert::rows_many(&jobs, &mut ys, self.gelu)?;
+        } else {
+            for ((e, m, x), y) in jobs.iter().zip(ys.iter_mut()) {
+                e.on_host(*m, x, y, mm, self.gelu, &Device::Cpu, DType::F32)?;
             }
-            at += rows;
         }
-        Ok(ys)
+        Ok(ys.concat())
     }
 }
 
@@ -511,9 +529,11 @@ mod tests {
         let rows: Vec<f32> = (0..3 * 16).map(|i| ((i * 13 % 7) as f32 - 3.0) / 3.0).collect();
         let mut got = vec![0f32; 3 * 16];
         // the "expert" of this test doubles its rows and adds the expert count seen
-        let run = |_: &Expert, m: usize, xs: &[f32], ys: &mut [f32]| {
-            assert_eq!(xs.len(), m * 16);
-            ys.iter_mut().zip(xs).for_each(|(y, x)| *y = 2.0 * x);
+        let run = |jobs: &[ExpertJob<'_>], outs: &mut [Vec<f32>]| {
+            for ((_, m, xs), ys) in jobs.iter().zip(outs) {
+                assert_eq!(xs.len(), m * 16);
+                ys.iter_mut().zip(xs.iter()).for_each(|(y, x)| *y = 2.0 * x);
+            }
             Ok(())
         };
         // no experts to index: give the block stand-ins
@@ -533,7 +553,7 @@ mod tests {
         let router: Vec<f32> = (0..4 * 8).map(|i| (i % 5) as f32).collect();
         let mut f = ffn(4, 2, true, router);
         f.experts = vec![Some(stand_in()), None, Some(stand_in()), None];
-        let run = |_: &Expert, _: usize, _: &[f32], _: &mut [f32]| Ok(());
+        let run = |_: &[ExpertJob<'_>], _: &mut [Vec<f32>]| Ok(());
         let mut out = vec![0f32; 8];
         let e = f.combine(1, &[1.0; 8], &mut out, MatMul::Batch, run).unwrap_err().to_string();
         assert!(e.contains("held nowhere"), "{e}");
