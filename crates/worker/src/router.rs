@@ -59,8 +59,8 @@ enum Reply {
     Here,
 }
 
-/// Call ids have the top bit set: they never meet a session's id in the maps that route
-/// answers (sessions are numbered from 1 by the coordinator).
+/// Call ids have the top bit set. A session's id is random and may have it too: an ERROR frame
+/// is an expert call's answer only when its id is that of a call waiting here.
 const CALL_BIT: u64 = 1 << 63;
 
 /// A session this node drives: where its frames go, and the nodes that may send them.
@@ -189,19 +189,22 @@ impl Router {
 
     /// Hands an expert call's answer to the call waiting for it; gives other frames back.
     fn answer_call(&self, frame: Frame) -> Option<Frame> {
-        let h = &frame.header;
-        let answer =
-            matches!(frame.kind(), Some(FrameKind::ExpertsOut | FrameKind::Error)) && h.session & CALL_BIT != 0;
-        if !answer {
+        let (id, kind) = (frame.header.session, frame.kind());
+        if id & CALL_BIT == 0 || !matches!(kind, Some(FrameKind::ExpertsOut | FrameKind::Error)) {
             return Some(frame);
         }
-        match self.calls.lock().ok().and_then(|mut m| m.remove(&h.session)) {
-            Some(tx) => {
+        match (self.calls.lock().ok().and_then(|mut m| m.remove(&id)), kind) {
+            (Some(tx), _) => {
                 let _ = tx.try_send(frame);
+                None
             }
-            None => tracing::debug!(call = h.session, "an answer to an expert call nobody waits for; dropped"),
+            // a session's error (its random id has the top bit)
+            (None, Some(FrameKind::Error)) => Some(frame),
+            (None, _) => {
+                tracing::debug!(call = id, "an answer to an expert call nobody waits for; dropped");
+                None
+            }
         }
-        None
     }
 
     /// Computes an EXPERTS frame from `from` on the expert stage it names, off the caller's task,
@@ -535,6 +538,15 @@ mod tests {
         assert!(driven.try_recv().is_err(), "a frame from a node outside the deployment");
         r.deliver(frame(2, 9), "w1");
         assert!(driven.try_recv().is_ok());
+        // a session whose random id has the top bit of expert calls' ids: its ERROR still
+        // reaches its driver; an expert call's answer reaches its call
+        let high = CALL_BIT | 12345;
+        let mut driven = r.register_driver(high, Arc::new(vec!["w1".into()]));
+        r.deliver(Frame::error("a stage failed").in_session("d", 1, high), "w1");
+        assert_eq!(driven.try_recv().unwrap().header.text, "a stage failed");
+        let (call, answer) = r.new_call();
+        r.deliver(Frame::error("no such expert").in_session("d", 1, call), "w1");
+        assert_eq!(answer.try_recv().unwrap().header.text, "no such expert");
     }
 
     #[tokio::test]
