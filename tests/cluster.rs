@@ -204,6 +204,12 @@ fn experts_held_on_other_nodes_answer_what_run_answers() {
         "--device-map",
         "w1:cpu:2,w2:cpu:2,w3:cpu:experts=0..8",
     ]);
+    // transformers' Qwen3-MoE checkpoint directory, whose experts are tensors of their own
+    let hf = root().join("tests/fixtures/families/qwen3moe/hf");
+    let h = hf.to_str().unwrap();
+    let d = c.deploy(&["--name", "hf", "-m", h, "--device-map", "w2:cpu:2,w3:cpu:1,w1:cpu:experts=2..7"]);
+    let held = &d["expert_stages"][0];
+    assert!(held["weight_bytes"].as_u64().unwrap() > 0 && held["fetched_bytes"].as_u64().unwrap() > 0, "{d}");
     for p in PROMPTS {
         let (prompt_ids, want) = run_ids(Some(&moe), p, 24);
         for model in ["spread", "apart"] {
@@ -211,6 +217,8 @@ fn experts_held_on_other_nodes_answer_what_run_answers() {
             assert_eq!(ids(&got["prompt_ids"]), prompt_ids, "{model}: {p}");
             assert_eq!(ids(&got["generated_ids"]), want, "{model}: {p}\n{}", c.logs());
         }
+        let (_, want) = run_ids(Some(&hf), p, 16);
+        assert_eq!(ids(&c.generate("hf", p, 16)["generated_ids"]), want, "hf: {p}");
     }
     // maps that cannot work: refused, and nothing is deployed
     for (map, why) in [
@@ -228,7 +236,7 @@ fn experts_held_on_other_nodes_answer_what_run_answers() {
     assert!(!out.status.success() && err.contains("not a mixture of experts"), "{err}");
     let names: Vec<String> =
         c.status()["deployments"].as_array().unwrap().iter().map(|d| d["name"].as_str().unwrap().to_string()).collect();
-    assert_eq!(names.len(), 2, "{names:?}");
+    assert_eq!(names.len(), 3, "{names:?}");
 }
 
 /// Speculative decoding through three workers (each drives its sessions with `--spec-type
