@@ -181,6 +181,24 @@ fn experts_held_on_other_nodes_answer_what_run_answers() {
     let pipeline_bytes = spread["stages"][0]["weight_bytes"].as_u64().unwrap();
     let w2 = held[0]["weight_bytes"].as_u64().unwrap();
     assert!(w2 > 0 && held.iter().all(|s| s["state"] == "ready"), "{spread}");
+    // the plan's bytes for each stage (before any load) within 5% of what its worker holds: the
+    // layers less the experts held elsewhere, and each expert stage's experts
+    let plan = spread["plan"].as_str().unwrap();
+    for s in spread["stages"].as_array().unwrap().iter().chain(held) {
+        let node = s["node"].as_str().unwrap();
+        let at = if s["experts"].is_null() { format!(" {node}/cpu  layers") } else { format!("on {node}/cpu") };
+        let line = plan.lines().find(|l| l.contains(&at)).unwrap_or_else(|| panic!("{at}: {plan}"));
+        let mut w = line.split_once("weights ").unwrap().1.split_whitespace();
+        let (n, unit) = (w.next().unwrap(), w.next().unwrap());
+        let scale = match unit {
+            "KiB" => 1024.0,
+            "MiB" => 1024.0 * 1024.0,
+            _ => panic!("{line}"),
+        };
+        let predicted = n.parse::<f64>().unwrap() * scale;
+        let held = s["weight_bytes"].as_u64().unwrap() as f64;
+        assert!((predicted - held).abs() <= 0.05 * held, "{node}: planned {predicted} bytes, holds {held}\n{plan}");
+    }
     // w1 holds 2 of 8 experts and the attention; w2 3 of 8: more than w1's share of experts
     assert!(w2 > pipeline_bytes / 3, "w2 holds {w2} bytes, w1 {pipeline_bytes}");
     // each node fetched its own share of the file (an expert is a range of its own), the three
