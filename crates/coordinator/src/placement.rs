@@ -222,8 +222,44 @@ fn plan(state: &ClusterState, model: &ModelRecord, req: &PlacementRequest) -> Re
     if inv.nodes.is_empty() {
         return Err(CoordError::Unavailable("no worker is up: start `brigade worker` on a node first".into()));
     }
-    // The driver closes the ring (the last stage sends it the sampled id, it feeds the first) and
-    // must hold a stage. Without `--driver`, each node is tried and the fastest plan wins.
+    let p = match best_plan(&inv, &model.profile, req) {
+        Ok(p) => p,
+        // a mixture whose layers fit no pipeline with their experts: the experts apart
+        Err(e) => match experts_apart(&inv, model, req) {
+            Ok(Some(placement)) => return Ok(with_notes(placement, &notes)),
+            Ok(None) => return Err(e),
+            Err(apart) => return Err(CoordError::FailedPrecondition(format!("{e}; with its experts apart: {apart}"))),
+        },
+    };
+    let mut text = p.to_text();
+    for n in notes {
+        text.push_str(&format!("note: {n}\n"));
+    }
+    Ok(Placement {
+        driver: p.driver.clone(),
+        predicted_decode_s: p.decode_ms_per_token / 1e3,
+        plan_json: serde_json::to_string_pretty(&p).unwrap_or_default(),
+        plan_text: text,
+        stages: pipeline_stages(&p)?,
+        expert_stages: Vec::new(),
+    })
+}
+
+fn with_notes(mut p: Placement, notes: &[String]) -> Placement {
+    for n in notes {
+        p.plan_text.push_str(&format!("note: {n}\n"));
+    }
+    p
+}
+
+/// The planner's best plan of `profile` on `inv`. The driver closes the ring (the last stage
+/// sends it the sampled id, it feeds the first) and must hold a stage: without `--driver`, each
+/// node is tried and the fastest plan wins.
+fn best_plan(
+    inv: &Inventory,
+    profile: &brigade_core::ModelProfile,
+    req: &PlacementRequest,
+) -> Result<brigade_planner::Plan, CoordError> {
     let candidates: Vec<String> = match &req.driver {
         Some(d) => vec![d.clone()],
         None => inv.nodes.iter().take(DRIVER_CANDIDATES).map(|n| n.name.clone()).collect(),
@@ -232,7 +268,7 @@ fn plan(state: &ClusterState, model: &ModelRecord, req: &PlacementRequest) -> Re
     let mut first_err = None;
     for c in &candidates {
         let pol = Policy { driver: Some(c.clone()), ..policy(req) };
-        match brigade_planner::plan(&inv, &model.profile, &pol) {
+        match brigade_planner::plan(inv, profile, &pol) {
             Ok(p) if p.stages.iter().any(|s| &s.node == c) => {
                 if best.as_ref().is_none_or(|b| better(&p, b, req.objective)) {
                     best = Some(p);
@@ -244,16 +280,18 @@ fn plan(state: &ClusterState, model: &ModelRecord, req: &PlacementRequest) -> Re
             }
         }
     }
-    let p = match (best, first_err) {
-        (Some(p), _) => p,
-        (None, Some(e)) => return Err(e.into()),
-        (None, None) => {
-            return Err(CoordError::FailedPrecondition(format!(
-                "no placement has its driver among its stages (driver {})",
-                candidates.join(", ")
-            )))
-        }
-    };
+    match (best, first_err) {
+        (Some(p), _) => Ok(p),
+        (None, Some(e)) => Err(e.into()),
+        (None, None) => Err(CoordError::FailedPrecondition(format!(
+            "no placement has its driver among its stages (driver {})",
+            candidates.join(", ")
+        ))),
+    }
+}
+
+/// The stage records of a plan's pipeline.
+fn pipeline_stages(p: &brigade_planner::Plan) -> Result<Vec<StageRecord>, CoordError> {
     let mut stages = Vec::with_capacity(p.stages.len());
     for (i, s) in p.stages.iter().enumerate() {
         let hop_ms = if i + 1 < p.stages.len() { p.hops.get(i).map(|h| h.ms).unwrap_or(0.0) } else { 0.0 };
@@ -269,18 +307,115 @@ fn plan(state: &ClusterState, model: &ModelRecord, req: &PlacementRequest) -> Re
             experts: None,
         });
     }
-    let mut text = p.to_text();
-    for n in notes {
-        text.push_str(&format!("note: {n}\n"));
+    Ok(stages)
+}
+
+/// A mixture of experts placed with its routed experts apart from its layers, for when no
+/// pipeline holds the layers with their experts (a layer's experts bigger than any device, or
+/// spread too unevenly): the planner places the layers without their routed experts, and the
+/// experts are sharded by id, in contiguous ranges, over the CPUs of the nodes that are up by
+/// the memory each has left — the most first. `None` for a model without stacked or per-expert
+/// ranges; an error when the experts do not fit either, with the numbers.
+fn experts_apart(
+    inv: &Inventory,
+    model: &ModelRecord,
+    req: &PlacementRequest,
+) -> Result<Option<Placement>, CoordError> {
+    let Some(moe) = model.profile.moe.as_ref().filter(|_| model.experts > 0) else { return Ok(None) };
+    let all = LayerRange::new(0, model.n_layers)?;
+    let ids = ExpertIds { start: 0, end: model.experts as u32 };
+    let total = expert_bytes(model, all, ids);
+    if total == 0 {
+        return Ok(None);
     }
-    Ok(Placement {
+    let mut dense = model.profile.clone();
+    for (l, b) in dense.layer_bytes.iter_mut().enumerate() {
+        *b = b.saturating_sub(moe.expert_bytes.get(l).copied().unwrap_or(0));
+    }
+    dense.moe = None;
+    let p = best_plan(inv, &dense, req)?;
+    // each CPU's memory left after the pipeline's stages
+    let pol = Policy { driver: Some(p.driver.clone()), ..policy(req) };
+    let problem = Problem::new(inv, &dense, &pol, p.ctx)?;
+    let mut left: Vec<(String, String, u64)> = problem
+        .devs
+        .iter()
+        .filter(|d| d.kind == DeviceKind::Cpu)
+        .map(|d| {
+            let used: u64 =
+                p.stages.iter().filter(|s| s.node == d.node_name && s.device == d.name).map(|s| s.memory_bytes).sum();
+            (d.node_name.clone(), d.name.clone(), d.budget.saturating_sub(used))
+        })
+        .collect();
+    left.sort_by(|a, b| b.2.cmp(&a.2).then_with(|| a.0.cmp(&b.0)));
+    let per_expert = total.div_ceil(model.experts as u64);
+    let mut expert_stages = Vec::new();
+    let mut next = 0u32;
+    for (node, device, room) in &left {
+        let n = (room / per_expert.max(1)).min(u64::from(ids.end - next)) as u32;
+        if n == 0 {
+            continue;
+        }
+        let held = ExpertIds { start: next, end: next + n };
+        expert_stages.push(StageRecord {
+            node: node.clone(),
+            device: device.clone(),
+            layers: all,
+            state: StageState::Pending,
+            weight_bytes: expert_bytes(model, all, held),
+            kv_bytes: 0,
+            fetched_bytes: 0,
+            predicted_s: 0.0,
+            experts: Some(held),
+        });
+        next += n;
+        if next == ids.end {
+            break;
+        }
+    }
+    if next < ids.end {
+        let room: u64 = left.iter().map(|x| x.2).sum();
+        return Err(CoordError::FailedPrecondition(format!(
+            "{} does not fit: its layers fit without their routed experts, but the experts need {} bytes ({} each) \
+             and the CPUs have {room} bytes left",
+            model.name, total, per_expert
+        )));
+    }
+    // a decode step calls every expert node in each mixture layer: the slowest round trip from
+    // the layer's stage, a layer at a time
+    let rtt = |a: &str, b: &str| if a == b { 0.0 } else { 2.0 * inv.link(a, b).map_or(0.0, |l| l.latency) };
+    let calls_s: f64 = p
+        .stages
+        .iter()
+        .map(|s| {
+            let worst = expert_stages.iter().map(|e| rtt(&s.node, &e.node)).fold(0.0, f64::max);
+            worst * (s.layers.1 - s.layers.0) as f64
+        })
+        .sum();
+    let mut text = p.to_text();
+    text.push_str(&format!(
+        "the layers do not fit with their routed experts: the experts ({}) apart, sharded by id:\n",
+        brigade_planner::explain::human(total)
+    ));
+    for e in &expert_stages {
+        text.push_str(&format!(
+            "experts {} of every layer on {}/{}  weights {}\n",
+            e.experts.map(|x| x.to_string()).unwrap_or_default(),
+            e.node,
+            e.device,
+            brigade_planner::explain::human(e.weight_bytes)
+        ));
+    }
+    let predicted = p.decode_ms_per_token / 1e3 + calls_s;
+    text.push_str(&format!("predicted decode with the expert calls' round trips: {:.3} ms/token\n", predicted * 1e3));
+    Ok(Some(Placement {
         driver: p.driver.clone(),
-        predicted_decode_s: p.decode_ms_per_token / 1e3,
+        predicted_decode_s: predicted,
         plan_json: serde_json::to_string_pretty(&p).unwrap_or_default(),
         plan_text: text,
-        stages,
-        expert_stages: Vec::new(),
-    })
+        stages: pipeline_stages(&p)?,
+        expert_stages,
+    }))
 }
 
 /// Whether plan `a` beats `b` for the objective (same model and cluster, other drivers).
@@ -589,6 +724,107 @@ mod tests {
             experts: 0,
         };
         (s, model)
+    }
+
+    /// Three CPU nodes of `memory` bytes each, on a LAN, and a 2-layer mixture of 8 experts
+    /// (2 used) of `expert` bytes a layer each, in a GGUF's ranges (one per expert of each
+    /// stacked tensor).
+    fn moe_fleet(memory: u64, expert: u64) -> (ClusterState, ModelRecord) {
+        let (mut s, mut model) = fleet(GIB);
+        for name in ["gw", "e1", "e2"] {
+            let node = NodeRecord {
+                name: name.into(),
+                address: format!("{name}:7071"),
+                devices: vec![device("cpu", DeviceKind::Cpu, memory, 20e9, 3e11)],
+                version: "test".into(),
+                state: NodeState::Up,
+                registered_ms: 1,
+                lowered: Default::default(),
+            };
+            s.apply(Command::RegisterNode { node }).unwrap();
+        }
+        let shape = LlamaShape { layers: 2, hidden: 512, ffn: 1536, heads: 8, kv_heads: 8, vocab: 8000, tied: false };
+        let mut profile = ModelProfile::from_shape("moe", &shape, 16.0, 2);
+        let (experts, tensors) = (8u64, ["ffn_gate_exps", "ffn_up_exps", "ffn_down_exps"]);
+        for b in profile.layer_bytes.iter_mut() {
+            *b += experts * expert;
+        }
+        profile.moe = Some(brigade_core::MoeProfile { expert_bytes: vec![experts * expert; 2], experts: 8, used: 2 });
+        let ranges = (0..2)
+            .flat_map(|l| {
+                tensors.iter().flat_map(move |t| {
+                    (0..experts).map(move |e| brigade_core::cluster::RangeRecord {
+                        file: "moe.gguf".into(),
+                        offset: 0,
+                        length: expert / 3,
+                        sha256: String::new(),
+                        tensor: format!("blk.{l}.{t}.weight#{e}"),
+                    })
+                })
+            })
+            .collect();
+        model = ModelRecord { id: "moe".into(), name: "moe".into(), n_layers: 2, profile, ranges, experts: 8, ..model };
+        (s, model)
+    }
+
+    /// A layer's experts bigger than any node: no pipeline holds the layers with them, so the
+    /// planner places the layers without them and shards the experts over the nodes' memory left;
+    /// the state accepts the placement. When the experts do not fit even so, the error says both.
+    #[test]
+    fn experts_that_fit_no_layer_are_sharded_over_the_nodes() {
+        let (mut s, model) = moe_fleet(GIB, 150 << 20);
+        s.apply(Command::AddModel { model: model.clone() }).unwrap();
+        let plain = brigade_planner::plan(&inventory(&s, &model, false).0, &model.profile, &policy(&request("")));
+        assert!(plain.is_err(), "a 1.2 GiB layer on nodes of 1 GiB");
+        let p = place(&s, &model, &request("")).unwrap();
+        assert!(p.stages.iter().all(|st| st.experts.is_none()));
+        assert!(p.stages.iter().map(|st| st.weight_bytes).sum::<u64>() < 200 << 20, "{}", p.plan_text);
+        let mut next = 0;
+        for e in &p.expert_stages {
+            let ids = e.experts.unwrap();
+            assert_eq!(ids.start, next, "{}", p.plan_text);
+            next = ids.end;
+            assert_eq!(e.layers, LayerRange::new(0, 2).unwrap());
+            assert_eq!(e.weight_bytes, u64::from(ids.end - ids.start) * 2 * (150 << 20) / 3 * 3);
+            let used = e.weight_bytes
+                + p.stages.iter().filter(|st| st.node == e.node).map(|st| st.weight_bytes + st.kv_bytes).sum::<u64>();
+            assert!(used <= GIB * 9 / 10, "{}: {used} bytes\n{}", e.node, p.plan_text);
+        }
+        assert_eq!(next, 8, "every expert placed once: {}", p.plan_text);
+        assert!(p.plan_text.contains("sharded by id"), "{}", p.plan_text);
+        assert!(p.predicted_decode_s > 0.0);
+        let d = brigade_core::cluster::Deployment {
+            name: "moe".into(),
+            model_id: "moe".into(),
+            generation: 0,
+            n_layers: 2,
+            n_ctx: 2048,
+            sessions: 2,
+            objective: "latency".into(),
+            act_dtype: brigade_core::cluster::ActDtype::F32,
+            carrier: brigade_core::cluster::CarrierKind::Quic,
+            driver: p.driver.clone(),
+            stages: p.stages.clone(),
+            expert_stages: p.expert_stages.clone(),
+            predicted_decode_s: p.predicted_decode_s,
+            plan_text: p.plan_text.clone(),
+            created_ms: 1,
+            ubatch: 0,
+            replacements: 0,
+            note: String::new(),
+            by_hand: false,
+        };
+        s.apply(Command::CreateDeployment { deployment: d }).unwrap();
+        // experts of 300 MiB a layer: 4.8 GiB of experts on 2.7 GiB of nodes
+        let (s, model) = moe_fleet(GIB, 300 << 20);
+        let e = place(&s, &model, &request("")).unwrap_err().to_string();
+        assert!(e.contains("with its experts apart") && e.contains("the experts need"), "{e}");
+        // a dense model that does not fit is refused as before
+        let (s, mut dense) = moe_fleet(GIB, 150 << 20);
+        dense.experts = 0;
+        dense.profile.moe = None;
+        let e = place(&s, &dense, &request("")).unwrap_err().to_string();
+        assert!(!e.contains("experts"), "{e}");
     }
 
     fn request(device_map: &str) -> PlacementRequest {
