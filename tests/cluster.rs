@@ -257,6 +257,38 @@ fn experts_held_on_other_nodes_answer_what_run_answers() {
     assert_eq!(names.len(), 3, "{names:?}");
 }
 
+/// A mixture whose layers, each with its experts, fit on none of three small nodes: deployed
+/// without a map, the planner places the layers without their experts and shards the experts over
+/// the memory left, and the answer is `run`'s.
+#[test]
+fn experts_too_big_for_any_node_are_placed_apart() {
+    let mut c = Cluster::new();
+    c.start_coordinator(&[]);
+    for w in ["w1", "w2", "w3"] {
+        c.start_worker(w, &["--memory", "6MiB"]);
+    }
+    c.wait_up(3);
+    let moe = c.path("moe.gguf");
+    let shape = ["--layers", "2", "--hidden", "256", "--ffn", "1024", "--heads", "8", "--kv-heads", "4"];
+    let experts = ["--vocab", "512", "--experts", "8", "--experts-used", "2", "--moe-family", "qwen3moe"];
+    synth(&moe, &[&shape[..], &experts[..], &["--type", "q8_0"]].concat());
+    let m = moe.to_str().unwrap();
+    let d = c.deploy(&["--name", "moe", "-m", m, "--ctx", "256", "--sessions", "1"]);
+    assert_eq!(d["state"], "ready", "{d}");
+    let held = d["expert_stages"].as_array().unwrap();
+    assert!(held.len() >= 2, "{d}");
+    let shards: Vec<(u64, u64)> =
+        held.iter().map(|s| (s["experts"][0].as_u64().unwrap(), s["experts"][1].as_u64().unwrap())).collect();
+    assert_eq!(shards.first().map(|x| x.0), Some(0), "{shards:?}");
+    assert!(shards.windows(2).all(|w| w[0].1 == w[1].0) && shards.last().map(|x| x.1) == Some(8), "{shards:?}");
+    assert!(d["plan"].as_str().unwrap().contains("sharded by id"), "{d}");
+    for p in PROMPTS {
+        let (prompt_ids, want) = run_ids(Some(&moe), p, 16);
+        let got = c.generate("moe", p, 16);
+        assert_eq!((ids(&got["prompt_ids"]), ids(&got["generated_ids"])), (prompt_ids, want), "{p}");
+    }
+}
+
 /// Speculative decoding through three workers (each drives its sessions with `--spec-type
 /// ngram-simple`): a drawn id and its draft go round the ring once, the last stage draws along
 /// the rows and the stages drop what it did not take. The stories model and Gemma 3 (sliding
