@@ -42,6 +42,11 @@ fn pct(v: &mut [f64], p: f64) -> f64 {
 
 /// A group of three, three workers, the model placed across the workers by hand.
 fn cluster(model: &std::path::Path) -> Cluster {
+    cluster_with(model, "w1:cpu:2,w2:cpu:2,w3:cpu:2")
+}
+
+/// [`cluster`] with the model placed by `map`.
+fn cluster_with(model: &std::path::Path, map: &str) -> Cluster {
     let mut c = Cluster::new();
     c.start_group(3);
     c.wait_leader(Duration::from_secs(30));
@@ -49,16 +54,7 @@ fn cluster(model: &std::path::Path) -> Cluster {
         c.start_worker(w, &[]);
     }
     c.wait_up(3);
-    let d = c.deploy(&[
-        "--name",
-        "m",
-        "-m",
-        model.to_str().unwrap(),
-        "--device-map",
-        "w1:cpu:2,w2:cpu:2,w3:cpu:2",
-        "--ctx",
-        "256",
-    ]);
+    let d = c.deploy(&["--name", "m", "-m", model.to_str().unwrap(), "--device-map", map, "--ctx", "256"]);
     assert_eq!(d["state"], "ready");
     c
 }
@@ -681,17 +677,7 @@ fn an_expert_node_dies_mid_generation_and_its_experts_move() {
     let mut gaps = Vec::new();
     let n = runs().min(2);
     for run in 0..n {
-        let mut c = Cluster::new();
-        c.start_group(3);
-        c.wait_leader(Duration::from_secs(30));
-        for w in ["w1", "w2", "w3"] {
-            c.start_worker(w, &[]);
-        }
-        c.wait_up(3);
-        let m = model.to_str().unwrap();
-        let map = "w1:cpu:4,w2:cpu:experts=0..4,w3:cpu:experts=4..8";
-        let d = c.deploy(&["--name", "m", "-m", m, "--device-map", map, "--ctx", "256"]);
-        assert_eq!(d["state"], "ready", "{d}");
+        let mut c = cluster_with(&model, "w1:cpu:4,w2:cpu:experts=0..4,w3:cpu:experts=4..8");
         let victim = ["w3", "w2"][run % 2];
         let pid = c.worker(victim).child.id();
         let kill_at = [30, 60][run % 2];

@@ -290,6 +290,22 @@ fn best_plan(
     }
 }
 
+/// The plan text's line for each expert stage.
+fn expert_lines(expert_stages: &[StageRecord]) -> String {
+    expert_stages
+        .iter()
+        .map(|e| {
+            format!(
+                "experts {} of every layer on {}/{}  weights {}\n",
+                e.experts.map(|x| x.to_string()).unwrap_or_default(),
+                e.node,
+                e.device,
+                brigade_planner::explain::human(e.weight_bytes)
+            )
+        })
+        .collect()
+}
+
 /// The stage records of a plan's pipeline.
 fn pipeline_stages(p: &brigade_planner::Plan) -> Result<Vec<StageRecord>, CoordError> {
     let mut stages = Vec::with_capacity(p.stages.len());
@@ -397,15 +413,7 @@ fn experts_apart(
         "the layers do not fit with their routed experts: the experts ({}) apart, sharded by id:\n",
         brigade_planner::explain::human(total)
     ));
-    for e in &expert_stages {
-        text.push_str(&format!(
-            "experts {} of every layer on {}/{}  weights {}\n",
-            e.experts.map(|x| x.to_string()).unwrap_or_default(),
-            e.node,
-            e.device,
-            brigade_planner::explain::human(e.weight_bytes)
-        ));
-    }
+    text.push_str(&expert_lines(&expert_stages));
     let predicted = p.decode_ms_per_token / 1e3 + calls_s;
     text.push_str(&format!("predicted decode with the expert calls' round trips: {:.3} ms/token\n", predicted * 1e3));
     Ok(Some(Placement {
@@ -595,15 +603,7 @@ fn by_hand(state: &ClusterState, model: &ModelRecord, req: &PlacementRequest) ->
         predicted * 1e3,
         1.0 / predicted.max(1e-12)
     ));
-    for s in &expert_stages {
-        text.push_str(&format!(
-            "experts {} of every layer on {}/{}  weights {}\n",
-            s.experts.map(|e| e.to_string()).unwrap_or_default(),
-            s.node,
-            s.device,
-            brigade_planner::explain::human(s.weight_bytes)
-        ));
-    }
+    text.push_str(&expert_lines(&expert_stages));
     for n in notes {
         text.push_str(&format!("note: {n}\n"));
     }
