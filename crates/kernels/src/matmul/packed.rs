@@ -1206,10 +1206,6 @@ unsafe fn rows_of<S: Simd, const V: usize, const H: usize, const R: usize>(
     }
 }
 
-/// `dst[m, n] = lhs[m, k] @ w[n, k]ᵀ` on the instruction set `s`.
-///
-/// # Safety
-/// `lhs` holds `m · k` values, `dst` `m · n`.
 /// Several matmuls by packed weights in one dispatch of the thread pool: job `j` is
 /// `jobs[j].lhs (m × k) @ jobs[j].w ᵀ` into `jobs[j].dst`, each column block of each job a unit
 /// of work, so small matmuls (a token's experts) share one barrier instead of one each. Every
@@ -1256,10 +1252,15 @@ pub unsafe fn matmul_group<S: Simd>(s: S, jobs: &mut [super::PackedJob<'_>]) {
     })
 }
 
-pub unsafe fn matmul<S: Simd>(s: S, w: &Packed, m: usize, lhs: &[f32], dst: &mut [f32]) {
-    let (n, k) = (w.n, w.k);
-    debug_assert!(lhs.len() == m * k && dst.len() == m * n);
-    let out = Out { ptr: dst.as_mut_ptr() as usize, m, n };
+/// `out[m, n] = lhs[m, k] @ w[n, k]ᵀ` on the instruction set `s`. Every one of the `m · n`
+/// values is stored (never read nor added to), so `out` may be memory not yet initialized.
+///
+/// # Safety
+/// `lhs` holds `m · k` values; `out` is `m × n` (`w.n`) writable values no one else touches
+/// meanwhile.
+pub unsafe fn matmul<S: Simd>(s: S, w: &Packed, m: usize, lhs: &[f32], out: Out) {
+    let k = w.k;
+    debug_assert!(lhs.len() == m * k && out.m == m && out.n == w.n);
     let run = |x: Acts<'_>| {
         candle_core::utils::barrier_pool().execute_chunked(w.blocks(), |blocks| {
             for cb in blocks {

@@ -375,7 +375,8 @@ impl Target {
             // SAFETY: the token checks the instructions; the lengths are the test's
             Target::Avx512Ymm => unsafe {
                 assert!(lhs.len() == m * w.shape().1 && dst.len() == m * w.shape().0);
-                packed::matmul(simd::Ymm::<{ simd::AVX512_YMM }>::new().unwrap(), w, m, lhs, dst)
+                let out = tiles::Out { ptr: dst.as_mut_ptr() as usize, m, n: w.shape().0 };
+                packed::matmul(simd::Ymm::<{ simd::AVX512_YMM }>::new().unwrap(), w, m, lhs, out)
             },
         }
     }
@@ -443,6 +444,11 @@ fn packed_rows_are_computed_as_alone() {
                 t.matmul_packed(&p, m, &lhs[..m * k], &mut got);
                 for (r, want) in alone.iter().take(m).enumerate() {
                     assert_eq!(bits(&got[r * n..(r + 1) * n]), bits(want), "{dt:?} row {r} of {m} on {}", t.name());
+                }
+                // into a vector never zeroed: the same values (every one stored; `got` began NaN)
+                if let Target::Isa(i) = t {
+                    let new = matmul_packed_new(&p, m, &lhs[..m * k], i).unwrap();
+                    assert_eq!(bits(&new), bits(&got), "{dt:?} {m} rows into a new vector on {}", t.name());
                 }
             }
         }
@@ -524,9 +530,13 @@ fn packed_q8_0_minus_128_and_checks() {
         assert!(matches!(r, Err(KernelError::Shape { len: 2, want: 3, .. })), "{r:?}");
         let r = matmul_packed(&p, 1, &lhs[1..], &mut [0.0; 3], isa);
         assert!(matches!(r, Err(KernelError::Shape { len: 63, want: 64, .. })), "{r:?}");
+        let r = matmul_packed_new(&p, 1, &lhs[1..], isa);
+        assert!(matches!(r, Err(KernelError::Shape { len: 63, want: 64, .. })), "{r:?}");
     }
     for isa in Isa::ALL.into_iter().filter(|i| !i.available() || *i == Isa::Portable) {
         let r = matmul_packed(&p, 1, &lhs, &mut [0.0; 3], isa);
+        assert!(matches!(r, Err(KernelError::Unavailable(_))), "{isa:?}: {r:?}");
+        let r = matmul_packed_new(&p, 1, &lhs, isa);
         assert!(matches!(r, Err(KernelError::Unavailable(_))), "{isa:?}: {r:?}");
     }
     let r = Packed::new(GgmlDType::Q8_0, &w[..w.len() - 1], (n, k));
