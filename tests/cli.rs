@@ -401,7 +401,23 @@ fn bench_runs_every_test_at_every_depth() {
 
 #[test]
 fn bench_sweeps_thread_counts_in_child_processes() {
-    let j = ok_json(&["bench", "-p", "8", "-n", "4", "-r", "1", "-t", "1,2", "-o", "json", "--measure", "quick"]);
+    // (`--no-warmup` is handed to each child too: a child that refused it would fail the run)
+    let j = ok_json(&[
+        "bench",
+        "-p",
+        "8",
+        "-n",
+        "4",
+        "-r",
+        "1",
+        "-t",
+        "1,2",
+        "-o",
+        "json",
+        "--measure",
+        "quick",
+        "--no-warmup",
+    ]);
     let rows = j["rows"].as_array().unwrap();
     let threads: Vec<u64> = rows.iter().map(|r| r["threads"].as_u64().unwrap()).collect();
     assert_eq!(threads, [1, 1, 2, 2]);

@@ -54,6 +54,11 @@ pub struct BenchArgs {
     /// Skip the memory bandwidth probe (and the bound it gives).
     #[arg(long = "no-bandwidth")]
     pub no_bandwidth: bool,
+    /// Skip the untimed run of each prompt test before its repetitions (llama-bench's
+    /// `--no-warmup`): without it the first repetition also pays for first use (buffers' pages,
+    /// the AMX tile state).
+    #[arg(long = "no-warmup")]
+    pub no_warmup: bool,
     /// How this machine is measured for the predictions the first time (cached after): `full`
     /// or `quick`.
     #[arg(long = "measure", default_value = "full")]
@@ -143,6 +148,9 @@ fn sweep(a: &BenchArgs) -> Result<BenchOut> {
         args.extend(["--measure".into(), format!("{:?}", a.measure).to_lowercase().into()]);
         if a.no_bandwidth {
             args.push("--no-bandwidth".into());
+        }
+        if a.no_warmup {
+            args.push("--no-warmup".into());
         }
         let out = std::process::Command::new(&exe)
             .args(&args)
@@ -380,9 +388,15 @@ fn warm_up(
     Ok((Some(predicted), Some(measured)))
 }
 
-/// Prompt tokens per second of each repetition of a `p`-token prefill (a fresh session each).
+/// Prompt tokens per second of each repetition of a `p`-token prefill (a fresh session each),
+/// after one untimed run of it as llama-bench warms up (unless `--no-warmup`).
 fn time_prompt(s: &Setup, pipeline: &Pipeline, p: usize, depth: usize) -> Result<Vec<f64>> {
     let prompt: Vec<u32> = (depth..depth + p).map(|i| token(s.files.config.vocab, i)).collect();
+    if !s.args.no_warmup {
+        let mut session = at_depth(s, pipeline, depth)?;
+        pipeline.prefill(&mut session, &prompt, 512)?;
+        s.accelerators.synchronize();
+    }
     let mut samples = Vec::with_capacity(s.args.reps);
     for _ in 0..s.args.reps {
         let mut session = at_depth(s, pipeline, depth)?;
