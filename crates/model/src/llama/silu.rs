@@ -4,13 +4,10 @@
 //! prompt path (this op) and the fused decode step (`fused`, the same [`silu_mul`]) give the same
 //! numbers for a row.
 
+use brigade_kernels::vector::{gated_rows, Width};
 pub(super) use brigade_kernels::vector::{gelu_mul, silu_mul};
-use brigade_kernels::vector::{gelu_mul_on, silu_mul_on, Width};
 use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, CustomOp2, Layout, Shape};
-
-/// Values below which the op runs on the calling thread (a decode step's row).
-const SERIAL_BELOW: usize = 1 << 16;
 
 /// `SiLU(gate) · up`, or with `gelu` `GeLU(gate) · up`, of two tensors of one
 /// shape (the halves of a stacked gate/up output may be strided views: each is read as its runs
@@ -64,17 +61,10 @@ impl CustomOp2 for GatedMul {
                 .collect())
         };
         let (rg, ru) = (rows(lg)?, rows(lu)?);
-        let mut out = vec![0f32; n];
-        let w = Width::detect();
-        let f = if self.gelu { gelu_mul_on } else { silu_mul_on };
-        let work = |r: usize, o: &mut [f32]| f(w, &g[rg[r]..][..cols], &u[ru[r]..][..cols], o);
-        if n < SERIAL_BELOW {
-            for (r, o) in out.chunks_mut(cols.max(1)).enumerate() {
-                work(r, o);
-            }
-        } else {
-            crate::threads::par_units(out.chunks_mut(cols.max(1)).enumerate().collect(), |(r, o)| work(*r, o));
-        }
+        // every row's start lies inside its storage with `cols` values after it (the layouts are
+        // the tensors' own), so `gated_rows` gets whole rows
+        let (g, u) = (&g[..], &u[..]);
+        let out = gated_rows(Width::detect(), self.gelu, rg.len(), cols, |r| (&g[rg[r]..], &u[ru[r]..]));
         Ok((CpuStorage::F32(out), lg.shape().clone()))
     }
 }
@@ -83,6 +73,7 @@ impl CustomOp2 for GatedMul {
 #[allow(clippy::unwrap_used)]
 mod tests {
     use super::*;
+    use brigade_kernels::vector::{gelu_mul_on, silu_mul_on};
     use candle_core::{Device, Tensor};
 
     type BodyOn = fn(Width, &[f32], &[f32], &mut [f32]);
