@@ -249,16 +249,17 @@ pub fn gated_rows<'a>(
     row: impl Fn(usize) -> (&'a [f32], &'a [f32]) + Sync,
 ) -> Vec<f32> {
     let n = rows.checked_mul(cols).expect("gated rows' size overflows usize");
-    for r in 0..rows {
-        let (g, u) = row(r);
-        assert!(g.len() >= cols && u.len() >= cols, "gated row {r}: {} and {} values for {cols}", g.len(), u.len());
-    }
+    // each row's gate and up cut to `cols` once: the lengths the loops below store by
+    let pairs: Vec<(&[f32], &[f32])> = (0..rows)
+        .map(|r| {
+            let (g, u) = row(r);
+            assert!(g.len() >= cols && u.len() >= cols, "gated row {r}: {} and {} values for {cols}", g.len(), u.len());
+            (&g[..cols], &u[..cols])
+        })
+        .collect();
     let mut out = Vec::with_capacity(n);
     let f = if gelu { gelu_mul_uninit_on } else { silu_mul_uninit_on };
-    let work = |r: usize, o: &mut [std::mem::MaybeUninit<f32>]| {
-        let (g, u) = row(r);
-        f(on, &g[..cols], &u[..cols], o)
-    };
+    let work = |r: usize, o: &mut [std::mem::MaybeUninit<f32>]| f(on, pairs[r].0, pairs[r].1, o);
     if cols > 0 {
         let spare = &mut out.spare_capacity_mut()[..n];
         if n < SERIAL_BELOW {
@@ -269,8 +270,8 @@ pub fn gated_rows<'a>(
             crate::threads::par_units(spare.chunks_mut(cols).enumerate().collect(), |(r, o)| work(*r, o));
         }
     }
-    // SAFETY: every row's gate and up hold `cols` values (checked above), so each row's loop
-    // stored all `cols` of its outputs, and the rows cover the `n` values
+    // SAFETY: every row's gate and up are `cols` values (cut above), so each row's loop stored
+    // all `cols` of its outputs, and the rows cover the `n` values
     unsafe { out.set_len(n) };
     out
 }

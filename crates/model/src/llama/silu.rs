@@ -63,7 +63,6 @@ impl CustomOp2 for GatedMul {
         let (rg, ru) = (rows(lg)?, rows(lu)?);
         // every row's start lies inside its storage with `cols` values after it (the layouts are
         // the tensors' own), so `gated_rows` gets whole rows
-        let (g, u) = (&g[..], &u[..]);
         let out = gated_rows(Width::detect(), self.gelu, rg.len(), cols, |r| (&g[rg[r]..], &u[ru[r]..]));
         Ok((CpuStorage::F32(out), lg.shape().clone()))
     }
