@@ -518,7 +518,15 @@ fn qwen2_moe_matches_transformers_and_llama_cpp() {
 /// itself either: with its repacked kernels (llama-server's default) instead of the `--no-repack`
 /// vec-dots these references were made with, its ids part from them at steps 40/7/40 (Mixtral),
 /// 25/0/40 (Qwen2-MoE) and 40/30/40 (OLMoE), and 9/40/17 on the dense Qwen3 (b11434, Intel Xeon,
-/// `scripts/llama-cpp-self-agreement.py`; Qwen3-MoE's agree).
+/// `scripts/llama-cpp-self-agreement.py`; Qwen3-MoE's agree). Where brigade parts from
+/// Qwen3-MoE's (2026-12-07): prompt 2's step 1 is a token near-tie (llama.cpp's best two 0.065
+/// apart in log-probability); at prompt 0's step 9 layer 1's router has its second and third
+/// experts 0.2196 and 0.2165 apart (0.014 in logits), and brigade's next distribution jumps
+/// there (|Δ log p| 0.5–1.4 against 0.02–0.13 at the steps around it): an expert flip. That
+/// flip stays when brigade quantizes its activations exactly as ggml's x86 code does (`127/a`
+/// multipliers, Q8_0 scales in f16); the engines' mean distance stays the same (Qwen3 0.065,
+/// Phi-3 0.090), so the 8-bit rounding of each engine's own float order is the noise, which
+/// llama.cpp's two kernel paths show on each other too.
 #[test]
 fn moe_q4_k_m_matches_llama_cpp() {
     for (family, n) in
