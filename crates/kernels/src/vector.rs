@@ -504,8 +504,8 @@ unsafe fn dots8_ymm(q: &[f32], keys: &[f32]) -> [f32; 8] {
             for c in (0..full).step_by(16) {
                 let (x0, x1) = (_mm256_loadu_ps(q.as_ptr().add(c)), _mm256_loadu_ps(q.as_ptr().add(c + 8)));
                 let (y0, y1) = (_mm256_loadu_ps(key.add(c)), _mm256_loadu_ps(key.add(c + 8)));
-                lo[j] = _mm256_add_ps(lo[j], _mm256_mul_ps(x0, y0));
-                hi[j] = _mm256_add_ps(hi[j], _mm256_mul_ps(x1, y1));
+                lo[j] = _mm256_fmadd_ps(x0, y0, lo[j]);
+                hi[j] = _mm256_fmadd_ps(x1, y1, hi[j]);
             }
         }
         let (lo, hi) = (transpose(lo), transpose(hi));
@@ -521,7 +521,7 @@ unsafe fn dots8_ymm(q: &[f32], keys: &[f32]) -> [f32; 8] {
 }
 
 /// [`dot`] of `q` with each of the 16 rows of `keys`, bit for bit, on AVX-512: each key's 16
-/// lane sums are `dot`'s (a product added per 16 dimensions, in order), then the 16 keys' lane
+/// lane sums are `dot`'s (a fused multiply-add per 16 dimensions, in order), then the 16 keys' lane
 /// vectors are transposed so that lane `l` of every key is one vector, and the keys' sums are
 /// 15 vector adds in `dot`'s order (lane 0, then 1, …) — where `dot` adds each key's lanes in a
 /// chain of shuffles and scalar adds, which was most of the attention's time.
@@ -543,8 +543,8 @@ unsafe fn dots16_zmm(q: &[f32], keys: &[f32]) -> [f32; 16] {
             for c in (0..full).step_by(16) {
                 let x = _mm512_loadu_ps(q.as_ptr().add(c));
                 let y = _mm512_loadu_ps(key.add(c));
-                // a product, then a sum: `dot`'s two roundings, not one fused
-                *r = _mm512_add_ps(*r, _mm512_mul_ps(x, y));
+                // fused, as `dot`'s `mul_add`
+                *r = _mm512_fmadd_ps(x, y, *r);
             }
         }
         // the transpose: t[l] holds lane l of keys 0..16, key j in lane j
@@ -643,14 +643,14 @@ fn head_body<S: Scores>(
             let mut acc = [0f32; 64];
             for (&wj, value) in wr.iter().zip(values.chunks_exact(hd)) {
                 for (a, x) in acc.iter_mut().zip(&value[d0..d0 + 64]) {
-                    *a += wj * x;
+                    *a = wj.mul_add(*x, *a);
                 }
             }
             o[d0..d0 + 64].copy_from_slice(&acc);
         }
         for (&wj, value) in wr.iter().zip(values.chunks_exact(hd)) {
             for (o, x) in o[wide..].iter_mut().zip(&value[wide..]) {
-                *o += wj * x;
+                *o = wj.mul_add(*x, *o);
             }
         }
     }
@@ -673,7 +673,8 @@ fn max_of(xs: &[f32]) -> f32 {
     m.iter().copied().fold(tail, f32::max)
 }
 
-/// `Σ a·b` in 16 lanes (what one zmm or two ymm registers hold), then the lanes added.
+/// `Σ a·b` in 16 lanes (what one zmm or two ymm registers hold), each product added fused
+/// (`mul_add`: one rounding, one instruction where the CPU has FMA), then the lanes added.
 #[inline(always)]
 fn dot(a: &[f32], b: &[f32]) -> f32 {
     let mut acc = [0f32; 16];
@@ -681,7 +682,7 @@ fn dot(a: &[f32], b: &[f32]) -> f32 {
     let tail: f32 = ac.remainder().iter().zip(bc.remainder()).map(|(x, y)| x * y).sum();
     for (x, y) in ac.zip(bc) {
         for l in 0..16 {
-            acc[l] += x[l] * y[l];
+            acc[l] = x[l].mul_add(y[l], acc[l]);
         }
     }
     acc.iter().sum::<f32>() + tail
@@ -741,7 +742,7 @@ mod tests {
         for (j, value) in values.chunks_exact(hd).enumerate() {
             for (r, o) in out.chunks_exact_mut(hd).enumerate() {
                 for (o, x) in o.iter_mut().zip(value) {
-                    *o += w[r * seen + j] * x;
+                    *o = w[r * seen + j].mul_add(*x, *o);
                 }
             }
         }
