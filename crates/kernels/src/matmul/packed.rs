@@ -1126,7 +1126,8 @@ unsafe fn tile<S: Simd, const V: usize, const H: usize, const R: usize, const T:
     r0: usize,
 ) -> [[[[S::F; V]; R]; H]; T] {
     let bpr = w.bpr();
-    // the first tile of a column block reads each record from memory; the others find it in L1
+    // the tiles from row 0 read each record from memory (the first of them asking ahead);
+    // the others find it in cache
     let fetch = r0 == 0 && fetches();
     // SAFETY: the caller's contract
     unsafe {
@@ -1232,7 +1233,8 @@ unsafe fn rows_of<S: Simd, const V: usize, const H: usize, const R: usize>(
             put(s, b, r0 + R, c0, out);
             r0 += 2 * R;
         }
-        while r0 + R <= out.m {
+        // fewer than two tiles' rows are left: one whole tile at most
+        if r0 + R <= out.m {
             let [t] = tile::<S, V, H, R, 1>(s, w, p, x, r0);
             put(s, t, r0, c0, out);
             r0 += R;
