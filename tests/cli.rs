@@ -757,3 +757,93 @@ fn prefetch_modes_give_the_same_tokens() {
         }
     }
 }
+
+/// Split layers (llama.cpp's `--cpu-moe` / `--n-cpu-moe N`) on a random-weight mixture: the
+/// same greedy ids as whole layers, each stage's experts in RAM as predicted; `bench` rows per
+/// split; `plan` searching the split on a one-box cluster, in text, JSON and SVG; a dense model
+/// refuses the flags.
+#[test]
+fn split_layers_keep_the_tokens_and_show_in_plan_and_bench() {
+    let dir = tempfile::tempdir().unwrap();
+    let m = dir.path().join("moe.gguf");
+    let mp = m.to_str().unwrap();
+    let shape = "--type q4_k --seed 5 --layers 4 --hidden 256 --ffn 256 --heads 4 --kv-heads 2 --vocab 512 \
+                 --experts 8 --experts-used 2 --moe-family qwen3moe";
+    let out = brigade(&[&["synth", "-o", mp][..], &shape.split_whitespace().collect::<Vec<_>>()].concat());
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let run = |extra: &[&str]| {
+        let mut a = vec!["run", "-m", mp, "-p", "Once upon a time", "-n", "24", "--temp", "0", "--json"];
+        a.extend_from_slice(extra);
+        ok_json(&a)
+    };
+    let whole = run(&[]);
+    let want = ids(&whole["generated_ids"]);
+    assert_eq!(want.len(), 24);
+    for extra in [&["--n-cpu-moe", "2"][..], &["--cpu-moe"], &["--cpu-moe", "--device-map", "cpu:1,cpu:3"]] {
+        let j = run(extra);
+        assert_eq!(ids(&j["generated_ids"]), want, "{extra:?}");
+        for d in j["devices"].as_array().unwrap() {
+            let (held, predicted) =
+                (d["host_expert_bytes"].as_u64().unwrap(), d["predicted_host_expert_bytes"].as_u64().unwrap());
+            assert_eq!(held, predicted, "{extra:?}: {d}");
+            assert!(held > 0, "{extra:?}: {d}");
+        }
+    }
+    expect_error(&["run", "-n", "2", "--n-cpu-moe", "1"], "no experts");
+    // bench: a row set per split, the split in the table
+    let bench = "bench -p 16 -n 4 -r 1 -o json --no-bandwidth --measure quick --n-cpu-moe 0,2,all";
+    let words = |s: &'static str| s.split_whitespace().collect::<Vec<&str>>();
+    let j = ok_json(&[&words(bench)[..], &["-m", mp]].concat());
+    let splits: Vec<u64> = j["rows"].as_array().unwrap().iter().map(|r| r["n_cpu_moe"].as_u64().unwrap()).collect();
+    assert_eq!(splits, [0, 0, 2, 2, 4, 4]);
+    let md = brigade(
+        &[&words("bench -p 0 -n 4 -r 1 --no-bandwidth --measure quick --n-cpu-moe 3")[..], &["-m", mp]].concat(),
+    );
+    let md = String::from_utf8(md.stdout).unwrap();
+    assert!(md.contains("n-cpu-moe 3 | tg4 |") && md.contains(" in RAM |"), "{md}");
+    // plan: Qwen3-30B-A3B at Q8_0 (32 GB) on a 24 GB GPU and 64 GB of RAM
+    let c = clusters().join("single-box.toml");
+    let svg = dir.path().join("moe.svg");
+    let args = [
+        "plan",
+        "--shape",
+        "qwen3-30b-a3b",
+        "--quant",
+        "q8_0",
+        "--cluster",
+        c.to_str().unwrap(),
+        "--json",
+        "--svg",
+        svg.to_str().unwrap(),
+    ];
+    let j = ok_json(&args);
+    let n = j["cpu_moe"].as_u64().unwrap();
+    assert!(n > 0 && n < 48, "{j}");
+    let gpu = j["stages"].as_array().unwrap().iter().find(|s| s["device"] == "cuda0").unwrap();
+    assert_eq!(gpu["host_layers"][1].as_u64(), Some(n), "{gpu}");
+    assert!(gpu["host_expert_bytes"].as_u64().unwrap() > 0);
+    assert_eq!(j["host_device"], "box/cpu");
+    let whole = j["rejected"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|r| r["alternative"].as_str().unwrap().starts_with("whole layers"));
+    let whole_rate = whole.and_then(|r| r["tokens_per_s"].as_f64()).unwrap();
+    assert!(j["tokens_per_s"].as_f64().unwrap() > whole_rate, "{j}");
+    assert!(std::fs::read_to_string(&svg).unwrap().contains("in RAM"));
+    let text = String::from_utf8(brigade(&args[..7]).stdout).unwrap();
+    assert!(text.contains(&format!("split layers (--n-cpu-moe {n})")), "{text}");
+    // a fixed split, every layer
+    let j = ok_json(&[&args[..8], &["--cpu-moe"][..]].concat());
+    assert_eq!(j["cpu_moe"], 48);
+    // a dense shape, or a cluster of several nodes, refuses a split
+    expect_error(
+        &["plan", "--shape", "llama-8b", "--quant", "q4_k", "--cluster", c.to_str().unwrap(), "--n-cpu-moe", "4"],
+        "has no experts",
+    );
+    let two = clusters().join("gateway-edges.toml");
+    expect_error(
+        &["plan", "--shape", "qwen3-30b-a3b", "--quant", "q8_0", "--cluster", two.to_str().unwrap(), "--cpu-moe"],
+        "one node",
+    );
+}

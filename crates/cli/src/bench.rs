@@ -7,7 +7,7 @@
 //! merged here. Reporting is in `bench_report`.
 
 use crate::bench_report::{BandwidthAt, BenchOut, DeviceBytes, Knee, OutFormat, Row};
-use crate::common::{detect_gpus, gpu_free, open_model, place, GpuLayers};
+use crate::common::{detect_gpus, gpu_free, open_model, place, GpuLayers, MoeLayers};
 use crate::machine::{predict, Machine};
 use anyhow::{bail, Context, Result};
 use brigade_core::{DeviceId, Inventory, ModelProfile, Stage};
@@ -48,6 +48,11 @@ pub struct BenchArgs {
     /// Share of free GPU memory `auto` leaves unused.
     #[arg(long = "headroom", default_value_t = 0.10)]
     pub headroom: f64,
+    /// Split layers to sweep with each `-ngl`, comma separated: the routed experts of the first
+    /// N layers in RAM, computed by the CPU (`all`: llama.cpp's `--cpu-moe`). Default: none, or
+    /// with `-ngl auto` what the planner chooses.
+    #[arg(long = "n-cpu-moe", value_delimiter = ',')]
+    pub n_cpu_moe: Vec<MoeLayers>,
     /// Output format.
     #[arg(short = 'o', long = "output", value_enum, default_value_t = OutFormat::Md)]
     pub output: OutFormat,
@@ -145,6 +150,9 @@ fn sweep(a: &BenchArgs) -> Result<BenchOut> {
         args.extend(["-r".into(), a.reps.to_string().into()]);
         args.extend(["--n-gpu-layers".into(), join(a.ngl.iter().map(|g| g.to_string()).collect())]);
         args.extend(["--headroom".into(), a.headroom.to_string().into()]);
+        if !a.n_cpu_moe.is_empty() {
+            args.extend(["--n-cpu-moe".into(), join(a.n_cpu_moe.iter().map(|n| n.to_string()).collect())]);
+        }
         args.extend(["--measure".into(), format!("{:?}", a.measure).to_lowercase().into()]);
         if a.no_bandwidth {
             args.push("--no-bandwidth".into());
@@ -210,8 +218,14 @@ fn bench_here(a: &BenchArgs) -> Result<BenchOut> {
     let setup = Setup { files: &files, args: a, threads, gpus, n_ctx, accelerators, bandwidth, gpu_bandwidth, machine };
     let rows = brigade_model::threads::with_compute_pool(|| -> Result<Vec<Row>> {
         let mut rows = Vec::new();
+        let splits: Vec<Option<usize>> = match a.n_cpu_moe.is_empty() {
+            true => vec![None],
+            false => a.n_cpu_moe.iter().map(|n| Some(n.0)).collect(),
+        };
         for &ngl in &a.ngl {
-            rows.extend(bench_placement(&setup, ngl)?);
+            for &n in &splits {
+                rows.extend(bench_placement(&setup, ngl, n)?);
+            }
         }
         Ok(rows)
     })?;
@@ -222,7 +236,8 @@ fn bench_here(a: &BenchArgs) -> Result<BenchOut> {
         cpu: brigade_model::devices::cpu_info().name,
         bandwidth: bandwidth.map(|b| BandwidthAt { threads, bytes_per_s: b }).into_iter().collect(),
         gpu_bandwidth_bytes_per_s: gpu_bandwidth,
-        knees: knees(&rows, a.ngl.len()),
+        // (the knee of an -ngl sweep: with split layers swept too, rows of one -ngl differ)
+        knees: if a.n_cpu_moe.len() > 1 { Vec::new() } else { knees(&rows, a.ngl.len()) },
         rows,
         notes,
     })
@@ -270,12 +285,13 @@ fn token(vocab: usize, i: usize) -> u32 {
     ((i as u32).wrapping_mul(2_654_435_761) >> 7) % (vocab.max(1) as u32)
 }
 
-/// Loads one `-ngl` placement and times its prompt and generation tests.
-fn bench_placement(s: &Setup, ngl: GpuLayers) -> Result<Vec<Row>> {
+/// Loads one `-ngl` placement (with the experts of the first `cpu_moe` layers in RAM) and
+/// times its prompt and generation tests.
+fn bench_placement(s: &Setup, ngl: GpuLayers, cpu_moe: Option<usize>) -> Result<Vec<Row>> {
     let (files, a) = (s.files, s.args);
     s.accelerators.synchronize();
     let free_before = gpu_free();
-    let placement = place(files, Some(ngl), None, s.n_ctx, a.headroom, &s.gpus, || {
+    let placement = place(files, Some(ngl), None, cpu_moe, s.n_ctx, a.headroom, &s.gpus, || {
         s.machine.as_ref().map(|m| m.0.clone()).context("-ngl auto needs this machine's figures")
     })?;
     if let Some(n) = &placement.notice {
@@ -284,20 +300,26 @@ fn bench_placement(s: &Setup, ngl: GpuLayers) -> Result<Vec<Row>> {
     let stages = &placement.stages;
     let n_gpu: usize = stages.iter().filter(|s| s.device != DeviceId::Cpu).map(|s| s.layers.len()).sum();
     let t0 = Instant::now();
-    let pipeline =
-        Pipeline::load(files, stages, s.n_ctx, |_, _| {}).with_context(|| format!("loading for -ngl {ngl}"))?;
+    let split = placement.cpu_moe;
+    let pipeline = Pipeline::load_cpu_moe(files, stages, s.n_ctx, split, |_, _| {})
+        .with_context(|| format!("loading for -ngl {ngl} --n-cpu-moe {split}"))?;
     let load_ms = t0.elapsed().as_secs_f64() * 1e3;
     let devices: Vec<DeviceBytes> = pipeline
         .report()
         .iter()
-        .map(|r| DeviceBytes { name: r.device.to_string(), layers: r.layers, bytes: r.weight_bytes + r.kv_bytes })
+        .map(|r| DeviceBytes {
+            name: r.device.to_string(),
+            layers: r.layers,
+            bytes: r.weight_bytes + r.kv_bytes,
+            host_expert_bytes: r.host_expert_bytes,
+        })
         .collect();
     let reads = read_bytes(files, stages, s.n_ctx);
     let read_total: u64 = reads.iter().map(|r| r.1).sum();
     let cpu_read: u64 = reads.iter().filter(|r| r.0 == DeviceId::Cpu).map(|r| r.1).sum();
     let (gpu_predicted, gpu_measured) = warm_up(s, &pipeline, stages, &free_before)?;
     let predicted =
-        |p: Option<usize>| s.machine.as_ref().and_then(|(_, inv, prof)| predict(inv, prof, stages, s.n_ctx, p));
+        |p: Option<usize>| s.machine.as_ref().and_then(|(_, inv, prof)| predict(inv, prof, stages, s.n_ctx, split, p));
     let row = |test: String, n_prompt: usize, n_gen: usize, n_depth: usize, samples: Vec<f64>| {
         let (avg_ts, stddev_ts) = mean_std(&samples);
         // (as llama-bench names a test at a depth)
@@ -306,6 +328,7 @@ fn bench_placement(s: &Setup, ngl: GpuLayers) -> Result<Vec<Row>> {
             threads: s.threads,
             ngl: ngl.to_string(),
             n_gpu_layers: n_gpu,
+            n_cpu_moe: split,
             test,
             n_prompt,
             n_gen,

@@ -19,6 +19,9 @@ pub struct DeviceBytes {
     pub name: String,
     pub layers: (usize, usize),
     pub bytes: u64,
+    /// Split layers: the stage's experts held in RAM apart from the device.
+    #[serde(default)]
+    pub host_expert_bytes: u64,
 }
 
 #[derive(Serialize, Deserialize, Clone, Debug)]
@@ -28,6 +31,9 @@ pub struct Row {
     pub ngl: String,
     /// GPU layers actually used.
     pub n_gpu_layers: usize,
+    /// Split layers: the routed experts of layers `[0, n_cpu_moe)` were in RAM (0: none).
+    #[serde(default)]
+    pub n_cpu_moe: usize,
     pub test: String,
     pub n_prompt: usize,
     pub n_gen: usize,
@@ -111,7 +117,13 @@ pub fn print(out: &BenchOut, format: OutFormat) -> Result<()> {
 fn device_cols(r: &Row) -> String {
     r.devices
         .iter()
-        .map(|d| format!("{} [{},{}) {}", d.name, d.layers.0, d.layers.1, human_bytes(d.bytes)))
+        .map(|d| {
+            let host = match d.host_expert_bytes {
+                0 => String::new(),
+                b => format!(" + experts {} in RAM", human_bytes(b)),
+            };
+            format!("{} [{},{}) {}{host}", d.name, d.layers.0, d.layers.1, human_bytes(d.bytes))
+        })
         .collect::<Vec<_>>()
         .join("; ")
 }
@@ -121,16 +133,17 @@ fn opt(x: Option<f64>) -> String {
 }
 
 fn csv(o: &BenchOut) -> String {
-    let mut s = String::from("model,model_bytes,params,threads,ngl,n_gpu_layers,test,n_prompt,n_gen,n_depth,avg_ts,stddev_ts,predicted_ts,devices,read_bytes_per_token,bound_ts,fraction_of_bound,gpu_predicted_bytes,gpu_measured_bytes\n");
+    let mut s = String::from("model,model_bytes,params,threads,ngl,n_gpu_layers,n_cpu_moe,test,n_prompt,n_gen,n_depth,avg_ts,stddev_ts,predicted_ts,devices,read_bytes_per_token,bound_ts,fraction_of_bound,gpu_predicted_bytes,gpu_measured_bytes\n");
     for r in &o.rows {
         s.push_str(&format!(
-            "\"{}\",{},{},{},{},{},{},{},{},{},{:.3},{:.3},{},\"{}\",{},{},{},{},{}\n",
+            "\"{}\",{},{},{},{},{},{},{},{},{},{},{:.3},{:.3},{},\"{}\",{},{},{},{},{}\n",
             o.model,
             o.model_bytes,
             o.params,
             r.threads,
             r.ngl,
             r.n_gpu_layers,
+            r.n_cpu_moe,
             r.test,
             r.n_prompt,
             r.n_gen,
@@ -149,6 +162,16 @@ fn csv(o: &BenchOut) -> String {
     s
 }
 
+/// The `ngl` column: the flag, the GPU layers it gave where they differ, and split layers.
+fn ngl_cell(r: &Row) -> String {
+    let ngl =
+        if r.ngl == r.n_gpu_layers.to_string() { r.ngl.clone() } else { format!("{} ({})", r.ngl, r.n_gpu_layers) };
+    match r.n_cpu_moe {
+        0 => ngl,
+        n => format!("{ngl}, n-cpu-moe {n}"),
+    }
+}
+
 fn markdown(o: &BenchOut) -> String {
     let label = o.model.rsplit('/').next().unwrap_or(&o.model);
     let mut s = String::new();
@@ -161,7 +184,7 @@ fn markdown(o: &BenchOut) -> String {
             human_bytes(o.model_bytes),
             human_params(o.params),
             r.threads,
-            if r.ngl == r.n_gpu_layers.to_string() { r.ngl.clone() } else { format!("{} ({})", r.ngl, r.n_gpu_layers) },
+            ngl_cell(r),
             r.test,
             r.avg_ts,
             r.stddev_ts,
@@ -238,6 +261,7 @@ mod tests {
             threads,
             ngl: "0".into(),
             n_gpu_layers: 0,
+            n_cpu_moe: 0,
             test: test.into(),
             n_prompt: 0,
             n_gen: 8,
@@ -246,7 +270,7 @@ mod tests {
             stddev_ts: 0.0,
             samples_ts: vec![avg],
             load_ms: 1.0,
-            devices: vec![DeviceBytes { name: "cpu".into(), layers: (0, 5), bytes: 1 << 20 }],
+            devices: vec![DeviceBytes { name: "cpu".into(), layers: (0, 5), bytes: 1 << 20, host_expert_bytes: 0 }],
             read_bytes_per_token: 1 << 20,
             bandwidth_bytes_per_s: None,
             bound_ts: None,

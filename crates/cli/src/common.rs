@@ -5,8 +5,8 @@ use crate::machine::Machine;
 use anyhow::{bail, Context, Result};
 use brigade_core::{DeviceId, DeviceMap, LayerRange, SamplingParams, Stage};
 use brigade_model::devices::{cuda_devices, CudaInfo};
-use brigade_model::{predict_slice_bytes, ModelFiles};
-use brigade_planner::Policy;
+use brigade_model::{predict_split_bytes, ModelFiles};
+use brigade_planner::{CpuMoe, Policy};
 use std::path::Path;
 use std::str::FromStr;
 
@@ -35,6 +35,29 @@ impl std::fmt::Display for GpuLayers {
             GpuLayers::N(n) => write!(f, "{n}"),
             GpuLayers::All => f.write_str("all"),
             GpuLayers::Auto => f.write_str("auto"),
+        }
+    }
+}
+
+/// `--n-cpu-moe` in a `bench` sweep: a layer count or `all` (llama.cpp's `--cpu-moe`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct MoeLayers(pub usize);
+
+impl FromStr for MoeLayers {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s.trim().to_ascii_lowercase().as_str() {
+            "all" => Ok(MoeLayers(usize::MAX)),
+            n => n.parse().map(MoeLayers).map_err(|_| format!("`{s}` is not a layer count or `all`")),
+        }
+    }
+}
+
+impl std::fmt::Display for MoeLayers {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self.0 {
+            usize::MAX => f.write_str("all"),
+            n => write!(f, "{n}"),
         }
     }
 }
@@ -68,12 +91,16 @@ pub fn n_predict(n: i64) -> Result<usize> {
 /// Refuses a placement whose CPU stages would allocate more than the memory available now
 /// (a context as large as `-c 0` gives can need tens of GiB of f32 KV cache): an error naming
 /// the sizes instead of an allocation failure part-way through loading.
-pub fn check_cpu_memory(files: &ModelFiles, stages: &[Stage], n_ctx: usize) -> Result<()> {
+/// Split layers' experts (`cpu_moe`) count wherever their layers are: they live in RAM.
+pub fn check_cpu_memory(files: &ModelFiles, stages: &[Stage], n_ctx: usize, cpu_moe: usize) -> Result<()> {
     let (mut weights, mut kv) = (0u64, 0u64);
-    for s in stages.iter().filter(|s| s.device == DeviceId::Cpu) {
-        let b = predict_slice_bytes(files, s.layers, s.device, n_ctx);
-        weights = weights.saturating_add(b.weights);
-        kv = kv.saturating_add(b.kv);
+    for s in stages {
+        let b = predict_split_bytes(files, s.layers, s.device, n_ctx, cpu_moe);
+        weights = weights.saturating_add(b.host_experts);
+        if s.device == DeviceId::Cpu {
+            weights = weights.saturating_add(b.weights);
+            kv = kv.saturating_add(b.kv);
+        }
     }
     let available = brigade_model::devices::cpu_info().memory_available;
     if available > 0 && weights.saturating_add(kv) > available {
@@ -91,6 +118,9 @@ pub fn check_cpu_memory(files: &ModelFiles, stages: &[Stage], n_ctx: usize) -> R
 /// How layers were placed, for the report.
 pub struct Placement {
     pub stages: Vec<Stage>,
+    /// Split layers: the routed experts of layers `[0, cpu_moe)` in host RAM, computed by the
+    /// CPU (`--n-cpu-moe`, `--cpu-moe`, or what `-ngl auto` chose); 0: whole layers.
+    pub cpu_moe: usize,
     /// A line for stderr when the choice deserves one (auto fallbacks, fits).
     pub notice: Option<String>,
 }
@@ -99,10 +129,17 @@ pub struct Placement {
 /// figures ([`Machine`]) and the bytes each device will allocate (the GPU's KV cache and dense
 /// weights in its activation type, the CPU's KV cache in f32) against free memory less the
 /// headroom.
-fn auto_place(files: &ModelFiles, n_ctx: usize, headroom: f64, machine: &Machine) -> Result<Placement> {
+fn auto_place(
+    files: &ModelFiles,
+    n_ctx: usize,
+    headroom: f64,
+    cpu_moe: Option<usize>,
+    machine: &Machine,
+) -> Result<Placement> {
     let inv = machine.inventory(&crate::machine::weight_types(files));
     let profile = crate::machine::profile(files);
-    let policy = Policy { ctx: n_ctx as u64, headroom, ..Policy::default() };
+    let cpu_moe = cpu_moe.map_or(CpuMoe::Auto, CpuMoe::Layers);
+    let policy = Policy { ctx: n_ctx as u64, headroom, cpu_moe, ..Policy::default() };
     let plan = brigade_planner::plan(&inv, &profile, &policy).context("-ngl auto: the planner found no placement")?;
     let mut stages = Vec::new();
     for s in &plan.stages {
@@ -125,14 +162,22 @@ fn auto_place(files: &ModelFiles, n_ctx: usize, headroom: f64, machine: &Machine
         })
         .collect();
     let on_gpu: usize = plan.stages.iter().filter(|s| s.device != "cpu").map(|s| s.layers.1 - s.layers.0).sum();
+    let split = match plan.cpu_moe {
+        0 => String::new(),
+        n => format!(
+            ", the experts of layers 0–{} in RAM ({}, --n-cpu-moe {n})",
+            n.min(n_layers) - 1,
+            human_bytes(plan.host_expert_bytes)
+        ),
+    };
     let notice = format!(
-        "-ngl auto: {on_gpu} of {n_layers} layers on the GPU{}{} (free memory less {:.0}% headroom); predicted {:.1} tokens/s",
+        "-ngl auto: {on_gpu} of {n_layers} layers on the GPU{}{}{split} (free memory less {:.0}% headroom); predicted {:.1} tokens/s",
         if gpu.is_empty() { "" } else { ": " },
         gpu.join(", "),
         headroom * 100.0,
         plan.tokens_per_s
     );
-    Ok(Placement { stages, notice: Some(notice) })
+    Ok(Placement { stages, cpu_moe: plan.cpu_moe, notice: Some(notice) })
 }
 
 fn no_cuda_reason() -> &'static str {
@@ -145,10 +190,13 @@ fn no_cuda_reason() -> &'static str {
 
 /// Resolves `-ngl` / `--device-map` into stages for a model of `n_layers`. `machine` gives this
 /// box's measured figures; it is called only for `-ngl auto` with a GPU.
+// (each argument is one of the user's choices or this box's facts; the tests call it directly)
+#[allow(clippy::too_many_arguments)]
 pub fn place(
     files: &ModelFiles,
     ngl: Option<GpuLayers>,
     device_map: Option<&str>,
+    cpu_moe: Option<usize>,
     n_ctx: usize,
     headroom: f64,
     gpus: &[CudaInfo],
@@ -158,6 +206,12 @@ pub fn place(
     if !(0.0..1.0).contains(&headroom) {
         bail!("--headroom {headroom}: must be in [0, 1)");
     }
+    if let Some(n) = cpu_moe.filter(|&n| n > 0) {
+        if files.config.moe.is_none() {
+            bail!("--n-cpu-moe {n} keeps experts in RAM, but this model ({:?}) has no experts", files.config.arch);
+        }
+    }
+    let cpu_moe_n = cpu_moe.unwrap_or(0).min(n_layers);
     if let Some(map) = device_map {
         if ngl.is_some() {
             bail!("give either -ngl or --device-map, not both");
@@ -171,7 +225,7 @@ pub fn place(
                 }
             }
         }
-        return Ok(Placement { stages, notice: None });
+        return Ok(Placement { stages, cpu_moe: cpu_moe_n, notice: None });
     }
     let gpu = DeviceId::Cuda(0);
     let (n_gpu, notice) = match ngl.unwrap_or(GpuLayers::N(0)) {
@@ -187,10 +241,10 @@ pub fn place(
         GpuLayers::Auto if gpus.is_empty() => {
             (0, Some(format!("-ngl auto: {}; running all {n_layers} layers on the CPU", no_cuda_reason())))
         }
-        GpuLayers::Auto => return auto_place(files, n_ctx, headroom, &machine()?),
+        GpuLayers::Auto => return auto_place(files, n_ctx, headroom, cpu_moe, &machine()?),
     };
     let stages = DeviceMap::n_gpu_layers(n_layers, n_gpu, gpu)?.stages(n_layers)?;
-    Ok(Placement { stages, notice })
+    Ok(Placement { stages, cpu_moe: cpu_moe_n, notice })
 }
 
 /// Loads with `load`; if the GPU runs out of memory anyway (`retry`: under `-ngl auto`), tries
@@ -341,9 +395,9 @@ mod tests {
         let e = n_predict(-2).unwrap_err().to_string();
         assert!(e.contains("-n -2") && e.contains("-1 for no limit"), "{e}");
         let all = [Stage { device: DeviceId::Cpu, layers: LayerRange::new(0, files.config.n_layers).unwrap() }];
-        assert!(check_cpu_memory(&files, &all, 64).is_ok());
+        assert!(check_cpu_memory(&files, &all, 64, 0).is_ok());
         // 2^40 tokens of f32 KV cache is more memory than any machine this runs on
-        let e = check_cpu_memory(&files, &all, 1 << 40).unwrap_err().to_string();
+        let e = check_cpu_memory(&files, &all, 1 << 40, 0).unwrap_err().to_string();
         assert!(e.contains("KV cache") && e.contains("lower -c"), "{e}");
     }
 
@@ -353,20 +407,21 @@ mod tests {
         let n = files.config.n_layers;
         // no GPU: -ngl N is an error, auto falls back with a notice, the default is the CPU
         let err = |r: Result<Placement>| r.err().map(|e| format!("{e:#}")).unwrap_or_default();
-        let e = err(place(&files, Some(GpuLayers::N(2)), None, 64, 0.1, &[], no_machine));
+        let e = err(place(&files, Some(GpuLayers::N(2)), None, None, 64, 0.1, &[], no_machine));
         assert!(e.contains("-ngl 2 asks for GPU layers, but "), "{e}");
-        let p = place(&files, Some(GpuLayers::Auto), None, 64, 0.1, &[], no_machine).unwrap();
+        let p = place(&files, Some(GpuLayers::Auto), None, None, 64, 0.1, &[], no_machine).unwrap();
         assert_eq!(p.stages.len(), 1);
         assert!(p.notice.unwrap().contains("CPU"));
-        assert_eq!(place(&files, None, None, 64, 0.1, &[], no_machine).unwrap().stages[0].layers.len(), n);
-        let e = err(place(&files, Some(GpuLayers::N(1)), Some("cpu:5"), 64, 0.1, &[], no_machine));
+        assert_eq!(place(&files, None, None, None, 64, 0.1, &[], no_machine).unwrap().stages[0].layers.len(), n);
+        let e = err(place(&files, Some(GpuLayers::N(1)), Some("cpu:5"), None, 64, 0.1, &[], no_machine));
         assert!(e.contains("either -ngl or --device-map"), "{e}");
-        let e = err(place(&files, None, Some("cpu:2,cuda0:3"), 64, 0.1, &[], no_machine));
+        let e = err(place(&files, None, Some("cpu:2,cuda0:3"), None, 64, 0.1, &[], no_machine));
         assert!(e.contains("--device-map places layers on cuda0, but "), "{e}");
         // room for everything: the whole model on the GPU
-        let p =
-            place(&files, Some(GpuLayers::Auto), None, 64, 0.1, &fake_gpu(1 << 30), || Ok(fake_machine(&[1 << 30])))
-                .unwrap();
+        let p = place(&files, Some(GpuLayers::Auto), None, None, 64, 0.1, &fake_gpu(1 << 30), || {
+            Ok(fake_machine(&[1 << 30]))
+        })
+        .unwrap();
         assert_eq!(p.stages.len(), 1);
         assert_eq!(p.stages[0].device, DeviceId::Cuda(0));
         // a model whose layers take real time: auto fills the GPU by predicted bytes; with room for
@@ -387,21 +442,88 @@ mod tests {
         let files = open_model(Some(&path)).unwrap();
         let n = 4;
         for k in 1..=n {
-            let need = predict_slice_bytes(&files, LayerRange::new(n - k, n).unwrap(), DeviceId::Cuda(0), 64).total();
+            let need =
+                brigade_model::predict_slice_bytes(&files, LayerRange::new(n - k, n).unwrap(), DeviceId::Cuda(0), 64)
+                    .total();
             let free = (need as f64 / 0.9).ceil() as u64 + 1;
-            let p = place(&files, Some(GpuLayers::Auto), None, 64, 0.1, &fake_gpu(free), || Ok(fake_machine(&[free])))
-                .unwrap();
+            let p = place(&files, Some(GpuLayers::Auto), None, None, 64, 0.1, &fake_gpu(free), || {
+                Ok(fake_machine(&[free]))
+            })
+            .unwrap();
             let gpu: Vec<&Stage> = p.stages.iter().filter(|s| s.device != DeviceId::Cpu).collect();
             let on_gpu: usize = gpu.iter().map(|s| s.layers.len()).sum();
             assert!(on_gpu >= k, "free {free}: {on_gpu} < {k}: {:?}", p.stages);
             for s in gpu {
-                assert!(predict_slice_bytes(&files, s.layers, s.device, 64).total() as f64 <= free as f64 * 0.9);
+                assert!(
+                    brigade_model::predict_slice_bytes(&files, s.layers, s.device, 64).total() as f64
+                        <= free as f64 * 0.9
+                );
             }
             assert!(p.notice.as_ref().unwrap().contains("-ngl auto"));
         }
         let p =
-            place(&files, Some(GpuLayers::Auto), None, 64, 0.1, &fake_gpu(1000), || Ok(fake_machine(&[1000]))).unwrap();
+            place(&files, Some(GpuLayers::Auto), None, None, 64, 0.1, &fake_gpu(1000), || Ok(fake_machine(&[1000])))
+                .unwrap();
         assert!(p.stages.iter().all(|s| s.device == DeviceId::Cpu));
+    }
+
+    /// `-ngl auto` on a mixture whose layers do not fit the GPU whole but whose dense parts do:
+    /// the planner keeps every layer's attention on the GPU and the experts in RAM (split
+    /// layers), within the GPU's budget by the bytes the runtime will allocate; `--n-cpu-moe 0`
+    /// keeps layers whole, and a dense model refuses the flag.
+    #[test]
+    fn auto_splits_a_mixture_that_does_not_fit_whole() {
+        use brigade_model::synth::{write_gguf_with, Shape, SynthMoe, SynthMoeFamily, SynthType};
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("moe.gguf");
+        let shape = Shape {
+            layers: 4,
+            hidden: 256,
+            ffn: 256,
+            heads: 4,
+            kv_heads: 2,
+            vocab: 300,
+            context: 256,
+            rope_theta: 1e4,
+        };
+        let moe = SynthMoe { experts: 8, used: 2, family: SynthMoeFamily::Mixtral };
+        write_gguf_with(&path, &shape, Some(moe), SynthType::F32, 1, |_, _| {}).unwrap();
+        let files = open_model(Some(&path)).unwrap();
+        let all = LayerRange::new(0, 4).unwrap();
+        let whole = brigade_model::predict_slice_bytes(&files, all, DeviceId::Cuda(0), 64).total();
+        let split = predict_split_bytes(&files, all, DeviceId::Cuda(0), 64, 4);
+        assert!(split.total() * 3 < whole && split.host_experts > 0, "{split:?} of {whole}");
+        // room for every dense part, a third of the whole model
+        let free = (split.total() as f64 / 0.9).ceil() as u64 + 4096;
+        let auto = |cpu_moe| {
+            place(&files, Some(GpuLayers::Auto), None, cpu_moe, 64, 0.1, &fake_gpu(free), || Ok(fake_machine(&[free])))
+                .unwrap()
+        };
+        let p = auto(None);
+        assert!(p.cpu_moe > 0, "{:?}: {:?}", p.stages, p.notice);
+        let on_gpu: usize = p.stages.iter().filter(|s| s.device != DeviceId::Cpu).map(|s| s.layers.len()).sum();
+        assert_eq!(on_gpu, 4, "{:?}", p.stages);
+        for s in p.stages.iter().filter(|s| s.device != DeviceId::Cpu) {
+            let b = predict_split_bytes(&files, s.layers, s.device, 64, p.cpu_moe);
+            assert!(b.total() as f64 <= free as f64 * 0.9, "{b:?} of {free}");
+        }
+        let notice = p.notice.unwrap();
+        assert!(notice.contains("--n-cpu-moe") && notice.contains("in RAM"), "{notice}");
+        // whole layers asked for: fewer of them on the GPU
+        let p = auto(Some(0));
+        assert_eq!(p.cpu_moe, 0);
+        let on_gpu: usize = p.stages.iter().filter(|s| s.device != DeviceId::Cpu).map(|s| s.layers.len()).sum();
+        assert!(on_gpu < 4, "{:?}", p.stages);
+        // a given split is kept, clamped to the model's layers, with or without a GPU
+        assert_eq!(auto(Some(usize::MAX)).cpu_moe, 4);
+        let p = place(&files, None, None, Some(3), 64, 0.1, &[], no_machine).unwrap();
+        assert_eq!((p.cpu_moe, p.stages.len()), (3, 1));
+        // experts in RAM count against RAM
+        assert!(check_cpu_memory(&files, &p.stages, 64, 3).is_ok());
+        // a dense model has no experts to keep anywhere
+        let dense = open_model(None).unwrap();
+        let e = place(&dense, None, None, Some(2), 64, 0.1, &[], no_machine).err().unwrap().to_string();
+        assert!(e.contains("--n-cpu-moe 2") && e.contains("no experts"), "{e}");
     }
 }
 
@@ -428,9 +550,28 @@ pub struct ModelArgs {
     /// Share of free GPU memory `-ngl auto` leaves unused.
     #[arg(long = "headroom", default_value_t = 0.10)]
     pub headroom: f64,
+    /// Keep the routed experts of every layer in RAM, computed by the CPU, while the rest of
+    /// each layer runs where it is placed (llama.cpp's `--cpu-moe`).
+    #[arg(long = "cpu-moe", conflicts_with = "n_cpu_moe")]
+    pub cpu_moe: bool,
+    /// Keep the routed experts of the first N layers in RAM (llama.cpp's `--n-cpu-moe`).
+    /// Default: 0, or with `-ngl auto` what the planner finds fastest within memory.
+    #[arg(long = "n-cpu-moe")]
+    pub n_cpu_moe: Option<usize>,
     /// How `-ngl auto` measures this machine the first time (cached after): `full` or `quick`.
     #[arg(long = "measure", default_value = "full")]
     pub measure: brigade_model::measure::Effort,
+}
+
+impl ModelArgs {
+    /// `--cpu-moe` (every layer) or `--n-cpu-moe N`; `None` when neither is given.
+    pub fn cpu_moe(&self) -> Option<usize> {
+        if self.cpu_moe {
+            Some(usize::MAX)
+        } else {
+            self.n_cpu_moe
+        }
+    }
 }
 
 /// A model opened and placed on this box.
@@ -448,9 +589,10 @@ impl ModelArgs {
         let files = open_model(self.model.as_deref())?;
         let n_ctx = context_len(&files, self.ctx)?;
         let gpus = detect_gpus();
-        let placement = place(&files, self.ngl, self.device_map.as_deref(), n_ctx, self.headroom, &gpus, || {
-            Machine::measure(&gpus, self.measure)
-        })?;
+        let placement =
+            place(&files, self.ngl, self.device_map.as_deref(), self.cpu_moe(), n_ctx, self.headroom, &gpus, || {
+                Machine::measure(&gpus, self.measure)
+            })?;
         if let Some(n) = &placement.notice {
             eprintln!("{n}");
         }

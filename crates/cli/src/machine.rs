@@ -80,10 +80,11 @@ pub fn predict(
     profile: &ModelProfile,
     stages: &[Stage],
     n_ctx: usize,
+    cpu_moe: usize,
     prompt: Option<usize>,
 ) -> Option<Prediction> {
     let policy = Policy { ctx: n_ctx as u64, headroom: 0.0, ..Policy::default() };
-    let problem = Problem::new(inv, profile, &policy, n_ctx as u64).ok()?;
+    let problem = Problem::with_cpu_moe(inv, profile, &policy, n_ctx as u64, cpu_moe).ok()?;
     let mut idx = Vec::with_capacity(stages.len());
     for s in stages {
         let name = s.device.to_string();
@@ -146,13 +147,13 @@ pub mod tests {
         // one CPU stage: T = Σ max(bytes / 10 GB/s, flops / 200 Gflop/s) over layers and head
         let n = files.config.n_layers;
         let stages = [Stage { device: DeviceId::Cpu, layers: LayerRange::new(0, n).unwrap() }];
-        let pred = predict(&inv, &p, &stages, 64, Some(16)).unwrap();
+        let pred = predict(&inv, &p, &stages, 64, 0, Some(16)).unwrap();
         let t: f64 = (0..n).map(|l| (p.layer_bytes[l] as f64 / 10e9).max(p.layer_flops[l] / 2e11)).sum::<f64>()
             + (p.head_bytes as f64 / 10e9).max(p.head_flops / 2e11);
         assert!((pred.decode_tps * t - 1.0).abs() < 1e-9, "{pred:?} vs {}", 1.0 / t);
         assert!(pred.prefill_tps.unwrap() > 0.0);
         // a GPU stage the inventory lacks predicts nothing
         let on_gpu1 = [Stage { device: DeviceId::Cuda(1), layers: LayerRange::new(0, n).unwrap() }];
-        assert!(predict(&inv, &p, &on_gpu1, 64, None).is_none());
+        assert!(predict(&inv, &p, &on_gpu1, 64, 0, None).is_none());
     }
 }

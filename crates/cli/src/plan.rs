@@ -3,10 +3,10 @@
 //! ([`crate::machine::Machine`]), its KV caches in the types the runtime allocates them in.
 
 use anyhow::{bail, Context, Result};
-use brigade_core::{bits_per_weight, Inventory, LlamaShape, ModelProfile};
+use brigade_core::{bits_per_weight, Inventory, LlamaShape, ModelProfile, MoeShape};
 use brigade_model::measure::Effort;
 use brigade_model::ModelFiles;
-use brigade_planner::{parse_cluster, plan, plan_with_second, svg, Objective, PlanError, Policy};
+use brigade_planner::{parse_cluster, plan, plan_with_second, svg, CpuMoe, Objective, PlanError, Policy};
 use clap::{Args, ValueEnum};
 use std::path::PathBuf;
 
@@ -30,7 +30,8 @@ pub struct PlanArgs {
     /// Model file (GGUF or a Hugging Face directory): only its header is read.
     #[arg(short = 'm', long = "model", conflicts_with_all = ["shape", "quant"])]
     pub model: Option<PathBuf>,
-    /// A model shape instead of a file: llama-1b, llama-8b, llama-70b.
+    /// A model shape instead of a file: llama-1b, llama-8b, llama-70b, qwen3-30b-a3b,
+    /// qwen3-235b-a22b, mixtral-8x7b.
     #[arg(long, requires = "quant")]
     pub shape: Option<String>,
     /// The shape's quantization: f16, q8_0, q6_k, q4_k, q4_0.
@@ -74,6 +75,13 @@ pub struct PlanArgs {
     pub also_shape: Option<String>,
     #[arg(long = "also-quant")]
     pub also_quant: Option<String>,
+    /// Keep the routed experts of every layer in RAM (llama.cpp's `--cpu-moe`) …
+    #[arg(long = "cpu-moe", conflicts_with = "n_cpu_moe")]
+    pub cpu_moe: bool,
+    /// … or of the first N layers (`--n-cpu-moe`). Default: for a mixture of experts on one
+    /// node with a GPU, the planner searches every N with the cut points.
+    #[arg(long = "n-cpu-moe")]
+    pub n_cpu_moe: Option<usize>,
     /// Print JSON.
     #[arg(long)]
     pub json: bool,
@@ -86,11 +94,16 @@ fn profile(model: Option<&PathBuf>, shape: Option<&String>, quant: Option<&Strin
     match (model, shape, quant) {
         (Some(p), _, _) => Ok(open(p)?.profile(kv)),
         (None, Some(s), Some(q)) => {
-            let shape = LlamaShape::preset(s)
-                .with_context(|| format!("unknown shape `{s}` ({})", LlamaShape::PRESETS.join(", ")))?;
             let bits = bits_per_weight(q)
                 .with_context(|| format!("unknown quantization `{q}` (f16, q8_0, q6_k, q4_k, q4_0)"))?;
-            Ok(ModelProfile::from_shape(&format!("{s} {q}"), &shape, bits, kv))
+            let name = format!("{s} {q}");
+            if let Some(moe) = MoeShape::preset(s) {
+                return Ok(ModelProfile::from_moe_shape(&name, &moe, bits, kv));
+            }
+            let shape = LlamaShape::preset(s).with_context(|| {
+                format!("unknown shape `{s}` ({}, {})", LlamaShape::PRESETS.join(", "), MoeShape::PRESETS.join(", "))
+            })?;
+            Ok(ModelProfile::from_shape(&name, &shape, bits, kv))
         }
         _ => bail!("give a model: -m FILE, or --shape and --quant"),
     }
@@ -152,6 +165,11 @@ pub fn run_plan(a: PlanArgs) -> Result<()> {
         slack: a.slack,
         max_watts: a.max_watts,
         reserved: Vec::new(),
+        cpu_moe: match (a.cpu_moe, a.n_cpu_moe) {
+            (true, _) => CpuMoe::Layers(usize::MAX),
+            (false, Some(n)) => CpuMoe::Layers(n),
+            (false, None) => CpuMoe::Auto,
+        },
     };
     let result = match &second {
         None => plan(&inv, &main, &policy).map(|p| (p, None)),

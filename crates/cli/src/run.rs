@@ -9,7 +9,9 @@ use brigade_core::{DeviceId, Stage};
 use brigade_model::device::Accelerators;
 use brigade_model::devices::CudaInfo;
 use brigade_model::speculative::Drafter;
-use brigade_model::{predict_slice_bytes, GenerationStats, ModelFiles, Pipeline, Sampler, SamplingParams, Tokenizer};
+use brigade_model::{
+    predict_split_bytes, GenerationStats, ModelFiles, Pipeline, Sampler, SamplingParams, SliceBytes, Tokenizer,
+};
 use clap::Args;
 use serde::Serialize;
 use std::io::Write;
@@ -50,6 +52,10 @@ struct DeviceOut {
     kv_bytes: u64,
     /// What brigade predicted before loading.
     predicted_bytes: u64,
+    /// Split layers: the stage's routed experts held in RAM apart from the device, as held and
+    /// as predicted (0 with whole layers).
+    host_expert_bytes: u64,
+    predicted_host_expert_bytes: u64,
     /// CUDA only: free memory before the load minus free memory at the end (all stages on the
     /// device together).
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -114,7 +120,7 @@ pub fn run(a: RunArgs) -> Result<()> {
 fn prepare(a: &RunArgs) -> Result<Prepared> {
     let n_predict = n_predict(a.n_predict)?;
     let Placed { files, n_ctx, gpus, placement } = a.common.open_and_place()?;
-    check_cpu_memory(&files, &placement.stages, n_ctx)?;
+    check_cpu_memory(&files, &placement.stages, n_ctx, placement.cpu_moe)?;
     let tk = &files.tokenizer;
     let prompt_ids = if a.chat {
         let rendered = tk.apply_chat_template(&[("user".to_string(), a.prompt.clone())])?;
@@ -137,7 +143,7 @@ fn prepare(a: &RunArgs) -> Result<Prepared> {
 
 /// Loads the stages (with fewer GPU layers on an out-of-memory under `-ngl auto`), with a
 /// progress bar; returns the pipeline, the stages loaded and the bytes predicted for each.
-fn load(prep: &Prepared, retry: bool) -> Result<(Pipeline, Vec<u64>)> {
+fn load(prep: &Prepared, retry: bool) -> Result<(Pipeline, Vec<SliceBytes>)> {
     let bar = indicatif::ProgressBar::new(prep.placement.stages.len() as u64);
     bar.set_style(
         indicatif::ProgressStyle::with_template("loading {bar:30} {pos}/{len} stages {msg}")
@@ -148,7 +154,7 @@ fn load(prep: &Prepared, retry: bool) -> Result<(Pipeline, Vec<u64>)> {
         load_with_retry(files.config.n_layers, prep.placement.stages.clone(), retry, |st| {
             bar.set_length(st.len() as u64);
             bar.set_position(0);
-            Pipeline::load(files, st, prep.n_ctx, |_, s| {
+            Pipeline::load_cpu_moe(files, st, prep.n_ctx, prep.placement.cpu_moe, |_, s| {
                 bar.set_message(format!("{} on {}", s.layers, s.device));
                 bar.inc(1);
             })
@@ -158,8 +164,9 @@ fn load(prep: &Prepared, retry: bool) -> Result<(Pipeline, Vec<u64>)> {
     for n in &notes {
         eprintln!("{n}");
     }
+    let cpu_moe = prep.placement.cpu_moe;
     let predicted =
-        stages.iter().map(|s: &Stage| predict_slice_bytes(files, s.layers, s.device, prep.n_ctx).total()).collect();
+        stages.iter().map(|s: &Stage| predict_split_bytes(files, s.layers, s.device, prep.n_ctx, cpu_moe)).collect();
     Ok((pipeline, predicted))
 }
 
@@ -246,7 +253,7 @@ fn timings(load_ms: f64, stats: &GenerationStats) -> Timings {
 
 /// Each stage's bytes, as held, as predicted and (CUDA) as measured: what each GPU lost to this
 /// process since before the load (weights, caches, scratch).
-fn device_report(pipeline: &Pipeline, predicted: &[u64], free_before: &[(u32, u64)]) -> Vec<DeviceOut> {
+fn device_report(pipeline: &Pipeline, predicted: &[SliceBytes], free_before: &[(u32, u64)]) -> Vec<DeviceOut> {
     let free_after = gpu_free();
     let measured = |d: DeviceId| -> Option<u64> {
         let DeviceId::Cuda(i) = d else { return None };
@@ -258,13 +265,15 @@ fn device_report(pipeline: &Pipeline, predicted: &[u64], free_before: &[(u32, u6
         .report()
         .into_iter()
         .zip(predicted)
-        .map(|(r, &p)| DeviceOut {
+        .map(|(r, p)| DeviceOut {
             name: r.device.to_string(),
             layers: r.layers,
             bytes: r.weight_bytes + r.kv_bytes,
             weight_bytes: r.weight_bytes,
             kv_bytes: r.kv_bytes,
-            predicted_bytes: p,
+            predicted_bytes: p.total(),
+            host_expert_bytes: r.host_expert_bytes,
+            predicted_host_expert_bytes: p.host_experts,
             measured_bytes: measured(r.device),
         })
         .collect()
@@ -306,8 +315,16 @@ fn report(out: &RunOut) {
                 format!("; predicted {}, measured {} on the device", human_bytes(d.predicted_bytes), human_bytes(m))
             })
             .unwrap_or_default();
+        let host = match d.host_expert_bytes {
+            0 => String::new(),
+            b => format!(
+                "; experts in RAM {} (predicted {})",
+                human_bytes(b),
+                human_bytes(d.predicted_host_expert_bytes)
+            ),
+        };
         eprintln!(
-            "device {:6}: layers [{}, {}) holds {} (weights {}, KV cache {}){measured}",
+            "device {:6}: layers [{}, {}) holds {} (weights {}, KV cache {}){measured}{host}",
             d.name,
             d.layers.0,
             d.layers.1,

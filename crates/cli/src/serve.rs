@@ -188,9 +188,11 @@ pub fn serve(a: ServeArgs) -> Result<()> {
     let Placed { files, n_ctx, placement, .. } = a.common.open_and_place()?;
     let retry = a.common.ngl == Some(GpuLayers::Auto);
     let n_layers = files.config.n_layers;
-    let (pipeline, stages, notes) =
-        load_with_retry(n_layers, placement.stages, retry, |st| Pipeline::load(&files, st, n_ctx, |_, _| {}))
-            .context("loading the model")?;
+    let cpu_moe = placement.cpu_moe;
+    let (pipeline, stages, notes) = load_with_retry(n_layers, placement.stages, retry, |st| {
+        Pipeline::load_cpu_moe(&files, st, n_ctx, cpu_moe, |_, _| {})
+    })
+    .context("loading the model")?;
     for n in &notes {
         eprintln!("{n}");
     }

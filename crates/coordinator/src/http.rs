@@ -271,6 +271,8 @@ fn plan_svg(v: &DeploymentView, d: &brigade_proto::v1::DeploymentInfo, nodes: &[
                 kv_bytes: s.kv_bytes,
                 memory_bytes: s.weight_bytes + s.kv_bytes,
                 budget_bytes: budget(&s.node, &s.device).max(s.weight_bytes + s.kv_bytes),
+                host_layers: None,
+                host_expert_bytes: 0,
                 compute_ms: compute * 1e3,
                 prefill_ms_512: 0.0,
                 reason: String::new(),
@@ -316,6 +318,9 @@ fn plan_svg(v: &DeploymentView, d: &brigade_proto::v1::DeploymentInfo, nodes: &[
         ),
         rejected: Vec::new(),
         reserved: Vec::new(),
+        cpu_moe: 0,
+        host_device: None,
+        host_expert_bytes: 0,
     };
     brigade_planner::svg::render(&plan)
 }

@@ -201,6 +201,8 @@ fn policy(req: &PlacementRequest) -> Policy {
         sessions: req.sessions as u64,
         headroom: req.headroom,
         driver: req.driver.clone(),
+        // workers load whole layers (their experts may be sharded over nodes, never in a split)
+        cpu_moe: brigade_planner::CpuMoe::Layers(0),
         ..Policy::default()
     }
 }
@@ -749,7 +751,12 @@ mod tests {
         for b in profile.layer_bytes.iter_mut() {
             *b += experts * expert;
         }
-        profile.moe = Some(brigade_core::MoeProfile { expert_bytes: vec![experts * expert; 2], experts: 8, used: 2 });
+        profile.moe = Some(brigade_core::MoeProfile {
+            expert_bytes: vec![experts * expert; 2],
+            experts: 8,
+            used: 2,
+            expert_flops: Vec::new(),
+        });
         let ranges = (0..2)
             .flat_map(|l| {
                 tensors.iter().flat_map(move |t| {

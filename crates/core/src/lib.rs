@@ -33,7 +33,7 @@ pub mod stop;
 pub use device::{DeviceId, DeviceKind};
 pub use inventory::{DeviceSpec, Inventory, Link, LinkSpec, NodeSpec};
 pub use layers::{DeviceMap, LayerRange, Stage};
-pub use profile::{bits_per_weight, LlamaShape, ModelProfile, MoeProfile};
+pub use profile::{bits_per_weight, LlamaShape, ModelProfile, MoeProfile, MoeShape};
 pub use sampling::{Constraint, SamplingError, SamplingParams, TokenConstraint, TokenLogprob, MAX_TOP_LOGPROBS};
 
 /// Errors of the vocabulary types: all of them are about parsing or validating user input.

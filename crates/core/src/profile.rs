@@ -61,6 +61,11 @@ pub struct MoeProfile {
     pub experts: usize,
     /// Experts each token goes through.
     pub used: usize,
+    /// Floating-point operations per token of each layer's routed experts (within
+    /// [`ModelProfile::layer_flops`]: `used` experts' matrices, 2 × their parameters). Empty in a
+    /// profile stored before it was counted (then 0: split layers cost only the experts' bytes).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub expert_flops: Vec<f64>,
 }
 
 impl MoeProfile {
@@ -89,6 +94,31 @@ impl ModelProfile {
             }
             None => all,
         }
+    }
+
+    /// Bytes of layer `l`'s routed experts a pass of `rows` tokens reads (0 for a dense layer):
+    /// the part of [`ModelProfile::layer_read_bytes`] a split layer reads from host RAM.
+    pub fn expert_read_bytes(&self, l: usize, rows: f64) -> f64 {
+        match &self.moe {
+            Some(m) => {
+                let all = self.layer_bytes.get(l).copied().unwrap_or(0);
+                m.expert_bytes.get(l).copied().unwrap_or(0).min(all) as f64 * m.read_share(rows)
+            }
+            None => 0.0,
+        }
+    }
+
+    /// Bytes of layer `l`'s routed experts (0 for a dense layer): what a split layer holds in
+    /// host RAM.
+    pub fn expert_bytes(&self, l: usize) -> u64 {
+        let all = self.layer_bytes.get(l).copied().unwrap_or(0);
+        self.moe.as_ref().map_or(0, |m| m.expert_bytes.get(l).copied().unwrap_or(0).min(all))
+    }
+
+    /// Floating-point operations per token of layer `l`'s routed experts (0 for a dense layer).
+    pub fn expert_flops(&self, l: usize) -> f64 {
+        let all = self.layer_flops.get(l).copied().unwrap_or(0.0);
+        self.moe.as_ref().map_or(0.0, |m| m.expert_flops.get(l).copied().unwrap_or(0.0).min(all))
     }
 
     /// Transformer layers: the length of [`ModelProfile::layer_bytes`].
@@ -190,6 +220,88 @@ impl LlamaShape {
     pub const PRESETS: [&'static str; 3] = ["llama-1b", "llama-8b", "llama-70b"];
 }
 
+/// A mixture-of-experts shape (Qwen3-MoE, Mixtral): attention as Llama's with its own head
+/// width, a router, `experts` routed experts of `expert_ffn` of which a token takes `used`, and
+/// an optional shared expert.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct MoeShape {
+    /// Transformer layers.
+    pub layers: usize,
+    /// Width of the hidden state.
+    pub hidden: usize,
+    /// Attention (query) heads.
+    pub heads: usize,
+    /// Key/value heads.
+    pub kv_heads: usize,
+    /// Width of one attention head (Qwen3's 128 is not `hidden / heads`).
+    pub head_dim: usize,
+    /// Routed experts per layer.
+    pub experts: usize,
+    /// Experts each token goes through.
+    pub used: usize,
+    /// Inner width of one routed expert.
+    pub expert_ffn: usize,
+    /// Inner width of the shared expert (0: none).
+    pub shared_ffn: usize,
+    /// Tokens in the vocabulary.
+    pub vocab: usize,
+}
+
+impl MoeShape {
+    /// Qwen3-30B-A3B, Qwen3-235B-A22B and Mixtral-8x7B by name.
+    pub fn preset(name: &str) -> Option<MoeShape> {
+        let (layers, hidden, heads, kv_heads, head_dim, experts, used, expert_ffn, vocab) = match name {
+            "qwen3-30b-a3b" => (48, 2048, 32, 4, 128, 128, 8, 768, 151_936),
+            "qwen3-235b-a22b" => (94, 4096, 64, 4, 128, 128, 8, 1536, 151_936),
+            "mixtral-8x7b" => (32, 4096, 32, 8, 128, 8, 2, 14_336, 32_000),
+            _ => return None,
+        };
+        Some(MoeShape { layers, hidden, heads, kv_heads, head_dim, experts, used, expert_ffn, shared_ffn: 0, vocab })
+    }
+
+    /// The names [`MoeShape::preset`] knows.
+    pub const PRESETS: [&'static str; 3] = ["qwen3-30b-a3b", "qwen3-235b-a22b", "mixtral-8x7b"];
+}
+
+impl ModelProfile {
+    /// A profile for a mixture-of-experts shape stored at `bits_per_weight` (the router in f32,
+    /// as brigade holds it), with a KV cache of `kv_dtype_bytes` per element.
+    pub fn from_moe_shape(name: &str, s: &MoeShape, bits_per_weight: f64, kv_dtype_bytes: u64) -> ModelProfile {
+        let bytes = |params: u64| (params as f64 * bits_per_weight / 8.0).round() as u64;
+        let (h, q, kv) = (s.hidden as u64, (s.heads * s.head_dim) as u64, (s.kv_heads * s.head_dim) as u64);
+        let attn = 2 * h * q + 2 * h * kv;
+        let expert = 3 * h * s.expert_ffn as u64;
+        let shared = 3 * h * s.shared_ffn as u64;
+        let router = h * s.experts as u64;
+        let experts = expert * s.experts as u64;
+        let layer = bytes(attn + shared) + bytes(experts) + router * 4 + 2 * h * 4;
+        let active = attn + shared + router + expert * s.used as u64;
+        let head_params = s.vocab as u64 * h;
+        ModelProfile {
+            name: name.to_string(),
+            layer_bytes: vec![layer; s.layers],
+            layer_flops: vec![2.0 * active as f64; s.layers],
+            head_bytes: bytes(head_params) + h * 4,
+            head_flops: 2.0 * head_params as f64,
+            embed_bytes: bytes(head_params),
+            tied: false,
+            kv_bytes_per_token: 2 * kv * kv_dtype_bytes,
+            cpu_kv_bytes_per_token: None,
+            kv_positions_max: Vec::new(),
+            rope_bytes_per_position: 2 * (s.head_dim as u64 / 2) * 4,
+            context_length: None,
+            hidden: s.hidden,
+            vocab: s.vocab,
+            moe: Some(MoeProfile {
+                expert_bytes: vec![bytes(experts); s.layers],
+                experts: s.experts,
+                used: s.used,
+                expert_flops: vec![2.0 * (expert * s.used as u64) as f64; s.layers],
+            }),
+        }
+    }
+}
+
 /// Bits per weight of the quantization names `--quant` takes (llama.cpp's block sizes).
 pub fn bits_per_weight(quant: &str) -> Option<f64> {
     Some(match quant.to_ascii_lowercase().as_str() {
@@ -220,5 +332,27 @@ mod tests {
         assert_eq!(p.n_layers(), 32);
         assert_eq!(bits_per_weight("Q6_K"), Some(6.5625));
         assert_eq!(bits_per_weight("q3"), None);
+    }
+
+    /// Qwen3-30B-A3B: 30.5 B parameters, 3.3 B of them active per token (the model card's
+    /// figures; the card counts the embedding among the active ones).
+    #[test]
+    fn a_mixture_shape_counts_all_experts_and_reads_the_used_ones() {
+        let s = MoeShape::preset("qwen3-30b-a3b").unwrap();
+        let p = ModelProfile::from_moe_shape("30b", &s, 16.0, 2);
+        let total = p.total_weight_bytes() as f64 / 2.0;
+        assert!((total / 1e9 - 30.5).abs() < 0.3, "{total}");
+        let active = p.layer_flops.iter().sum::<f64>() / 2.0 + p.head_flops / 2.0 + p.embed_bytes as f64 / 2.0;
+        assert!((active / 1e9 - 3.3).abs() < 0.15, "{active}");
+        let m = p.moe.as_ref().unwrap();
+        assert!(m.expert_bytes[0] as f64 > 0.9 * p.layer_bytes[0] as f64);
+        // a token reads 8 of 128 experts: about a sixteenth of them, and the dense part
+        let read = p.layer_read_bytes(0, 1.0);
+        let dense = (p.layer_bytes[0] - m.expert_bytes[0]) as f64;
+        assert!((read - dense - m.expert_bytes[0] as f64 / 16.0).abs() < 1.0);
+        assert_eq!(p.expert_bytes(0), m.expert_bytes[0]);
+        assert!((p.expert_read_bytes(0, 1.0) - m.expert_bytes[0] as f64 / 16.0).abs() < 1.0);
+        assert!(p.expert_flops(0) > 0.0 && p.expert_flops(0) < p.layer_flops[0]);
+        assert!(MoeShape::preset("qwen3-31b").is_none());
     }
 }

@@ -609,6 +609,7 @@ impl ModelIndex {
         let mut layer_bytes = vec![0u64; c.n_layers];
         let mut layer_flops = vec![0f64; c.n_layers];
         let mut expert_bytes = vec![0u64; c.n_layers];
+        let mut expert_flops = vec![0f64; c.n_layers];
         // a token computes `used` of a layer's experts
         let share = c.moe.map_or(1.0, |m| m.used as f64 / m.experts as f64);
         for i in 0..c.n_layers {
@@ -624,6 +625,9 @@ impl ModelIndex {
                         Some(st) if (2..=3).contains(&st.shape.len()) => {
                             let n = 2.0 * st.n_elements() as f64;
                             layer_flops[i] += if t.is_experts() { n * share } else { n };
+                            if t.is_experts() {
+                                expert_flops[i] += n * share;
+                            }
                         }
                         _ => {}
                     }
@@ -652,7 +656,12 @@ impl ModelIndex {
             context_length: Some(c.context_length as u64),
             hidden: c.hidden,
             vocab: c.vocab,
-            moe: c.moe.map(|m| brigade_core::MoeProfile { expert_bytes, experts: m.experts, used: m.used }),
+            moe: c.moe.map(|m| brigade_core::MoeProfile {
+                expert_bytes,
+                experts: m.experts,
+                used: m.used,
+                expert_flops,
+            }),
         }
     }
 

@@ -54,8 +54,8 @@ pub use brigade_format::{config, gguf, tokenizer};
 pub use brigade_format::{embedded_model, FormatError, EMBEDDED_MODEL_NAME};
 pub use config::ModelConfig;
 pub use llama::{
-    predict_slice_bytes, ExpertShard, ExpertSplit, ExpertsCall, Logits, MatMul, RemoteExperts, Slice, SliceBytes,
-    SliceCache, StageInput,
+    predict_slice_bytes, predict_split_bytes, ExpertShard, ExpertSplit, ExpertsCall, Logits, MatMul, RemoteExperts,
+    Slice, SliceBytes, SliceCache, StageInput,
 };
 pub use pipeline::{GenerationStats, Pipeline, Session};
 pub use sampler::{Sampler, SamplingParams};

@@ -1034,9 +1034,13 @@ pub struct SliceBytes {
     pub kv: u64,
     /// The rotary tables over the context ([`ModelConfig::rope_table_bytes`]).
     pub tables: u64,
+    /// Routed experts held in host RAM apart from the slice (split layers: not in
+    /// [`SliceBytes::total`], which is what the slice's device holds).
+    pub host_experts: u64,
 }
 
 impl SliceBytes {
+    /// Bytes on the slice's device: weights, KV cache and tables.
     pub fn total(&self) -> u64 {
         self.weights.saturating_add(self.kv).saturating_add(self.tables)
     }
@@ -1068,23 +1072,40 @@ fn packed_head_bytes(files: &ModelFiles, name: &str) -> u64 {
 /// and one session's KV cache of `n_ctx` tokens). Layers past the model's predict no weights
 /// (loading them is an error).
 pub fn predict_slice_bytes(files: &ModelFiles, layers: LayerRange, device: DeviceId, n_ctx: usize) -> SliceBytes {
+    predict_split_bytes(files, layers, device, n_ctx, 0)
+}
+
+/// [`predict_slice_bytes`] for a stage of [`crate::Pipeline::load_cpu_moe`]: the routed
+/// experts of layers `[0, cpu_moe)` are counted in [`SliceBytes::host_experts`] (what the
+/// stage's [`ExpertShard`] holds, on the CPU in its stored form), not in the slice's weights.
+pub fn predict_split_bytes(
+    files: &ModelFiles,
+    layers: LayerRange,
+    device: DeviceId,
+    n_ctx: usize,
+    cpu_moe: usize,
+) -> SliceBytes {
     let dtype = crate::device::activation_dtype(device, files);
     let on_cpu = device == DeviceId::Cpu;
     let names = slice_tensors(files, layers).unwrap_or_default();
-    let weights = names
-        .iter()
-        .filter(|n| !SHARED_TENSORS.contains(&n.as_str()))
-        .map(|n| {
-            let head = n == OUTPUT || (n == TOKEN_EMBD && files.tied_head());
-            if on_cpu && head {
-                packed_head_bytes(files, n)
-            } else {
-                files.device_bytes(n, on_cpu, dtype)
-            }
-        })
-        .fold(0u64, u64::saturating_add);
+    let on_host = |n: &str| {
+        let expert_of = |(layer, t): (usize, LayerTensor)| t.is_experts() && layer < cpu_moe;
+        files.config().moe.is_some()
+            && (LayerTensor::parse(n).is_some_and(expert_of)
+                || LayerTensor::parse_piece(n).is_some_and(|(l, t, _)| expert_of((l, t))))
+    };
+    let (mut weights, mut host_experts) = (0u64, 0u64);
+    for n in names.iter().filter(|n| !SHARED_TENSORS.contains(&n.as_str())) {
+        if on_host(n) {
+            host_experts = host_experts.saturating_add(files.device_bytes(n, true, DType::F32));
+            continue;
+        }
+        let head = n == OUTPUT || (n == TOKEN_EMBD && files.tied_head());
+        let b = if on_cpu && head { packed_head_bytes(files, n) } else { files.device_bytes(n, on_cpu, dtype) };
+        weights = weights.saturating_add(b);
+    }
     let tables = files.config().rope_table_bytes(layers.start()..layers.end(), n_ctx, dtype.size_in_bytes() as u64);
-    SliceBytes { weights, kv: kv_bytes(files.config(), layers, n_ctx, dtype), tables }
+    SliceBytes { weights, kv: kv_bytes(files.config(), layers, n_ctx, dtype), tables, host_experts }
 }
 
 /// Softmax-free helper for tests and reports: index of the largest logit of the last position.

@@ -9,7 +9,7 @@
 
 use crate::device::{activation_dtype, candle_device};
 use crate::generation::Generation;
-use crate::llama::{Logits, Slice, SliceCache, StageInput};
+use crate::llama::{ExpertShard, ExpertSplit, Logits, Slice, SliceCache, StageInput};
 use crate::sampler::Sampler;
 use crate::speculative::Drafter;
 use crate::weights::ModelFiles;
@@ -32,10 +32,15 @@ pub struct StageReport {
     pub layers: (usize, usize),
     pub weight_bytes: u64,
     pub kv_bytes: u64,
+    /// Bytes of the stage's routed experts held in host RAM apart from its layers
+    /// ([`Pipeline::load_cpu_moe`]); 0 when the stage holds all of its experts.
+    pub host_expert_bytes: u64,
 }
 
 pub struct Pipeline {
     stages: Vec<(DeviceId, Slice)>,
+    /// Per stage, the bytes of its experts held in host RAM by an [`ExpertShard`].
+    host_experts: Vec<u64>,
     n_ctx: usize,
     /// Decode steps (one token per session) and each stage's nanoseconds in them, for the
     /// operator's figures (`brigade serve`'s `/metrics`). On a GPU the time is until candle
@@ -144,18 +149,58 @@ impl Pipeline {
         files: &ModelFiles,
         stages: &[Stage],
         n_ctx: usize,
+        progress: impl FnMut(usize, &Stage),
+    ) -> Result<Self, ModelError> {
+        Self::load_cpu_moe(files, stages, n_ctx, 0, progress)
+    }
+
+    /// [`Pipeline::load`] with split layers (llama.cpp's `--n-cpu-moe N`; `--cpu-moe` is every
+    /// layer): the routed experts of layers `[0, cpu_moe)` are held in host RAM and computed on
+    /// the CPU, by one [`ExpertShard`] per stage, while the rest of those layers (attention,
+    /// norms, router, shared expert) stays on the stage's device. The shard computes an expert
+    /// with the kernels a CPU slice would run, so the numbers are those of the experts in place.
+    /// A stage on the CPU gets a shard too: the same memory, the same numbers.
+    pub fn load_cpu_moe(
+        files: &ModelFiles,
+        stages: &[Stage],
+        n_ctx: usize,
+        cpu_moe: usize,
         mut progress: impl FnMut(usize, &Stage),
     ) -> Result<Self, ModelError> {
-        check_cover(stages.iter().map(|s| (s.layers.start(), s.layers.end())), files.config().n_layers)?;
+        let cfg = files.config();
+        check_cover(stages.iter().map(|s| (s.layers.start(), s.layers.end())), cfg.n_layers)?;
+        let experts = match (cfg.moe, cpu_moe) {
+            (_, 0) => 0,
+            (Some(m), _) => m.experts as u32,
+            (None, _) => {
+                return Err(ModelError::BadSlice(format!(
+                    "experts of {cpu_moe} layers in host memory asked for, but {:?} has no experts",
+                    cfg.arch
+                )))
+            }
+        };
         let mut out = Vec::with_capacity(stages.len());
+        let mut host_experts = Vec::with_capacity(stages.len());
         for (i, s) in stages.iter().enumerate() {
             let dev = candle_device(s.device)?;
-            let slice = Slice::load(files, s.layers, &dev, activation_dtype(s.device, files), n_ctx)?;
+            let end = s.layers.end().min(cpu_moe);
+            let split = match brigade_core::LayerRange::new(s.layers.start(), end) {
+                Ok(host) if experts > 0 && end > s.layers.start() => {
+                    let shard = ExpertShard::load(files, host, 0..experts)?;
+                    host_experts.push(shard.weight_bytes());
+                    Some(ExpertSplit { elsewhere: vec![(host, 0..experts)], remote: std::sync::Arc::new(shard) })
+                }
+                _ => {
+                    host_experts.push(0);
+                    None
+                }
+            };
+            let slice = Slice::load_split(files, s.layers, &dev, activation_dtype(s.device, files), n_ctx, split)?;
             out.push((s.device, slice));
             progress(i, s);
         }
         let decode = DecodeTiming::new(out.len());
-        Ok(Pipeline { stages: out, n_ctx, decode })
+        Ok(Pipeline { stages: out, host_experts, n_ctx, decode })
     }
 
     /// A pipeline of slices loaded by the caller, in order (in any activation type: a GPU's type
@@ -165,7 +210,7 @@ impl Pipeline {
         check_cover(stages.iter().map(|(_, s)| (s.layers().start(), s.layers().end())), n_layers)?;
         let n_ctx = stages.iter().map(|(_, s)| s.n_ctx()).min().unwrap_or(0);
         let decode = DecodeTiming::new(stages.len());
-        Ok(Pipeline { stages, n_ctx, decode })
+        Ok(Pipeline { host_experts: vec![0; stages.len()], stages, n_ctx, decode })
     }
 
     pub fn n_ctx(&self) -> usize {
@@ -195,11 +240,13 @@ impl Pipeline {
     pub fn report(&self) -> Vec<StageReport> {
         self.stages
             .iter()
-            .map(|(d, s)| StageReport {
+            .zip(&self.host_experts)
+            .map(|((d, s), &host)| StageReport {
                 device: *d,
                 layers: (s.layers().start(), s.layers().end()),
                 weight_bytes: s.weight_bytes(),
                 kv_bytes: s.kv_bytes(),
+                host_expert_bytes: host,
             })
             .collect()
     }

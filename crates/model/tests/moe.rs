@@ -107,6 +107,64 @@ fn memory_of_a_slice_of_experts_is_what_was_predicted() {
     }
 }
 
+/// Split layers (llama.cpp's `--n-cpu-moe N`): the routed experts of layers `[0, N)` held in
+/// host RAM by each stage's shard, the rest of those layers on the stage's device. The logits are
+/// the same bits as with every expert in its layer, prompt and batched decode steps alike, and
+/// each stage holds what `predict_split_bytes` said, on its device and in host RAM.
+#[test]
+fn split_layers_give_the_same_bits_and_the_predicted_memory() {
+    let dir = tempfile::tempdir().unwrap();
+    for ty in [SynthType::F16, SynthType::Q4K] {
+        let files = ModelFiles::open(&synth(dir.path(), ty)).unwrap();
+        let stages = DeviceMap::parse("cpu:1,cpu:2").unwrap().stages(3).unwrap();
+        let run = |p: &Pipeline| {
+            let (mut a, mut b) = (p.new_session().unwrap(), p.new_session().unwrap());
+            let mut out = all_logits_of(p, &mut a, &prompt(30));
+            p.forward(&mut b, &prompt(7), Logits::Last).unwrap();
+            for step in 0..3u32 {
+                let rows = p.forward_rows(&mut [&mut a, &mut b], &[5 + step, 40 + step]).unwrap();
+                out.extend(rows);
+            }
+            out
+        };
+        let whole = Pipeline::load(&files, &stages, 64, |_, _| {}).unwrap();
+        let want = run(&whole);
+        let unsplit: u64 = whole.report().iter().map(|r| r.weight_bytes).sum();
+        for n in [1, 2, 3, 100] {
+            let p = Pipeline::load_cpu_moe(&files, &stages, 64, n, |_, _| {}).unwrap();
+            let got = run(&p);
+            let bits = |v: &[Vec<f32>]| v.iter().flatten().map(|x| x.to_bits()).collect::<Vec<_>>();
+            assert!(bits(&got) == bits(&want), "{ty:?} --n-cpu-moe {n}: max |Δ| {}", max_abs_diff(&want, &got));
+            let mut held = 0;
+            for (r, st) in p.report().iter().zip(&stages) {
+                let want = brigade_model::predict_split_bytes(&files, st.layers, st.device, 64, n);
+                assert_eq!(
+                    (r.weight_bytes, r.host_expert_bytes),
+                    (want.weights, want.host_experts),
+                    "{ty:?} {n} {st:?}"
+                );
+                assert_eq!(r.host_expert_bytes > 0, st.layers.start() < n, "{ty:?} {n} {st:?}");
+                held += r.weight_bytes + r.host_expert_bytes;
+            }
+            // nothing held twice, nothing lost: the experts moved, the rest stayed
+            assert_eq!(held, unsplit, "{ty:?} --n-cpu-moe {n}");
+        }
+    }
+    // a dense model has no experts to keep in host memory
+    let dense = dir.path().join("dense.gguf");
+    write_gguf_with(&dense, &shape(), None, SynthType::F32, 3, |_, _| {}).unwrap();
+    let files = ModelFiles::open(&dense).unwrap();
+    let stages = DeviceMap::parse("cpu:3").unwrap().stages(3).unwrap();
+    let err = Pipeline::load_cpu_moe(&files, &stages, 64, 2, |_, _| {}).err().unwrap().to_string();
+    assert!(err.contains("no experts"), "{err}");
+    assert!(Pipeline::load_cpu_moe(&files, &stages, 64, 0, |_, _| {}).is_ok());
+}
+
+/// Every position's logits of `ids` fed to `s` in one pass.
+fn all_logits_of(p: &Pipeline, s: &mut brigade_model::Session, ids: &[u32]) -> Vec<Vec<f32>> {
+    p.forward(s, ids, Logits::All).unwrap().to_vec2().unwrap()
+}
+
 /// The GGUF at `path` rewritten with `edit` applied to its metadata and tensor specs (the bytes
 /// of a tensor whose spec changes are zeros of the new size).
 fn rewritten(path: &Path, out: &Path, edit: impl Fn(&mut Vec<(String, Value)>, &mut Vec<TensorSpec>)) -> PathBuf {

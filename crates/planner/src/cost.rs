@@ -15,6 +15,16 @@
 //!   stage and the head on the last; a tied head shares the embedding's copy) `≤ (1 − headroom)
 //!   × memory`, with `kv` of the device's kind (a CPU may keep its cache in f32 where GPUs keep
 //!   bf16) and `positions_l` the context, or a sliding-window layer's window plus one pass.
+//!
+//! **Split layers** (a mixture of experts on one node, llama.cpp's `--n-cpu-moe N`): the routed
+//! experts of layers `[0, N)` live in the node's RAM and run on its CPU, the rest of those layers
+//! on whichever device holds them. A split layer on a GPU costs its dense part there, its experts
+//! on the CPU (`max(e_l × share / cpu_bw, f_e / cpu_flops)`, `share` the expected part of the
+//! experts the pass reads: [`ModelProfile::expert_read_bytes`]) and the rows to the host and
+//! back (`2 × host_link(act)`). Memory: a stage holds its layers less the experts of `[0, N)`;
+//! the CPU's budget is reduced by all of `[0, N)`'s experts. On one node every layer is on that
+//! node, so this is exactly "the CPU's own stage plus the experts of the GPUs' split layers";
+//! across nodes it would not be, and split layers are refused there.
 
 use crate::{PlanError, Policy};
 use brigade_core::{DeviceKind, Inventory, Link, ModelProfile};
@@ -88,6 +98,13 @@ pub struct Problem<'a> {
     pub ctx: u64,
     /// Concurrent sessions every stage holds a KV cache for.
     pub sessions: u64,
+    /// Split layers: the experts of layers `[0, cpu_moe)` are in the host CPU's RAM (0: whole
+    /// layers only).
+    pub cpu_moe: usize,
+    /// The device index of the CPU that holds those experts (with `cpu_moe > 0`).
+    pub host: Option<usize>,
+    /// The host's budget cannot hold the experts of `[0, cpu_moe)`: no assignment fits.
+    host_short: bool,
 }
 
 /// The links between nodes by node index, both directions: one lookup per device pair instead of
@@ -124,7 +141,25 @@ impl<'a> Problem<'a> {
     /// max-context search can try others). Errors on a profile without consistent layers, a
     /// cluster without devices, or a driver that names no node.
     pub fn new(inv: &'a Inventory, profile: &'a ModelProfile, policy: &Policy, ctx: u64) -> Result<Self, PlanError> {
+        let cpu_moe = match policy.cpu_moe {
+            crate::CpuMoe::Layers(n) => n,
+            crate::CpuMoe::Auto => 0,
+        };
+        Self::with_cpu_moe(inv, profile, policy, ctx, cpu_moe)
+    }
+
+    /// [`Problem::new`] with the experts of layers `[0, cpu_moe)` in the host's RAM (split
+    /// layers; `cpu_moe` past the last layer is every layer). Errors when the model has no
+    /// experts, the cluster has more than one node, or its node has no CPU device.
+    pub fn with_cpu_moe(
+        inv: &'a Inventory,
+        profile: &'a ModelProfile,
+        policy: &Policy,
+        ctx: u64,
+        cpu_moe: usize,
+    ) -> Result<Self, PlanError> {
         let n_layers = profile.n_layers();
+        let cpu_moe = cpu_moe.min(n_layers);
         if n_layers == 0 || profile.layer_flops.len() != n_layers {
             return Err(PlanError::BadModel(format!(
                 "{} layer sizes and {} layer flop counts",
@@ -158,25 +193,35 @@ impl<'a> Problem<'a> {
             None => 0,
             Some(name) => inv.node_index(name).ok_or_else(|| PlanError::UnknownDriver(name.clone()))?,
         };
-        let stage_time = |bytes: f64, flops: f64, d: &Dev| (bytes / d.bw).max(flops / d.flops);
-        let layer_t = devs
-            .iter()
+        let host = match cpu_moe {
+            0 => None,
+            n => Some(split_host(inv, profile, &devs, n)?),
+        };
+        let host_bytes: u64 = (0..cpu_moe).map(|l| profile.expert_bytes(l)).fold(0, u64::saturating_add);
+        let mut host_short = false;
+        if let Some(h) = host {
+            host_short = host_bytes > devs[h].budget;
+            devs[h].budget = devs[h].budget.saturating_sub(host_bytes);
+        }
+        let act = profile.act_bytes() as f64;
+        let layer_t = (0..devs.len())
             .map(|d| {
                 let mut p = Vec::with_capacity(n_layers + 1);
                 p.push(0.0);
                 for l in 0..n_layers {
-                    let t = stage_time(profile.layer_read_bytes(l, 1.0), profile.layer_flops[l], d);
+                    let t = layer_time(profile, &devs, d, host.filter(|_| l < cpu_moe), l, 1.0, act);
                     p.push(p[l] + t);
                 }
                 p
             })
             .collect();
+        let stage_time = |bytes: f64, flops: f64, d: &Dev| (bytes / d.bw).max(flops / d.flops);
         let head_t = devs.iter().map(|d| stage_time(profile.head_bytes as f64, profile.head_flops, d)).collect();
         let mut w_prefix = vec![0u64; n_layers + 1];
         for l in 0..n_layers {
-            w_prefix[l + 1] = w_prefix[l] + profile.layer_bytes[l];
+            let away = if l < cpu_moe { profile.expert_bytes(l) } else { 0 };
+            w_prefix[l + 1] = w_prefix[l] + profile.layer_bytes[l] - away;
         }
-        let act = profile.act_bytes() as f64;
         let links = node_links(inv);
         let hop = devs
             .iter()
@@ -219,8 +264,23 @@ impl<'a> Problem<'a> {
             drv_out,
             ctx,
             sessions: policy.sessions,
+            cpu_moe,
+            host,
+            host_short,
             devs,
         })
+    }
+
+    /// Bytes of the routed experts of layers `[a, b) ∩ [0, cpu_moe)`: what a stage over `[a, b)`
+    /// leaves in the host's RAM.
+    pub fn host_expert_bytes(&self, a: usize, b: usize) -> u64 {
+        (a..b.min(self.cpu_moe)).map(|l| self.profile.expert_bytes(l)).fold(0, u64::saturating_add)
+    }
+
+    /// Whether device `d` runs split layers (a device other than the host, with experts in the
+    /// host's RAM).
+    pub fn splits_on(&self, d: usize) -> bool {
+        self.cpu_moe > 0 && self.host.is_some_and(|h| h != d)
     }
 
     /// KV bytes layers `[a, b)` hold for `ctx × sessions` tokens at `per_token` bytes per
@@ -278,10 +338,10 @@ impl<'a> Problem<'a> {
 
     /// Prefill seconds of `p` tokens for stage `[a, b)` on device `d`.
     pub fn stage_prefill(&self, d: usize, a: usize, b: usize, p: f64) -> f64 {
-        let dev = &self.devs[d];
-        let prof = self.profile;
-        let mut t: f64 =
-            (a..b).map(|l| (prof.layer_read_bytes(l, p) / dev.bw).max(p * prof.layer_flops[l] / dev.flops)).sum();
+        let act = self.profile.act_bytes() as f64;
+        let mut t: f64 = (a..b)
+            .map(|l| layer_time(self.profile, &self.devs, d, self.host.filter(|_| l < self.cpu_moe), l, p, act))
+            .sum();
         if b == self.n_layers {
             t += self.head_t[d];
         }
@@ -311,7 +371,7 @@ impl<'a> Problem<'a> {
     /// Evaluates a complete assignment (stages in pipeline order, covering `[0, L)`).
     pub fn evaluate(&self, stages: &[(usize, usize, usize)]) -> Option<Metrics> {
         let (first, last) = (stages.first()?, stages.last()?);
-        if first.1 != 0 || last.2 != self.n_layers {
+        if first.1 != 0 || last.2 != self.n_layers || self.host_short {
             return None;
         }
         let mut stage_t = Vec::with_capacity(stages.len());
@@ -370,6 +430,43 @@ impl<'a> Problem<'a> {
     pub fn whole_model_mem(&self) -> StageMem {
         self.stage_mem(0, self.n_layers)
     }
+}
+
+/// Seconds of layer `l` on device `d` for a pass of `rows` tokens: the whole layer there, or
+/// with `host` (a split layer on another device than the host CPU) its dense part there, its
+/// experts on the host and the rows to the host and back over `d`'s host link.
+fn layer_time(p: &ModelProfile, devs: &[Dev], d: usize, host: Option<usize>, l: usize, rows: f64, act: f64) -> f64 {
+    let dev = &devs[d];
+    let (bytes, flops) = (p.layer_read_bytes(l, rows), rows * p.layer_flops[l]);
+    match host.filter(|&h| h != d) {
+        None => (bytes / dev.bw).max(flops / dev.flops),
+        Some(h) => {
+            let (eb, ef) = (p.expert_read_bytes(l, rows), rows * p.expert_flops(l));
+            let dense = ((bytes - eb).max(0.0) / dev.bw).max((flops - ef).max(0.0) / dev.flops);
+            let experts = (eb / devs[h].bw).max(ef / devs[h].flops);
+            let hops = 2.0 * dev.host_link.map_or(0.0, |link| link.time(rows * act));
+            dense + experts + hops
+        }
+    }
+}
+
+/// The CPU device that holds split layers' experts: the one node's CPU. Refuses a model without
+/// experts and a cluster of more than one node (a layer's experts live on its own node, which
+/// the cost model does not follow across nodes).
+fn split_host(inv: &Inventory, profile: &ModelProfile, devs: &[Dev], n: usize) -> Result<usize, PlanError> {
+    let bad = |why: String| PlanError::BadValue { what: "--n-cpu-moe".into(), value: n.to_string(), why };
+    if profile.moe.is_none() {
+        return Err(bad(format!("asks for split layers, but {} has no experts", profile.name)));
+    }
+    if inv.nodes.len() != 1 {
+        return Err(bad(format!(
+            "asks for split layers, which are planned on one node (experts in its RAM); this cluster has {} nodes",
+            inv.nodes.len()
+        )));
+    }
+    devs.iter()
+        .position(|d| d.kind == DeviceKind::Cpu)
+        .ok_or_else(|| bad(format!("asks for experts in host RAM, but {} has no CPU device", inv.nodes[0].name)))
 }
 
 /// Bytes a stage holds, by kind.

@@ -4,7 +4,7 @@
 use crate::cost::{Metrics, Problem};
 use crate::dp;
 use crate::search::{self, Solution};
-use crate::{Inventory, ModelProfile, Objective, PlanError, Policy, Reservation};
+use crate::{CpuMoe, Inventory, ModelProfile, Objective, PlanError, Policy, Reservation};
 use brigade_core::DeviceKind;
 use serde::Serialize;
 
@@ -27,6 +27,11 @@ pub struct StagePlan {
     pub memory_bytes: u64,
     /// Bytes the device may hold: its memory after headroom and reservations.
     pub budget_bytes: u64,
+    /// Split layers: the layers `(start, end)` whose routed experts this stage leaves in its
+    /// node's RAM, computed by the node's CPU; `None`: it holds its layers whole.
+    pub host_layers: Option<(usize, usize)>,
+    /// Bytes of those experts (on the host, not in [`StagePlan::memory_bytes`]).
+    pub host_expert_bytes: u64,
     /// Milliseconds per decoded token of the stage's layers (and the head on the last).
     pub compute_ms: f64,
     /// Milliseconds of the stage's share of a 512-token prompt.
@@ -102,6 +107,13 @@ pub struct Plan {
     /// The slowest stage or hop and its share of a token's time (for throughput: the rate it
     /// caps the pipeline at).
     pub bottleneck: String,
+    /// Split layers: the experts of layers `[0, cpu_moe)` are in the node's RAM (0: whole
+    /// layers; a layer on the CPU holds its experts there anyway).
+    pub cpu_moe: usize,
+    /// The device whose RAM holds the split layers' experts (`node/cpu`), when any.
+    pub host_device: Option<String>,
+    /// Bytes of experts the host holds for the other devices' split layers.
+    pub host_expert_bytes: u64,
     /// Single-device placements, and the driver's node alone, with why each lost.
     pub rejected: Vec<Rejected>,
     /// Memory other models hold, as the policy gave it.
@@ -165,18 +177,103 @@ fn infeasible(p: &Problem, what: &str) -> PlanError {
     }
 }
 
-/// Plans `profile` on `inv` under `policy`.
+/// Plans `profile` on `inv` under `policy`. With [`CpuMoe::Auto`] and a mixture of experts on
+/// one node with a CPU and another device, every number of split layers is planned and the best
+/// for the objective kept (a larger context first for max-context; ties to fewer split layers).
 pub fn plan(inv: &Inventory, profile: &ModelProfile, policy: &Policy) -> Result<Plan, PlanError> {
     policy.validate()?;
-    let mut policy = policy.clone();
-    if policy.objective == Objective::MaxContext {
-        let build = |ctx: u64| Problem::new(inv, profile, &policy, ctx);
-        match search::max_context(&build, &policy, profile.context_length)? {
-            Some(ctx) => policy.ctx = ctx,
-            None => return Err(infeasible(&Problem::new(inv, profile, &policy, 1)?, &profile.name)),
+    let splits: Vec<usize> = match policy.cpu_moe {
+        CpuMoe::Layers(n) => vec![n],
+        CpuMoe::Auto if splits_possible(inv, profile) => (0..=profile.n_layers()).collect(),
+        CpuMoe::Auto => vec![0],
+    };
+    let mut best: Option<(Problem, Policy, Solution)> = None;
+    let mut first_err = None;
+    let mut whole = None;
+    for &n in &splits {
+        match plan_at(inv, profile, policy, n) {
+            Ok((p, pol, sol)) => {
+                let better = best.as_ref().is_none_or(|(_, _, b)| {
+                    let (v, w) = (
+                        search::objective_value(policy.objective, &sol.metrics),
+                        search::objective_value(policy.objective, &b.metrics),
+                    );
+                    sol.ctx > b.ctx || (sol.ctx == b.ctx && v < w)
+                });
+                if n == 0 && splits.len() > 1 {
+                    whole = Some(Ok(sol.metrics.clone()));
+                }
+                if better {
+                    best = Some((p, pol, sol));
+                }
+            }
+            Err(e) => {
+                if n == 0 && splits.len() > 1 {
+                    whole = Some(Err(()));
+                }
+                first_err.get_or_insert(e);
+            }
         }
     }
-    let p = Problem::new(inv, profile, &policy, policy.ctx)?;
+    let Some((p, pol, sol)) = best else {
+        return Err(first_err.unwrap_or_else(|| PlanError::BadModel("no placement was searched".into())));
+    };
+    let mut plan = build(&p, &pol, &sol);
+    // the split chosen against whole layers, with numbers
+    if p.cpu_moe > 0 {
+        let r = match whole {
+            Some(Ok(m)) => Some(Rejected {
+                alternative: "whole layers (no experts in RAM)".into(),
+                reason: format!("{:.2} tokens/s", rate(policy.objective, &m)),
+                tokens_per_s: Some(rate(policy.objective, &m)),
+                shortfall_bytes: None,
+            }),
+            Some(Err(())) => {
+                let q = Problem::with_cpu_moe(inv, profile, &pol, pol.ctx, 0)?;
+                match infeasible(&q, &profile.name) {
+                    PlanError::Infeasible { shortfall_bytes, detail } => Some(Rejected {
+                        alternative: "whole layers (no experts in RAM)".into(),
+                        reason: detail,
+                        tokens_per_s: None,
+                        shortfall_bytes: Some(shortfall_bytes),
+                    }),
+                    _ => None,
+                }
+            }
+            None => None,
+        };
+        plan.rejected.extend(r);
+    }
+    Ok(plan)
+}
+
+/// Whether [`CpuMoe::Auto`] searches split layers: a mixture of experts on one node that has a
+/// CPU and another device.
+fn splits_possible(inv: &Inventory, profile: &ModelProfile) -> bool {
+    let devs = || inv.nodes.iter().flat_map(|n| &n.devices);
+    profile.moe.is_some()
+        && inv.nodes.len() == 1
+        && devs().any(|d| d.kind == DeviceKind::Cpu)
+        && devs().any(|d| d.kind != DeviceKind::Cpu)
+}
+
+/// The plan with the experts of layers `[0, n)` in RAM: the problem, the policy (with the
+/// context max-context found) and the solution.
+fn plan_at<'a>(
+    inv: &'a Inventory,
+    profile: &'a ModelProfile,
+    policy: &Policy,
+    n: usize,
+) -> Result<(Problem<'a>, Policy, Solution), PlanError> {
+    let mut policy = Policy { cpu_moe: CpuMoe::Layers(n), ..policy.clone() };
+    if policy.objective == Objective::MaxContext {
+        let build = |ctx: u64| Problem::with_cpu_moe(inv, profile, &policy, ctx, n);
+        match search::max_context(&build, &policy, profile.context_length)? {
+            Some(ctx) => policy.ctx = ctx,
+            None => return Err(infeasible(&Problem::with_cpu_moe(inv, profile, &policy, 1, n)?, &profile.name)),
+        }
+    }
+    let p = Problem::with_cpu_moe(inv, profile, &policy, policy.ctx, n)?;
     check_watts(&p, &policy)?;
     let sol = search::solve(&p, &policy, policy.objective).ok_or_else(|| {
         if policy.max_watts.is_some()
@@ -191,7 +288,7 @@ pub fn plan(inv: &Inventory, profile: &ModelProfile, policy: &Policy) -> Result<
             infeasible(&p, &profile.name)
         }
     })?;
-    Ok(build(&p, &policy, &sol))
+    Ok((p, policy, sol))
 }
 
 /// Plans a second, smaller model first, kept whole on the one device where it decodes fastest,
@@ -251,7 +348,16 @@ fn build(p: &Problem, policy: &Policy, sol: &Solution) -> Plan {
         .enumerate()
         .map(|(i, &(d, a, b))| {
             let dev = &p.devs[d];
-            let mem = p.stage_mem_on(d, a, b);
+            let mut mem = p.stage_mem_on(d, a, b);
+            let mut budget = dev.budget;
+            let split = p.splits_on(d) && a < p.cpu_moe;
+            if !split {
+                // a stage on the host holds its own layers' experts, which the problem counts
+                // with the host's share: shown here, with the budget they take
+                let own = p.host_expert_bytes(a, b);
+                mem.weights += own;
+                budget += own;
+            }
             let mut why = vec![format!(
                 "{} layer{} at {:.3} ms each",
                 b - a,
@@ -263,11 +369,19 @@ fn build(p: &Problem, policy: &Policy, sol: &Solution) -> Plan {
             }
             // full: the range cannot grow by one layer at either end
             let full = (b < l && !p.fits(d, a, b + 1)) || (a > 0 && !p.fits(d, a - 1, b));
-            let pct = 100.0 * mem.total() as f64 / dev.budget.max(1) as f64;
+            let pct = 100.0 * mem.total() as f64 / budget.max(1) as f64;
             if full {
                 why.push(format!("{pct:.0}% of its budget: one more layer would not fit"));
             } else {
                 why.push(format!("{pct:.0}% of its budget"));
+            }
+            if split {
+                why.push(format!(
+                    "the experts of layers {a}–{} in {}'s RAM ({})",
+                    b.min(p.cpu_moe) - 1,
+                    p.host.map_or(String::new(), |h| p.devs[h].label()),
+                    human(p.host_expert_bytes(a, b))
+                ));
             }
             if a == 0 {
                 why.push("holds the embedding".into());
@@ -288,7 +402,9 @@ fn build(p: &Problem, policy: &Policy, sol: &Solution) -> Plan {
                 weight_bytes: mem.weights,
                 kv_bytes: mem.kv,
                 memory_bytes: mem.total(),
-                budget_bytes: dev.budget,
+                budget_bytes: budget,
+                host_layers: split.then_some((a, b.min(p.cpu_moe))),
+                host_expert_bytes: if split { p.host_expert_bytes(a, b) } else { 0 },
                 compute_ms: ms(m.stage_s[i]),
                 prefill_ms_512: ms(p.stage_prefill(d, a, b, 512.0)),
                 reason: why.join("; "),
@@ -329,6 +445,9 @@ fn build(p: &Problem, policy: &Policy, sol: &Solution) -> Plan {
         exact: sol.exact,
         bottleneck: bottleneck(p, sol, policy.objective),
         rejected: rejected(p, policy, sol),
+        cpu_moe: p.cpu_moe,
+        host_device: p.host.filter(|_| p.cpu_moe > 0).map(|h| p.devs[h].label()),
+        host_expert_bytes: stages.iter().map(|s| s.host_expert_bytes).sum(),
         stages,
         hops,
         decode_ms_per_token: ms(m.decode_s),
@@ -390,7 +509,12 @@ fn rejected(p: &Problem, policy: &Policy, sol: &Solution) -> Vec<Rejected> {
         if sol.stages.as_slice() == stages {
             continue;
         }
-        let name = format!("all on {}", p.devs[d].label());
+        let name = match p.cpu_moe {
+            n if n > 0 && p.splits_on(d) => {
+                format!("all on {} (experts of layers 0–{} in RAM)", p.devs[d].label(), n - 1)
+            }
+            _ => format!("all on {}", p.devs[d].label()),
+        };
         match p.evaluate(&stages) {
             Some(m) => {
                 let why = match policy.objective {
@@ -488,6 +612,22 @@ impl Plan {
         );
         for r in &self.reserved {
             w(&mut s, format!("reserved: {} on {}/{} for {}", human(r.bytes), r.node, r.device, r.by));
+        }
+        if let Some(host) = self.host_device.as_ref().filter(|_| self.host_expert_bytes > 0) {
+            let split: Vec<String> = self
+                .stages
+                .iter()
+                .filter_map(|st| st.host_layers.map(|(a, b)| format!("{}–{} of {}", a, b - 1, st.device)))
+                .collect();
+            w(
+                &mut s,
+                format!(
+                    "split layers (--n-cpu-moe {}): experts of layers {} in {host}'s RAM, {}",
+                    self.cpu_moe,
+                    split.join(", "),
+                    human(self.host_expert_bytes)
+                ),
+            );
         }
         w(
             &mut s,

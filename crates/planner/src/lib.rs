@@ -72,6 +72,21 @@ impl std::fmt::Display for Objective {
     }
 }
 
+/// Split layers of a mixture of experts: attention, norms, router and shared expert on the
+/// layer's device, the routed experts in the node's RAM, computed by its CPU (llama.cpp's
+/// `--cpu-moe` / `--n-cpu-moe N`). Planned on one node only ([`cost`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum CpuMoe {
+    /// The planner chooses: for a mixture on one node with a CPU and another device, every
+    /// `N` in `0..=layers` is searched with the cut points, and the best for the objective
+    /// kept (ties to the fewest split layers); otherwise whole layers.
+    #[default]
+    Auto,
+    /// The experts of the first `N` layers in RAM (0: whole layers; `--cpu-moe`: all layers).
+    Layers(usize),
+}
+
 /// Memory another model already holds on a device (`--also-model`).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct Reservation {
@@ -104,6 +119,9 @@ pub struct Policy {
     pub max_watts: Option<f64>,
     /// Memory other models already hold, taken off the devices' budgets.
     pub reserved: Vec<Reservation>,
+    /// Split layers: chosen by the planner or as given.
+    #[serde(default)]
+    pub cpu_moe: CpuMoe,
 }
 
 impl Default for Policy {
@@ -117,6 +135,7 @@ impl Default for Policy {
             slack: 1.5,
             max_watts: None,
             reserved: Vec::new(),
+            cpu_moe: CpuMoe::Auto,
         }
     }
 }

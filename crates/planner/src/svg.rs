@@ -15,7 +15,7 @@ pub fn render(plan: &Plan) -> String {
     const BAR_H: f64 = 150.0;
     let n = plan.stages.len() as f64;
     let width = 40.0 + n * BOX_W + (n - 1.0).max(0.0) * GAP + 40.0;
-    let height = TOP + BAR_H + 150.0;
+    let height = TOP + BAR_H + 150.0 + if plan.host_expert_bytes > 0 { 20.0 } else { 0.0 };
     let mut s = String::new();
     s.push_str(&format!(
         "<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"{width:.0}\" height=\"{height:.0}\" viewBox=\"0 0 {width:.0} {height:.0}\" font-family=\"sans-serif\" font-size=\"12\">\n"
@@ -54,7 +54,7 @@ pub fn render(plan: &Plan) -> String {
             base - wh - kh
         ));
         let tx = bx + bw + 10.0;
-        let lines = [
+        let mut lines = vec![
             format!("{}/{}", st.node, st.device),
             format!("layers {}–{}", st.layers.0, st.layers.1 - 1),
             format!("{:.3} ms/token", st.compute_ms),
@@ -62,6 +62,11 @@ pub fn render(plan: &Plan) -> String {
             format!("KV {}", human(st.kv_bytes)),
             format!("of {}", human(st.budget_bytes)),
         ];
+        // split layers: the experts this stage leaves in the host's RAM
+        if let Some((a, b)) = st.host_layers {
+            lines.push(format!("experts {a}–{} in RAM", b - 1));
+            lines.push(format!("({})", human(st.host_expert_bytes)));
+        }
         for (j, line) in lines.iter().enumerate() {
             let weight = if j == 0 { " font-weight=\"bold\"" } else { "" };
             s.push_str(&format!(
@@ -97,6 +102,17 @@ pub fn render(plan: &Plan) -> String {
             plan.prefill_ms_512, plan.prefill_tokens_per_s
         ))
     ));
+    if let Some(host) = plan.host_device.as_ref().filter(|_| plan.host_expert_bytes > 0) {
+        s.push_str(&format!(
+            "<text x=\"40\" y=\"{:.1}\" fill=\"#444\">{}</text>\n",
+            ly + 44.0,
+            esc(&format!(
+                "split layers (--n-cpu-moe {}): {} of experts in {host}'s RAM, computed by its CPU",
+                plan.cpu_moe,
+                human(plan.host_expert_bytes)
+            ))
+        ));
+    }
     s.push_str("</svg>\n");
     s
 }

@@ -6,6 +6,7 @@ use brigade_core::{DeviceKind, DeviceSpec, Inventory, Link, LinkSpec, ModelProfi
 use brigade_planner::cost::{Metrics, Problem};
 use brigade_planner::{plan, Objective, PlanError, Policy};
 use proptest::prelude::*;
+use proptest::test_runner::TestCaseError;
 
 #[derive(Debug, Clone)]
 struct Case {
@@ -85,6 +86,7 @@ prop_compose! {
                 expert_bytes: (0..layers).map(|_| (15.0 * next()) as u64).collect(),
                 experts: 8,
                 used: 1 + (3.0 * next()) as usize,
+                expert_flops: (0..layers).map(|_| 50.0 * next()).collect(),
             }),
         };
         let mut policy = Policy { ctx: 1 + (8.0 * next()) as u64, sessions, headroom: 0.1, driver: Some(format!("n{}", (next() * n_nodes as f64) as usize % n_nodes)), ..Policy::default() };
@@ -172,8 +174,34 @@ fn value_of(plan: &brigade_planner::Plan, obj: Objective) -> f64 {
 }
 
 fn max_ctx_brute(c: &Case) -> Option<u64> {
+    splits(c).into_iter().filter_map(|n| max_ctx_brute_at(c, n)).max()
+}
+
+/// The numbers of split layers the planner searches for the case: every one for a mixture on
+/// one node with a CPU and a GPU, else none.
+fn splits(c: &Case) -> Vec<usize> {
+    let devs: Vec<&DeviceSpec> = c.inv.nodes.iter().flat_map(|n| &n.devices).collect();
+    let one_box = c.inv.nodes.len() == 1
+        && devs.iter().any(|d| d.kind == DeviceKind::Cpu)
+        && devs.iter().any(|d| d.kind == DeviceKind::Cuda);
+    if c.profile.moe.is_some() && one_box {
+        (0..=c.profile.n_layers()).collect()
+    } else {
+        vec![0]
+    }
+}
+
+/// The best objective value over every split for a context of `ctx`.
+fn brute_all(c: &Case, ctx: u64) -> Option<f64> {
+    splits(c)
+        .into_iter()
+        .filter_map(|n| brute(&Problem::with_cpu_moe(&c.inv, &c.profile, &c.policy, ctx, n).unwrap(), &c.policy))
+        .min_by(f64::total_cmp)
+}
+
+fn max_ctx_brute_at(c: &Case, n: usize) -> Option<u64> {
     let feasible = |ctx: u64| {
-        let p = Problem::new(&c.inv, &c.profile, &c.policy, ctx).unwrap();
+        let p = Problem::with_cpu_moe(&c.inv, &c.profile, &c.policy, ctx, n).unwrap();
         all_assignments(p.devs.len(), p.n_layers).iter().any(|a| p.evaluate(a).is_some())
     };
     // feasibility is monotone in ctx: bisect between 1 and one past the planner's cap (the
@@ -195,43 +223,87 @@ fn max_ctx_brute(c: &Case) -> Option<u64> {
     Some(lo)
 }
 
+/// A case on one node with a CPU and at least one GPU, holding a mixture of experts: where the
+/// planner searches split layers.
+fn one_box(mut c: Case, expert_share: f64) -> Case {
+    c.inv.nodes.truncate(1);
+    c.inv.links.clear();
+    let node = &mut c.inv.nodes[0];
+    if !node.devices.iter().any(|d| d.kind == DeviceKind::Cuda) {
+        node.devices.push(device(0, true, 300, 5e4, 5e5, 200.0));
+    }
+    c.policy.driver = Some(node.name.clone());
+    let bytes = c.profile.layer_bytes.clone();
+    c.profile.moe = Some(brigade_core::MoeProfile {
+        expert_bytes: bytes.iter().map(|&b| (b as f64 * expert_share) as u64).collect(),
+        experts: 8,
+        used: 2,
+        expert_flops: c.profile.layer_flops.iter().map(|f| f * 0.5).collect(),
+    });
+    c
+}
+
+fn check_plan(c: &Case) -> Result<(), TestCaseError> {
+    let result = plan(&c.inv, &c.profile, &c.policy);
+    let ctx = if c.policy.objective == Objective::MaxContext { max_ctx_brute(c) } else { Some(c.policy.ctx) };
+    let want = ctx.and_then(|ctx| brute_all(c, ctx));
+    match (result, want) {
+        (Ok(plan), Some(want)) => {
+            if c.policy.objective == Objective::MaxContext {
+                prop_assert_eq!(Some(plan.ctx), ctx);
+            }
+            let got = value_of(&plan, c.policy.objective);
+            prop_assert!((got - want).abs() <= 1e-9 * want.abs().max(1e-12), "planner {got} vs brute force {want}");
+            // every layer once, contiguous, in order; no stage over budget
+            let mut next = 0;
+            for st in &plan.stages {
+                prop_assert_eq!(st.layers.0, next);
+                prop_assert!(st.layers.1 > st.layers.0);
+                prop_assert!(st.memory_bytes <= st.budget_bytes);
+                next = st.layers.1;
+            }
+            prop_assert_eq!(next, c.profile.n_layers());
+            let mut devs: Vec<(String, String)> =
+                plan.stages.iter().map(|s| (s.node.clone(), s.device.clone())).collect();
+            let n = devs.len();
+            devs.sort();
+            devs.dedup();
+            prop_assert_eq!(devs.len(), n, "a device used twice");
+            // split layers: the host's RAM holds its own stage and the other stages' experts
+            if let Some(host) = &plan.host_device {
+                let budget = c.inv.nodes[0].devices.iter().find(|d| d.kind == DeviceKind::Cpu).unwrap().memory;
+                let own: u64 = plan.stages.iter().filter(|s| s.device == "cpu").map(|s| s.memory_bytes).sum();
+                prop_assert!(
+                    (own + plan.host_expert_bytes) as f64 <= budget as f64 * (1.0 - c.policy.headroom) + 1.0,
+                    "{host} holds {own} + {} of {budget}",
+                    plan.host_expert_bytes
+                );
+                let experts: u64 = (0..plan.cpu_moe).map(|l| c.profile.expert_bytes(l)).sum();
+                let split: u64 = plan.stages.iter().map(|s| s.host_expert_bytes).sum();
+                prop_assert_eq!(split, plan.host_expert_bytes);
+                prop_assert!(split <= experts);
+            }
+        }
+        (Err(PlanError::Infeasible { .. }), None) => {}
+        (Err(PlanError::BadValue { what, .. }), None) if what == "--max-watts" => {}
+        (r, w) => prop_assert!(false, "planner {:?} vs brute force {:?}", r.map(|p| p.to_text()), w),
+    }
+    Ok(())
+}
+
 proptest! {
     #![proptest_config(ProptestConfig { cases: 300, .. ProptestConfig::default() })]
 
     #[test]
     fn planner_equals_brute_force(c in a_case()) {
-        let result = plan(&c.inv, &c.profile, &c.policy);
-        let ctx = if c.policy.objective == Objective::MaxContext { max_ctx_brute(&c) } else { Some(c.policy.ctx) };
-        let want = ctx.and_then(|ctx| {
-            let p = Problem::new(&c.inv, &c.profile, &c.policy, ctx).unwrap();
-            brute(&p, &c.policy)
-        });
-        match (result, want) {
-            (Ok(plan), Some(want)) => {
-                if c.policy.objective == Objective::MaxContext {
-                    prop_assert_eq!(Some(plan.ctx), ctx);
-                }
-                let got = value_of(&plan, c.policy.objective);
-                prop_assert!((got - want).abs() <= 1e-9 * want.abs().max(1e-12), "planner {got} vs brute force {want}");
-                // every layer once, contiguous, in order; no stage over budget
-                let mut next = 0;
-                for st in &plan.stages {
-                    prop_assert_eq!(st.layers.0, next);
-                    prop_assert!(st.layers.1 > st.layers.0);
-                    prop_assert!(st.memory_bytes <= st.budget_bytes);
-                    next = st.layers.1;
-                }
-                prop_assert_eq!(next, c.profile.n_layers());
-                let mut devs: Vec<(String, String)> = plan.stages.iter().map(|s| (s.node.clone(), s.device.clone())).collect();
-                let n = devs.len();
-                devs.sort();
-                devs.dedup();
-                prop_assert_eq!(devs.len(), n, "a device used twice");
-            }
-            (Err(PlanError::Infeasible { .. }), None) => {}
-            (Err(PlanError::BadValue { what, .. }), None) if what == "--max-watts" => {}
-            (r, w) => prop_assert!(false, "planner {:?} vs brute force {:?}", r.map(|p| p.to_text()), w),
-        }
+        check_plan(&c)?;
+    }
+
+    /// Split layers searched with the cut points: the best over every `--n-cpu-moe` and every
+    /// assignment, whichever objective.
+    #[test]
+    fn split_layers_equal_brute_force(c in a_case(), share in 0.3f64..0.95) {
+        check_plan(&one_box(c, share))?;
     }
 }
 

@@ -3,7 +3,7 @@
 //! The scenario tests below check the same plans' substance, not just their text.
 #![allow(clippy::unwrap_used)]
 
-use brigade_core::{bits_per_weight, LlamaShape, ModelProfile};
+use brigade_core::{bits_per_weight, LlamaShape, ModelProfile, MoeShape};
 use brigade_planner::{parse_cluster, plan, plan_with_second, Inventory, Objective, Plan, Policy};
 use std::path::PathBuf;
 
@@ -17,6 +17,9 @@ fn cluster(name: &str) -> Inventory {
 }
 
 fn model(shape: &str, quant: &str) -> ModelProfile {
+    if let Some(moe) = MoeShape::preset(shape) {
+        return ModelProfile::from_moe_shape(&format!("{shape} {quant}"), &moe, bits_per_weight(quant).unwrap(), 2);
+    }
     ModelProfile::from_shape(
         &format!("{shape} {quant}"),
         &LlamaShape::preset(shape).unwrap(),
@@ -41,6 +44,7 @@ fn cases() -> Vec<Case> {
         |name, cluster, shape, quant, flags, policy, also| Case { name, cluster, shape, quant, flags, policy, also };
     vec![
         c("fits-in-vram", "single-box", "llama-8b", "q4_k", "", p(), None),
+        c("moe-split-layers", "single-box", "qwen3-30b-a3b", "q8_0", "", p(), None),
         c("larger-than-vram", "single-box", "llama-70b", "q4_k", "", p(), None),
         c("small-vram", "small-vram", "llama-8b", "q4_k", "", p(), None),
         c("tiny-vram", "tiny-vram", "llama-70b", "q4_k", "", p(), None),
@@ -229,4 +233,42 @@ fn hundred_nodes_plan_fast() {
     assert_eq!(p.stages.last().unwrap().layers.1, 128);
     // generous here (debug build, shared CI machine); `cargo bench -p brigade-planner` reports release timings
     assert!(dt.as_secs_f64() < 5.0, "{dt:?}");
+}
+
+/// Qwen3-30B-A3B at Q8_0 (32 GB) on a 24 GB GPU: whole layers leave 14 of 48 on the CPU; split
+/// layers keep every layer's attention on the GPU with the experts of the first N in RAM, and
+/// are faster. A split layer's time is, by hand from the cluster file: its dense part at the
+/// GPU's bandwidth, the 8 of 128 experts a token reads at the CPU's, and the hidden row to the
+/// host and back over the 25 GB/s, 10 µs link.
+#[test]
+fn scenario_a_mixture_keeps_its_experts_in_ram() {
+    let (p, _) = run(&cases().into_iter().find(|c| c.name == "moe-split-layers").unwrap());
+    let inv = cluster("single-box");
+    let m = model("qwen3-30b-a3b", "q8_0");
+    let whole = plan(&inv, &m, &Policy { cpu_moe: brigade_planner::CpuMoe::Layers(0), ..Policy::default() }).unwrap();
+    assert!(p.cpu_moe > 0 && whole.cpu_moe == 0);
+    assert!(p.tokens_per_s > whole.tokens_per_s * 1.1, "{} vs {}", p.tokens_per_s, whole.tokens_per_s);
+    let gpu_layers =
+        |q: &Plan| -> usize { q.stages.iter().filter(|s| s.device == "cuda0").map(|s| s.layers.1 - s.layers.0).sum() };
+    assert!(gpu_layers(&p) > gpu_layers(&whole) + 10, "{}\n{}", p.to_text(), whole.to_text());
+    for s in &p.stages {
+        assert!(s.memory_bytes <= s.budget_bytes, "{}", p.to_text());
+    }
+    // the GPU's budget would not hold its layers with their experts
+    let gpu = p.stages.iter().find(|s| s.device == "cuda0").unwrap();
+    assert!(gpu.memory_bytes + gpu.host_expert_bytes > gpu.budget_bytes);
+    // one split layer by hand
+    let pr = brigade_planner::cost::Problem::with_cpu_moe(&inv, &m, &Policy::default(), 4096, 48).unwrap();
+    let cuda = pr.devs.iter().position(|d| d.name == "cuda0").unwrap();
+    let e = m.moe.as_ref().unwrap().expert_bytes[0] as f64;
+    let dense = m.layer_bytes[0] as f64 - e;
+    let want = (dense / 1008e9).max((m.layer_flops[0] - m.expert_flops(0)) / 82e12)
+        + (e * 8.0 / 128.0 / 60e9).max(m.expert_flops(0) / 2e12)
+        + 2.0 * (10e-6 + 2048.0 * 4.0 / 25e9);
+    let got = pr.layer_t[cuda][1] - pr.layer_t[cuda][0];
+    assert!((got - want).abs() < 1e-9 * want, "{got} vs {want}");
+    // whole layers: the GPU reads the layer's dense part and its chosen experts
+    let pw = brigade_planner::cost::Problem::with_cpu_moe(&inv, &m, &Policy::default(), 4096, 0).unwrap();
+    let want = ((dense + e * 8.0 / 128.0) / 1008e9).max(m.layer_flops[0] / 82e12);
+    assert!((pw.layer_t[cuda][1] - want).abs() < 1e-9 * want);
 }
