@@ -15,7 +15,7 @@ use brigade_model::device::{activation_dtype, Accelerators};
 use brigade_model::devices::CudaInfo;
 use brigade_model::measure::Effort;
 use brigade_model::weights::StoredType;
-use brigade_model::{bandwidth, predict_slice_bytes, Logits, ModelFiles, Pipeline};
+use brigade_model::{bandwidth, predict_slice_bytes, predict_split_bytes, Logits, ModelFiles, Pipeline};
 use clap::Args;
 use std::path::PathBuf;
 use std::time::Instant;
@@ -317,7 +317,7 @@ fn bench_placement(s: &Setup, ngl: GpuLayers, cpu_moe: Option<usize>) -> Result<
     let reads = read_bytes(files, stages, s.n_ctx);
     let read_total: u64 = reads.iter().map(|r| r.1).sum();
     let cpu_read: u64 = reads.iter().filter(|r| r.0 == DeviceId::Cpu).map(|r| r.1).sum();
-    let (gpu_predicted, gpu_measured) = warm_up(s, &pipeline, stages, &free_before)?;
+    let (gpu_predicted, gpu_measured) = warm_up(s, &pipeline, stages, split, &free_before)?;
     let predicted =
         |p: Option<usize>| s.machine.as_ref().and_then(|(_, inv, prof)| predict(inv, prof, stages, s.n_ctx, split, p));
     let row = |test: String, n_prompt: usize, n_gen: usize, n_depth: usize, samples: Vec<f64>| {
@@ -387,6 +387,7 @@ fn warm_up(
     s: &Setup,
     pipeline: &Pipeline,
     stages: &[Stage],
+    cpu_moe: usize,
     free_before: &[(u32, u64)],
 ) -> Result<(Option<u64>, Option<u64>)> {
     let vocab = s.files.config.vocab;
@@ -406,7 +407,7 @@ fn warm_up(
     let predicted: u64 = stages
         .iter()
         .filter(|st| st.device != DeviceId::Cpu)
-        .map(|st| predict_slice_bytes(s.files, st.layers, st.device, s.n_ctx).total())
+        .map(|st| predict_split_bytes(s.files, st.layers, st.device, s.n_ctx, cpu_moe).total())
         .sum();
     Ok((Some(predicted), Some(measured)))
 }
