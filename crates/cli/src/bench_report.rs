@@ -312,7 +312,7 @@ mod tests {
         );
         let c = csv(&m);
         assert_eq!(c.lines().count(), 3);
-        assert!(c.lines().nth(2).unwrap().contains(",2,0,0,tg8,0,8,0,200.000,0.000,150.000,"), "{c}");
+        assert!(c.lines().nth(2).unwrap().contains(",2,0,0,0,tg8,0,8,0,200.000,0.000,150.000,"), "{c}");
         // the JSON a child process hands back reads back whole
         let back: BenchOut = serde_json::from_str(&serde_json::to_string(&m).unwrap()).unwrap();
         assert_eq!(back.rows.len(), 2);
