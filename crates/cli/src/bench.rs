@@ -7,7 +7,7 @@
 //! merged here. Reporting is in `bench_report`.
 
 use crate::bench_report::{BandwidthAt, BenchOut, DeviceBytes, Knee, OutFormat, Row};
-use crate::common::{detect_gpus, gpu_free, open_model, place, GpuLayers, MoeLayers};
+use crate::common::{check_cpu_memory, detect_gpus, gpu_free, open_model, place, GpuLayers, MoeLayers};
 use crate::machine::{predict, Machine};
 use anyhow::{bail, Context, Result};
 use brigade_core::{DeviceId, Inventory, ModelProfile, Stage};
@@ -15,7 +15,7 @@ use brigade_model::device::{activation_dtype, Accelerators};
 use brigade_model::devices::CudaInfo;
 use brigade_model::measure::Effort;
 use brigade_model::weights::StoredType;
-use brigade_model::{bandwidth, predict_slice_bytes, predict_split_bytes, Logits, ModelFiles, Pipeline};
+use brigade_model::{bandwidth, predict_split_bytes, Logits, ModelFiles, Pipeline};
 use clap::Args;
 use std::path::PathBuf;
 use std::time::Instant;
@@ -263,21 +263,24 @@ fn kernel_notes(files: &ModelFiles) -> Vec<String> {
 }
 
 /// Weight bytes one decode step reads on each device: every stage's weights except the
-/// embedding table, of which a step reads one row (unless the head is tied to it).
-fn read_bytes(files: &ModelFiles, stages: &[Stage], n_ctx: usize) -> Vec<(DeviceId, u64)> {
-    stages
-        .iter()
-        .map(|s| {
-            let w = predict_slice_bytes(files, s.layers, s.device, n_ctx).weights;
-            let embed = if s.layers.is_first() {
-                files.device_bytes("token_embd.weight", s.device == DeviceId::Cpu, activation_dtype(s.device, files))
-            } else {
-                0
-            };
-            let tied_here = s.layers.is_last(files.config.n_layers) && files.tensor_info("output.weight").is_none();
-            (s.device, if tied_here { w } else { w.saturating_sub(embed) })
-        })
-        .collect()
+/// embedding table, of which a step reads one row (unless the head is tied to it); split
+/// layers' experts (`cpu_moe`) on the CPU, where they are held.
+fn read_bytes(files: &ModelFiles, stages: &[Stage], n_ctx: usize, cpu_moe: usize) -> Vec<(DeviceId, u64)> {
+    let mut out = Vec::new();
+    for s in stages {
+        let b = predict_split_bytes(files, s.layers, s.device, n_ctx, cpu_moe);
+        let embed = if s.layers.is_first() {
+            files.device_bytes("token_embd.weight", s.device == DeviceId::Cpu, activation_dtype(s.device, files))
+        } else {
+            0
+        };
+        let tied_here = s.layers.is_last(files.config.n_layers) && files.tensor_info("output.weight").is_none();
+        out.push((s.device, if tied_here { b.weights } else { b.weights.saturating_sub(embed) }));
+        if b.host_experts > 0 {
+            out.push((DeviceId::Cpu, b.host_experts));
+        }
+    }
+    out
 }
 
 /// The token fed at position `i` of a benchmark (spread over the vocabulary).
@@ -299,8 +302,9 @@ fn bench_placement(s: &Setup, ngl: GpuLayers, cpu_moe: Option<usize>) -> Result<
     }
     let stages = &placement.stages;
     let n_gpu: usize = stages.iter().filter(|s| s.device != DeviceId::Cpu).map(|s| s.layers.len()).sum();
-    let t0 = Instant::now();
     let split = placement.cpu_moe;
+    check_cpu_memory(files, stages, s.n_ctx, split)?;
+    let t0 = Instant::now();
     let pipeline = Pipeline::load_cpu_moe(files, stages, s.n_ctx, split, |_, _| {})
         .with_context(|| format!("loading for -ngl {ngl} --n-cpu-moe {split}"))?;
     let load_ms = t0.elapsed().as_secs_f64() * 1e3;
@@ -314,7 +318,7 @@ fn bench_placement(s: &Setup, ngl: GpuLayers, cpu_moe: Option<usize>) -> Result<
             host_expert_bytes: r.host_expert_bytes,
         })
         .collect();
-    let reads = read_bytes(files, stages, s.n_ctx);
+    let reads = read_bytes(files, stages, s.n_ctx, split);
     let read_total: u64 = reads.iter().map(|r| r.1).sum();
     let cpu_read: u64 = reads.iter().filter(|r| r.0 == DeviceId::Cpu).map(|r| r.1).sum();
     let (gpu_predicted, gpu_measured) = warm_up(s, &pipeline, stages, split, &free_before)?;

@@ -91,17 +91,10 @@ pub fn n_predict(n: i64) -> Result<usize> {
 /// Refuses a placement whose CPU stages would allocate more than the memory available now
 /// (a context as large as `-c 0` gives can need tens of GiB of f32 KV cache): an error naming
 /// the sizes instead of an allocation failure part-way through loading.
+///
 /// Split layers' experts (`cpu_moe`) count wherever their layers are: they live in RAM.
 pub fn check_cpu_memory(files: &ModelFiles, stages: &[Stage], n_ctx: usize, cpu_moe: usize) -> Result<()> {
-    let (mut weights, mut kv) = (0u64, 0u64);
-    for s in stages {
-        let b = predict_split_bytes(files, s.layers, s.device, n_ctx, cpu_moe);
-        weights = weights.saturating_add(b.host_experts);
-        if s.device == DeviceId::Cpu {
-            weights = weights.saturating_add(b.weights);
-            kv = kv.saturating_add(b.kv);
-        }
-    }
+    let (weights, kv) = cpu_bytes(files, stages, n_ctx, cpu_moe);
     let available = brigade_model::devices::cpu_info().memory_available;
     if available > 0 && weights.saturating_add(kv) > available {
         bail!(
@@ -113,6 +106,21 @@ pub fn check_cpu_memory(files: &ModelFiles, stages: &[Stage], n_ctx: usize, cpu_
         );
     }
     Ok(())
+}
+
+/// Bytes of RAM a placement takes: (weights of the CPU's stages and every split layer's experts,
+/// the CPU's KV cache for `n_ctx` tokens).
+fn cpu_bytes(files: &ModelFiles, stages: &[Stage], n_ctx: usize, cpu_moe: usize) -> (u64, u64) {
+    let (mut weights, mut kv) = (0u64, 0u64);
+    for s in stages {
+        let b = predict_split_bytes(files, s.layers, s.device, n_ctx, cpu_moe);
+        weights = weights.saturating_add(b.host_experts);
+        if s.device == DeviceId::Cpu {
+            weights = weights.saturating_add(b.weights);
+            kv = kv.saturating_add(b.kv);
+        }
+    }
+    (weights, kv)
 }
 
 /// How layers were placed, for the report.
@@ -162,12 +170,18 @@ fn auto_place(
         })
         .collect();
     let on_gpu: usize = plan.stages.iter().filter(|s| s.device != "cpu").map(|s| s.layers.1 - s.layers.0).sum();
-    let split = match plan.cpu_moe {
-        0 => String::new(),
-        n => format!(
-            ", the experts of layers 0–{} in RAM ({}, --n-cpu-moe {n})",
-            n.min(n_layers) - 1,
-            human_bytes(plan.host_expert_bytes)
+    let split: Vec<String> = plan
+        .stages
+        .iter()
+        .filter_map(|s| s.host_layers.map(|(a, b)| format!("{a}–{} of {}", b - 1, s.device)))
+        .collect();
+    let split = match split.is_empty() {
+        true => String::new(),
+        false => format!(
+            ", the experts of layers {} in RAM ({}, --n-cpu-moe {})",
+            split.join(", "),
+            human_bytes(plan.host_expert_bytes),
+            plan.cpu_moe
         ),
     };
     let notice = format!(
@@ -518,8 +532,15 @@ mod tests {
         assert_eq!(auto(Some(usize::MAX)).cpu_moe, 4);
         let p = place(&files, None, None, Some(3), 64, 0.1, &[], no_machine).unwrap();
         assert_eq!((p.cpu_moe, p.stages.len()), (3, 1));
-        // experts in RAM count against RAM
-        assert!(check_cpu_memory(&files, &p.stages, 64, 3).is_ok());
+        // experts in RAM count against RAM, wherever their layers are
+        let gpu = [Stage { device: DeviceId::Cuda(0), layers: all }];
+        let held: u64 = (1..=4).map(|n| predict_split_bytes(&files, all, DeviceId::Cuda(0), 64, n).host_experts).sum();
+        assert_eq!(cpu_bytes(&files, &gpu, 64, 0), (0, 0));
+        let (w, kv) = cpu_bytes(&files, &gpu, 64, 4);
+        assert_eq!((w, kv), (split.host_experts, 0));
+        assert!(held > 0 && cpu_bytes(&files, &gpu, 64, 2).0 < w);
+        let whole_cpu = cpu_bytes(&files, &p.stages, 64, 0);
+        assert_eq!(cpu_bytes(&files, &p.stages, 64, 3), whole_cpu, "a CPU stage holds its experts either way");
         // a dense model has no experts to keep anywhere
         let dense = open_model(None).unwrap();
         let e = place(&dense, None, None, Some(2), 64, 0.1, &[], no_machine).err().unwrap().to_string();

@@ -3,7 +3,7 @@
 //! OpenAI-compatible API of `brigade-serve` in front of it.
 
 use crate::cluster::{runtime, stop_signal};
-use crate::common::{detect_gpus, load_with_retry, GpuLayers, ModelArgs, Placed, SpecArgs};
+use crate::common::{check_cpu_memory, detect_gpus, load_with_retry, GpuLayers, ModelArgs, Placed, SpecArgs};
 use anyhow::{Context, Result};
 use brigade_model::batch::{Batch, Engine, EngineConfig, Job, Output, Sink};
 use brigade_model::Pipeline;
@@ -189,6 +189,8 @@ pub fn serve(a: ServeArgs) -> Result<()> {
     let retry = a.common.ngl == Some(GpuLayers::Auto);
     let n_layers = files.config.n_layers;
     let cpu_moe = placement.cpu_moe;
+    // every slot's KV cache is allocated up front: `parallel` contexts
+    check_cpu_memory(&files, &placement.stages, n_ctx.saturating_mul(a.parallel), cpu_moe)?;
     let (pipeline, stages, notes) = load_with_retry(n_layers, placement.stages, retry, |st| {
         Pipeline::load_cpu_moe(&files, st, n_ctx, cpu_moe, |_, _| {})
     })

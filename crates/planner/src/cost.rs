@@ -105,6 +105,8 @@ pub struct Problem<'a> {
     pub host: Option<usize>,
     /// The host's budget cannot hold the experts of `[0, cpu_moe)`: no assignment fits.
     host_short: bool,
+    /// Bytes of the experts of `[0, cpu_moe)` and the host's budget before them.
+    host_need: (u64, u64),
 }
 
 /// The links between nodes by node index, both directions: one lookup per device pair instead of
@@ -199,8 +201,10 @@ impl<'a> Problem<'a> {
         };
         let host_bytes: u64 = (0..cpu_moe).map(|l| profile.expert_bytes(l)).fold(0, u64::saturating_add);
         let mut host_short = false;
+        let mut host_need = (0, 0);
         if let Some(h) = host {
             host_short = host_bytes > devs[h].budget;
+            host_need = (host_bytes, devs[h].budget);
             devs[h].budget = devs[h].budget.saturating_sub(host_bytes);
         }
         let act = profile.act_bytes() as f64;
@@ -267,6 +271,7 @@ impl<'a> Problem<'a> {
             cpu_moe,
             host,
             host_short,
+            host_need,
             devs,
         })
     }
@@ -275,6 +280,12 @@ impl<'a> Problem<'a> {
     /// leaves in the host's RAM.
     pub fn host_expert_bytes(&self, a: usize, b: usize) -> u64 {
         (a..b.min(self.cpu_moe)).map(|l| self.profile.expert_bytes(l)).fold(0, u64::saturating_add)
+    }
+
+    /// When the host's RAM cannot hold the experts of `[0, cpu_moe)`: (their bytes, the host's
+    /// budget).
+    pub fn host_shortfall(&self) -> Option<(u64, u64)> {
+        self.host_short.then_some(self.host_need)
     }
 
     /// Whether device `d` runs split layers (a device other than the host, with experts in the

@@ -25,7 +25,8 @@ pub struct StagePlan {
     pub kv_bytes: u64,
     /// All bytes the stage holds: weights, KV cache and rotary tables.
     pub memory_bytes: u64,
-    /// Bytes the device may hold: its memory after headroom and reservations.
+    /// Bytes the device may hold: its memory after headroom and reservations (on the CPU of a
+    /// plan with split layers, also less the other stages' experts it holds).
     pub budget_bytes: u64,
     /// Split layers: the layers `(start, end)` whose routed experts this stage leaves in its
     /// node's RAM, computed by the node's CPU; `None`: it holds its layers whole.
@@ -151,6 +152,17 @@ fn check_watts(p: &Problem, policy: &Policy) -> Result<(), PlanError> {
 
 /// Why nothing fits: the whole model against all the memory there is.
 fn infeasible(p: &Problem, what: &str) -> PlanError {
+    if let Some((need, have)) = p.host_shortfall() {
+        return PlanError::Infeasible {
+            shortfall_bytes: need - have,
+            detail: format!(
+                "the experts of layers 0–{} need {} in RAM, the CPU has {} after headroom",
+                p.cpu_moe - 1,
+                human(need),
+                human(have)
+            ),
+        };
+    }
     let need = p.whole_model_mem().total();
     let have: u64 = p.devs.iter().map(|d| d.budget).sum();
     let biggest_layer = (0..p.n_layers).map(|l| p.stage_mem(l, l + 1).total()).max().unwrap_or(0);
@@ -187,11 +199,22 @@ pub fn plan(inv: &Inventory, profile: &ModelProfile, policy: &Policy) -> Result<
         CpuMoe::Auto if splits_possible(inv, profile) => (0..=profile.n_layers()).collect(),
         CpuMoe::Auto => vec![0],
     };
+    // the energy objective's slack applies to the best latency over every split
+    let t_best = match (policy.objective, splits.len()) {
+        (Objective::Energy, 2..) => splits
+            .iter()
+            .filter_map(|&n| {
+                let p = Problem::with_cpu_moe(inv, profile, policy, policy.ctx, n).ok()?;
+                search::solve(&p, policy, Objective::Latency).map(|s| s.metrics.decode_s)
+            })
+            .min_by(f64::total_cmp),
+        _ => None,
+    };
     let mut best: Option<(Problem, Policy, Solution)> = None;
     let mut first_err = None;
     let mut whole = None;
     for &n in &splits {
-        match plan_at(inv, profile, policy, n) {
+        match plan_at(inv, profile, policy, n, t_best) {
             Ok((p, pol, sol)) => {
                 let better = best.as_ref().is_none_or(|(_, _, b)| {
                     let (v, w) = (
@@ -258,12 +281,14 @@ fn splits_possible(inv: &Inventory, profile: &ModelProfile) -> bool {
 }
 
 /// The plan with the experts of layers `[0, n)` in RAM: the problem, the policy (with the
-/// context max-context found) and the solution.
+/// context max-context found) and the solution. `t_best`: for the energy objective, the best
+/// decode latency over every split, which the slack applies to (not this split's own).
 fn plan_at<'a>(
     inv: &'a Inventory,
     profile: &'a ModelProfile,
     policy: &Policy,
     n: usize,
+    t_best: Option<f64>,
 ) -> Result<(Problem<'a>, Policy, Solution), PlanError> {
     let mut policy = Policy { cpu_moe: CpuMoe::Layers(n), ..policy.clone() };
     if policy.objective == Objective::MaxContext {
@@ -275,7 +300,13 @@ fn plan_at<'a>(
     }
     let p = Problem::with_cpu_moe(inv, profile, &policy, policy.ctx, n)?;
     check_watts(&p, &policy)?;
-    let sol = search::solve(&p, &policy, policy.objective).ok_or_else(|| {
+    let mut search_policy = policy.clone();
+    if let (Objective::Energy, Some(tb)) = (policy.objective, t_best) {
+        // slack × this split's best latency = slack × the best over every split
+        let own = search::solve(&p, &policy, Objective::Latency).map_or(f64::INFINITY, |s| s.metrics.decode_s);
+        search_policy.slack = policy.slack * tb / own;
+    }
+    let mut sol = search::solve(&p, &search_policy, policy.objective).ok_or_else(|| {
         if policy.max_watts.is_some()
             && search::solve(&p, &Policy { max_watts: None, ..policy.clone() }, Objective::Latency).is_some()
         {
@@ -288,6 +319,9 @@ fn plan_at<'a>(
             infeasible(&p, &profile.name)
         }
     })?;
+    if let (Objective::Energy, Some(tb)) = (policy.objective, t_best) {
+        sol.latency_bound_s = Some(tb);
+    }
     Ok((p, policy, sol))
 }
 
@@ -300,7 +334,8 @@ pub fn plan_with_second(
     policy: &Policy,
 ) -> Result<(Plan, Plan), PlanError> {
     policy.validate()?;
-    let p2 = Problem::new(inv, second, policy, policy.ctx)?;
+    // the second model is kept whole on one device: no split layers
+    let p2 = Problem::new(inv, second, &Policy { cpu_moe: CpuMoe::Layers(0), ..policy.clone() }, policy.ctx)?;
     // the device where the second model alone decodes fastest
     let best = (0..p2.devs.len())
         .filter_map(|d| p2.evaluate(&[(d, 0, p2.n_layers)]).map(|m| (d, m)))

@@ -147,21 +147,24 @@ fn all_assignments(n_dev: usize, l: usize) -> Vec<Vec<(usize, usize, usize)>> {
     out
 }
 
-fn brute(p: &Problem, policy: &Policy) -> Option<f64> {
-    let all: Vec<Metrics> = all_assignments(p.devs.len(), p.n_layers).iter().filter_map(|a| p.evaluate(a)).collect();
+fn all_metrics(p: &Problem) -> Vec<Metrics> {
+    all_assignments(p.devs.len(), p.n_layers).iter().filter_map(|a| p.evaluate(a)).collect()
+}
+
+/// The best objective value; for energy, among the assignments within `slack × t_lat`.
+fn brute_within(p: &Problem, policy: &Policy, t_lat: f64) -> Option<f64> {
+    let all = all_metrics(p);
     match policy.objective {
         Objective::Latency | Objective::MaxContext => {
             let ok = |m: &&Metrics| policy.max_watts.is_none_or(|cap| m.avg_watts().unwrap() <= cap * (1.0 + 1e-12));
             all.iter().filter(ok).map(|m| m.decode_s).min_by(f64::total_cmp)
         }
         Objective::Throughput => all.iter().map(|m| m.throughput).max_by(f64::total_cmp).map(|x| -x),
-        Objective::Energy => {
-            let t_lat = all.iter().map(|m| m.decode_s).min_by(f64::total_cmp)?;
-            all.iter()
-                .filter(|m| m.decode_s <= t_lat * policy.slack * (1.0 + 1e-12))
-                .map(|m| m.energy_j.unwrap())
-                .min_by(f64::total_cmp)
-        }
+        Objective::Energy => all
+            .iter()
+            .filter(|m| m.decode_s <= t_lat * policy.slack * (1.0 + 1e-12))
+            .map(|m| m.energy_j.unwrap())
+            .min_by(f64::total_cmp),
     }
 }
 
@@ -191,12 +194,13 @@ fn splits(c: &Case) -> Vec<usize> {
     }
 }
 
-/// The best objective value over every split for a context of `ctx`.
+/// The best objective value over every split for a context of `ctx` (energy: within the slack
+/// of the best latency over every split).
 fn brute_all(c: &Case, ctx: u64) -> Option<f64> {
-    splits(c)
-        .into_iter()
-        .filter_map(|n| brute(&Problem::with_cpu_moe(&c.inv, &c.profile, &c.policy, ctx, n).unwrap(), &c.policy))
-        .min_by(f64::total_cmp)
+    let problems: Vec<Problem> =
+        splits(c).into_iter().map(|n| Problem::with_cpu_moe(&c.inv, &c.profile, &c.policy, ctx, n).unwrap()).collect();
+    let t_lat = problems.iter().flat_map(|p| all_metrics(p).into_iter().map(|m| m.decode_s)).min_by(f64::total_cmp)?;
+    problems.iter().filter_map(|p| brute_within(p, &c.policy, t_lat)).min_by(f64::total_cmp)
 }
 
 fn max_ctx_brute_at(c: &Case, n: usize) -> Option<u64> {

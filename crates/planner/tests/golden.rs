@@ -267,6 +267,18 @@ fn scenario_a_mixture_keeps_its_experts_in_ram() {
         + 2.0 * (10e-6 + 2048.0 * 4.0 / 25e9);
     let got = pr.layer_t[cuda][1] - pr.layer_t[cuda][0];
     assert!((got - want).abs() < 1e-9 * want, "{got} vs {want}");
+    // RAM too small for the experts asked for: refused with the experts' bytes against the RAM
+    let mut small = inv.clone();
+    small.nodes[0].devices.iter_mut().filter(|d| d.name == "cpu").for_each(|d| d.memory = 8 << 30);
+    let all_in_ram = Policy { cpu_moe: brigade_planner::CpuMoe::Layers(48), ..Policy::default() };
+    match plan(&small, &m, &all_in_ram) {
+        Err(brigade_planner::PlanError::Infeasible { shortfall_bytes, detail }) => {
+            assert!(detail.contains("the experts of layers 0–47 need") && detail.contains("in RAM"), "{detail}");
+            let experts: u64 = (0..48).map(|l| m.expert_bytes(l)).sum();
+            assert_eq!(shortfall_bytes, experts - (0.9 * (8u64 << 30) as f64).floor() as u64);
+        }
+        r => panic!("{:?}", r.map(|p| p.to_text())),
+    }
     // whole layers: the GPU reads the layer's dense part and its chosen experts
     let pw = brigade_planner::cost::Problem::with_cpu_moe(&inv, &m, &Policy::default(), 4096, 0).unwrap();
     let want = ((dense + e * 8.0 / 128.0) / 1008e9).max(m.layer_flops[0] / 82e12);
