@@ -529,6 +529,23 @@ impl ModelFiles {
         Ok(Linear { w: self.linear_from(ty, bytes, &shape, device, dtype)?, bias: None })
     }
 
+    /// Whether every routed expert of the model would be held packed on this CPU, so that its
+    /// kernels compute each row alone: what a slice that leaves its experts to a node running
+    /// this build on a CPU like this one can promise of them ([`crate::RemoteExperts`]).
+    pub fn experts_pack_here(&self) -> bool {
+        use brigade_format::tensors::LayerTensor as T;
+        let isa = crate::cpu_matmul::Isa::selected();
+        let Some(moe) = self.config().moe else { return false };
+        moe.experts > 0
+            && (0..self.config().n_layers).all(|l| {
+                [T::FfnGateExps, T::FfnUpExps, T::FfnDownExps].into_iter().all(|t| {
+                    self.index.expert_data(l, t, 0).is_ok_and(|(ty, shape, _)| {
+                        shape.len() == 2 && crate::cpu_matmul::packs_on(ggml_dtype(ty.ggml_type()), isa)
+                    })
+                })
+            })
+    }
+
     /// Expert `e`'s gate and up matrices of layer `layer` stacked into one `[2 × ffn, in]`
     /// matmul where their types match (`None` otherwise), as [`ModelFiles::linear_stacked`].
     pub fn expert_gate_up(

@@ -125,6 +125,20 @@ fn split_layers_give_the_same_bits_and_the_predicted_memory() {
                 let rows = p.forward_rows(&mut [&mut a, &mut b], &[5 + step, 40 + step]).unwrap();
                 out.extend(rows);
             }
+            // two prompts' chunks in one pass (the batch engine's prompt path, where each row's
+            // experts compute it alone), then a run each
+            let (mut c, mut d) = (p.new_session().unwrap(), p.new_session().unwrap());
+            let chunks = [&prompt(11)[..], &prompt(4)[..]];
+            if p.reads_prompts_together() {
+                out.extend(p.forward_ragged(&mut [&mut c, &mut d], &chunks).unwrap());
+            } else {
+                out.extend(
+                    chunks.iter().zip([&mut c, &mut d]).map(|(ch, s)| {
+                        p.forward(s, ch, Logits::Last).unwrap().get(0).unwrap().to_vec1::<f32>().unwrap()
+                    }),
+                );
+            }
+            out.extend(p.forward_runs(&mut [&mut c, &mut d, &mut a], &[&[9, 10][..], &[3][..], &[77][..]]).unwrap());
             out
         };
         let whole = Pipeline::load(&files, &stages, 64, |_, _| {}).unwrap();
@@ -133,6 +147,10 @@ fn split_layers_give_the_same_bits_and_the_predicted_memory() {
         for n in [1, 2, 3, 100] {
             let p = Pipeline::load_cpu_moe(&files, &stages, 64, n, |_, _| {}).unwrap();
             let got = run(&p);
+            // experts in RAM read prompts together exactly where experts in place do (packed
+            // Q4_K: each row alone; F16 through candle's matmul: not)
+            assert_eq!(p.reads_prompts_together(), whole.reads_prompts_together(), "{ty:?} --n-cpu-moe {n}");
+            assert_eq!(whole.reads_prompts_together(), ty == SynthType::Q4K && files.experts_pack_here());
             let bits = |v: &[Vec<f32>]| v.iter().flatten().map(|x| x.to_bits()).collect::<Vec<_>>();
             assert!(bits(&got) == bits(&want), "{ty:?} --n-cpu-moe {n}: max |Δ| {}", max_abs_diff(&want, &got));
             let mut held = 0;
@@ -260,6 +278,10 @@ impl RemoteExperts for Counted {
         // answered later, as a node elsewhere does
         let ys = self.0.compute(layer, calls, xs, mm)?;
         Ok(ExpertsCall::later(move || Ok(ys)))
+    }
+
+    fn rows_independent(&self) -> bool {
+        self.0.rows_independent()
     }
 }
 

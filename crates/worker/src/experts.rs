@@ -42,6 +42,10 @@ pub struct LinkedExperts {
     carrier: CarrierKind,
     hidden: usize,
     hosts: Vec<Host>,
+    /// The experts' kernels compute each row alone ([`RemoteExperts::rows_independent`]): the
+    /// model's experts pack on this CPU, and the expert stages run this build (an f32 carrier;
+    /// a 16-bit one rounds the rows anyway, each row alone).
+    rows_independent: bool,
 }
 
 impl LinkedExperts {
@@ -52,6 +56,7 @@ impl LinkedExperts {
         a: &StageAssignment,
         carrier: CarrierKind,
         hidden: usize,
+        rows_independent: bool,
     ) -> Result<Option<ExpertSplit>, WorkerError> {
         if a.experts_elsewhere.is_empty() {
             return Ok(None);
@@ -75,6 +80,7 @@ impl LinkedExperts {
             carrier,
             hidden,
             hosts,
+            rows_independent,
         });
         Ok(Some(ExpertSplit { elsewhere, remote }))
     }
@@ -111,6 +117,10 @@ fn answer(router: &Router, sent: &Sent, hidden: usize) -> Result<Vec<f32>, Model
 }
 
 impl RemoteExperts for LinkedExperts {
+    fn rows_independent(&self) -> bool {
+        self.rows_independent
+    }
+
     /// One EXPERTS frame to each expert stage concerned, all sent now; the answers are awaited
     /// by the returned call and put back in the calls' order.
     fn call(&self, layer: usize, calls: &[(u32, usize)], xs: &[f32], mm: MatMul) -> Result<ExpertsCall, ModelError> {

@@ -309,7 +309,8 @@ impl Node {
         let on = candle_device(device)?;
         let max_sessions = a.max_sessions.max(1) as usize;
         let free_before = gpu_free(device);
-        let split = LinkedExperts::split(&self.router, a, carrier(a.carrier), files.config.hidden)?;
+        let split =
+            LinkedExperts::split(&self.router, a, carrier(a.carrier), files.config.hidden, files.experts_pack_here())?;
         let slice = Slice::load_split(&files, layers, &on, activation_dtype(device, &files), a.n_ctx as usize, split)
             .map_err(|e| out_of_memory(device, e))?;
         // On a GPU every session's KV cache is allocated now: running out of memory fails the

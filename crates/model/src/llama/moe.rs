@@ -35,6 +35,11 @@ pub trait RemoteExperts: Send + Sync {
     /// layer computes the experts held here, then waits for the outputs ([`ExpertsCall::wait`]:
     /// in the same order and shape as `xs`).
     fn call(&self, layer: usize, calls: &[(u32, usize)], xs: &[f32], mm: MatMul) -> Result<ExpertsCall, ModelError>;
+
+    /// Whether each row of a call's outputs is, bit for bit, what the row alone gives at any
+    /// number of rows (the experts' kernels compute each row alone): a slice reads several
+    /// sessions' prompts in one pass only then ([`crate::Slice::reads_prompts_together`]).
+    fn rows_independent(&self) -> bool;
 }
 
 /// A call of experts held elsewhere, under way.
@@ -188,6 +193,7 @@ impl MoeFfn {
     pub(super) fn rows_independent(&self) -> bool {
         self.experts.iter().flatten().all(Expert::rows_independent)
             && self.shared.as_ref().is_none_or(|s| s.expert.rows_independent())
+            && self.remote.as_ref().is_none_or(|r| r.rows_independent())
     }
 
     pub(super) fn runs_on_slices(&self) -> bool {
@@ -422,6 +428,10 @@ impl RemoteExperts for ExpertShard {
     fn call(&self, layer: usize, calls: &[(u32, usize)], xs: &[f32], mm: MatMul) -> Result<ExpertsCall, ModelError> {
         self.compute(layer, calls, xs, mm).map(ExpertsCall::ready)
     }
+
+    fn rows_independent(&self) -> bool {
+        self.experts.iter().flatten().all(Expert::rows_independent)
+    }
 }
 
 impl ExpertShard {
@@ -506,6 +516,31 @@ mod tests {
             shared: None,
             remote: None,
         }
+    }
+
+    /// Experts held elsewhere whose kernels compute each row alone, or not.
+    struct Away(bool);
+
+    impl RemoteExperts for Away {
+        fn call(&self, _: usize, _: &[(u32, usize)], _: &[f32], _: MatMul) -> Result<ExpertsCall, ModelError> {
+            Ok(ExpertsCall::ready(Vec::new()))
+        }
+        fn rows_independent(&self) -> bool {
+            self.0
+        }
+    }
+
+    /// A layer whose experts are all elsewhere reads several sessions' rows in one pass only
+    /// when the experts elsewhere compute each row alone: its own (none) promise nothing.
+    #[test]
+    fn rows_are_independent_only_where_the_experts_elsewhere_are() {
+        for away in [false, true] {
+            let mut f = ffn(4, 2, false, vec![0.0; 4]);
+            f.experts = vec![None, None, None, None];
+            f.remote = Some(Arc::new(Away(away)));
+            assert_eq!(f.rows_independent(), away);
+        }
+        assert!(ffn(4, 2, false, vec![0.0; 4]).rows_independent(), "no experts, no remote");
     }
 
     #[test]
