@@ -122,6 +122,23 @@ fn drafting_servers_answer_with_the_text_of_plain_decoding() {
     client(&mut s, "structured", &[]);
 }
 
+/// Split layers in the server (llama.cpp's `--n-cpu-moe`): a Qwen3-MoE-shaped mixture with the
+/// experts of 2 of its 4 layers held in RAM by a shard answers 16 concurrent streams (batched
+/// decode steps, prompts read together) with `brigade run`'s text of the whole layers.
+#[test]
+fn a_mixture_with_experts_in_ram_serves_concurrent_streams_as_run_writes_them() {
+    let dir = tempfile::tempdir().unwrap();
+    let m = dir.path().join("moe.gguf");
+    let m = m.to_str().unwrap();
+    let shape =
+        "--type q4_k --seed 7 --layers 4 --hidden 256 --ffn 256 --heads 4 --kv-heads 2 --vocab 512 --experts 8 \
+                 --experts-used 2 --moe-family qwen3moe";
+    let out = Command::new(BIN).args(["synth", "-o", m]).args(shape.split_whitespace()).output().unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let mut s = serve(&["-m", m, "--parallel", "4", "--n-cpu-moe", "2"]);
+    client(&mut s, "concurrent", &["--model-file", m]);
+}
+
 #[test]
 fn smollm2_chat_equals_run_and_a_disconnect_frees_the_slot() {
     let m = smollm2();
