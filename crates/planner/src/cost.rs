@@ -24,7 +24,8 @@
 //! back (`2 × host_link(act)`). Memory: a stage holds its layers less the experts of `[0, N)`;
 //! the CPU's budget is reduced by all of `[0, N)`'s experts. On one node every layer is on that
 //! node, so this is exactly "the CPU's own stage plus the experts of the GPUs' split layers";
-//! across nodes it would not be, and split layers are refused there.
+//! across nodes it would not be, and split layers are refused there. Energy counts a split
+//! stage's expert seconds at the host's watts, the rest at its device's.
 
 use crate::{PlanError, Policy};
 use brigade_core::{DeviceKind, Inventory, Link, ModelProfile};
@@ -76,6 +77,8 @@ pub struct Problem<'a> {
     pub driver: usize,
     /// Decode seconds of layers `[0, l)` on each device.
     pub layer_t: Vec<Vec<f64>>,
+    /// Of [`Problem::layer_t`], the seconds the host's CPU computes split layers' experts.
+    host_t: Vec<Vec<f64>>,
     /// Decode seconds of the head on each device.
     pub head_t: Vec<f64>,
     w_prefix: Vec<u64>,
@@ -208,17 +211,17 @@ impl<'a> Problem<'a> {
             devs[h].budget = devs[h].budget.saturating_sub(host_bytes);
         }
         let act = profile.act_bytes() as f64;
-        let layer_t = (0..devs.len())
-            .map(|d| {
-                let mut p = Vec::with_capacity(n_layers + 1);
-                p.push(0.0);
-                for l in 0..n_layers {
-                    let t = layer_time(profile, &devs, d, host.filter(|_| l < cpu_moe), l, 1.0, act);
-                    p.push(p[l] + t);
-                }
-                p
-            })
-            .collect();
+        let (mut layer_t, mut host_t) = (Vec::with_capacity(devs.len()), Vec::with_capacity(devs.len()));
+        for d in 0..devs.len() {
+            let (mut t, mut h) = (vec![0.0; n_layers + 1], vec![0.0; n_layers + 1]);
+            for l in 0..n_layers {
+                let (lt, lh) = layer_time(profile, &devs, d, host.filter(|_| l < cpu_moe), l, 1.0, act);
+                t[l + 1] = t[l] + lt;
+                h[l + 1] = h[l] + lh;
+            }
+            layer_t.push(t);
+            host_t.push(h);
+        }
         let stage_time = |bytes: f64, flops: f64, d: &Dev| (bytes / d.bw).max(flops / d.flops);
         let head_t = devs.iter().map(|d| stage_time(profile.head_bytes as f64, profile.head_flops, d)).collect();
         let mut w_prefix = vec![0u64; n_layers + 1];
@@ -252,6 +255,7 @@ impl<'a> Problem<'a> {
             n_layers,
             driver,
             layer_t,
+            host_t,
             head_t,
             w_prefix,
             links,
@@ -342,6 +346,25 @@ impl<'a> Problem<'a> {
         self.stage_mem_on(d, a, b).total() <= self.devs[d].budget
     }
 
+    /// Of [`Problem::stage_time`], the seconds the host's CPU computes the experts of stage
+    /// `[a, b)` on device `d` (split layers; 0 otherwise).
+    pub fn stage_host_time(&self, d: usize, a: usize, b: usize) -> f64 {
+        self.host_t[d][b] - self.host_t[d][a]
+    }
+
+    /// What a stage adds to a per-second quantity of each device (`coef`: watts for energy):
+    /// the stage's seconds at its device's rate, its experts' seconds on the host at the host's.
+    pub fn stage_amount(&self, coef: &[f64], d: usize, a: usize, b: usize) -> f64 {
+        let t = self.stage_time(d, a, b);
+        match self.host.filter(|&h| h != d) {
+            Some(h) => {
+                let x = self.stage_host_time(d, a, b);
+                coef[d] * (t - x) + coef[h] * x
+            }
+            None => coef[d] * t,
+        }
+    }
+
     /// Decode seconds per token of stage `[a, b)` on device `d`.
     pub fn stage_time(&self, d: usize, a: usize, b: usize) -> f64 {
         self.layer_t[d][b] - self.layer_t[d][a] + if b == self.n_layers { self.head_t[d] } else { 0.0 }
@@ -351,7 +374,7 @@ impl<'a> Problem<'a> {
     pub fn stage_prefill(&self, d: usize, a: usize, b: usize, p: f64) -> f64 {
         let act = self.profile.act_bytes() as f64;
         let mut t: f64 = (a..b)
-            .map(|l| layer_time(self.profile, &self.devs, d, self.host.filter(|_| l < self.cpu_moe), l, p, act))
+            .map(|l| layer_time(self.profile, &self.devs, d, self.host.filter(|_| l < self.cpu_moe), l, p, act).0)
             .sum();
         if b == self.n_layers {
             t += self.head_t[d];
@@ -393,9 +416,15 @@ impl<'a> Problem<'a> {
                 return None;
             }
             let t = self.stage_time(d, a, b);
-            match self.devs[d].watts {
-                Some(w) => energy += w * t,
-                None => has_watts = false,
+            let host_w =
+                self.host.filter(|&h| h != d && self.stage_host_time(d, a, b) > 0.0).map(|h| self.devs[h].watts);
+            match (self.devs[d].watts, host_w) {
+                (Some(w), None) => energy += w * t,
+                (Some(w), Some(Some(hw))) => {
+                    let x = self.stage_host_time(d, a, b);
+                    energy += w * (t - x) + hw * x;
+                }
+                _ => has_watts = false,
             }
             stage_t.push(t);
         }
@@ -446,17 +475,26 @@ impl<'a> Problem<'a> {
 /// Seconds of layer `l` on device `d` for a pass of `rows` tokens: the whole layer there, or
 /// with `host` (a split layer on another device than the host CPU) its dense part there, its
 /// experts on the host and the rows to the host and back over `d`'s host link.
-fn layer_time(p: &ModelProfile, devs: &[Dev], d: usize, host: Option<usize>, l: usize, rows: f64, act: f64) -> f64 {
+/// The second number is the part of it the host's CPU computes (0 for a whole layer).
+fn layer_time(
+    p: &ModelProfile,
+    devs: &[Dev],
+    d: usize,
+    host: Option<usize>,
+    l: usize,
+    rows: f64,
+    act: f64,
+) -> (f64, f64) {
     let dev = &devs[d];
     let (bytes, flops) = (p.layer_read_bytes(l, rows), rows * p.layer_flops[l]);
     match host.filter(|&h| h != d) {
-        None => (bytes / dev.bw).max(flops / dev.flops),
+        None => ((bytes / dev.bw).max(flops / dev.flops), 0.0),
         Some(h) => {
             let (eb, ef) = (p.expert_read_bytes(l, rows), rows * p.expert_flops(l));
             let dense = ((bytes - eb).max(0.0) / dev.bw).max((flops - ef).max(0.0) / dev.flops);
             let experts = (eb / devs[h].bw).max(ef / devs[h].flops);
             let hops = 2.0 * dev.host_link.map_or(0.0, |link| link.time(rows * act));
-            dense + experts + hops
+            (dense + experts + hops, experts)
         }
     }
 }

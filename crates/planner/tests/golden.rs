@@ -267,6 +267,14 @@ fn scenario_a_mixture_keeps_its_experts_in_ram() {
         + 2.0 * (10e-6 + 2048.0 * 4.0 / 25e9);
     let got = pr.layer_t[cuda][1] - pr.layer_t[cuda][0];
     assert!((got - want).abs() < 1e-9 * want, "{got} vs {want}");
+    // energy: the GPU's watts while it computes, the CPU's (170 W) while it computes the experts
+    let pr15 = brigade_planner::cost::Problem::with_cpu_moe(&inv, &m, &Policy::default(), 4096, 15).unwrap();
+    let cpu = pr15.devs.iter().position(|d| d.name == "cpu").unwrap();
+    let experts_s = 14.0 * (e * 8.0 / 128.0 / 60e9).max(m.expert_flops(0) / 2e12);
+    let t = pr15.stage_time(cuda, 1, 48);
+    let metrics = pr15.evaluate(&[(cpu, 0, 1), (cuda, 1, 48)]).unwrap();
+    let want = 170.0 * pr15.stage_time(cpu, 0, 1) + 450.0 * (t - experts_s) + 170.0 * experts_s;
+    assert!((metrics.energy_j.unwrap() - want).abs() < 1e-9 * want, "{:?} vs {want}", metrics.energy_j);
     // RAM too small for the experts asked for: refused with the experts' bytes against the RAM
     let mut small = inv.clone();
     small.nodes[0].devices.iter_mut().filter(|d| d.name == "cpu").for_each(|d| d.memory = 8 << 30);
