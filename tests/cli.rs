@@ -778,10 +778,12 @@ fn split_layers_keep_the_tokens_and_show_in_plan_and_bench() {
     };
     let whole = run(&[]);
     let want = ids(&whole["generated_ids"]);
+    assert_eq!(whole["n_cpu_moe"], 0);
     assert_eq!(want.len(), 24);
     for extra in [&["--n-cpu-moe", "2"][..], &["--cpu-moe"], &["--cpu-moe", "--device-map", "cpu:1,cpu:3"]] {
         let j = run(extra);
         assert_eq!(ids(&j["generated_ids"]), want, "{extra:?}");
+        assert_eq!(j["n_cpu_moe"], if extra[0] == "--n-cpu-moe" { 2 } else { 4 }, "{extra:?}");
         for d in j["devices"].as_array().unwrap() {
             let (held, predicted) =
                 (d["host_expert_bytes"].as_u64().unwrap(), d["predicted_host_expert_bytes"].as_u64().unwrap());

@@ -87,6 +87,9 @@ struct RunOut {
     stop: brigade_model::pipeline::StopReason,
     seed: u64,
     n_ctx: usize,
+    /// Split layers: the routed experts of layers `[0, n_cpu_moe)` were held in RAM (given, or
+    /// what `-ngl auto` chose); 0: whole layers.
+    n_cpu_moe: usize,
     gpus: Vec<brigade_model::devices::CudaInfo>,
     timings: Timings,
     devices: Vec<DeviceOut>,
@@ -178,6 +181,7 @@ fn generate(a: RunArgs, prep: Prepared, t_load: Instant) -> Result<RunOut> {
     let _accelerators = Accelerators::open(&ordinals)?;
     let free_before = gpu_free();
     let (pipeline, predicted) = load(&prep, a.common.ngl == Some(GpuLayers::Auto))?;
+    let n_cpu_moe = prep.placement.cpu_moe;
     let Prepared { files, n_ctx, n_predict, prompt_ids, sampler, gpus, .. } = prep;
     let tk: Arc<Tokenizer> = files.tokenizer.clone();
     // The slices own their weights now; unmapping the file keeps the process's resident memory
@@ -230,6 +234,7 @@ fn generate(a: RunArgs, prep: Prepared, t_load: Instant) -> Result<RunOut> {
         stop: stats.stop,
         seed,
         n_ctx,
+        n_cpu_moe,
         gpus,
         timings: timings(load_ms, &stats),
         devices,
