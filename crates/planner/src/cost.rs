@@ -25,7 +25,8 @@
 //! the CPU's budget is reduced by all of `[0, N)`'s experts. On one node every layer is on that
 //! node, so this is exactly "the CPU's own stage plus the experts of the GPUs' split layers";
 //! across nodes it would not be, and split layers are refused there. Energy counts a split
-//! stage's expert seconds at the host's watts, the rest at its device's.
+//! stage's expert seconds at the host's watts, the rest at its device's; for throughput the host
+//! is busy with its own stage and every split layer's experts (`Problem::stage_load`).
 
 use crate::{PlanError, Policy};
 use brigade_core::{DeviceKind, Inventory, Link, ModelProfile};
@@ -79,6 +80,12 @@ pub struct Problem<'a> {
     pub layer_t: Vec<Vec<f64>>,
     /// Of [`Problem::layer_t`], the seconds the host's CPU computes split layers' experts.
     host_t: Vec<Vec<f64>>,
+    /// Seconds per token the host's CPU computes the experts of every split layer, wherever
+    /// the layer is: `X = Σ_{l<N} x_l` (0 without split layers).
+    host_load: f64,
+    /// Per layer, prefix sums of what a layer on the host adds to its load beyond `X`: its time,
+    /// less `x_l` for a layer below N (whose experts `X` counts already).
+    load_t: Vec<f64>,
     /// Decode seconds of the head on each device.
     pub head_t: Vec<f64>,
     w_prefix: Vec<u64>,
@@ -222,6 +229,19 @@ impl<'a> Problem<'a> {
             layer_t.push(t);
             host_t.push(h);
         }
+        // the host's load per token: every split layer's experts, then what its own layers add
+        let (mut host_load, mut load_t) = (0.0, vec![0.0; n_layers + 1]);
+        if let Some(h) = host {
+            for l in 0..n_layers {
+                let x = if l < cpu_moe {
+                    (profile.expert_read_bytes(l, 1.0) / devs[h].bw).max(profile.expert_flops(l) / devs[h].flops)
+                } else {
+                    0.0
+                };
+                host_load += x;
+                load_t[l + 1] = load_t[l] + (layer_t[h][l + 1] - layer_t[h][l] - x).max(0.0);
+            }
+        }
         let stage_time = |bytes: f64, flops: f64, d: &Dev| (bytes / d.bw).max(flops / d.flops);
         let head_t = devs.iter().map(|d| stage_time(profile.head_bytes as f64, profile.head_flops, d)).collect();
         let mut w_prefix = vec![0u64; n_layers + 1];
@@ -256,6 +276,8 @@ impl<'a> Problem<'a> {
             driver,
             layer_t,
             host_t,
+            host_load,
+            load_t,
             head_t,
             w_prefix,
             links,
@@ -365,6 +387,25 @@ impl<'a> Problem<'a> {
         }
     }
 
+    /// How long device `d` is busy per token holding stage `[a, b)`, what a throughput cap
+    /// bounds: the stage's time, except on the host of split layers, which also computes every
+    /// split layer's experts ([`Problem::host_floor`] plus what its own layers add).
+    pub fn stage_load(&self, d: usize, a: usize, b: usize) -> f64 {
+        match self.host.filter(|&h| h == d && self.cpu_moe > 0) {
+            Some(_) => {
+                let head = if b == self.n_layers { self.head_t[d] } else { 0.0 };
+                self.host_load + self.load_t[b] - self.load_t[a] + head
+            }
+            None => self.stage_time(d, a, b),
+        }
+    }
+
+    /// Seconds per token the host's CPU computes split layers' experts, whether or not it holds
+    /// a stage: no pipeline with split layers runs faster than one token per this.
+    pub fn host_floor(&self) -> f64 {
+        self.host_load
+    }
+
     /// Decode seconds per token of stage `[a, b)` on device `d`.
     pub fn stage_time(&self, d: usize, a: usize, b: usize) -> f64 {
         self.layer_t[d][b] - self.layer_t[d][a] + if b == self.n_layers { self.head_t[d] } else { 0.0 }
@@ -438,7 +479,9 @@ impl<'a> Problem<'a> {
         let d_in = self.drv_in[first.0]?;
         let d_out = self.drv_out[last.0]?;
         let total = d_in + d_out + stage_t.iter().sum::<f64>() + hops.iter().sum::<f64>();
-        let bottleneck = stage_t.iter().chain(hops.iter()).fold(0.0f64, |m, &x| m.max(x));
+        // each device's busy time (the host's with every split layer's experts), each hop
+        let loads = stages.iter().map(|&(d, a, b)| self.stage_load(d, a, b));
+        let bottleneck = loads.chain(hops.iter().copied()).fold(self.host_load, f64::max);
         let throughput = (self.sessions as f64 / total).min(1.0 / bottleneck);
         Some(Metrics {
             decode_s: total,

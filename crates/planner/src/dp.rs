@@ -89,6 +89,9 @@ pub fn min_latency_within(p: &Problem, subset: &[usize], cap: Option<f64>, limit
     assert!(k <= MAX_SUBSET, "subset of {k} devices");
     let l = p.n_layers;
     let cap = cap.unwrap_or(f64::INFINITY);
+    if p.host_floor() > cap {
+        return None;
+    }
     let mut t = Table::new(k, l);
     // bmax[i][a]: the last end b < L that device subset[i] can take from a >= 1
     let bmax: Vec<Vec<usize>> = subset
@@ -98,7 +101,7 @@ pub fn min_latency_within(p: &Problem, subset: &[usize], cap: Option<f64>, limit
             let mut b = 1;
             for (a, slot) in out.iter_mut().enumerate().skip(1) {
                 b = b.max(a);
-                while b + 1 < l && p.fits(d, a, b + 1) && p.stage_time(d, a, b + 1) <= cap {
+                while b + 1 < l && p.fits(d, a, b + 1) && p.stage_load(d, a, b + 1) <= cap {
                     b += 1;
                 }
                 *slot = b;
@@ -113,7 +116,7 @@ pub fn min_latency_within(p: &Problem, subset: &[usize], cap: Option<f64>, limit
                 break; // memory only grows with b (the head included)
             }
             let st = p.stage_time(d, 0, b);
-            if st <= cap && din + st <= limit {
+            if p.stage_load(d, 0, b) <= cap && din + st <= limit {
                 t.relax(1 << i, i, b, din + st, (NONE, 0));
             }
         }
@@ -165,7 +168,7 @@ pub fn min_latency_within(p: &Problem, subset: &[usize], cap: Option<f64>, limit
                     let v = t.val[row + a];
                     if v.is_finite() && p.fits(dj, a, l) {
                         let st = p.stage_time(dj, a, l);
-                        if st <= cap && v + hop + st <= limit {
+                        if p.stage_load(dj, a, l) <= cap && v + hop + st <= limit {
                             t.relax(nmask, j, l, v + hop + st, (i as u8, a as u16));
                         }
                     }
@@ -371,6 +374,9 @@ pub fn beam_latency(
     assert!(k <= 128, "beam over {k} devices");
     let l = p.n_layers;
     let cap = cap.unwrap_or(f64::INFINITY);
+    if p.host_floor() > cap {
+        return None;
+    }
     let mut cells: Vec<Vec<BeamEntry>> = vec![Vec::new(); k * (l + 1)];
     let at = |i: usize, b: usize| i * (l + 1) + b;
     let insert = |cell: &mut Vec<BeamEntry>, e: BeamEntry| {
@@ -395,7 +401,7 @@ pub fn beam_latency(
                 break;
             }
             let st = p.stage_time(d, 0, b);
-            if st <= cap {
+            if p.stage_load(d, 0, b) <= cap {
                 insert(&mut cells[at(i, b)], BeamEntry { val: din + st, mask: 1 << i, back: (u16::MAX, 0, 0) });
             }
         }
@@ -427,7 +433,7 @@ pub fn beam_latency(
                             break;
                         }
                         let st = p.stage_time(dj, a, b);
-                        if st > cap {
+                        if p.stage_load(dj, a, b) > cap {
                             if b < l {
                                 break;
                             }

@@ -507,6 +507,16 @@ fn bottleneck(p: &Problem, sol: &Solution, obj: Objective) -> String {
     for (w, &t) in sol.stages.windows(2).zip(&m.hop_s) {
         parts.push((t, format!("hop {} → {}", p.devs[w[0].0].label(), p.devs[w[1].0].label())));
     }
+    if obj == Objective::Throughput {
+        // what caps many sessions is each device's load: the host of split layers also computes
+        // the other stages' experts
+        for (&(d, a, b), part) in sol.stages.iter().zip(parts.iter_mut()) {
+            part.0 = p.stage_load(d, a, b);
+        }
+        if let Some(h) = p.host.filter(|_| p.cpu_moe > 0 && !sol.stages.iter().any(|s| Some(s.0) == p.host)) {
+            parts.push((p.host_floor(), format!("the split layers' experts on {}", p.devs[h].label())));
+        }
+    }
     let Some((t, what)) = parts.into_iter().max_by(|a, b| a.0.total_cmp(&b.0)) else {
         return String::new();
     };

@@ -112,7 +112,8 @@ fn solve_subset(p: &Problem, subset: &[usize], policy: &Policy, obj: Objective) 
 }
 
 /// Maximum throughput: the best solution is the latency-optimal one under some cap on every
-/// stage and hop; the cap is one of the finitely many stage or hop times, and the objective
+/// stage's load ([`Problem::stage_load`]) and hop; the cap is one of the finitely many loads or
+/// hop times, and the objective
 /// `min(S / T(cap), 1 / cap)` rises then falls along the sorted caps, so a search for where
 /// `S / T(cap)` first reaches `1 / cap` finds it. The search probes two caps at a time on two
 /// threads (thirds of the range per round instead of halves: 6–7 rounds instead of 10 on the
@@ -126,7 +127,7 @@ fn throughput(p: &Problem, subset: &[usize]) -> Option<Stages> {
                 if !p.fits(d, a, b) {
                     break;
                 }
-                caps.push(p.stage_time(d, a, b));
+                caps.push(p.stage_load(d, a, b));
             }
         }
         for &e in subset {
@@ -135,6 +136,8 @@ fn throughput(p: &Problem, subset: &[usize]) -> Option<Stages> {
             }
         }
     }
+    // split layers: the host's experts alone can be the slowest part
+    caps.push(p.host_floor());
     caps.sort_by(f64::total_cmp);
     caps.dedup();
     let s = p.sessions as f64;

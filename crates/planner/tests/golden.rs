@@ -275,6 +275,14 @@ fn scenario_a_mixture_keeps_its_experts_in_ram() {
     let metrics = pr15.evaluate(&[(cpu, 0, 1), (cuda, 1, 48)]).unwrap();
     let want = 170.0 * pr15.stage_time(cpu, 0, 1) + 450.0 * (t - experts_s) + 170.0 * experts_s;
     assert!((metrics.energy_j.unwrap() - want).abs() < 1e-9 * want, "{:?} vs {want}", metrics.energy_j);
+    // many sessions: the CPU computes its own layer and all 15 split layers' experts per token
+    let x = experts_s / 14.0;
+    let cpu_load = 15.0 * x + (pr15.stage_time(cpu, 0, 1) - x);
+    assert!((pr15.stage_load(cpu, 0, 1) - cpu_load).abs() < 1e-12);
+    assert_eq!(pr15.stage_load(cuda, 1, 48), t);
+    assert_eq!(metrics.bottleneck_s, t.max(cpu_load).max(metrics.hop_s[0]));
+    let only_gpu = pr15.evaluate(&[(cuda, 0, 48)]);
+    assert!(only_gpu.is_none_or(|m| m.bottleneck_s >= 15.0 * x));
     // RAM too small for the experts asked for: refused with the experts' bytes against the RAM
     let mut small = inv.clone();
     small.nodes[0].devices.iter_mut().filter(|d| d.name == "cpu").for_each(|d| d.memory = 8 << 30);
