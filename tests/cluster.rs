@@ -257,6 +257,38 @@ fn experts_held_on_other_nodes_answer_what_run_answers() {
     assert_eq!(names.len(), 3, "{names:?}");
 }
 
+/// Split layers in a cluster (`deploy --n-cpu-moe`), as far as a machine without a GPU shows
+/// them: the worker holds the experts of the layers below N in a shard in its RAM and the rest of
+/// those layers on its device, and the answer is `run`'s. The cost model plans a split on a
+/// cluster of one node: with two, the deploy is refused with the reason, changing nothing.
+#[test]
+fn split_layers_on_one_node_answer_what_run_answers() {
+    let mut c = Cluster::new();
+    c.start_coordinator(&[]);
+    c.start_worker("w1", &[]);
+    c.wait_up(1);
+    let moe = c.path("moe.gguf");
+    let shape = ["--layers", "4", "--hidden", "256", "--ffn", "128", "--heads", "8", "--kv-heads", "4"];
+    let experts = ["--vocab", "512", "--experts", "8", "--experts-used", "2", "--moe-family", "qwen3moe"];
+    synth(&moe, &[&shape[..], &experts[..], &["--type", "q4_k"]].concat());
+    let m = moe.to_str().unwrap();
+    let d = c.deploy(&["--name", "split", "-m", m, "--n-cpu-moe", "2"]);
+    assert_eq!(d["state"], "ready", "{d}");
+    assert!(c.logs().contains("experts of layers [0, 2) in RAM"), "{}", c.logs());
+    for p in &PROMPTS[..2] {
+        let (_, want) = run_ids(Some(&moe), p, 16);
+        assert_eq!(ids(&c.generate("split", p, 16)["generated_ids"]), want, "{p}\n{}", c.logs());
+    }
+    c.start_worker("w2", &[]);
+    c.wait_up(2);
+    let out = c.brigade(&["deploy", "--name", "two", "-m", m, "--cpu-moe"]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success() && err.contains("planned on one node"), "{err}");
+    let names: Vec<String> =
+        c.status()["deployments"].as_array().unwrap().iter().map(|d| d["name"].as_str().unwrap().to_string()).collect();
+    assert_eq!(names, ["split"]);
+}
+
 /// A mixture whose layers, each with its experts, fit on none of three small nodes: deployed
 /// without a map, the planner places the layers without their experts and shards the experts over
 /// the memory left, and the answer is `run`'s.

@@ -105,6 +105,7 @@ pub fn for_node(state: &ClusterState, node: &str) -> Assignments {
             expert_start: s.experts.map_or(0, |e| e.start),
             expert_end: s.experts.map_or(0, |e| e.end),
             experts_elsewhere,
+            cpu_moe: d.cpu_moe as u32,
         });
     }
     let peers = state

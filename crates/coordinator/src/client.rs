@@ -187,6 +187,7 @@ impl ClientService {
             headroom,
             driver: (!r.driver.is_empty()).then(|| r.driver.clone()),
             device_map: r.device_map.clone(),
+            cpu_moe: r.cpu_moe as usize,
         };
         let p = placement::place(&self.shared.state(), &model, &req)?;
         Ok((model, p, ctx, sessions))
@@ -610,6 +611,7 @@ impl Client for ClientService {
             replacements: 0,
             note: String::new(),
             by_hand: !r.device_map.trim().is_empty(),
+            cpu_moe: (r.cpu_moe as usize).min(model.n_layers),
         };
         let known = self.shared.state().models.get(&model.id) == Some(&model);
         if !known {

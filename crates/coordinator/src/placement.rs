@@ -133,6 +133,9 @@ pub struct PlacementRequest {
     pub driver: Option<String>,
     /// `NODE:DEVICE:LAYERS,…`; empty = the planner decides.
     pub device_map: String,
+    /// Split layers: the experts of layers `[0, cpu_moe)` in the RAM of their node (0: whole
+    /// layers). The cost model plans them on a cluster of one node.
+    pub cpu_moe: usize,
 }
 
 /// A placement with its predictions.
@@ -201,8 +204,8 @@ fn policy(req: &PlacementRequest) -> Policy {
         sessions: req.sessions as u64,
         headroom: req.headroom,
         driver: req.driver.clone(),
-        // workers load whole layers (their experts may be sharded over nodes, never in a split)
-        cpu_moe: brigade_planner::CpuMoe::Layers(0),
+        // split layers only as asked (the deployment records the split its workers load)
+        cpu_moe: brigade_planner::CpuMoe::Layers(req.cpu_moe),
         ..Policy::default()
     }
 }
@@ -226,6 +229,8 @@ fn plan(state: &ClusterState, model: &ModelRecord, req: &PlacementRequest) -> Re
     }
     let p = match best_plan(&inv, &model.profile, req) {
         Ok(p) => p,
+        // split layers asked for: no other way is tried
+        Err(e) if req.cpu_moe > 0 => return Err(e),
         // a mixture whose layers fit no pipeline with their experts: the experts apart
         Err(e) => match experts_apart(&inv, model, req) {
             Ok(Some(placement)) => return Ok(with_notes(placement, &notes)),
@@ -470,6 +475,12 @@ pub fn expert_entries(map: &str) -> Result<(String, Vec<ExpertEntry>), CoordErro
 fn by_hand(state: &ClusterState, model: &ModelRecord, req: &PlacementRequest) -> Result<Placement, CoordError> {
     let (pipeline_map, expert_map) = expert_entries(&req.device_map)?;
     let entries = parse_device_map(&pipeline_map, model.n_layers)?;
+    if !expert_map.is_empty() && req.cpu_moe > 0 {
+        return Err(CoordError::BadRequest(
+            "--device-map `experts=` entries and --n-cpu-moe: experts on other nodes or in each layer's own RAM, not both"
+                .into(),
+        ));
+    }
     if !expert_map.is_empty() {
         let why = if model.experts == 0 {
             Some("is not a mixture of experts")
@@ -820,6 +831,7 @@ mod tests {
             replacements: 0,
             note: String::new(),
             by_hand: false,
+            cpu_moe: 0,
         };
         s.apply(Command::CreateDeployment { deployment: d }).unwrap();
         // experts of 300 MiB a layer: 4.8 GiB of experts on 2.7 GiB of nodes
@@ -842,6 +854,7 @@ mod tests {
             headroom: 0.10,
             driver: None,
             device_map: device_map.into(),
+            cpu_moe: 0,
         }
     }
 

@@ -68,6 +68,8 @@ fn request(d: &Deployment) -> PlacementRequest {
         headroom: 0.10,
         driver: None,
         device_map: String::new(),
+        // a re-placement keeps the split asked for
+        cpu_moe: d.cpu_moe,
     }
 }
 
@@ -279,6 +281,7 @@ mod tests {
             replacements: 0,
             note: String::new(),
             by_hand: false,
+            cpu_moe: 0,
         };
         let p = placement::place(&s, &s.models["m"], &request(&deployment)).unwrap();
         let deployment =

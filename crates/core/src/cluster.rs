@@ -355,6 +355,10 @@ pub struct Deployment {
     /// no longer fits on the nodes that are up.
     #[serde(default)]
     pub note: String,
+    /// Split layers: the routed experts of layers `[0, cpu_moe)` are held in the RAM of the node
+    /// that holds each layer, computed by its CPU (0: whole layers).
+    #[serde(default)]
+    pub cpu_moe: usize,
     /// Placed by a hand-given map: never moved for a faster placement (only when a node dies).
     #[serde(default)]
     pub by_hand: bool,
@@ -1110,6 +1114,7 @@ mod tests {
             replacements: 0,
             note: String::new(),
             by_hand: false,
+            cpu_moe: 0,
             expert_stages: vec![],
         }
     }

@@ -694,6 +694,10 @@ pub struct DeployParams {
     pub headroom: f64,
     /// Prompt tokens per chunk into the first stage; 0: brigade's choice.
     pub ubatch: u32,
+    /// Split layers: the routed experts of the first N layers in the RAM of the node that holds
+    /// each layer, computed by its CPU (llama.cpp's `--n-cpu-moe`); 0: whole layers. Planned on a
+    /// cluster of one node.
+    pub cpu_moe: u32,
 }
 
 impl DeployParams {
@@ -712,6 +716,7 @@ impl DeployParams {
             wait_s: 600,
             headroom: 0.10,
             ubatch: 0,
+            cpu_moe: 0,
         }
     }
 
@@ -729,6 +734,7 @@ impl DeployParams {
             wait_s: self.wait_s,
             headroom: self.headroom,
             ubatch: self.ubatch,
+            cpu_moe: self.cpu_moe,
         }
     }
 }

@@ -88,6 +88,7 @@ fn request() -> PlacementRequest {
         headroom: 0.10,
         driver: None,
         device_map: String::new(),
+        cpu_moe: 0,
     }
 }
 
@@ -143,6 +144,7 @@ pub fn setup(workers: usize) -> Result<Vec<Command>, String> {
         replacements: 0,
         note: String::new(),
         by_hand: false,
+        cpu_moe: 0,
     };
     out.push(Command::CreateDeployment { deployment });
     Ok(out)

@@ -11,7 +11,7 @@ use crate::{WorkerConfig, WorkerError};
 use brigade_core::cluster::{ActDtype, CarrierKind};
 use brigade_core::{DeviceId, LayerRange};
 use brigade_model::device::{activation_dtype, candle_device, is_out_of_memory};
-use brigade_model::{ExpertShard, ModelError, ModelFiles, Slice};
+use brigade_model::{ExpertShard, ExpertSplit, ModelError, ModelFiles, Slice};
 use brigade_proto::convert::{act_dtype_from_proto, carrier_from_proto};
 use brigade_proto::v1::{FileRange, PeerRef, SliceStatus, StageAssignment, StageState};
 use std::collections::HashMap;
@@ -309,8 +309,33 @@ impl Node {
         let on = candle_device(device)?;
         let max_sessions = a.max_sessions.max(1) as usize;
         let free_before = gpu_free(device);
-        let split =
-            LinkedExperts::split(&self.router, a, carrier(a.carrier), files.config.hidden, files.experts_pack_here())?;
+        // split layers: the experts of layers below `cpu_moe` in this node's RAM, computed by its
+        // CPU (a shard in this process, as `Pipeline::load_cpu_moe` holds them on one box)
+        let host_end = (a.cpu_moe as usize).min(layers.end());
+        let split = if host_end > layers.start() {
+            let Some(moe) = files.config.moe else {
+                return Err(WorkerError::Manifest(format!(
+                    "split layers below {} of a model without experts",
+                    a.cpu_moe
+                )));
+            };
+            if !a.experts_elsewhere.is_empty() {
+                return Err(WorkerError::Manifest("split layers and experts on other nodes in one stage".into()));
+            }
+            let host = LayerRange::new(layers.start(), host_end)
+                .map_err(|e| WorkerError::Manifest(format!("split layers: {e}")))?;
+            let shard = ExpertShard::load(&files, host, 0..moe.experts as u32)?;
+            tracing::info!(
+                deployment = %a.deployment,
+                stage = a.stage,
+                "experts of layers {host} in RAM ({} bytes), the rest of layers {layers} on {}",
+                shard.weight_bytes(),
+                a.device
+            );
+            Some(ExpertSplit { elsewhere: vec![(host, 0..moe.experts as u32)], remote: Arc::new(shard) })
+        } else {
+            LinkedExperts::split(&self.router, a, carrier(a.carrier), files.config.hidden, files.experts_pack_here())?
+        };
         let slice = Slice::load_split(&files, layers, &on, activation_dtype(device, &files), a.n_ctx as usize, split)
             .map_err(|e| out_of_memory(device, e))?;
         // On a GPU every session's KV cache is allocated now: running out of memory fails the
