@@ -9,7 +9,7 @@
 
 use crate::device::{activation_dtype, candle_device};
 use crate::generation::Generation;
-use crate::llama::{ExpertShard, ExpertSplit, Logits, Slice, SliceCache, StageInput};
+use crate::llama::{ExpertSplit, Logits, Slice, SliceCache, StageInput};
 use crate::sampler::Sampler;
 use crate::speculative::Drafter;
 use crate::weights::ModelFiles;
@@ -167,34 +167,13 @@ impl Pipeline {
         cpu_moe: usize,
         mut progress: impl FnMut(usize, &Stage),
     ) -> Result<Self, ModelError> {
-        let cfg = files.config();
-        check_cover(stages.iter().map(|s| (s.layers.start(), s.layers.end())), cfg.n_layers)?;
-        let experts = match (cfg.moe, cpu_moe) {
-            (_, 0) => 0,
-            (Some(m), _) => m.experts as u32,
-            (None, _) => {
-                return Err(ModelError::BadSlice(format!(
-                    "experts of {cpu_moe} layers in host memory asked for, but {:?} has no experts",
-                    cfg.arch
-                )))
-            }
-        };
+        check_cover(stages.iter().map(|s| (s.layers.start(), s.layers.end())), files.config().n_layers)?;
         let mut out = Vec::with_capacity(stages.len());
         let mut host_experts = Vec::with_capacity(stages.len());
         for (i, s) in stages.iter().enumerate() {
             let dev = candle_device(s.device)?;
-            let end = s.layers.end().min(cpu_moe);
-            let split = match brigade_core::LayerRange::new(s.layers.start(), end) {
-                Ok(host) if experts > 0 && end > s.layers.start() => {
-                    let shard = ExpertShard::load(files, host, 0..experts)?;
-                    host_experts.push(shard.weight_bytes());
-                    Some(ExpertSplit { elsewhere: vec![(host, 0..experts)], remote: std::sync::Arc::new(shard) })
-                }
-                _ => {
-                    host_experts.push(0);
-                    None
-                }
-            };
+            let (split, host) = ExpertSplit::in_ram(files, s.layers, cpu_moe)?.unzip();
+            host_experts.push(host.unwrap_or(0));
             let slice = Slice::load_split(files, s.layers, &dev, activation_dtype(s.device, files), n_ctx, split)?;
             out.push((s.device, slice));
             progress(i, s);

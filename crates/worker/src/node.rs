@@ -311,28 +311,18 @@ impl Node {
         let free_before = gpu_free(device);
         // split layers: the experts of layers below `cpu_moe` in this node's RAM, computed by its
         // CPU (a shard in this process, as `Pipeline::load_cpu_moe` holds them on one box)
-        let host_end = (a.cpu_moe as usize).min(layers.end());
-        let split = if host_end > layers.start() {
-            let Some(moe) = files.config.moe else {
-                return Err(WorkerError::Manifest(format!(
-                    "split layers below {} of a model without experts",
-                    a.cpu_moe
-                )));
-            };
+        let split = if let Some((split, bytes)) = ExpertSplit::in_ram(&files, layers, a.cpu_moe as usize)? {
             if !a.experts_elsewhere.is_empty() {
                 return Err(WorkerError::Manifest("split layers and experts on other nodes in one stage".into()));
             }
-            let host = LayerRange::new(layers.start(), host_end)
-                .map_err(|e| WorkerError::Manifest(format!("split layers: {e}")))?;
-            let shard = ExpertShard::load(&files, host, 0..moe.experts as u32)?;
             tracing::info!(
                 deployment = %a.deployment,
                 stage = a.stage,
-                "experts of layers {host} in RAM ({} bytes), the rest of layers {layers} on {}",
-                shard.weight_bytes(),
+                "experts of layers {} in RAM ({bytes} bytes), the rest of layers {layers} on {}",
+                split.elsewhere[0].0,
                 a.device
             );
-            Some(ExpertSplit { elsewhere: vec![(host, 0..moe.experts as u32)], remote: Arc::new(shard) })
+            Some(split)
         } else {
             LinkedExperts::split(&self.router, a, carrier(a.carrier), files.config.hidden, files.experts_pack_here())?
         };

@@ -71,6 +71,33 @@ pub struct ExpertSplit {
 }
 
 impl ExpertSplit {
+    /// Split layers (llama.cpp's `--n-cpu-moe`): the routed experts of the layers of `layers`
+    /// below `cpu_moe`, every id, held in host RAM by an [`ExpertShard`] in this process, with
+    /// its bytes; `None` when no layer of `layers` is below `cpu_moe`. What
+    /// `Pipeline::load_cpu_moe` and a worker's stage load beside the slice.
+    pub fn in_ram(
+        files: &ModelFiles,
+        layers: LayerRange,
+        cpu_moe: usize,
+    ) -> Result<Option<(ExpertSplit, u64)>, ModelError> {
+        let end = layers.end().min(cpu_moe);
+        if end <= layers.start() {
+            return Ok(None);
+        }
+        let host = LayerRange::new(layers.start(), end).map_err(|e| ModelError::BadSlice(e.to_string()))?;
+        let cfg = files.config();
+        let Some(spec) = cfg.moe else {
+            return Err(ModelError::BadSlice(format!(
+                "the experts of layers {host} in host memory asked for, but {:?} has no experts",
+                cfg.arch
+            )));
+        };
+        let ids = 0..spec.experts as u32;
+        let shard = ExpertShard::load(files, host, ids.clone())?;
+        let bytes = shard.weight_bytes();
+        Ok(Some((ExpertSplit { elsewhere: vec![(host, ids)], remote: Arc::new(shard) }, bytes)))
+    }
+
     fn is_elsewhere(&self, layer: usize, expert: u32) -> bool {
         self.elsewhere.iter().any(|(l, e)| l.contains(layer) && e.contains(&expert))
     }
