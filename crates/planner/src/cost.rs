@@ -113,9 +113,8 @@ pub struct Problem<'a> {
     pub cpu_moe: usize,
     /// The device index of the CPU that holds those experts (with `cpu_moe > 0`).
     pub host: Option<usize>,
-    /// The host's budget cannot hold the experts of `[0, cpu_moe)`: no assignment fits.
-    host_short: bool,
-    /// Bytes of the experts of `[0, cpu_moe)` and the host's budget before them.
+    /// Bytes of the experts of `[0, cpu_moe)` and the host's budget before them (more than the
+    /// budget: no assignment fits).
     host_need: (u64, u64),
 }
 
@@ -210,10 +209,8 @@ impl<'a> Problem<'a> {
             n => Some(split_host(inv, profile, &devs, n)?),
         };
         let host_bytes: u64 = (0..cpu_moe).map(|l| profile.expert_bytes(l)).fold(0, u64::saturating_add);
-        let mut host_short = false;
         let mut host_need = (0, 0);
         if let Some(h) = host {
-            host_short = host_bytes > devs[h].budget;
             host_need = (host_bytes, devs[h].budget);
             devs[h].budget = devs[h].budget.saturating_sub(host_bytes);
         }
@@ -233,11 +230,7 @@ impl<'a> Problem<'a> {
         let (mut host_load, mut load_t) = (0.0, vec![0.0; n_layers + 1]);
         if let Some(h) = host {
             for l in 0..n_layers {
-                let x = if l < cpu_moe {
-                    (profile.expert_read_bytes(l, 1.0) / devs[h].bw).max(profile.expert_flops(l) / devs[h].flops)
-                } else {
-                    0.0
-                };
+                let x = if l < cpu_moe { expert_time(profile, &devs[h], l, 1.0) } else { 0.0 };
                 host_load += x;
                 load_t[l + 1] = load_t[l] + (layer_t[h][l + 1] - layer_t[h][l] - x).max(0.0);
             }
@@ -296,7 +289,6 @@ impl<'a> Problem<'a> {
             sessions: policy.sessions,
             cpu_moe,
             host,
-            host_short,
             host_need,
             devs,
         })
@@ -311,7 +303,7 @@ impl<'a> Problem<'a> {
     /// When the host's RAM cannot hold the experts of `[0, cpu_moe)`: (their bytes, the host's
     /// budget).
     pub fn host_shortfall(&self) -> Option<(u64, u64)> {
-        self.host_short.then_some(self.host_need)
+        (self.host_need.0 > self.host_need.1).then_some(self.host_need)
     }
 
     /// Whether device `d` runs split layers (a device other than the host, with experts in the
@@ -376,14 +368,14 @@ impl<'a> Problem<'a> {
 
     /// What a stage adds to a per-second quantity of each device (`coef`: watts for energy):
     /// the stage's seconds at its device's rate, its experts' seconds on the host at the host's.
-    pub fn stage_amount(&self, coef: &[f64], d: usize, a: usize, b: usize) -> f64 {
+    pub fn stage_amount(&self, coef: impl Fn(usize) -> f64, d: usize, a: usize, b: usize) -> f64 {
         let t = self.stage_time(d, a, b);
         match self.host.filter(|&h| h != d) {
             Some(h) => {
                 let x = self.stage_host_time(d, a, b);
-                coef[d] * (t - x) + coef[h] * x
+                coef(d) * (t - x) + coef(h) * x
             }
-            None => coef[d] * t,
+            None => coef(d) * t,
         }
     }
 
@@ -446,7 +438,7 @@ impl<'a> Problem<'a> {
     /// Evaluates a complete assignment (stages in pipeline order, covering `[0, L)`).
     pub fn evaluate(&self, stages: &[(usize, usize, usize)]) -> Option<Metrics> {
         let (first, last) = (stages.first()?, stages.last()?);
-        if first.1 != 0 || last.2 != self.n_layers || self.host_short {
+        if first.1 != 0 || last.2 != self.n_layers || self.host_shortfall().is_some() {
             return None;
         }
         let mut stage_t = Vec::with_capacity(stages.len());
@@ -457,15 +449,13 @@ impl<'a> Problem<'a> {
                 return None;
             }
             let t = self.stage_time(d, a, b);
+            // joules need the watts of the device and, where it computes experts, the host's
             let host_w =
                 self.host.filter(|&h| h != d && self.stage_host_time(d, a, b) > 0.0).map(|h| self.devs[h].watts);
-            match (self.devs[d].watts, host_w) {
-                (Some(w), None) => energy += w * t,
-                (Some(w), Some(Some(hw))) => {
-                    let x = self.stage_host_time(d, a, b);
-                    energy += w * (t - x) + hw * x;
-                }
-                _ => has_watts = false,
+            if self.devs[d].watts.is_some() && host_w.is_none_or(|w| w.is_some()) {
+                energy += self.stage_amount(|i| self.devs[i].watts.unwrap_or(0.0), d, a, b);
+            } else {
+                has_watts = false;
             }
             stage_t.push(t);
         }
@@ -535,11 +525,16 @@ fn layer_time(
         Some(h) => {
             let (eb, ef) = (p.expert_read_bytes(l, rows), rows * p.expert_flops(l));
             let dense = ((bytes - eb).max(0.0) / dev.bw).max((flops - ef).max(0.0) / dev.flops);
-            let experts = (eb / devs[h].bw).max(ef / devs[h].flops);
+            let experts = expert_time(p, &devs[h], l, rows);
             let hops = 2.0 * dev.host_link.map_or(0.0, |link| link.time(rows * act));
             (dense + experts + hops, experts)
         }
     }
+}
+
+/// Seconds the host `host` computes layer `l`'s routed experts for a pass of `rows` tokens.
+fn expert_time(p: &ModelProfile, host: &Dev, l: usize, rows: f64) -> f64 {
+    (p.expert_read_bytes(l, rows) / host.bw).max(rows * p.expert_flops(l) / host.flops)
 }
 
 /// The CPU device that holds split layers' experts: the one node's CPU. Refuses a model without

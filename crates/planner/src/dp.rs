@@ -255,7 +255,7 @@ pub fn pareto(p: &Problem, subset: &[usize], second: &Second) -> (Vec<(f64, f64,
             let st = p.stage_time(d, 0, b);
             cells[idx(1 << i, i, b)].push(Point {
                 t: din + st,
-                z: second.hop_coef * din + p.stage_amount(second.coef, d, 0, b),
+                z: second.hop_coef * din + p.stage_amount(|i| second.coef[i], d, 0, b),
                 back: (NONE, 0, 0),
             });
         }
@@ -287,7 +287,7 @@ pub fn pareto(p: &Problem, subset: &[usize], second: &Second) -> (Vec<(f64, f64,
                         }
                         let st = p.stage_time(dj, a, b);
                         let add_t = hop + st;
-                        let add_z = second.hop_coef * hop + p.stage_amount(second.coef, dj, a, b);
+                        let add_z = second.hop_coef * hop + p.stage_amount(|i| second.coef[i], dj, a, b);
                         let src = idx(mask, i, a);
                         let dst = idx(nmask, j, b);
                         let n = cells[src].len();

@@ -199,22 +199,25 @@ pub fn plan(inv: &Inventory, profile: &ModelProfile, policy: &Policy) -> Result<
         CpuMoe::Auto if splits_possible(inv, profile) => (0..=profile.n_layers()).collect(),
         CpuMoe::Auto => vec![0],
     };
-    // the energy objective's slack applies to the best latency over every split
-    let t_best = match (policy.objective, splits.len()) {
+    // the energy objective's slack applies to the best latency over every split: each split's
+    // own best latency (infinite where nothing fits), then the best of them
+    let own: Vec<f64> = match (policy.objective, splits.len()) {
         (Objective::Energy, 2..) => splits
             .iter()
-            .filter_map(|&n| {
-                let p = Problem::with_cpu_moe(inv, profile, policy, policy.ctx, n).ok()?;
-                search::solve(&p, policy, Objective::Latency).map(|s| s.metrics.decode_s)
+            .map(|&n| {
+                let p = Problem::with_cpu_moe(inv, profile, policy, policy.ctx, n).ok();
+                p.and_then(|p| search::solve(&p, policy, Objective::Latency))
+                    .map_or(f64::INFINITY, |s| s.metrics.decode_s)
             })
-            .min_by(f64::total_cmp),
-        _ => None,
+            .collect(),
+        _ => Vec::new(),
     };
+    let t_best = own.iter().copied().min_by(f64::total_cmp).filter(|t| t.is_finite());
     let mut best: Option<(Problem, Policy, Solution)> = None;
     let mut first_err = None;
     let mut whole = None;
-    for &n in &splits {
-        match plan_at(inv, profile, policy, n, t_best) {
+    for (k, &n) in splits.iter().enumerate() {
+        match plan_at(inv, profile, policy, n, t_best.map(|tb| (tb, own[k]))) {
             Ok((p, pol, sol)) => {
                 let better = best.as_ref().is_none_or(|(_, _, b)| {
                     let (v, w) = (
@@ -281,14 +284,14 @@ fn splits_possible(inv: &Inventory, profile: &ModelProfile) -> bool {
 }
 
 /// The plan with the experts of layers `[0, n)` in RAM: the problem, the policy (with the
-/// context max-context found) and the solution. `t_best`: for the energy objective, the best
-/// decode latency over every split, which the slack applies to (not this split's own).
+/// context max-context found) and the solution. `bound`: for the energy objective, the best
+/// decode latency over every split, which the slack applies to, and this split's own.
 fn plan_at<'a>(
     inv: &'a Inventory,
     profile: &'a ModelProfile,
     policy: &Policy,
     n: usize,
-    t_best: Option<f64>,
+    bound: Option<(f64, f64)>,
 ) -> Result<(Problem<'a>, Policy, Solution), PlanError> {
     let mut policy = Policy { cpu_moe: CpuMoe::Layers(n), ..policy.clone() };
     if policy.objective == Objective::MaxContext {
@@ -301,9 +304,8 @@ fn plan_at<'a>(
     let p = Problem::with_cpu_moe(inv, profile, &policy, policy.ctx, n)?;
     check_watts(&p, &policy)?;
     let mut search_policy = policy.clone();
-    if let (Objective::Energy, Some(tb)) = (policy.objective, t_best) {
+    if let (Objective::Energy, Some((tb, own))) = (policy.objective, bound) {
         // slack × this split's best latency = slack × the best over every split
-        let own = search::solve(&p, &policy, Objective::Latency).map_or(f64::INFINITY, |s| s.metrics.decode_s);
         search_policy.slack = policy.slack * tb / own;
     }
     let mut sol = search::solve(&p, &search_policy, policy.objective).ok_or_else(|| {
@@ -319,7 +321,7 @@ fn plan_at<'a>(
             infeasible(&p, &profile.name)
         }
     })?;
-    if let (Objective::Energy, Some(tb)) = (policy.objective, t_best) {
+    if let (Objective::Energy, Some((tb, _))) = (policy.objective, bound) {
         sol.latency_bound_s = Some(tb);
     }
     Ok((p, policy, sol))
