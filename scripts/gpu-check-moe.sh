@@ -11,36 +11,9 @@
 #
 #   scripts/gpu-check-moe.sh BIN_DIR OUT_DIR     (BIN_DIR holds `brigade` built with --features cuda)
 set -u
-BIN=$(cd "${1:-.gpu}" && pwd) || exit 1
-OUT=${2:-${OUT:-/tmp/brigade-gpu-out}}
-W=${BRIGADE_WORK:-/tmp/brigade-gpu-models}
-mkdir -p "$OUT" "$W"
-LIB=/opt/torch/.venv/lib/python3.12/site-packages/nvidia/cu13/lib
-export LD_LIBRARY_PATH=$LIB${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
-T=$(nproc)
-log() { echo "[$(date +%T) +${SECONDS}s] $*" | tee -a "$OUT/log.txt"; }
-step() { # step NAME TIMEOUT_S OUTFILE CMD...: run, log its exit status and time, keep going
-  local name=$1 limit=$2 out=$3; shift 3
-  local t0=$SECONDS
-  timeout "$limit" "$@" >>"$out" 2>>"$OUT/log.txt"
-  local rc=$?
-  log "$name: exit $rc in $((SECONDS - t0)) s"
-  return $rc
-}
+. "$(dirname "$0")/gpu-lib.sh"
 compact() { # compact FILE...: each JSON file as one line of runs.jsonl (a missing one skipped)
   for f in "$@"; do [ -s "$f" ] && python3 -c 'import json,sys; print(json.dumps(json.load(open(sys.argv[1]))))' "$f" >>"$OUT/runs.jsonl" 2>>"$OUT/log.txt"; done
-}
-same() { # same NAME A B: whether two JSON files' generated_ids are equal, logged
-  python3 - "$2" "$3" <<'PY' 2>&1 | sed "s/^/$1-ids: /" | tee -a "$OUT/log.txt"
-import json, sys
-try:
-    a, b = (json.load(open(f))["generated_ids"] for f in sys.argv[1:3])
-except Exception as e:
-    print(f"not compared ({type(e).__name__}: {e})")
-    sys.exit()
-i = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
-print("equal" if a == b else f"DIFFER at {i if i is not None else min(len(a), len(b))}")
-PY
 }
 
 log "start: $(nvidia-smi --query-gpu=name,memory.total,memory.used --format=csv,noheader 2>&1), $T CPU threads"

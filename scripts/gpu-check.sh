@@ -9,22 +9,7 @@
 #   scripts/gpu-check.sh BIN_DIR OUT_DIR
 #     BIN_DIR holds `brigade` and `devices-test` (the GPU test binary) built with --features cuda
 set -u
-BIN=$(cd "${1:-.gpu}" && pwd)
-OUT=${2:-${OUT:-/tmp/brigade-gpu-out}}
-W=${BRIGADE_WORK:-/tmp/brigade-gpu-models}
-mkdir -p "$OUT" "$W"
-LIB=/opt/torch/.venv/lib/python3.12/site-packages/nvidia/cu13/lib
-export LD_LIBRARY_PATH=$LIB${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
-T=$(nproc)
-log() { echo "[$(date +%T) +${SECONDS}s] $*" | tee -a "$OUT/log.txt"; }
-step() { # step NAME TIMEOUT_S OUTFILE CMD...: run, log its exit status and time, keep going
-  local name=$1 limit=$2 out=$3; shift 3
-  local t0=$SECONDS
-  timeout "$limit" "$@" >>"$out" 2>>"$OUT/log.txt"
-  local rc=$?
-  log "$name: exit $rc in $((SECONDS - t0)) s"
-  return $rc
-}
+. "$(dirname "$0")/gpu-lib.sh"
 
 log "start: $(nvidia-smi --query-gpu=name,memory.total,memory.used,driver_version --format=csv,noheader 2>&1), $T CPU threads"
 
@@ -91,9 +76,6 @@ if [ $SECONDS -lt 480 ]; then
   step cluster-deploy-hand 180 "$OUT/cluster.txt" "$BIN/brigade" deploy "${CL[@]}" --name hand -m "$C/1b.gguf" --device-map gpu:cuda0:12,cpu:cpu:4
   step cluster-gen-hand 120 "$C/hand.json" "$BIN/brigade" generate "${CL[@]}" --model hand -p "Once upon a time" -n 64 --temp 0 --json
   step cluster-run-same-split 120 "$C/box.json" "$BIN/brigade" run -m "$C/1b.gguf" --device-map cuda0:12,cpu:4 -p "Once upon a time" -n 64 --temp 0 --json
-  same() { # same NAME A B: whether two JSON files' generated_ids are equal, logged
-    python3 -c 'import json,sys; a,b=(json.load(open(f))["generated_ids"] for f in sys.argv[1:3]); print("equal" if a==b else f"DIFFER at {next((i for i,(x,y) in enumerate(zip(a,b)) if x!=y), min(len(a),len(b)))}: {a} vs {b}")' "$2" "$3" 2>&1 | sed "s/^/$1-ids: /" | tee -a "$OUT/log.txt"
-  }
   same cluster-hand "$C/hand.json" "$C/box.json"
   cat "$C/hand.json" "$C/box.json" >>"$OUT/cluster.jsonl"
   step cluster-deploy-planned 180 "$OUT/cluster.txt" "$BIN/brigade" deploy "${CL[@]}" --name planned -m "$C/1b.gguf"
