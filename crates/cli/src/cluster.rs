@@ -455,13 +455,9 @@ pub struct DeployArgs {
     /// chunks of 64 that overlap across several).
     #[arg(long, default_value_t = 0)]
     pub ubatch: u32,
-    /// Keep the routed experts of every layer in the RAM of the node that holds it, computed by
-    /// its CPU (llama.cpp's `--cpu-moe`; a cluster of one node) …
-    #[arg(long = "cpu-moe", conflicts_with = "n_cpu_moe")]
-    pub cpu_moe: bool,
-    /// … or of the first N layers (`--n-cpu-moe`).
-    #[arg(long = "n-cpu-moe")]
-    pub n_cpu_moe: Option<u32>,
+    // split layers (a cluster of one node: its worker holds the experts in its RAM)
+    #[command(flatten)]
+    pub split: crate::common::SplitArgs,
     /// Seconds to wait for every stage to load (0: return at once).
     #[arg(long, default_value_t = 600)]
     pub wait: u32,
@@ -488,7 +484,7 @@ pub fn deploy_request(a: &DeployArgs) -> DeployParams {
         wait_s: a.wait,
         headroom: a.headroom,
         ubatch: a.ubatch,
-        cpu_moe: if a.cpu_moe { u32::MAX } else { a.n_cpu_moe.unwrap_or(0) },
+        cpu_moe: a.split.layers().map_or(0, |n| u32::try_from(n).unwrap_or(u32::MAX)),
         ..DeployParams::new(&a.name, &a.model)
     }
 }

@@ -571,22 +571,31 @@ pub struct ModelArgs {
     /// Share of free GPU memory `-ngl auto` leaves unused.
     #[arg(long = "headroom", default_value_t = 0.10)]
     pub headroom: f64,
-    /// Keep the routed experts of every layer in RAM, computed by the CPU, while the rest of
-    /// each layer runs where it is placed (llama.cpp's `--cpu-moe`).
-    #[arg(long = "cpu-moe", conflicts_with = "n_cpu_moe")]
-    pub cpu_moe: bool,
-    /// Keep the routed experts of the first N layers in RAM (llama.cpp's `--n-cpu-moe`).
-    /// Default: 0, or with `-ngl auto` what the planner finds fastest within memory.
-    #[arg(long = "n-cpu-moe")]
-    pub n_cpu_moe: Option<usize>,
+    #[command(flatten)]
+    pub split: SplitArgs,
     /// How `-ngl auto` measures this machine the first time (cached after): `full` or `quick`.
     #[arg(long = "measure", default_value = "full")]
     pub measure: brigade_model::measure::Effort,
 }
 
-impl ModelArgs {
-    /// `--cpu-moe` (every layer) or `--n-cpu-moe N`; `None` when neither is given.
-    pub fn cpu_moe(&self) -> Option<usize> {
+/// Split layers of a mixture of experts, with llama.cpp's flags: the options `run`, `serve`,
+/// `plan` and `deploy` share.
+#[derive(clap::Args, Debug, Clone, Copy)]
+pub struct SplitArgs {
+    /// Keep the routed experts of every layer in RAM, computed by the CPU, while the rest of
+    /// each layer runs where it is placed (llama.cpp's `--cpu-moe`) …
+    #[arg(long = "cpu-moe", conflicts_with = "n_cpu_moe")]
+    pub cpu_moe: bool,
+    /// … or of the first N layers (llama.cpp's `--n-cpu-moe`). Default: whole layers, or where
+    /// the planner searches (`-ngl auto`, `plan` on one node) the split it finds fastest within
+    /// memory. `deploy` splits layers on a cluster of one node, in its worker's RAM.
+    #[arg(long = "n-cpu-moe")]
+    pub n_cpu_moe: Option<usize>,
+}
+
+impl SplitArgs {
+    /// `--cpu-moe` (every layer: `usize::MAX`) or `--n-cpu-moe N`; `None` when neither is given.
+    pub fn layers(&self) -> Option<usize> {
         if self.cpu_moe {
             Some(usize::MAX)
         } else {
@@ -610,10 +619,16 @@ impl ModelArgs {
         let files = open_model(self.model.as_deref())?;
         let n_ctx = context_len(&files, self.ctx)?;
         let gpus = detect_gpus();
-        let placement =
-            place(&files, self.ngl, self.device_map.as_deref(), self.cpu_moe(), n_ctx, self.headroom, &gpus, || {
-                Machine::measure(&gpus, self.measure)
-            })?;
+        let placement = place(
+            &files,
+            self.ngl,
+            self.device_map.as_deref(),
+            self.split.layers(),
+            n_ctx,
+            self.headroom,
+            &gpus,
+            || Machine::measure(&gpus, self.measure),
+        )?;
         if let Some(n) = &placement.notice {
             eprintln!("{n}");
         }

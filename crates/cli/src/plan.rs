@@ -75,13 +75,8 @@ pub struct PlanArgs {
     pub also_shape: Option<String>,
     #[arg(long = "also-quant")]
     pub also_quant: Option<String>,
-    /// Keep the routed experts of every layer in RAM (llama.cpp's `--cpu-moe`) …
-    #[arg(long = "cpu-moe", conflicts_with = "n_cpu_moe")]
-    pub cpu_moe: bool,
-    /// … or of the first N layers (`--n-cpu-moe`). Default: for a mixture of experts on one
-    /// node with a GPU, the planner searches every N with the cut points.
-    #[arg(long = "n-cpu-moe")]
-    pub n_cpu_moe: Option<usize>,
+    #[command(flatten)]
+    pub split: crate::common::SplitArgs,
     /// Print JSON.
     #[arg(long)]
     pub json: bool,
@@ -165,11 +160,7 @@ pub fn run_plan(a: PlanArgs) -> Result<()> {
         slack: a.slack,
         max_watts: a.max_watts,
         reserved: Vec::new(),
-        cpu_moe: match (a.cpu_moe, a.n_cpu_moe) {
-            (true, _) => CpuMoe::Layers(usize::MAX),
-            (false, Some(n)) => CpuMoe::Layers(n),
-            (false, None) => CpuMoe::Auto,
-        },
+        cpu_moe: a.split.layers().map_or(CpuMoe::Auto, CpuMoe::Layers),
     };
     let result = match &second {
         None => plan(&inv, &main, &policy).map(|p| (p, None)),
