@@ -838,14 +838,30 @@ fn split_layers_keep_the_tokens_and_show_in_plan_and_bench() {
     // a fixed split, every layer
     let j = ok_json(&[&args[..8], &["--cpu-moe"][..]].concat());
     assert_eq!(j["cpu_moe"], 48);
-    // a dense shape, or a cluster of several nodes, refuses a split
+    // a dense shape refuses a split
     expect_error(
         &["plan", "--shape", "llama-8b", "--quant", "q4_k", "--cluster", c.to_str().unwrap(), "--n-cpu-moe", "4"],
         "has no experts",
     );
-    let two = clusters().join("gateway-edges.toml");
-    expect_error(
-        &["plan", "--shape", "qwen3-30b-a3b", "--quant", "q8_0", "--cluster", two.to_str().unwrap(), "--cpu-moe"],
-        "one node",
-    );
+    // across nodes each node's RAM holds its own layers' experts (by the reservation heuristic)
+    let two = clusters().join("two-gpu-boxes.toml");
+    let args = ["plan", "--shape", "qwen3-235b-a22b", "--quant", "q4_k", "--cluster", two.to_str().unwrap()];
+    let j = ok_json(&[&args[..], &["--cpu-moe", "--json"][..]].concat());
+    assert_eq!(j["exact"], false, "{j}");
+    assert_eq!(j["heuristic"], "split layers' RAM across nodes");
+    for st in j["stages"].as_array().unwrap() {
+        let (node, cpu) = (st["node"].as_str().unwrap(), st["device"] == "cpu");
+        assert_eq!(st["host_layers"].is_null(), cpu, "{st}");
+        if !cpu {
+            assert_eq!(st["host_device"], format!("{node}/cpu"), "{st}");
+        }
+    }
+    // not asked: every split searched, the best kept against whole layers
+    let j = ok_json(&[&args[..], &["--json"][..]].concat());
+    let n = j["cpu_moe"].as_u64().unwrap();
+    assert!(n > 0 && n < 94, "{j}");
+    let whole =
+        j["rejected"].as_array().unwrap().iter().find(|r| r["alternative"].as_str().unwrap().starts_with("whole"));
+    let whole_rate = whole.and_then(|r| r["tokens_per_s"].as_f64()).unwrap();
+    assert!(j["tokens_per_s"].as_f64().unwrap() > whole_rate, "{j}");
 }

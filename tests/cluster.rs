@@ -258,11 +258,12 @@ fn experts_held_on_other_nodes_answer_what_run_answers() {
 }
 
 /// Split layers in a cluster (`deploy --n-cpu-moe`), as far as a machine without a GPU shows
-/// them: the worker holds the experts of the layers below N in a shard in its RAM and the rest of
-/// those layers on its device, and the answer is `run`'s. The cost model plans a split on a
-/// cluster of one node: with two, the deploy is refused with the reason, changing nothing.
+/// them: each worker holds the experts of its layers below N in a shard in its RAM and the rest
+/// of those layers on its device, and the answer is `run`'s: on one node, across two by hand,
+/// and on a cluster of three as the planner places it. A node whose RAM cannot hold its layers
+/// with their experts is refused with the numbers, changing nothing.
 #[test]
-fn split_layers_on_one_node_answer_what_run_answers() {
+fn split_layers_answer_what_run_answers_on_one_node_and_across_nodes() {
     let mut c = Cluster::new();
     c.start_coordinator(&[]);
     c.start_worker("w1", &[]);
@@ -275,18 +276,29 @@ fn split_layers_on_one_node_answer_what_run_answers() {
     let d = c.deploy(&["--name", "split", "-m", m, "--n-cpu-moe", "2"]);
     assert_eq!(d["state"], "ready", "{d}");
     assert!(c.logs().contains("experts of layers [0, 2) in RAM"), "{}", c.logs());
+    c.start_worker("w2", &[]);
+    c.start_worker("w3", &["--memory", "1MiB"]);
+    c.wait_up(3);
+    let d = c.deploy(&["--name", "two", "-m", m, "--n-cpu-moe", "3", "--device-map", "w1:cpu:2,w2:cpu:2"]);
+    assert_eq!(d["state"], "ready", "{d}");
+    assert!(c.logs().contains("experts of layers [2, 3) in RAM"), "{}", c.logs());
+    // placed by the planner (across nodes it reserves each node's share of the experts)
+    let d = c.deploy(&["--name", "planned", "-m", m, "--cpu-moe"]);
+    assert_eq!(d["state"], "ready", "{d}");
     for p in &PROMPTS[..2] {
         let (_, want) = run_ids(Some(&moe), p, 16);
-        assert_eq!(ids(&c.generate("split", p, 16)["generated_ids"]), want, "{p}\n{}", c.logs());
+        for model in ["split", "two", "planned"] {
+            assert_eq!(ids(&c.generate(model, p, 16)["generated_ids"]), want, "{model}: {p}\n{}", c.logs());
+        }
     }
-    c.start_worker("w2", &[]);
-    c.wait_up(2);
-    let out = c.brigade(&["deploy", "--name", "two", "-m", m, "--cpu-moe"]);
+    // w3's 1 MiB holds no layer with its experts
+    let out = c.brigade(&["deploy", "--name", "bad", "-m", m, "--cpu-moe", "--device-map", "w1:cpu:2,w3:cpu:2"]);
     let err = String::from_utf8_lossy(&out.stderr);
-    assert!(!out.status.success() && err.contains("planned on one node"), "{err}");
-    let names: Vec<String> =
+    assert!(!out.status.success() && err.contains("on w3/cpu, its budget is"), "{err}");
+    let mut names: Vec<String> =
         c.status()["deployments"].as_array().unwrap().iter().map(|d| d["name"].as_str().unwrap().to_string()).collect();
-    assert_eq!(names, ["split"]);
+    names.sort();
+    assert_eq!(names, ["planned", "split", "two"]);
 }
 
 /// A mixture whose layers, each with its experts, fit on none of three small nodes: deployed

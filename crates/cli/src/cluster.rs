@@ -455,7 +455,7 @@ pub struct DeployArgs {
     /// chunks of 64 that overlap across several).
     #[arg(long, default_value_t = 0)]
     pub ubatch: u32,
-    // split layers (a cluster of one node: its worker holds the experts in its RAM)
+    // split layers (each worker holds the experts of its layers below N in its RAM)
     #[command(flatten)]
     pub split: crate::common::SplitArgs,
     /// Seconds to wait for every stage to load (0: return at once).

@@ -541,6 +541,10 @@ fn by_hand(state: &ClusterState, model: &ModelRecord, req: &PlacementRequest) ->
     for (i, &(d, a, b)) in idx.iter().enumerate() {
         let mut mem = problem.stage_mem(a, b);
         mem.weights = mem.weights.saturating_sub(away(a, b)?);
+        if problem.across_nodes() && !problem.splits_on(d) {
+            // split layers across nodes: a stage on its node's CPU holds its layers' experts
+            mem.weights = mem.weights.saturating_add(problem.host_expert_bytes(a, b));
+        }
         if mem.total() > problem.devs[d].budget {
             return Err(CoordError::BadRequest(format!(
                 "--device-map: layers {a}–{} need {} bytes on {}, its budget is {} bytes",
@@ -562,6 +566,21 @@ fn by_hand(state: &ClusterState, model: &ModelRecord, req: &PlacementRequest) ->
             predicted_s: problem.stage_time(d, a, b) + hop,
             experts: None,
         });
+    }
+    // split layers across nodes: each node's CPU holds its own stage and the experts its other
+    // stages leave there
+    for u in problem.host_usage(&idx) {
+        if !u.fits() {
+            return Err(CoordError::BadRequest(format!(
+                "--n-cpu-moe {}: {} would hold {} bytes of its own stage and {} bytes of its node's split \
+                 experts, its budget is {} bytes",
+                req.cpu_moe,
+                problem.devs[u.host].label(),
+                u.own_bytes,
+                u.expert_bytes,
+                u.budget
+            )));
+        }
     }
     let mut expert_stages = Vec::with_capacity(expert_map.len());
     for (node, device, ids) in &expert_map {
@@ -783,6 +802,51 @@ mod tests {
             .collect();
         model = ModelRecord { id: "moe".into(), name: "moe".into(), n_layers: 2, profile, ranges, experts: 8, ..model };
         (s, model)
+    }
+
+    /// Split layers across nodes (`deploy --n-cpu-moe`): each node's RAM holds the experts of
+    /// the layers on that node's GPU, counted against that node's CPU, by hand and by the planner.
+    #[test]
+    fn split_layers_across_nodes_count_each_nodes_ram() {
+        // 1.2 GiB of experts a layer; two gateways of a 1 GiB GPU and a CPU of 1 GiB (gw) or
+        // 4 GiB (e1)
+        let (mut s, model) = moe_fleet(GIB, 150 << 20);
+        for (name, ram) in [("gw", GIB), ("e1", 4 * GIB)] {
+            let node = NodeRecord {
+                name: name.into(),
+                address: format!("{name}:7071"),
+                devices: vec![
+                    device("cuda0", DeviceKind::Cuda, GIB, 2e12, 1e14),
+                    device("cpu", DeviceKind::Cpu, ram, 20e9, 3e11),
+                ],
+                version: "test".into(),
+                state: NodeState::Up,
+                registered_ms: 1,
+                lowered: Default::default(),
+            };
+            s.apply(Command::RegisterNode { node }).unwrap();
+        }
+        let split = |map: &str| PlacementRequest { cpu_moe: 2, ..request(map) };
+        // gw's 0.9 GiB cannot hold layer 0's experts, whatever e1 has free
+        let e = place(&s, &model, &split("gw:cuda0:1,e1:cuda0:1")).unwrap_err().to_string();
+        assert!(
+            e.contains("gw/cpu would hold 0 bytes of its own stage and 1258291200 bytes of its node's split experts"),
+            "{e}"
+        );
+        // e1 holds both layers' experts for its GPU
+        let p = place(&s, &model, &split("e1:cuda0:2")).unwrap();
+        assert!(p.stages[0].weight_bytes < 100 << 20, "the experts are not on the GPU: {}", p.plan_text);
+        // a stage on a CPU holds its own layers' experts
+        let p = place(&s, &model, &split("e1:cuda0:1,e1:cpu:1")).unwrap();
+        assert!(p.stages[1].weight_bytes > 1200 << 20, "{}", p.plan_text);
+        let e = place(&s, &model, &split("e1:cuda0:1,gw:cpu:1")).unwrap_err().to_string();
+        assert!(e.contains("need") && e.contains("on gw/cpu"), "{e}");
+        // the planner: every GPU stage's experts in its own node's RAM, within it
+        let p = place(&s, &model, &split("")).unwrap();
+        assert!(p.plan_text.contains("heuristic split layers' RAM across nodes"), "{}", p.plan_text);
+        for st in p.stages.iter().filter(|st| st.device == "cuda0") {
+            assert_eq!(st.node, "e1", "only e1's RAM holds a layer's experts: {}", p.plan_text);
+        }
     }
 
     /// A layer's experts bigger than any node: no pipeline holds the layers with them, so the

@@ -16,17 +16,21 @@
 //!   × memory`, with `kv` of the device's kind (a CPU may keep its cache in f32 where GPUs keep
 //!   bf16) and `positions_l` the context, or a sliding-window layer's window plus one pass.
 //!
-//! **Split layers** (a mixture of experts on one node, llama.cpp's `--n-cpu-moe N`): the routed
-//! experts of layers `[0, N)` live in the node's RAM and run on its CPU, the rest of those layers
-//! on whichever device holds them. A split layer on a GPU costs its dense part there, its experts
-//! on the CPU (`max(e_l × share / cpu_bw, f_e / cpu_flops)`, `share` the expected part of the
-//! experts the pass reads: [`ModelProfile::expert_read_bytes`]) and the rows to the host and
-//! back (`2 × host_link(act)`). Memory: a stage holds its layers less the experts of `[0, N)`;
-//! the CPU's budget is reduced by all of `[0, N)`'s experts. On one node every layer is on that
-//! node, so this is exactly "the CPU's own stage plus the experts of the GPUs' split layers";
-//! across nodes it would not be, and split layers are refused there. Energy counts a split
-//! stage's expert seconds at the host's watts, the rest at its device's; for throughput the host
-//! is busy with its own stage and every split layer's experts (`Problem::stage_load`).
+//! **Split layers** (a mixture of experts, llama.cpp's `--n-cpu-moe N`): the routed experts of
+//! layers `[0, N)` live in the RAM of the node that holds the layer and run on its CPU (the
+//! layer's *host*), the rest of those layers on whichever device holds them. A split layer on a
+//! GPU costs its dense part there, its experts on the host (`max(e_l × share / cpu_bw, f_e /
+//! cpu_flops)`, `share` the expected part of the experts the pass reads:
+//! [`ModelProfile::expert_read_bytes`]) and the rows to the host and back (`2 × host_link(act)`).
+//! Memory: a node's CPU holds its own stage plus the experts of its GPUs' split layers. On one
+//! node every layer is on that node, so the CPU's budget is reduced by all of `[0, N)`'s experts
+//! and every stage holds its layers less those: exact, whatever the assignment. Across nodes a
+//! node's share depends on which layers land there, which the programs cannot follow; there the
+//! search reserves each host's share from the plans it finds and tries again until a plan fits
+//! ([`crate::search::solve`], reported as not exact), and [`Problem::evaluate`] checks every
+//! node's RAM exactly. Energy counts a split stage's expert seconds at the host's watts, the rest
+//! at its device's; for throughput a host is busy with its own stage and its split layers'
+//! experts (`Problem::stage_load`).
 
 use crate::{PlanError, Policy};
 use brigade_core::{DeviceKind, Inventory, Link, ModelProfile};
@@ -65,6 +69,7 @@ impl Dev {
 }
 
 /// A model on an inventory under a policy, with everything precomputed that the search reads.
+#[derive(Clone)]
 pub struct Problem<'a> {
     /// The model to place.
     pub profile: &'a ModelProfile,
@@ -80,12 +85,14 @@ pub struct Problem<'a> {
     pub layer_t: Vec<Vec<f64>>,
     /// Of [`Problem::layer_t`], the seconds the host's CPU computes split layers' experts.
     host_t: Vec<Vec<f64>>,
-    /// Seconds per token the host's CPU computes the experts of every split layer, wherever
-    /// the layer is: `X = Σ_{l<N} x_l` (0 without split layers).
-    host_load: f64,
-    /// Per layer, prefix sums of what a layer on the host adds to its load beyond `X`: its time,
-    /// less `x_l` for a layer below N (whose experts `X` counts already).
-    load_t: Vec<f64>,
+    /// Per device, seconds per token a host is taken by split experts beside its own layers:
+    /// on one node the experts of every split layer, wherever the layer is, `X = Σ_{l<N} x_l`;
+    /// across nodes the search's reservation for the other devices' split layers. 0 elsewhere.
+    host_load: Vec<f64>,
+    /// Per host device, prefix sums of what a layer on it adds to its load beyond
+    /// [`Problem::host_load`]: its time, less on one node `x_l` for a layer below N (which `X`
+    /// counts already). Empty for other devices.
+    load_t: Vec<Vec<f64>>,
     /// Decode seconds of the head on each device.
     pub head_t: Vec<f64>,
     w_prefix: Vec<u64>,
@@ -108,14 +115,56 @@ pub struct Problem<'a> {
     pub ctx: u64,
     /// Concurrent sessions every stage holds a KV cache for.
     pub sessions: u64,
-    /// Split layers: the experts of layers `[0, cpu_moe)` are in the host CPU's RAM (0: whole
+    /// Split layers: the experts of layers `[0, cpu_moe)` are in their hosts' RAM (0: whole
     /// layers only).
     pub cpu_moe: usize,
-    /// The device index of the CPU that holds those experts (with `cpu_moe > 0`).
+    /// On one node, the device index of its CPU, which holds the experts of `[0, cpu_moe)`
+    /// (with `cpu_moe > 0`); `None` across nodes, where each node's CPU holds its own layers'
+    /// ([`Problem::host_of`]).
     pub host: Option<usize>,
-    /// Bytes of the experts of `[0, cpu_moe)` and the host's budget before them (more than the
-    /// budget: no assignment fits).
+    /// Per device, with split layers: the CPU of its node (a CPU is its own); `None` without
+    /// split layers or on a node without a CPU (whose devices hold whole layers).
+    hosts: Vec<Option<usize>>,
+    /// Per device, its budget before a reservation for split experts.
+    host_budget: Vec<u64>,
+    /// Across nodes, per device: at most how many bytes of split experts a stage on it may
+    /// leave in its host's RAM (the search's share; the host's whole budget at first).
+    host_room: Vec<u64>,
+    /// On one node, bytes of the experts of `[0, cpu_moe)` and the host's budget before them
+    /// (more than the budget: no assignment fits).
     host_need: (u64, u64),
+    /// Made by [`Problem::reserving`]: [`Problem::evaluate`] judges by the reservation, as the
+    /// programs do, not by each node's share.
+    reserved: bool,
+}
+
+/// What a host CPU holds and computes in an assignment across nodes ([`Problem::host_usage`]).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct HostUse {
+    /// The host's device index.
+    pub host: usize,
+    /// Bytes of its own stage, if it holds one (its layers' experts included).
+    pub own_bytes: u64,
+    /// Bytes of the split experts it holds for the GPU stages of its node.
+    pub expert_bytes: u64,
+    /// Its budget.
+    pub budget: u64,
+    /// Seconds per token of its own stage.
+    pub own_s: f64,
+    /// Seconds per token it computes those split experts.
+    pub expert_s: f64,
+}
+
+impl HostUse {
+    /// Seconds per token the host is busy.
+    pub fn load(&self) -> f64 {
+        self.own_s + self.expert_s
+    }
+
+    /// Whether its RAM holds all of it.
+    pub fn fits(&self) -> bool {
+        self.own_bytes.saturating_add(self.expert_bytes) <= self.budget
+    }
 }
 
 /// The links between nodes by node index, both directions: one lookup per device pair instead of
@@ -159,9 +208,9 @@ impl<'a> Problem<'a> {
         Self::with_cpu_moe(inv, profile, policy, ctx, cpu_moe)
     }
 
-    /// [`Problem::new`] with the experts of layers `[0, cpu_moe)` in the host's RAM (split
+    /// [`Problem::new`] with the experts of layers `[0, cpu_moe)` in their hosts' RAM (split
     /// layers; `cpu_moe` past the last layer is every layer). Errors when the model has no
-    /// experts, the cluster has more than one node, or its node has no CPU device.
+    /// experts, or no node that could hold them has a CPU device.
     pub fn with_cpu_moe(
         inv: &'a Inventory,
         profile: &'a ModelProfile,
@@ -204,10 +253,16 @@ impl<'a> Problem<'a> {
             None => 0,
             Some(name) => inv.node_index(name).ok_or_else(|| PlanError::UnknownDriver(name.clone()))?,
         };
-        let host = match cpu_moe {
-            0 => None,
-            n => Some(split_host(inv, profile, &devs, n)?),
+        let hosts = match cpu_moe {
+            0 => vec![None; devs.len()],
+            n => split_hosts(inv, profile, &devs, n)?,
         };
+        // one node: its CPU holds every split layer's experts, whichever device holds the layer
+        let host = match inv.nodes.len() {
+            1 => hosts[0],
+            _ => None,
+        };
+        let host_budget: Vec<u64> = devs.iter().map(|d| d.budget).collect();
         let host_bytes: u64 = (0..cpu_moe).map(|l| profile.expert_bytes(l)).fold(0, u64::saturating_add);
         let mut host_need = (0, 0);
         if let Some(h) = host {
@@ -216,24 +271,30 @@ impl<'a> Problem<'a> {
         }
         let act = profile.act_bytes() as f64;
         let (mut layer_t, mut host_t) = (Vec::with_capacity(devs.len()), Vec::with_capacity(devs.len()));
-        for d in 0..devs.len() {
+        for (d, host_d) in hosts.iter().enumerate() {
             let (mut t, mut h) = (vec![0.0; n_layers + 1], vec![0.0; n_layers + 1]);
             for l in 0..n_layers {
-                let (lt, lh) = layer_time(profile, &devs, d, host.filter(|_| l < cpu_moe), l, 1.0, act);
+                let (lt, lh) = layer_time(profile, &devs, d, host_d.filter(|_| l < cpu_moe), l, 1.0, act);
                 t[l + 1] = t[l] + lt;
                 h[l + 1] = h[l] + lh;
             }
             layer_t.push(t);
             host_t.push(h);
         }
-        // the host's load per token: every split layer's experts, then what its own layers add
-        let (mut host_load, mut load_t) = (0.0, vec![0.0; n_layers + 1]);
-        if let Some(h) = host {
+        // a host's load per token: on one node every split layer's experts, then what its own
+        // layers add; across nodes its own layers (the search reserves the others' experts)
+        let (mut host_load, mut load_t) = (vec![0.0; devs.len()], vec![Vec::new(); devs.len()]);
+        for h in (0..devs.len()).filter(|&d| hosts[d] == Some(d)) {
+            let mut t = vec![0.0; n_layers + 1];
             for l in 0..n_layers {
-                let x = if l < cpu_moe { expert_time(profile, &devs[h], l, 1.0) } else { 0.0 };
-                host_load += x;
-                load_t[l + 1] = load_t[l] + (layer_t[h][l + 1] - layer_t[h][l] - x).max(0.0);
+                let x = match host {
+                    Some(_) if l < cpu_moe => expert_time(profile, &devs[h], l, 1.0),
+                    _ => 0.0,
+                };
+                host_load[h] += x;
+                t[l + 1] = t[l] + (layer_t[h][l + 1] - layer_t[h][l] - x).max(0.0);
             }
+            load_t[h] = t;
         }
         let stage_time = |bytes: f64, flops: f64, d: &Dev| (bytes / d.bw).max(flops / d.flops);
         let head_t = devs.iter().map(|d| stage_time(profile.head_bytes as f64, profile.head_flops, d)).collect();
@@ -289,9 +350,85 @@ impl<'a> Problem<'a> {
             sessions: policy.sessions,
             cpu_moe,
             host,
+            host_room: hosts.iter().map(|h| h.map_or(0, |h| host_budget[h])).collect(),
+            host_budget,
+            hosts,
             host_need,
+            reserved: false,
             devs,
         })
+    }
+
+    /// Split layers across nodes (each node's CPU the host of its own layers' experts), where
+    /// the programs hold only the search's reservation ([`Problem::reserving`]), not each node's
+    /// share, and [`Problem::evaluate`] checks every node's RAM.
+    pub fn across_nodes(&self) -> bool {
+        self.cpu_moe > 0 && self.host.is_none()
+    }
+
+    /// The CPU whose RAM holds the experts of device `d`'s split layers: `d`'s node's (`d`
+    /// itself for a CPU); `None` without split layers or on a node without a CPU.
+    pub fn host_of(&self, d: usize) -> Option<usize> {
+        self.hosts[d]
+    }
+
+    /// Device `d`'s budget before any reservation for split experts.
+    pub fn host_budget(&self, d: usize) -> u64 {
+        self.host_budget[d]
+    }
+
+    /// Across nodes, the room device `d`'s stage starts with for split experts: its host's
+    /// budget.
+    pub fn host_room(&self, d: usize) -> u64 {
+        self.host_room[d]
+    }
+
+    /// Across nodes: this problem with `reserve[h]` (bytes, seconds per token) of each host
+    /// `h`'s budget and time set aside for the split experts of its node's other devices, and
+    /// the split experts of a stage on device `d` held to `room[d]` bytes (the search's guesses, which
+    /// [`crate::search::solve`] revises from the plans they give). Its [`Problem::evaluate`]
+    /// judges by them, as the programs do; this problem's judges by each node's share.
+    pub fn reserving(&self, reserve: &[(u64, f64)], room: &[u64]) -> Problem<'a> {
+        let mut q = self.clone();
+        q.reserved = true;
+        if q.across_nodes() {
+            for h in (0..q.devs.len()).filter(|&d| q.hosts[d] == Some(d)) {
+                q.devs[h].budget = q.host_budget[h].saturating_sub(reserve[h].0);
+                q.host_load[h] = reserve[h].1;
+            }
+            q.host_room = room.to_vec();
+        }
+        q
+    }
+
+    /// Across nodes, every host CPU's share of `stages` (in pipeline order): its own stage and
+    /// the split experts of its node's other stages, bytes and seconds. Empty on one node (where
+    /// the budget is reserved in advance) and without split layers.
+    pub fn host_usage(&self, stages: &[(usize, usize, usize)]) -> Vec<HostUse> {
+        if !self.across_nodes() {
+            return Vec::new();
+        }
+        let mut out: Vec<HostUse> = Vec::new();
+        for &(d, a, b) in stages {
+            let Some(h) = self.hosts[d] else { continue };
+            let at = match out.iter().position(|u| u.host == h) {
+                Some(i) => i,
+                None => {
+                    let budget = self.host_budget[h];
+                    out.push(HostUse { host: h, own_bytes: 0, expert_bytes: 0, budget, own_s: 0.0, expert_s: 0.0 });
+                    out.len() - 1
+                }
+            };
+            let u = &mut out[at];
+            if h == d {
+                u.own_bytes = u.own_bytes.saturating_add(self.stage_mem_on(d, a, b).total());
+                u.own_s += self.stage_time(d, a, b);
+            } else {
+                u.expert_bytes = u.expert_bytes.saturating_add(self.host_expert_bytes(a, b));
+                u.expert_s += self.stage_host_time(d, a, b);
+            }
+        }
+        out
     }
 
     /// Bytes of the routed experts of layers `[a, b) ∩ [0, cpu_moe)`: what a stage over `[a, b)`
@@ -306,10 +443,10 @@ impl<'a> Problem<'a> {
         (self.host_need.0 > self.host_need.1).then_some(self.host_need)
     }
 
-    /// Whether device `d` runs split layers (a device other than the host, with experts in the
+    /// Whether device `d` runs split layers (a device other than its host, with experts in the
     /// host's RAM).
     pub fn splits_on(&self, d: usize) -> bool {
-        self.cpu_moe > 0 && self.host.is_some_and(|h| h != d)
+        self.cpu_moe > 0 && self.hosts[d].is_some_and(|h| h != d)
     }
 
     /// KV bytes layers `[a, b)` hold for `ctx × sessions` tokens at `per_token` bytes per
@@ -327,7 +464,12 @@ impl<'a> Problem<'a> {
     /// Bytes a stage `[a, b)` holds on device `d`: [`Problem::stage_mem`] with the device's KV
     /// cache type.
     pub fn stage_mem_on(&self, d: usize, a: usize, b: usize) -> StageMem {
-        let m = self.stage_mem(a, b);
+        let mut m = self.stage_mem(a, b);
+        // across nodes a stage that runs no split layer holds its layers' experts itself (on one
+        // node the host's budget is reduced by them instead)
+        if self.across_nodes() && !self.splits_on(d) {
+            m.weights = m.weights.saturating_add(self.host_expert_bytes(a, b));
+        }
         let per_token = self.kv_token_dev.get(d).copied().unwrap_or(self.profile.kv_bytes_per_token);
         StageMem { kv: self.kv_bytes(a, b, per_token), ..m }
     }
@@ -355,9 +497,11 @@ impl<'a> Problem<'a> {
         }
     }
 
-    /// Whether stage `[a, b)` fits within device `d`'s budget (with the device's KV type).
+    /// Whether stage `[a, b)` fits within device `d`'s budget (with the device's KV type) and,
+    /// across nodes, its split experts within the room the search gives them on its host.
     pub fn fits(&self, d: usize, a: usize, b: usize) -> bool {
         self.stage_mem_on(d, a, b).total() <= self.devs[d].budget
+            && (!self.across_nodes() || !self.splits_on(d) || self.host_expert_bytes(a, b) <= self.host_room[d])
     }
 
     /// Of [`Problem::stage_time`], the seconds the host's CPU computes the experts of stage
@@ -370,7 +514,7 @@ impl<'a> Problem<'a> {
     /// the stage's seconds at its device's rate, its experts' seconds on the host at the host's.
     pub fn stage_amount(&self, coef: impl Fn(usize) -> f64, d: usize, a: usize, b: usize) -> f64 {
         let t = self.stage_time(d, a, b);
-        match self.host.filter(|&h| h != d) {
+        match self.hosts[d].filter(|&h| h != d) {
             Some(h) => {
                 let x = self.stage_host_time(d, a, b);
                 coef(d) * (t - x) + coef(h) * x
@@ -380,22 +524,23 @@ impl<'a> Problem<'a> {
     }
 
     /// How long device `d` is busy per token holding stage `[a, b)`, what a throughput cap
-    /// bounds: the stage's time, except on the host of split layers, which also computes every
-    /// split layer's experts ([`Problem::host_floor`] plus what its own layers add).
+    /// bounds: the stage's time, except on a host of split layers, which also computes split
+    /// layers' experts ([`Problem::host_load`] plus what its own layers add).
     pub fn stage_load(&self, d: usize, a: usize, b: usize) -> f64 {
-        match self.host.filter(|&h| h == d && self.cpu_moe > 0) {
+        match self.hosts[d].filter(|&h| h == d && self.cpu_moe > 0) {
             Some(_) => {
                 let head = if b == self.n_layers { self.head_t[d] } else { 0.0 };
-                self.host_load + self.load_t[b] - self.load_t[a] + head
+                self.host_load[d] + self.load_t[d][b] - self.load_t[d][a] + head
             }
             None => self.stage_time(d, a, b),
         }
     }
 
-    /// Seconds per token the host's CPU computes split layers' experts, whether or not it holds
-    /// a stage: no pipeline with split layers runs faster than one token per this.
+    /// Seconds per token a host's CPU computes split layers' experts, whether or not it holds a
+    /// stage: no pipeline with split layers runs faster than one token per this (on one node
+    /// exactly; across nodes the search's reservation).
     pub fn host_floor(&self) -> f64 {
-        self.host_load
+        self.host_load.iter().copied().fold(0.0, f64::max)
     }
 
     /// Decode seconds per token of stage `[a, b)` on device `d`.
@@ -407,7 +552,7 @@ impl<'a> Problem<'a> {
     pub fn stage_prefill(&self, d: usize, a: usize, b: usize, p: f64) -> f64 {
         let act = self.profile.act_bytes() as f64;
         let mut t: f64 = (a..b)
-            .map(|l| layer_time(self.profile, &self.devs, d, self.host.filter(|_| l < self.cpu_moe), l, p, act).0)
+            .map(|l| layer_time(self.profile, &self.devs, d, self.hosts[d].filter(|_| l < self.cpu_moe), l, p, act).0)
             .sum();
         if b == self.n_layers {
             t += self.head_t[d];
@@ -441,17 +586,25 @@ impl<'a> Problem<'a> {
         if first.1 != 0 || last.2 != self.n_layers || self.host_shortfall().is_some() {
             return None;
         }
+        let across = self.across_nodes() && !self.reserved;
         let mut stage_t = Vec::with_capacity(stages.len());
         let mut energy = 0.0;
         let mut has_watts = true;
         for (i, &(d, a, b)) in stages.iter().enumerate() {
-            if a >= b || (i > 0 && stages[i - 1].2 != a) || !self.fits(d, a, b) {
+            // across nodes a host's RAM is checked with its node's split experts below, and the
+            // search's reservation and room do not count
+            let fits = match across {
+                true if self.hosts[d] == Some(d) => true,
+                true => self.stage_mem_on(d, a, b).total() <= self.devs[d].budget,
+                false => self.fits(d, a, b),
+            };
+            if a >= b || (i > 0 && stages[i - 1].2 != a) || !fits {
                 return None;
             }
             let t = self.stage_time(d, a, b);
             // joules need the watts of the device and, where it computes experts, the host's
             let host_w =
-                self.host.filter(|&h| h != d && self.stage_host_time(d, a, b) > 0.0).map(|h| self.devs[h].watts);
+                self.hosts[d].filter(|&h| h != d && self.stage_host_time(d, a, b) > 0.0).map(|h| self.devs[h].watts);
             if self.devs[d].watts.is_some() && host_w.is_none_or(|w| w.is_some()) {
                 energy += self.stage_amount(|i| self.devs[i].watts.unwrap_or(0.0), d, a, b);
             } else {
@@ -469,9 +622,19 @@ impl<'a> Problem<'a> {
         let d_in = self.drv_in[first.0]?;
         let d_out = self.drv_out[last.0]?;
         let total = d_in + d_out + stage_t.iter().sum::<f64>() + hops.iter().sum::<f64>();
-        // each device's busy time (the host's with every split layer's experts), each hop
-        let loads = stages.iter().map(|&(d, a, b)| self.stage_load(d, a, b));
-        let bottleneck = loads.chain(hops.iter().copied()).fold(self.host_load, f64::max);
+        // each device's busy time (a host's with its split layers' experts), each hop
+        let bottleneck = if across {
+            let hosts = self.host_usage(stages);
+            if !hosts.iter().all(HostUse::fits) {
+                return None;
+            }
+            let others =
+                stages.iter().filter(|s| self.hosts[s.0] != Some(s.0)).map(|&(d, a, b)| self.stage_time(d, a, b));
+            others.chain(hosts.iter().map(HostUse::load)).chain(hops.iter().copied()).fold(0.0, f64::max)
+        } else {
+            let loads = stages.iter().map(|&(d, a, b)| self.stage_load(d, a, b));
+            loads.chain(hops.iter().copied()).fold(self.host_floor(), f64::max)
+        };
         let throughput = (self.sessions as f64 / total).min(1.0 / bottleneck);
         Some(Metrics {
             decode_s: total,
@@ -501,7 +664,12 @@ impl<'a> Problem<'a> {
 
     /// Every device's bytes in one place for the whole model (for "does not fit by" lines).
     pub fn whole_model_mem(&self) -> StageMem {
-        self.stage_mem(0, self.n_layers)
+        let mut m = self.stage_mem(0, self.n_layers);
+        if self.across_nodes() {
+            // the split experts are in some node's RAM
+            m.weights = m.weights.saturating_add(self.host_expert_bytes(0, self.n_layers));
+        }
+        m
     }
 }
 
@@ -537,23 +705,28 @@ fn expert_time(p: &ModelProfile, host: &Dev, l: usize, rows: f64) -> f64 {
     (p.expert_read_bytes(l, rows) / host.bw).max(rows * p.expert_flops(l) / host.flops)
 }
 
-/// The CPU device that holds split layers' experts: the one node's CPU. Refuses a model without
-/// experts and a cluster of more than one node (a layer's experts live on its own node, which
-/// the cost model does not follow across nodes).
-fn split_host(inv: &Inventory, profile: &ModelProfile, devs: &[Dev], n: usize) -> Result<usize, PlanError> {
+/// Per device, the CPU device that holds its split layers' experts: its node's first CPU (a
+/// CPU its own; `None` on a node without one, whose devices then hold whole layers). Refuses a
+/// model without experts and a cluster where no node with another device has a CPU.
+fn split_hosts(
+    inv: &Inventory,
+    profile: &ModelProfile,
+    devs: &[Dev],
+    n: usize,
+) -> Result<Vec<Option<usize>>, PlanError> {
     let bad = |why: String| PlanError::BadValue { what: "--n-cpu-moe".into(), value: n.to_string(), why };
     if profile.moe.is_none() {
         return Err(bad(format!("asks for split layers, but {} has no experts", profile.name)));
     }
-    if inv.nodes.len() != 1 {
-        return Err(bad(format!(
-            "asks for split layers, which are planned on one node (experts in its RAM); this cluster has {} nodes",
-            inv.nodes.len()
-        )));
+    let cpu_of = |node: usize| devs.iter().position(|d| d.node == node && d.kind == DeviceKind::Cpu);
+    let hosts: Vec<Option<usize>> = devs.iter().map(|d| cpu_of(d.node)).collect();
+    if hosts.iter().all(Option::is_none) {
+        return Err(bad(match inv.nodes.as_slice() {
+            [one] => format!("asks for experts in host RAM, but {} has no CPU device", one.name),
+            all => format!("asks for experts in host RAM, but none of the {} nodes has a CPU device", all.len()),
+        }));
     }
-    devs.iter()
-        .position(|d| d.kind == DeviceKind::Cpu)
-        .ok_or_else(|| bad(format!("asks for experts in host RAM, but {} has no CPU device", inv.nodes[0].name)))
+    Ok(hosts)
 }
 
 /// Bytes a stage holds, by kind.

@@ -33,6 +33,8 @@ pub struct StagePlan {
     pub host_layers: Option<(usize, usize)>,
     /// Bytes of those experts (on the host, not in [`StagePlan::memory_bytes`]).
     pub host_expert_bytes: u64,
+    /// The device whose RAM holds those experts (`node/cpu`), when any.
+    pub host_device: Option<String>,
     /// Milliseconds per decoded token of the stage's layers (and the head on the last).
     pub compute_ms: f64,
     /// Milliseconds of the stage's share of a 512-token prompt.
@@ -87,6 +89,9 @@ pub struct Plan {
     pub driver: String,
     /// The optimum of the cost model (false: chosen by the heuristic for large clusters).
     pub exact: bool,
+    /// What a heuristic chose when the plan is not exact: `device choice` (large clusters), or
+    /// `split layers' RAM across nodes` (each node's share of split experts).
+    pub heuristic: Option<String>,
     /// The stages in pipeline order; together they hold every layer once.
     pub stages: Vec<StagePlan>,
     /// Between consecutive stages, then the driver's legs (`driver → first`, `last → driver`).
@@ -111,9 +116,11 @@ pub struct Plan {
     /// Split layers: the experts of layers `[0, cpu_moe)` are in the node's RAM (0: whole
     /// layers; a layer on the CPU holds its experts there anyway).
     pub cpu_moe: usize,
-    /// The device whose RAM holds the split layers' experts (`node/cpu`), when any.
+    /// The device whose RAM holds the split layers' experts (`node/cpu`), when any; across
+    /// nodes each node's CPU holds its own layers' (the stages' `host_device`), listed here
+    /// `, `-separated.
     pub host_device: Option<String>,
-    /// Bytes of experts the host holds for the other devices' split layers.
+    /// Bytes of experts the hosts hold for the other devices' split layers.
     pub host_expert_bytes: u64,
     /// Single-device placements, and the driver's node alone, with why each lost.
     pub rejected: Vec<Rejected>,
@@ -273,14 +280,14 @@ pub fn plan(inv: &Inventory, profile: &ModelProfile, policy: &Policy) -> Result<
     Ok(plan)
 }
 
-/// Whether [`CpuMoe::Auto`] searches split layers: a mixture of experts on one node that has a
-/// CPU and another device.
+/// Whether [`CpuMoe::Auto`] searches split layers: a mixture of experts on a cluster where
+/// some node has a CPU and another device (across nodes each split is planned by the
+/// reservation heuristic of [`search::solve`]).
 fn splits_possible(inv: &Inventory, profile: &ModelProfile) -> bool {
-    let devs = || inv.nodes.iter().flat_map(|n| &n.devices);
-    profile.moe.is_some()
-        && inv.nodes.len() == 1
-        && devs().any(|d| d.kind == DeviceKind::Cpu)
-        && devs().any(|d| d.kind != DeviceKind::Cpu)
+    let both = |n: &brigade_core::NodeSpec| {
+        n.devices.iter().any(|d| d.kind == DeviceKind::Cpu) && n.devices.iter().any(|d| d.kind != DeviceKind::Cpu)
+    };
+    profile.moe.is_some() && inv.nodes.iter().any(both)
 }
 
 /// The plan with the experts of layers `[0, n)` in RAM: the problem, the policy (with the
@@ -379,6 +386,7 @@ fn build(p: &Problem, policy: &Policy, sol: &Solution) -> Plan {
         sol.stages.iter().map(|&(d, a, b)| (p.layer_t[d][b] - p.layer_t[d][a]) / (b - a) as f64).collect();
     let fastest = per_layer.iter().cloned().fold(f64::INFINITY, f64::min);
     let driver_node = p.inv.nodes[p.driver].name.clone();
+    let hosts = p.host_usage(&sol.stages);
     let stages: Vec<StagePlan> = sol
         .stages
         .iter()
@@ -388,13 +396,18 @@ fn build(p: &Problem, policy: &Policy, sol: &Solution) -> Plan {
             let mut mem = p.stage_mem_on(d, a, b);
             let mut budget = dev.budget;
             let split = p.splits_on(d) && a < p.cpu_moe;
-            if !split {
-                // a stage on the host holds its own layers' experts, which the problem counts
-                // with the host's share: shown here, with the budget they take
+            if !split && p.host.is_some() {
+                // on one node a stage on the host holds its own layers' experts, which the
+                // problem counts with the host's share: shown here, with the budget they take
                 let own = p.host_expert_bytes(a, b);
                 mem.weights += own;
                 budget += own;
             }
+            if let Some(u) = hosts.iter().find(|u| u.host == d) {
+                // across nodes: the host's budget less the other stages' experts it holds
+                budget = u.budget.saturating_sub(u.expert_bytes);
+            }
+            let host_device = p.host_of(d).filter(|_| split).map(|h| p.devs[h].label());
             let mut why = vec![format!(
                 "{} layer{} at {:.3} ms each",
                 b - a,
@@ -416,7 +429,7 @@ fn build(p: &Problem, policy: &Policy, sol: &Solution) -> Plan {
                 why.push(format!(
                     "the experts of layers {a}–{} in {}'s RAM ({})",
                     b.min(p.cpu_moe) - 1,
-                    p.host.map_or(String::new(), |h| p.devs[h].label()),
+                    host_device.clone().unwrap_or_default(),
                     human(p.host_expert_bytes(a, b))
                 ));
             }
@@ -442,6 +455,7 @@ fn build(p: &Problem, policy: &Policy, sol: &Solution) -> Plan {
                 budget_bytes: budget,
                 host_layers: split.then_some((a, b.min(p.cpu_moe))),
                 host_expert_bytes: if split { p.host_expert_bytes(a, b) } else { 0 },
+                host_device,
                 compute_ms: ms(m.stage_s[i]),
                 prefill_ms_512: ms(p.stage_prefill(d, a, b, 512.0)),
                 reason: why.join("; "),
@@ -480,10 +494,24 @@ fn build(p: &Problem, policy: &Policy, sol: &Solution) -> Plan {
         headroom: policy.headroom,
         driver: driver_node,
         exact: sol.exact,
+        heuristic: (!sol.exact).then(|| {
+            match p.across_nodes() {
+                true => "split layers' RAM across nodes",
+                false => "device choice",
+            }
+            .to_string()
+        }),
         bottleneck: bottleneck(p, sol, policy.objective),
         rejected: rejected(p, policy, sol),
         cpu_moe: p.cpu_moe,
-        host_device: p.host.filter(|_| p.cpu_moe > 0).map(|h| p.devs[h].label()),
+        host_device: match p.host {
+            Some(h) if p.cpu_moe > 0 => Some(p.devs[h].label()),
+            _ => {
+                let mut all: Vec<String> = stages.iter().filter_map(|s| s.host_device.clone()).collect();
+                all.dedup();
+                (!all.is_empty()).then(|| all.join(", "))
+            }
+        },
         host_expert_bytes: stages.iter().map(|s| s.host_expert_bytes).sum(),
         stages,
         hops,
@@ -518,6 +546,13 @@ fn bottleneck(p: &Problem, sol: &Solution, obj: Objective) -> String {
         if let Some(h) = p.host.filter(|_| p.cpu_moe > 0 && !sol.stages.iter().any(|s| Some(s.0) == p.host)) {
             parts.push((p.host_floor(), format!("the split layers' experts on {}", p.devs[h].label())));
         }
+        // across nodes: each host's own stage and its node's split experts
+        for u in p.host_usage(&sol.stages) {
+            match sol.stages.iter().position(|s| s.0 == u.host) {
+                Some(i) => parts[i].0 = u.load(),
+                None => parts.push((u.load(), format!("the split layers' experts on {}", p.devs[u.host].label()))),
+            }
+        }
     }
     let Some((t, what)) = parts.into_iter().max_by(|a, b| a.0.total_cmp(&b.0)) else {
         return String::new();
@@ -534,6 +569,19 @@ fn rate(obj: Objective, m: &Metrics) -> f64 {
         m.throughput
     } else {
         1.0 / m.decode_s
+    }
+}
+
+/// Bytes the whole model is short of on device `d` alone: across nodes with split layers, what
+/// the device lacks for the dense part plus what its host lacks for the experts.
+fn short_alone(p: &Problem, d: usize) -> u64 {
+    let l = p.n_layers;
+    match p.host_of(d).filter(|_| p.across_nodes() && p.splits_on(d)) {
+        Some(h) => {
+            p.stage_mem_on(d, 0, l).total().saturating_sub(p.devs[d].budget)
+                + p.host_expert_bytes(0, l).saturating_sub(p.host_budget(h))
+        }
+        None => p.whole_model_mem().total().saturating_sub(p.devs[d].budget),
     }
 }
 
@@ -587,8 +635,8 @@ fn rejected(p: &Problem, policy: &Policy, sol: &Solution) -> Vec<Rejected> {
                     ));
                 }
             }
-            None if whole > p.devs[d].budget => {
-                let short = whole - p.devs[d].budget;
+            None if short_alone(p, d) > 0 => {
+                let short = short_alone(p, d);
                 out.push((
                     f64::INFINITY,
                     Rejected {
@@ -654,22 +702,33 @@ impl Plan {
                 if self.sessions == 1 { "" } else { "s" },
                 self.headroom * 100.0,
                 self.driver,
-                if self.exact { "" } else { " (heuristic device choice)" }
+                self.heuristic.as_ref().map_or(String::new(), |h| format!(" (heuristic {h})"))
             ),
         );
         for r in &self.reserved {
             w(&mut s, format!("reserved: {} on {}/{} for {}", human(r.bytes), r.node, r.device, r.by));
         }
         if let Some(host) = self.host_device.as_ref().filter(|_| self.host_expert_bytes > 0) {
+            // one host: the stages' layers, then where; several (across nodes): each stage's
+            let one = !host.contains(", ");
+            let nodes = self.stages.iter().any(|st| st.node != self.stages[0].node);
             let split: Vec<String> = self
                 .stages
                 .iter()
-                .filter_map(|st| st.host_layers.map(|(a, b)| format!("{}–{} of {}", a, b - 1, st.device)))
+                .filter_map(|st| {
+                    let (a, b) = st.host_layers?;
+                    Some(match (one, &st.host_device) {
+                        (false, Some(h)) => format!("{}–{} of {}/{} in {h}'s RAM", a, b - 1, st.node, st.device),
+                        _ if nodes => format!("{}–{} of {}/{}", a, b - 1, st.node, st.device),
+                        _ => format!("{}–{} of {}", a, b - 1, st.device),
+                    })
+                })
                 .collect();
+            let whose = if one { format!(" in {host}'s RAM") } else { String::new() };
             w(
                 &mut s,
                 format!(
-                    "split layers (--n-cpu-moe {}): experts of layers {} in {host}'s RAM, {}",
+                    "split layers (--n-cpu-moe {}): experts of layers {}{whose}, {}",
                     self.cpu_moe,
                     split.join(", "),
                     human(self.host_expert_bytes)

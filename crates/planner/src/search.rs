@@ -200,8 +200,123 @@ pub fn solve_exhaustive(p: &Problem, policy: &Policy, obj: Objective) -> Option<
     Some(Solution { stages, metrics, ctx: p.ctx, exact, latency_bound_s: lat })
 }
 
-/// Solves `obj` on the problem: exactly when small, by the heuristic otherwise.
+/// Solves `obj` on the problem: exactly when small, by the heuristic otherwise; split layers
+/// across nodes by [`solve_across`] (not exact).
 pub fn solve(p: &Problem, policy: &Policy, obj: Objective) -> Option<Solution> {
+    if p.across_nodes() {
+        return solve_across(p, policy, obj);
+    }
+    solve_fixed(p, policy, obj)
+}
+
+/// [`solve_across`]'s reservation per host (bytes, seconds per token) and room per device.
+type Guesses = (Vec<(u64, f64)>, Vec<u64>);
+
+/// Most rounds of [`solve_across`].
+const RESERVE_ROUNDS: usize = 24;
+
+/// Split layers across nodes. A node's CPU holds its own stage and the experts of its other
+/// devices' split layers, a share that depends on where the layers land, which the programs
+/// cannot follow. So: solve with a reservation on each host (bytes of its budget and seconds of
+/// its time set aside for those experts; none at first) and a room per device for its stage's
+/// split experts (its host's budget at first), judge the plan by each node's actual share
+/// ([`Problem::evaluate`]), and revise from it: a host short of RAM reserves what the plan's
+/// other stages left there, or, when those alone overflow it, takes the overflow off the rooms
+/// of the stages that left the most; a host's time reserves what they asked of it. Every plan
+/// that fits is a candidate and the best is kept, until a round changes nothing. Reported as
+/// not exact: a reservation larger than a plan needs can hide a better one.
+fn solve_across(p: &Problem, policy: &Policy, obj: Objective) -> Option<Solution> {
+    let n = p.devs.len();
+    let mut reserve = vec![(0u64, 0.0f64); n];
+    let mut room: Vec<u64> = (0..n).map(|d| p.host_room(d)).collect();
+    let mut best: Option<Solution> = None;
+    // what to try instead when a round's reservations leave no plan: the rooms cut instead
+    let mut instead: Option<Guesses> = None;
+    for _ in 0..RESERVE_ROUNDS {
+        let q = p.reserving(&reserve, &room);
+        let Some(sol) = solve_fixed(&q, policy, obj) else {
+            match instead.take() {
+                Some((r, m)) => {
+                    (reserve, room) = (r, m);
+                    continue;
+                }
+                None => break,
+            }
+        };
+        if let Some(metrics) = p.evaluate(&sol.stages) {
+            let v = objective_value(obj, &metrics);
+            if best.as_ref().is_none_or(|b| v < objective_value(obj, &b.metrics)) {
+                best = Some(Solution {
+                    stages: sol.stages.clone(),
+                    metrics,
+                    ctx: sol.ctx,
+                    exact: false,
+                    latency_bound_s: sol.latency_bound_s,
+                });
+            }
+        }
+        let (before, mut alt_room) = (reserve.clone(), room.clone());
+        let mut changed = false;
+        for u in p.host_usage(&sol.stages) {
+            let h = u.host;
+            if u.expert_s > reserve[h].1 * (1.0 + 1e-12) {
+                reserve[h].1 = u.expert_s;
+                changed = true;
+            }
+            if u.fits() {
+                continue;
+            }
+            let over = (u.own_bytes + u.expert_bytes) - u.budget;
+            if u.expert_bytes <= u.budget {
+                // the host's own stage makes room (or, if that leaves no plan, the others)
+                if u.expert_bytes > reserve[h].0 {
+                    reserve[h].0 = u.expert_bytes;
+                    changed = true;
+                }
+                cut_rooms(p, &sol.stages, h, over, &mut alt_room);
+            } else {
+                // the other stages' experts alone overflow it
+                changed |= cut_rooms(p, &sol.stages, h, u.expert_bytes - u.budget, &mut room);
+            }
+        }
+        instead = (alt_room != room).then(|| {
+            let mut r = before;
+            for (r, now) in r.iter_mut().zip(&reserve) {
+                r.1 = now.1;
+            }
+            (r, alt_room)
+        });
+        if !changed {
+            break;
+        }
+    }
+    best
+}
+
+/// Takes `over` bytes off the rooms of the stages of `stages` that leave the most split experts
+/// on host `h` (the largest first); whether a room changed.
+fn cut_rooms(p: &Problem, stages: &Stages, h: usize, mut over: u64, room: &mut [u64]) -> bool {
+    let mut split: Vec<(u64, usize)> = stages
+        .iter()
+        .filter(|s| s.0 != h && p.host_of(s.0) == Some(h))
+        .map(|&(d, a, b)| (p.host_expert_bytes(a, b), d))
+        .collect();
+    split.sort_by(|x, y| y.cmp(x));
+    let mut changed = false;
+    for (bytes, d) in split {
+        if over == 0 {
+            break;
+        }
+        let cut = bytes.min(over);
+        changed |= bytes - cut < room[d];
+        room[d] = room[d].min(bytes - cut);
+        over -= cut;
+    }
+    changed
+}
+
+/// [`solve`] for a problem whose programs hold every constraint.
+fn solve_fixed(p: &Problem, policy: &Policy, obj: Objective) -> Option<Solution> {
     let finish = |(stages, exact, lat): (Stages, bool, Option<f64>), exact_devices: bool| -> Option<Solution> {
         let metrics = p.evaluate(&stages)?;
         Some(Solution { stages, metrics, ctx: p.ctx, exact: exact && exact_devices, latency_bound_s: lat })

@@ -107,9 +107,13 @@ pub fn render(plan: &Plan) -> String {
             "<text x=\"40\" y=\"{:.1}\" fill=\"#444\">{}</text>\n",
             ly + 44.0,
             esc(&format!(
-                "split layers (--n-cpu-moe {}): {} of experts in {host}'s RAM, computed by its CPU",
+                "split layers (--n-cpu-moe {}): {} of experts in {}",
                 plan.cpu_moe,
-                human(plan.host_expert_bytes)
+                human(plan.host_expert_bytes),
+                match host.contains(", ") {
+                    false => format!("{host}'s RAM, computed by its CPU"),
+                    true => format!("the RAM of {host}, computed by their CPUs"),
+                }
             ))
         ));
     }

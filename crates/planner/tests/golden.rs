@@ -4,7 +4,7 @@
 #![allow(clippy::unwrap_used)]
 
 use brigade_core::{bits_per_weight, LlamaShape, ModelProfile, MoeShape};
-use brigade_planner::{parse_cluster, plan, plan_with_second, Inventory, Objective, Plan, Policy};
+use brigade_planner::{parse_cluster, plan, plan_with_second, CpuMoe, Inventory, Objective, Plan, Policy};
 use std::path::PathBuf;
 
 fn root() -> PathBuf {
@@ -57,6 +57,15 @@ fn cases() -> Vec<Case> {
             "q4_k",
             "--objective throughput --sessions 8",
             Policy { objective: Objective::Throughput, sessions: 8, ..p() },
+            None,
+        ),
+        c(
+            "moe-split-across-nodes",
+            "two-gpu-boxes",
+            "qwen3-235b-a22b",
+            "q4_k",
+            "--n-cpu-moe 40",
+            Policy { cpu_moe: CpuMoe::Layers(40), ..p() },
             None,
         ),
         c("wifi-avoided", "wifi", "llama-8b", "q4_k", "", p(), None),
@@ -299,4 +308,54 @@ fn scenario_a_mixture_keeps_its_experts_in_ram() {
     let pw = brigade_planner::cost::Problem::with_cpu_moe(&inv, &m, &Policy::default(), 4096, 0).unwrap();
     let want = ((dense + e * 8.0 / 128.0) / 1008e9).max(m.layer_flops[0] / 82e12);
     assert!((pw.layer_t[cuda][1] - want).abs() < 1e-9 * want);
+}
+
+/// Qwen3-235B-A22B at Q4_K (133 GB) on two boxes, each a 24 GiB GPU and 96 GiB of RAM: with the
+/// experts of the first 40 layers in RAM, each box's RAM holds the experts of the layers on its
+/// own GPU beside its CPU's own stage, and the pipeline decodes faster than whole layers. Every
+/// node's RAM is checked exactly: a GPU whose split layers leave more experts than its box holds
+/// does not fit, whatever the other box has free.
+#[test]
+fn scenario_split_layers_across_two_boxes() {
+    let (p, _) = run(&cases().into_iter().find(|c| c.name == "moe-split-across-nodes").unwrap());
+    let inv = cluster("two-gpu-boxes");
+    let m = model("qwen3-235b-a22b", "q4_k");
+    assert_eq!(p.cpu_moe, 40);
+    assert!(!p.exact && p.heuristic.as_deref() == Some("split layers' RAM across nodes"), "{}", p.to_text());
+    let budget = (0.9 * (96u64 << 30) as f64).floor() as u64;
+    let mut split = 0;
+    for node in ["box-a", "box-b"] {
+        let on: Vec<_> = p.stages.iter().filter(|s| s.node == node).collect();
+        let own: u64 = on.iter().filter(|s| s.device == "cpu").map(|s| s.memory_bytes).sum();
+        let experts: u64 = on.iter().map(|s| s.host_expert_bytes).sum();
+        assert!(own + experts <= budget, "{node}: {own} + {experts} of {budget}\n{}", p.to_text());
+        for s in on.iter().filter(|s| s.host_layers.is_some()) {
+            assert_eq!(s.host_device.as_deref(), Some(format!("{node}/cpu").as_str()));
+            let (a, b) = s.host_layers.unwrap();
+            assert_eq!(s.host_expert_bytes, (a..b).map(|l| m.expert_bytes(l)).sum::<u64>());
+            split += b - a;
+        }
+    }
+    assert!(split > 0, "{}", p.to_text());
+    let whole = plan(&inv, &m, &Policy { cpu_moe: CpuMoe::Layers(0), ..Policy::default() }).unwrap();
+    assert!(p.tokens_per_s > whole.tokens_per_s * 1.1, "{} vs {}", p.tokens_per_s, whole.tokens_per_s);
+    // by hand: every layer split; one GPU alone would leave 119 GiB of experts in its 86.4 GiB
+    let pr = brigade_planner::cost::Problem::with_cpu_moe(&inv, &m, &Policy::default(), 4096, 94).unwrap();
+    let dev = |node: &str, name: &str| pr.devs.iter().position(|d| d.node_name == node && d.name == name).unwrap();
+    let (ga, gb, ca) = (dev("box-a", "cuda0"), dev("box-b", "cuda0"), dev("box-a", "cpu"));
+    assert!(pr.across_nodes() && pr.host_of(ga) == Some(ca) && pr.host_of(ca) == Some(ca));
+    assert!(pr.evaluate(&[(ga, 0, 94)]).is_none());
+    let halves = [(gb, 0, 47), (ga, 47, 94)];
+    let metrics = pr.evaluate(&halves).unwrap();
+    let uses = pr.host_usage(&halves);
+    assert_eq!(uses.len(), 2);
+    for u in &uses {
+        assert_eq!(u.own_bytes, 0);
+        assert!(u.fits() && u.expert_bytes > 50 << 30, "{u:?}");
+    }
+    // each box's CPU computes its own GPU's experts: the busiest is the slower of the GPU
+    // stages (which wait for them) and the two CPUs
+    let busiest = uses.iter().map(|u| u.expert_s).fold(0.0, f64::max);
+    assert_eq!(metrics.bottleneck_s, busiest.max(metrics.stage_s[0]).max(metrics.stage_s[1]).max(metrics.hop_s[0]));
+    assert_eq!(uses.iter().find(|u| u.host == ca).unwrap().expert_s, pr.stage_host_time(ga, 47, 94));
 }

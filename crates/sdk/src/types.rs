@@ -695,8 +695,7 @@ pub struct DeployParams {
     /// Prompt tokens per chunk into the first stage; 0: brigade's choice.
     pub ubatch: u32,
     /// Split layers: the routed experts of the first N layers in the RAM of the node that holds
-    /// each layer, computed by its CPU (llama.cpp's `--n-cpu-moe`); 0: whole layers. Planned on a
-    /// cluster of one node.
+    /// each layer, computed by its CPU (llama.cpp's `--n-cpu-moe`); 0: whole layers.
     pub cpu_moe: u32,
 }
 
