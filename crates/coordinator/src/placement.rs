@@ -537,11 +537,26 @@ fn by_hand(state: &ClusterState, model: &ModelRecord, req: &PlacementRequest) ->
         let layers = LayerRange::new(a, b)?;
         Ok(expert_map.iter().map(|(_, _, ids)| share(ids, layers)).sum())
     };
+    if let Some((need, have)) = problem.host_shortfall() {
+        return Err(CoordError::BadRequest(format!(
+            "--n-cpu-moe {}: the experts of layers 0–{} need {need} bytes in RAM, the CPU's budget is {have} bytes",
+            req.cpu_moe,
+            problem.cpu_moe - 1
+        )));
+    }
     let mut stages = Vec::with_capacity(entries.len());
     for (i, &(d, a, b)) in idx.iter().enumerate() {
+        if problem.cpu_moe > a && problem.host_of(d).is_none() {
+            return Err(CoordError::BadRequest(format!(
+                "--n-cpu-moe {}: {} would split layers {a}–{}, but its node offers no CPU device to hold their experts",
+                req.cpu_moe,
+                problem.devs[d].label(),
+                b.min(problem.cpu_moe) - 1
+            )));
+        }
         let mut mem = problem.stage_mem(a, b);
         mem.weights = mem.weights.saturating_sub(away(a, b)?);
-        if problem.across_nodes() && !problem.splits_on(d) {
+        if problem.cpu_moe > 0 && problem.host.is_none() && !problem.splits_on(d) {
             // split layers across nodes: a stage on its node's CPU holds its layers' experts
             mem.weights = mem.weights.saturating_add(problem.host_expert_bytes(a, b));
         }
@@ -847,6 +862,21 @@ mod tests {
         for st in p.stages.iter().filter(|st| st.device == "cuda0") {
             assert_eq!(st.node, "e1", "only e1's RAM holds a layer's experts: {}", p.plan_text);
         }
+        // a node that offers no CPU cannot keep a split layer's experts (its worker would put them
+        // in RAM it never offered)
+        let mut e2 = s.nodes["e2"].clone();
+        e2.devices = vec![device("cuda0", DeviceKind::Cuda, 8 * GIB, 2e12, 1e14)];
+        s.apply(Command::RegisterNode { node: e2 }).unwrap();
+        let e = place(&s, &model, &split("e2:cuda0:1,e1:cuda0:1")).unwrap_err().to_string();
+        assert!(e.contains("e2/cuda0 would split layers 0–0, but its node offers no CPU device"), "{e}");
+        let p = place(&s, &model, &split("")).unwrap();
+        assert!(p.stages.iter().all(|st| st.node != "e2" || st.layers.start() >= 2), "{}", p.plan_text);
+        // one node up: its CPU holds every split layer's experts, or the map is refused
+        for name in ["e1", "e2"] {
+            s.apply(Command::SetNodeState { name: name.into(), state: NodeState::Down }).unwrap();
+        }
+        let e = place(&s, &model, &split("gw:cuda0:2")).unwrap_err().to_string();
+        assert!(e.contains("the experts of layers 0–1 need 2516582400 bytes in RAM"), "{e}");
     }
 
     /// A layer's experts bigger than any node: no pipeline holds the layers with them, so the

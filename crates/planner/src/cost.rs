@@ -136,6 +136,9 @@ pub struct Problem<'a> {
     /// Made by [`Problem::reserving`]: [`Problem::evaluate`] judges by the reservation, as the
     /// programs do, not by each node's share.
     reserved: bool,
+    /// Split layers across nodes with a device that leaves experts in its host's RAM
+    /// ([`Problem::across_nodes`]).
+    across: bool,
 }
 
 /// What a host CPU holds and computes in an assignment across nodes ([`Problem::host_usage`]).
@@ -352,18 +355,33 @@ impl<'a> Problem<'a> {
             host,
             host_room: hosts.iter().map(|h| h.map_or(0, |h| host_budget[h])).collect(),
             host_budget,
-            hosts,
             host_need,
             reserved: false,
+            across: host.is_none() && (0..devs.len()).any(|d| hosts[d].is_some_and(|h| h != d)),
+            hosts,
             devs,
         })
     }
 
-    /// Split layers across nodes (each node's CPU the host of its own layers' experts), where
-    /// the programs hold only the search's reservation ([`Problem::reserving`]), not each node's
-    /// share, and [`Problem::evaluate`] checks every node's RAM.
+    /// Split layers across nodes (each node's CPU the host of its own layers' experts) with a
+    /// device that can leave experts in its host's RAM: the programs hold only the search's
+    /// reservation ([`Problem::reserving`]), not each node's share, and [`Problem::evaluate`]
+    /// checks every node's RAM.
     pub fn across_nodes(&self) -> bool {
-        self.cpu_moe > 0 && self.host.is_none()
+        self.across
+    }
+
+    /// Split layers on a cluster of several nodes: a stage that splits no layer holds its
+    /// layers' experts itself (on one node the host's budget is reduced by them instead).
+    fn experts_held_whole(&self, d: usize) -> bool {
+        self.cpu_moe > 0 && self.host.is_none() && !self.splits_on(d)
+    }
+
+    /// Whether device `d` may hold a stage over `[a, b)`: with split layers across nodes, a
+    /// device on a node without a CPU cannot take a layer below `cpu_moe`, whose experts the
+    /// workers keep in their node's RAM.
+    fn may_hold(&self, d: usize, a: usize) -> bool {
+        !(self.cpu_moe > 0 && self.hosts[d].is_none() && a < self.cpu_moe)
     }
 
     /// The CPU whose RAM holds the experts of device `d`'s split layers: `d`'s node's (`d`
@@ -467,7 +485,7 @@ impl<'a> Problem<'a> {
         let mut m = self.stage_mem(a, b);
         // across nodes a stage that runs no split layer holds its layers' experts itself (on one
         // node the host's budget is reduced by them instead)
-        if self.across_nodes() && !self.splits_on(d) {
+        if self.experts_held_whole(d) {
             m.weights = m.weights.saturating_add(self.host_expert_bytes(a, b));
         }
         let per_token = self.kv_token_dev.get(d).copied().unwrap_or(self.profile.kv_bytes_per_token);
@@ -500,8 +518,13 @@ impl<'a> Problem<'a> {
     /// Whether stage `[a, b)` fits within device `d`'s budget (with the device's KV type) and,
     /// across nodes, its split experts within the room the search gives them on its host.
     pub fn fits(&self, d: usize, a: usize, b: usize) -> bool {
-        self.stage_mem_on(d, a, b).total() <= self.devs[d].budget
+        self.fits_device(d, a, b)
             && (!self.across_nodes() || !self.splits_on(d) || self.host_expert_bytes(a, b) <= self.host_room[d])
+    }
+
+    /// [`Problem::fits`] without the search's room for split experts: the device's own budget.
+    fn fits_device(&self, d: usize, a: usize, b: usize) -> bool {
+        self.may_hold(d, a) && self.stage_mem_on(d, a, b).total() <= self.devs[d].budget
     }
 
     /// Of [`Problem::stage_time`], the seconds the host's CPU computes the experts of stage
@@ -595,7 +618,7 @@ impl<'a> Problem<'a> {
             // search's reservation and room do not count
             let fits = match across {
                 true if self.hosts[d] == Some(d) => true,
-                true => self.stage_mem_on(d, a, b).total() <= self.devs[d].budget,
+                true => self.fits_device(d, a, b),
                 false => self.fits(d, a, b),
             };
             if a >= b || (i > 0 && stages[i - 1].2 != a) || !fits {
@@ -665,7 +688,7 @@ impl<'a> Problem<'a> {
     /// Every device's bytes in one place for the whole model (for "does not fit by" lines).
     pub fn whole_model_mem(&self) -> StageMem {
         let mut m = self.stage_mem(0, self.n_layers);
-        if self.across_nodes() {
+        if self.cpu_moe > 0 && self.host.is_none() {
             // the split experts are in some node's RAM
             m.weights = m.weights.saturating_add(self.host_expert_bytes(0, self.n_layers));
         }
@@ -706,8 +729,8 @@ fn expert_time(p: &ModelProfile, host: &Dev, l: usize, rows: f64) -> f64 {
 }
 
 /// Per device, the CPU device that holds its split layers' experts: its node's first CPU (a
-/// CPU its own; `None` on a node without one, whose devices then hold whole layers). Refuses a
-/// model without experts and a cluster where no node with another device has a CPU.
+/// CPU its own; `None` on a node without one, whose devices then take no layer below N).
+/// Refuses a model without experts and a cluster without a CPU.
 fn split_hosts(
     inv: &Inventory,
     profile: &ModelProfile,

@@ -196,16 +196,13 @@ fn infeasible(p: &Problem, what: &str) -> PlanError {
     }
 }
 
-/// Plans `profile` on `inv` under `policy`. With [`CpuMoe::Auto`] and a mixture of experts on
-/// one node with a CPU and another device, every number of split layers is planned and the best
-/// for the objective kept (a larger context first for max-context; ties to fewer split layers).
+/// Plans `profile` on `inv` under `policy`. With [`CpuMoe::Auto`] and a mixture of experts on a
+/// cluster where a node has a CPU and another device, every number of split layers is planned
+/// (on a large cluster across nodes, [`SPLIT_GRID`] of them) and the best for the objective kept
+/// (a larger context first for max-context; ties to fewer split layers).
 pub fn plan(inv: &Inventory, profile: &ModelProfile, policy: &Policy) -> Result<Plan, PlanError> {
     policy.validate()?;
-    let splits: Vec<usize> = match policy.cpu_moe {
-        CpuMoe::Layers(n) => vec![n],
-        CpuMoe::Auto if splits_possible(inv, profile) => (0..=profile.n_layers()).collect(),
-        CpuMoe::Auto => vec![0],
-    };
+    let splits = splits_searched(inv, profile, policy);
     // the energy objective's slack applies to the best latency over every split: each split's
     // own best latency (infinite where nothing fits), then the best of them
     let own: Vec<f64> = match (policy.objective, splits.len()) {
@@ -278,6 +275,34 @@ pub fn plan(inv: &Inventory, profile: &ModelProfile, policy: &Policy) -> Result<
         plan.rejected.extend(r);
     }
     Ok(plan)
+}
+
+/// Most numbers of split layers [`CpuMoe::Auto`] tries on a cluster beyond
+/// [`search::EXACT_MAX`] devices across nodes (every one elsewhere).
+const SPLIT_GRID: usize = 16;
+
+/// The numbers of split layers [`plan`] tries: the one asked for; with [`CpuMoe::Auto`] where a
+/// node has a CPU and another device, every one (beyond [`search::EXACT_MAX`] devices across
+/// nodes, where each is a heuristic's many programs — 95 splits of a 94-layer model on 100 nodes
+/// took 13 s — every ⌈(L+1)/[`SPLIT_GRID`]⌉-th, and all of them); else none.
+pub fn splits_searched(inv: &Inventory, profile: &ModelProfile, policy: &Policy) -> Vec<usize> {
+    match policy.cpu_moe {
+        CpuMoe::Layers(n) => vec![n],
+        CpuMoe::Auto if splits_possible(inv, profile) => {
+            let l = profile.n_layers();
+            let devices: usize = inv.nodes.iter().map(|n| n.devices.len()).sum();
+            let step = match inv.nodes.len() > 1 && devices > search::EXACT_MAX {
+                true => (l + 1).div_ceil(SPLIT_GRID),
+                false => 1,
+            };
+            let mut all: Vec<usize> = (0..=l).step_by(step).collect();
+            if all.last() != Some(&l) {
+                all.push(l);
+            }
+            all
+        }
+        CpuMoe::Auto => vec![0],
+    }
 }
 
 /// Whether [`CpuMoe::Auto`] searches split layers: a mixture of experts on a cluster where
@@ -507,8 +532,12 @@ fn build(p: &Problem, policy: &Policy, sol: &Solution) -> Plan {
         host_device: match p.host {
             Some(h) if p.cpu_moe > 0 => Some(p.devs[h].label()),
             _ => {
-                let mut all: Vec<String> = stages.iter().filter_map(|s| s.host_device.clone()).collect();
-                all.dedup();
+                let mut all: Vec<String> = Vec::new();
+                for h in stages.iter().filter_map(|s| s.host_device.clone()) {
+                    if !all.contains(&h) {
+                        all.push(h);
+                    }
+                }
                 (!all.is_empty()).then(|| all.join(", "))
             }
         },
@@ -652,7 +681,8 @@ fn rejected(p: &Problem, policy: &Policy, sol: &Solution) -> Vec<Rejected> {
     }
     let driver_devs: Vec<usize> = (0..p.devs.len()).filter(|&d| p.devs[d].node == p.driver).collect();
     let uses_others = sol.stages.iter().any(|s| p.devs[s.0].node != p.driver);
-    if uses_others && driver_devs.len() > 1 && driver_devs.len() <= dp::MAX_SUBSET {
+    // (across nodes the device program alone does not hold each node's share of split experts)
+    if uses_others && driver_devs.len() > 1 && driver_devs.len() <= dp::MAX_SUBSET && !p.across_nodes() {
         let name = format!("only {}'s devices", p.inv.nodes[p.driver].name);
         match dp::min_latency(p, &driver_devs, None).and_then(|(_, s)| p.evaluate(&s)) {
             Some(m) => out.push((

@@ -226,6 +226,12 @@ const RESERVE_ROUNDS: usize = 24;
 /// that fits is a candidate and the best is kept, until a round changes nothing. Reported as
 /// not exact: a reservation larger than a plan needs can hide a better one.
 fn solve_across(p: &Problem, policy: &Policy, obj: Objective) -> Option<Solution> {
+    // energy: the slack applies to the best latency a plan that fits has, not to each round's
+    // reservation (whose programs' optimum rises as reservations grow)
+    let bound = match obj {
+        Objective::Energy => Some(solve_across(p, policy, Objective::Latency)?.metrics.decode_s),
+        _ => None,
+    };
     let n = p.devs.len();
     let mut reserve = vec![(0u64, 0.0f64); n];
     let mut room: Vec<u64> = (0..n).map(|d| p.host_room(d)).collect();
@@ -234,7 +240,15 @@ fn solve_across(p: &Problem, policy: &Policy, obj: Objective) -> Option<Solution
     let mut instead: Option<Guesses> = None;
     for _ in 0..RESERVE_ROUNDS {
         let q = p.reserving(&reserve, &room);
-        let Some(sol) = solve_fixed(&q, policy, obj) else {
+        let round = match bound {
+            Some(t) => solve_fixed(&q, policy, Objective::Latency).and_then(|l| {
+                // this round's slack, so that its limit is `slack × t`
+                let slack = policy.slack * t / l.metrics.decode_s;
+                solve_fixed(&q, &Policy { slack, ..policy.clone() }, obj)
+            }),
+            None => solve_fixed(&q, policy, obj),
+        };
+        let Some(sol) = round else {
             match instead.take() {
                 Some((r, m)) => {
                     (reserve, room) = (r, m);
@@ -243,7 +257,8 @@ fn solve_across(p: &Problem, policy: &Policy, obj: Objective) -> Option<Solution
                 None => break,
             }
         };
-        if let Some(metrics) = p.evaluate(&sol.stages) {
+        let within = |m: &Metrics| bound.is_none_or(|t| m.decode_s <= t * policy.slack * (1.0 + 1e-12));
+        if let Some(metrics) = p.evaluate(&sol.stages).filter(within) {
             let v = objective_value(obj, &metrics);
             if best.as_ref().is_none_or(|b| v < objective_value(obj, &b.metrics)) {
                 best = Some(Solution {
@@ -251,12 +266,12 @@ fn solve_across(p: &Problem, policy: &Policy, obj: Objective) -> Option<Solution
                     metrics,
                     ctx: sol.ctx,
                     exact: false,
-                    latency_bound_s: sol.latency_bound_s,
+                    latency_bound_s: bound.or(sol.latency_bound_s),
                 });
             }
         }
         let (before, mut alt_room) = (reserve.clone(), room.clone());
-        let mut changed = false;
+        let (mut changed, mut alternative) = (false, false);
         for u in p.host_usage(&sol.stages) {
             let h = u.host;
             if u.expert_s > reserve[h].1 * (1.0 + 1e-12) {
@@ -266,20 +281,22 @@ fn solve_across(p: &Problem, policy: &Policy, obj: Objective) -> Option<Solution
             if u.fits() {
                 continue;
             }
-            let over = (u.own_bytes + u.expert_bytes) - u.budget;
             if u.expert_bytes <= u.budget {
                 // the host's own stage makes room (or, if that leaves no plan, the others)
                 if u.expert_bytes > reserve[h].0 {
                     reserve[h].0 = u.expert_bytes;
                     changed = true;
                 }
-                cut_rooms(p, &sol.stages, h, over, &mut alt_room);
+                let over = (u.own_bytes + u.expert_bytes) - u.budget;
+                alternative |= cut_rooms(p, &sol.stages, h, over, &mut alt_room);
             } else {
-                // the other stages' experts alone overflow it
-                changed |= cut_rooms(p, &sol.stages, h, u.expert_bytes - u.budget, &mut room);
+                // the other stages' experts alone overflow it: in both
+                let over = u.expert_bytes - u.budget;
+                changed |= cut_rooms(p, &sol.stages, h, over, &mut room);
+                cut_rooms(p, &sol.stages, h, over, &mut alt_room);
             }
         }
-        instead = (alt_room != room).then(|| {
+        instead = alternative.then(|| {
             let mut r = before;
             for (r, now) in r.iter_mut().zip(&reserve) {
                 r.1 = now.1;

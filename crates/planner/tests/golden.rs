@@ -68,6 +68,7 @@ fn cases() -> Vec<Case> {
             Policy { cpu_moe: CpuMoe::Layers(40), ..p() },
             None,
         ),
+        c("moe-split-across-nodes-searched", "two-gpu-boxes", "qwen3-235b-a22b", "q4_k", "", p(), None),
         c("wifi-avoided", "wifi", "llama-8b", "q4_k", "", p(), None),
         c("fast-behind-slow-link", "fast-behind-slow-link", "llama-70b", "q4_k", "", p(), None),
         c("hundred-nodes", "hundred-nodes", "llama-70b", "f16", "", p(), None),
@@ -358,4 +359,39 @@ fn scenario_split_layers_across_two_boxes() {
     let busiest = uses.iter().map(|u| u.expert_s).fold(0.0, f64::max);
     assert_eq!(metrics.bottleneck_s, busiest.max(metrics.stage_s[0]).max(metrics.stage_s[1]).max(metrics.hop_s[0]));
     assert_eq!(uses.iter().find(|u| u.host == ca).unwrap().expert_s, pr.stage_host_time(ga, 47, 94));
+}
+
+/// Beyond eight devices across nodes, `CpuMoe::Auto` tries every ⌈(L+1)/16⌉-th number of split
+/// layers (each costs the heuristic's programs); the plan says which it kept, one of those.
+#[test]
+fn a_large_cluster_searches_split_layers_on_a_grid() {
+    let mut inv = cluster("two-gpu-boxes");
+    let mut c = inv.nodes[1].clone();
+    c.name = "box-c".into();
+    let mut gpu = c.devices[0].clone();
+    gpu.name = "cuda1".into();
+    c.devices.push(gpu);
+    inv.nodes.push(c.clone());
+    for n in inv.nodes.iter_mut().take(2) {
+        let mut gpu = n.devices[0].clone();
+        gpu.name = "cuda1".into();
+        n.devices.push(gpu);
+    }
+    let link = inv.links[0].link;
+    for a in ["box-a", "box-b"] {
+        inv.links.push(brigade_core::LinkSpec { a: a.into(), b: "box-c".into(), link });
+    }
+    let devices: usize = inv.nodes.iter().map(|n| n.devices.len()).sum();
+    assert_eq!(devices, 9);
+    let m = model("qwen3-30b-a3b", "q8_0");
+    // 48 layers: every 4th of 0..=48
+    let grid = brigade_planner::explain::splits_searched(&inv, &m, &Policy::default());
+    assert_eq!(grid, (0..=48).step_by(4).collect::<Vec<_>>());
+    let p = plan(&inv, &m, &Policy::default()).unwrap();
+    assert!(grid.contains(&p.cpu_moe) && !p.exact, "{}", p.to_text());
+    // eight devices: every one; asked for: that one
+    inv.nodes[2].devices.pop();
+    assert_eq!(brigade_planner::explain::splits_searched(&inv, &m, &Policy::default()), (0..=48).collect::<Vec<_>>());
+    let asked = Policy { cpu_moe: CpuMoe::Layers(7), ..Policy::default() };
+    assert_eq!(brigade_planner::explain::splits_searched(&inv, &m, &asked), [7]);
 }
