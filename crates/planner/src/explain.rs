@@ -443,7 +443,12 @@ fn build(p: &Problem, policy: &Policy, sol: &Solution) -> Plan {
                 why.push("the fastest device used".into());
             }
             // full: the range cannot grow by one layer at either end
-            let full = (b < l && !p.fits(d, a, b + 1)) || (a > 0 && !p.fits(d, a - 1, b));
+            // (a host across nodes: within its budget less the other stages' experts it holds)
+            let grows = |a: usize, b: usize| match hosts.iter().find(|u| u.host == d) {
+                Some(u) => p.stage_mem_on(d, a, b).total() + u.expert_bytes <= u.budget,
+                None => p.fits(d, a, b),
+            };
+            let full = (b < l && !grows(a, b + 1)) || (a > 0 && !grows(a - 1, b));
             let pct = 100.0 * mem.total() as f64 / budget.max(1) as f64;
             if full {
                 why.push(format!("{pct:.0}% of its budget: one more layer would not fit"));
