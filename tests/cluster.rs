@@ -285,9 +285,13 @@ fn split_layers_answer_what_run_answers_on_one_node_and_across_nodes() {
     // placed by the planner (across nodes it reserves each node's share of the experts)
     let d = c.deploy(&["--name", "planned", "-m", m, "--cpu-moe"]);
     assert_eq!(d["state"], "ready", "{d}");
+    // neither flag: the coordinator searches the split, and on CPUs alone keeps whole layers
+    let d = c.deploy(&["--name", "searched", "-m", m]);
+    assert_eq!(d["state"], "ready", "{d}");
+    assert!(!d["plan"].as_str().unwrap().contains("split layers"), "{d}");
     for p in &PROMPTS[..2] {
         let (_, want) = run_ids(Some(&moe), p, 16);
-        for model in ["split", "two", "planned"] {
+        for model in ["split", "two", "planned", "searched"] {
             assert_eq!(ids(&c.generate(model, p, 16)["generated_ids"]), want, "{model}: {p}\n{}", c.logs());
         }
     }
@@ -298,7 +302,7 @@ fn split_layers_answer_what_run_answers_on_one_node_and_across_nodes() {
     let mut names: Vec<String> =
         c.status()["deployments"].as_array().unwrap().iter().map(|d| d["name"].as_str().unwrap().to_string()).collect();
     names.sort();
-    assert_eq!(names, ["planned", "split", "two"]);
+    assert_eq!(names, ["planned", "searched", "split", "two"]);
 }
 
 /// A mixture whose layers, each with its experts, fit on none of three small nodes: deployed

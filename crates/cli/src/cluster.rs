@@ -485,6 +485,8 @@ pub fn deploy_request(a: &DeployArgs) -> DeployParams {
         headroom: a.headroom,
         ubatch: a.ubatch,
         cpu_moe: a.split.layers().map_or(0, |n| u32::try_from(n).unwrap_or(u32::MAX)),
+        // neither flag: the coordinator searches the split, as `plan` does
+        cpu_moe_auto: a.split.layers().is_none(),
         ..DeployParams::new(&a.name, &a.model)
     }
 }

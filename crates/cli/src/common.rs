@@ -587,8 +587,8 @@ pub struct SplitArgs {
     #[arg(long = "cpu-moe", conflicts_with = "n_cpu_moe")]
     pub cpu_moe: bool,
     /// … or of the first N layers (llama.cpp's `--n-cpu-moe`). Default: whole layers, or where
-    /// the planner searches (`-ngl auto`, `plan`) the split it finds fastest within memory. On
-    /// a cluster (`deploy`, `plan --cluster`) each node's RAM holds the experts of the layers
+    /// the planner searches (`-ngl auto`, `plan`, `deploy` without a device map) the split it
+    /// finds fastest within memory. On a cluster each node's RAM holds the experts of the layers
     /// on that node.
     #[arg(long = "n-cpu-moe")]
     pub n_cpu_moe: Option<usize>,

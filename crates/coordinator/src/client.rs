@@ -187,7 +187,10 @@ impl ClientService {
             headroom,
             driver: (!r.driver.is_empty()).then(|| r.driver.clone()),
             device_map: r.device_map.clone(),
-            cpu_moe: r.cpu_moe as usize,
+            cpu_moe: match r.cpu_moe_auto {
+                true => brigade_planner::CpuMoe::Auto,
+                false => brigade_planner::CpuMoe::Layers(r.cpu_moe as usize),
+            },
         };
         let p = placement::place(&self.shared.state(), &model, &req)?;
         Ok((model, p, ctx, sessions))
@@ -611,7 +614,7 @@ impl Client for ClientService {
             replacements: 0,
             note: String::new(),
             by_hand: !r.device_map.trim().is_empty(),
-            cpu_moe: (r.cpu_moe as usize).min(model.n_layers),
+            cpu_moe: p.cpu_moe.min(model.n_layers),
         };
         let known = self.shared.state().models.get(&model.id) == Some(&model);
         if !known {

@@ -8,7 +8,7 @@ use crate::CoordError;
 use brigade_core::cluster::{ClusterState, DeviceFigures, ExpertIds, ModelRecord, NodeState, StageRecord, StageState};
 use brigade_core::{DeviceKind, DeviceSpec, Inventory, LayerRange, Link, LinkSpec, NodeSpec};
 use brigade_planner::cost::Problem;
-use brigade_planner::{Objective, Policy};
+use brigade_planner::{CpuMoe, Objective, Policy};
 use std::collections::BTreeMap;
 
 /// A link nobody measured yet, for hand-placed maps only (the planner never places across one):
@@ -133,9 +133,16 @@ pub struct PlacementRequest {
     pub driver: Option<String>,
     /// `NODE:DEVICE:LAYERS,…`; empty = the planner decides.
     pub device_map: String,
-    /// Split layers: the experts of layers `[0, cpu_moe)` in the RAM of their node (0: whole
-    /// layers). The cost model plans them on a cluster of one node.
-    pub cpu_moe: usize,
+    /// Split layers: the experts of layers `[0, N)` in the RAM of their node (`Layers(0)`: whole
+    /// layers; `Auto`: the planner searches N, a hand map takes whole layers).
+    pub cpu_moe: CpuMoe,
+}
+
+impl PlacementRequest {
+    /// Whether split layers are asked for (`--n-cpu-moe N` with N > 0, or `--cpu-moe`).
+    fn split_asked(&self) -> bool {
+        matches!(self.cpu_moe, CpuMoe::Layers(n) if n > 0)
+    }
 }
 
 /// A placement with its predictions.
@@ -148,6 +155,9 @@ pub struct Placement {
     pub predicted_decode_s: f64,
     pub plan_text: String,
     pub plan_json: String,
+    /// Split layers placed: the experts of layers `[0, cpu_moe)` in their node's RAM (0: whole
+    /// layers), what the deployment records and its workers load.
+    pub cpu_moe: usize,
 }
 
 /// Parses a hand placement: `NODE:DEVICE:LAYERS,…` for a model of `n_layers` layers. One entry
@@ -204,8 +214,8 @@ fn policy(req: &PlacementRequest) -> Policy {
         sessions: req.sessions as u64,
         headroom: req.headroom,
         driver: req.driver.clone(),
-        // split layers only as asked (the deployment records the split its workers load)
-        cpu_moe: brigade_planner::CpuMoe::Layers(req.cpu_moe),
+        // split layers as asked, or searched (the deployment records the split placed)
+        cpu_moe: req.cpu_moe,
         ..Policy::default()
     }
 }
@@ -230,7 +240,7 @@ fn plan(state: &ClusterState, model: &ModelRecord, req: &PlacementRequest) -> Re
     let p = match best_plan(&inv, &model.profile, req) {
         Ok(p) => p,
         // split layers asked for: no other way is tried
-        Err(e) if req.cpu_moe > 0 => return Err(e),
+        Err(e) if req.split_asked() => return Err(e),
         // a mixture whose layers fit no pipeline with their experts: the experts apart
         Err(e) => match experts_apart(&inv, model, req) {
             Ok(Some(placement)) => return Ok(with_notes(placement, &notes)),
@@ -249,6 +259,7 @@ fn plan(state: &ClusterState, model: &ModelRecord, req: &PlacementRequest) -> Re
         plan_text: text,
         stages: pipeline_stages(&p)?,
         expert_stages: Vec::new(),
+        cpu_moe: p.cpu_moe,
     })
 }
 
@@ -430,6 +441,7 @@ fn experts_apart(
         plan_text: text,
         stages: pipeline_stages(&p)?,
         expert_stages,
+        cpu_moe: 0,
     }))
 }
 
@@ -475,7 +487,7 @@ pub fn expert_entries(map: &str) -> Result<(String, Vec<ExpertEntry>), CoordErro
 fn by_hand(state: &ClusterState, model: &ModelRecord, req: &PlacementRequest) -> Result<Placement, CoordError> {
     let (pipeline_map, expert_map) = expert_entries(&req.device_map)?;
     let entries = parse_device_map(&pipeline_map, model.n_layers)?;
-    if !expert_map.is_empty() && req.cpu_moe > 0 {
+    if !expert_map.is_empty() && req.split_asked() {
         return Err(CoordError::BadRequest(
             "--device-map `experts=` entries and --n-cpu-moe: experts on other nodes or in each layer's own RAM, not both"
                 .into(),
@@ -540,7 +552,7 @@ fn by_hand(state: &ClusterState, model: &ModelRecord, req: &PlacementRequest) ->
     if let Some((need, have)) = problem.host_shortfall() {
         return Err(CoordError::BadRequest(format!(
             "--n-cpu-moe {}: the experts of layers 0–{} need {need} bytes in RAM, the CPU's budget is {have} bytes",
-            req.cpu_moe,
+            problem.cpu_moe,
             problem.cpu_moe - 1
         )));
     }
@@ -549,7 +561,7 @@ fn by_hand(state: &ClusterState, model: &ModelRecord, req: &PlacementRequest) ->
         if problem.cpu_moe > a && problem.host_of(d).is_none() {
             return Err(CoordError::BadRequest(format!(
                 "--n-cpu-moe {}: {} would split layers {a}–{}, but its node offers no CPU device to hold their experts",
-                req.cpu_moe,
+                problem.cpu_moe,
                 problem.devs[d].label(),
                 b.min(problem.cpu_moe) - 1
             )));
@@ -589,7 +601,7 @@ fn by_hand(state: &ClusterState, model: &ModelRecord, req: &PlacementRequest) ->
             return Err(CoordError::BadRequest(format!(
                 "--n-cpu-moe {}: {} would hold {} bytes of its own stage and {} bytes of its node's split \
                  experts, its budget is {} bytes",
-                req.cpu_moe,
+                problem.cpu_moe,
                 problem.devs[u.host].label(),
                 u.own_bytes,
                 u.expert_bytes,
@@ -655,6 +667,7 @@ fn by_hand(state: &ClusterState, model: &ModelRecord, req: &PlacementRequest) ->
         text.push_str(&format!("note: {n}\n"));
     }
     Ok(Placement {
+        cpu_moe: problem.cpu_moe,
         stages,
         expert_stages,
         driver,
@@ -841,7 +854,7 @@ mod tests {
             };
             s.apply(Command::RegisterNode { node }).unwrap();
         }
-        let split = |map: &str| PlacementRequest { cpu_moe: 2, ..request(map) };
+        let split = |map: &str| PlacementRequest { cpu_moe: CpuMoe::Layers(2), ..request(map) };
         // gw's 0.9 GiB cannot hold layer 0's experts, whatever e1 has free
         let e = place(&s, &model, &split("gw:cuda0:1,e1:cuda0:1")).unwrap_err().to_string();
         assert!(
@@ -862,6 +875,15 @@ mod tests {
         for st in p.stages.iter().filter(|st| st.device == "cuda0") {
             assert_eq!(st.node, "e1", "only e1's RAM holds a layer's experts: {}", p.plan_text);
         }
+        assert_eq!(p.cpu_moe, 2);
+        // not asked: the planner searches the split (a GPU's dense part with the experts in its
+        // node's RAM beats whole layers on a CPU here); a hand map takes whole layers
+        let auto = |map: &str| PlacementRequest { cpu_moe: CpuMoe::Auto, ..request(map) };
+        let p = place(&s, &model, &auto("")).unwrap();
+        assert!(p.cpu_moe > 0 && p.plan_text.contains("split layers (--n-cpu-moe"), "{}", p.plan_text);
+        let whole = place(&s, &model, &request("")).unwrap();
+        assert!(p.predicted_decode_s < whole.predicted_decode_s, "{}\n{}", p.plan_text, whole.plan_text);
+        assert_eq!((whole.cpu_moe, place(&s, &model, &auto("e1:cpu:2")).unwrap().cpu_moe), (0, 0));
         // a node that offers no CPU cannot keep a split layer's experts (its worker would put them
         // in RAM it never offered)
         let mut e2 = s.nodes["e2"].clone();
@@ -948,7 +970,7 @@ mod tests {
             headroom: 0.10,
             driver: None,
             device_map: device_map.into(),
-            cpu_moe: 0,
+            cpu_moe: CpuMoe::Layers(0),
         }
     }
 

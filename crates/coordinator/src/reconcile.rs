@@ -69,7 +69,8 @@ fn request(d: &Deployment) -> PlacementRequest {
         driver: None,
         device_map: String::new(),
         // a re-placement keeps the split asked for
-        cpu_moe: d.cpu_moe,
+        // the split placed first (searched or asked), kept
+        cpu_moe: brigade_planner::CpuMoe::Layers(d.cpu_moe),
     }
 }
 

@@ -697,6 +697,8 @@ pub struct DeployParams {
     /// Split layers: the routed experts of the first N layers in the RAM of the node that holds
     /// each layer, computed by its CPU (llama.cpp's `--n-cpu-moe`); 0: whole layers.
     pub cpu_moe: u32,
+    /// Search the split instead, as `brigade plan` does; `cpu_moe` is then not read.
+    pub cpu_moe_auto: bool,
 }
 
 impl DeployParams {
@@ -716,6 +718,7 @@ impl DeployParams {
             headroom: 0.10,
             ubatch: 0,
             cpu_moe: 0,
+            cpu_moe_auto: false,
         }
     }
 
@@ -734,6 +737,7 @@ impl DeployParams {
             headroom: self.headroom,
             ubatch: self.ubatch,
             cpu_moe: self.cpu_moe,
+            cpu_moe_auto: self.cpu_moe_auto,
         }
     }
 }

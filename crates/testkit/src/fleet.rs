@@ -88,7 +88,7 @@ fn request() -> PlacementRequest {
         headroom: 0.10,
         driver: None,
         device_map: String::new(),
-        cpu_moe: 0,
+        cpu_moe: brigade_planner::CpuMoe::Layers(0),
     }
 }
 
