@@ -278,6 +278,20 @@ fn best_plan(
     profile: &brigade_core::ModelProfile,
     req: &PlacementRequest,
 ) -> Result<brigade_planner::Plan, CoordError> {
+    // a searched split on a large cluster costs seconds per driver (a grid of splits, each the
+    // heuristic's rounds of programs): the driver is chosen with whole layers, the split
+    // searched for it, and the faster kept
+    let devices: usize = inv.nodes.iter().map(|n| n.devices.len()).sum();
+    if req.cpu_moe == CpuMoe::Auto && req.driver.is_none() && devices > brigade_planner::search::EXACT_MAX {
+        let whole_req = PlacementRequest { cpu_moe: CpuMoe::Layers(0), ..req.clone() };
+        if let Ok(whole) = best_plan(inv, profile, &whole_req) {
+            let pinned = PlacementRequest { driver: Some(whole.driver.clone()), ..req.clone() };
+            return Ok(match best_plan(inv, profile, &pinned) {
+                Ok(split) if better(&split, &whole, req.objective) => split,
+                _ => whole,
+            });
+        }
+    }
     let candidates: Vec<String> = match &req.driver {
         Some(d) => vec![d.clone()],
         None => inv.nodes.iter().take(DRIVER_CANDIDATES).map(|n| n.name.clone()).collect(),
@@ -899,6 +913,37 @@ mod tests {
         }
         let e = place(&s, &model, &split("gw:cuda0:2")).unwrap_err().to_string();
         assert!(e.contains("the experts of layers 0–1 need 2516582400 bytes in RAM"), "{e}");
+    }
+
+    /// A searched split on more than eight devices: the driver chosen with whole layers, the
+    /// split searched for it, the faster kept.
+    #[test]
+    fn a_searched_split_on_a_large_cluster_keeps_the_whole_layers_driver() {
+        let (mut s, model) = moe_fleet(GIB, 150 << 20);
+        for i in 0..5 {
+            let name = format!("g{i}");
+            s.apply(Command::AdmitNode { name: name.clone(), fingerprint: "cd".repeat(32), admitted_ms: 1 }).unwrap();
+            let node = NodeRecord {
+                name: name.clone(),
+                address: format!("{name}:7071"),
+                devices: vec![
+                    device("cuda0", DeviceKind::Cuda, GIB, 2e12, 1e14),
+                    device("cpu", DeviceKind::Cpu, 4 * GIB, 20e9, 3e11),
+                ],
+                version: "test".into(),
+                state: NodeState::Up,
+                registered_ms: 1,
+                lowered: Default::default(),
+            };
+            s.apply(Command::RegisterNode { node }).unwrap();
+        }
+        let (inv, _) = inventory(&s, &model, true);
+        assert_eq!(inv.nodes.iter().map(|n| n.devices.len()).sum::<usize>(), 13);
+        let whole = place(&s, &model, &request("")).unwrap();
+        let p = place(&s, &model, &PlacementRequest { cpu_moe: CpuMoe::Auto, ..request("") }).unwrap();
+        assert!(p.cpu_moe > 0 && p.predicted_decode_s < whole.predicted_decode_s, "{}", p.plan_text);
+        assert_eq!(p.driver, whole.driver);
+        assert!(p.stages.iter().any(|st| st.node == p.driver), "{}", p.plan_text);
     }
 
     /// A layer's experts bigger than any node: no pipeline holds the layers with them, so the

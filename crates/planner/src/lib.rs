@@ -73,14 +73,16 @@ impl std::fmt::Display for Objective {
 }
 
 /// Split layers of a mixture of experts: attention, norms, router and shared expert on the
-/// layer's device, the routed experts in the node's RAM, computed by its CPU (llama.cpp's
-/// `--cpu-moe` / `--n-cpu-moe N`). Planned on one node only ([`cost`]).
+/// layer's device, the routed experts in the RAM of the layer's node, computed by its CPU
+/// (llama.cpp's `--cpu-moe` / `--n-cpu-moe N`). Exact on one node, by a heuristic across nodes
+/// ([`cost`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
 #[serde(rename_all = "kebab-case")]
 pub enum CpuMoe {
-    /// The planner chooses: for a mixture on one node with a CPU and another device, every
-    /// `N` in `0..=layers` is searched with the cut points, and the best for the objective
-    /// kept (ties to the fewest split layers); otherwise whole layers.
+    /// The planner chooses: for a mixture on a cluster where a node has a CPU and another
+    /// device, every `N` in `0..=layers` (a grid of them on large clusters across nodes:
+    /// [`explain::splits_searched`]) is searched with the cut points, and the best for the
+    /// objective kept (ties to the fewest split layers); otherwise whole layers.
     #[default]
     Auto,
     /// The experts of the first `N` layers in RAM (0: whole layers; `--cpu-moe`: all layers).
