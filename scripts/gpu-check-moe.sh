@@ -7,7 +7,8 @@
 # in log.txt comparing the splits' greedy ids. `--headroom 0.99` leaves 1% of the GPU to
 # `-ngl auto` (about 1.4 GB of an H200, 0.8 GB of an H100), less than the model's 2.2 GB: whole
 # layers (about 0.17 GB each) fit only in part, so the planner should split. synth has no
-# head-size flag: the heads are 64 wide, not Qwen3's 128. Budget: the step limits add up to 540 s.
+# head-size flag: the heads are 64 wide, not Qwen3's 128. Budget: the step limits add up to 540 s;
+# the cluster part (below) runs only if the rest left it time, within 580 s in all.
 #
 #   scripts/gpu-check-moe.sh BIN_DIR OUT_DIR     (BIN_DIR holds `brigade` built with --features cuda)
 set -u
@@ -38,5 +39,47 @@ step bench-cpu 30 "$OUT/bench-cpu.json" "$BIN/brigade" bench -m "$M" -ngl 0 -p 5
 step bench-gpu 90 "$OUT/bench.json" "$BIN/brigade" bench -m "$M" -ngl all -p 512 -n 64 -r 2 -t "$T" -o json \
   --n-cpu-moe 0,6,all
 step bench-auto 30 "$OUT/bench-auto.json" "$BIN/brigade" bench -m "$M" -ngl auto --headroom 0.99 -p 512 -n 64 -r 2 -t "$T" -o json
+# split layers in a cluster on loopback: a GPU gateway offering cuda0 and its CPU (whose RAM
+# holds the experts of its split layers) and a CPU worker. By hand: the gateway's first 8 layers
+# with the experts of 0-5 in its RAM, the CPU worker's last 4, against the single box's same
+# split; then placed by the coordinator with no flag (it searches the split). GW_DEVICES,
+# GW_DEVICE and BOX_SPLIT let the part run on a CPU build (cpu, cpu, nothing) to check the script.
+if [ $SECONDS -lt 420 ]; then
+  C=$W/cluster-moe; rm -rf "$C"; mkdir -p "$C"
+  TOKEN=brg1-$(head -c 24 /dev/urandom | od -An -tx1 | tr -d ' \n')
+  P=$((20000 + RANDOM % 20000))
+  GWD=${GW_DEVICE:-cuda0}
+  "$BIN/brigade" coordinator --listen 127.0.0.1:$P --data-dir "$C/coord" --join-token "$TOKEN" >"$C/coord.log" 2>&1 &
+  PIDS=$!
+  sleep 3
+  "$BIN/brigade" worker --coordinator 127.0.0.1:$P --listen 127.0.0.1:0 --name gw --devices "${GW_DEVICES:-cuda0,cpu}" \
+    --join-token "$TOKEN" --data-dir "$C/gw" --models-dir "$C/gw/models" --measure quick >"$C/gw.log" 2>&1 &
+  PIDS="$PIDS $!"
+  "$BIN/brigade" worker --coordinator 127.0.0.1:$P --listen 127.0.0.1:0 --name cpu --devices cpu --join-token "$TOKEN" \
+    --data-dir "$C/cpu" --models-dir "$C/cpu/models" --measure quick >"$C/cpu.log" 2>&1 &
+  PIDS="$PIDS $!"
+  CL=(--coordinator 127.0.0.1:$P --ca "$C/coord/ca.pem")
+  for _ in $(seq 60); do
+    [ "$("$BIN/brigade" status --json "${CL[@]}" 2>/dev/null | grep -c '"state": "up"')" -ge 2 ] && break
+    sleep 1
+  done
+  G=(-p "Once upon a time" -n 48 --temp 0 --json)
+  left() { echo $(( $1 < 580 - SECONDS ? $1 : 580 - SECONDS )); }
+  step cluster-deploy-split $(left 90) "$OUT/cluster.txt" "$BIN/brigade" deploy "${CL[@]}" --name split -m "$M" \
+    --device-map "gw:$GWD:8,cpu:cpu:4" --n-cpu-moe 6 -c 2048
+  step cluster-gen-split $(left 45) "$C/split.json" "$BIN/brigade" generate "${CL[@]}" --model split "${G[@]}"
+  # (BOX_SPLIT: the single box's --device-map, `cuda0:8,cpu:4` on the GPU)
+  read -r -a BOX <<<"${BOX_SPLIT---device-map cuda0:8,cpu:4}"
+  step cluster-run-same-split $(left 45) "$C/box.json" "$BIN/brigade" run -m "$M" "${BOX[@]}" --n-cpu-moe 6 \
+    -c 2048 -t "$T" "${G[@]}"
+  same cluster-split "$C/split.json" "$C/box.json"
+  step cluster-deploy-searched $(left 90) "$OUT/cluster.txt" "$BIN/brigade" deploy "${CL[@]}" --name searched -m "$M" -c 2048
+  step cluster-gen-searched $(left 45) "$C/searched.json" "$BIN/brigade" generate "${CL[@]}" --model searched "${G[@]}"
+  compact "$C/split.json" "$C/box.json" "$C/searched.json"
+  kill $PIDS 2>/dev/null; wait 2>/dev/null
+  for f in "$C"/*.log; do cp "$f" "$OUT/cluster-moe-$(basename "$f")"; done
+else
+  log "cluster part skipped: $SECONDS s used"
+fi
 rm -f "$M"
 log "done"

@@ -677,6 +677,17 @@ fn by_hand(state: &ClusterState, model: &ModelRecord, req: &PlacementRequest) ->
         1.0 / predicted.max(1e-12)
     ));
     text.push_str(&expert_lines(&expert_stages));
+    // split layers: where each stage's experts are
+    for &(d, a, b) in idx.iter().filter(|&&(d, a, _)| problem.splits_on(d) && a < problem.cpu_moe) {
+        text.push_str(&format!(
+            "split layers (--n-cpu-moe {}): experts of layers {a}–{} of {} in {}'s RAM, {}\n",
+            problem.cpu_moe,
+            b.min(problem.cpu_moe) - 1,
+            problem.devs[d].label(),
+            problem.host_of(d).map_or(String::new(), |h| problem.devs[h].label()),
+            brigade_planner::explain::human(problem.host_expert_bytes(a, b))
+        ));
+    }
     for n in notes {
         text.push_str(&format!("note: {n}\n"));
     }
@@ -877,6 +888,12 @@ mod tests {
         );
         // e1 holds both layers' experts for its GPU
         let p = place(&s, &model, &split("e1:cuda0:2")).unwrap();
+        assert!(
+            p.plan_text
+                .contains("split layers (--n-cpu-moe 2): experts of layers 0–1 of e1/cuda0 in e1/cpu's RAM, 2.34 GiB"),
+            "{}",
+            p.plan_text
+        );
         assert!(p.stages[0].weight_bytes < 100 << 20, "the experts are not on the GPU: {}", p.plan_text);
         // a stage on a CPU holds its own layers' experts
         let p = place(&s, &model, &split("e1:cuda0:1,e1:cpu:1")).unwrap();
