@@ -908,3 +908,31 @@ pub fn status(a: StatusArgs) -> Result<()> {
         Ok(())
     })
 }
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)]
+mod tests {
+    use super::*;
+    use clap::Parser;
+
+    #[derive(Parser)]
+    struct Deploy {
+        #[command(flatten)]
+        args: DeployArgs,
+    }
+
+    /// `deploy` without a split flag asks the coordinator to search the split; with one, that
+    /// split (`--cpu-moe`: every layer).
+    #[test]
+    fn deploy_searches_the_split_unless_asked() {
+        let split = |flags: &[&str]| {
+            let a = Deploy::try_parse_from([&["deploy", "--name", "x"][..], flags].concat()).unwrap().args;
+            let r = deploy_request(&a);
+            (r.cpu_moe, r.cpu_moe_auto)
+        };
+        assert_eq!(split(&[]), (0, true));
+        assert_eq!(split(&["--n-cpu-moe", "6"]), (6, false));
+        assert_eq!(split(&["--n-cpu-moe", "0"]), (0, false));
+        assert_eq!(split(&["--cpu-moe"]), (u32::MAX, false));
+    }
+}

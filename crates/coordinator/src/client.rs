@@ -192,7 +192,12 @@ impl ClientService {
                 false => brigade_planner::CpuMoe::Layers(r.cpu_moe as usize),
             },
         };
-        let p = placement::place(&self.shared.state(), &model, &req)?;
+        // planning a searched split can take seconds on a large cluster: off the async threads
+        let state = self.shared.state();
+        let m = model.clone();
+        let p = tokio::task::spawn_blocking(move || placement::place(&state, &m, &req))
+            .await
+            .map_err(|e| CoordError::Internal(e.to_string()))??;
         Ok((model, p, ctx, sessions))
     }
 
@@ -615,6 +620,7 @@ impl Client for ClientService {
             note: String::new(),
             by_hand: !r.device_map.trim().is_empty(),
             cpu_moe: p.cpu_moe.min(model.n_layers),
+            cpu_moe_auto: r.cpu_moe_auto,
         };
         let known = self.shared.state().models.get(&model.id) == Some(&model);
         if !known {

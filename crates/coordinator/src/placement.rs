@@ -272,7 +272,8 @@ fn with_notes(mut p: Placement, notes: &[String]) -> Placement {
 
 /// The planner's best plan of `profile` on `inv`. The driver closes the ring (the last stage
 /// sends it the sampled id, it feeds the first) and must hold a stage: without `--driver`, each
-/// node is tried and the fastest plan wins.
+/// node is tried and the fastest plan wins (a searched split beyond eight devices: the driver
+/// of the best whole-layer plan only).
 fn best_plan(
     inv: &Inventory,
     profile: &brigade_core::ModelProfile,
@@ -286,10 +287,9 @@ fn best_plan(
         let whole_req = PlacementRequest { cpu_moe: CpuMoe::Layers(0), ..req.clone() };
         if let Ok(whole) = best_plan(inv, profile, &whole_req) {
             let pinned = PlacementRequest { driver: Some(whole.driver.clone()), ..req.clone() };
-            return Ok(match best_plan(inv, profile, &pinned) {
-                Ok(split) if better(&split, &whole, req.objective) => split,
-                _ => whole,
-            });
+            // (the split search includes whole layers: for energy its slack is over every split's
+            // best latency, which a comparison with `whole` alone would break)
+            return Ok(best_plan(inv, profile, &pinned).unwrap_or(whole));
         }
     }
     let candidates: Vec<String> = match &req.driver {
@@ -932,10 +932,12 @@ mod tests {
         assert!(e.contains("the experts of layers 0–1 need 2516582400 bytes in RAM"), "{e}");
     }
 
-    /// A searched split on more than eight devices: the driver chosen with whole layers, the
-    /// split searched for it, the faster kept.
+    /// A searched split on more than eight devices (the driver chosen with whole layers, the
+    /// split searched for it) is placed, faster than whole layers, its driver holding a stage.
+    /// (Here the full search over drivers would choose the same one: what the shortcut saves is
+    /// time, which this does not measure.)
     #[test]
-    fn a_searched_split_on_a_large_cluster_keeps_the_whole_layers_driver() {
+    fn a_searched_split_on_a_large_cluster_is_placed() {
         let (mut s, model) = moe_fleet(GIB, 150 << 20);
         for i in 0..5 {
             let name = format!("g{i}");
@@ -1010,6 +1012,7 @@ mod tests {
             note: String::new(),
             by_hand: false,
             cpu_moe: 0,
+            cpu_moe_auto: false,
         };
         s.apply(Command::CreateDeployment { deployment: d }).unwrap();
         // experts of 300 MiB a layer: 4.8 GiB of experts on 2.7 GiB of nodes

@@ -68,9 +68,11 @@ fn request(d: &Deployment) -> PlacementRequest {
         headroom: 0.10,
         driver: None,
         device_map: String::new(),
-        // a re-placement keeps the split asked for
-        // the split placed first (searched or asked), kept
-        cpu_moe: brigade_planner::CpuMoe::Layers(d.cpu_moe),
+        // the split asked for, or searched again
+        cpu_moe: match d.cpu_moe_auto {
+            true => brigade_planner::CpuMoe::Auto,
+            false => brigade_planner::CpuMoe::Layers(d.cpu_moe),
+        },
     }
 }
 
@@ -148,7 +150,13 @@ impl Reconciler {
 
     fn rebalance(&self, state: &ClusterState, d: &Deployment, live: &impl Liveness) -> Option<Action> {
         let model = state.models.get(&d.model_id)?;
-        let p = placement::place(state, model, &request(d)).ok()?;
+        // a split searched or asked for is planned for the current driver only (a grid of
+        // heuristic splits per driver, every few seconds, would hold the leader)
+        let mut req = request(d);
+        if d.cpu_moe_auto || d.cpu_moe > 0 {
+            req.driver = Some(d.driver.clone());
+        }
+        let p = placement::place(state, model, &req).ok()?;
         let same = p.stages.len() == d.stages.len()
             && p.stages
                 .iter()
@@ -183,6 +191,7 @@ fn replace(state: &ClusterState, d: &Deployment, why: &str) -> Option<Action> {
                     driver: p.driver,
                     predicted_decode_s: p.predicted_decode_s,
                     plan_text: p.plan_text,
+                    cpu_moe: Some(p.cpu_moe),
                 }),
                 done: format!("deployment `{}` re-placed ({why}): {}", d.name, nodes.join(" ")),
                 forget: None,
@@ -283,6 +292,7 @@ mod tests {
             note: String::new(),
             by_hand: false,
             cpu_moe: 0,
+            cpu_moe_auto: false,
         };
         let p = placement::place(&s, &s.models["m"], &request(&deployment)).unwrap();
         let deployment =
@@ -402,6 +412,25 @@ mod tests {
             host_link: Some(brigade_core::Link { bandwidth: 25e9, latency: 10e-6 }),
         });
         s.apply(Command::RegisterNode { node }).unwrap();
+    }
+
+    /// A split searched at deploy time is searched again by a re-placement, which records the
+    /// split it placed; one asked for is kept.
+    #[test]
+    fn a_searched_split_is_searched_again_and_recorded() {
+        let s = cluster(&[("a", 8 * GIB, 20e9), ("b", 8 * GIB, 20e9)]);
+        let d = Deployment { cpu_moe_auto: true, cpu_moe: 3, ..s.deployments["d"].clone() };
+        assert_eq!(request(&d).cpu_moe, brigade_planner::CpuMoe::Auto);
+        let asked = Deployment { cpu_moe_auto: false, ..d.clone() };
+        assert_eq!(request(&asked).cpu_moe, brigade_planner::CpuMoe::Layers(3));
+        // a dense model: the search places whole layers, and the command says so
+        match replace(&s, &d, "test") {
+            Some(Action::Apply { command, .. }) => match *command {
+                Command::ReplaceStages { cpu_moe, .. } => assert_eq!(cpu_moe, Some(0)),
+                c => panic!("{c:?}"),
+            },
+            a => panic!("{a:?}"),
+        }
     }
 
     fn layers_on(s: &ClusterState, device: &str) -> usize {

@@ -359,6 +359,10 @@ pub struct Deployment {
     /// that holds each layer, computed by its CPU (0: whole layers).
     #[serde(default)]
     pub cpu_moe: usize,
+    /// The split was searched (`deploy` without `--n-cpu-moe`): a re-placement searches it
+    /// again, and may change [`Deployment::cpu_moe`].
+    #[serde(default)]
+    pub cpu_moe_auto: bool,
     /// Placed by a hand-given map: never moved for a faster placement (only when a node dies).
     #[serde(default)]
     pub by_hand: bool,
@@ -501,6 +505,9 @@ pub enum Command {
         predicted_decode_s: f64,
         /// The new placement as the planner explained it.
         plan_text: String,
+        /// The new placement's split layers ([`Deployment::cpu_moe`]); `None`: unchanged.
+        #[serde(default)]
+        cpu_moe: Option<usize>,
     },
     /// Why a deployment cannot serve now (empty clears it).
     SetNote {
@@ -839,7 +846,15 @@ impl ClusterState {
                 self.next_generation += 1;
                 Applied::Deployed { generation }
             }
-            Command::ReplaceStages { deployment, stages, expert_stages, driver, predicted_decode_s, plan_text } => {
+            Command::ReplaceStages {
+                deployment,
+                stages,
+                expert_stages,
+                driver,
+                predicted_decode_s,
+                plan_text,
+                cpu_moe,
+            } => {
                 let generation = self.next_generation;
                 let d = self
                     .deployments
@@ -861,6 +876,9 @@ impl ClusterState {
                 d.driver = driver;
                 d.predicted_decode_s = predicted_decode_s;
                 d.plan_text = plan_text;
+                if let Some(n) = cpu_moe {
+                    d.cpu_moe = n;
+                }
                 d.generation = generation;
                 d.replacements += 1;
                 d.note.clear();
@@ -1115,6 +1133,7 @@ mod tests {
             note: String::new(),
             by_hand: false,
             cpu_moe: 0,
+            cpu_moe_auto: false,
             expert_stages: vec![],
         }
     }
@@ -1308,6 +1327,7 @@ mod tests {
             driver: driver.into(),
             predicted_decode_s: 1.0,
             plan_text: "p".into(),
+            cpu_moe: None,
         };
         // onto the node that is down, or with a driver that holds no stage: refused
         let before = s.clone();
@@ -1320,8 +1340,20 @@ mod tests {
             Applied::Deployed { generation: 2 }
         );
         let d = &s.deployments["d"];
-        assert_eq!((d.generation, d.replacements, d.note.as_str()), (2, 1, ""));
+        assert_eq!((d.generation, d.replacements, d.note.as_str(), d.cpu_moe), (2, 1, "", 0));
         assert_eq!(s.deployment_state(d), DeploymentState::Replacing);
+        // a re-placement that searched the split again records the one placed
+        let resplit = Command::ReplaceStages {
+            deployment: "d".into(),
+            stages: vec![stage("a", 0, 5)],
+            expert_stages: vec![],
+            driver: "a".into(),
+            predicted_decode_s: 1.0,
+            plan_text: "p".into(),
+            cpu_moe: Some(3),
+        };
+        s.apply(resplit).unwrap();
+        assert_eq!(s.deployments["d"].cpu_moe, 3);
         s.apply(Command::SetReplica { id: 2, address: Some("x:1".into()) }).unwrap();
         s.apply(Command::SetReplica { id: 2, address: None }).unwrap();
         assert!(s.replicas.is_empty());

@@ -775,13 +775,18 @@ mod tests {
         let r = DeployParams {
             activation_dtype: ActDtype::Bf16,
             carrier: CarrierKind::Grpc,
+            cpu_moe: 7,
+            cpu_moe_auto: true,
             ..DeployParams::new("a", "b")
         };
         let p = r.to_proto();
         assert_eq!(
-            (p.activation_dtype, p.carrier, p.wait_s),
-            (v1::WireDtype::Bf16 as i32, v1::Carrier::Grpc as i32, 600)
+            (p.activation_dtype, p.carrier, p.wait_s, p.cpu_moe, p.cpu_moe_auto),
+            (v1::WireDtype::Bf16 as i32, v1::Carrier::Grpc as i32, 600, 7, true)
         );
+        // a client that says nothing about split layers gets whole layers, as before
+        let plain = DeployParams::new("a", "b").to_proto();
+        assert_eq!((plain.cpu_moe, plain.cpu_moe_auto), (0, false));
         assert_eq!(activation_dtype_name(p.activation_dtype), "bf16");
         let done = Done::from(v1::Done { stop: 5, timings: None, text_tail: "x".into() });
         assert_eq!(done, Done { stop: StopReason::Stop, timings: None, text_tail: "x".into() });

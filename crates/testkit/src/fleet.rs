@@ -145,6 +145,7 @@ pub fn setup(workers: usize) -> Result<Vec<Command>, String> {
         note: String::new(),
         by_hand: false,
         cpu_moe: 0,
+        cpu_moe_auto: false,
     };
     out.push(Command::CreateDeployment { deployment });
     Ok(out)
