@@ -283,7 +283,8 @@ fn best_plan(
     // heuristic's rounds of programs): the driver is chosen with whole layers, the split
     // searched for it, and the faster kept
     let devices: usize = inv.nodes.iter().map(|n| n.devices.len()).sum();
-    if req.cpu_moe == CpuMoe::Auto && req.driver.is_none() && devices > brigade_planner::search::EXACT_MAX {
+    let searched = req.cpu_moe == CpuMoe::Auto && profile.moe.is_some();
+    if searched && req.driver.is_none() && devices > brigade_planner::search::EXACT_MAX {
         let whole_req = PlacementRequest { cpu_moe: CpuMoe::Layers(0), ..req.clone() };
         if let Ok(whole) = best_plan(inv, profile, &whole_req) {
             let pinned = PlacementRequest { driver: Some(whole.driver.clone()), ..req.clone() };

@@ -150,10 +150,13 @@ impl Reconciler {
 
     fn rebalance(&self, state: &ClusterState, d: &Deployment, live: &impl Liveness) -> Option<Action> {
         let model = state.models.get(&d.model_id)?;
-        // a split searched or asked for is planned for the current driver only (a grid of
-        // heuristic splits per driver, every few seconds, would hold the leader)
+        // a mixture's split searched or asked for on a large cluster is planned for the current
+        // driver only (a grid of heuristic splits per driver, every few seconds, would hold the
+        // leader); a move it finds is then placed in full by `replace`
         let mut req = request(d);
-        if d.cpu_moe_auto || d.cpu_moe > 0 {
+        let devices: usize = state.nodes.values().filter(|n| n.state == NodeState::Up).map(|n| n.devices.len()).sum();
+        let split = model.profile.moe.is_some() && (d.cpu_moe_auto || d.cpu_moe > 0);
+        if split && devices > brigade_planner::search::EXACT_MAX {
             req.driver = Some(d.driver.clone());
         }
         let p = placement::place(state, model, &req).ok()?;
