@@ -703,7 +703,11 @@ impl Client for ClientService {
 
     async fn plan(&self, req: Request<DeployRequest>) -> Result<Response<PlanResponse>, Status> {
         require_admin(&req, "planning")?;
-        let r = req.into_inner();
+        let mut r = req.into_inner();
+        // a plan names no deployment (the Python SDK's `plan` sends none): any valid name
+        if r.name.is_empty() {
+            r.name = "plan".into();
+        }
         let (_, p, _, _) = self.placement(&r).await?;
         Ok(Response::new(PlanResponse { plan_text: p.plan_text, plan_json: p.plan_json }))
     }

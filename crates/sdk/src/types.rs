@@ -702,7 +702,8 @@ pub struct DeployParams {
 }
 
 impl DeployParams {
-    /// `model` deployed as `name`, placed by the planner for latency, waiting up to 600 s.
+    /// `model` deployed as `name`, placed by the planner for latency (a mixture's split layers
+    /// searched, as `brigade deploy` does), waiting up to 600 s.
     pub fn new(name: &str, model: &str) -> Self {
         DeployParams {
             name: name.into(),
@@ -718,7 +719,7 @@ impl DeployParams {
             headroom: 0.10,
             ubatch: 0,
             cpu_moe: 0,
-            cpu_moe_auto: false,
+            cpu_moe_auto: true,
         }
     }
 
@@ -784,9 +785,11 @@ mod tests {
             (p.activation_dtype, p.carrier, p.wait_s, p.cpu_moe, p.cpu_moe_auto),
             (v1::WireDtype::Bf16 as i32, v1::Carrier::Grpc as i32, 600, 7, true)
         );
-        // a client that says nothing about split layers gets whole layers, as before
+        // the SDK searches the split unless told, as the CLI does (the wire's default, false,
+        // keeps older clients on whole layers)
         let plain = DeployParams::new("a", "b").to_proto();
-        assert_eq!((plain.cpu_moe, plain.cpu_moe_auto), (0, false));
+        assert_eq!((plain.cpu_moe, plain.cpu_moe_auto), (0, true));
+        assert!(!v1::DeployRequest::default().cpu_moe_auto);
         assert_eq!(activation_dtype_name(p.activation_dtype), "bf16");
         let done = Done::from(v1::Done { stop: 5, timings: None, text_tail: "x".into() });
         assert_eq!(done, Done { stop: StopReason::Stop, timings: None, text_tail: "x".into() });

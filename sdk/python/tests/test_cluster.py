@@ -137,6 +137,17 @@ def test_deploy_chat_undeploy(client: Client) -> None:
     assert e.value.code == StatusCode.NOT_FOUND
 
 
+def test_split_layers_are_asked_or_searched(client: Client) -> None:
+    moe = Path(__file__).resolve().parents[3] / "tests/fixtures/families/qwen3moe/qwen3moe-tiny-F16.gguf"
+    # asked for: planned with the experts of the first 2 layers in RAM; not asked: searched
+    # (on CPUs alone, whole layers)
+    assert client.plan(str(moe), ctx=64, cpu_moe=2).json["cpu_moe"] == 2
+    assert client.plan(str(moe), ctx=64, cpu_moe=10**12).json["cpu_moe"] == 3
+    assert client.plan(str(moe), ctx=64).json["cpu_moe"] == 0
+    with pytest.raises(BrigadeError, match="a number of layers"):
+        client.plan(str(moe), cpu_moe=-1)
+
+
 def test_chat_needs_a_template(client: Client) -> None:
     # the embedded stories model has no chat template: the refusal reaches the caller
     with pytest.raises(BrigadeError) as e:

@@ -320,10 +320,15 @@ class Client:
         headroom: float = 0.10,
         ubatch: int = 0,
         wait_s: int = 300,
+        cpu_moe: Optional[int] = None,
     ) -> Deployment:
         """Deploys ``model`` (a path on the coordinator's machine, or ``"embedded"``) as
         ``name``: placed by the planner, or by hand with ``device_map="NODE:DEVICE:N,…"``.
-        Waits up to ``wait_s`` seconds for every stage to be ready (0: does not wait)."""
+        Waits up to ``wait_s`` seconds for every stage to be ready (0: does not wait).
+        ``cpu_moe``: split layers of a mixture of experts (llama.cpp's ``--n-cpu-moe``), the
+        routed experts of the first N layers in their node's RAM (0: whole layers; at least the
+        model's layers: every layer); ``None``: the coordinator searches the split, as
+        ``brigade deploy`` does."""
         req = client_pb2.DeployRequest(
             name=name,
             model=model,
@@ -337,6 +342,7 @@ class Client:
             wait_s=wait_s,
             headroom=headroom,
             ubatch=ubatch,
+            **_split(cpu_moe),
         )
         r = self._unary(lambda s, t: s.Deploy(req, timeout=t, metadata=self._metadata), self.timeout + wait_s)
         return Deployment.from_pb(r.deployment)
@@ -351,6 +357,7 @@ class Client:
         sessions: int = 0,
         driver: str = "",
         headroom: float = 0.10,
+        cpu_moe: Optional[int] = None,
     ) -> Plan:
         """What :meth:`deploy` would do, without doing it."""
         req = client_pb2.DeployRequest(
@@ -361,6 +368,7 @@ class Client:
             sessions=sessions,
             driver=driver,
             headroom=headroom,
+            **_split(cpu_moe),
         )
         r = self._unary(lambda s, t: s.Plan(req, timeout=t, metadata=self._metadata))
         return Plan.from_pb(r)
@@ -381,6 +389,15 @@ def _choice(table: dict[str, str], value: str, what: str) -> str:
     if value not in table:
         raise BrigadeError(None, f"{what} {value!r}: one of {', '.join(k for k in table if k)}")
     return table[value]
+
+
+def _split(cpu_moe: Optional[int]) -> dict[str, Any]:
+    """The request's split-layer fields: ``None`` searched, else the first N layers' experts."""
+    if cpu_moe is None:
+        return {"cpu_moe_auto": True}
+    if cpu_moe < 0:
+        raise BrigadeError(None, f"cpu_moe {cpu_moe}: a number of layers, 0 or more")
+    return {"cpu_moe": min(cpu_moe, 2**32 - 1)}
 
 
 def _options(
