@@ -30,16 +30,20 @@ impl Liveness for Observed<'_> {
     }
 }
 
+fn config(shared: &Shared) -> ReconcileConfig {
+    ReconcileConfig {
+        node_timeout: shared.cfg.node_timeout,
+        rebalance_gain: shared.cfg.rebalance_gain,
+        rebalance_every: REBALANCE_EVERY,
+    }
+}
+
 pub async fn leader_tasks(shared: Arc<Shared>, stop: tokio_util::sync::CancellationToken) {
     let mut tick = tokio::time::interval(TICK);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     let mut was_leader = false;
     let clock = Instant::now();
-    let mut reconciler = Reconciler::new(ReconcileConfig {
-        node_timeout: shared.cfg.node_timeout,
-        rebalance_gain: shared.cfg.rebalance_gain,
-        rebalance_every: REBALANCE_EVERY,
-    });
+    let mut reconciler = Reconciler::new(config(&shared));
     loop {
         tokio::select! {
             _ = stop.cancelled() => return,
@@ -65,8 +69,26 @@ pub async fn leader_tasks(shared: Arc<Shared>, stop: tokio_util::sync::Cancellat
         }
         let since = shared.leader_since.lock().ok().and_then(|l| *l).unwrap_or_else(Instant::now);
         let state = shared.state();
-        let live = Observed { shared: &shared, leader_for: since.elapsed() };
-        for action in reconciler.step(clock.elapsed(), &state, &live) {
+        // off the async threads: a re-placement plans, which on a large cluster with a searched
+        // split takes seconds
+        let (at, leader_for, on) = (clock.elapsed(), since.elapsed(), shared.clone());
+        let stepped = tokio::task::spawn_blocking(move || {
+            let actions = reconciler.step(at, &state, &Observed { shared: &on, leader_for });
+            (reconciler, actions)
+        })
+        .await;
+        let actions = match stepped {
+            Ok((r, actions)) => {
+                reconciler = r;
+                actions
+            }
+            Err(e) => {
+                tracing::error!("the reconciler's step failed: {e}");
+                reconciler = Reconciler::new(config(&shared));
+                Vec::new()
+            }
+        };
+        for action in actions {
             match action {
                 Action::Apply { command, done, forget } => match shared.apply(*command).await {
                     Ok(_) => {
