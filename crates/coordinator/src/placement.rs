@@ -282,9 +282,8 @@ fn best_plan(
     // a searched split on a large cluster costs seconds per driver (a grid of splits, each the
     // heuristic's rounds of programs): the driver is chosen with whole layers, the split
     // searched for it, and the faster kept
-    let devices: usize = inv.nodes.iter().map(|n| n.devices.len()).sum();
     let searched = req.cpu_moe == CpuMoe::Auto && profile.moe.is_some();
-    if searched && req.driver.is_none() && devices > brigade_planner::search::EXACT_MAX {
+    if searched && req.driver.is_none() && inv.n_devices() > brigade_planner::search::EXACT_MAX {
         let whole_req = PlacementRequest { cpu_moe: CpuMoe::Layers(0), ..req.clone() };
         if let Ok(whole) = best_plan(inv, profile, &whole_req) {
             let pinned = PlacementRequest { driver: Some(whole.driver.clone()), ..req.clone() };
@@ -583,7 +582,7 @@ fn by_hand(state: &ClusterState, model: &ModelRecord, req: &PlacementRequest) ->
         }
         let mut mem = problem.stage_mem(a, b);
         mem.weights = mem.weights.saturating_sub(away(a, b)?);
-        if problem.cpu_moe > 0 && problem.host.is_none() && !problem.splits_on(d) {
+        if problem.experts_held_whole(d) {
             // split layers across nodes: a stage on its node's CPU holds its layers' experts
             mem.weights = mem.weights.saturating_add(problem.host_expert_bytes(a, b));
         }
@@ -958,7 +957,7 @@ mod tests {
             s.apply(Command::RegisterNode { node }).unwrap();
         }
         let (inv, _) = inventory(&s, &model, true);
-        assert_eq!(inv.nodes.iter().map(|n| n.devices.len()).sum::<usize>(), 13);
+        assert_eq!(inv.n_devices(), 13);
         let whole = place(&s, &model, &request("")).unwrap();
         let p = place(&s, &model, &PlacementRequest { cpu_moe: CpuMoe::Auto, ..request("") }).unwrap();
         assert!(p.cpu_moe > 0 && p.predicted_decode_s < whole.predicted_decode_s, "{}", p.plan_text);

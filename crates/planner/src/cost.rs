@@ -373,7 +373,7 @@ impl<'a> Problem<'a> {
 
     /// Split layers on a cluster of several nodes: a stage that splits no layer holds its
     /// layers' experts itself (on one node the host's budget is reduced by them instead).
-    fn experts_held_whole(&self, d: usize) -> bool {
+    pub fn experts_held_whole(&self, d: usize) -> bool {
         self.cpu_moe > 0 && self.host.is_none() && !self.splits_on(d)
     }
 

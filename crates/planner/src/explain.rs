@@ -290,8 +290,7 @@ pub fn splits_searched(inv: &Inventory, profile: &ModelProfile, policy: &Policy)
         CpuMoe::Layers(n) => vec![n],
         CpuMoe::Auto if splits_possible(inv, profile) => {
             let l = profile.n_layers();
-            let devices: usize = inv.nodes.iter().map(|n| n.devices.len()).sum();
-            let step = match inv.nodes.len() > 1 && devices > search::EXACT_MAX {
+            let step = match inv.nodes.len() > 1 && inv.n_devices() > search::EXACT_MAX {
                 true => (l + 1).div_ceil(SPLIT_GRID),
                 false => 1,
             };
@@ -428,7 +427,8 @@ fn build(p: &Problem, policy: &Policy, sol: &Solution) -> Plan {
                 mem.weights += own;
                 budget += own;
             }
-            if let Some(u) = hosts.iter().find(|u| u.host == d) {
+            let host_use = hosts.iter().find(|u| u.host == d);
+            if let Some(u) = host_use {
                 // across nodes: the host's budget less the other stages' experts it holds
                 budget = u.budget.saturating_sub(u.expert_bytes);
             }
@@ -444,7 +444,7 @@ fn build(p: &Problem, policy: &Policy, sol: &Solution) -> Plan {
             }
             // full: the range cannot grow by one layer at either end
             // (a host across nodes: within its budget less the other stages' experts it holds)
-            let grows = |a: usize, b: usize| match hosts.iter().find(|u| u.host == d) {
+            let grows = |a: usize, b: usize| match host_use {
                 Some(u) => p.stage_mem_on(d, a, b).total() + u.expert_bytes <= u.budget,
                 None => p.fits(d, a, b),
             };

@@ -381,8 +381,7 @@ fn a_large_cluster_searches_split_layers_on_a_grid() {
     for a in ["box-a", "box-b"] {
         inv.links.push(brigade_core::LinkSpec { a: a.into(), b: "box-c".into(), link });
     }
-    let devices: usize = inv.nodes.iter().map(|n| n.devices.len()).sum();
-    assert_eq!(devices, 9);
+    assert_eq!(inv.n_devices(), 9);
     let m = model("qwen3-30b-a3b", "q8_0");
     // 48 layers: every 4th of 0..=48
     let grid = brigade_planner::explain::splits_searched(&inv, &m, &Policy::default());
