@@ -45,24 +45,11 @@ step bench-auto 30 "$OUT/bench-auto.json" "$BIN/brigade" bench -m "$M" -ngl auto
 # split; then placed by the coordinator with no flag (it searches the split). GW_DEVICES,
 # GW_DEVICE and BOX_SPLIT let the part run on a CPU build (cpu, cpu, nothing) to check the script.
 if [ $SECONDS -lt 420 ]; then
-  C=$W/cluster-moe; rm -rf "$C"; mkdir -p "$C"
-  TOKEN=brg1-$(head -c 24 /dev/urandom | od -An -tx1 | tr -d ' \n')
-  P=$((20000 + RANDOM % 20000))
   GWD=${GW_DEVICE:-cuda0}
-  "$BIN/brigade" coordinator --listen 127.0.0.1:$P --data-dir "$C/coord" --join-token "$TOKEN" >"$C/coord.log" 2>&1 &
-  PIDS=$!
-  sleep 3
-  "$BIN/brigade" worker --coordinator 127.0.0.1:$P --listen 127.0.0.1:0 --name gw --devices "${GW_DEVICES:-cuda0,cpu}" \
-    --join-token "$TOKEN" --data-dir "$C/gw" --models-dir "$C/gw/models" --measure quick >"$C/gw.log" 2>&1 &
-  PIDS="$PIDS $!"
-  "$BIN/brigade" worker --coordinator 127.0.0.1:$P --listen 127.0.0.1:0 --name cpu --devices cpu --join-token "$TOKEN" \
-    --data-dir "$C/cpu" --models-dir "$C/cpu/models" --measure quick >"$C/cpu.log" 2>&1 &
-  PIDS="$PIDS $!"
-  CL=(--coordinator 127.0.0.1:$P --ca "$C/coord/ca.pem")
-  for _ in $(seq 60); do
-    [ "$("$BIN/brigade" status --json "${CL[@]}" 2>/dev/null | grep -c '"state": "up"')" -ge 2 ] && break
-    sleep 1
-  done
+  cluster_up "$W/cluster-moe"
+  cluster_worker gw "${GW_DEVICES:-cuda0,cpu}"
+  cluster_worker cpu cpu
+  cluster_wait 2
   G=(-p "Once upon a time" -n 48 --temp 0 --json)
   left() { echo $(( $1 < 580 - SECONDS ? $1 : 580 - SECONDS )); }
   step cluster-deploy-split $(left 90) "$OUT/cluster.txt" "$BIN/brigade" deploy "${CL[@]}" --name split -m "$M" \

@@ -50,27 +50,14 @@ fi
 # Results: cluster.jsonl (the JSON of each generation), cluster.txt, and
 # `cluster-*-ids: equal|DIFFER` lines in log.txt.
 if [ $SECONDS -lt 480 ]; then
-  C=$W/cluster; rm -rf "$C"; mkdir -p "$C"
-  TOKEN=brg1-$(head -c 24 /dev/urandom | od -An -tx1 | tr -d ' \n')
-  P=$((20000 + RANDOM % 20000))
-  "$BIN/brigade" coordinator --listen 127.0.0.1:$P --data-dir "$C/coord" --join-token "$TOKEN" >"$C/coord.log" 2>&1 &
-  PIDS=$!
-  sleep 3
+  cluster_up "$W/cluster"
   declare -A WPID
   for g in gpu gpu2; do
-    "$BIN/brigade" worker --coordinator 127.0.0.1:$P --listen 127.0.0.1:0 --name $g --devices cuda0 --join-token "$TOKEN" \
-      --gpu-memory 24GiB --data-dir "$C/$g" --models-dir "$C/$g/models" --measure quick >"$C/$g.log" 2>&1 &
+    cluster_worker $g cuda0 --gpu-memory 24GiB
     WPID[$g]=$!
-    PIDS="$PIDS $!"
   done
-  "$BIN/brigade" worker --coordinator 127.0.0.1:$P --listen 127.0.0.1:0 --name cpu --devices cpu --join-token "$TOKEN" \
-    --data-dir "$C/cpu" --models-dir "$C/cpu/models" --measure quick >"$C/cpu.log" 2>&1 &
-  PIDS="$PIDS $!"
-  CL=(--coordinator 127.0.0.1:$P --ca "$C/coord/ca.pem")
-  for _ in $(seq 60); do
-    [ "$("$BIN/brigade" status --json "${CL[@]}" 2>/dev/null | grep -c '"state": "up"')" -ge 3 ] && break
-    sleep 1
-  done
+  cluster_worker cpu cpu
+  cluster_wait 3
   step cluster-status 30 "$OUT/cluster.txt" "$BIN/brigade" status "${CL[@]}"
   step cluster-synth 120 "$OUT/log.txt" "$BIN/brigade" synth --preset llama-1b --vocab 32000 --type q4_k -o "$C/1b.gguf"
   step cluster-deploy-hand 180 "$OUT/cluster.txt" "$BIN/brigade" deploy "${CL[@]}" --name hand -m "$C/1b.gguf" --device-map gpu:cuda0:12,cpu:cpu:4
