@@ -843,12 +843,12 @@ fn split_layers_keep_the_tokens_and_show_in_plan_and_bench() {
         &["plan", "--shape", "llama-8b", "--quant", "q4_k", "--cluster", c.to_str().unwrap(), "--n-cpu-moe", "4"],
         "has no experts",
     );
-    // across nodes each node's RAM holds its own layers' experts (by the reservation heuristic)
+    // across nodes each node's RAM holds its own layers' experts (two boxes: the exact program)
     let two = clusters().join("two-gpu-boxes.toml");
     let args = ["plan", "--shape", "qwen3-235b-a22b", "--quant", "q4_k", "--cluster", two.to_str().unwrap()];
     let j = ok_json(&[&args[..], &["--cpu-moe", "--json"][..]].concat());
-    assert_eq!(j["exact"], false, "{j}");
-    assert_eq!(j["heuristic"], "split layers' RAM across nodes");
+    assert_eq!(j["exact"], true, "{j}");
+    assert!(j["heuristic"].is_null(), "{j}");
     for st in j["stages"].as_array().unwrap() {
         let (node, cpu) = (st["node"].as_str().unwrap(), st["device"] == "cpu");
         assert_eq!(st["host_layers"].is_null(), cpu, "{st}");

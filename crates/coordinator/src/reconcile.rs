@@ -150,12 +150,16 @@ impl Reconciler {
 
     fn rebalance(&self, state: &ClusterState, d: &Deployment, live: &impl Liveness) -> Option<Action> {
         let model = state.models.get(&d.model_id)?;
-        // a mixture's split searched or asked for on a large cluster is planned for the current
-        // driver only (a grid of heuristic splits per driver, every few seconds, would hold the
-        // leader); a move it finds is then placed in full by `replace`
+        // a mixture's split is planned as placed (every split searched again every few seconds
+        // would hold the leader: 0.5–6 s per driver on two GPU boxes, where the program across
+        // nodes is exact), and on a large cluster for the current driver only (a grid of
+        // heuristic splits per driver); a move it finds is then placed with every driver tried
         let mut req = request(d);
         let devices: usize = state.nodes.values().filter(|n| n.state == NodeState::Up).map(|n| n.devices.len()).sum();
         let split = model.profile.moe.is_some() && (d.cpu_moe_auto || d.cpu_moe > 0);
+        if split {
+            req.cpu_moe = brigade_planner::CpuMoe::Layers(d.cpu_moe);
+        }
         if split && devices > brigade_planner::search::EXACT_MAX {
             req.driver = Some(d.driver.clone());
         }
@@ -176,14 +180,22 @@ impl Reconciler {
                 (1.0 - p.predicted_decode_s / d.predicted_decode_s.max(1e-12)) * 100.0
             )));
         }
-        replace(state, d, "a faster placement appeared")
+        // placed as found: with the split placed (a search now could pick a slower one, for
+        // throughput or energy)
+        replace_by(state, d, &PlacementRequest { driver: None, ..req }, "a faster placement appeared")
     }
 }
 
-/// `d` placed again on the nodes that are up, or the note of why it cannot be (when it changed).
+/// `d` placed again on the nodes that are up, its split searched again if it was, or the note
+/// of why it cannot be (when it changed).
 fn replace(state: &ClusterState, d: &Deployment, why: &str) -> Option<Action> {
+    replace_by(state, d, &request(d), why)
+}
+
+/// [`replace`] by `req`.
+fn replace_by(state: &ClusterState, d: &Deployment, req: &PlacementRequest, why: &str) -> Option<Action> {
     let model = state.models.get(&d.model_id)?;
-    match placement::place(state, model, &request(d)) {
+    match placement::place(state, model, req) {
         Ok(p) => {
             let nodes: Vec<String> = p.stages.iter().map(|s| format!("{}:{}", s.node, s.layers)).collect();
             Some(Action::Apply {

@@ -1,12 +1,13 @@
-//! `cargo bench -p brigade-planner`: planning time on the 100-node cluster with 128 layers, and
-//! the heuristic's gap to the exact optimum on random clusters of 9–12 devices.
+//! `cargo bench -p brigade-planner`: planning time on the 100-node cluster with 128 layers, the
+//! heuristic's gap to the exact optimum on random clusters of 9–12 devices, and planning time
+//! for split layers across nodes (the exact program of `across.rs`) on two to four GPU boxes.
 #![allow(clippy::unwrap_used)]
 
 use brigade_core::{
-    bits_per_weight, DeviceKind, DeviceSpec, Inventory, Link, LinkSpec, LlamaShape, ModelProfile, NodeSpec,
+    bits_per_weight, DeviceKind, DeviceSpec, Inventory, Link, LinkSpec, LlamaShape, ModelProfile, MoeShape, NodeSpec,
 };
 use brigade_planner::cost::Problem;
-use brigade_planner::search::{objective_value, solve, solve_exhaustive};
+use brigade_planner::search::{objective_value, reserve_heuristic, solve, solve_exhaustive};
 use brigade_planner::{parse_cluster, plan, Objective, Policy};
 use std::time::Instant;
 
@@ -132,7 +133,72 @@ fn gap() {
     }
 }
 
+/// `boxes` copies of `examples/clusters/two-gpu-boxes.toml`'s box (an RTX 4090 and 96 GiB of
+/// RAM), every pair linked at 10 Gbit/s.
+fn gpu_boxes(boxes: usize) -> Inventory {
+    let text =
+        std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/../../examples/clusters/two-gpu-boxes.toml"))
+            .unwrap();
+    let two = parse_cluster(&text).unwrap();
+    let nodes: Vec<NodeSpec> =
+        (0..boxes).map(|i| NodeSpec { name: format!("box-{i}"), devices: two.nodes[0].devices.clone() }).collect();
+    let mut links = Vec::new();
+    for a in 0..boxes {
+        for b in a + 1..boxes {
+            links.push(LinkSpec { a: format!("box-{a}"), b: format!("box-{b}"), link: two.links[0].link });
+        }
+    }
+    Inventory { nodes, links }
+}
+
+fn across() {
+    let shape = MoeShape::preset("qwen3-235b-a22b").unwrap();
+    let m = ModelProfile::from_moe_shape("qwen3-235b-a22b q4_k", &shape, bits_per_weight("q4_k").unwrap(), 2);
+    for boxes in [2, 3, 4] {
+        let inv = gpu_boxes(boxes);
+        for obj in [Objective::Latency, Objective::Throughput, Objective::Energy] {
+            for cpu_moe in [brigade_planner::CpuMoe::Layers(40), brigade_planner::CpuMoe::Auto] {
+                let policy = Policy { objective: obj, sessions: 4, cpu_moe, ..Policy::default() };
+                let t0 = Instant::now();
+                let r = plan(&inv, &m, &policy);
+                let s = t0.elapsed().as_secs_f64();
+                let what = match &r {
+                    Ok(p) => format!(
+                        "--n-cpu-moe {}, {:.2} tokens/s, {}",
+                        p.cpu_moe,
+                        match obj {
+                            Objective::Throughput => p.throughput_tokens_per_s,
+                            _ => 1e3 / p.decode_ms_per_token,
+                        },
+                        if p.exact { "exact".to_string() } else { format!("heuristic {:?}", p.heuristic) }
+                    ),
+                    Err(e) => format!("{e}"),
+                };
+                // the reservation heuristic alone, on the same split
+                let heuristic = match (&r, cpu_moe) {
+                    (Ok(pl), brigade_planner::CpuMoe::Layers(n)) => {
+                        let p = Problem::with_cpu_moe(&inv, &m, &policy, policy.ctx, n).unwrap();
+                        let t0 = Instant::now();
+                        let h = reserve_heuristic(&p, &policy, obj);
+                        let hs = t0.elapsed().as_secs_f64();
+                        let v = h.map(|h| objective_value(obj, &h.metrics));
+                        let want = match obj {
+                            Objective::Throughput => -pl.throughput_tokens_per_s,
+                            Objective::Energy => pl.energy_j_per_token.unwrap_or(f64::NAN),
+                            _ => pl.decode_ms_per_token / 1e3,
+                        };
+                        format!("; the heuristic alone {hs:.2} s, objective {v:?} against the plan's {want:.6}")
+                    }
+                    _ => String::new(),
+                };
+                println!("split layers across {boxes} GPU boxes, {obj}, {cpu_moe:?}: {s:.2} s ({what}){heuristic}");
+            }
+        }
+    }
+}
+
 fn main() {
+    across();
     timing();
     gap();
 }

@@ -523,7 +523,7 @@ impl<'a> Problem<'a> {
     }
 
     /// [`Problem::fits`] without the search's room for split experts: the device's own budget.
-    fn fits_device(&self, d: usize, a: usize, b: usize) -> bool {
+    pub(crate) fn fits_device(&self, d: usize, a: usize, b: usize) -> bool {
         self.may_hold(d, a) && self.stage_mem_on(d, a, b).total() <= self.devs[d].budget
     }
 

@@ -283,7 +283,7 @@ const SPLIT_GRID: usize = 16;
 
 /// The numbers of split layers [`plan`] tries: the one asked for; with [`CpuMoe::Auto`] where a
 /// node has a CPU and another device, every one (beyond [`search::EXACT_MAX`] devices across
-/// nodes, where each is a heuristic's many programs — 95 splits of a 94-layer model on 100 nodes
+/// nodes, where each is the reservation heuristic's many programs — 95 splits of a 94-layer model on 100 nodes
 /// took 13 s — every ⌈(L+1)/[`SPLIT_GRID`]⌉-th, and all of them); else none.
 pub fn splits_searched(inv: &Inventory, profile: &ModelProfile, policy: &Policy) -> Vec<usize> {
     match policy.cpu_moe {
@@ -305,8 +305,9 @@ pub fn splits_searched(inv: &Inventory, profile: &ModelProfile, policy: &Policy)
 }
 
 /// Whether [`CpuMoe::Auto`] searches split layers: a mixture of experts on a cluster where
-/// some node has a CPU and another device (across nodes each split is planned by the
-/// reservation heuristic of [`search::solve`]).
+/// some node has a CPU and another device (across nodes each split is planned by
+/// [`search::solve`]: the exact program of [`crate::across`] where it is within reach, else the
+/// reservation heuristic).
 fn splits_possible(inv: &Inventory, profile: &ModelProfile) -> bool {
     let both = |n: &brigade_core::NodeSpec| {
         n.devices.iter().any(|d| d.kind == DeviceKind::Cpu) && n.devices.iter().any(|d| d.kind != DeviceKind::Cpu)

@@ -11,6 +11,7 @@
 //! - [`units`], [`cluster`]: cluster files in human units → [`Inventory`].
 //! - [`cost`]: the cost model ([`cost::Problem`]); the only place numbers come from.
 //! - [`dp`]: the exact dynamic programs over (devices used, last device, layers placed).
+//! - [`across`]: the exact program for split layers across nodes (labels per cell).
 //! - [`search`]: objectives on top of the programs; the heuristic for large clusters.
 //! - [`explain`]: the [`Plan`] with reasons and rejected alternatives; text rendering.
 //! - [`svg`]: a picture of a plan.
@@ -20,6 +21,7 @@
 #![warn(unreachable_pub)]
 #![warn(missing_docs)]
 
+pub mod across;
 pub mod cluster;
 pub mod cost;
 pub mod dp;
@@ -74,8 +76,9 @@ impl std::fmt::Display for Objective {
 
 /// Split layers of a mixture of experts: attention, norms, router and shared expert on the
 /// layer's device, the routed experts in the RAM of the layer's node, computed by its CPU
-/// (llama.cpp's `--cpu-moe` / `--n-cpu-moe N`). Exact on one node, by a heuristic across nodes
-/// ([`cost`]).
+/// (llama.cpp's `--cpu-moe` / `--n-cpu-moe N`). Exact on one node and, within
+/// [`across::MAX_WORK`], across nodes ([`across`]); a reservation heuristic beyond ([`cost`],
+/// [`search`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
 #[serde(rename_all = "kebab-case")]
 pub enum CpuMoe {

@@ -14,6 +14,7 @@
 //! The gap to the exact optimum is measured by `cargo bench -p brigade-planner` on random
 //! clusters of 9–12 devices.
 
+use crate::across;
 use crate::cost::{Metrics, Problem};
 use crate::dp::{self, Second, Stages};
 use crate::{Objective, PlanError, Policy};
@@ -201,7 +202,7 @@ pub fn solve_exhaustive(p: &Problem, policy: &Policy, obj: Objective) -> Option<
 }
 
 /// Solves `obj` on the problem: exactly when small, by the heuristic otherwise; split layers
-/// across nodes by [`solve_across`] (not exact).
+/// across nodes by [`solve_across`].
 pub fn solve(p: &Problem, policy: &Policy, obj: Objective) -> Option<Solution> {
     if p.across_nodes() {
         return solve_across(p, policy, obj);
@@ -209,10 +210,50 @@ pub fn solve(p: &Problem, policy: &Policy, obj: Objective) -> Option<Solution> {
     solve_fixed(p, policy, obj)
 }
 
-/// [`solve_across`]'s reservation per host (bytes, seconds per token) and room per device.
+/// Split layers across nodes: the exact program of [`across`] where it is within reach
+/// ([`across::within_reach`]), bounded by the reservation heuristic's plan
+/// ([`reserve_heuristic`]); that plan where the program gives up ([`across::TooLarge`]) and on
+/// larger problems.
+fn solve_across(p: &Problem, policy: &Policy, obj: Objective) -> Option<Solution> {
+    if !across::within_reach(p) {
+        return reserve_heuristic(p, policy, obj);
+    }
+    // energy: the fastest plan known bounds the slack's latency
+    let known = reserve_heuristic(p, policy, if obj == Objective::Energy { Objective::Latency } else { obj });
+    let exact = |obj: Objective| -> Result<Option<Solution>, across::TooLarge> {
+        let found = across::solve(p, policy, obj, known.as_ref().map(|s| &s.metrics))?;
+        Ok(found.and_then(|(stages, latency_bound_s)| {
+            let metrics = p.evaluate(&stages)?;
+            Some(Solution { stages, metrics, ctx: p.ctx, exact: true, latency_bound_s })
+        }))
+    };
+    match exact(obj) {
+        // (the program finds every plan the heuristic does: `known` only if it did not)
+        Ok(found) => found.or(known),
+        Err(across::TooLarge) if obj == Objective::Energy => {
+            // the slack applies to the best latency, whichever finds the plan: the exact one if
+            // the program finds it, the heuristic's energy plan within it, else the fastest
+            let own = known.as_ref().map(|k| k.metrics.decode_s);
+            let fastest = match exact(Objective::Latency) {
+                Ok(f) => f.or(known),
+                Err(across::TooLarge) => return reserve_heuristic(p, policy, obj),
+            }?;
+            let t = fastest.metrics.decode_s;
+            let own = own.unwrap_or(t);
+            let scaled = Policy { slack: policy.slack * t / own, ..policy.clone() };
+            let limit = t * policy.slack * (1.0 + 1e-12);
+            let within = reserve_heuristic(p, &scaled, obj).filter(|s| s.metrics.decode_s <= limit);
+            let sol = within.unwrap_or(Solution { exact: false, ..fastest });
+            Some(Solution { latency_bound_s: Some(t), ..sol })
+        }
+        Err(across::TooLarge) => known,
+    }
+}
+
+/// [`reserve_heuristic`]'s reservation per host (bytes, seconds per token) and room per device.
 type Guesses = (Vec<(u64, f64)>, Vec<u64>);
 
-/// Most rounds of [`solve_across`].
+/// Most rounds of [`reserve_heuristic`].
 const RESERVE_ROUNDS: usize = 24;
 
 /// Split layers across nodes. A node's CPU holds its own stage and the experts of its other
@@ -225,11 +266,11 @@ const RESERVE_ROUNDS: usize = 24;
 /// of the stages that left the most; a host's time reserves what they asked of it. Every plan
 /// that fits is a candidate and the best is kept, until a round changes nothing. Reported as
 /// not exact: a reservation larger than a plan needs can hide a better one.
-fn solve_across(p: &Problem, policy: &Policy, obj: Objective) -> Option<Solution> {
+pub fn reserve_heuristic(p: &Problem, policy: &Policy, obj: Objective) -> Option<Solution> {
     // energy: the slack applies to the best latency a plan that fits has, not to each round's
     // reservation (whose programs' optimum rises as reservations grow)
     let bound = match obj {
-        Objective::Energy => Some(solve_across(p, policy, Objective::Latency)?.metrics.decode_s),
+        Objective::Energy => Some(reserve_heuristic(p, policy, Objective::Latency)?.metrics.decode_s),
         _ => None,
     };
     let n = p.devs.len();

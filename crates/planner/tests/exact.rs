@@ -304,7 +304,7 @@ proptest! {
 
     #[test]
     fn planner_equals_brute_force(mut c in a_case()) {
-        // split layers across nodes are planned by a heuristic (tested below): whole layers here
+        // split layers across nodes are tested below (check_across): whole layers here
         if c.inv.nodes.len() > 1 {
             c.policy.cpu_moe = brigade_planner::CpuMoe::Layers(0);
         }
@@ -367,20 +367,16 @@ fn across_nodes(mut c: Case, expert_share: f64, n: usize) -> Case {
     c
 }
 
-/// What the heuristic did on a case of split layers across nodes.
+/// What the planner answered on a case of split layers across nodes (anything else fails).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-enum Across {
+enum Fits {
     /// Brute force's optimum.
     Optimal,
-    /// A plan that fits, worse than the optimum.
-    Worse,
     /// Nothing fits, and the planner says so.
-    NoneFits,
-    /// The planner found nothing where a placement fits.
-    Missed,
+    None,
 }
 
-fn check_across(c: &Case) -> Result<Across, TestCaseError> {
+fn check_across(c: &Case) -> Result<Fits, TestCaseError> {
     // every split the planner searches (the one asked for, or all of them)
     let splits = brigade_planner::explain::splits_searched(&c.inv, &c.profile, &c.policy);
     let mut all = Vec::new();
@@ -394,9 +390,10 @@ fn check_across(c: &Case) -> Result<Across, TestCaseError> {
     let result = plan(&c.inv, &c.profile, &c.policy);
     Ok(match (&result, want) {
         (Ok(plan), Some(want)) => {
-            if plan.stages.iter().any(|s| s.host_layers.is_some()) {
-                prop_assert!(!plan.exact && plan.heuristic.is_some());
-            }
+            // up to EXACT_MAX devices the program across nodes is exact (whole layers under a
+            // watts cap may thin their fronts: dp::MAX_FRONT)
+            prop_assert_eq!(plan.exact, plan.heuristic.is_none());
+            prop_assert!(plan.exact || (plan.cpu_moe == 0 && c.policy.max_watts.is_some()), "{}", plan.to_text());
             if c.policy.objective == Objective::Energy {
                 // within the slack of the planner's own best latency
                 let fastest = brigade_planner::plan(
@@ -409,13 +406,7 @@ fn check_across(c: &Case) -> Result<Across, TestCaseError> {
                 prop_assert!(plan.decode_ms_per_token <= limit, "{} ms, limit {limit}", plan.decode_ms_per_token);
             }
             let got = value_of(plan, c.policy.objective);
-            let floor = match c.policy.objective {
-                // the slack applies to the heuristic's own best latency: compare with the least
-                // energy of any placement that fits
-                Objective::Energy => all.iter().map(|m| m.energy_j.unwrap()).min_by(f64::total_cmp).unwrap(),
-                _ => want,
-            };
-            prop_assert!(got >= floor - 1e-9 * floor.abs().max(1e-12), "planner {got} beats brute force {floor}");
+            prop_assert!(got >= want - 1e-9 * want.abs().max(1e-12), "planner {got} beats brute force {want}");
             // every byte of the model held once: stages' own bytes and the experts they leave
             // (a tied head is a second copy on a second stage)
             let one_copy = c.profile.tied && plan.stages.len() == 1;
@@ -447,16 +438,15 @@ fn check_across(c: &Case) -> Result<Across, TestCaseError> {
                     prop_assert_eq!(s.host_layers.is_some(), s.device != "cpu" && s.layers.0 < plan.cpu_moe);
                 }
             }
-            if (got - want).abs() <= 1e-9 * want.abs().max(1e-12) {
-                Across::Optimal
-            } else {
-                Across::Worse
-            }
+            prop_assert!(
+                !plan.exact || (got - want).abs() <= 1e-9 * want.abs().max(1e-12),
+                "planner {got}, brute force {want}\n{}",
+                plan.to_text()
+            );
+            Fits::Optimal
         }
-        (Err(PlanError::Infeasible { .. }), None) => Across::NoneFits,
-        (Err(PlanError::BadValue { what, .. }), None) if what == "--max-watts" => Across::NoneFits,
-        (Err(PlanError::Infeasible { .. }), Some(_)) => Across::Missed,
-        (Err(PlanError::BadValue { what, .. }), Some(_)) if what == "--max-watts" => Across::Missed,
+        (Err(PlanError::Infeasible { .. }), None) => Fits::None,
+        (Err(PlanError::BadValue { what, .. }), None) if what == "--max-watts" => Fits::None,
         (r, w) => {
             prop_assert!(false, "planner {:?} vs brute force {:?}", r.as_ref().map(|p| p.to_text()), w);
             unreachable!()
@@ -467,11 +457,10 @@ fn check_across(c: &Case) -> Result<Across, TestCaseError> {
 proptest! {
     #![proptest_config(ProptestConfig { cases: 300, .. ProptestConfig::default() })]
 
-    /// Split layers across nodes, by the reservation heuristic: a plan fits every node's RAM by
-    /// the plan's own numbers, holds every byte once and is never better than brute force
-    /// (which would mean a broken account); energy stays within the slack.
+    /// Split layers across nodes: the planner's plan is brute force's optimum, fits every node's
+    /// RAM by the plan's own numbers and holds every byte once; energy stays within the slack.
     #[test]
-    fn split_layers_across_nodes_fit_and_never_beat_brute_force(
+    fn split_layers_across_nodes_equal_brute_force(
         c in a_case(),
         share in 0.3f64..0.95,
         n in 1usize..=7,
@@ -486,29 +475,30 @@ proptest! {
     /// The same with no split asked for: the planner searches every number of split layers,
     /// brute force tries them all.
     #[test]
-    fn searched_split_layers_across_nodes_never_beat_brute_force(c in a_case(), share in 0.3f64..0.95, n in 1usize..=7) {
+    fn searched_split_layers_across_nodes_equal_brute_force(c in a_case(), share in 0.3f64..0.95, n in 1usize..=7) {
         let mut c = across_nodes(c, share, n);
         c.policy.cpu_moe = brigade_planner::CpuMoe::Auto;
         check_across(&c)?;
     }
 }
 
-/// How good the heuristic is, on 400 cases drawn with a fixed seed: the optimum in most, a
-/// placement wherever one fits in nearly all (measured: 386 optimal, 7 worse, 6 where nothing
-/// fits, 1 missed).
+/// The same on 400 cases drawn with a fixed seed, most of them with a placement that fits (the
+/// reservation heuristic alone, before the exact program: 386 optimal, 7 worse, 1 missed, 6
+/// where nothing fits).
 #[test]
-fn split_layers_across_nodes_mostly_optimal() {
+fn split_layers_across_nodes_optimal_on_400_cases() {
     use proptest::strategy::{Strategy, ValueTree};
     let mut runner = proptest::test_runner::TestRunner::deterministic();
     let strategy = (a_case(), 0.3f64..0.95, 1usize..=7);
     let mut count = std::collections::HashMap::new();
     for _ in 0..400 {
         let (c, share, n) = strategy.new_tree(&mut runner).unwrap().current();
-        *count.entry(check_across(&across_nodes(c, share, n)).unwrap()).or_insert(0) += 1;
+        let c = across_nodes(c, share, n);
+        match check_across(&c) {
+            Ok(fits) => *count.entry(fits).or_insert(0) += 1,
+            Err(e) => panic!("{e}\n{c:?}"),
+        }
     }
-    let n = |k| count.get(&k).copied().unwrap_or(0);
     eprintln!("across nodes, 400 cases: {count:?}");
-    let fits = n(Across::Optimal) + n(Across::Worse) + n(Across::Missed);
-    assert!(n(Across::Optimal) * 100 >= fits * 90, "{count:?}");
-    assert!(n(Across::Missed) * 100 <= fits, "{count:?}");
+    assert!(count.get(&Fits::Optimal).copied().unwrap_or(0) >= 350, "{count:?}");
 }

@@ -315,14 +315,16 @@ fn scenario_a_mixture_keeps_its_experts_in_ram() {
 /// experts of the first 40 layers in RAM, each box's RAM holds the experts of the layers on its
 /// own GPU beside its CPU's own stage, and the pipeline decodes faster than whole layers. Every
 /// node's RAM is checked exactly: a GPU whose split layers leave more experts than its box holds
-/// does not fit, whatever the other box has free.
+/// does not fit, whatever the other box has free. A third box puts the exact program out of
+/// reach: the reservation heuristic plans, and the plan says so.
 #[test]
 fn scenario_split_layers_across_two_boxes() {
     let (p, _) = run(&cases().into_iter().find(|c| c.name == "moe-split-across-nodes").unwrap());
     let inv = cluster("two-gpu-boxes");
     let m = model("qwen3-235b-a22b", "q4_k");
     assert_eq!(p.cpu_moe, 40);
-    assert!(!p.exact && p.heuristic.as_deref() == Some("split layers' RAM across nodes"), "{}", p.to_text());
+    // two boxes: the exact program across nodes (brute force checks it in tests/exact.rs)
+    assert!(p.exact && p.heuristic.is_none(), "{}", p.to_text());
     let budget = (0.9 * (96u64 << 30) as f64).floor() as u64;
     let mut split = 0;
     for node in ["box-a", "box-b"] {
@@ -359,28 +361,41 @@ fn scenario_split_layers_across_two_boxes() {
     let busiest = uses.iter().map(|u| u.expert_s).fold(0.0, f64::max);
     assert_eq!(metrics.bottleneck_s, busiest.max(metrics.stage_s[0]).max(metrics.stage_s[1]).max(metrics.hop_s[0]));
     assert_eq!(uses.iter().find(|u| u.host == ca).unwrap().expert_s, pr.stage_host_time(ga, 47, 94));
+    assert!(brigade_planner::across::within_reach(&pr));
+    let three = three_boxes(0);
+    let policy = Policy { cpu_moe: CpuMoe::Layers(40), ..Policy::default() };
+    let p3 = brigade_planner::cost::Problem::with_cpu_moe(&three, &m, &policy, 4096, 40).unwrap();
+    assert!(p3.across_nodes() && !brigade_planner::across::within_reach(&p3));
+    let p = plan(&three, &m, &policy).unwrap();
+    assert!(!p.exact && p.heuristic.as_deref() == Some("split layers' RAM across nodes"), "{}", p.to_text());
+    assert!(p.decode_ms_per_token < 1e3 / 12.0, "three boxes beat two: {}", p.to_text());
+}
+
+/// `two-gpu-boxes` with a third box like box-b, each box with `more` GPUs more like its first.
+fn three_boxes(more: usize) -> Inventory {
+    let mut inv = cluster("two-gpu-boxes");
+    let mut c = inv.nodes[1].clone();
+    c.name = "box-c".into();
+    inv.nodes.push(c);
+    for n in &mut inv.nodes {
+        for i in 1..=more {
+            let mut gpu = n.devices[0].clone();
+            gpu.name = format!("cuda{i}");
+            n.devices.push(gpu);
+        }
+    }
+    let link = inv.links[0].link;
+    for a in ["box-a", "box-b"] {
+        inv.links.push(brigade_core::LinkSpec { a: a.into(), b: "box-c".into(), link });
+    }
+    inv
 }
 
 /// Beyond eight devices across nodes, `CpuMoe::Auto` tries every ⌈(L+1)/16⌉-th number of split
 /// layers (each costs the heuristic's programs); the plan says which it kept, one of those.
 #[test]
 fn a_large_cluster_searches_split_layers_on_a_grid() {
-    let mut inv = cluster("two-gpu-boxes");
-    let mut c = inv.nodes[1].clone();
-    c.name = "box-c".into();
-    let mut gpu = c.devices[0].clone();
-    gpu.name = "cuda1".into();
-    c.devices.push(gpu);
-    inv.nodes.push(c.clone());
-    for n in inv.nodes.iter_mut().take(2) {
-        let mut gpu = n.devices[0].clone();
-        gpu.name = "cuda1".into();
-        n.devices.push(gpu);
-    }
-    let link = inv.links[0].link;
-    for a in ["box-a", "box-b"] {
-        inv.links.push(brigade_core::LinkSpec { a: a.into(), b: "box-c".into(), link });
-    }
+    let mut inv = three_boxes(1);
     assert_eq!(inv.n_devices(), 9);
     let m = model("qwen3-30b-a3b", "q8_0");
     // 48 layers: every 4th of 0..=48
