@@ -37,7 +37,12 @@ pub const MAX_WORK: usize = 4_000_000;
 
 /// Whether [`solve`] takes on `p` ([`MAX_WORK`]).
 pub fn within_reach(p: &Problem) -> bool {
-    let (n, l1) = (p.devs.len(), p.n_layers + 1);
+    within_reach_of(p.devs.len(), p.n_layers)
+}
+
+/// Whether [`solve`] takes on a problem of `n` devices and `layers` layers ([`MAX_WORK`]).
+pub fn within_reach_of(n: usize, layers: usize) -> bool {
+    let l1 = layers.saturating_add(1);
     n <= crate::search::EXACT_MAX
         && (1usize << n).saturating_mul(n * n).saturating_mul(l1.saturating_mul(l1)) <= MAX_WORK
 }

@@ -198,8 +198,9 @@ fn infeasible(p: &Problem, what: &str) -> PlanError {
 
 /// Plans `profile` on `inv` under `policy`. With [`CpuMoe::Auto`] and a mixture of experts on a
 /// cluster where a node has a CPU and another device, every number of split layers is planned
-/// (on a large cluster across nodes, [`SPLIT_GRID`] of them) and the best for the objective kept
-/// (a larger context first for max-context; ties to fewer split layers).
+/// (across nodes beyond the exact program's reach, [`SPLIT_GRID`] of them, then those between
+/// the best one's neighbours, except for energy) and the best for the objective kept (a larger
+/// context first for max-context; ties to fewer split layers).
 pub fn plan(inv: &Inventory, profile: &ModelProfile, policy: &Policy) -> Result<Plan, PlanError> {
     policy.validate()?;
     let splits = splits_searched(inv, profile, policy);
@@ -220,15 +221,23 @@ pub fn plan(inv: &Inventory, profile: &ModelProfile, policy: &Policy) -> Result<
     let mut best: Option<(Problem, Policy, Solution)> = None;
     let mut first_err = None;
     let mut whole = None;
-    for (k, &n) in splits.iter().enumerate() {
-        match plan_at(inv, profile, policy, n, t_best.map(|tb| (tb, own[k]))) {
+    // on a grid of splits, then the splits between the best one's neighbours (not for energy,
+    // whose slack applies to the best latency over the splits searched, all known in advance)
+    let step = splits.get(1).map_or(1, |s| s - splits[0]);
+    // (popped from the end: the fewest split layers first)
+    let mut todo: Vec<(usize, Option<(f64, f64)>)> =
+        splits.iter().enumerate().rev().map(|(k, &n)| (n, t_best.map(|tb| (tb, own[k])))).collect();
+    let mut refined = step <= 1 || policy.objective == Objective::Energy;
+    while let Some((n, bound)) = todo.pop() {
+        match plan_at(inv, profile, policy, n, bound) {
             Ok((p, pol, sol)) => {
-                let better = best.as_ref().is_none_or(|(_, _, b)| {
+                let better = best.as_ref().is_none_or(|(bp, _, b)| {
                     let (v, w) = (
                         search::objective_value(policy.objective, &sol.metrics),
                         search::objective_value(policy.objective, &b.metrics),
                     );
-                    sol.ctx > b.ctx || (sol.ctx == b.ctx && v < w)
+                    // ties to fewer split layers
+                    sol.ctx > b.ctx || (sol.ctx == b.ctx && (v < w || (v == w && p.cpu_moe < bp.cpu_moe)))
                 });
                 if n == 0 && splits.len() > 1 {
                     whole = Some(Ok(sol.metrics.clone()));
@@ -242,6 +251,15 @@ pub fn plan(inv: &Inventory, profile: &ModelProfile, policy: &Policy) -> Result<
                     whole = Some(Err(()));
                 }
                 first_err.get_or_insert(e);
+            }
+        }
+        if todo.is_empty() && !refined {
+            refined = true;
+            if let Some((p, _, _)) = &best {
+                let c = p.cpu_moe;
+                let l = profile.n_layers();
+                let near = c.saturating_sub(step - 1)..=(c + step - 1).min(l);
+                todo.extend(near.rev().filter(|n| !splits.contains(n)).map(|n| (n, None)));
             }
         }
     }
@@ -277,20 +295,22 @@ pub fn plan(inv: &Inventory, profile: &ModelProfile, policy: &Policy) -> Result<
     Ok(plan)
 }
 
-/// Most numbers of split layers [`CpuMoe::Auto`] tries on a cluster beyond
-/// [`search::EXACT_MAX`] devices across nodes (every one elsewhere).
+/// Most numbers of split layers [`CpuMoe::Auto`] tries first across nodes beyond the exact
+/// program's reach (every one elsewhere).
 const SPLIT_GRID: usize = 16;
 
-/// The numbers of split layers [`plan`] tries: the one asked for; with [`CpuMoe::Auto`] where a
-/// node has a CPU and another device, every one (beyond [`search::EXACT_MAX`] devices across
-/// nodes, where each is the reservation heuristic's many programs — 95 splits of a 94-layer model on 100 nodes
-/// took 13 s — every ⌈(L+1)/[`SPLIT_GRID`]⌉-th, and all of them); else none.
+/// The numbers of split layers [`plan`] tries first: the one asked for; with [`CpuMoe::Auto`]
+/// where a node has a CPU and another device, every one — except across nodes beyond the exact
+/// program's reach ([`crate::across::within_reach_of`]), where each is the reservation
+/// heuristic's many programs (95 splits of a 94-layer model on 100 nodes took 13 s, on four GPU
+/// boxes 150 s for energy): every ⌈(L+1)/[`SPLIT_GRID`]⌉-th, and all of them, [`plan`] then
+/// trying those between the best one's neighbours; else none.
 pub fn splits_searched(inv: &Inventory, profile: &ModelProfile, policy: &Policy) -> Vec<usize> {
     match policy.cpu_moe {
         CpuMoe::Layers(n) => vec![n],
         CpuMoe::Auto if splits_possible(inv, profile) => {
             let l = profile.n_layers();
-            let step = match inv.nodes.len() > 1 && inv.n_devices() > search::EXACT_MAX {
+            let step = match inv.nodes.len() > 1 && !crate::across::within_reach_of(inv.n_devices(), l) {
                 true => (l + 1).div_ceil(SPLIT_GRID),
                 false => 1,
             };

@@ -228,6 +228,8 @@ fn solve_across(p: &Problem, policy: &Policy, obj: Objective) -> Option<Solution
         }))
     };
     match exact(obj) {
+        // energy: none within the slack (`known` is the fastest plan, perhaps outside it)
+        Ok(found) if obj == Objective::Energy => found,
         // (the program finds every plan the heuristic does: `known` only if it did not)
         Ok(found) => found.or(known),
         Err(across::TooLarge) if obj == Objective::Energy => {
@@ -243,7 +245,8 @@ fn solve_across(p: &Problem, policy: &Policy, obj: Objective) -> Option<Solution
             let scaled = Policy { slack: policy.slack * t / own, ..policy.clone() };
             let limit = t * policy.slack * (1.0 + 1e-12);
             let within = reserve_heuristic(p, &scaled, obj).filter(|s| s.metrics.decode_s <= limit);
-            let sol = within.unwrap_or(Solution { exact: false, ..fastest });
+            let fastest = Some(Solution { exact: false, ..fastest }).filter(|s| s.metrics.decode_s <= limit);
+            let sol = within.or(fastest)?;
             Some(Solution { latency_bound_s: Some(t), ..sol })
         }
         Err(across::TooLarge) => known,
