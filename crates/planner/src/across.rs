@@ -14,8 +14,8 @@
 //!
 //! A plan the caller already has (the reservation heuristic's) bounds the search: a partial
 //! chain already slower, or (throughput) with a stage slower than that plan's bottleneck allows,
-//! cannot beat it. The program gives up past [`MAX_LABELS`] labels ([`TooLarge`]); the caller
-//! then keeps the heuristic's plan.
+//! cannot beat it. The program gives up past its [`Budget`] ([`TooLarge`]); the caller then
+//! keeps the heuristic's plan.
 
 use crate::cost::{Metrics, Problem};
 use crate::dp::Stages;
@@ -47,7 +47,21 @@ pub fn within_reach_of(n: usize, layers: usize) -> bool {
         && (1usize << n).saturating_mul(n * n).saturating_mul(l1.saturating_mul(l1)) <= MAX_WORK
 }
 
-/// The program would need more than [`MAX_LABELS`] labels.
+/// How much the program may do before it gives up ([`TooLarge`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Budget {
+    /// Labels created.
+    pub labels: usize,
+    /// Comparisons of a candidate with a cell's labels.
+    pub compared: usize,
+}
+
+impl Budget {
+    /// [`MAX_LABELS`] and [`MAX_COMPARED`].
+    pub const DEFAULT: Budget = Budget { labels: MAX_LABELS, compared: MAX_COMPARED };
+}
+
+/// The program would need more than its [`Budget`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct TooLarge;
 
@@ -83,6 +97,7 @@ struct Label {
 }
 
 struct Labels {
+    budget: Budget,
     /// Labels compared with a candidate so far (the program's work).
     compared: usize,
     all: Vec<Label>,
@@ -93,7 +108,7 @@ struct Labels {
 
 impl Labels {
     fn push(&mut self, l: Label, bytes: &[u64], secs: &[f64]) -> Result<u32, TooLarge> {
-        if self.all.len() >= MAX_LABELS || self.compared > MAX_COMPARED {
+        if self.all.len() >= self.budget.labels || self.compared > self.budget.compared {
             return Err(TooLarge);
         }
         self.all.push(l);
@@ -148,12 +163,14 @@ struct Goal {
 /// The best chain for `obj` over every device of `p` (split layers across nodes: `p` is not a
 /// [`Problem::reserving`] one), with, for energy, the best latency the slack applied to; `None`
 /// when no chain fits. `known`: the metrics of a plan that fits, which bound the search (for
-/// energy the fastest plan known, whose latency bounds the slack's).
+/// energy the fastest plan known, whose latency bounds the slack's); `allowed`: how much it may
+/// do.
 pub fn solve(
     p: &Problem,
     policy: &Policy,
     obj: Objective,
     known: Option<&Metrics>,
+    allowed: Budget,
 ) -> Result<Option<(Stages, Option<f64>)>, TooLarge> {
     let n = p.devs.len();
     let l = p.n_layers;
@@ -207,7 +224,7 @@ pub fn solve(
     let l1 = l + 1;
     let idx = |mask: usize, i: usize, b: usize| (mask * n + i) * l1 + b;
     let mut cells: Vec<Vec<u32>> = vec![Vec::new(); (1usize << n) * n * l1];
-    let mut labels = Labels { compared: 0, all: Vec::new(), bytes: Vec::new(), secs: Vec::new(), hosts: nh };
+    let mut labels = Labels { budget: allowed, compared: 0, all: Vec::new(), bytes: Vec::new(), secs: Vec::new(), hosts: nh };
     let (mut nb, mut ns) = (vec![0u64; nh], vec![0f64; nh]);
 
     // what stage (d, a, b) adds: seconds, second quantity, its own time for `m` (not a host's),

@@ -215,13 +215,19 @@ pub fn solve(p: &Problem, policy: &Policy, obj: Objective) -> Option<Solution> {
 /// ([`reserve_heuristic`]); that plan where the program gives up ([`across::TooLarge`]) and on
 /// larger problems.
 fn solve_across(p: &Problem, policy: &Policy, obj: Objective) -> Option<Solution> {
+    solve_across_within(p, policy, obj, across::Budget::DEFAULT)
+}
+
+/// [`solve_across`] with the exact program held to `budget` (public for tests of what happens
+/// when it gives up).
+pub fn solve_across_within(p: &Problem, policy: &Policy, obj: Objective, budget: across::Budget) -> Option<Solution> {
     if !across::within_reach(p) {
         return reserve_heuristic(p, policy, obj);
     }
     // energy: the fastest plan known bounds the slack's latency
     let known = reserve_heuristic(p, policy, if obj == Objective::Energy { Objective::Latency } else { obj });
     let exact = |obj: Objective| -> Result<Option<Solution>, across::TooLarge> {
-        let found = across::solve(p, policy, obj, known.as_ref().map(|s| &s.metrics))?;
+        let found = across::solve(p, policy, obj, known.as_ref().map(|s| &s.metrics), budget)?;
         Ok(found.and_then(|(stages, latency_bound_s)| {
             let metrics = p.evaluate(&stages)?;
             Some(Solution { stages, metrics, ctx: p.ctx, exact: true, latency_bound_s })

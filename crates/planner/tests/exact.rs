@@ -482,6 +482,48 @@ proptest! {
     }
 }
 
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 60, .. ProptestConfig::default() })]
+
+    /// Where the exact program gives up (budgets from none to plenty) the plan still fits and is
+    /// never better than brute force, is its optimum where it says exact (always, with budget
+    /// to spare), and for energy stays within the slack of a latency no better than the best.
+    #[test]
+    fn split_layers_across_nodes_when_the_program_gives_up(c in a_case(), share in 0.3f64..0.95, n in 1usize..=7) {
+        let c = across_nodes(c, share, n);
+        let n = n.min(c.profile.n_layers());
+        let p = Problem::with_cpu_moe(&c.inv, &c.profile, &c.policy, c.policy.ctx, n).unwrap();
+        let obj = match c.policy.objective {
+            Objective::MaxContext => Objective::Latency,
+            o => o,
+        };
+        let all = all_metrics(&p);
+        let t_lat = all.iter().map(|m| m.decode_s).min_by(f64::total_cmp);
+        let want = t_lat.and_then(|t| best_among(&all, &c.policy, t));
+        let close = |a: f64, b: f64| (a - b).abs() <= 1e-9 * b.abs().max(1e-12);
+        for compared in [0, 10, 100, 1000, 10_000, usize::MAX] {
+            let budget = brigade_planner::across::Budget { labels: usize::MAX, compared };
+            let found = brigade_planner::search::solve_across_within(&p, &c.policy, obj, budget);
+            if compared == usize::MAX {
+                prop_assert_eq!(found.is_some(), want.is_some());
+            }
+            let Some(sol) = found else { continue };
+            prop_assert!(p.evaluate(&sol.stages).is_some());
+            prop_assert!(sol.exact || compared < usize::MAX);
+            let got = brigade_planner::search::objective_value(obj, &sol.metrics);
+            if obj == Objective::Energy {
+                let (t, bound) = (t_lat.unwrap(), sol.latency_bound_s.unwrap());
+                prop_assert!(bound >= t * (1.0 - 1e-9) && sol.metrics.decode_s <= bound * c.policy.slack * (1.0 + 1e-9));
+                let floor = best_among(&all, &c.policy, bound).unwrap();
+                prop_assert!(got >= floor - 1e-9 * floor.abs(), "{got} below {floor}");
+            } else {
+                prop_assert!(got >= want.unwrap() - 1e-9 * want.unwrap().abs(), "{got} beats {want:?}");
+            }
+            prop_assert!(!sol.exact || close(got, want.unwrap()), "{got} against {want:?} at {compared}");
+        }
+    }
+}
+
 /// The same on 400 cases drawn with a fixed seed, most of them with a placement that fits (the
 /// reservation heuristic alone, before the exact program: 386 optimal, 7 worse, 1 missed, 6
 /// where nothing fits).
