@@ -13,8 +13,9 @@
 //! the split layers); they are then folded away, which is what keeps the cells small.
 //!
 //! A plan the caller already has (the reservation heuristic's) bounds the search: a partial
-//! chain already slower, or (throughput) with a stage slower than that plan's bottleneck allows,
-//! cannot beat it. The program gives up past its [`Budget`] ([`TooLarge`]); the caller then
+//! chain that, with a lower bound on the seconds still to come (each layer left on the fastest
+//! unused device for it), is already slower, or (throughput) has a stage slower than that plan's
+//! bottleneck allows, cannot beat it. The program gives up past its [`Budget`] ([`TooLarge`]); the caller then
 //! keeps the heuristic's plan.
 
 use crate::cost::{Metrics, Problem};
@@ -224,7 +225,8 @@ pub fn solve(
     let l1 = l + 1;
     let idx = |mask: usize, i: usize, b: usize| (mask * n + i) * l1 + b;
     let mut cells: Vec<Vec<u32>> = vec![Vec::new(); (1usize << n) * n * l1];
-    let mut labels = Labels { budget: allowed, compared: 0, all: Vec::new(), bytes: Vec::new(), secs: Vec::new(), hosts: nh };
+    let mut labels =
+        Labels { budget: allowed, compared: 0, all: Vec::new(), bytes: Vec::new(), secs: Vec::new(), hosts: nh };
     let (mut nb, mut ns) = (vec![0u64; nh], vec![0f64; nh]);
 
     // what stage (d, a, b) adds: seconds, second quantity, its own time for `m` (not a host's),
