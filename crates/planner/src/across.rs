@@ -126,24 +126,30 @@ impl Labels {
         &self.secs[i as usize * self.hosts..(i as usize + 1) * self.hosts]
     }
 
-    /// Whether label `a` is no worse than the candidate in every number.
-    fn dominates(&self, a: u32, t: f64, x: f64, m: f64, bytes: &[u64], secs: &[f64]) -> bool {
-        let l = &self.all[a as usize];
-        l.t <= t
-            && l.x <= x
-            && l.m <= m
-            && self.bytes(a).iter().zip(bytes).all(|(a, b)| a <= b)
-            && self.secs(a).iter().zip(secs).all(|(a, b)| a <= b)
+    /// Label `i`'s numbers.
+    fn numbers(&self, i: u32) -> Numbers<'_> {
+        let l = &self.all[i as usize];
+        Numbers { t: l.t, x: l.x, m: l.m, bytes: self.bytes(i), secs: self.secs(i) }
     }
+}
 
-    /// Whether the candidate is no worse than label `b` in every number.
-    fn dominated_by(&self, b: u32, t: f64, x: f64, m: f64, bytes: &[u64], secs: &[f64]) -> bool {
-        let l = &self.all[b as usize];
-        t <= l.t
-            && x <= l.x
-            && m <= l.m
-            && bytes.iter().zip(self.bytes(b)).all(|(a, b)| a <= b)
-            && secs.iter().zip(self.secs(b)).all(|(a, b)| a <= b)
+/// What dominance compares: a label's numbers, or a candidate's.
+struct Numbers<'a> {
+    t: f64,
+    x: f64,
+    m: f64,
+    bytes: &'a [u64],
+    secs: &'a [f64],
+}
+
+impl Numbers<'_> {
+    /// Whether these are no worse than `o`'s in every number.
+    fn no_worse(&self, o: &Numbers) -> bool {
+        self.t <= o.t
+            && self.x <= o.x
+            && self.m <= o.m
+            && self.bytes.iter().zip(o.bytes).all(|(a, b)| a <= b)
+            && self.secs.iter().zip(o.secs).all(|(a, b)| a <= b)
     }
 }
 
@@ -286,10 +292,11 @@ pub fn solve(
     // one candidate into a cell: kept unless a label there dominates it; drops those it dominates
     fn offer(labels: &mut Labels, cell: &mut Vec<u32>, l: Label, bytes: &[u64], secs: &[f64]) -> Result<(), TooLarge> {
         labels.compared += cell.len();
-        if cell.iter().any(|&q| labels.dominates(q, l.t, l.x, l.m, bytes, secs)) {
+        let c = Numbers { t: l.t, x: l.x, m: l.m, bytes, secs };
+        if cell.iter().any(|&q| labels.numbers(q).no_worse(&c)) {
             return Ok(());
         }
-        cell.retain(|&q| !labels.dominated_by(q, l.t, l.x, l.m, bytes, secs));
+        cell.retain(|&q| !c.no_worse(&labels.numbers(q)));
         let i = labels.push(l, bytes, secs)?;
         cell.push(i);
         Ok(())
