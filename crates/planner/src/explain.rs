@@ -200,7 +200,9 @@ fn infeasible(p: &Problem, what: &str) -> PlanError {
 /// cluster where a node has a CPU and another device, every number of split layers is planned
 /// (across nodes beyond the exact program's reach, [`SPLIT_GRID`] of them, then those between
 /// the best one's neighbours, except for energy) and the best for the objective kept (a larger
-/// context first for max-context; ties to fewer split layers).
+/// context first for max-context; ties to fewer split layers). For latency and throughput each
+/// split after the first is asked only for a plan better than the best so far
+/// ([`search::solve_beating`]), so every split is tried grid first, then nearest the best.
 pub fn plan(inv: &Inventory, profile: &ModelProfile, policy: &Policy) -> Result<Plan, PlanError> {
     policy.validate()?;
     let splits = splits_searched(inv, profile, policy);
@@ -221,16 +223,34 @@ pub fn plan(inv: &Inventory, profile: &ModelProfile, policy: &Policy) -> Result<
     let mut best: Option<(Problem, Policy, Solution)> = None;
     let mut first_err = None;
     let mut whole = None;
-    // on a grid of splits, then the splits between the best one's neighbours (not for energy,
-    // whose slack applies to the best latency over the splits searched, all known in advance)
+    // latency and throughput: each split is asked only for a plan better than the best so far
+    // (the exact program across nodes then prunes by it), so the splits go grid first, every
+    // ⌈(L+1)/SPLIT_GRID⌉-th, then the rest nearest the best first: a good bar early
+    let bars = matches!(policy.objective, Objective::Latency | Objective::Throughput);
+    // the splits' step: 1, or beyond the exact program's reach the grid's, whose best one's
+    // neighbours are tried after it (not for energy, whose slack applies to the best latency
+    // over the splits searched, all known in advance)
     let step = splits.get(1).map_or(1, |s| s - splits[0]);
+    let stride = match bars && step == 1 {
+        true => splits.len().div_ceil(SPLIT_GRID).max(1),
+        false => 1,
+    };
     // (popped from the end: the fewest split layers first)
-    let mut todo: Vec<(usize, Option<(f64, f64)>)> =
-        splits.iter().enumerate().rev().map(|(k, &n)| (n, t_best.map(|tb| (tb, own[k])))).collect();
-    let mut refined = step <= 1 || policy.objective == Objective::Energy;
+    let mut todo: Vec<(usize, Option<(f64, f64)>)> = splits
+        .iter()
+        .enumerate()
+        .rev()
+        .filter(|(k, _)| k % stride == 0)
+        .map(|(k, &n)| (n, t_best.map(|tb| (tb, own[k]))))
+        .collect();
+    let mut later: Vec<usize> = splits.iter().enumerate().filter(|(k, _)| k % stride != 0).map(|(_, &n)| n).collect();
+    let mut refined = (step <= 1 && later.is_empty()) || policy.objective == Objective::Energy;
     while let Some((n, bound)) = todo.pop() {
-        match plan_at(inv, profile, policy, n, bound) {
-            Ok((p, pol, sol)) => {
+        let bar = best.as_ref().filter(|_| bars).map(|(_, _, b)| b.metrics.clone());
+        match plan_at(inv, profile, policy, n, bound, bar.as_ref()) {
+            // no plan better than the best so far
+            Ok(None) => {}
+            Ok(Some((p, pol, sol))) => {
                 let better = best.as_ref().is_none_or(|(bp, _, b)| {
                     let (v, w) = (
                         search::objective_value(policy.objective, &sol.metrics),
@@ -255,11 +275,18 @@ pub fn plan(inv: &Inventory, profile: &ModelProfile, policy: &Policy) -> Result<
         }
         if todo.is_empty() && !refined {
             refined = true;
-            if let Some((p, _, _)) = &best {
-                let c = p.cpu_moe;
-                let l = profile.n_layers();
-                let near = c.saturating_sub(step - 1)..=(c + step - 1).min(l);
-                todo.extend(near.rev().filter(|n| !splits.contains(n)).map(|n| (n, None)));
+            let c = best.as_ref().map(|(p, _, _)| p.cpu_moe);
+            if step > 1 {
+                // beyond reach: the splits between the best one's neighbours on the grid
+                if let Some(c) = c {
+                    let near = c.saturating_sub(step - 1)..=(c + step - 1).min(profile.n_layers());
+                    todo.extend(near.rev().filter(|n| !splits.contains(n)).map(|n| (n, None)));
+                }
+            } else {
+                // the rest, nearest the best first (popped from the end: sorted farthest first)
+                let c = c.unwrap_or(0);
+                later.sort_by_key(|&n| std::cmp::Reverse((n.abs_diff(c), n)));
+                todo.extend(later.drain(..).map(|n| (n, None)));
             }
         }
     }
@@ -344,7 +371,8 @@ fn plan_at<'a>(
     policy: &Policy,
     n: usize,
     bound: Option<(f64, f64)>,
-) -> Result<(Problem<'a>, Policy, Solution), PlanError> {
+    bar: Option<&Metrics>,
+) -> Result<Option<(Problem<'a>, Policy, Solution)>, PlanError> {
     let mut policy = Policy { cpu_moe: CpuMoe::Layers(n), ..policy.clone() };
     if policy.objective == Objective::MaxContext {
         let build = |ctx: u64| Problem::with_cpu_moe(inv, profile, &policy, ctx, n);
@@ -360,7 +388,11 @@ fn plan_at<'a>(
         // slack × this split's best latency = slack × the best over every split
         search_policy.slack = policy.slack * tb / own;
     }
-    let mut sol = search::solve(&p, &search_policy, policy.objective).ok_or_else(|| {
+    let found = search::solve_beating(&p, &search_policy, policy.objective, bar);
+    if found.is_none() && bar.is_some() {
+        return Ok(None);
+    }
+    let mut sol = found.ok_or_else(|| {
         if policy.max_watts.is_some()
             && search::solve(&p, &Policy { max_watts: None, ..policy.clone() }, Objective::Latency).is_some()
         {
@@ -376,7 +408,7 @@ fn plan_at<'a>(
     if let (Objective::Energy, Some((tb, _))) = (policy.objective, bound) {
         sol.latency_bound_s = Some(tb);
     }
-    Ok((p, policy, sol))
+    Ok(Some((p, policy, sol)))
 }
 
 /// Plans a second, smaller model first, kept whole on the one device where it decodes fastest,

@@ -210,6 +210,27 @@ pub fn solve(p: &Problem, policy: &Policy, obj: Objective) -> Option<Solution> {
     solve_fixed(p, policy, obj)
 }
 
+/// [`solve`] where only a plan better than `bar` (another problem's, for `obj`) matters: `None`
+/// where the exact program across nodes finds none better, without the reservation heuristic's
+/// plan it would otherwise be bounded by (latency and throughput, the objectives whose goal is
+/// one number). Elsewhere [`solve`]'s plan, better than `bar` or not. What
+/// [`crate::plan`]'s search over the numbers of split layers asks with the best plan so far.
+pub fn solve_beating(p: &Problem, policy: &Policy, obj: Objective, bar: Option<&Metrics>) -> Option<Solution> {
+    let one_number = matches!(obj, Objective::Latency | Objective::Throughput);
+    match bar {
+        Some(bar) if one_number && p.across_nodes() && across::within_reach(p) => {
+            match across::solve(p, policy, obj, Some(bar), across::Budget::DEFAULT) {
+                Ok(found) => found.and_then(|(stages, _)| {
+                    let metrics = p.evaluate(&stages)?;
+                    Some(Solution { stages, metrics, ctx: p.ctx, exact: true, latency_bound_s: None })
+                }),
+                Err(across::TooLarge) => solve(p, policy, obj),
+            }
+        }
+        _ => solve(p, policy, obj),
+    }
+}
+
 /// Split layers across nodes: the exact program of [`across`] where it is within reach
 /// ([`across::within_reach`]), bounded by the reservation heuristic's plan
 /// ([`reserve_heuristic`]); that plan where the program gives up ([`across::TooLarge`]) and on
