@@ -52,6 +52,10 @@ pub struct Moe {
 /// Generous bound of a layer's experts (the largest models have 256, one 384).
 pub const MAX_EXPERTS: usize = 4096;
 
+/// Generous bound of the experts a token uses (the models of 2026 use 1 to 10): a pass holds
+/// every row's inputs and outputs for each of them, so this sizes allocations.
+pub const MAX_EXPERTS_USED: usize = 64;
+
 impl Moe {
     /// Refuses what would size allocations absurdly or compute nothing, naming the field
     /// (GGUF's key, then `config.json`'s).
@@ -62,10 +66,12 @@ impl Moe {
                 self.experts
             ));
         }
-        if self.used == 0 || self.used > self.experts {
+        if self.used == 0 || self.used > self.experts.min(MAX_EXPERTS_USED) {
             return bad(format!(
                 "expert_used_count (num_experts_per_tok) {} with {} experts: each token uses 1 to {} of them",
-                self.used, self.experts, self.experts
+                self.used,
+                self.experts,
+                self.experts.min(MAX_EXPERTS_USED)
             ));
         }
         if self.ffn == 0 || self.ffn > MAX_FFN {
@@ -415,7 +421,7 @@ impl ModelConfig {
             let v = g.get(&full).ok_or_else(|| FormatError::MissingMetadata(full.clone()))?;
             v.as_u64()
                 .and_then(|v| usize::try_from(v).ok())
-                .ok_or_else(|| FormatError::BadMetadata { key: full, why: format!("{v:?} is not a count") })
+                .ok_or_else(|| FormatError::BadMetadata { key: full, why: format!("{} is not a count", v.brief()) })
         };
         let opt_u = |k: &str, default: usize| match g.get(&key(k)) {
             Some(_) => req_u(k),
@@ -509,25 +515,33 @@ impl ModelConfig {
                     None => family.norm_topk,
                     Some(v) => v.as_bool().ok_or_else(|| FormatError::BadMetadata {
                         key: norm_key,
-                        why: format!("{v:?} is not a bool"),
+                        why: format!("{} is not a bool", v.brief()),
                     })?,
                 };
                 if let Some(v) = g.get(&key("expert_gating_func")) {
                     // llama.cpp: 1 softmax, 2 sigmoid
                     if v.as_u64() != Some(1) {
                         return bad(format!(
-                            "{}: expert gating {v:?} is not supported (softmax, 1, is)",
-                            key("expert_gating_func")
+                            "{}: expert gating {} is not supported (softmax, 1, is)",
+                            key("expert_gating_func"),
+                            v.brief()
                         ));
                     }
                 }
+                let used = req_u("expert_used_count")?;
+                // where the file leaves them out, llama.cpp's widths: a Qwen MoE's experts
+                // share the feed-forward length among the experts a token uses, and
+                // Qwen2-MoE's shared expert has all of it (early Qwen1.5-MoE files)
+                let qwen = matches!(arch, Arch::Qwen2Moe | Arch::Qwen3Moe);
+                let expert_ffn = if qwen { ffn.checked_div(used).unwrap_or(0) } else { ffn };
                 Some(Moe {
                     experts,
-                    used: req_u("expert_used_count")?,
-                    ffn: opt_u("expert_feed_forward_length", ffn)?,
+                    used,
+                    ffn: opt_u("expert_feed_forward_length", expert_ffn)?,
                     norm_topk,
                     shared_ffn: match g.get(&key("expert_shared_feed_forward_length")) {
                         Some(_) => Some(req_u("expert_shared_feed_forward_length")?),
+                        None if arch == Arch::Qwen2Moe => Some(ffn),
                         None => None,
                     },
                 })
@@ -618,7 +632,7 @@ fn gguf_rope_scaling(g: &Gguf, type_key: &str, factor: Option<f64>) -> Result<Ro
         Some("none") => Ok(RopeScaling::None),
         Some("linear") => Ok(RopeScaling::Linear { factor: factor.filter(|&f| f != 0.0).unwrap_or(1.0) as f32 }),
         Some(other) => bad(format!("rope scaling `{other}` is not supported (none, linear are)")),
-        None => Err(FormatError::BadMetadata { key: type_key.to_string(), why: format!("{v:?} is not a string") }),
+        None => Err(FormatError::BadMetadata { key: type_key.to_string(), why: format!("{} is not a string", v.brief()) }),
     }
 }
 

@@ -90,6 +90,19 @@ pub enum Value {
 }
 
 impl Value {
+    /// The value for a message: an array by its length, a long string cut (a hostile file's
+    /// value may be megabytes).
+    pub fn brief(&self) -> String {
+        match self {
+            Value::Array(a) => format!("an array of {} values", a.len()),
+            Value::String(s) if s.len() > 64 => {
+                let cut = (0..=64).rev().find(|&i| s.is_char_boundary(i)).unwrap_or(0);
+                format!("{:?}… ({} bytes)", &s[..cut], s.len())
+            }
+            v => format!("{v:?}"),
+        }
+    }
+
     fn type_id(&self) -> u32 {
         match self {
             Value::U8(_) => 0,

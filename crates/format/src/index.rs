@@ -380,7 +380,7 @@ impl ModelIndex {
             for t in LayerTensor::ALL {
                 let name = t.name(i);
                 if !t.required(c) && self.tensors.contains_key(&name) {
-                    return Err(FormatError::BadTensor { name, why: t.unwanted_because().into() });
+                    return Err(FormatError::BadTensor { name, why: t.unwanted_because(c).into() });
                 }
                 if t.is_experts() && t.required(c) && !self.tensors.contains_key(&name) {
                     self.check_pieces(i, t)?;
@@ -470,9 +470,23 @@ impl ModelIndex {
             Some(t) => {
                 let want = shape()?;
                 if t.shape != want {
+                    // the experts' widths come from keys a file may leave out: say which
+                    let width = match self.config.moe {
+                        Some(m) if name.contains("_shexp") && !name.contains("gate_inp") => format!(
+                            " (the shared expert's width {}: expert_shared_feed_forward_length, \
+                             shared_expert_intermediate_size, or the feed-forward length where absent)",
+                            m.shared_ffn.unwrap_or(0)
+                        ),
+                        Some(m) if name.contains("_exps") => format!(
+                            " (each expert's width {}: expert_feed_forward_length, moe_intermediate_size, or \
+                             where absent the feed-forward length, divided by the experts used for Qwen MoE)",
+                            m.ffn
+                        ),
+                        _ => String::new(),
+                    };
                     return Err(FormatError::BadTensor {
                         name: name.to_string(),
-                        why: format!("shape {:?}, the configuration implies {want:?}", t.shape),
+                        why: format!("shape {:?}, the configuration implies {want:?}{width}", t.shape),
                     });
                 }
                 Ok(())

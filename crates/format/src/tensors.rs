@@ -256,9 +256,13 @@ impl LayerTensor {
         }
     }
 
-    /// Why a model may not store the tensor when its configuration does not ask for it.
-    pub fn unwanted_because(self) -> &'static str {
+    /// Why a model of configuration `c` may not store the tensor when `c` does not ask for it.
+    pub fn unwanted_because(self, c: &ModelConfig) -> &'static str {
         match self.spec().3 {
+            // (a mixture's layer has no dense gate whatever the family stores)
+            Need::SeparateGate if c.moe.is_some() => {
+                "present, but the layer's feed-forward block is a mixture of experts"
+            }
             Need::Always => "",
             Need::QkvBias => "present, but the configuration has no q/k/v biases",
             Need::QkNorm => "present, but the configuration's family has no q/k norms",
@@ -268,7 +272,10 @@ impl LayerTensor {
             Need::PostNorms => "present, but the family has no norms after attention and the feed-forward block",
             Need::Dense => "present, but the layer's feed-forward block is a mixture of experts",
             Need::Moe => "present, but the configuration has no experts (expert_count)",
-            Need::SharedExpert => "present, but the configuration has no shared expert",
+            Need::SharedExpert => {
+                "present, but the configuration has no shared expert (no expert_shared_feed_forward_length, \
+                 shared_expert_intermediate_size)"
+            }
         }
     }
 

@@ -231,6 +231,23 @@ fn malformed_expert_metadata_is_refused_with_the_field_named() {
         ),
         ("absurd expert count", Box::new(|md, _| set(md, "llama.expert_count", u32::MAX)), "expert_count"),
         (
+            // (each token's rows are held once per expert it uses: the bound sizes a pass)
+            "absurd top-k",
+            Box::new(|md, _| {
+                set(md, "llama.expert_count", 128);
+                set(md, "llama.expert_used_count", 65);
+            }),
+            "expert_used_count (num_experts_per_tok) 65 with 128 experts: each token uses 1 to 64",
+        ),
+        (
+            "a dense gate in a mixture's layer",
+            Box::new(|_, specs| {
+                let up = specs.iter().find(|t| t.name == "blk.0.ffn_gate_inp.weight").unwrap().clone();
+                specs.push(TensorSpec { name: "blk.0.ffn_gate.weight".into(), dims: vec![256, 128], ..up });
+            }),
+            "tensor `blk.0.ffn_gate.weight`: present, but the layer's feed-forward block is a mixture of experts",
+        ),
+        (
             "a stacked tensor of 7 experts",
             Box::new(|_, specs| {
                 let t = specs.iter_mut().find(|t| t.name == "blk.1.ffn_up_exps.weight").unwrap();
@@ -267,6 +284,37 @@ fn malformed_expert_metadata_is_refused_with_the_field_named() {
     }
     // and the good file opens
     assert!(ModelFiles::open(&good).is_ok());
+}
+
+/// A Qwen2-MoE GGUF without its experts' widths (early Qwen1.5-MoE files) takes llama.cpp's:
+/// each expert the feed-forward length over the experts a token uses, the shared expert all of
+/// it; where those do not match the tensors, the message says where the width came from.
+#[test]
+fn qwen_moe_widths_left_out_are_llama_cpps() {
+    let dir = tempfile::tempdir().unwrap();
+    let fixture = common::family_file("qwen2moe", "qwen2moe-tiny-F16.gguf");
+    let m = ModelFiles::open(&fixture).unwrap().config.moe.unwrap();
+    assert_eq!((m.ffn, m.used, m.shared_ffn), (128, 2, Some(256)));
+    let without = |ffn: u32| {
+        move |md: &mut Vec<(String, Value)>, _: &mut Vec<TensorSpec>| {
+            md.retain(|(k, _)| {
+                k != "qwen2moe.expert_feed_forward_length" && k != "qwen2moe.expert_shared_feed_forward_length"
+            });
+            set(md, "qwen2moe.feed_forward_length", ffn);
+        }
+    };
+    let path = rewritten(&fixture, &dir.path().join("early.gguf"), without(256));
+    let files = ModelFiles::open(&path).unwrap();
+    let m = files.config.moe.unwrap();
+    assert_eq!((m.ffn, m.shared_ffn), (128, Some(256)));
+    // the same numbers as the file that names its widths
+    let ids = prompt(12);
+    let map = format!("cpu:{}", files.config.n_layers);
+    let want = all_logits(&pipeline(&ModelFiles::open(&fixture).unwrap(), &map, 64), &ids);
+    assert_eq!(all_logits(&pipeline(&files, &map, 64), &ids), want);
+    let path = rewritten(&fixture, &dir.path().join("wrong.gguf"), without(300));
+    let e = ModelFiles::open(&path).err().unwrap().to_string();
+    assert!(e.contains("each expert's width 150: expert_feed_forward_length"), "{e}");
 }
 
 /// A [`RemoteExperts`] that counts the rows it is sent, in front of a shard.

@@ -64,7 +64,11 @@ struct HfConfig {
 const DEFAULT_THETA: f64 = 10_000.0;
 
 pub(super) fn from_json(text: &str) -> Result<ModelConfig, FormatError> {
-    let hf: HfConfig = serde_json::from_str(text).map_err(|e| FormatError::BadConfig(format!("config.json: {e}")))?;
+    // (serde_json's own errors give a line and column; the field's name is what a user fixes)
+    let de = &mut serde_json::Deserializer::from_str(text);
+    let hf: HfConfig = serde_path_to_error::deserialize(&mut *de)
+        .map_err(|e| FormatError::BadConfig(format!("config.json: {}: {}", e.path(), e.inner())))?;
+    de.end().map_err(|e| FormatError::BadConfig(format!("config.json: {e}")))?;
     let arch_name = hf.architectures.first().cloned().or(hf.model_type.clone()).unwrap_or_default();
     let family = super::family::by_hf(&arch_name).ok_or_else(|| FormatError::UnsupportedArch(arch_name.clone()))?;
     let arch = family.arch;
@@ -192,7 +196,12 @@ fn sliding_window(hf: &HfConfig, arch: Arch) -> Result<(Option<usize>, Option<Ve
 /// `decoder_sparse_step` above 1 or `mlp_only_layers`, are refused by name); fields of experts
 /// in a family without them are refused too, rather than ignored.
 fn moe(hf: &HfConfig, family: &super::Family) -> Result<Option<Moe>, FormatError> {
-    let experts = hf.num_local_experts.or(hf.num_experts);
+    let experts = match (hf.num_local_experts, hf.num_experts) {
+        (Some(a), Some(b)) if a != b => {
+            return bad(format!("num_local_experts {a} and num_experts {b}: two expert counts that differ"));
+        }
+        (a, b) => a.or(b),
+    };
     if !family.moe {
         if experts.is_some_and(|e| e > 0) {
             return bad(format!("num_experts {}: this family has no experts", experts.unwrap_or(0)));
@@ -662,6 +671,21 @@ mod tests {
         let clipped = j.replace("\"clip_qkv\": null", "\"clip_qkv\": 8.0");
         let e = parse(&clipped).unwrap_err().to_string();
         assert!(e.contains("clip_qkv 8.0"), "{e}");
+        // a value of the wrong type is refused naming its field, not a line and column
+        for (from, to, field) in [
+            ("\"num_experts_per_tok\": 8", "\"num_experts_per_tok\": -1", "num_experts_per_tok"),
+            ("\"norm_topk_prob\": false", "\"norm_topk_prob\": \"false\"", "norm_topk_prob"),
+            ("\"num_experts\": 64", "\"num_experts\": 64.5", "num_experts"),
+        ] {
+            let e = parse(&j.replace(from, to)).unwrap_err().to_string();
+            assert!(e.contains(&format!("config.json: {field}: ")), "{e}");
+        }
+        // two expert counts that differ: neither is taken
+        let both = j.replace("\"num_experts\": 64", "\"num_experts\": 64, \"num_local_experts\": 8");
+        let e = parse(&both).unwrap_err().to_string();
+        assert!(e.contains("num_local_experts 8 and num_experts 64"), "{e}");
+        // trailing text after the object is still refused
+        assert!(parse(&format!("{j} x")).is_err());
     }
 
     #[test]
