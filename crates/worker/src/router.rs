@@ -79,9 +79,9 @@ pub struct Router {
     /// The sessions this node drives: where their frames go, and the nodes that may send them.
     drivers: Mutex<HashMap<u64, DrivenSession>>,
     shards: RwLock<HashMap<StageKey, HostedShard>>,
-    /// Expert calls of this node's stages waiting for their answers, by call id.
-    calls: Mutex<HashMap<u64, std::sync::mpsc::SyncSender<Frame>>>,
-    next_call: std::sync::atomic::AtomicU64,
+    /// Expert calls of this node's stages waiting for their answers, by call id: the node
+    /// called (the only one whose answer is taken) and where the answer goes.
+    calls: Mutex<HashMap<u64, (String, std::sync::mpsc::SyncSender<Frame>)>>,
     /// `None` until the coordinator first said (nothing is hosted before then either).
     admitted: RwLock<Option<AdmittedCerts>>,
     /// Bumped when `admitted` changes: open links look again.
@@ -100,7 +100,6 @@ impl Router {
             drivers: Mutex::new(HashMap::new()),
             shards: RwLock::new(HashMap::new()),
             calls: Mutex::new(HashMap::new()),
-            next_call: std::sync::atomic::AtomicU64::new(1),
             admitted: RwLock::new(None),
             admitted_changed: tokio::sync::watch::Sender::new(0),
             rt: tokio::runtime::Handle::current(),
@@ -170,12 +169,16 @@ impl Router {
         }
     }
 
-    /// A new expert call: its id, and where its answer (EXPERTS_OUT or ERROR) will arrive.
-    pub fn new_call(&self) -> (u64, std::sync::mpsc::Receiver<Frame>) {
-        let id = CALL_BIT | self.next_call.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    /// A new expert call to `node`: its id (random, so that no other node can guess it), and
+    /// where its answer (EXPERTS_OUT or ERROR), taken from `node` only, will arrive.
+    pub fn new_call(&self, node: &str) -> (u64, std::sync::mpsc::Receiver<Frame>) {
         let (tx, rx) = std::sync::mpsc::sync_channel(1);
+        let mut id = CALL_BIT | rand::random::<u64>();
         if let Ok(mut m) = self.calls.lock() {
-            m.insert(id, tx);
+            while m.contains_key(&id) {
+                id = CALL_BIT | rand::random::<u64>();
+            }
+            m.insert(id, (node.to_string(), tx));
         }
         (id, rx)
     }
@@ -187,15 +190,25 @@ impl Router {
         }
     }
 
-    /// Hands an expert call's answer to the call waiting for it; gives other frames back.
-    fn answer_call(&self, frame: Frame) -> Option<Frame> {
+    /// Hands an expert call's answer from the node `from` to the call waiting for it (if it
+    /// went to `from`); gives other frames back.
+    fn answer_call(&self, frame: Frame, from: &str) -> Option<Frame> {
         let (id, kind) = (frame.header.session, frame.kind());
         if id & CALL_BIT == 0 || !matches!(kind, Some(FrameKind::ExpertsOut | FrameKind::Error)) {
             return Some(frame);
         }
-        match (self.calls.lock().ok().and_then(|mut m| m.remove(&id)), kind) {
-            (Some(tx), _) => {
+        let waiting = self.calls.lock().ok().and_then(|mut m| match m.get(&id) {
+            Some((node, _)) if node != from => Some(Err(node.clone())),
+            Some(_) => m.remove(&id).map(|(_, tx)| Ok(tx)),
+            None => None,
+        });
+        match (waiting, kind) {
+            (Some(Ok(tx)), _) => {
                 let _ = tx.try_send(frame);
+                None
+            }
+            (Some(Err(node)), _) => {
+                tracing::warn!(call = id, "an answer to an expert call to {node} came from {from}; dropped");
                 None
             }
             // a session's error (its random id has the top bit)
@@ -236,7 +249,10 @@ impl Router {
                 let ys = shard.compute(call.layer as usize, &call.calls, &call.rows, mm).map_err(|e| e.to_string())?;
                 Frame::experts_out(h.rows, hidden as u64, &ys).map_err(|e| e.to_string())
             });
-            let out = out.unwrap_or_else(|e| Frame::error(&e)).in_session(&h.deployment, h.generation, h.session);
+            let mut out = out.unwrap_or_else(|e| Frame::error(&e)).in_session(&h.deployment, h.generation, h.session);
+            // no stage's: an ERROR answer that comes after its call gave up is dropped, never
+            // taken for a session's
+            out.header.stage = u32::MAX;
             match reply {
                 Reply::Link(tx) => {
                     if tx.blocking_send(out).is_err() {
@@ -276,7 +292,7 @@ impl Router {
     /// Hands a frame that arrived from the node `from` (over a link, or this node) to whoever
     /// takes it here. A stage takes frames only from the node assigned to send them.
     pub fn deliver(&self, frame: Frame, from: &str) {
-        let Some(frame) = self.answer_call(frame) else { return };
+        let Some(frame) = self.answer_call(frame, from) else { return };
         let Some(item) = self.to_stage(frame.into(), from) else { return };
         let frame = item.frame;
         let h = &frame.header;
@@ -505,16 +521,30 @@ fn check(frame: &Frame) -> Result<(), WorkerError> {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
 
-    fn router(me: &str) -> (Arc<Router>, brigade_transport::ClusterCa) {
+    pub(crate) fn router(me: &str) -> (Arc<Router>, brigade_transport::ClusterCa) {
         let ca = brigade_transport::ClusterCa::generate("test").unwrap();
         let identity = ca.new_identity(me, brigade_transport::Role::Node).unwrap();
         let quic =
             brigade_transport::QuicEndpoint::bind("127.0.0.1:0".parse().unwrap(), &identity, ca.cert_pem()).unwrap();
         let tls = Creds { identity, ca_pem: ca.cert_pem().to_string() };
         (Router::new(me.to_string(), tls, quic), ca)
+    }
+
+    /// The experts `ids` of both layers of a random-weight Mixtral-shaped model (hidden 64, 4
+    /// experts, 2 per token) written in `dir`.
+    pub(crate) fn tiny_shard(dir: &std::path::Path, ids: std::ops::Range<u32>) -> Arc<brigade_model::ExpertShard> {
+        use brigade_model::synth::{write_gguf_with, Shape, SynthMoe, SynthMoeFamily, SynthType};
+        let path = dir.join("moe.gguf");
+        let shape =
+            Shape { layers: 2, hidden: 64, ffn: 32, heads: 2, kv_heads: 1, vocab: 300, context: 64, rope_theta: 1e4 };
+        let moe = SynthMoe { experts: 4, used: 2, family: SynthMoeFamily::Mixtral };
+        write_gguf_with(&path, &shape, Some(moe), SynthType::Q8_0, 1, |_, _| {}).unwrap();
+        let files = brigade_model::ModelFiles::open(&path).unwrap();
+        let layers = brigade_core::LayerRange::new(0, 2).unwrap();
+        Arc::new(brigade_model::ExpertShard::load(&files, layers, ids).unwrap())
     }
 
     fn frame(stage: u32, session: u64) -> Frame {
@@ -544,7 +574,11 @@ mod tests {
         let mut driven = r.register_driver(high, Arc::new(vec!["w1".into()]));
         r.deliver(Frame::error("a stage failed").in_session("d", 1, high), "w1");
         assert_eq!(driven.try_recv().unwrap().header.text, "a stage failed");
-        let (call, answer) = r.new_call();
+        let (call, answer) = r.new_call("w1");
+        assert!(call & CALL_BIT != 0);
+        // an answer from any node but the one called is dropped, and the call still waits
+        r.deliver(Frame::error("made up").in_session("d", 1, call), "w5");
+        assert!(answer.try_recv().is_err(), "an answer from a node not called");
         r.deliver(Frame::error("no such expert").in_session("d", 1, call), "w1");
         assert_eq!(answer.try_recv().unwrap().header.text, "no such expert");
     }
@@ -567,16 +601,8 @@ mod tests {
     /// drops calls from any other node.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn an_expert_stage_answers_its_deployment_and_refuses_what_it_cannot() {
-        use brigade_model::synth::{write_gguf_with, Shape, SynthMoe, SynthMoeFamily, SynthType};
         let dir = tempfile::tempdir().unwrap();
-        let path = dir.path().join("moe.gguf");
-        let shape =
-            Shape { layers: 2, hidden: 64, ffn: 32, heads: 2, kv_heads: 1, vocab: 300, context: 64, rope_theta: 1e4 };
-        let moe = SynthMoe { experts: 4, used: 2, family: SynthMoeFamily::Mixtral };
-        write_gguf_with(&path, &shape, Some(moe), SynthType::Q8_0, 1, |_, _| {}).unwrap();
-        let files = brigade_model::ModelFiles::open(&path).unwrap();
-        let layers = brigade_core::LayerRange::new(0, 2).unwrap();
-        let shard = Arc::new(brigade_model::ExpertShard::load(&files, layers, 1..3).unwrap());
+        let shard = tiny_shard(dir.path(), 1..3);
         let (r, _) = router("w2");
         r.add_shard("d", 3, 7, shard.clone(), vec!["w2".into()]);
         let row: Vec<f32> = (0..64).map(|i| i as f32 / 64.0).collect();
@@ -584,7 +610,7 @@ mod tests {
         let call = move |generation: u64, stage: u32, experts: &[(u32, usize)], edit: fn(&mut Frame)| {
             let (r, row) = (&r2, &row2);
             let mut f = Frame::experts(1, experts, row, 64, true).unwrap();
-            let (id, rx) = r.new_call();
+            let (id, rx) = r.new_call("w2");
             f = f.in_session("d", generation, id);
             f.header.stage = stage;
             edit(&mut f);
@@ -611,7 +637,7 @@ mod tests {
         .unwrap();
         // a node outside the deployment gets no answer at all
         let mut f = Frame::experts(1, &[(2, 1)], &row, 64, true).unwrap();
-        let (id, rx) = r.new_call();
+        let (id, rx) = r.new_call("w9");
         f = f.in_session("d", 7, id);
         f.header.stage = 3;
         r.serve_experts(f, "w9", Reply::Here);
