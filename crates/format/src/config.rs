@@ -632,7 +632,9 @@ fn gguf_rope_scaling(g: &Gguf, type_key: &str, factor: Option<f64>) -> Result<Ro
         Some("none") => Ok(RopeScaling::None),
         Some("linear") => Ok(RopeScaling::Linear { factor: factor.filter(|&f| f != 0.0).unwrap_or(1.0) as f32 }),
         Some(other) => bad(format!("rope scaling `{other}` is not supported (none, linear are)")),
-        None => Err(FormatError::BadMetadata { key: type_key.to_string(), why: format!("{} is not a string", v.brief()) }),
+        None => {
+            Err(FormatError::BadMetadata { key: type_key.to_string(), why: format!("{} is not a string", v.brief()) })
+        }
     }
 }
 

@@ -131,10 +131,13 @@ impl Drop for Sent {
     }
 }
 
+/// One EXPERTS frame to send: its host (index), (expert, rows) pairs and rows.
+type Part<'a> = (usize, Vec<(u32, usize)>, &'a [f32]);
+
 /// The groups' (expert, rows) pairs and rows cut into frames of at most `max_rows` rows and
 /// [`MAX_PAIRS`] pairs each (an expert's rows split across two frames where one would be too
 /// long), in order: (host, pairs, rows).
-fn frames_of(groups: &[Group], d: usize, max_rows: usize) -> Vec<(usize, Vec<(u32, usize)>, &[f32])> {
+fn frames_of(groups: &[Group], d: usize, max_rows: usize) -> Vec<Part<'_>> {
     let max_rows = max_rows.max(1);
     let mut out = Vec::new();
     for (h, (calls, xs)) in groups.iter().enumerate() {
@@ -304,7 +307,8 @@ mod tests {
         // pairs past MAX_PAIRS go in a frame of their own
         let many: Vec<(u32, usize)> = (0..MAX_PAIRS as u32 + 3).map(|e| (e, 1)).collect();
         let n = many.len();
-        let got = frames_of(&[(many, rows(n, 0.0))], d, 1 << 20);
+        let groups: Vec<Group> = vec![(many, rows(n, 0.0))];
+        let got = frames_of(&groups, d, 1 << 20);
         assert_eq!(got.iter().map(|f| f.1.len()).collect::<Vec<_>>(), vec![MAX_PAIRS, 3]);
         assert_eq!(got.iter().map(|f| f.2.len()).sum::<usize>(), n * d);
     }
