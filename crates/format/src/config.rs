@@ -534,6 +534,13 @@ impl ModelConfig {
                 // Qwen2-MoE's shared expert has all of it (early Qwen1.5-MoE files)
                 let qwen = matches!(arch, Arch::Qwen2Moe | Arch::Qwen3Moe);
                 let expert_ffn = if qwen { ffn.checked_div(used).unwrap_or(0) } else { ffn };
+                if expert_ffn == 0 && g.get(&key("expert_feed_forward_length")).is_none() {
+                    return bad(format!(
+                        "{} is missing, and feed_forward_length {ffn} over expert_used_count {used} gives experts \
+                         of width 0",
+                        key("expert_feed_forward_length")
+                    ));
+                }
                 Some(Moe {
                     experts,
                     used,

@@ -315,6 +315,9 @@ fn qwen_moe_widths_left_out_are_llama_cpps() {
     let path = rewritten(&fixture, &dir.path().join("wrong.gguf"), without(300));
     let e = ModelFiles::open(&path).err().unwrap().to_string();
     assert!(e.contains("each expert's width 150: expert_feed_forward_length"), "{e}");
+    let path = rewritten(&fixture, &dir.path().join("zero.gguf"), without(1));
+    let e = ModelFiles::open(&path).err().unwrap().to_string();
+    assert!(e.contains("feed_forward_length 1 over expert_used_count 2 gives experts of width 0"), "{e}");
 }
 
 /// A [`RemoteExperts`] that counts the rows it is sent, in front of a shard.

@@ -215,15 +215,19 @@ pub fn solve(p: &Problem, policy: &Policy, obj: Objective) -> Option<Solution> {
 /// plan it would otherwise be bounded by (latency and throughput, the objectives whose goal is
 /// one number). Elsewhere [`solve`]'s plan, better than `bar` or not. What
 /// [`crate::plan`]'s search over the numbers of split layers asks with the best plan so far.
+/// (A bar tighter than the heuristic's plan prunes more, so the program may finish, exact,
+/// where bounded by that plan it gave up and kept it: never a worse plan.)
 pub fn solve_beating(p: &Problem, policy: &Policy, obj: Objective, bar: Option<&Metrics>) -> Option<Solution> {
     let one_number = matches!(obj, Objective::Latency | Objective::Throughput);
     match bar {
         Some(bar) if one_number && p.across_nodes() && across::within_reach(p) => {
             match across::solve(p, policy, obj, Some(bar), across::Budget::DEFAULT) {
-                Ok(found) => found.and_then(|(stages, _)| {
-                    let metrics = p.evaluate(&stages)?;
-                    Some(Solution { stages, metrics, ctx: p.ctx, exact: true, latency_bound_s: None })
-                }),
+                Ok(None) => None,
+                Ok(Some((stages, _))) => match p.evaluate(&stages) {
+                    Some(metrics) => Some(Solution { stages, metrics, ctx: p.ctx, exact: true, latency_bound_s: None }),
+                    // (the program's chain not a plan that fits: what [`solve`] finds instead)
+                    None => solve(p, policy, obj),
+                },
                 Err(across::TooLarge) => solve(p, policy, obj),
             }
         }

@@ -123,6 +123,8 @@ struct Sent {
     id: u64,
     rx: std::sync::mpsc::Receiver<Frame>,
     rows: usize,
+    /// When it was sent.
+    at: std::time::Instant,
 }
 
 impl Drop for Sent {
@@ -162,10 +164,20 @@ fn frames_of(groups: &[Group], d: usize, max_rows: usize) -> Vec<Part<'_>> {
 }
 
 impl Hosts {
-    /// Marks host `h` as unanswering (or, `false`, answering again).
-    fn set_down(&self, h: usize, down: bool) {
+    /// Marks host `h` as unanswering.
+    fn set_down(&self, h: usize) {
         if let Ok(mut m) = self.down.lock() {
-            m[h] = down.then(std::time::Instant::now);
+            m[h] = Some(std::time::Instant::now());
+        }
+    }
+
+    /// Host `h` answered a call sent at `sent_at`: no longer down, unless it was marked so
+    /// after that call went (an older answer read late does not clear a newer mark).
+    fn set_up(&self, h: usize, sent_at: std::time::Instant) {
+        if let Ok(mut m) = self.down.lock() {
+            if m[h].is_some_and(|t| t <= sent_at) {
+                m[h] = None;
+            }
         }
     }
 
@@ -181,14 +193,14 @@ impl Hosts {
         let node = &host.peer.node;
         let left = deadline.saturating_duration_since(std::time::Instant::now());
         let frame = sent.rx.recv_timeout(left).map_err(|e| {
-            self.set_down(sent.host, true);
+            self.set_down(sent.host);
             let why = match e {
                 std::sync::mpsc::RecvTimeoutError::Timeout => format!("did not answer within {:?}", self.timeout),
                 std::sync::mpsc::RecvTimeoutError::Disconnected => "the call was dropped before its answer".into(),
             };
             ModelError::Remote(format!("{node} (expert stage {}) {why}", host.stage))
         })?;
-        self.set_down(sent.host, false);
+        self.set_up(sent.host, sent.at);
         if frame.kind() == Some(FrameKind::Error) {
             return Err(ModelError::Remote(format!("{node} (expert stage {}): {}", host.stage, frame.header.text)));
         }
@@ -263,9 +275,13 @@ impl RemoteExperts for LinkedExperts {
             let (id, rx) = self.router.new_call(&host.peer.node);
             frame = frame.in_session(&self.deployment, self.generation, id);
             frame.header.stage = host.stage;
-            sent.push(Sent { router: self.router.clone(), host: h, id, rx, rows: rows.len() / d });
+            let at = std::time::Instant::now();
+            sent.push(Sent { router: self.router.clone(), host: h, id, rx, rows: rows.len() / d, at });
             if let Err(e) = self.router.send_blocking(&host.peer, self.carrier, frame) {
-                self.hosts.set_down(h, true);
+                // (a frame this node cannot encode is no fault of the host's)
+                if matches!(e, WorkerError::Link(_)) {
+                    self.hosts.set_down(h);
+                }
                 return Err(ModelError::Remote(format!("{} (expert stage {}): {e}", host.peer.node, host.stage)));
             }
         }
