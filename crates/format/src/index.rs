@@ -374,7 +374,7 @@ impl ModelIndex {
             (OUTPUT, &[Dim::Vocab, Dim::Hidden], head_required),
         ];
         for (name, dims, required) in globals {
-            self.check_one(name, required, || shape_of(dims, c))?;
+            self.check_one(name, None, required, || shape_of(dims, c))?;
         }
         for i in 0..c.n_layers {
             for t in LayerTensor::ALL {
@@ -386,7 +386,7 @@ impl ModelIndex {
                     self.check_pieces(i, t)?;
                     continue;
                 }
-                self.check_one(&name, t.required(c), || t.shape(c))?;
+                self.check_one(&name, Some(t), t.required(c), || t.shape(c))?;
             }
         }
         // an expert's piece of a layer the model does not have, or past its experts, would
@@ -420,7 +420,7 @@ impl ModelIndex {
             let Some(st) = self.tensors.get(&name) else {
                 return Err(FormatError::MissingTensor(if e == 0 { t.name(layer) } else { name }));
             };
-            self.check_one(&name, true, || t.piece_shape(c))?;
+            self.check_one(&name, Some(t), true, || t.piece_shape(c))?;
             if *ty.get_or_insert(st.ty) != st.ty {
                 return Err(FormatError::BadTensor {
                     name,
@@ -458,9 +458,31 @@ impl ModelIndex {
         Ok((st.ty, st.shape[1..].to_vec(), &bytes[e * each..(e + 1) * each]))
     }
 
+    /// Where an expert tensor's width came from, for a message about its shape: keys a file may
+    /// leave out (empty for other tensors).
+    fn width_source(&self, t: LayerTensor) -> String {
+        use LayerTensor as T;
+        match (self.config.moe, t) {
+            (Some(m), T::FfnGateShexp | T::FfnUpShexp | T::FfnDownShexp) => format!(
+                " (the shared expert's width {}: expert_shared_feed_forward_length, \
+                 shared_expert_intermediate_size, or the feed-forward length where absent)",
+                m.shared_ffn.unwrap_or(0)
+            ),
+            (Some(m), T::FfnGateExps | T::FfnUpExps | T::FfnDownExps) => format!(
+                " (each expert's width {}: expert_feed_forward_length, moe_intermediate_size, or \
+                 where absent the feed-forward length, divided by the experts used for Qwen MoE)",
+                m.ffn
+            ),
+            _ => String::new(),
+        }
+    }
+
+    /// `name` (of the layer tensor `layer`, or a global one) present where `required`, and of
+    /// `shape`.
     fn check_one(
         &self,
         name: &str,
+        layer: Option<LayerTensor>,
         required: bool,
         shape: impl FnOnce() -> Result<Vec<usize>, FormatError>,
     ) -> Result<(), FormatError> {
@@ -470,20 +492,7 @@ impl ModelIndex {
             Some(t) => {
                 let want = shape()?;
                 if t.shape != want {
-                    // the experts' widths come from keys a file may leave out: say which
-                    let width = match self.config.moe {
-                        Some(m) if name.contains("_shexp") && !name.contains("gate_inp") => format!(
-                            " (the shared expert's width {}: expert_shared_feed_forward_length, \
-                             shared_expert_intermediate_size, or the feed-forward length where absent)",
-                            m.shared_ffn.unwrap_or(0)
-                        ),
-                        Some(m) if name.contains("_exps") => format!(
-                            " (each expert's width {}: expert_feed_forward_length, moe_intermediate_size, or \
-                             where absent the feed-forward length, divided by the experts used for Qwen MoE)",
-                            m.ffn
-                        ),
-                        _ => String::new(),
-                    };
+                    let width = layer.map_or(String::new(), |lt| self.width_source(lt));
                     return Err(FormatError::BadTensor {
                         name: name.to_string(),
                         why: format!("shape {:?}, the configuration implies {want:?}{width}", t.shape),

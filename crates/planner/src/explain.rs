@@ -246,8 +246,8 @@ pub fn plan(inv: &Inventory, profile: &ModelProfile, policy: &Policy) -> Result<
     let mut later: Vec<usize> = splits.iter().enumerate().filter(|(k, _)| k % stride != 0).map(|(_, &n)| n).collect();
     let mut refined = (step <= 1 && later.is_empty()) || policy.objective == Objective::Energy;
     while let Some((n, bound)) = todo.pop() {
-        let bar = best.as_ref().filter(|_| bars).map(|(_, _, b)| b.metrics.clone());
-        match plan_at(inv, profile, policy, n, bound, bar.as_ref()) {
+        let bar = best.as_ref().filter(|_| bars).map(|(_, _, b)| &b.metrics);
+        match plan_at(inv, profile, policy, n, bound, bar) {
             // no plan better than the best so far
             Ok(None) => {}
             Ok(Some((p, pol, sol))) => {

@@ -210,6 +210,12 @@ pub fn solve(p: &Problem, policy: &Policy, obj: Objective) -> Option<Solution> {
     solve_fixed(p, policy, obj)
 }
 
+/// The exact program's chain `stages` as a solution, `None` if it is not a plan that fits.
+fn exact_solution(p: &Problem, stages: Stages, latency_bound_s: Option<f64>) -> Option<Solution> {
+    let metrics = p.evaluate(&stages)?;
+    Some(Solution { stages, metrics, ctx: p.ctx, exact: true, latency_bound_s })
+}
+
 /// [`solve`] where only a plan better than `bar` (another problem's, for `obj`) matters: `None`
 /// where the exact program across nodes finds none better, without the reservation heuristic's
 /// plan it would otherwise be bounded by (latency and throughput, the objectives whose goal is
@@ -223,11 +229,8 @@ pub fn solve_beating(p: &Problem, policy: &Policy, obj: Objective, bar: Option<&
         Some(bar) if one_number && p.across_nodes() && across::within_reach(p) => {
             match across::solve(p, policy, obj, Some(bar), across::Budget::DEFAULT) {
                 Ok(None) => None,
-                Ok(Some((stages, _))) => match p.evaluate(&stages) {
-                    Some(metrics) => Some(Solution { stages, metrics, ctx: p.ctx, exact: true, latency_bound_s: None }),
-                    // (the program's chain not a plan that fits: what [`solve`] finds instead)
-                    None => solve(p, policy, obj),
-                },
+                // (the program's chain not a plan that fits: what [`solve`] finds instead)
+                Ok(Some((stages, _))) => exact_solution(p, stages, None).or_else(|| solve(p, policy, obj)),
                 Err(across::TooLarge) => solve(p, policy, obj),
             }
         }
@@ -253,10 +256,7 @@ pub fn solve_across_within(p: &Problem, policy: &Policy, obj: Objective, budget:
     let known = reserve_heuristic(p, policy, if obj == Objective::Energy { Objective::Latency } else { obj });
     let exact = |obj: Objective| -> Result<Option<Solution>, across::TooLarge> {
         let found = across::solve(p, policy, obj, known.as_ref().map(|s| &s.metrics), budget)?;
-        Ok(found.and_then(|(stages, latency_bound_s)| {
-            let metrics = p.evaluate(&stages)?;
-            Some(Solution { stages, metrics, ctx: p.ctx, exact: true, latency_bound_s })
-        }))
+        Ok(found.and_then(|(stages, latency_bound_s)| exact_solution(p, stages, latency_bound_s)))
     };
     match exact(obj) {
         // energy: none within the slack (`known` is the fastest plan, perhaps outside it)

@@ -34,7 +34,7 @@ type Group = (Vec<(u32, usize)>, Vec<f32>);
 struct Hosts {
     list: Vec<Host>,
     /// Per host, when a call to it last went unanswered (timed out, or its link closed): calls
-    /// to it fail at once for [`CALL_TIMEOUT`] after, instead of each waiting that long (a
+    /// to it fail at once for `timeout` after, instead of each waiting that long (a
     /// batch's sessions one after another) while the driver resumes them and the coordinator
     /// re-places.
     down: std::sync::Mutex<Vec<Option<std::time::Instant>>>,
